@@ -1,0 +1,59 @@
+# Loadmaster: `make run` starts the whole suite with the example models; `make test` runs the tests.
+# Both create .venv and install every distribution (editable) on first use.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONFIG ?= examples/loadmaster.yaml
+
+DISTS := libs/proto libs/common libs/client libs/cli \
+         services/gpu-broker services/metrics services/scheduler services/gateway \
+         services/model-pool[torch,onnx]
+PYPROJECTS := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
+STAMP := $(VENV)/.installed
+MODELS_STAMP := examples/models/.generated
+
+.PHONY: run test test-all test-fast install models protos check-protos bench lint clean
+
+run: install models
+	$(VENV)/bin/loadmaster up --config $(CONFIG)
+
+test: install models
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: install models
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip wheel
+
+# torch comes first and pinned, so pip takes the CPU build and never a CUDA download.
+$(STAMP): $(PY) $(PYPROJECTS) requirements-dev.txt
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet $(foreach d,$(DISTS),-e $(d)) -r requirements-dev.txt
+	touch $(STAMP)
+
+models: install $(MODELS_STAMP)
+
+$(MODELS_STAMP): examples/make_models.py
+	$(PY) examples/make_models.py
+	touch $(MODELS_STAMP)
+
+protos: install
+	$(PY) libs/proto/generate.py
+
+check-protos: install
+	$(PY) libs/proto/generate.py --check
+
+bench: install models
+	$(PY) bench/run_all.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) $(MODELS_STAMP)

@@ -1,0 +1,1 @@
+"""The `loadmaster` command line: up, status and admin commands."""

@@ -1,0 +1,1 @@
+"""Loadmaster Python client SDK."""

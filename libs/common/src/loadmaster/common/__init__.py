@@ -1,0 +1,1 @@
+"""Loadmaster shared library: config, errors, tensors, framing, gRPC helpers, telemetry."""

@@ -1,0 +1,240 @@
+"""The one typed configuration object.
+
+`load_settings(path)` reads `loadmaster.yaml` and applies environment overrides:
+`LOADMASTER_<SECTION>__<FIELD>` (e.g. `LOADMASTER_SCHEDULER__REQUEST_TTL_MS=200`),
+and `REDIS_URL`. Services build it once in `main` and pass it down; nothing else
+reads `os.environ`. Units are in the names (`_ms`, `_s`, `_mb`, `_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+__all__ = [
+    "Settings",
+    "load_settings",
+    "ServiceEndpoint",
+    "GatewaySettings",
+    "EdgeSettings",
+    "LimitsSettings",
+    "SchedulerSettings",
+    "ModelPoolSettings",
+    "GpuBrokerSettings",
+    "GpuSpec",
+    "MetricsSettings",
+    "ModelSettings",
+    "ModelsSettings",
+    "ClientSettings",
+    "ClientsSettings",
+    "ResponseTrackingSettings",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServiceEndpoint(_Section):
+    """Where a gRPC service is reached (`address`) and what it binds (`listen`, default: address)."""
+
+    address: str
+    listen: str | None = None
+
+    @property
+    def listen_address(self) -> str:
+        return self.listen or self.address
+
+
+class EdgeSettings(_Section):
+    bind: str = "tcp://127.0.0.1:5555"
+    recv_hwm: int = Field(default=10_000, ge=1)
+    send_hwm: int = Field(default=10_000, ge=1)
+
+
+class LimitsSettings(_Section):
+    """What one request may carry; anything larger is answered `invalid_argument`."""
+
+    max_envelope_bytes: int = Field(default=1 << 20, ge=1)
+    max_payload_bytes: int = Field(default=64 << 20, ge=1)
+    max_tensors: int = Field(default=64, ge=1)
+    max_dims: int = Field(default=8, ge=1)
+    max_metadata_bytes: int = Field(default=16 << 10, ge=0)
+
+
+class GatewaySettings(ServiceEndpoint):
+    address: str = "127.0.0.1:8001"
+    gateway_id: str = ""  # default: <hostname>-<pid>
+    edge: EdgeSettings = EdgeSettings()
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    limits: LimitsSettings = LimitsSettings()
+    # Gateway -> scheduler: Enqueue/Complete are batched on the stream while it is busy.
+    max_stream_batch: int = Field(default=256, ge=1)
+
+
+class SchedulerSettings(ServiceEndpoint):
+    address: str = "127.0.0.1:50051"
+    max_queue_size: int = Field(default=1000, ge=1)
+    request_ttl_ms: float = Field(default=5000.0, gt=0)
+    overflow_policy: Literal["drop_oldest", "reject_newest"] = "drop_oldest"
+    max_retries: int = Field(default=1, ge=0)
+
+
+class ModelPoolSettings(ServiceEndpoint):
+    address: str = "127.0.0.1:50052"
+    data_bind: str = "tcp://127.0.0.1:5556"
+    # How other processes reach the data port (the bind address may be 0.0.0.0 or a wildcard port).
+    data_endpoint: str | None = None
+    worker_id: str = ""  # default: <hostname>-<pid>
+    node: str = "local"
+    device: str = "cpu"
+    preload: list[str] = Field(default_factory=list)
+    lease_ttl_s: float = Field(default=15.0, gt=0)
+    inference_threads: int = Field(default=4, ge=1)
+
+
+class GpuSpec(_Section):
+    index: int = Field(ge=0)
+    total_mb: int = Field(gt=0)
+    name: str = "declared"
+    uuid: str = ""
+
+
+class GpuBrokerSettings(ServiceEndpoint):
+    address: str = "127.0.0.1:50053"
+    lease_ttl_s: float = Field(default=30.0, gt=0)
+    reserve_mb: int = Field(default=512, ge=0)
+    key_prefix: str = "loadmaster:gpu"
+    # Inventory used when NVML finds no NVIDIA GPU, per node.
+    declared: dict[str, list[GpuSpec]] = Field(
+        default_factory=lambda: {"local": [GpuSpec(index=0, total_mb=16_384)]}
+    )
+    use_nvml: bool = True
+
+
+class MetricsSettings(ServiceEndpoint):
+    address: str = "127.0.0.1:50054"
+    http_host: str = "127.0.0.1"
+    http_port: int = 8002
+    ring_size: int = Field(default=10_000, ge=100)
+    report_interval_ms: float = Field(default=250.0, gt=0)
+    enabled: bool = True
+
+
+class ModelSettings(_Section):
+    """Deployment settings of one model (its definition lives in the model repository)."""
+
+    max_inflight: int = Field(default=2, ge=1)
+    vram_mb: int | None = Field(default=None, ge=0)
+    pin: bool = False
+    priority: int = Field(default=1, ge=0)
+    keep_alive_s: float | None = Field(default=None, gt=0)
+
+
+class ModelsSettings(_Section):
+    repository: Path = Path("models")
+    defaults: ModelSettings = ModelSettings()
+    known: dict[str, ModelSettings] = Field(default_factory=dict)
+
+    def for_model(self, model_id: str) -> ModelSettings:
+        entry = self.known.get(model_id)
+        if entry is None:
+            return self.defaults
+        return self.defaults.model_copy(update=entry.model_dump(exclude_unset=True))
+
+
+class ClientSettings(_Section):
+    latency_budget_ms: float = Field(default=50.0, gt=0)
+
+
+class ClientsSettings(_Section):
+    defaults: ClientSettings = ClientSettings()
+    known: dict[str, ClientSettings] = Field(default_factory=dict)
+
+    def for_client(self, client_id: str) -> ClientSettings:
+        return self.known.get(client_id, self.defaults)
+
+
+class ResponseTrackingSettings(_Section):
+    cadence_alpha: float = Field(default=0.3, gt=0, lt=1)
+    disconnect_timeout_s: float = Field(default=10.0, gt=0)
+
+
+_yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_yaml_data", default={})
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """The YAML file's content, below environment variables in precedence."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return _yaml_data.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_yaml_data.get())
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="LOADMASTER_", env_nested_delimiter="__", extra="forbid", frozen=False
+    )
+
+    log_level: str = "INFO"
+    redis_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("REDIS_URL", "LOADMASTER_REDIS_URL", "redis_url")
+    )
+    gateway: GatewaySettings = GatewaySettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    model_pool: ModelPoolSettings = ModelPoolSettings()
+    gpu_broker: GpuBrokerSettings = GpuBrokerSettings()
+    metrics: MetricsSettings = MetricsSettings()
+    models: ModelsSettings = ModelsSettings()
+    clients: ClientsSettings = ClientsSettings()
+    response_tracking: ResponseTrackingSettings = ResponseTrackingSettings()
+    # The folder the YAML file was read from; relative paths in it resolve against this.
+    config_dir: Path = Path(".")
+
+    @field_validator("log_level")
+    @classmethod
+    def _upper(cls, value: str) -> str:
+        return value.upper()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _YamlSource(settings_cls)
+
+    @property
+    def repository_path(self) -> Path:
+        repo = self.models.repository
+        return repo if repo.is_absolute() else (self.config_dir / repo).resolve()
+
+
+def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Settings from `path` (YAML) under environment overrides, under explicit `overrides`."""
+    data: dict[str, Any] = {}
+    config_dir = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+        data = loaded
+        config_dir = path.resolve().parent
+    token = _yaml_data.set(data)
+    try:
+        overrides.setdefault("config_dir", config_dir)
+        return Settings(**overrides)
+    finally:
+        _yaml_data.reset(token)

@@ -1,0 +1,57 @@
+"""gRPC client helpers: channels with the suite's options, and waiting on health."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from loadmaster.common.grpc_server import GRPC_OPTIONS
+
+__all__ = ["aio_channel", "wait_for_health", "check_health", "wait_for_health_sync"]
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+
+
+async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 1.0) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def wait_for_health(address: str, *, timeout_s: float, service: str = "") -> None:
+    """Return once `address` reports SERVING; raise TimeoutError at the deadline.
+
+    Uses the health Watch stream, so a server that comes up is noticed at once
+    rather than at the next poll; a refused connection is retried with backoff.
+    """
+    deadline = time.monotonic() + timeout_s
+    backoff = 0.02
+    async with aio_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s:.1f}s")
+            try:
+                call = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=remaining)
+                async for reply in call:
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        call.cancel()
+                        return
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue
+            await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+            backoff = min(backoff * 2, 0.25)
+
+
+def wait_for_health_sync(address: str, *, timeout_s: float, service: str = "") -> None:
+    asyncio.run(wait_for_health(address, timeout_s=timeout_s, service=service))

@@ -1,0 +1,204 @@
+"""gRPC server bootstrap shared by every service.
+
+`GrpcServer` builds a grpc.aio server with the standard health-checking and
+reflection services and the one error-mapping interceptor. `run()` starts it,
+marks it SERVING, waits for SIGTERM/SIGINT, then marks it NOT_SERVING, runs the
+service's stop hooks and stops the server with a grace period for in-flight calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from loadmaster.common.errors import InternalError, LoadmasterError
+
+__all__ = ["GrpcServer", "ErrorInterceptor", "GRPC_OPTIONS"]
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+
+
+def _status_for(error: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, LoadmasterError):
+        return error.grpc_code, error.message
+    log.error("unhandled error in %s", method, exc_info=error)
+    return InternalError.grpc_code, f"internal error: {type(error).__name__}"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps `LoadmasterError` to its status code; anything else to INTERNAL, logged with traceback."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+
+        async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+            code, message = _status_for(error, method)
+            await context.abort(code, message)
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except (LoadmasterError, Exception) as error:
+                    if isinstance(error, asyncio.CancelledError) or _is_abort(error):
+                        raise
+                    await abort(context, error)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_su(request_iterator, context)
+                except Exception as error:
+                    if _is_abort(error):
+                        raise
+                    await abort(context, error)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, handler.request_deserializer, handler.response_serializer
+            )
+        # Streaming handlers written as coroutines (they call context.write) pass through.
+        if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except Exception as error:
+                    if _is_abort(error):
+                        raise
+                    await abort(context, error)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_stream and inspect.isasyncgenfunction(handler.stream_stream):
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    async for item in inner_ss(request_iterator, context):
+                        yield item
+                except Exception as error:
+                    if _is_abort(error):
+                        raise
+                    await abort(context, error)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+def _is_abort(error: BaseException) -> bool:
+    # context.abort() raises this internally; it must pass through untouched.
+    return type(error).__name__ == "AbortError"
+
+
+class GrpcServer:
+    """A grpc.aio server with health, reflection, error mapping and graceful stop."""
+
+    def __init__(
+        self,
+        name: str,
+        listen: str,
+        *,
+        grace_s: float = 5.0,
+        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+    ) -> None:
+        self.name = name
+        self._listen = listen
+        self._grace_s = grace_s
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(), *(interceptors or [])], options=GRPC_OPTIONS
+        )
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        self._stop_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._stopping = asyncio.Event()
+        self.port: int | None = None
+
+    def add_service(self, full_name: str, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
+        add_to_server(servicer, self.server)
+        self._service_names.append(full_name)
+
+    def on_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `hook` after the server leaves SERVING and before it stops (reverse order of adding)."""
+        self._stop_hooks.append(hook)
+
+    async def start(self) -> int:
+        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(self._listen)
+        if self.port == 0:
+            raise RuntimeError(f"{self.name}: could not bind {self._listen}")
+        await self.server.start()
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s serving gRPC on %s (port %d)", self.name, self._listen, self.port)
+        return self.port
+
+    async def _set_all(self, status: int) -> None:
+        for service in ["", *self._service_names]:
+            result = self.health.set(service, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self, *, ready: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start, serve until SIGTERM/SIGINT or `request_stop()`, then drain and stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stopping.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        await self.start()
+        if ready is not None:
+            await ready()
+        await self._stopping.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        log.info("%s stopping (grace %.1fs)", self.name, self._grace_s)
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        for hook in reversed(self._stop_hooks):
+            try:
+                await hook()
+            except Exception:
+                log.exception("%s: stop hook failed", self.name)
+        await self.server.stop(self._grace_s)
+        log.info("%s stopped", self.name)

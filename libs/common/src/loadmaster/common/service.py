@@ -1,0 +1,33 @@
+"""Entry point shared by `python -m loadmaster.<service>`: read `--config`, build the
+settings once, set up logging, run the service's async main."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+
+from loadmaster.common.config import Settings, load_settings
+from loadmaster.common.logging import setup_logging
+
+__all__ = ["run_service", "default_instance_id"]
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def run_service(name: str, main: Callable[[Settings], Awaitable[None]], argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m loadmaster.{name.replace('-', '_')}")
+    parser.add_argument("--config", help="path to loadmaster.yaml (default: built-in defaults)")
+    args = parser.parse_args(argv)
+    settings = load_settings(args.config)
+    setup_logging(name, settings.log_level)
+    try:
+        asyncio.run(main(settings))
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)

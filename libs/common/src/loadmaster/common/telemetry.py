@@ -1,0 +1,127 @@
+"""Telemetry reporter: services record samples on their hot path for the cost of a
+deque append; a background task ships them to the metrics service in batches over
+one long-lived `Report` stream. When the metrics service is down, samples are
+dropped (counted) rather than blocking or growing memory without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+
+from loadmaster.common.grpc_client import aio_channel
+from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
+
+__all__ = ["TelemetryReporter"]
+
+log = logging.getLogger(__name__)
+
+_Record = tuple[str, float, Mapping[str, str] | None, int]
+
+
+class TelemetryReporter:
+    def __init__(
+        self,
+        service: str,
+        instance: str,
+        address: str | None,
+        *,
+        flush_interval_s: float = 0.25,
+        max_buffer: int = 100_000,
+        max_batch: int = 5_000,
+    ) -> None:
+        self.service = service
+        self.instance = instance
+        self._address = address
+        self._flush_interval_s = flush_interval_s
+        self._max_batch = max_batch
+        self._buffer: collections.deque[_Record] = collections.deque(maxlen=max_buffer)
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.dropped = 0
+        self.sent = 0
+
+    def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
+        """Queue one sample. Safe from any thread; never blocks."""
+        if self._address is None:
+            return
+        if len(self._buffer) == self._buffer.maxlen:
+            self.dropped += 1
+        self._buffer.append((name, float(value), labels, time.time_ns()))
+        if not self._wake.is_set() and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
+    def start(self) -> None:
+        if self._address is None or self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name=f"telemetry-{self.service}")
+
+    async def close(self, timeout_s: float = 1.0) -> None:
+        """Flush what is buffered (bounded by `timeout_s`) and stop."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout_s)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+
+    def _take_batch(self) -> metrics_pb2.ReportBatch:
+        batch = metrics_pb2.ReportBatch(service=self.service, instance=self.instance)
+        for _ in range(min(len(self._buffer), self._max_batch)):
+            name, value, labels, ts = self._buffer.popleft()
+            batch.samples.add(name=name, value=value, labels=labels or {}, timestamp_unix_ns=ts)
+        return batch
+
+    async def _batches(self) -> AsyncIterator[metrics_pb2.ReportBatch]:
+        while True:
+            if not self._buffer:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                if not self._closing:
+                    await asyncio.sleep(self._flush_interval_s)  # gather a batch
+            while self._buffer:
+                batch = self._take_batch()
+                self.sent += len(batch.samples)
+                yield batch
+
+    async def _run(self) -> None:
+        assert self._address is not None
+        backoff = 0.1
+        while not (self._closing and not self._buffer):
+            try:
+                async with aio_channel(self._address) as channel:
+                    stub = metrics_pb2_grpc.MetricsStub(channel)
+                    await stub.Report(self._batches())
+                    return
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as error:
+                dropped = len(self._buffer)
+                self._buffer.clear()
+                self.dropped += dropped
+                log.warning(
+                    "metrics service at %s unreachable (%s); dropped %d samples",
+                    self._address,
+                    error.code().name,
+                    dropped,
+                )
+            except Exception:
+                log.exception("telemetry reporter failed; restarting")
+            if self._closing:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)

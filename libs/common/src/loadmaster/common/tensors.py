@@ -1,0 +1,163 @@
+"""Tensor codec: descriptors + one binary payload <-> `dict[str, np.ndarray]`.
+
+Decoding returns read-only zero-copy views into the payload after checking every
+descriptor against it (offsets, lengths, dtype x shape, overlaps, limits), so a
+bad envelope is answered `invalid_argument` naming the tensor, never a crash.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.v1 import tensor_pb2
+
+__all__ = [
+    "TensorLimits",
+    "decode_tensors",
+    "encode_tensors",
+    "numpy_dtype",
+    "wire_dtype",
+]
+
+# BFLOAT16 has no numpy dtype: its raw 2-byte words travel as uint16.
+_TO_NUMPY: dict[int, np.dtype] = {
+    tensor_pb2.FLOAT16: np.dtype(np.float16),
+    tensor_pb2.FLOAT32: np.dtype(np.float32),
+    tensor_pb2.FLOAT64: np.dtype(np.float64),
+    tensor_pb2.BFLOAT16: np.dtype(np.uint16),
+    tensor_pb2.UINT8: np.dtype(np.uint8),
+    tensor_pb2.INT32: np.dtype(np.int32),
+    tensor_pb2.INT64: np.dtype(np.int64),
+    tensor_pb2.BOOL: np.dtype(np.bool_),
+}
+_FROM_NUMPY: dict[np.dtype, int] = {
+    dtype: wire for wire, dtype in _TO_NUMPY.items() if wire != tensor_pb2.BFLOAT16
+}
+_ACCEPTED_ENCODINGS = (tensor_pb2.ENCODING_UNSPECIFIED, tensor_pb2.RAW)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLimits:
+    max_payload_bytes: int = 64 << 20
+    max_tensors: int = 64
+    max_dims: int = 8
+
+
+def numpy_dtype(wire: int) -> np.dtype:
+    try:
+        return _TO_NUMPY[wire]
+    except KeyError:
+        raise InvalidArgumentError(f"unsupported dtype {wire}") from None
+
+
+def wire_dtype(dtype: np.dtype) -> int:
+    try:
+        return _FROM_NUMPY[np.dtype(dtype)]
+    except KeyError:
+        supported = ", ".join(sorted(d.name for d in _FROM_NUMPY))
+        raise InvalidArgumentError(
+            f"dtype {np.dtype(dtype).name} cannot travel on the wire (supported: {supported})"
+        ) from None
+
+
+def _dtype_name(wire: int) -> str:
+    try:
+        return tensor_pb2.DType.Name(wire)
+    except ValueError:
+        return str(wire)
+
+
+def decode_tensors(
+    descriptors: Sequence[tensor_pb2.Tensor],
+    payload: bytes | memoryview,
+    limits: TensorLimits = TensorLimits(),
+) -> dict[str, np.ndarray]:
+    """Validate `descriptors` against `payload` and return read-only views, keyed by tensor key."""
+    payload_len = len(payload)
+    if payload_len > limits.max_payload_bytes:
+        raise InvalidArgumentError(
+            f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}"
+        )
+    if len(descriptors) > limits.max_tensors:
+        raise InvalidArgumentError(
+            f"{len(descriptors)} tensors exceed the limit of {limits.max_tensors}"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    spans: list[tuple[int, int, str]] = []
+    for desc in descriptors:
+        key = desc.key
+        if not key:
+            raise InvalidArgumentError("a tensor has an empty key")
+        if key in arrays:
+            raise InvalidArgumentError(f"tensor '{key}' appears more than once")
+        if desc.encoding not in _ACCEPTED_ENCODINGS:
+            raise InvalidArgumentError(
+                f"tensor '{key}': encoding {desc.encoding} is not supported (use RAW)"
+            )
+        if desc.dtype not in _TO_NUMPY:
+            raise InvalidArgumentError(f"tensor '{key}': unsupported dtype {_dtype_name(desc.dtype)}")
+        dtype = _TO_NUMPY[desc.dtype]
+        shape = tuple(desc.shape)
+        if len(shape) > limits.max_dims:
+            raise InvalidArgumentError(
+                f"tensor '{key}': {len(shape)} dimensions exceed the limit of {limits.max_dims}"
+            )
+        if any(dim < 0 for dim in shape):
+            raise InvalidArgumentError(f"tensor '{key}': negative dimension in shape {list(shape)}")
+        expected = math.prod(shape) * dtype.itemsize
+        if desc.byte_length != expected:
+            raise InvalidArgumentError(
+                f"tensor '{key}': byte_length {desc.byte_length} != {expected} "
+                f"(shape {list(shape)} x {dtype.itemsize} bytes of {_dtype_name(desc.dtype)})"
+            )
+        end = desc.byte_offset + desc.byte_length
+        if end > payload_len:
+            raise InvalidArgumentError(
+                f"tensor '{key}': bytes [{desc.byte_offset}, {end}) lie outside the "
+                f"{payload_len}-byte payload"
+            )
+        if desc.byte_length:
+            spans.append((desc.byte_offset, end, key))
+        array = np.frombuffer(payload, dtype=dtype, count=math.prod(shape), offset=desc.byte_offset)
+        arrays[key] = array.reshape(shape)
+    spans.sort()
+    for (_, prev_end, prev_key), (start, _, key) in zip(spans, spans[1:]):
+        if start < prev_end:
+            raise InvalidArgumentError(f"tensors '{prev_key}' and '{key}' overlap in the payload")
+    return arrays
+
+
+def encode_tensors(
+    arrays: Mapping[str, np.ndarray],
+    *,
+    timestamp_ns: int = 0,
+) -> tuple[list[tensor_pb2.Tensor], bytes | memoryview]:
+    """Descriptors and one payload for `arrays`; a single contiguous array is not copied."""
+    descriptors: list[tensor_pb2.Tensor] = []
+    parts: list[memoryview] = []
+    offset = 0
+    for key, value in arrays.items():
+        array = np.ascontiguousarray(value)
+        wire = wire_dtype(array.dtype)
+        view = memoryview(array).cast("B") if array.nbytes else memoryview(b"")
+        descriptors.append(
+            tensor_pb2.Tensor(
+                key=key,
+                dtype=wire,  # type: ignore[arg-type]
+                shape=array.shape,
+                byte_offset=offset,
+                byte_length=array.nbytes,
+                timestamp_ns=timestamp_ns,
+                encoding=tensor_pb2.RAW,
+            )
+        )
+        parts.append(view)
+        offset += array.nbytes
+    if len(parts) == 1:
+        return descriptors, parts[0]
+    return descriptors, b"".join(parts)

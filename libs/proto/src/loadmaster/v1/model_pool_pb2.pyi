@@ -1,0 +1,152 @@
+from loadmaster.v1 import errors_pb2 as _errors_pb2
+from loadmaster.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
+    MODEL_STATE_IDLE: _ClassVar[ModelState]
+    MODEL_STATE_LOADING: _ClassVar[ModelState]
+    MODEL_STATE_READY: _ClassVar[ModelState]
+    MODEL_STATE_DRAINING: _ClassVar[ModelState]
+    MODEL_STATE_UNLOADING: _ClassVar[ModelState]
+MODEL_STATE_UNSPECIFIED: ModelState
+MODEL_STATE_IDLE: ModelState
+MODEL_STATE_LOADING: ModelState
+MODEL_STATE_READY: ModelState
+MODEL_STATE_DRAINING: ModelState
+MODEL_STATE_UNLOADING: ModelState
+
+class InferRequest(_message.Message):
+    __slots__ = ("request_id", "model_id", "inputs", "metadata", "deadline_unix_ns", "generation", "payload")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    metadata: _containers.ScalarMap[str, str]
+    deadline_unix_ns: int
+    generation: int
+    payload: bytes
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class InferReply(_message.Message):
+    __slots__ = ("request_id", "model_id", "outputs", "error_code", "error_message", "retryable", "inference_latency_ms", "queue_ms", "batch_size", "worker_id", "generation", "payload")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    outputs: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
+    error_code: _errors_pb2.ErrorCode
+    error_message: str
+    retryable: bool
+    inference_latency_ms: float
+    queue_ms: float
+    batch_size: int
+    worker_id: str
+    generation: int
+    payload: bytes
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., error_message: _Optional[str] = ..., retryable: _Optional[bool] = ..., inference_latency_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ModelSlotStatus(_message.Message):
+    __slots__ = ("model_id", "state", "generation", "inflight", "max_inflight", "device", "vram_mb", "backend", "pinned", "last_used_unix_ms", "loaded_unix_ms", "load_time_ms", "error", "lease_id", "priority")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    state: ModelState
+    generation: int
+    inflight: int
+    max_inflight: int
+    device: str
+    vram_mb: int
+    backend: str
+    pinned: bool
+    last_used_unix_ms: int
+    loaded_unix_ms: int
+    load_time_ms: float
+    error: str
+    lease_id: str
+    priority: int
+    def __init__(self, model_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., generation: _Optional[int] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., device: _Optional[str] = ..., vram_mb: _Optional[int] = ..., backend: _Optional[str] = ..., pinned: _Optional[bool] = ..., last_used_unix_ms: _Optional[int] = ..., loaded_unix_ms: _Optional[int] = ..., load_time_ms: _Optional[float] = ..., error: _Optional[str] = ..., lease_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSlotStatus
+    def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...
+
+class UnloadRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class UnloadResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSlotStatus
+    def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("worker_id", "data_endpoint", "models", "repository")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    REPOSITORY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    data_endpoint: str
+    models: _containers.RepeatedCompositeFieldContainer[ModelSlotStatus]
+    repository: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSlotStatus, _Mapping]]] = ..., repository: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,213 @@
+from loadmaster.v1 import errors_pb2 as _errors_pb2
+from loadmaster.v1 import model_pool_pb2 as _model_pool_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RequestInfo(_message.Message):
+    __slots__ = ("request_id", "client_id", "model_id", "priority", "urgency", "steps_remaining", "received_unix_ns", "timeout_ms", "payload_bytes", "client_type")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    URGENCY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    client_id: str
+    model_id: str
+    priority: int
+    urgency: float
+    steps_remaining: int
+    received_unix_ns: int
+    timeout_ms: float
+    payload_bytes: int
+    client_type: str
+    def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., urgency: _Optional[float] = ..., steps_remaining: _Optional[int] = ..., received_unix_ns: _Optional[int] = ..., timeout_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., client_type: _Optional[str] = ...) -> None: ...
+
+class Enqueue(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: RequestInfo
+    def __init__(self, request: _Optional[_Union[RequestInfo, _Mapping]] = ...) -> None: ...
+
+class Complete(_message.Message):
+    __slots__ = ("request_id", "error_code", "retryable", "worker_id", "inference_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error_code: _errors_pb2.ErrorCode
+    retryable: bool
+    worker_id: str
+    inference_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., retryable: _Optional[bool] = ..., worker_id: _Optional[str] = ..., inference_ms: _Optional[float] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SessionHello(_message.Message):
+    __slots__ = ("gateway_id",)
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    gateway_id: str
+    def __init__(self, gateway_id: _Optional[str] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("hello", "enqueue", "complete", "cancel")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    hello: SessionHello
+    enqueue: _containers.RepeatedCompositeFieldContainer[Enqueue]
+    complete: _containers.RepeatedCompositeFieldContainer[Complete]
+    cancel: _containers.RepeatedCompositeFieldContainer[Cancel]
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ...) -> None: ...
+
+class Grant(_message.Message):
+    __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    data_endpoint: str
+    generation: int
+    deadline_unix_ns: int
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ...) -> None: ...
+
+class Reject(_message.Message):
+    __slots__ = ("request_id", "error_code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error_code: _errors_pb2.ErrorCode
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("grants", "rejects")
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTS_FIELD_NUMBER: _ClassVar[int]
+    grants: _containers.RepeatedCompositeFieldContainer[Grant]
+    rejects: _containers.RepeatedCompositeFieldContainer[Reject]
+    def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., rejects: _Optional[_Iterable[_Union[Reject, _Mapping]]] = ...) -> None: ...
+
+class WorkerHello(_message.Message):
+    __slots__ = ("worker_id", "data_endpoint", "grpc_endpoint", "node", "repository")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REPOSITORY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    data_endpoint: str
+    grpc_endpoint: str
+    node: str
+    repository: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., grpc_endpoint: _Optional[str] = ..., node: _Optional[str] = ..., repository: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerReport(_message.Message):
+    __slots__ = ("models", "free_mb")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    FREE_MB_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[_model_pool_pb2.ModelSlotStatus]
+    free_mb: int
+    def __init__(self, models: _Optional[_Iterable[_Union[_model_pool_pb2.ModelSlotStatus, _Mapping]]] = ..., free_mb: _Optional[int] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("hello", "report")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    hello: WorkerHello
+    report: WorkerReport
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ...) -> None: ...
+
+class LoadCommand(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class UnloadCommand(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class WorkerCommand(_message.Message):
+    __slots__ = ("load", "unload")
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    load: LoadCommand
+    unload: UnloadCommand
+    def __init__(self, load: _Optional[_Union[LoadCommand, _Mapping]] = ..., unload: _Optional[_Union[UnloadCommand, _Mapping]] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "data_endpoint", "grpc_endpoint", "node", "repository", "models")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REPOSITORY_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    data_endpoint: str
+    grpc_endpoint: str
+    node: str
+    repository: _containers.RepeatedScalarFieldContainer[str]
+    models: _containers.RepeatedCompositeFieldContainer[_model_pool_pb2.ModelSlotStatus]
+    def __init__(self, worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., grpc_endpoint: _Optional[str] = ..., node: _Optional[str] = ..., repository: _Optional[_Iterable[str]] = ..., models: _Optional[_Iterable[_Union[_model_pool_pb2.ModelSlotStatus, _Mapping]]] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class GetQueuesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class QueueInfo(_message.Message):
+    __slots__ = ("model_id", "depth", "inflight", "expired", "overflowed", "granted")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOWED_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    depth: int
+    inflight: int
+    expired: int
+    overflowed: int
+    granted: int
+    def __init__(self, model_id: _Optional[str] = ..., depth: _Optional[int] = ..., inflight: _Optional[int] = ..., expired: _Optional[int] = ..., overflowed: _Optional[int] = ..., granted: _Optional[int] = ...) -> None: ...
+
+class GetQueuesResponse(_message.Message):
+    __slots__ = ("queues", "strategy")
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    queues: _containers.RepeatedCompositeFieldContainer[QueueInfo]
+    strategy: str
+    def __init__(self, queues: _Optional[_Iterable[_Union[QueueInfo, _Mapping]]] = ..., strategy: _Optional[str] = ...) -> None: ...

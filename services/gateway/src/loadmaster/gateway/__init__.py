@@ -1,0 +1,1 @@
+"""Loadmaster gateway service."""

@@ -1,0 +1,1 @@
+"""Loadmaster gpu-broker service."""

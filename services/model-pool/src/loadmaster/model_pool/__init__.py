@@ -1,0 +1,1 @@
+"""Loadmaster model-pool service."""

@@ -1,0 +1,1 @@
+"""Loadmaster scheduler service."""
