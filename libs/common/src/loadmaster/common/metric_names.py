@@ -1,0 +1,72 @@
+"""The series every service reports, and how the metrics service exposes each one.
+
+Reporters send `Sample(name, value, labels)`; the metrics service keeps every
+sample in ring buffers and exposes each known name to Prometheus as
+`loadmaster_<service>_<name>` with the kind and unit given here (`_ms` series
+become `_seconds` histograms). Label values must come from bounded sets:
+client ids, model ids, worker ids, GPU indexes, error *codes* (never messages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["MetricKind", "MetricSpec", "METRICS", "spec_for"]
+
+
+class MetricKind(str, Enum):
+    HISTOGRAM = "histogram"  # one sample per observation (latencies, sizes)
+    COUNTER = "counter"      # one sample per event; value = increment
+    GAUGE = "gauge"          # one sample per reading; the latest wins
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    kind: MetricKind
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+_H, _C, _G = MetricKind.HISTOGRAM, MetricKind.COUNTER, MetricKind.GAUGE
+
+METRICS: dict[str, MetricSpec] = {
+    spec.name: spec
+    for spec in (
+        # gateway
+        MetricSpec("e2e_latency_ms", _H, "Time from receiving a request to sending its reply", ("model", "code")),
+        MetricSpec("observation_staleness_ms", _H, "Age of an observation when it reached the gateway", ("model",)),
+        MetricSpec("payload_size_bytes", _H, "Payload bytes per request", ("model",)),
+        MetricSpec("requests", _C, "Requests answered, by result code (ok or an error code)", ("model", "code")),
+        MetricSpec("observation_errors", _C, "Requests refused before queueing, by error code", ("code",)),
+        MetricSpec("send_errors", _C, "Replies that could not be sent to a client", ()),
+        MetricSpec("dispatch_errors", _C, "Failed sends to a worker's data port, by error code", ("model", "code")),
+        MetricSpec("dispatch_retries", _C, "Requests re-queued after a retryable failure", ("model",)),
+        MetricSpec("active_clients", _G, "Clients seen recently", ()),
+        MetricSpec("client_disconnected", _C, "Clients marked disconnected", ()),
+        # scheduler
+        MetricSpec("scheduling_wait_ms", _H, "Time a request waited in the scheduler's queue", ("model",)),
+        MetricSpec("queue_depth", _G, "Requests waiting per model", ("model",)),
+        MetricSpec("grants", _C, "Requests granted to a worker", ("model", "worker")),
+        MetricSpec("requests_expired", _C, "Requests answered `expired`", ("model",)),
+        MetricSpec("queue_full_drops", _C, "Requests answered `overflow`", ("model",)),
+        MetricSpec("loads_commanded", _C, "Load commands sent to workers", ("model", "worker")),
+        # model-pool
+        MetricSpec("inference_latency_ms", _H, "Engine time per batch", ("model",)),
+        MetricSpec("batch_size", _H, "Requests per engine call", ("model",)),
+        MetricSpec("model_load_ms", _H, "Time to load and warm a model", ("model",)),
+        MetricSpec("evictions", _C, "Models unloaded to make room or when idle, by reason", ("model", "reason")),
+        MetricSpec("slot_state", _G, "Model slot state (1 = in this state)", ("model", "state")),
+        # gpu-broker
+        MetricSpec("lease_mb", _G, "GPU memory under live leases", ("node", "gpu")),
+        MetricSpec("free_mb", _G, "GPU memory free for leases", ("node", "gpu")),
+        MetricSpec("grant_latency_ms", _H, "Time to grant an Acquire", ()),
+        MetricSpec("lease_expirations", _C, "Leases reclaimed after their TTL passed", ()),
+        MetricSpec("fencing_rejections", _C, "Renew/Release refused for a stale token", ()),
+    )
+}
+
+
+def spec_for(name: str) -> MetricSpec | None:
+    return METRICS.get(name)
