@@ -147,6 +147,7 @@ class GrpcServer:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        self._start_hooks: list[Callable[[], Awaitable[None]]] = []
         self._stop_hooks: list[Callable[[], Awaitable[None]]] = []
         self._stopping = asyncio.Event()
         self.port: int | None = None
@@ -154,6 +155,10 @@ class GrpcServer:
     def add_service(self, full_name: str, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
         add_to_server(servicer, self.server)
         self._service_names.append(full_name)
+
+    def on_start(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `hook` after the gRPC port is bound and before health turns SERVING (order of adding)."""
+        self._start_hooks.append(hook)
 
     def on_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run `hook` after the server leaves SERVING and before it stops (reverse order of adding)."""
@@ -165,6 +170,8 @@ class GrpcServer:
         if self.port == 0:
             raise RuntimeError(f"{self.name}: could not bind {self._listen}")
         await self.server.start()
+        for hook in self._start_hooks:
+            await hook()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving gRPC on %s (port %d)", self.name, self._listen, self.port)
         return self.port
@@ -178,7 +185,7 @@ class GrpcServer:
     def request_stop(self) -> None:
         self._stopping.set()
 
-    async def run(self, *, ready: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def run(self) -> None:
         """Start, serve until SIGTERM/SIGINT or `request_stop()`, then drain and stop."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -187,8 +194,6 @@ class GrpcServer:
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
         await self.start()
-        if ready is not None:
-            await ready()
         await self._stopping.wait()
         await self.stop()
 

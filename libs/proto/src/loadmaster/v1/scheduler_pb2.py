@@ -26,7 +26,7 @@ from loadmaster.v1 import errors_pb2 as loadmaster_dot_v1_dot_errors__pb2
 from loadmaster.v1 import model_pool_pb2 as loadmaster_dot_v1_dot_model__pool__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dloadmaster/v1/scheduler.proto\x12\rloadmaster.v1\x1a\x1aloadmaster/v1/errors.proto\x1a\x1eloadmaster/v1/model_pool.proto\"\xf5\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\r\x12\x0f\n\x07urgency\x18\x05 \x01(\x02\x12\x1c\n\x0fsteps_remaining\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10received_unix_ns\x18\x07 \x01(\x03\x12\x12\n\ntimeout_ms\x18\x08 \x01(\x02\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x13\n\x0b\x63lient_type\x18\n \x01(\tB\x12\n\x10_steps_remaining\"6\n\x07\x45nqueue\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.loadmaster.v1.RequestInfo\"\x88\x01\n\x08\x43omplete\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\nerror_code\x18\x02 \x01(\x0e\x32\x18.loadmaster.v1.ErrorCode\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x14\n\x0cinference_ms\x18\x05 \x01(\x02\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\x0cSessionHello\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"\xb7\x01\n\x0eSessionRequest\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.loadmaster.v1.SessionHello\x12\'\n\x07\x65nqueue\x18\x02 \x03(\x0b\x32\x16.loadmaster.v1.Enqueue\x12)\n\x08\x63omplete\x18\x03 \x03(\x0b\x32\x17.loadmaster.v1.Complete\x12%\n\x06\x63\x61ncel\x18\x04 \x03(\x0b\x32\x15.loadmaster.v1.Cancel\"s\n\x05Grant\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rdata_endpoint\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x03\"[\n\x06Reject\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\nerror_code\x18\x02 \x01(\x0e\x32\x18.loadmaster.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\"_\n\x0fSessionResponse\x12$\n\x06grants\x18\x01 \x03(\x0b\x32\x14.loadmaster.v1.Grant\x12&\n\x07rejects\x18\x02 \x03(\x0b\x32\x15.loadmaster.v1.Reject\"p\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rdata_endpoint\x18\x02 \x01(\t\x12\x15\n\rgrpc_endpoint\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x12\n\nrepository\x18\x05 \x03(\t\"O\n\x0cWorkerReport\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\x12\x0f\n\x07\x66ree_mb\x18\x02 \x01(\x04\"s\n\rWorkerMessage\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.loadmaster.v1.WorkerHelloH\x00\x12-\n\x06report\x18\x02 \x01(\x0b\x32\x1b.loadmaster.v1.WorkerReportH\x00\x42\x06\n\x04kind\"\x1f\n\x0bLoadCommand\x12\x10\n\x08model_id\x18\x01 \x01(\t\"!\n\rUnloadCommand\x12\x10\n\x08model_id\x18\x01 \x01(\t\"s\n\rWorkerCommand\x12*\n\x04load\x18\x01 \x01(\x0b\x32\x1a.loadmaster.v1.LoadCommandH\x00\x12.\n\x06unload\x18\x02 \x01(\x0b\x32\x1c.loadmaster.v1.UnloadCommandH\x00\x42\x06\n\x04kind\"\x14\n\x12ListWorkersRequest\"\x9f\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rdata_endpoint\x18\x02 \x01(\t\x12\x15\n\rgrpc_endpoint\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x12\n\nrepository\x18\x05 \x03(\t\x12.\n\x06models\x18\x06 \x03(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.loadmaster.v1.WorkerInfo\"\x12\n\x10GetQueuesRequest\"t\n\tQueueInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\x10\n\x08inflight\x18\x03 \x01(\r\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x04\x12\x12\n\noverflowed\x18\x05 \x01(\x04\x12\x0f\n\x07granted\x18\x06 \x01(\x04\"O\n\x11GetQueuesResponse\x12(\n\x06queues\x18\x01 \x03(\x0b\x32\x18.loadmaster.v1.QueueInfo\x12\x10\n\x08strategy\x18\x02 \x01(\t2\xd0\x02\n\tScheduler\x12L\n\x07Session\x12\x1d.loadmaster.v1.SessionRequest\x1a\x1e.loadmaster.v1.SessionResponse(\x01\x30\x01\x12O\n\rWorkerSession\x12\x1c.loadmaster.v1.WorkerMessage\x1a\x1c.loadmaster.v1.WorkerCommand(\x01\x30\x01\x12T\n\x0bListWorkers\x12!.loadmaster.v1.ListWorkersRequest\x1a\".loadmaster.v1.ListWorkersResponse\x12N\n\tGetQueues\x12\x1f.loadmaster.v1.GetQueuesRequest\x1a .loadmaster.v1.GetQueuesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dloadmaster/v1/scheduler.proto\x12\rloadmaster.v1\x1a\x1aloadmaster/v1/errors.proto\x1a\x1eloadmaster/v1/model_pool.proto\"\xf5\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\r\x12\x0f\n\x07urgency\x18\x05 \x01(\x02\x12\x1c\n\x0fsteps_remaining\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10received_unix_ns\x18\x07 \x01(\x03\x12\x12\n\ntimeout_ms\x18\x08 \x01(\x02\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x13\n\x0b\x63lient_type\x18\n \x01(\tB\x12\n\x10_steps_remaining\"6\n\x07\x45nqueue\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.loadmaster.v1.RequestInfo\"\x88\x01\n\x08\x43omplete\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\nerror_code\x18\x02 \x01(\x0e\x32\x18.loadmaster.v1.ErrorCode\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x14\n\x0cinference_ms\x18\x05 \x01(\x02\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\x0cSessionHello\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"\xb7\x01\n\x0eSessionRequest\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.loadmaster.v1.SessionHello\x12\'\n\x07\x65nqueue\x18\x02 \x03(\x0b\x32\x16.loadmaster.v1.Enqueue\x12)\n\x08\x63omplete\x18\x03 \x03(\x0b\x32\x17.loadmaster.v1.Complete\x12%\n\x06\x63\x61ncel\x18\x04 \x03(\x0b\x32\x15.loadmaster.v1.Cancel\"\x84\x01\n\x05Grant\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rdata_endpoint\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\"[\n\x06Reject\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\nerror_code\x18\x02 \x01(\x0e\x32\x18.loadmaster.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\"_\n\x0fSessionResponse\x12$\n\x06grants\x18\x01 \x03(\x0b\x32\x14.loadmaster.v1.Grant\x12&\n\x07rejects\x18\x02 \x03(\x0b\x32\x15.loadmaster.v1.Reject\"p\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rdata_endpoint\x18\x02 \x01(\t\x12\x15\n\rgrpc_endpoint\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x12\n\nrepository\x18\x05 \x03(\t\"O\n\x0cWorkerReport\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\x12\x0f\n\x07\x66ree_mb\x18\x02 \x01(\x04\"s\n\rWorkerMessage\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.loadmaster.v1.WorkerHelloH\x00\x12-\n\x06report\x18\x02 \x01(\x0b\x32\x1b.loadmaster.v1.WorkerReportH\x00\x42\x06\n\x04kind\"\x1f\n\x0bLoadCommand\x12\x10\n\x08model_id\x18\x01 \x01(\t\"!\n\rUnloadCommand\x12\x10\n\x08model_id\x18\x01 \x01(\t\"s\n\rWorkerCommand\x12*\n\x04load\x18\x01 \x01(\x0b\x32\x1a.loadmaster.v1.LoadCommandH\x00\x12.\n\x06unload\x18\x02 \x01(\x0b\x32\x1c.loadmaster.v1.UnloadCommandH\x00\x42\x06\n\x04kind\"\x14\n\x12ListWorkersRequest\"\x9f\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rdata_endpoint\x18\x02 \x01(\t\x12\x15\n\rgrpc_endpoint\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x12\n\nrepository\x18\x05 \x03(\t\x12.\n\x06models\x18\x06 \x03(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.loadmaster.v1.WorkerInfo\"\x12\n\x10GetQueuesRequest\"t\n\tQueueInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\x10\n\x08inflight\x18\x03 \x01(\r\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x04\x12\x12\n\noverflowed\x18\x05 \x01(\x04\x12\x0f\n\x07granted\x18\x06 \x01(\x04\"O\n\x11GetQueuesResponse\x12(\n\x06queues\x18\x01 \x03(\x0b\x32\x18.loadmaster.v1.QueueInfo\x12\x10\n\x08strategy\x18\x02 \x01(\t2\xd0\x02\n\tScheduler\x12L\n\x07Session\x12\x1d.loadmaster.v1.SessionRequest\x1a\x1e.loadmaster.v1.SessionResponse(\x01\x30\x01\x12O\n\rWorkerSession\x12\x1c.loadmaster.v1.WorkerMessage\x1a\x1c.loadmaster.v1.WorkerCommand(\x01\x30\x01\x12T\n\x0bListWorkers\x12!.loadmaster.v1.ListWorkersRequest\x1a\".loadmaster.v1.ListWorkersResponse\x12N\n\tGetQueues\x12\x1f.loadmaster.v1.GetQueuesRequest\x1a .loadmaster.v1.GetQueuesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,36 +45,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONHELLO']._serialized_end=615
   _globals['_SESSIONREQUEST']._serialized_start=618
   _globals['_SESSIONREQUEST']._serialized_end=801
-  _globals['_GRANT']._serialized_start=803
-  _globals['_GRANT']._serialized_end=918
-  _globals['_REJECT']._serialized_start=920
-  _globals['_REJECT']._serialized_end=1011
-  _globals['_SESSIONRESPONSE']._serialized_start=1013
-  _globals['_SESSIONRESPONSE']._serialized_end=1108
-  _globals['_WORKERHELLO']._serialized_start=1110
-  _globals['_WORKERHELLO']._serialized_end=1222
-  _globals['_WORKERREPORT']._serialized_start=1224
-  _globals['_WORKERREPORT']._serialized_end=1303
-  _globals['_WORKERMESSAGE']._serialized_start=1305
-  _globals['_WORKERMESSAGE']._serialized_end=1420
-  _globals['_LOADCOMMAND']._serialized_start=1422
-  _globals['_LOADCOMMAND']._serialized_end=1453
-  _globals['_UNLOADCOMMAND']._serialized_start=1455
-  _globals['_UNLOADCOMMAND']._serialized_end=1488
-  _globals['_WORKERCOMMAND']._serialized_start=1490
-  _globals['_WORKERCOMMAND']._serialized_end=1605
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1607
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1627
-  _globals['_WORKERINFO']._serialized_start=1630
-  _globals['_WORKERINFO']._serialized_end=1789
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1791
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1856
-  _globals['_GETQUEUESREQUEST']._serialized_start=1858
-  _globals['_GETQUEUESREQUEST']._serialized_end=1876
-  _globals['_QUEUEINFO']._serialized_start=1878
-  _globals['_QUEUEINFO']._serialized_end=1994
-  _globals['_GETQUEUESRESPONSE']._serialized_start=1996
-  _globals['_GETQUEUESRESPONSE']._serialized_end=2075
-  _globals['_SCHEDULER']._serialized_start=2078
-  _globals['_SCHEDULER']._serialized_end=2414
+  _globals['_GRANT']._serialized_start=804
+  _globals['_GRANT']._serialized_end=936
+  _globals['_REJECT']._serialized_start=938
+  _globals['_REJECT']._serialized_end=1029
+  _globals['_SESSIONRESPONSE']._serialized_start=1031
+  _globals['_SESSIONRESPONSE']._serialized_end=1126
+  _globals['_WORKERHELLO']._serialized_start=1128
+  _globals['_WORKERHELLO']._serialized_end=1240
+  _globals['_WORKERREPORT']._serialized_start=1242
+  _globals['_WORKERREPORT']._serialized_end=1321
+  _globals['_WORKERMESSAGE']._serialized_start=1323
+  _globals['_WORKERMESSAGE']._serialized_end=1438
+  _globals['_LOADCOMMAND']._serialized_start=1440
+  _globals['_LOADCOMMAND']._serialized_end=1471
+  _globals['_UNLOADCOMMAND']._serialized_start=1473
+  _globals['_UNLOADCOMMAND']._serialized_end=1506
+  _globals['_WORKERCOMMAND']._serialized_start=1508
+  _globals['_WORKERCOMMAND']._serialized_end=1623
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1625
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1645
+  _globals['_WORKERINFO']._serialized_start=1648
+  _globals['_WORKERINFO']._serialized_end=1807
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1809
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1874
+  _globals['_GETQUEUESREQUEST']._serialized_start=1876
+  _globals['_GETQUEUESREQUEST']._serialized_end=1894
+  _globals['_QUEUEINFO']._serialized_start=1896
+  _globals['_QUEUEINFO']._serialized_end=2012
+  _globals['_GETQUEUESRESPONSE']._serialized_start=2014
+  _globals['_GETQUEUESRESPONSE']._serialized_end=2093
+  _globals['_SCHEDULER']._serialized_start=2096
+  _globals['_SCHEDULER']._serialized_end=2432
 # @@protoc_insertion_point(module_scope)
