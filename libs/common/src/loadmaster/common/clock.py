@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Protocol
 
-__all__ = ["Clock", "SystemClock", "FakeClock"]
+__all__ = ["Clock", "FakeClock", "SystemClock"]
 
 
 class Clock(Protocol):

@@ -17,22 +17,22 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 __all__ = [
-    "Settings",
-    "load_settings",
-    "ServiceEndpoint",
-    "GatewaySettings",
-    "EdgeSettings",
-    "LimitsSettings",
-    "SchedulerSettings",
-    "ModelPoolSettings",
-    "GpuBrokerSettings",
-    "GpuSpec",
-    "MetricsSettings",
-    "ModelSettings",
-    "ModelsSettings",
     "ClientSettings",
     "ClientsSettings",
+    "EdgeSettings",
+    "GatewaySettings",
+    "GpuBrokerSettings",
+    "GpuSpec",
+    "LimitsSettings",
+    "MetricsSettings",
+    "ModelPoolSettings",
+    "ModelSettings",
+    "ModelsSettings",
     "ResponseTrackingSettings",
+    "SchedulerSettings",
+    "ServiceEndpoint",
+    "Settings",
+    "load_settings",
 ]
 
 
@@ -166,17 +166,17 @@ class ResponseTrackingSettings(_Section):
     disconnect_timeout_s: float = Field(default=10.0, gt=0)
 
 
-_yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_yaml_data", default={})
+_yaml_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_data", default=None)
 
 
 class _YamlSource(PydanticBaseSettingsSource):
     """The YAML file's content, below environment variables in precedence."""
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return _yaml_data.get().get(field_name), field_name, False
+        return (_yaml_data.get() or {}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_yaml_data.get())
+        return dict(_yaml_data.get() or {})
 
 
 class Settings(BaseSettings):

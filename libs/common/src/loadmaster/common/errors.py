@@ -16,22 +16,22 @@ import grpc
 from loadmaster.v1 import errors_pb2
 
 __all__ = [
-    "LoadmasterError",
-    "InvalidArgumentError",
-    "NotFoundError",
-    "ExpiredError",
-    "OverflowError_",
-    "QueueFullError",
-    "SupersededError",
-    "UnavailableError",
-    "InternalError",
-    "ResourceExhaustedError",
     "CancelledError_",
-    "UnauthenticatedError",
-    "PermissionDeniedError",
+    "ExpiredError",
     "FailedPreconditionError",
-    "error_for_code",
+    "InternalError",
+    "InvalidArgumentError",
+    "LoadmasterError",
+    "NotFoundError",
+    "OverflowError_",
+    "PermissionDeniedError",
+    "QueueFullError",
+    "ResourceExhaustedError",
+    "SupersededError",
+    "UnauthenticatedError",
+    "UnavailableError",
     "edge_code_name",
+    "error_for_code",
     "from_grpc_error",
 ]
 
@@ -83,7 +83,7 @@ class ExpiredError(LoadmasterError):
     http_status = 504
 
 
-class OverflowError_(LoadmasterError):  # noqa: N801 - `OverflowError` is a builtin
+class OverflowError_(LoadmasterError):  # noqa: N801, N818 - `OverflowError` is a builtin
     """A bounded queue was full; this request was dropped or refused."""
 
     code = errors_pb2.ERROR_CODE_OVERFLOW
@@ -123,7 +123,7 @@ class ResourceExhaustedError(LoadmasterError):
     http_status = 429
 
 
-class CancelledError_(LoadmasterError):  # noqa: N801 - asyncio.CancelledError exists
+class CancelledError_(LoadmasterError):  # noqa: N801, N818 - asyncio.CancelledError exists
     code = errors_pb2.ERROR_CODE_CANCELLED
     grpc_code = grpc.StatusCode.CANCELLED
     http_status = 499

@@ -18,13 +18,13 @@ from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
 from loadmaster.v1 import edge_pb2, tensor_pb2
 
 __all__ = [
-    "RouterFrames",
-    "split_router_frames",
-    "router_reply",
-    "edge_error_response",
-    "ERROR_KEY",
     "ERROR_CODE_KEY",
+    "ERROR_KEY",
     "REQUEST_ID_KEY",
+    "RouterFrames",
+    "edge_error_response",
+    "router_reply",
+    "split_router_frames",
 ]
 
 ERROR_KEY = "error"

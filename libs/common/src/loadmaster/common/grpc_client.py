@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadmaster.common.grpc_server import GRPC_OPTIONS
 
-__all__ = ["aio_channel", "wait_for_health", "check_health", "wait_for_health_sync"]
+__all__ = ["aio_channel", "check_health", "wait_for_health", "wait_for_health_sync"]
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from loadmaster.common.errors import InternalError, LoadmasterError
 
-__all__ = ["GrpcServer", "ErrorInterceptor", "GRPC_OPTIONS"]
+__all__ = ["GRPC_OPTIONS", "ErrorInterceptor", "GrpcServer"]
 
 log = logging.getLogger(__name__)
 

@@ -10,15 +10,15 @@ client ids, model ids, worker ids, GPU indexes, error *codes* (never messages).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
-__all__ = ["MetricKind", "MetricSpec", "METRICS", "spec_for"]
+__all__ = ["METRICS", "MetricKind", "MetricSpec", "spec_for"]
 
 
-class MetricKind(str, Enum):
+class MetricKind(StrEnum):
     HISTOGRAM = "histogram"  # one sample per observation (latencies, sizes)
-    COUNTER = "counter"      # one sample per event; value = increment
-    GAUGE = "gauge"          # one sample per reading; the latest wins
+    COUNTER = "counter"  # one sample per event; value = increment
+    GAUGE = "gauge"  # one sample per reading; the latest wins
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,13 +35,21 @@ METRICS: dict[str, MetricSpec] = {
     spec.name: spec
     for spec in (
         # gateway
-        MetricSpec("e2e_latency_ms", _H, "Time from receiving a request to sending its reply", ("model", "code")),
-        MetricSpec("observation_staleness_ms", _H, "Age of an observation when it reached the gateway", ("model",)),
+        MetricSpec(
+            "e2e_latency_ms", _H, "Time from receiving a request to sending its reply", ("model", "code")
+        ),
+        MetricSpec(
+            "observation_staleness_ms", _H, "Age of an observation when it reached the gateway", ("model",)
+        ),
         MetricSpec("payload_size_bytes", _H, "Payload bytes per request", ("model",)),
-        MetricSpec("requests", _C, "Requests answered, by result code (ok or an error code)", ("model", "code")),
+        MetricSpec(
+            "requests", _C, "Requests answered, by result code (ok or an error code)", ("model", "code")
+        ),
         MetricSpec("observation_errors", _C, "Requests refused before queueing, by error code", ("code",)),
         MetricSpec("send_errors", _C, "Replies that could not be sent to a client", ()),
-        MetricSpec("dispatch_errors", _C, "Failed sends to a worker's data port, by error code", ("model", "code")),
+        MetricSpec(
+            "dispatch_errors", _C, "Failed sends to a worker's data port, by error code", ("model", "code")
+        ),
         MetricSpec("dispatch_retries", _C, "Requests re-queued after a retryable failure", ("model",)),
         MetricSpec("active_clients", _G, "Clients seen recently", ()),
         MetricSpec("client_disconnected", _C, "Clients marked disconnected", ()),
@@ -56,7 +64,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("inference_latency_ms", _H, "Engine time per batch", ("model",)),
         MetricSpec("batch_size", _H, "Requests per engine call", ("model",)),
         MetricSpec("model_load_ms", _H, "Time to load and warm a model", ("model",)),
-        MetricSpec("evictions", _C, "Models unloaded to make room or when idle, by reason", ("model", "reason")),
+        MetricSpec(
+            "evictions", _C, "Models unloaded to make room or when idle, by reason", ("model", "reason")
+        ),
         MetricSpec("slot_state", _G, "Model slot state (1 = in this state)", ("model", "state")),
         # gpu-broker
         MetricSpec("lease_mb", _G, "GPU memory under live leases", ("node", "gpu")),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import sys
@@ -13,21 +14,21 @@ from collections.abc import Awaitable, Callable
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.logging import setup_logging
 
-__all__ = ["run_service", "default_instance_id"]
+__all__ = ["default_instance_id", "run_service"]
 
 
 def default_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def run_service(name: str, main: Callable[[Settings], Awaitable[None]], argv: list[str] | None = None) -> None:
+def run_service(
+    name: str, main: Callable[[Settings], Awaitable[None]], argv: list[str] | None = None
+) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m loadmaster.{name.replace('-', '_')}")
     parser.add_argument("--config", help="path to loadmaster.yaml (default: built-in defaults)")
     args = parser.parse_args(argv)
     settings = load_settings(args.config)
     setup_logging(name, settings.log_level)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main(settings))
-    except KeyboardInterrupt:
-        pass
     sys.exit(0)

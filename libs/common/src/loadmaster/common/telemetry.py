@@ -74,7 +74,7 @@ class TelemetryReporter:
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout_s)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+            except (TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
 
     def _take_batch(self) -> metrics_pb2.ReportBatch:

@@ -7,6 +7,7 @@ bad envelope is answered `invalid_argument` naming the tensor, never a crash.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -84,9 +85,7 @@ def decode_tensors(
             f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}"
         )
     if len(descriptors) > limits.max_tensors:
-        raise InvalidArgumentError(
-            f"{len(descriptors)} tensors exceed the limit of {limits.max_tensors}"
-        )
+        raise InvalidArgumentError(f"{len(descriptors)} tensors exceed the limit of {limits.max_tensors}")
     arrays: dict[str, np.ndarray] = {}
     spans: list[tuple[int, int, str]] = []
     for desc in descriptors:
@@ -96,9 +95,7 @@ def decode_tensors(
         if key in arrays:
             raise InvalidArgumentError(f"tensor '{key}' appears more than once")
         if desc.encoding not in _ACCEPTED_ENCODINGS:
-            raise InvalidArgumentError(
-                f"tensor '{key}': encoding {desc.encoding} is not supported (use RAW)"
-            )
+            raise InvalidArgumentError(f"tensor '{key}': encoding {desc.encoding} is not supported (use RAW)")
         if desc.dtype not in _TO_NUMPY:
             raise InvalidArgumentError(f"tensor '{key}': unsupported dtype {_dtype_name(desc.dtype)}")
         dtype = _TO_NUMPY[desc.dtype]
@@ -126,7 +123,7 @@ def decode_tensors(
         array = np.frombuffer(payload, dtype=dtype, count=math.prod(shape), offset=desc.byte_offset)
         arrays[key] = array.reshape(shape)
     spans.sort()
-    for (_, prev_end, prev_key), (start, _, key) in zip(spans, spans[1:]):
+    for (_, prev_end, prev_key), (start, _, key) in itertools.pairwise(spans):
         if start < prev_end:
             raise InvalidArgumentError(f"tensors '{prev_key}' and '{key}' overlap in the payload")
     return arrays
