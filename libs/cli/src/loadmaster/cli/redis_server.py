@@ -4,6 +4,7 @@ started on a loopback port in its own process group. `loadmaster up` uses it whe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -13,7 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["EmbeddedRedis", "redis_server_binary", "free_port"]
+from loadmaster.cli._process import die_with_parent
+
+__all__ = ["EmbeddedRedis", "free_port", "redis_server_binary"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,7 +43,9 @@ def redis_server_binary() -> str:
 class EmbeddedRedis:
     """Start with `start()`, stop with `stop()` (or use as a context manager)."""
 
-    def __init__(self, *, port: int | None = None, appendonly: bool = False, data_dir: str | None = None) -> None:
+    def __init__(
+        self, *, port: int | None = None, appendonly: bool = False, data_dir: str | None = None
+    ) -> None:
         self.port = port or free_port()
         self._appendonly = appendonly
         self._owns_dir = data_dir is None
@@ -54,16 +59,27 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [
             redis_server_binary(),
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", self.data_dir,
-            "--save", "",
-            "--appendonly", "yes" if self._appendonly else "no",
-            "--protected-mode", "yes",
-            "--loglevel", "warning",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            self.data_dir,
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self._appendonly else "no",
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
         ]
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -86,10 +102,8 @@ class EmbeddedRedis:
                 os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout_s)
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 self.process.wait()
         self.process = None
         if self._owns_dir:

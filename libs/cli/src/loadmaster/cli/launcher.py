@@ -1,0 +1,233 @@
+"""Start the whole suite on one machine as child processes, and stop it without orphans.
+
+Order: Redis (`REDIS_URL`, else an embedded redis-server) -> gpu-broker -> metrics
+-> scheduler -> model-pool -> gateway; each is started with
+`python -m loadmaster.<svc> --config PATH` in its own process group and waited on
+through gRPC health before the next one starts. Children also get SIGTERM from
+the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so nothing is left
+behind even after `kill -9` of the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from loadmaster.cli._process import die_with_parent, signal_group
+from loadmaster.cli.redis_server import EmbeddedRedis, free_port
+from loadmaster.common.config import Settings, load_settings
+from loadmaster.common.grpc_client import wait_for_health_sync
+
+__all__ = ["SERVICES", "ServiceProcess", "Suite", "free_port_overrides", "to_env"]
+
+
+@dataclass(frozen=True, slots=True)
+class _ServiceSpec:
+    name: str
+    module: str
+    section: str  # the Settings attribute holding its address
+
+
+SERVICES: tuple[_ServiceSpec, ...] = (
+    _ServiceSpec("gpu-broker", "loadmaster.gpu_broker", "gpu_broker"),
+    _ServiceSpec("metrics", "loadmaster.metrics", "metrics"),
+    _ServiceSpec("scheduler", "loadmaster.scheduler", "scheduler"),
+    _ServiceSpec("model-pool", "loadmaster.model_pool", "model_pool"),
+    _ServiceSpec("gateway", "loadmaster.gateway", "gateway"),
+)
+
+
+def to_env(overrides: Mapping[str, Any], prefix: str = "LOADMASTER_") -> dict[str, str]:
+    """`{"scheduler": {"address": "x"}}` -> `{"LOADMASTER_SCHEDULER__ADDRESS": "x"}`."""
+    env: dict[str, str] = {}
+    for key, value in overrides.items():
+        name = f"{prefix}{key.upper()}"
+        if isinstance(value, Mapping):
+            env.update(to_env(value, prefix=f"{name}__"))
+        elif isinstance(value, list | tuple):
+            import json
+
+            env[name] = json.dumps(list(value))
+        else:
+            env[name] = str(value)
+    return env
+
+
+def free_port_overrides(host: str = "127.0.0.1") -> dict[str, Any]:
+    """Settings overrides that move every listening port to a free one (for tests)."""
+    return {
+        "gpu_broker": {"address": f"{host}:{free_port()}"},
+        "metrics": {"address": f"{host}:{free_port()}", "http_port": free_port()},
+        "scheduler": {"address": f"{host}:{free_port()}"},
+        "model_pool": {"address": f"{host}:{free_port()}", "data_bind": f"tcp://{host}:{free_port()}"},
+        "gateway": {
+            "address": f"{host}:{free_port()}",
+            "http_port": free_port(),
+            "edge": {"bind": f"tcp://{host}:{free_port()}"},
+        },
+    }
+
+
+@dataclass(slots=True)
+class ServiceProcess:
+    name: str
+    address: str
+    process: subprocess.Popen[bytes]
+    log_path: Path | None = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class Suite:
+    """The suite's processes. `start()` brings everything up; `stop()` takes everything down."""
+
+    config_path: Path
+    overrides: dict[str, Any] = field(default_factory=dict)
+    log_dir: Path | None = None  # None: children write to this process's stderr
+    services: tuple[str, ...] = tuple(spec.name for spec in SERVICES)
+    settings: Settings = field(init=False)
+    redis: EmbeddedRedis | None = field(init=False, default=None)
+    processes: list[ServiceProcess] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.config_path = Path(self.config_path).resolve()
+        self.settings = load_settings(self.config_path, **self.overrides)
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(to_env(self.overrides))
+        if self.settings.redis_url:
+            env["REDIS_URL"] = self.settings.redis_url
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def endpoints(self) -> dict[str, str]:
+        s = self.settings
+        return {
+            "edge (ZMQ)": s.gateway.edge.bind,
+            "gateway gRPC": s.gateway.address,
+            "gateway HTTP": f"http://{s.gateway.http_host}:{s.gateway.http_port}",
+            "metrics": f"http://{s.metrics.http_host}:{s.metrics.http_port}/metrics",
+            "scheduler": s.scheduler.address,
+            "model-pool": s.model_pool.address,
+            "gpu-broker": s.gpu_broker.address,
+            "redis": s.redis_url or "",
+        }
+
+    def start(self, *, timeout_s: float = 90.0, progress: Any = None) -> None:
+        say = progress or (lambda message: None)
+        try:
+            if not self.settings.redis_url:
+                say("starting embedded redis-server")
+                self.redis = EmbeddedRedis().start()
+                self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
+            for spec in SERVICES:
+                if spec.name not in self.services:
+                    continue
+                address = getattr(self.settings, spec.section).address
+                say(f"starting {spec.name} ({address})")
+                service = self._spawn(spec, address)
+                self.processes.append(service)
+                self._wait_healthy(service, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, spec: _ServiceSpec, address: str) -> ServiceProcess:
+        log_path: Path | None = None
+        stream: IO[bytes] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"{spec.name}.log"
+            stream = log_path.open("ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", spec.module, "--config", str(self.config_path)],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=stream,
+            stderr=subprocess.STDOUT if stream is not None else None,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        if stream is not None:
+            stream.close()
+        return ServiceProcess(spec.name, address, process, log_path)
+
+    def _wait_healthy(self, service: ServiceProcess, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if service.process.poll() is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with code {service.process.returncode} during start\n"
+                    f"{service.log_tail()}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{service.name} not healthy within {timeout_s:.0f}s\n{service.log_tail()}"
+                )
+            try:
+                wait_for_health_sync(service.address, timeout_s=min(1.0, remaining))
+                return
+            except TimeoutError:
+                continue
+
+    def wait_for_models(self, model_ids: list[str], *, timeout_s: float = 60.0) -> None:
+        """Block until the scheduler sees every model in `model_ids` READY on some worker."""
+        import asyncio
+
+        from loadmaster.cli.status import collect_status
+
+        deadline = time.monotonic() + timeout_s
+        missing = set(model_ids)
+        while True:
+            status = asyncio.run(collect_status(self.settings))
+            missing = set(model_ids) - {m.model_id for m in status.models if m.state == "READY"}
+            failed = [m for m in status.models if m.model_id in missing and m.error]
+            if failed:
+                raise RuntimeError(f"model {failed[0].model_id} failed to load: {failed[0].error}")
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"models not READY within {timeout_s:.0f}s: {sorted(missing)}")
+            time.sleep(0.1)
+
+    def exited(self) -> list[ServiceProcess]:
+        return [p for p in self.processes if p.process.poll() is not None]
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        """SIGTERM every service group (gateway first), SIGKILL what is left, then stop Redis."""
+        for service in reversed(self.processes):
+            signal_group(service.process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for service in reversed(self.processes):
+            try:
+                service.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                signal_group(service.process, signal.SIGKILL)
+                service.process.wait()
+            # Anything the service itself started in its group goes too.
+            signal_group(service.process, signal.SIGKILL)
+        self.processes.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> Suite:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,51 @@
+"""What a request is inside the gateway, whichever front end it came from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadmaster.common.errors import LoadmasterError
+from loadmaster.v1 import tensor_pb2
+
+__all__ = ["CallResult", "InferenceCall", "ResultCallback"]
+
+
+@dataclass(slots=True)
+class InferenceCall:
+    """One inference request: metadata for the scheduler, descriptors + payload for the worker."""
+
+    request_id: str
+    client_id: str
+    model_id: str
+    inputs: Sequence[tensor_pb2.Tensor]
+    payload: Any  # zmq.Frame, bytes or memoryview; forwarded to the worker without copying
+    client_type: str = ""
+    priority: int = 1
+    urgency: float = 0.0
+    steps_remaining: int | None = None
+    timeout_ms: float = 0.0
+    metadata: dict[str, str] = field(default_factory=dict)
+    received_unix_ns: int = 0
+    received_monotonic: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """The one outcome of a call: outputs, or an error."""
+
+    request_id: str
+    model_id: str
+    outputs: Sequence[tensor_pb2.Tensor] = ()
+    payload: Any = b""
+    inference_latency_ms: float = 0.0
+    worker_id: str = ""
+    error: LoadmasterError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+ResultCallback = Callable[[CallResult], None]

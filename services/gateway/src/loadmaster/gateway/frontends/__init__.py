@@ -1,0 +1,1 @@
+"""Front ends translate a protocol to `InferenceCall`s for the one dispatcher."""

@@ -1,0 +1,166 @@
+"""The gateway's one long-lived `Session` stream to the scheduler.
+
+Enqueue / Complete / Cancel calls only append to an outbox; a writer task sends
+everything pending as one `SessionRequest`, so messages batch by themselves
+under load. Grants and Rejects are handed to callbacks. When the stream breaks,
+`on_lost` is called at once (the dispatcher fails what was waiting for a grant)
+and the link reconnects with backoff; while it is down, `connected` is False
+and new requests are answered `unavailable` by the dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from loadmaster.common.grpc_client import aio_channel
+from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["SchedulerLink"]
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerLink:
+    def __init__(
+        self,
+        address: str,
+        gateway_id: str,
+        *,
+        on_grant: Callable[[scheduler_pb2.Grant], None],
+        on_reject: Callable[[scheduler_pb2.Reject], None],
+        on_lost: Callable[[], None],
+        max_batch: int = 256,
+        connect_timeout_s: float = 1.0,
+    ) -> None:
+        self._address = address
+        self._gateway_id = gateway_id
+        self._on_grant = on_grant
+        self._on_reject = on_reject
+        self._on_lost = on_lost
+        self._max_batch = max_batch
+        self._connect_timeout_s = connect_timeout_s
+        self._enqueues: list[scheduler_pb2.Enqueue] = []
+        self._completes: list[scheduler_pb2.Complete] = []
+        self._cancels: list[scheduler_pb2.Cancel] = []
+        self._wake = asyncio.Event()
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    # -- outbox (called from the event loop thread) ---------------------------------
+
+    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
+        self._enqueues.append(scheduler_pb2.Enqueue(request=request))
+        self._wake.set()
+
+    def complete(
+        self,
+        request_id: str,
+        *,
+        error_code: int = 0,
+        retryable: bool = False,
+        worker_id: str = "",
+        inference_ms: float = 0.0,
+    ) -> None:
+        if not self.connected:
+            return  # the scheduler forgot this session's requests when the stream broke
+        self._completes.append(
+            scheduler_pb2.Complete(
+                request_id=request_id,
+                error_code=error_code,  # type: ignore[arg-type]
+                retryable=retryable,
+                worker_id=worker_id,
+                inference_ms=inference_ms,
+            )
+        )
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        if self.connected:
+            self._cancels.append(scheduler_pb2.Cancel(request_id=request_id))
+            self._wake.set()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="scheduler-link")
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _outgoing(self) -> AsyncIterator[scheduler_pb2.SessionRequest]:
+        yield scheduler_pb2.SessionRequest(hello=scheduler_pb2.SessionHello(gateway_id=self._gateway_id))
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._enqueues or self._completes or self._cancels:
+                message = scheduler_pb2.SessionRequest()
+                # Completes first: they free slots the enqueues may be granted.
+                message.complete.extend(self._completes[: self._max_batch])
+                del self._completes[: self._max_batch]
+                message.cancel.extend(self._cancels[: self._max_batch])
+                del self._cancels[: self._max_batch]
+                message.enqueue.extend(self._enqueues[: self._max_batch])
+                del self._enqueues[: self._max_batch]
+                yield message
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._closing:
+            try:
+                async with aio_channel(self._address) as channel:
+                    await asyncio.wait_for(channel.channel_ready(), self._connect_timeout_s)
+                    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+                    call = stub.Session(self._outgoing())
+                    self._connected.set()
+                    log.info("session to scheduler %s open", self._address)
+                    backoff = 0.05
+                    async for response in call:
+                        for grant in response.grants:
+                            self._on_grant(grant)
+                        for reject in response.rejects:
+                            self._on_reject(reject)
+                    log.warning("scheduler %s ended the session", self._address)
+            except asyncio.CancelledError:
+                self._mark_lost()
+                raise
+            except (TimeoutError, grpc.aio.AioRpcError, OSError) as error:
+                if self.connected:
+                    detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else repr(error)
+                    log.warning("session to scheduler %s lost: %s", self._address, detail)
+            except Exception:
+                log.exception("session to scheduler %s failed", self._address)
+            self._mark_lost()
+            if self._closing:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    def _mark_lost(self) -> None:
+        was_connected = self.connected
+        self._connected.clear()
+        self._enqueues.clear()
+        self._completes.clear()
+        self._cancels.clear()
+        if was_connected:
+            self._on_lost()

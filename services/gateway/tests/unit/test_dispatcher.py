@@ -1,0 +1,147 @@
+"""Dispatcher decisions with in-module doubles for its two links (the real links are covered e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from loadmaster.common.errors import UnavailableError
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.gateway.calls import CallResult, InferenceCall
+from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
+
+
+class _SchedulerDouble:
+    def __init__(self) -> None:
+        self.connected = True
+        self.enqueued: list[scheduler_pb2.RequestInfo] = []
+        self.completed: list[tuple[str, int, bool]] = []
+        self.cancelled: list[str] = []
+
+    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
+        self.enqueued.append(request)
+
+    def complete(self, request_id: str, *, error_code: int = 0, retryable: bool = False, **_: Any) -> None:
+        self.completed.append((request_id, error_code, retryable))
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+
+class _WorkersDouble:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, model_pool_pb2.InferRequest]] = []
+        self.refuse = False
+
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
+        if self.refuse:
+            raise UnavailableError(f"{endpoint} refused")
+        self.sent.append((endpoint, model_pool_pb2.InferRequest.FromString(envelope)))
+
+
+@pytest.fixture()
+def parts() -> tuple[Dispatcher, _SchedulerDouble, _WorkersDouble, list[CallResult]]:
+    dispatcher = Dispatcher(telemetry=TelemetryReporter("gateway", "test", None), reply_grace_s=0.05)
+    scheduler, workers = _SchedulerDouble(), _WorkersDouble()
+    dispatcher.attach(scheduler, workers)  # type: ignore[arg-type]
+    results: list[CallResult] = []
+    return dispatcher, scheduler, workers, results
+
+
+def _call(request_id: str = "r1") -> InferenceCall:
+    return InferenceCall(request_id=request_id, client_id="c", model_id="double", inputs=[], payload=b"abc")
+
+
+def _grant(request_id: str = "r1", worker: str = "w1", attempt: int = 1) -> scheduler_pb2.Grant:
+    return scheduler_pb2.Grant(
+        request_id=request_id, worker_id=worker, data_endpoint=f"tcp://{worker}", attempt=attempt
+    )
+
+
+async def test_grant_sends_to_the_worker_and_its_reply_finishes_the_call_once(parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.submit(_call(), results.append)
+    assert [r.request_id for r in scheduler.enqueued] == ["r1"]
+    dispatcher.on_grant(_grant())
+    assert workers.sent[0][0] == "tcp://w1" and workers.sent[0][1].request_id == "r1"
+    reply = model_pool_pb2.InferReply(request_id="r1", model_id="double", worker_id="w1")
+    dispatcher.on_worker_reply(reply, b"out")
+    dispatcher.on_worker_reply(reply, b"out")  # a duplicate is ignored
+    assert len(results) == 1 and results[0].ok and results[0].payload == b"out"
+    assert scheduler.completed == [("r1", 0, False)]
+    assert dispatcher.inflight == 0
+
+
+async def test_retryable_failure_waits_for_a_regrant_and_ignores_the_old_worker(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.submit(_call(), results.append)
+    dispatcher.on_grant(_grant(worker="w1"))
+    failure = model_pool_pb2.InferReply(
+        request_id="r1", worker_id="w1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
+    )
+    dispatcher.on_worker_reply(failure, b"")
+    assert results == [] and scheduler.completed == [("r1", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
+    dispatcher.on_grant(_grant(worker="w2", attempt=2))
+    dispatcher.on_worker_reply(model_pool_pb2.InferReply(request_id="r1", worker_id="w1"), b"late")
+    assert results == []
+    dispatcher.on_worker_reply(model_pool_pb2.InferReply(request_id="r1", worker_id="w2"), b"ok")
+    assert len(results) == 1 and results[0].payload == b"ok"
+
+
+async def test_reject_answers_with_the_typed_error(parts) -> None:
+    dispatcher, _, _, results = parts
+    dispatcher.submit(_call(), results.append)
+    dispatcher.on_reject(
+        scheduler_pb2.Reject(request_id="r1", error_code=errors_pb2.ERROR_CODE_NOT_FOUND, message="no model")
+    )
+    assert results[0].error is not None and results[0].error.edge_code == "not_found"
+
+
+async def test_losing_the_scheduler_answers_only_the_calls_waiting_for_a_grant(parts) -> None:
+    dispatcher, _, _, results = parts
+    dispatcher.submit(_call("waiting"), results.append)
+    dispatcher.submit(_call("running"), results.append)
+    dispatcher.on_grant(_grant("running"))
+    dispatcher.on_scheduler_lost()
+    assert [(r.request_id, r.error.edge_code) for r in results if r.error] == [("waiting", "unavailable")]
+    dispatcher.on_worker_reply(model_pool_pb2.InferReply(request_id="running", worker_id="w1"), b"")
+    assert [r.request_id for r in results] == ["waiting", "running"]
+
+
+async def test_a_disconnected_scheduler_means_unavailable_at_once(parts) -> None:
+    dispatcher, scheduler, _, results = parts
+    scheduler.connected = False
+    dispatcher.submit(_call(), results.append)
+    assert results[0].error is not None and results[0].error.edge_code == "unavailable"
+    assert scheduler.enqueued == []
+
+
+async def test_a_worker_that_cannot_take_the_request_is_reported_retryable(parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    workers.refuse = True
+    dispatcher.submit(_call(), results.append)
+    dispatcher.on_grant(_grant())
+    assert results == []
+    assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
+
+
+async def test_a_worker_that_never_replies_is_answered_expired_by_the_watchdog(parts) -> None:
+    dispatcher, scheduler, _, results = parts
+    dispatcher.submit(_call(), results.append)
+    dispatcher.on_grant(_grant())
+    await asyncio.sleep(0.15)
+    assert results[0].error is not None and results[0].error.edge_code == "expired"
+    assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_EXPIRED, False)]
+
+
+async def test_cancel_before_the_grant_gives_back_the_slot_when_it_comes(parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.submit(_call(), results.append)
+    dispatcher.cancel("r1")
+    assert scheduler.cancelled == ["r1"]
+    dispatcher.on_grant(_grant())
+    assert workers.sent == [] and results == []
+    assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_CANCELLED, False)]

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadmaster.common.config import LimitsSettings
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.tensors import encode_tensors
+from loadmaster.gateway.validation import observation_to_call, parse_observation
+from loadmaster.v1 import edge_pb2, tensor_pb2
+
+LIMITS = LimitsSettings()
+
+
+def _observation(**tensors: np.ndarray) -> tuple[edge_pb2.Observation, bytes]:
+    descriptors, payload = encode_tensors(tensors)
+    observation = edge_pb2.Observation(model_id="double", tensors=descriptors, priority=2, urgency=0.5)
+    observation.client.id = "robot-1"
+    return observation, bytes(payload)
+
+
+def test_a_valid_observation_becomes_a_call_without_copying_the_payload() -> None:
+    observation, payload = _observation(x=np.arange(4, dtype=np.float32))
+    observation.metadata["timeout_ms"] = "25"
+    observation.steps_remaining = 3
+    call = observation_to_call(observation, payload, request_id="r1", limits=LIMITS)
+    assert (call.model_id, call.client_id, call.priority, call.urgency) == ("double", "robot-1", 2, 0.5)
+    assert call.timeout_ms == 25.0
+    assert call.steps_remaining == 3
+    assert call.payload is payload
+
+
+def test_steps_remaining_absent_stays_none() -> None:
+    observation, payload = _observation(x=np.zeros(1, dtype=np.float32))
+    assert observation_to_call(observation, payload, request_id="r", limits=LIMITS).steps_remaining is None
+
+
+def test_garbage_envelope_is_invalid_argument() -> None:
+    with pytest.raises(InvalidArgumentError, match="not an Observation"):
+        parse_observation(b"\xff\xff\xff\xff", LIMITS)
+
+
+def test_missing_model_id_is_invalid_argument() -> None:
+    with pytest.raises(InvalidArgumentError, match="model_id"):
+        parse_observation(edge_pb2.Observation().SerializeToString(), LIMITS)
+
+
+def test_oversized_envelope_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="envelope"):
+        parse_observation(b"x" * 100, LimitsSettings(max_envelope_bytes=10))
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "nan", "inf"])
+def test_bad_timeout_metadata_names_the_field(value: str) -> None:
+    observation, payload = _observation(x=np.zeros(1, dtype=np.float32))
+    observation.metadata["timeout_ms"] = value
+    with pytest.raises(InvalidArgumentError, match="timeout_ms"):
+        observation_to_call(observation, payload, request_id="r", limits=LIMITS)
+
+
+def test_tensor_that_does_not_match_the_payload_names_the_tensor() -> None:
+    observation = edge_pb2.Observation(model_id="double")
+    observation.tensors.append(
+        tensor_pb2.Tensor(key="state", dtype=tensor_pb2.FLOAT32, shape=[8], byte_offset=0, byte_length=32)
+    )
+    with pytest.raises(InvalidArgumentError, match="'state'"):
+        observation_to_call(observation, b"\x00" * 16, request_id="r", limits=LIMITS)
+
+
+def test_metadata_over_the_limit_is_refused() -> None:
+    observation, payload = _observation(x=np.zeros(1, dtype=np.float32))
+    observation.metadata["blob"] = "y" * 100
+    with pytest.raises(InvalidArgumentError, match="metadata"):
+        observation_to_call(
+            observation, payload, request_id="r", limits=LimitsSettings(max_metadata_bytes=50)
+        )
+
+
+def test_urgency_is_clamped_into_zero_to_one() -> None:
+    observation, payload = _observation(x=np.zeros(1, dtype=np.float32))
+    observation.urgency = 7.0
+    assert observation_to_call(observation, payload, request_id="r", limits=LIMITS).urgency == 1.0
