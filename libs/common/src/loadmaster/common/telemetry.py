@@ -106,7 +106,10 @@ class TelemetryReporter:
                 async with aio_channel(self._address) as channel:
                     stub = metrics_pb2_grpc.MetricsStub(channel)
                     await stub.Report(self._batches())
+                if self._closing:
                     return
+                log.info("metrics service at %s ended the report stream; reconnecting", self._address)
+                backoff = 0.1
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as error:

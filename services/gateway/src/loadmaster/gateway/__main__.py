@@ -8,7 +8,7 @@ from loadmaster.gateway.server import build
 
 
 async def _main(settings: Settings) -> None:
-    server, _ = await build(settings)
+    server = await build(settings)
     await server.run()
 
 

@@ -13,7 +13,7 @@ from loadmaster.gateway.frontends.edge import EdgeFrontend
 from loadmaster.gateway.scheduler_link import SchedulerLink
 from loadmaster.gateway.worker_link import WorkerLinks
 
-__all__ = ["Gateway", "build"]
+__all__ = ["Gateway", "GatewayServer", "build"]
 
 
 class Gateway:
@@ -56,10 +56,16 @@ class Gateway:
         self.context.term()
 
 
-async def build(settings: Settings) -> tuple[GrpcServer, Gateway]:
-    """The gateway's gRPC server (health, reflection; KServe later) and its running parts."""
-    gateway = Gateway(settings)
-    server = GrpcServer("gateway", settings.gateway.listen_address)
-    server.on_start(gateway.start)
-    server.on_stop(gateway.stop)
-    return server, gateway
+class GatewayServer(GrpcServer):
+    """The gateway's gRPC server (health, reflection; KServe v2 later) with its running parts."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__("gateway", settings.gateway.listen_address)
+        self.gateway = Gateway(settings)
+        self.on_start(self.gateway.start)
+        self.on_stop(self.gateway.stop)
+
+
+async def build(settings: Settings) -> GatewayServer:
+    """The wired gateway, not yet started."""
+    return GatewayServer(settings)

@@ -1,0 +1,91 @@
+"""The metrics core: one ingest path feeding the windows, the Prometheus exposition
+and the watchers, and the queries over them. The gRPC servicer and the HTTP app
+only translate to and from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry
+
+from loadmaster.common.clock import Clock
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.metrics.exposition import Exposition, ServiceMetrics
+from loadmaster.metrics.subscriptions import Subscription, Subscriptions
+from loadmaster.metrics.windows import Sample, Windows, WindowStats, label_set
+
+__all__ = ["MetricsHub"]
+
+
+class MetricsHub:
+    def __init__(
+        self,
+        *,
+        ring_size: int,
+        clock: Clock,
+        max_series: int = 10_000,
+        max_pending_per_watcher: int = 4096,
+        registry: CollectorRegistry | None = None,
+        process_metrics: bool = True,
+    ) -> None:
+        self._clock = clock
+        self.windows = Windows(ring_size=ring_size, clock=clock, max_series=max_series)
+        self.subscriptions = Subscriptions(max_pending=max_pending_per_watcher)
+        self.exposition = Exposition(registry)
+        self.own = ServiceMetrics(
+            self.exposition.registry,
+            series=lambda: self.windows.series_count,
+            watchers=lambda: len(self.subscriptions),
+            process=process_metrics,
+        )
+        self.closed = asyncio.Event()  # set when the service stops
+
+    def ingest(self, samples: Sequence[Sample], *, service: str = "") -> int:
+        """Keep `samples` (reported together by `service`); returns how many were accepted.
+        Samples without a name or with a non-finite value are refused, as are samples of new
+        series past the series limit."""
+        started = self._clock.monotonic()
+        valid = [sample for sample in samples if sample.name and math.isfinite(sample.value)]
+        refused_before = self.windows.refused
+        kept = self.windows.ingest(valid)
+        self.exposition.observe(kept)
+        dropped_before = self.subscriptions.dropped
+        self.subscriptions.publish(kept)
+
+        own = self.own
+        if kept:
+            own.samples_accepted.labels(service).inc(len(kept))
+        if len(valid) < len(samples):
+            own.samples_refused.labels("invalid").inc(len(samples) - len(valid))
+        if self.windows.refused > refused_before:
+            own.samples_refused.labels("series_limit").inc(self.windows.refused - refused_before)
+        if self.subscriptions.dropped > dropped_before:
+            own.watch_dropped.inc(self.subscriptions.dropped - dropped_before)
+        own.ingest_seconds.observe(max(0.0, self._clock.monotonic() - started))
+        return len(kept)
+
+    def stats(self, name: str, labels: Mapping[str, str], *, window_s: float) -> WindowStats:
+        if not name:
+            raise InvalidArgumentError("name is required")
+        if math.isnan(window_s) or window_s < 0:
+            raise InvalidArgumentError(f"window_s must be >= 0 (0 = everything kept), got {window_s}")
+        return self.windows.stats(name, label_set(labels), window_s=window_s)
+
+    def latest(self, name: str, labels: Mapping[str, str]) -> list[Sample]:
+        """The newest sample of each matching series; an empty `name` matches every name."""
+        return self.windows.latest(name or None, label_set(labels))
+
+    @contextmanager
+    def watch(self, *, names: Iterable[str], labels: Mapping[str, str]) -> Iterator[Subscription]:
+        """New matching samples for the duration of the `with` block; empty `names` = all."""
+        with self.subscriptions.watch(names=names, labels=label_set(labels)) as subscription:
+            yield subscription
+
+    def close(self) -> None:
+        """The service is stopping: end every watch and tell reporters to go away."""
+        self.closed.set()
+        self.subscriptions.close_all()

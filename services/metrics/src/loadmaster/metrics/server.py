@@ -1,0 +1,56 @@
+"""Wiring of the metrics service: the hub behind the gRPC `Metrics` service and the HTTP app."""
+
+from __future__ import annotations
+
+from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.config import Settings
+from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.metrics.http import HttpServer, create_app
+from loadmaster.metrics.hub import MetricsHub
+from loadmaster.metrics.servicer import MetricsServicer
+from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
+
+__all__ = ["SERVICE_NAME", "MetricsServer", "build"]
+
+SERVICE_NAME = metrics_pb2.DESCRIPTOR.services_by_name["Metrics"].full_name
+
+
+class MetricsServer(GrpcServer):
+    """The service's gRPC server, holding the hub and the HTTP server it runs alongside."""
+
+    def __init__(self, listen: str, *, hub: MetricsHub, http: HttpServer) -> None:
+        super().__init__("metrics", listen)
+        self.hub = hub
+        self.http = http
+
+    @property
+    def http_port(self) -> int | None:
+        """The bound HTTP port once started (the real one when configured as 0)."""
+        return self.http.port
+
+
+async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsServer:
+    """A wired, not yet started metrics server; `start()` also starts the HTTP endpoint."""
+    config = settings.metrics
+    hub = MetricsHub(ring_size=config.ring_size, clock=clock or SystemClock())
+    serving = False
+    app = create_app(hub.exposition, serving=lambda: serving)
+    server = MetricsServer(
+        config.listen_address, hub=hub, http=HttpServer(app, host=config.http_host, port=config.http_port)
+    )
+    server.add_service(SERVICE_NAME, metrics_pb2_grpc.add_MetricsServicer_to_server, MetricsServicer(hub))
+
+    async def start_http() -> None:
+        nonlocal serving
+        await server.http.start()
+        serving = True
+
+    async def stop() -> None:
+        nonlocal serving
+        serving = False
+        hub.close()  # ends Watch streams, so the gRPC grace period is not spent waiting on them
+        await server.http.stop()
+
+    server.on_start(start_http)
+    server.on_stop(stop)
+    return server

@@ -1,0 +1,109 @@
+"""`loadmaster.v1.Metrics` over gRPC: protobuf <-> hub values, nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import grpc
+
+from loadmaster.common.errors import UnavailableError
+from loadmaster.metrics.hub import MetricsHub
+from loadmaster.metrics.windows import Sample, WindowStats, label_set
+from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
+
+__all__ = ["MetricsServicer", "sample_to_proto", "samples_from_batch", "stats_to_proto"]
+
+_T = TypeVar("_T")
+
+
+def samples_from_batch(batch: metrics_pb2.ReportBatch) -> list[Sample]:
+    """The batch's samples, each labelled with the reporting `service`."""
+    service = batch.service
+    return [
+        Sample(s.name, s.value, label_set(s.labels, service=service), s.timestamp_unix_ns)
+        for s in batch.samples
+    ]
+
+
+def sample_to_proto(sample: Sample) -> metrics_pb2.Sample:
+    return metrics_pb2.Sample(
+        name=sample.name,
+        value=sample.value,
+        labels=dict(sample.labels),
+        timestamp_unix_ns=sample.timestamp_unix_ns,
+    )
+
+
+def stats_to_proto(stats: WindowStats) -> metrics_pb2.Stats:
+    return metrics_pb2.Stats(
+        count=stats.count,
+        mean=stats.mean,
+        min=stats.min,
+        p50=stats.p50,
+        p95=stats.p95,
+        p99=stats.p99,
+        max=stats.max,
+        sum=stats.sum,
+    )
+
+
+class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
+    def __init__(self, hub: MetricsHub) -> None:
+        self._hub = hub
+
+    async def Report(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[metrics_pb2.ReportBatch],
+        context: grpc.aio.ServicerContext,
+    ) -> metrics_pb2.ReportAck:
+        accepted = 0
+        async for batch in _until_set(self._hub.closed, request_iterator):
+            accepted += self._hub.ingest(samples_from_batch(batch), service=batch.service)
+        if self._hub.closed.is_set():
+            # Reporters hold this stream open for their lifetime: end it now rather than
+            # hold up shutdown for the grace period; UNAVAILABLE makes them reconnect later.
+            raise UnavailableError("metrics service is stopping")
+        return metrics_pb2.ReportAck(accepted=accepted)
+
+    async def GetStats(  # noqa: N802
+        self, request: metrics_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> metrics_pb2.GetStatsResponse:
+        stats = self._hub.stats(request.name, request.labels, window_s=request.window_s)
+        return metrics_pb2.GetStatsResponse(stats=stats_to_proto(stats))
+
+    async def GetLatest(  # noqa: N802
+        self, request: metrics_pb2.GetLatestRequest, context: grpc.aio.ServicerContext
+    ) -> metrics_pb2.GetLatestResponse:
+        samples = self._hub.latest(request.name, request.labels)
+        return metrics_pb2.GetLatestResponse(samples=[sample_to_proto(s) for s in samples])
+
+    async def Watch(  # noqa: N802
+        self, request: metrics_pb2.WatchMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[metrics_pb2.Sample]:
+        with self._hub.watch(names=request.names, labels=request.labels) as subscription:
+            # Headers go out once subscribed: a client that awaits them misses nothing after.
+            await context.send_initial_metadata(())
+            async for batch in subscription:
+                for sample in batch:
+                    yield sample_to_proto(sample)
+
+
+async def _until_set(event: asyncio.Event, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
+    """The items of `items` until they end or `event` is set, whichever comes first."""
+    stopped = asyncio.ensure_future(event.wait())
+    try:
+        while not event.is_set():
+            item = asyncio.ensure_future(anext(items))
+            await asyncio.wait((item, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not item.done():
+                item.cancel()
+                return
+            try:
+                value = item.result()
+            except StopAsyncIteration:
+                return
+            yield value
+    finally:
+        stopped.cancel()

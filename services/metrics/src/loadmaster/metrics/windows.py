@@ -1,0 +1,273 @@
+"""Sample windows: a ring buffer per series, stats and latest values over them.
+
+A series is one metric name with one label set; the label set includes `service`,
+the service that reported it. Each series keeps its last `ring_size` samples in
+two preallocated numpy arrays (receive time, value), so memory per series is fixed
+and ingest is two array stores. Arrays start small and double up to `ring_size`,
+so the many series that only ever see a handful of samples (gauges, rare error
+codes) do not each hold a full ring.
+
+Windows are measured on the injected clock's monotonic time at which a sample was
+ingested (reporters flush every few hundred ms), not on the reporter's wall clock,
+so a reporter with a skewed clock cannot push its samples out of, or into, a window.
+The reporter's timestamp is kept for the latest sample of each series.
+
+Stats aggregate every series of a name whose labels include the requested labels,
+over the samples still in the rings. Pure code: no I/O, time comes from a `Clock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from loadmaster.common.clock import Clock
+
+__all__ = [
+    "LabelSet",
+    "Sample",
+    "Series",
+    "SeriesKey",
+    "WindowStats",
+    "Windows",
+    "label_set",
+    "matches_labels",
+]
+
+log = logging.getLogger(__name__)
+
+LabelSet = frozenset[tuple[str, str]]
+SeriesKey = tuple[str, LabelSet]
+
+_INITIAL_CAPACITY = 64
+_PERCENTILES = (50.0, 95.0, 99.0)
+_NO_SERIES: Mapping[LabelSet, Series] = {}
+
+
+def label_set(labels: Mapping[str, str], **extra: str) -> LabelSet:
+    """The frozen label set of `labels` with `extra` added (an `extra` key wins)."""
+    if extra:
+        return frozenset({**labels, **extra}.items())
+    return frozenset(labels.items())
+
+
+def matches_labels(series_labels: LabelSet, wanted: LabelSet) -> bool:
+    """A series matches when it carries every wanted label with the same value."""
+    return wanted <= series_labels
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One observation of a series; `labels` include `service`."""
+
+    name: str
+    value: float
+    labels: LabelSet
+    timestamp_unix_ns: int = 0
+
+    @property
+    def key(self) -> SeriesKey:
+        return (self.name, self.labels)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    count: int = 0
+    mean: float = 0.0
+    min: float = 0.0
+    p50: float = 0.0
+    p95: float = 0.0
+    p99: float = 0.0
+    max: float = 0.0
+    sum: float = 0.0
+
+    @classmethod
+    def of(cls, values: npt.NDArray[np.float64]) -> WindowStats:
+        """Stats of `values` (any order); zeros when empty. Percentiles interpolate linearly."""
+        count = int(values.size)
+        if count == 0:
+            return cls()
+        total = float(values.sum())
+        p50, p95, p99 = (float(p) for p in np.percentile(values, _PERCENTILES))
+        return cls(
+            count=count,
+            mean=total / count,
+            min=float(values.min()),
+            p50=p50,
+            p95=p95,
+            p99=p99,
+            max=float(values.max()),
+            sum=total,
+        )
+
+
+class Series:
+    """The last `capacity` samples of one series, oldest overwritten first."""
+
+    __slots__ = (
+        "_next",
+        "_received",
+        "_size",
+        "_values",
+        "capacity",
+        "labels",
+        "last_timestamp_unix_ns",
+        "last_value",
+        "name",
+        "total",
+    )
+
+    def __init__(self, name: str, labels: LabelSet, *, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.name = name
+        self.labels = labels
+        self.capacity = capacity
+        initial = min(capacity, _INITIAL_CAPACITY)
+        self._received = np.empty(initial, dtype=np.float64)
+        self._values = np.empty(initial, dtype=np.float64)
+        self._next = 0  # index of the next write
+        self._size = 0  # samples held
+        self.total = 0  # samples ever appended
+        self.last_value = 0.0
+        self.last_timestamp_unix_ns = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, received: float, value: float, timestamp_unix_ns: int) -> None:
+        index = self._next
+        if index == self._values.shape[0]:
+            if index < self.capacity:
+                self._grow()
+            else:
+                index = 0
+        self._received[index] = received
+        self._values[index] = value
+        self._next = index + 1
+        if self._size < self.capacity:
+            self._size += 1
+        self.total += 1
+        self.last_value = value
+        self.last_timestamp_unix_ns = timestamp_unix_ns
+
+    def _grow(self) -> None:
+        # Only before the first wrap: the arrays are then filled from index 0 in order.
+        size = min(self.capacity, 2 * self._values.shape[0])
+        received = np.empty(size, dtype=np.float64)
+        values = np.empty(size, dtype=np.float64)
+        held = self._size
+        received[:held] = self._received[:held]
+        values[:held] = self._values[:held]
+        self._received, self._values = received, values
+
+    def values_since(self, cutoff: float | None) -> npt.NDArray[np.float64]:
+        """Values received at or after `cutoff` (all when None), in no particular order."""
+        values = self._values[: self._size]
+        if cutoff is None:
+            return values
+        return values[self._received[: self._size] >= cutoff]
+
+    def latest(self) -> Sample:
+        return Sample(self.name, self.last_value, self.labels, self.last_timestamp_unix_ns)
+
+
+class Windows:
+    """Every series kept, indexed by name. At most `max_series` series: samples of
+    further new series are refused (a label with unbounded values is a reporter bug)."""
+
+    def __init__(self, *, ring_size: int, clock: Clock, max_series: int = 10_000) -> None:
+        if ring_size < 1:
+            raise ValueError("ring_size must be >= 1")
+        self.ring_size = ring_size
+        self.max_series = max_series
+        self._clock = clock
+        self._by_name: dict[str, dict[LabelSet, Series]] = {}
+        self._series_count = 0
+        self.refused = 0  # samples refused because the series limit was reached
+        self._warned_full = False
+
+    @property
+    def series_count(self) -> int:
+        return self._series_count
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def series(self, name: str | None = None) -> Iterator[Series]:
+        """Every series of `name` (of every name when None)."""
+        if name is not None:
+            yield from self._by_name.get(name, {}).values()
+            return
+        for by_labels in self._by_name.values():
+            yield from by_labels.values()
+
+    def ingest(self, samples: Iterable[Sample]) -> list[Sample]:
+        """Append `samples`, all received now; returns those kept (refused ones are counted)."""
+        received = self._clock.monotonic()
+        wall_ns = 0
+        kept: list[Sample] = []
+        by_name = self._by_name
+        for sample in samples:
+            series = by_name.get(sample.name, _NO_SERIES).get(sample.labels)
+            if series is None:
+                series = self._new_series(sample)
+                if series is None:
+                    continue
+            timestamp = sample.timestamp_unix_ns
+            if timestamp <= 0:
+                if wall_ns == 0:
+                    wall_ns = int(self._clock.time() * 1e9)
+                timestamp = wall_ns
+            series.append(received, sample.value, timestamp)
+            kept.append(sample)
+        return kept
+
+    def _new_series(self, sample: Sample) -> Series | None:
+        if self._series_count >= self.max_series:
+            self.refused += 1
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning(
+                    "series limit %d reached; refusing samples of new series (first: %s %s)",
+                    self.max_series,
+                    sample.name,
+                    dict(sample.labels),
+                )
+            return None
+        series = Series(sample.name, sample.labels, capacity=self.ring_size)
+        self._by_name.setdefault(sample.name, {})[sample.labels] = series
+        self._series_count += 1
+        return series
+
+    def stats(self, name: str, labels: LabelSet = frozenset(), *, window_s: float = 0.0) -> WindowStats:
+        """Stats of `name` over the last `window_s` seconds (0 = everything kept), across every
+        series whose labels include `labels`."""
+        if window_s < 0 or math.isnan(window_s):
+            raise ValueError("window_s must be >= 0")
+        cutoff = None if window_s == 0 or math.isinf(window_s) else self._clock.monotonic() - window_s
+        parts = [
+            series.values_since(cutoff)
+            for series in self.series(name)
+            if matches_labels(series.labels, labels)
+        ]
+        if not parts:
+            return WindowStats()
+        values = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return WindowStats.of(values)
+
+    def latest(self, name: str | None = None, labels: LabelSet = frozenset()) -> list[Sample]:
+        """The newest sample of each series of `name` (of every name when None) whose labels
+        include `labels`, ordered by name then labels."""
+        found = [
+            series.latest()
+            for series in self.series(name)
+            if len(series) and matches_labels(series.labels, labels)
+        ]
+        found.sort(key=lambda sample: (sample.name, sorted(sample.labels)))
+        return found
