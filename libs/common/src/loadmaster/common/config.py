@@ -108,6 +108,7 @@ class GpuSpec(_Section):
 
 class GpuBrokerSettings(ServiceEndpoint):
     address: str = "127.0.0.1:50053"
+    node: str = "local"  # the node whose GPUs NVML finds, when it finds any
     lease_ttl_s: float = Field(default=30.0, gt=0)
     reserve_mb: int = Field(default=512, ge=0)
     key_prefix: str = "loadmaster:gpu"

@@ -1,0 +1,74 @@
+"""Wiring: `build(settings)` returns the broker's gRPC server, not yet started.
+
+Background work (event subscription, inventory registration, reaper, telemetry) starts
+in an `on_start` hook and stops in an `on_stop` hook, so `server.start()` / `stop()`
+(or `run()`) own the whole lifecycle.
+"""
+
+from __future__ import annotations
+
+from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.config import Settings
+from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.common.service import default_instance_id
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.gpu_broker.events import LeaseEventHub
+from loadmaster.gpu_broker.inventory import local_inventory
+from loadmaster.gpu_broker.manager import LeaseManager
+from loadmaster.gpu_broker.reaper import Reaper
+from loadmaster.gpu_broker.servicer import GpuBrokerServicer
+from loadmaster.gpu_broker.store import RedisLeaseStore
+from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc
+
+__all__ = ["SERVICE_NAME", "build"]
+
+SERVICE_NAME = gpu_broker_pb2.DESCRIPTOR.services_by_name["GpuBroker"].full_name
+
+
+async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
+    if not settings.redis_url:
+        raise ValueError(
+            "Redis is required: set REDIS_URL (or redis_url in loadmaster.yaml), "
+            "e.g. redis://127.0.0.1:6379/0"
+        )
+    clock = clock or SystemClock()
+    config = settings.gpu_broker
+    store = RedisLeaseStore.connect(settings.redis_url, key_prefix=config.key_prefix)
+    telemetry = (
+        TelemetryReporter("gpu-broker", default_instance_id(), settings.metrics.address)
+        if settings.metrics.enabled
+        else None
+    )
+    manager = LeaseManager(
+        store,
+        clock=clock,
+        default_ttl_s=config.lease_ttl_s,
+        default_reserve_mb=config.reserve_mb,
+        telemetry=telemetry,
+    )
+    hub = LeaseEventHub(store, clock=clock)
+    # NVML GPUs are those of this host: registered under the node name the local model-pool uses.
+    inventory = local_inventory(config, node=settings.gpu_broker.node)
+    reaper = Reaper(manager, clock=clock, inventory=inventory, telemetry=telemetry)
+
+    server = GrpcServer("gpu-broker", config.listen_address)
+    server.add_service(
+        SERVICE_NAME, gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server, GpuBrokerServicer(manager, hub)
+    )
+
+    async def start() -> None:
+        if telemetry is not None:
+            telemetry.start()
+        await hub.start()
+        await reaper.start()
+
+    async def stop() -> None:
+        await reaper.stop()
+        await hub.stop()
+        if telemetry is not None:
+            await telemetry.close()
+        await store.close()
+
+    server.on_start(start)
+    server.on_stop(stop)
+    return server

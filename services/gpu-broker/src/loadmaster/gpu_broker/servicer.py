@@ -1,0 +1,145 @@
+"""`GpuBrokerServicer`: protobuf in, `LeaseManager` / `LeaseEventHub`, protobuf out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from loadmaster.gpu_broker.events import LeaseEventHub
+from loadmaster.gpu_broker.leases import (
+    AcquireRequest,
+    GpuState,
+    Lease,
+    LeaseEvent,
+    LeaseEventKind,
+    PlacementRequest,
+)
+from loadmaster.gpu_broker.manager import LeaseManager
+from loadmaster.v1 import gpu_broker_pb2 as pb
+from loadmaster.v1 import gpu_broker_pb2_grpc
+
+__all__ = ["GpuBrokerServicer", "acquire_from_proto", "event_to_proto", "gpu_to_proto", "lease_to_proto"]
+
+_KINDS = {
+    LeaseEventKind.ACQUIRED: pb.LeaseEvent.KIND_ACQUIRED,
+    LeaseEventKind.RENEWED: pb.LeaseEvent.KIND_RENEWED,
+    LeaseEventKind.RELEASED: pb.LeaseEvent.KIND_RELEASED,
+    LeaseEventKind.EXPIRED: pb.LeaseEvent.KIND_EXPIRED,
+}
+
+
+def gpu_to_proto(gpu: GpuState) -> pb.Gpu:
+    return pb.Gpu(
+        node=gpu.node,
+        index=gpu.index,
+        uuid=gpu.uuid,
+        name=gpu.name,
+        total_mb=gpu.total_mb,
+        reserve_mb=gpu.reserve_mb,
+        used_outside_mb=gpu.used_outside_mb,
+        leased_mb=gpu.leased_mb,
+        free_mb=gpu.free_mb,
+    )
+
+
+def gpu_from_proto(node: str, gpu: pb.Gpu) -> GpuState:
+    return GpuState(
+        node=node,
+        index=gpu.index,
+        total_mb=gpu.total_mb,
+        reserve_mb=gpu.reserve_mb,
+        used_outside_mb=gpu.used_outside_mb,
+        name=gpu.name,
+        uuid=gpu.uuid,
+    )
+
+
+def lease_to_proto(lease: Lease) -> pb.Lease:
+    return pb.Lease(
+        lease_id=lease.lease_id,
+        holder=lease.holder,
+        node=lease.node,
+        mb_per_gpu=dict(lease.mb_per_gpu),
+        labels=dict(lease.labels),
+        created_unix_ms=lease.created_unix_ms,
+        expires_unix_ms=lease.expires_unix_ms,
+        fencing_token=lease.fencing_token,
+    )
+
+
+def event_to_proto(event: LeaseEvent) -> pb.LeaseEvent:
+    return pb.LeaseEvent(
+        kind=_KINDS[event.kind], lease=lease_to_proto(event.lease), timestamp_unix_ms=event.timestamp_unix_ms
+    )
+
+
+def acquire_from_proto(request: pb.AcquireRequest) -> AcquireRequest:
+    return AcquireRequest(
+        client_request_id=request.client_request_id,
+        holder=request.holder,
+        placement=PlacementRequest(
+            mb=request.mb,
+            node=request.node,
+            gpus=tuple(sorted(set(request.gpus))),
+            allow_split=request.allow_split,
+        ),
+        ttl_s=request.ttl_s,
+        labels=dict(request.labels),
+    )
+
+
+class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
+    def __init__(self, manager: LeaseManager, hub: LeaseEventHub) -> None:
+        self._manager = manager
+        self._hub = hub
+
+    async def RegisterNode(  # noqa: N802 - gRPC method names
+        self, request: pb.RegisterNodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterNodeResponse:
+        gpus = [gpu_from_proto(request.node, gpu) for gpu in request.gpus]
+        registered = await self._manager.register_node(request.node, gpus)
+        return pb.RegisterNodeResponse(gpus=[gpu_to_proto(g) for g in registered])
+
+    async def Acquire(  # noqa: N802
+        self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AcquireResponse:
+        lease = await self._manager.acquire(acquire_from_proto(request))
+        return pb.AcquireResponse(lease=lease_to_proto(lease))
+
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:  # noqa: N802
+        lease = await self._manager.renew(
+            request.lease_id, fencing_token=request.fencing_token, ttl_s=request.ttl_s
+        )
+        return pb.RenewResponse(lease=lease_to_proto(lease))
+
+    async def Release(  # noqa: N802
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        released = await self._manager.release(request.lease_id, fencing_token=request.fencing_token)
+        return pb.ReleaseResponse(released=released)
+
+    async def ListLeases(  # noqa: N802
+        self, request: pb.ListLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLeasesResponse:
+        leases = await self._manager.leases(node=request.node, holder=request.holder)
+        return pb.ListLeasesResponse(leases=[lease_to_proto(lease) for lease in leases])
+
+    async def Inventory(  # noqa: N802
+        self, request: pb.InventoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InventoryResponse:
+        gpus = await self._manager.inventory(request.node)
+        return pb.InventoryResponse(gpus=[gpu_to_proto(g) for g in gpus])
+
+    async def Watch(  # noqa: N802
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LeaseEvent]:
+        watcher = self._hub.watch()
+        try:
+            # Headers go out once the watcher is registered: a client that awaits
+            # `call.initial_metadata()` knows every later event will reach it.
+            await context.send_initial_metadata(())
+            async for event in watcher:
+                yield event_to_proto(event)
+        finally:
+            watcher.close()

@@ -1,0 +1,333 @@
+"""`RedisLeaseStore`: every Redis call the broker makes, and the storage encoding.
+
+Each method is one script call (see `scripts.py`) plus the translation of its reply
+into domain values. Connection trouble becomes `UnavailableError` within about
+`timeout_s`; calls are never retried automatically (a retried acquire could grant
+twice), so callers retry with the same client_request_id instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from loadmaster.common.errors import FailedPreconditionError, UnavailableError
+from loadmaster.gpu_broker import scripts
+from loadmaster.gpu_broker.leases import (
+    AcquireRequest,
+    GpuState,
+    Lease,
+    LeaseEvent,
+    LeaseEventKind,
+    Placement,
+)
+
+__all__ = [
+    "IDEMPOTENCY_TTL_MS",
+    "AcquireOutcome",
+    "ChangeStatus",
+    "EventSubscription",
+    "Granted",
+    "LeaseChange",
+    "RedisLeaseStore",
+    "RequestReused",
+    "Snapshot",
+    "decode_alloc",
+    "encode_alloc",
+    "event_from_message",
+    "lease_from_fields",
+]
+
+log = logging.getLogger(__name__)
+
+# How long a client_request_id is remembered (at least; longer for long leases).
+IDEMPOTENCY_TTL_MS = 10 * 60 * 1000
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    lease: Lease
+    replayed: bool  # the request id had already been granted this (live) lease
+    reaped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The plan was missing or no longer fits: the GPUs in scope, as they are now."""
+
+    gpus: list[GpuState]
+    reaped: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReused:
+    """The request id already produced `lease_id`, now gone (`mismatch` = other parameters)."""
+
+    lease_id: str
+    mismatch: bool
+    reaped: int
+
+
+AcquireOutcome = Granted | Snapshot | RequestReused
+
+
+class ChangeStatus(StrEnum):
+    DONE = "done"
+    EXPIRED = "expired"
+    STALE = "stale"
+    GONE = "gone"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseChange:
+    """Result of renew/release. `detail`: the expiry (EXPIRED) or current token (STALE)."""
+
+    status: ChangeStatus
+    lease: Lease | None = None
+    detail: str = ""
+
+
+def encode_alloc(mb_per_gpu: Mapping[int, int]) -> str:
+    return ",".join(f"{index}={mb}" for index, mb in sorted(mb_per_gpu.items()))
+
+
+def decode_alloc(text: str) -> dict[int, int]:
+    if not text:
+        return {}
+    pairs = (part.split("=", 1) for part in text.split(","))
+    return {int(index): int(mb) for index, mb in pairs}
+
+
+def lease_from_fields(fields: Mapping[str, str]) -> Lease:
+    return Lease(
+        lease_id=fields["id"],
+        holder=fields["holder"],
+        node=fields["node"],
+        mb_per_gpu=decode_alloc(fields["alloc"]),
+        labels=json.loads(fields.get("labels") or "{}"),
+        created_unix_ms=int(fields["created_ms"]),
+        expires_unix_ms=int(fields["expires_ms"]),
+        fencing_token=int(fields["token"]),
+    )
+
+
+def _lease(flat: Sequence[str]) -> Lease:
+    return lease_from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
+
+
+def _gpu(row: Sequence[str]) -> GpuState:
+    node, index, total, reserve, outside, leased, name, uuid = row
+    return GpuState(
+        node=node,
+        index=int(index),
+        total_mb=int(total),
+        reserve_mb=int(reserve),
+        used_outside_mb=int(outside),
+        leased_mb=int(leased),
+        name=name,
+        uuid=uuid,
+    )
+
+
+def _gpus(rows: Sequence[Sequence[str]]) -> list[GpuState]:
+    return sorted((_gpu(row) for row in rows), key=lambda g: (g.node, g.index))
+
+
+def event_from_message(data: str) -> LeaseEvent:
+    """Decode one message of the events channel (raises ValueError/KeyError when malformed)."""
+    message = json.loads(data)
+    return LeaseEvent(
+        kind=LeaseEventKind(message["kind"]),
+        lease=lease_from_fields(message["lease"]),
+        timestamp_unix_ms=int(message["ts"]),
+    )
+
+
+class EventSubscription:
+    """One pub/sub connection on the events channel."""
+
+    def __init__(self, pubsub: PubSub) -> None:
+        self._pubsub = pubsub
+
+    async def next(self, timeout_s: float) -> LeaseEvent | None:
+        """The next event, or None after `timeout_s` without one (or for a malformed message)."""
+        try:
+            message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
+        except _REDIS_DOWN as error:
+            raise UnavailableError(f"lost the Redis event stream: {error}") from error
+        if message is None or message.get("type") != "message":
+            return None
+        try:
+            return event_from_message(message["data"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring a malformed lease event: %.200r", message["data"])
+            return None
+
+    async def close(self) -> None:
+        try:
+            await self._pubsub.aclose()
+        except Exception:
+            log.debug("closing the event subscription failed", exc_info=True)
+
+
+class RedisLeaseStore:
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str) -> None:
+        self._redis = client
+        self._prefix = key_prefix
+        self.channel = f"{key_prefix}:events"
+        self._keys = [f"{key_prefix}:nodes", f"{key_prefix}:expiry", f"{key_prefix}:fence"]
+        self._acquire = client.register_script(scripts.ACQUIRE_SCRIPT)
+        self._renew = client.register_script(scripts.RENEW_SCRIPT)
+        self._release = client.register_script(scripts.RELEASE_SCRIPT)
+        self._reap = client.register_script(scripts.REAP_SCRIPT)
+        self._register = client.register_script(scripts.REGISTER_SCRIPT)
+        self._inventory = client.register_script(scripts.INVENTORY_SCRIPT)
+        self._list = client.register_script(scripts.LIST_LEASES_SCRIPT)
+
+    @classmethod
+    def connect(
+        cls, url: str, *, key_prefix: str, timeout_s: float = 1.0, max_connections: int = 64
+    ) -> RedisLeaseStore:
+        """A store on `url`. Opens no connection until the first call."""
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            timeout=timeout_s,  # waiting for a free pooled connection
+            max_connections=max_connections,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=5,
+        )
+        return cls(aioredis.Redis.from_pool(pool), key_prefix=key_prefix)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def _call(self, script: AsyncScript, now_ms: int, *args: str | int) -> Any:
+        try:
+            return await script(keys=self._keys, args=[self._prefix, now_ms, self.channel, *args])
+        except _REDIS_DOWN as error:
+            raise UnavailableError(f"Redis unreachable: {error}") from error
+
+    def _request_key(self, holder: str, client_request_id: str) -> str:
+        # Length-prefixed, so ("a:b", "c") and ("a", "b:c") never share a record.
+        return f"{self._prefix}:request:{len(holder)}:{holder}:{client_request_id}"
+
+    async def acquire(
+        self,
+        request: AcquireRequest,
+        *,
+        now_ms: int,
+        lease_id: str,
+        ttl_ms: int,
+        placement: Placement | None,
+    ) -> AcquireOutcome:
+        """Grant `placement` if it still fits; with no placement, report the GPUs in scope."""
+        wanted = request.placement
+        request_key = ""
+        if request.client_request_id:
+            request_key = self._request_key(request.holder, request.client_request_id)
+        fingerprint = f"{wanted.node}|{wanted.mb}|{sorted(set(wanted.gpus))}|{int(wanted.allow_split)}"
+        reply = await self._call(
+            self._acquire,
+            now_ms,
+            request_key,
+            fingerprint,
+            max(IDEMPOTENCY_TTL_MS, 2 * ttl_ms),
+            wanted.node,
+            lease_id,
+            request.holder,
+            placement.node if placement else "",
+            encode_alloc(placement.mb_per_gpu) if placement else "",
+            ttl_ms,
+            json.dumps(dict(request.labels), sort_keys=True),
+        )
+        status, reaped, body = reply[0], int(reply[1]), reply[2]
+        if status in ("granted", "replayed"):
+            return Granted(lease=_lease(body), replayed=status == "replayed", reaped=reaped)
+        if status == "state":
+            return Snapshot(gpus=_gpus(body), reaped=reaped)
+        if status in ("gone", "mismatch"):
+            return RequestReused(lease_id=body, mismatch=status == "mismatch", reaped=reaped)
+        raise RuntimeError(f"unexpected acquire script reply {status!r}")
+
+    async def renew(self, lease_id: str, *, now_ms: int, fencing_token: int, ttl_ms: int) -> LeaseChange:
+        reply = await self._call(self._renew, now_ms, lease_id, fencing_token, ttl_ms)
+        return _change(reply, done="renewed")
+
+    async def release(self, lease_id: str, *, now_ms: int, fencing_token: int) -> LeaseChange:
+        reply = await self._call(self._release, now_ms, lease_id, fencing_token)
+        return _change(reply, done="released")
+
+    async def reap(self, *, now_ms: int, limit: int = scripts.REAP_BATCH) -> int:
+        """Reclaim up to `limit` expired leases; returns how many."""
+        return int(await self._call(self._reap, now_ms, limit))
+
+    async def register_node(self, node: str, gpus: Sequence[GpuState], *, now_ms: int) -> list[GpuState]:
+        """Set `node`'s GPUs, keeping leased memory; refuses to drop a GPU that holds leases."""
+        spec = [
+            {
+                "index": g.index,
+                "total_mb": g.total_mb,
+                "reserve_mb": g.reserve_mb,
+                "used_outside_mb": g.used_outside_mb,
+                "name": g.name,
+                "uuid": g.uuid,
+            }
+            for g in gpus
+        ]
+        reply = await self._call(self._register, now_ms, node, json.dumps(spec))
+        if reply[0] == "busy":
+            raise FailedPreconditionError(
+                f"node {node!r}: GPU {reply[1]} still holds {reply[2]} MB of live leases; "
+                "it cannot be dropped until they are released or expire"
+            )
+        return _gpus(reply[1])
+
+    async def inventory(self, node: str = "", *, now_ms: int) -> list[GpuState]:
+        return _gpus(await self._call(self._inventory, now_ms, node))
+
+    async def leases(self, *, now_ms: int, node: str = "", holder: str = "") -> list[Lease]:
+        return [_lease(flat) for flat in await self._call(self._list, now_ms, node, holder)]
+
+    async def subscribe(self, *, timeout_s: float = 1.0) -> EventSubscription:
+        """Subscribe to the events channel; returns once Redis confirmed the subscription."""
+        pubsub = self._redis.pubsub()
+        try:
+            await pubsub.subscribe(self.channel)
+            confirmation = await pubsub.get_message(timeout=timeout_s)
+            if confirmation is None or confirmation.get("type") != "subscribe":
+                raise UnavailableError(f"Redis did not confirm the subscription to {self.channel}")
+        except _REDIS_DOWN as error:
+            await pubsub.aclose()
+            raise UnavailableError(f"Redis unreachable: {error}") from error
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return EventSubscription(pubsub)
+
+
+def _change(reply: Sequence[Any], *, done: str) -> LeaseChange:
+    status = reply[0]
+    if status == done:
+        return LeaseChange(ChangeStatus.DONE, lease=_lease(reply[1]))
+    if status in ("expired", "stale"):
+        return LeaseChange(ChangeStatus(status), detail=str(reply[1]) if len(reply) > 1 else "")
+    if status == "gone":
+        return LeaseChange(ChangeStatus.GONE)
+    raise RuntimeError(f"unexpected script reply {status!r}")
