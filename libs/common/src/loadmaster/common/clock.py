@@ -54,7 +54,7 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self._now += seconds
-        due = [(t, f) for t, f in self._sleepers if t <= self._now]
+        due = sorted((entry for entry in self._sleepers if entry[0] <= self._now), key=lambda e: e[0])
         self._sleepers = [(t, f) for t, f in self._sleepers if t > self._now]
         for _, future in due:
             if not future.done():

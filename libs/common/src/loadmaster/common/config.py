@@ -9,11 +9,12 @@ reads `os.environ`. Units are in the names (`_ms`, `_s`, `_mb`, `_bytes`).
 from __future__ import annotations
 
 import contextvars
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 __all__ = [
@@ -80,6 +81,7 @@ class GatewaySettings(ServiceEndpoint):
 
 class SchedulerSettings(ServiceEndpoint):
     address: str = "127.0.0.1:50051"
+    strategy: str = "priority"  # the order of each model's queue (see loadmaster.scheduler.strategies)
     max_queue_size: int = Field(default=1000, ge=1)
     request_ttl_ms: float = Field(default=5000.0, gt=0)
     overflow_policy: Literal["drop_oldest", "reject_newest"] = "drop_oldest"
@@ -159,7 +161,10 @@ class ClientsSettings(_Section):
     known: dict[str, ClientSettings] = Field(default_factory=dict)
 
     def for_client(self, client_id: str) -> ClientSettings:
-        return self.known.get(client_id, self.defaults)
+        entry = self.known.get(client_id)
+        if entry is None:
+            return self.defaults
+        return self.defaults.model_copy(update=entry.model_dump(exclude_unset=True))
 
 
 class ResponseTrackingSettings(_Section):
@@ -180,15 +185,24 @@ class _YamlSource(PydanticBaseSettingsSource):
         return dict(_yaml_data.get() or {})
 
 
+class _RedisUrlSource(PydanticBaseSettingsSource):
+    """The conventional `REDIS_URL` variable: above the YAML file, below `LOADMASTER_REDIS_URL`."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        url = os.environ.get("REDIS_URL")
+        return {"redis_url": url} if url else {}
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="LOADMASTER_", env_nested_delimiter="__", extra="forbid", frozen=False
     )
 
     log_level: str = "INFO"
-    redis_url: str | None = Field(
-        default=None, validation_alias=AliasChoices("REDIS_URL", "LOADMASTER_REDIS_URL", "redis_url")
-    )
+    redis_url: str | None = None  # also read from REDIS_URL (see _RedisUrlSource)
     gateway: GatewaySettings = GatewaySettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     model_pool: ModelPoolSettings = ModelPoolSettings()
@@ -214,7 +228,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _YamlSource(settings_cls)
+        return init_settings, env_settings, _RedisUrlSource(settings_cls), _YamlSource(settings_cls)
 
     @property
     def repository_path(self) -> Path:

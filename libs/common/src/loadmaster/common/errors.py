@@ -16,6 +16,7 @@ import grpc
 from loadmaster.v1 import errors_pb2
 
 __all__ = [
+    "ERROR_CODE_TRAILER",
     "CancelledError_",
     "ExpiredError",
     "FailedPreconditionError",
@@ -176,9 +177,21 @@ def error_for_code(code: int, message: str) -> LoadmasterError:
     return _BY_CODE.get(code, InternalError)(message)
 
 
+# The trailer in which a Loadmaster gRPC server names the error kind (set by ErrorInterceptor).
+ERROR_CODE_TRAILER = "loadmaster-error-code"
+
+
 def from_grpc_error(error: grpc.RpcError) -> LoadmasterError:
-    """Turn a failed gRPC call into the matching `LoadmasterError`."""
+    """Turn a failed gRPC call into the matching `LoadmasterError`.
+
+    A Loadmaster server names the exact error kind in a trailer (several kinds share
+    a status code); for other servers the status code decides.
+    """
     status = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == ERROR_CODE_TRAILER and value.isdigit() and int(value) in _BY_CODE:
+            return _BY_CODE[int(value)](details or status.name.lower())
     cls = _BY_GRPC.get(status, InternalError)
     return cls(details or status.name.lower())

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from loadmaster.common.errors import InternalError, LoadmasterError
+from loadmaster.common.errors import ERROR_CODE_TRAILER, InternalError, LoadmasterError
 
 __all__ = ["GRPC_OPTIONS", "ErrorInterceptor", "GrpcServer"]
 
@@ -36,11 +36,11 @@ GRPC_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-def _status_for(error: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+def _status_for(error: BaseException, method: str) -> tuple[grpc.StatusCode, str, int]:
     if isinstance(error, LoadmasterError):
-        return error.grpc_code, error.message
+        return error.grpc_code, error.message, error.code
     log.error("unhandled error in %s", method, exc_info=error)
-    return InternalError.grpc_code, f"internal error: {type(error).__name__}"
+    return InternalError.grpc_code, f"internal error: {type(error).__name__}", InternalError.code
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -57,8 +57,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
 
         async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-            code, message = _status_for(error, method)
-            await context.abort(code, message)
+            status, message, code = _status_for(error, method)
+            # Several error kinds share a gRPC status; the trailer says which one it was.
+            await context.abort(status, message, trailing_metadata=((ERROR_CODE_TRAILER, str(code)),))
 
         if handler.unary_unary:
             inner_uu = handler.unary_unary
@@ -88,8 +89,37 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(
                 stream_unary, handler.request_deserializer, handler.response_serializer
             )
-        # Streaming handlers written as coroutines (they call context.write) pass through.
-        if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
+        if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
+            inner_usc = handler.unary_stream  # a coroutine that calls context.write
+
+            async def unary_stream_coroutine(request: Any, context: grpc.aio.ServicerContext) -> None:
+                try:
+                    await inner_usc(request, context)
+                except Exception as error:
+                    if _is_abort(error):
+                        raise
+                    await abort(context, error)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream_coroutine, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_stream and not inspect.isasyncgenfunction(handler.stream_stream):
+            inner_ssc = handler.stream_stream
+
+            async def stream_stream_coroutine(
+                request_iterator: Any, context: grpc.aio.ServicerContext
+            ) -> None:
+                try:
+                    await inner_ssc(request_iterator, context)
+                except Exception as error:
+                    if _is_abort(error):
+                        raise
+                    await abort(context, error)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream_coroutine, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -104,7 +134,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer
             )
-        if handler.stream_stream and inspect.isasyncgenfunction(handler.stream_stream):
+        if handler.stream_stream:
             inner_ss = handler.stream_stream
 
             async def stream_stream(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -166,6 +196,8 @@ class GrpcServer:
 
     async def start(self) -> int:
         reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.server)
+        # Probes must not see SERVING (grpc_health's default for "") before the hooks have run.
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self.server.add_insecure_port(self._listen)
         if self.port == 0:
             raise RuntimeError(f"{self.name}: could not bind {self._listen}")

@@ -46,7 +46,8 @@ class TelemetryReporter:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.dropped = 0
-        self.sent = 0
+        self.sent = 0  # samples in streams that ended cleanly
+        self._unconfirmed = 0  # samples written to the current stream
 
     def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
         """Queue one sample. Safe from any thread; never blocks."""
@@ -95,7 +96,7 @@ class TelemetryReporter:
                     await asyncio.sleep(self._flush_interval_s)  # gather a batch
             while self._buffer:
                 batch = self._take_batch()
-                self.sent += len(batch.samples)
+                self._unconfirmed += len(batch.samples)
                 yield batch
 
     async def _run(self) -> None:
@@ -105,7 +106,10 @@ class TelemetryReporter:
             try:
                 async with aio_channel(self._address) as channel:
                     stub = metrics_pb2_grpc.MetricsStub(channel)
+                    self._unconfirmed = 0
                     await stub.Report(self._batches())
+                self.sent += self._unconfirmed
+                self._unconfirmed = 0
                 if self._closing:
                     return
                 log.info("metrics service at %s ended the report stream; reconnecting", self._address)
@@ -113,7 +117,8 @@ class TelemetryReporter:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as error:
-                dropped = len(self._buffer)
+                dropped = len(self._buffer) + self._unconfirmed
+                self._unconfirmed = 0
                 self._buffer.clear()
                 self.dropped += dropped
                 log.warning(

@@ -121,7 +121,9 @@ def decode_tensors(
         if desc.byte_length:
             spans.append((desc.byte_offset, end, key))
         array = np.frombuffer(payload, dtype=dtype, count=math.prod(shape), offset=desc.byte_offset)
-        arrays[key] = array.reshape(shape)
+        array = array.reshape(shape)
+        array.flags.writeable = False  # a view of the request payload: never to be changed in place
+        arrays[key] = array
     spans.sort()
     for (_, prev_end, prev_key), (start, _, key) in itertools.pairwise(spans):
         if start < prev_end:
@@ -139,7 +141,9 @@ def encode_tensors(
     parts: list[memoryview] = []
     offset = 0
     for key, value in arrays.items():
-        array = np.ascontiguousarray(value)
+        array = np.asarray(value)
+        if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-d array into 1-d)
+            array = array.copy(order="C")
         wire = wire_dtype(array.dtype)
         view = memoryview(array).cast("B") if array.nbytes else memoryview(b"")
         descriptors.append(

@@ -1,0 +1,119 @@
+"""TelemetryReporter against a small Metrics servicer over real gRPC, and against nothing at all."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
+
+
+class CollectingMetrics(metrics_pb2_grpc.MetricsServicer):
+    def __init__(self) -> None:
+        self.batches: list[metrics_pb2.ReportBatch] = []
+        self.changed = asyncio.Event()
+
+    async def Report(  # noqa: N802 - gRPC method names
+        self, request_iterator: AsyncIterator[metrics_pb2.ReportBatch], context: grpc.aio.ServicerContext
+    ) -> metrics_pb2.ReportAck:
+        accepted = 0
+        async for batch in request_iterator:
+            self.batches.append(batch)
+            accepted += len(batch.samples)
+            self.changed.set()
+        return metrics_pb2.ReportAck(accepted=accepted)
+
+    @property
+    def samples(self) -> list[metrics_pb2.Sample]:
+        return [s for b in self.batches for s in b.samples]
+
+    async def wait_for(self, count: int, timeout_s: float = 5.0) -> None:
+        async def wait() -> None:
+            while len(self.samples) < count:
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(wait(), timeout_s)
+
+
+@pytest.fixture()
+async def metrics() -> AsyncIterator[tuple[CollectingMetrics, str]]:
+    servicer = CollectingMetrics()
+    server = GrpcServer("metrics-under-test", "127.0.0.1:0", grace_s=0.2)
+    server.add_service("loadmaster.v1.Metrics", metrics_pb2_grpc.add_MetricsServicer_to_server, servicer)
+    port = await server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        await server.stop()
+
+
+def unused_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"127.0.0.1:{port}"  # closed again: connecting is refused
+
+
+async def test_samples_arrive_in_batches_with_their_labels(metrics: tuple[CollectingMetrics, str]) -> None:
+    servicer, address = metrics
+    reporter = TelemetryReporter("gateway", "gw-1", address, flush_interval_s=0.01, max_batch=3)
+    reporter.start()
+    before = time.time_ns()
+    for value in range(7):
+        reporter.record("e2e_latency_ms", value, {"model": "policy", "code": "ok"})
+    await servicer.wait_for(7)  # delivered while running, not only on close
+    assert [len(b.samples) for b in servicer.batches] == [3, 3, 1]
+    assert {(b.service, b.instance) for b in servicer.batches} == {("gateway", "gw-1")}
+    samples = servicer.samples
+    assert [s.value for s in samples] == [float(v) for v in range(7)]
+    assert {s.name for s in samples} == {"e2e_latency_ms"}
+    assert all(dict(s.labels) == {"model": "policy", "code": "ok"} for s in samples)
+    assert all(before <= s.timestamp_unix_ns <= time.time_ns() for s in samples)
+    await reporter.close()
+    assert (reporter.sent, reporter.dropped) == (7, 0)
+
+
+async def test_close_flushes_what_is_buffered(metrics: tuple[CollectingMetrics, str]) -> None:
+    servicer, address = metrics
+    reporter = TelemetryReporter("scheduler", "s-1", address, flush_interval_s=10.0)
+    reporter.start()
+    for value in range(5):
+        reporter.record("queue_depth", value)
+    await reporter.close(timeout_s=5.0)  # does not wait out the 10 s flush interval
+    assert len(servicer.samples) == 5
+
+
+async def test_an_unreachable_address_never_blocks_record() -> None:
+    reporter = TelemetryReporter("gateway", "gw-1", unused_address(), flush_interval_s=0.01)
+    reporter.start()
+    started = time.perf_counter()
+    for value in range(2000):
+        reporter.record("requests", 1.0, {"value": str(value % 4)})
+    assert time.perf_counter() - started < 0.5  # a deque append each, no network wait
+    for _ in range(500):
+        if reporter.dropped + reporter.sent >= 2000 and not reporter._buffer:
+            break
+        await asyncio.sleep(0.01)
+    assert not reporter._buffer  # nothing piles up while the address is unreachable
+    await reporter.close(timeout_s=1.0)
+
+
+async def test_an_unreachable_address_counts_what_it_drops() -> None:
+    reporter = TelemetryReporter("gateway", "gw-1", unused_address(), flush_interval_s=0.01)
+    reporter.start()
+    for _ in range(100):
+        reporter.record("requests", 1.0)
+    for _ in range(500):
+        if reporter.dropped + reporter.sent >= 100 and not reporter._buffer:
+            break
+        await asyncio.sleep(0.01)
+    await reporter.close(timeout_s=1.0)
+    assert (reporter.dropped, reporter.sent) == (100, 0)

@@ -1,0 +1,282 @@
+"""The tensor codec: descriptors + one payload <-> arrays, and every way an envelope can lie."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.tensors import (
+    TensorLimits,
+    decode_tensors,
+    encode_tensors,
+    numpy_dtype,
+    wire_dtype,
+)
+from loadmaster.v1 import tensor_pb2
+
+WIRE_DTYPES = {
+    np.float16: tensor_pb2.FLOAT16,
+    np.float32: tensor_pb2.FLOAT32,
+    np.float64: tensor_pb2.FLOAT64,
+    np.uint8: tensor_pb2.UINT8,
+    np.int32: tensor_pb2.INT32,
+    np.int64: tensor_pb2.INT64,
+    np.bool_: tensor_pb2.BOOL,
+}
+
+
+def sample(dtype: type, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype is np.bool_:
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    return rng.standard_normal(size=shape).astype(dtype)
+
+
+def descriptor(key: str = "x", **fields: object) -> tensor_pb2.Tensor:
+    values: dict[str, object] = {
+        "dtype": tensor_pb2.FLOAT32,
+        "shape": [2],
+        "byte_offset": 0,
+        "byte_length": 8,
+        "encoding": tensor_pb2.RAW,
+    }
+    values.update(fields)
+    return tensor_pb2.Tensor(key=key, **values)  # type: ignore[arg-type]
+
+
+def assert_rejected(descriptors: list[tensor_pb2.Tensor], payload: bytes, *names: str, **limits: int) -> str:
+    with pytest.raises(InvalidArgumentError) as caught:
+        decode_tensors(descriptors, payload, TensorLimits(**limits))
+    message = caught.value.message
+    for name in names:
+        assert f"'{name}'" in message, message
+    assert caught.value.edge_code == "invalid_argument"
+    return message
+
+
+# --- round trips ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(WIRE_DTYPES), ids=lambda d: np.dtype(d).name)
+def test_every_wire_dtype_round_trips(dtype: type) -> None:
+    arrays = {"a": sample(dtype, (3, 4), seed=1), "b": sample(dtype, (5,), seed=2)}
+    descriptors, payload = encode_tensors(arrays, timestamp_ns=123)
+    assert [d.dtype for d in descriptors] == [WIRE_DTYPES[dtype]] * 2
+    assert all(d.encoding == tensor_pb2.RAW and d.timestamp_ns == 123 for d in descriptors)
+    decoded = decode_tensors(descriptors, bytes(payload))
+    assert list(decoded) == ["a", "b"]
+    for key, original in arrays.items():
+        assert decoded[key].dtype == original.dtype
+        assert decoded[key].shape == original.shape
+        np.testing.assert_array_equal(decoded[key], original)
+
+
+def test_mixed_dtypes_share_one_payload_back_to_back() -> None:
+    arrays = {np.dtype(d).name: sample(d, (2, 3), seed=i) for i, d in enumerate(WIRE_DTYPES)}
+    descriptors, payload = encode_tensors(arrays)
+    offset = 0
+    for desc, array in zip(descriptors, arrays.values(), strict=True):
+        assert (desc.byte_offset, desc.byte_length) == (offset, array.nbytes)
+        assert list(desc.shape) == list(array.shape)
+        offset += array.nbytes
+    assert len(payload) == offset
+    decoded = decode_tensors(descriptors, bytes(payload))
+    for key, array in arrays.items():
+        np.testing.assert_array_equal(decoded[key], array)
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0, 3), (0, 0)])
+def test_empty_tensors_round_trip_alone_and_between_others(shape: tuple[int, ...]) -> None:
+    empty = np.zeros(shape, dtype=np.float32)
+    descriptors, payload = encode_tensors({"empty": empty})
+    assert descriptors[0].byte_length == 0 and len(payload) == 0
+    assert decode_tensors(descriptors, bytes(payload))["empty"].shape == shape
+
+    arrays = {"a": np.arange(3, dtype=np.int64), "empty": empty, "b": np.ones(2, np.float16)}
+    descriptors, payload = encode_tensors(arrays)
+    decoded = decode_tensors(descriptors, bytes(payload))
+    assert decoded["empty"].shape == shape
+    np.testing.assert_array_equal(decoded["a"], arrays["a"])
+    np.testing.assert_array_equal(decoded["b"], arrays["b"])
+
+
+def test_bool_and_float16_keep_their_exact_bits() -> None:
+    flags = np.array([True, False, True, True])
+    halves = np.array([0.0, -0.0, 65504.0, np.inf, 6.1e-5], dtype=np.float16)
+    descriptors, payload = encode_tensors({"flags": flags, "halves": halves})
+    decoded = decode_tensors(descriptors, bytes(payload))
+    assert decoded["flags"].dtype == np.bool_
+    assert bytes(decoded["flags"]) == flags.tobytes()
+    assert decoded["halves"].tobytes() == halves.tobytes()  # -0.0 and inf survive bit for bit
+
+
+def test_non_contiguous_arrays_are_encoded_in_logical_order() -> None:
+    base = np.arange(24, dtype=np.int32).reshape(4, 6)
+    arrays = {"t": base.T, "s": base[:, ::2]}
+    descriptors, payload = encode_tensors(arrays)
+    decoded = decode_tensors(descriptors, bytes(payload))
+    np.testing.assert_array_equal(decoded["t"], base.T)
+    np.testing.assert_array_equal(decoded["s"], base[:, ::2])
+
+
+def test_a_single_contiguous_array_is_not_copied() -> None:
+    array = np.arange(16, dtype=np.float32)
+    _, payload = encode_tensors({"x": array})
+    assert np.shares_memory(np.frombuffer(payload, dtype=np.uint8), array)
+
+
+def test_bfloat16_decodes_as_its_raw_16_bit_words() -> None:
+    words = np.array([0x3F80, 0xC000], dtype=np.uint16)  # 1.0, -2.0 in bfloat16
+    desc = descriptor(dtype=tensor_pb2.BFLOAT16, shape=[2], byte_length=4)
+    decoded = decode_tensors([desc], words.tobytes())["x"]
+    assert decoded.dtype == np.uint16
+    np.testing.assert_array_equal(decoded, words)
+
+
+def test_zero_dimensional_tensors_keep_their_shape() -> None:
+    descriptors, payload = encode_tensors({"scalar": np.array(2.5, dtype=np.float32)})
+    assert list(descriptors[0].shape) == []
+    assert decode_tensors(descriptors, bytes(payload))["scalar"].shape == ()
+
+
+# --- zero-copy, read-only views -------------------------------------------------------------
+
+
+def test_decode_returns_zero_copy_read_only_views_of_bytes() -> None:
+    arrays = {"a": np.arange(6, dtype=np.float64).reshape(2, 3), "b": np.arange(4, dtype=np.uint8)}
+    descriptors, payload = encode_tensors(arrays)
+    payload = bytes(payload)
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    decoded = decode_tensors(descriptors, payload)
+    for array in decoded.values():
+        assert np.shares_memory(array, raw)
+        assert not array.flags.writeable
+        with pytest.raises(ValueError):
+            array[...] = 0
+
+
+def test_decode_views_a_memoryview_payload_without_copying() -> None:
+    backing = bytearray(np.arange(4, dtype=np.int32).tobytes())
+    decoded = decode_tensors(
+        [descriptor(dtype=tensor_pb2.INT32, shape=[4], byte_length=16)], memoryview(backing)
+    )
+    backing[0:4] = np.int32(99).tobytes()
+    assert decoded["x"][0] == 99  # a view of the caller's buffer, not a copy
+
+
+@pytest.mark.parametrize("kind", ["bytearray", "encoded-memoryview"])
+def test_decode_views_are_read_only_even_over_writable_buffers(kind: str) -> None:
+    array = np.arange(4, dtype=np.float32)
+    descriptors, payload = encode_tensors({"x": array})
+    buffer = memoryview(bytearray(payload)) if kind == "bytearray" else payload
+    decoded = decode_tensors(descriptors, buffer)
+    assert not decoded["x"].flags.writeable
+
+
+# --- validation: each error names the tensor ------------------------------------------------
+
+
+def test_wrong_byte_length_is_rejected() -> None:
+    message = assert_rejected([descriptor("img", shape=[2, 2], byte_length=12)], bytes(16), "img")
+    assert "byte_length 12" in message and "16" in message
+
+
+@pytest.mark.parametrize(("offset", "length", "shape"), [(8, 8, [2]), (0, 24, [6]), (100, 0, [0])])
+def test_bytes_outside_the_payload_are_rejected(offset: int, length: int, shape: list[int]) -> None:
+    desc = descriptor("state", byte_offset=offset, byte_length=length, shape=shape)
+    message = assert_rejected([desc], bytes(12), "state")
+    assert "outside" in message
+
+
+def test_overlapping_tensors_are_rejected_naming_both() -> None:
+    first = descriptor("left", shape=[4], byte_length=16, byte_offset=0)
+    second = descriptor("right", shape=[2], byte_length=8, byte_offset=12)
+    assert "overlap" in assert_rejected([first, second], bytes(32), "left", "right")
+    # order of descriptors does not matter
+    assert "overlap" in assert_rejected([second, first], bytes(32), "left", "right")
+
+
+def test_adjacent_tensors_do_not_overlap() -> None:
+    first = descriptor("left", shape=[2], byte_length=8, byte_offset=0)
+    second = descriptor("right", shape=[2], byte_length=8, byte_offset=8)
+    assert set(decode_tensors([second, first], bytes(16))) == {"left", "right"}
+
+
+def test_duplicate_keys_are_rejected() -> None:
+    first = descriptor("obs", byte_offset=0)
+    second = descriptor("obs", byte_offset=8)
+    assert "more than once" in assert_rejected([first, second], bytes(16), "obs")
+
+
+def test_empty_keys_are_rejected() -> None:
+    with pytest.raises(InvalidArgumentError, match="empty key"):
+        decode_tensors([descriptor("")], bytes(8))
+
+
+@pytest.mark.parametrize("dtype", [tensor_pb2.DTYPE_UNSPECIFIED, 42])
+def test_unknown_dtypes_are_rejected(dtype: int) -> None:
+    message = assert_rejected([descriptor("depth", dtype=dtype)], bytes(8), "depth")
+    assert "dtype" in message
+
+
+def test_too_many_tensors_are_rejected() -> None:
+    descriptors = [descriptor(f"t{i}", byte_offset=8 * i) for i in range(3)]
+    assert decode_tensors(descriptors, bytes(24), TensorLimits(max_tensors=3))
+    message = assert_rejected(descriptors, bytes(24), max_tensors=2)
+    assert "3 tensors" in message and "2" in message
+
+
+def test_too_many_dimensions_are_rejected() -> None:
+    desc = descriptor("volume", shape=[1, 1, 1, 2], byte_length=8)
+    assert decode_tensors([desc], bytes(8), TensorLimits(max_dims=4))["volume"].shape == (1, 1, 1, 2)
+    message = assert_rejected([desc], bytes(8), "volume", max_dims=3)
+    assert "4 dimensions" in message
+
+
+def test_payload_over_the_limit_is_rejected() -> None:
+    desc = descriptor("x", shape=[4], byte_length=16)
+    assert decode_tensors([desc], bytes(16), TensorLimits(max_payload_bytes=16))
+    message = assert_rejected([desc], bytes(17), max_payload_bytes=16)
+    assert "17 bytes" in message and "16" in message
+
+
+def test_negative_dimensions_are_rejected() -> None:
+    # -2 x -1 x 4 bytes = 8 = byte_length: only the sign check can catch it
+    desc = descriptor("pose", shape=[-2, -1], byte_length=8)
+    assert "negative" in assert_rejected([desc], bytes(8), "pose")
+
+
+@pytest.mark.parametrize("encoding", [tensor_pb2.JPEG, tensor_pb2.PNG, 9])
+def test_non_raw_encodings_are_rejected(encoding: int) -> None:
+    message = assert_rejected([descriptor("camera", encoding=encoding)], bytes(8), "camera")
+    assert "encoding" in message
+
+
+def test_unspecified_encoding_is_taken_as_raw() -> None:
+    desc = descriptor("x", encoding=tensor_pb2.ENCODING_UNSPECIFIED)
+    values = np.array([1.5, 2.5], dtype=np.float32)
+    np.testing.assert_array_equal(decode_tensors([desc], values.tobytes())["x"], values)
+
+
+# --- dtype mapping --------------------------------------------------------------------------
+
+
+def test_dtype_mapping_is_a_bijection_over_the_wire_dtypes() -> None:
+    for dtype, wire in WIRE_DTYPES.items():
+        assert wire_dtype(np.dtype(dtype)) == wire
+        assert numpy_dtype(wire) == np.dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.complex64, np.uint32, np.object_])
+def test_dtypes_without_a_wire_form_cannot_be_encoded(dtype: type) -> None:
+    with pytest.raises(InvalidArgumentError, match=np.dtype(dtype).name):
+        encode_tensors({"x": np.zeros(2, dtype=dtype)})
+
+
+def test_numpy_dtype_rejects_unknown_wire_values() -> None:
+    with pytest.raises(InvalidArgumentError, match="unsupported dtype 42"):
+        numpy_dtype(42)

@@ -1,0 +1,187 @@
+"""Domain values of the scheduler: what goes in, what comes out, what admin calls see.
+
+Protobuf stays at the wire (`wire.py` translates). Error codes are the `ErrorCode`
+enum values of errors.proto (plain ints), as everywhere in loadmaster.common.errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = [
+    "HOLDING_STATES",
+    "Completion",
+    "Grant",
+    "LoadModel",
+    "Outcome",
+    "OverflowPolicy",
+    "QueueStats",
+    "Reject",
+    "Request",
+    "RequestInfo",
+    "RequestKey",
+    "SlotState",
+    "SlotStatus",
+    "UnloadModel",
+    "WorkerCommand",
+    "WorkerHello",
+    "WorkerView",
+]
+
+# (session id, request id): request ids are unique per gateway session, not globally.
+RequestKey = tuple[int, str]
+
+
+class OverflowPolicy(StrEnum):
+    DROP_OLDEST = "drop_oldest"
+    REJECT_NEWEST = "reject_newest"
+
+
+class SlotState(StrEnum):
+    """A model slot's state on a worker (`ModelState` of model_pool.proto)."""
+
+    UNSPECIFIED = "unspecified"
+    IDLE = "idle"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    UNLOADING = "unloading"
+
+
+# A worker "holds" a model while it is READY or on its way there.
+HOLDING_STATES = frozenset({SlotState.READY, SlotState.LOADING})
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """Request metadata as the gateway enqueues it (never the payload)."""
+
+    request_id: str
+    model_id: str
+    client_id: str = ""
+    priority: int = 0  # 0 = highest
+    urgency: float = 0.0  # 0..1
+    timeout_ms: float = 0.0  # 0 = the configured TTL; it can only lower it
+    steps_remaining: int | None = None
+    received_unix_ns: int = 0
+    payload_bytes: int = 0
+    client_type: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request admitted to a queue: its metadata plus what the scheduler fixed at admission.
+
+    `arrival` is a scheduler-wide sequence number; a retried request keeps it (and its
+    deadline), so it keeps its age. `deadline` is on the clock's monotonic scale.
+    """
+
+    key: RequestKey
+    info: RequestInfo
+    arrival: int
+    enqueued_at: float
+    deadline: float
+    deadline_unix_ns: int
+
+    @property
+    def session_id(self) -> int:
+        return self.key[0]
+
+    @property
+    def request_id(self) -> str:
+        return self.key[1]
+
+    @property
+    def model_id(self) -> str:
+        return self.info.model_id
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """The gateway's report that a granted request finished (error_code 0 = success)."""
+
+    request_id: str
+    error_code: int = 0
+    retryable: bool = False
+    worker_id: str = ""
+    inference_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHello:
+    worker_id: str
+    data_endpoint: str
+    grpc_endpoint: str = ""
+    node: str = ""
+    repository: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStatus:
+    """One model slot on a worker, as last reported (`ModelSlotStatus`)."""
+
+    model_id: str
+    state: SlotState
+    generation: int = 0
+    inflight: int = 0
+    max_inflight: int = 0
+    device: str = ""
+    vram_mb: int = 0
+    backend: str = ""
+    pinned: bool = False
+    last_used_unix_ms: int = 0
+    loaded_unix_ms: int = 0
+    load_time_ms: float = 0.0
+    error: str = ""
+    lease_id: str = ""
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    request_id: str
+    worker_id: str
+    data_endpoint: str
+    generation: int
+    deadline_unix_ns: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    request_id: str
+    error_code: int
+    message: str
+
+
+Outcome = Grant | Reject
+
+
+@dataclass(frozen=True, slots=True)
+class LoadModel:
+    model_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadModel:
+    model_id: str
+
+
+WorkerCommand = LoadModel | UnloadModel
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    hello: WorkerHello
+    slots: tuple[SlotStatus, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    model_id: str
+    depth: int
+    inflight: int
+    expired: int
+    overflowed: int
+    granted: int

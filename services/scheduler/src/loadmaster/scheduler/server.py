@@ -1,0 +1,47 @@
+"""Wiring: settings -> hub + servicer + telemetry on one `GrpcServer` (not started)."""
+
+from __future__ import annotations
+
+from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.config import Settings
+from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.common.service import default_instance_id
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.scheduler.core import CoreConfig
+from loadmaster.scheduler.servicer import SchedulerServicer
+from loadmaster.scheduler.sessions import SchedulerHub
+from loadmaster.scheduler.strategies import make_ordering
+from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["SERVICE_NAME", "build"]
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
+    """The scheduler's gRPC server, wired; background work starts with the server."""
+    metrics = settings.metrics
+    telemetry = TelemetryReporter(
+        "scheduler", default_instance_id(), metrics.address if metrics.enabled else None
+    )
+    hub = SchedulerHub(
+        CoreConfig.from_settings(settings),
+        clock=clock or SystemClock(),
+        ordering=make_ordering(settings.scheduler.strategy),
+        telemetry=telemetry,
+    )
+    server = GrpcServer("scheduler", settings.scheduler.listen_address)
+    server.add_service(
+        SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(hub)
+    )
+
+    async def start() -> None:
+        telemetry.start()
+
+    async def stop() -> None:
+        await hub.stop()
+        await telemetry.close()
+
+    server.on_start(start)
+    server.on_stop(stop)
+    return server

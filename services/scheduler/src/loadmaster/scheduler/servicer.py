@@ -1,0 +1,75 @@
+"""The Scheduler gRPC service: protobuf in, `SchedulerHub` calls, protobuf out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.scheduler import wire
+from loadmaster.scheduler.sessions import GatewayLink, SchedulerHub, WorkerLink, pump
+from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["SchedulerServicer"]
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, hub: SchedulerHub) -> None:
+        self._hub = hub
+
+    async def Session(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.SessionResponse]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if not first.hello.gateway_id:
+            raise InvalidArgumentError("the first Session message must carry hello.gateway_id")
+        link = self._hub.open_session(first.hello.gateway_id)
+        try:
+            self._submit(link, first)
+            async for outcomes in pump(request_iterator, lambda m: self._submit(link, m), link.outbox):
+                yield wire.session_response(outcomes)
+        finally:
+            self._hub.close_session(link)
+
+    def _submit(self, link: GatewayLink, message: scheduler_pb2.SessionRequest) -> None:
+        enqueues, completes, cancels = wire.session_batch(message)
+        if enqueues or completes or cancels:
+            self._hub.submit(link, enqueues=enqueues, completes=completes, cancels=cancels)
+
+    async def WorkerSession(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.WorkerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.WorkerCommand]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if first.WhichOneof("kind") != "hello":
+            raise InvalidArgumentError("the first WorkerSession message must be a hello")
+        link = self._hub.connect_worker(wire.worker_hello(first.hello))
+        try:
+            async for commands in pump(request_iterator, lambda m: self._report(link, m), link.outbox):
+                for command in commands:
+                    yield wire.worker_command(command)
+        finally:
+            self._hub.disconnect_worker(link)
+
+    def _report(self, link: WorkerLink, message: scheduler_pb2.WorkerMessage) -> None:
+        if message.WhichOneof("kind") != "report":
+            raise InvalidArgumentError("a WorkerSession sends one hello, then reports")
+        self._hub.report(link, wire.slot_statuses(message.report))
+
+    async def ListWorkers(  # noqa: N802 - gRPC method name
+        self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ListWorkersResponse:
+        return wire.list_workers_response(self._hub.core.workers())
+
+    async def GetQueues(  # noqa: N802 - gRPC method name
+        self, request: scheduler_pb2.GetQueuesRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.GetQueuesResponse:
+        return wire.get_queues_response(self._hub.core.queue_stats(), self._hub.core.strategy)

@@ -1,0 +1,189 @@
+"""Protobuf <-> domain translation for the Scheduler service, in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.scheduler.domain import (
+    Completion,
+    Grant,
+    LoadModel,
+    Outcome,
+    QueueStats,
+    RequestInfo,
+    SlotState,
+    SlotStatus,
+    UnloadModel,
+    WorkerCommand,
+    WorkerHello,
+    WorkerView,
+)
+from loadmaster.v1 import model_pool_pb2, scheduler_pb2
+
+__all__ = [
+    "SessionBatch",
+    "get_queues_response",
+    "list_workers_response",
+    "session_batch",
+    "session_response",
+    "slot_statuses",
+    "worker_command",
+    "worker_hello",
+]
+
+_STATE_FROM_PB: dict[model_pool_pb2.ModelState.ValueType, SlotState] = {
+    model_pool_pb2.MODEL_STATE_UNSPECIFIED: SlotState.UNSPECIFIED,
+    model_pool_pb2.MODEL_STATE_IDLE: SlotState.IDLE,
+    model_pool_pb2.MODEL_STATE_LOADING: SlotState.LOADING,
+    model_pool_pb2.MODEL_STATE_READY: SlotState.READY,
+    model_pool_pb2.MODEL_STATE_DRAINING: SlotState.DRAINING,
+    model_pool_pb2.MODEL_STATE_UNLOADING: SlotState.UNLOADING,
+}
+_STATE_TO_PB: dict[SlotState, model_pool_pb2.ModelState.ValueType] = {
+    state: value for value, state in _STATE_FROM_PB.items()
+}
+
+# (enqueues, completes, cancels) of one SessionRequest
+SessionBatch = tuple[list[RequestInfo], list[Completion], list[str]]
+
+
+def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
+    return RequestInfo(
+        request_id=pb.request_id,
+        model_id=pb.model_id,
+        client_id=pb.client_id,
+        priority=pb.priority,
+        urgency=pb.urgency,
+        timeout_ms=pb.timeout_ms,
+        steps_remaining=pb.steps_remaining if pb.HasField("steps_remaining") else None,
+        received_unix_ns=pb.received_unix_ns,
+        payload_bytes=pb.payload_bytes,
+        client_type=pb.client_type,
+    )
+
+
+def session_batch(pb: scheduler_pb2.SessionRequest) -> SessionBatch:
+    enqueues = [_request_info(e.request) for e in pb.enqueue]
+    completes = [
+        Completion(
+            request_id=c.request_id,
+            error_code=c.error_code,
+            retryable=c.retryable,
+            worker_id=c.worker_id,
+            inference_ms=c.inference_ms,
+        )
+        for c in pb.complete
+    ]
+    cancels = [c.request_id for c in pb.cancel]
+    return enqueues, completes, cancels
+
+
+def session_response(outcomes: Iterable[Outcome]) -> scheduler_pb2.SessionResponse:
+    response = scheduler_pb2.SessionResponse()
+    for outcome in outcomes:
+        if isinstance(outcome, Grant):
+            response.grants.add(
+                request_id=outcome.request_id,
+                worker_id=outcome.worker_id,
+                data_endpoint=outcome.data_endpoint,
+                generation=outcome.generation,
+                deadline_unix_ns=outcome.deadline_unix_ns,
+                attempt=outcome.attempt,
+            )
+        else:
+            response.rejects.add(
+                request_id=outcome.request_id, error_code=outcome.error_code, message=outcome.message
+            )
+    return response
+
+
+def worker_hello(pb: scheduler_pb2.WorkerHello) -> WorkerHello:
+    if not pb.worker_id:
+        raise InvalidArgumentError("WorkerHello needs worker_id")
+    return WorkerHello(
+        worker_id=pb.worker_id,
+        data_endpoint=pb.data_endpoint,
+        grpc_endpoint=pb.grpc_endpoint,
+        node=pb.node,
+        repository=tuple(pb.repository),
+    )
+
+
+def slot_statuses(pb: scheduler_pb2.WorkerReport) -> list[SlotStatus]:
+    return [
+        SlotStatus(
+            model_id=m.model_id,
+            state=_STATE_FROM_PB.get(m.state, SlotState.UNSPECIFIED),
+            generation=m.generation,
+            inflight=m.inflight,
+            max_inflight=m.max_inflight,
+            device=m.device,
+            vram_mb=m.vram_mb,
+            backend=m.backend,
+            pinned=m.pinned,
+            last_used_unix_ms=m.last_used_unix_ms,
+            loaded_unix_ms=m.loaded_unix_ms,
+            load_time_ms=m.load_time_ms,
+            error=m.error,
+            lease_id=m.lease_id,
+            priority=m.priority,
+        )
+        for m in pb.models
+    ]
+
+
+def _slot_pb(slot: SlotStatus) -> model_pool_pb2.ModelSlotStatus:
+    return model_pool_pb2.ModelSlotStatus(
+        model_id=slot.model_id,
+        state=_STATE_TO_PB[slot.state],
+        generation=slot.generation,
+        inflight=slot.inflight,
+        max_inflight=slot.max_inflight,
+        device=slot.device,
+        vram_mb=slot.vram_mb,
+        backend=slot.backend,
+        pinned=slot.pinned,
+        last_used_unix_ms=slot.last_used_unix_ms,
+        loaded_unix_ms=slot.loaded_unix_ms,
+        load_time_ms=slot.load_time_ms,
+        error=slot.error,
+        lease_id=slot.lease_id,
+        priority=slot.priority,
+    )
+
+
+def worker_command(command: WorkerCommand) -> scheduler_pb2.WorkerCommand:
+    if isinstance(command, LoadModel):
+        return scheduler_pb2.WorkerCommand(load=scheduler_pb2.LoadCommand(model_id=command.model_id))
+    assert isinstance(command, UnloadModel)
+    return scheduler_pb2.WorkerCommand(unload=scheduler_pb2.UnloadCommand(model_id=command.model_id))
+
+
+def list_workers_response(workers: Sequence[WorkerView]) -> scheduler_pb2.ListWorkersResponse:
+    response = scheduler_pb2.ListWorkersResponse()
+    for view in workers:
+        hello = view.hello
+        response.workers.add(
+            worker_id=hello.worker_id,
+            data_endpoint=hello.data_endpoint,
+            grpc_endpoint=hello.grpc_endpoint,
+            node=hello.node,
+            repository=list(hello.repository),
+            models=[_slot_pb(slot) for slot in view.slots],
+        )
+    return response
+
+
+def get_queues_response(stats: Sequence[QueueStats], strategy: str) -> scheduler_pb2.GetQueuesResponse:
+    response = scheduler_pb2.GetQueuesResponse(strategy=strategy)
+    for q in stats:
+        response.queues.add(
+            model_id=q.model_id,
+            depth=q.depth,
+            inflight=q.inflight,
+            expired=q.expired,
+            overflowed=q.overflowed,
+            granted=q.granted,
+        )
+    return response

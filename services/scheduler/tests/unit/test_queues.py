@@ -1,0 +1,87 @@
+"""RequestQueues: strategy order, arrival order, deadlines, lazy removal."""
+
+from __future__ import annotations
+
+from loadmaster.scheduler.domain import Request, RequestInfo
+from loadmaster.scheduler.queues import RequestQueues
+from loadmaster.scheduler.strategies import PriorityOrdering, make_ordering
+
+
+def _request(
+    n: int, *, model: str = "m", priority: int = 0, urgency: float = 0.0, deadline: float = 10.0
+) -> Request:
+    info = RequestInfo(f"r{n}", model, priority=priority, urgency=urgency)
+    return Request(
+        key=(1, f"r{n}"), info=info, arrival=n, enqueued_at=0.0, deadline=deadline, deadline_unix_ns=0
+    )
+
+
+def test_priority_ordering_key() -> None:
+    ordering = make_ordering("priority")
+    assert ordering.name == "priority"
+    keys = [
+        ordering.key(_request(n, priority=p, urgency=u))
+        for n, p, u in [(0, 1, 1.0), (1, 0, 0.2), (2, 0, 0.9)]
+    ]
+    assert sorted(range(3), key=keys.__getitem__) == [2, 1, 0]
+
+
+def test_pop_serves_in_strategy_order_per_model() -> None:
+    q = RequestQueues(PriorityOrdering())
+    q.push(_request(0, priority=2))
+    q.push(_request(1, priority=0))
+    q.push(_request(2, model="other"))
+    q.push(_request(3, priority=0))
+    assert q.depth("m") == 3 and q.depth("other") == 1 and len(q) == 4
+    assert sorted(q.waiting_models()) == ["m", "other"]
+    assert [q.pop("m").request_id for _ in range(3)] == ["r1", "r3", "r0"]  # type: ignore[union-attr]
+    assert q.pop("m") is None and q.depth("m") == 0
+    assert q.waiting_models() == ["other"]
+
+
+def test_pop_oldest_ignores_rank() -> None:
+    q = RequestQueues(PriorityOrdering())
+    q.push(_request(0, priority=0))
+    q.push(_request(1, priority=9))
+    oldest = q.pop_oldest("m")
+    assert oldest is not None and oldest.request_id == "r0"
+    assert q.peek("m") is not None and q.peek("m").request_id == "r1"  # type: ignore[union-attr]
+
+
+def test_remove_is_lazy_and_a_removed_key_can_come_back() -> None:
+    q = RequestQueues(PriorityOrdering())
+    first = _request(0, deadline=1.0)
+    q.push(first)
+    q.push(_request(1, deadline=2.0))
+    assert q.remove(first.key) is first
+    assert q.remove(first.key) is None
+    assert first.key not in q
+    assert q.next_deadline() == 2.0
+    q.push(first)  # a retried request re-enters with its arrival and deadline
+    assert q.peek("m") is first
+    assert q.next_deadline() == 1.0
+
+
+def test_pop_expired_takes_exactly_the_due_requests_in_deadline_order() -> None:
+    q = RequestQueues(PriorityOrdering())
+    for n, deadline in enumerate([3.0, 1.0, 2.0, 2.0, 5.0]):
+        q.push(_request(n, deadline=deadline))
+    q.remove((1, "r2"))
+    assert [r.request_id for r in q.pop_expired(2.0)] == ["r1", "r3"]
+    assert q.next_deadline() == 3.0
+    assert q.pop_expired(2.9) == []
+    assert len(q) == 2
+
+
+def test_stale_entries_are_compacted() -> None:
+    q = RequestQueues(PriorityOrdering())
+    keep = _request(100_000, deadline=99.0)
+    q.push(keep)
+    for n in range(2_000):
+        request = _request(n, deadline=1.0 + n)
+        q.push(request)
+        q.remove(request.key)
+    heaps = q._models["m"]
+    assert len(heaps.order) < 200 and len(heaps.arrival) < 200
+    assert len(q._deadlines) < 200
+    assert q.peek("m") is keep

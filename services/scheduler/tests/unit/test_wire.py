@@ -1,0 +1,99 @@
+"""Protobuf <-> domain translation."""
+
+from __future__ import annotations
+
+from loadmaster.scheduler import wire
+from loadmaster.scheduler.domain import (
+    Completion,
+    Grant,
+    LoadModel,
+    QueueStats,
+    Reject,
+    RequestInfo,
+    SlotState,
+    UnloadModel,
+    WorkerView,
+)
+from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
+
+
+def test_session_batch_translates_all_three_kinds() -> None:
+    pb = scheduler_pb2.SessionRequest(
+        enqueue=[
+            scheduler_pb2.Enqueue(
+                request=scheduler_pb2.RequestInfo(
+                    request_id="r1",
+                    model_id="m",
+                    client_id="c",
+                    priority=2,
+                    urgency=0.5,
+                    timeout_ms=20,
+                    steps_remaining=3,
+                )
+            ),
+            scheduler_pb2.Enqueue(request=scheduler_pb2.RequestInfo(request_id="r2", model_id="m")),
+        ],
+        complete=[
+            scheduler_pb2.Complete(
+                request_id="r0", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True, worker_id="w"
+            )
+        ],
+        cancel=[scheduler_pb2.Cancel(request_id="r9")],
+    )
+    enqueues, completes, cancels = wire.session_batch(pb)
+    assert enqueues == [
+        RequestInfo("r1", "m", client_id="c", priority=2, urgency=0.5, timeout_ms=20.0, steps_remaining=3),
+        RequestInfo("r2", "m"),
+    ]
+    assert completes == [Completion("r0", errors_pb2.ERROR_CODE_UNAVAILABLE, True, "w")]
+    assert cancels == ["r9"]
+
+
+def test_session_response_carries_grants_and_rejects() -> None:
+    response = wire.session_response(
+        [Grant("r1", "w", "tcp://w", 4, 123, 2), Reject("r2", errors_pb2.ERROR_CODE_EXPIRED, "late")]
+    )
+    assert response.grants[0] == scheduler_pb2.Grant(
+        request_id="r1", worker_id="w", data_endpoint="tcp://w", generation=4, deadline_unix_ns=123, attempt=2
+    )
+    assert response.rejects[0] == scheduler_pb2.Reject(
+        request_id="r2", error_code=errors_pb2.ERROR_CODE_EXPIRED, message="late"
+    )
+
+
+def test_worker_messages_and_admin_round_trip() -> None:
+    hello = wire.worker_hello(
+        scheduler_pb2.WorkerHello(worker_id="w", data_endpoint="tcp://w", node="n", repository=["a", "b"])
+    )
+    status = model_pool_pb2.ModelSlotStatus(
+        model_id="a",
+        state=model_pool_pb2.MODEL_STATE_READY,
+        generation=2,
+        inflight=1,
+        max_inflight=4,
+        device="cpu",
+        error="",
+        pinned=True,
+        load_time_ms=1.5,
+    )
+    [slot] = wire.slot_statuses(scheduler_pb2.WorkerReport(models=[status]))
+    assert slot.state is SlotState.READY and slot.generation == 2
+    listed = wire.list_workers_response([WorkerView(hello, (slot,))])
+    assert listed.workers[0].repository == ["a", "b"]
+    assert listed.workers[0].models[0] == status
+    assert wire.worker_command(LoadModel("a")).load.model_id == "a"
+    assert wire.worker_command(UnloadModel("a")).WhichOneof("kind") == "unload"
+    queues = wire.get_queues_response([QueueStats("a", 1, 2, 3, 4, 5)], "priority")
+    assert queues.strategy == "priority"
+    assert queues.queues[0] == scheduler_pb2.QueueInfo(
+        model_id="a", depth=1, inflight=2, expired=3, overflowed=4, granted=5
+    )
+
+
+def test_every_model_state_maps_both_ways() -> None:
+    for value in model_pool_pb2.ModelState.values():
+        [slot] = wire.slot_statuses(
+            scheduler_pb2.WorkerReport(models=[model_pool_pb2.ModelSlotStatus(model_id="m", state=value)])
+        )
+        hello = wire.worker_hello(scheduler_pb2.WorkerHello(worker_id="w"))
+        assert wire.list_workers_response([WorkerView(hello, (slot,))]).workers[0].models[0].state == value
