@@ -40,10 +40,10 @@ def test_torch_models_match_their_reference_outputs(
 ) -> None:
     reference = np.load(models_dir / model_id / "artifacts" / "reference.npz")
     inputs = {
-        key.removeprefix("input_"): reference[key] for key in reference.files if key.startswith("input_")
+        key.removeprefix("input."): reference[key] for key in reference.files if key.startswith("input.")
     }
     outputs = {
-        key.removeprefix("output_"): reference[key] for key in reference.files if key.startswith("output_")
+        key.removeprefix("output."): reference[key] for key in reference.files if key.startswith("output.")
     }
     assert inputs and outputs
     model = conn.model(model_id)

@@ -21,6 +21,15 @@ def default_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed: it cuts the per-message cost of every socket hop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
 def run_service(
     name: str, main: Callable[[Settings], Awaitable[None]], argv: list[str] | None = None
 ) -> None:
@@ -29,6 +38,6 @@ def run_service(
     args = parser.parse_args(argv)
     settings = load_settings(args.config)
     setup_logging(name, settings.log_level)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main(settings))
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(main(settings))
     sys.exit(0)
