@@ -28,7 +28,12 @@ def all_subclasses(cls: type[LoadmasterError]) -> list[type[LoadmasterError]]:
     return found
 
 
-ERRORS = {cls.__name__: cls for cls in all_subclasses(LoadmasterError)}
+# Only the common library's own kinds: services may subclass them (imported in the same run).
+ERRORS = {
+    cls.__name__: cls
+    for cls in all_subclasses(LoadmasterError)
+    if cls.__module__ == LoadmasterError.__module__
+}
 
 
 def raise_named(name: str) -> None:

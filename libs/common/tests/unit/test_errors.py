@@ -26,7 +26,8 @@ def all_subclasses(cls: type[LoadmasterError]) -> list[type[LoadmasterError]]:
     return found
 
 
-SUBCLASSES = all_subclasses(LoadmasterError)
+# Only the common library's own kinds: services may subclass them (imported in the same run).
+SUBCLASSES = [cls for cls in all_subclasses(LoadmasterError) if cls.__module__ == errors.__name__]
 NONZERO_CODES = [v for v in errors_pb2.ErrorCode.values() if v != errors_pb2.ERROR_CODE_UNSPECIFIED]
 
 

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadmaster.common.grpc_server import GRPC_OPTIONS
 
-__all__ = ["aio_channel", "check_health", "wait_for_health", "wait_for_health_sync"]
+__all__ = ["CLIENT_OPTIONS", "aio_channel", "check_health", "wait_for_health", "wait_for_health_sync"]
+
+
+# Internal peers restart (deploys, crashes): reconnect within a second or two of their return
+# instead of gRPC's default backoff of up to 120 s, which would outlast leases and sessions.
+CLIENT_OPTIONS: list[tuple[str, Any]] = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
 
 async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 1.0) -> bool:

@@ -1,0 +1,142 @@
+"""Generate the example torch models, reproducibly (fixed seeds), with nothing downloaded.
+
+    python examples/make_models.py                 # every model, into examples/models/<name>/artifacts/
+    python examples/make_models.py policy          # just one
+    python examples/make_models.py --root DIR      # another repository folder (tests use tmp dirs)
+
+Each model also gets `artifacts/reference.npz`: a fixed input and the output the saved
+artifact computes for it, keyed `input.<name>` and `output.<name>`, so end-to-end
+tests can check answers (compare with a small tolerance: thread counts change the
+order of float sums).
+
+    policy      TorchScript MLP        state float32 [B, 32]        -> action float32 [B, 8]
+    classifier  torch.export (.pt2)    image uint8 [480, 640, 3]    -> logits float32 [10]
+                                        (normalises inside the model)
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent / "models"
+
+
+class PolicyMLP(nn.Module):
+    def __init__(self, state_dim: int = 32, action_dim: int = 8, hidden: int = 64) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(state_dim, hidden),
+            nn.Tanh(),
+            nn.Linear(hidden, hidden),
+            nn.Tanh(),
+            nn.Linear(hidden, action_dim),
+        )
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.net(state))
+
+
+class SmallCNN(nn.Module):
+    """uint8 HWC image -> 10 logits; ImageNet-style normalisation happens inside."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255.0)
+        self.register_buffer("std", torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255.0)
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, kernel_size=5, stride=4, padding=2),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, kernel_size=3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Linear(32, classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = image.permute(2, 0, 1).unsqueeze(0).to(torch.float32)
+        x = (x - self.mean) / self.std
+        return self.head(self.features(x).flatten(1)).squeeze(0)
+
+
+def _write_reference(folder: Path, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
+    arrays = {f"input.{k}": v for k, v in inputs.items()} | {f"output.{k}": v for k, v in outputs.items()}
+    np.savez_compressed(folder / "artifacts" / "reference.npz", **arrays)
+
+
+def build_policy(folder: Path) -> Path:
+    torch.manual_seed(0)
+    model = PolicyMLP().eval()
+    artifact = folder / "artifacts" / "policy.pt"
+    artifact.parent.mkdir(parents=True, exist_ok=True)
+    torch.jit.script(model).save(str(artifact))
+    state = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    loaded = torch.jit.load(str(artifact), map_location="cpu").eval()
+    with torch.inference_mode():
+        action = loaded(torch.from_numpy(state)).numpy()
+    _write_reference(folder, {"state": state}, {"action": action})
+    return artifact
+
+
+def _test_image() -> np.ndarray:
+    """A fixed 480x640 RGB test image (gradients and stripes: deterministic, compresses well)."""
+    rows = np.arange(480, dtype=np.int64)[:, None]
+    cols = np.arange(640, dtype=np.int64)[None, :]
+    red = rows * 255 // 479 + 0 * cols
+    green = cols * 255 // 639 + 0 * rows
+    blue = np.where(((rows // 40) + (cols // 40)) % 2 == 0, 200, 40)
+    return np.stack([red, green, blue], axis=-1).astype(np.uint8)
+
+
+def build_classifier(folder: Path) -> Path:
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    artifact = folder / "artifacts" / "classifier.pt2"
+    artifact.parent.mkdir(parents=True, exist_ok=True)
+    example = torch.zeros((480, 640, 3), dtype=torch.uint8)
+    with torch.no_grad():
+        program = torch.export.export(model, (example,))
+    program.example_inputs = None  # else the 900 KB example image is saved with the program
+    torch.export.save(program, str(artifact))
+    image = _test_image()
+    loaded = torch.export.load(str(artifact)).module()
+    with torch.inference_mode():
+        logits = loaded(torch.from_numpy(image)).numpy()
+    _write_reference(folder, {"image": image}, {"logits": logits})
+    return artifact
+
+
+BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "policy": build_policy,
+    "classifier": build_classifier,
+}
+
+
+def build(names: list[str] | None = None, *, root: Path = ROOT) -> list[Path]:
+    """Build the named models (default: all) under `root/<name>/artifacts/`."""
+    artifacts = []
+    for name in names or list(BUILDERS):
+        if name not in BUILDERS:
+            raise SystemExit(f"unknown model {name!r} (known: {', '.join(BUILDERS)})")
+        artifacts.append(BUILDERS[name](root / name))
+    return artifacts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help=f"models to build (default: {' '.join(BUILDERS)})")
+    parser.add_argument("--root", type=Path, default=ROOT, help="model repository folder")
+    args = parser.parse_args(argv)
+    for artifact in build(args.names, root=args.root):
+        print(f"wrote {artifact} ({artifact.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The engine interface every backend implements.
+
+An engine owns one loaded copy of one model. The pool calls every method on the
+model's own single-thread executor, never on the event loop, so engines may block
+and may keep thread-affine state (CUDA streams, interpreter handles):
+
+    estimate_mb(spec)  class method, before anything is loaded: the memory to lease
+    load()             read the artifact, place it on `context.device`
+    warmup()           optional first call, so the first request does not pay for it
+    infer(inputs)      dict[str, ndarray] -> dict[str, ndarray]; inputs are read-only views
+    unload()           free everything, device memory included, before returning
+
+Reserved for the batching issue: `supports_batching` (engines that accept requests
+stacked on axis 0) and `max_batch_size`; the pool sends one request per call today.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, zeros_for
+
+__all__ = ["ESTIMATE_FACTOR", "Engine", "EngineContext", "outputs_to_numpy"]
+
+# Lease estimate when a model gives no `vram_mb`: artifact bytes x this factor.
+ESTIMATE_FACTOR = 1.3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineContext:
+    device: str  # "cpu" or "cuda:N" (already resolved against the lease)
+    threads: int = 1  # intra-op threads, for engines that have such a knob
+
+
+class Engine(ABC):
+    backend: ClassVar[str]
+    supports_batching: ClassVar[bool] = False
+    max_batch_size: ClassVar[int] = 1
+
+    def __init__(self, spec: ModelSpec, context: EngineContext) -> None:
+        self.spec = spec
+        self.context = context
+
+    # ---- memory ---------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def artifact_files(cls, spec: ModelSpec) -> Iterable[Path]:
+        """The files whose size stands for the model's memory; raise if one is missing."""
+
+    @classmethod
+    def estimate_mb(cls, spec: ModelSpec) -> int:
+        """Memory to lease when no `vram_mb` is given: artifact size x 1.3, at least 1 MB."""
+        total = 0
+        for path in cls.artifact_files(spec):
+            try:
+                total += path.stat().st_size
+            except OSError as error:
+                raise ModelConfigError(
+                    f"model '{spec.model_id}': cannot read {path}: {error.strerror or error}"
+                ) from None
+        return max(1, math.ceil(total * ESTIMATE_FACTOR / (1 << 20)))
+
+    # ---- lifecycle ------------------------------------------------------
+
+    @abstractmethod
+    def load(self) -> None: ...
+
+    def warmup(self) -> None:
+        """One call with zeros when the config declares every input shape (variable axes = 1)."""
+        if not self.spec.config.warmup:
+            return
+        inputs = zeros_for(self.spec.config.inputs)
+        if inputs is not None:
+            self.infer(inputs)
+
+    @abstractmethod
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    @abstractmethod
+    def unload(self) -> None: ...
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    # Duck-typed torch support, so this module never imports torch.
+    if hasattr(value, "detach") and hasattr(value, "cpu") and hasattr(value, "numpy"):
+        tensor = value.detach()
+        if str(getattr(tensor, "dtype", "")) == "torch.bfloat16":
+            tensor = tensor.float()  # numpy has no bfloat16
+        return np.asarray(tensor.cpu().numpy())
+    return np.asarray(value)
+
+
+def outputs_to_numpy(model_id: str, outputs: Any) -> dict[str, np.ndarray]:
+    """A model's outputs as `dict[str, ndarray]`; anything else is the model's bug (ValueError)."""
+    if not isinstance(outputs, Mapping):
+        raise ValueError(
+            f"model '{model_id}' returned {type(outputs).__name__}, expected a dict of tensors"
+        )
+    result: dict[str, np.ndarray] = {}
+    for key, value in outputs.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"model '{model_id}' returned an output named {key!r}; names are strings")
+        result[key] = _to_numpy(value)
+    return result

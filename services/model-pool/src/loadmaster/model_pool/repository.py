@@ -1,0 +1,263 @@
+"""The model repository: one folder per model, each with a `config.yaml`.
+
+    models/
+      double/    config.yaml  model.py
+      policy/    config.yaml  artifacts/policy.pt
+
+`config.yaml` (validated with pydantic; a broken file is an error for that model only):
+
+    backend: torch            # python | torch (the engine registry's keys)
+    artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
+    # module: model.py        # python: the file and the class with load()/infer()
+    # class: Double
+    device: cuda:0            # optional; default: the worker's `model_pool.device`
+    vram_mb: 64               # optional; default: artifact size x 1.3
+    warmup: true              # run one zero input at load when every input shape is known
+    inputs:                   # optional; when given, requests are checked against them
+      - {name: state, dtype: float32, shape: [-1, 32]}   # -1 = any size
+    outputs:
+      - {name: action, dtype: float32, shape: [-1, 8]}
+
+Configs are read again at every load, so an edited file takes effect on the next load.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from loadmaster.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+
+__all__ = [
+    "CONFIG_FILE",
+    "DTYPES",
+    "ModelConfig",
+    "ModelConfigError",
+    "ModelRepository",
+    "ModelSpec",
+    "PythonModelConfig",
+    "TensorSpec",
+    "TorchModelConfig",
+    "check_inputs",
+    "parse_config",
+    "zeros_for",
+]
+
+CONFIG_FILE = "config.yaml"
+
+# Config dtype names -> numpy dtypes as they arrive from the wire (bfloat16 travels as uint16 words).
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "bfloat16": np.dtype(np.uint16),
+    "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "bool": np.dtype(np.bool_),
+}
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ModelConfigError(FailedPreconditionError):
+    """A model's folder or `config.yaml` is broken; the model cannot load until it is fixed."""
+
+
+class TensorSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    dtype: Literal["float16", "float32", "float64", "bfloat16", "uint8", "int32", "int64", "bool"]
+    shape: tuple[int, ...] | None = None  # None = any shape; -1 = any size on that axis
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if shape is not None and any(dim < -1 for dim in shape):
+            raise ValueError("dimensions are sizes >= 0, or -1 for any size")
+        return shape
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def fixed_shape(self) -> bool:
+        return self.shape is not None and all(dim >= 0 for dim in self.shape)
+
+
+class _BaseModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    device: str | None = None
+    vram_mb: int | None = Field(default=None, ge=0)
+    warmup: bool = True
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    # With declared inputs, undeclared request tensors are refused unless this is true.
+    allow_extra_inputs: bool = False
+    description: str = ""
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, device: str | None) -> str | None:
+        if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+            raise ValueError("device is 'cpu', 'cuda' or 'cuda:N'")
+        return device
+
+    @field_validator("inputs", "outputs")
+    @classmethod
+    def _unique(cls, specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        names = [spec.name for spec in specs]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate tensor names: {', '.join(duplicates)}")
+        return specs
+
+
+class PythonModelConfig(_BaseModelConfig):
+    backend: Literal["python"]
+    module: str = "model.py"
+    class_name: str = Field(alias="class", min_length=1)
+
+
+class TorchModelConfig(_BaseModelConfig):
+    backend: Literal["torch"]
+    artifact: str = Field(min_length=1)
+    # Default from the suffix: .pt2 -> export (torch.export), anything else -> torchscript.
+    format: Literal["torchscript", "export"] | None = None
+
+    @property
+    def artifact_format(self) -> Literal["torchscript", "export"]:
+        if self.format is not None:
+            return self.format
+        return "export" if self.artifact.endswith(".pt2") else "torchscript"
+
+
+# One entry per engine; the `backend` field picks the class.
+ModelConfig = Annotated[PythonModelConfig | TorchModelConfig, Field(discriminator="backend")]
+_CONFIG_ADAPTER: TypeAdapter[PythonModelConfig | TorchModelConfig] = TypeAdapter(ModelConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A validated model definition: its id, folder and config."""
+
+    model_id: str
+    folder: Path
+    config: PythonModelConfig | TorchModelConfig
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend
+
+    def path(self, relative: str) -> Path:
+        """A file named in the config, which must stay inside the model's folder."""
+        candidate = (self.folder / relative).resolve()
+        if not candidate.is_relative_to(self.folder.resolve()):
+            raise ModelConfigError(f"model '{self.model_id}': {relative!r} points outside its folder")
+        return candidate
+
+
+def _format_validation(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "config"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def parse_config(model_id: str, folder: Path, data: Any) -> ModelSpec:
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"model '{model_id}': {CONFIG_FILE} must be a mapping")
+    try:
+        config = _CONFIG_ADAPTER.validate_python(data)
+    except ValidationError as error:
+        raise ModelConfigError(f"model '{model_id}': {CONFIG_FILE}: {_format_validation(error)}") from None
+    return ModelSpec(model_id=model_id, folder=folder, config=config)
+
+
+class ModelRepository:
+    """Reads model definitions from a folder. File reads only; no engine is touched here."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def names(self) -> list[str]:
+        """Model ids: sub-folders that hold a `config.yaml`."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if entry.is_dir() and _MODEL_ID.match(entry.name) and (entry / CONFIG_FILE).is_file()
+        )
+
+    def contains(self, model_id: str) -> bool:
+        return bool(_MODEL_ID.match(model_id)) and (self.root / model_id / CONFIG_FILE).is_file()
+
+    def spec(self, model_id: str) -> ModelSpec:
+        """The validated definition; `NotFoundError` for an unknown id, `ModelConfigError` when broken."""
+        if not self.contains(model_id):
+            raise NotFoundError(f"model '{model_id}' is not in the repository at {self.root}")
+        folder = self.root / model_id
+        try:
+            data = yaml.safe_load((folder / CONFIG_FILE).read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+            raise ModelConfigError(f"model '{model_id}': cannot read {CONFIG_FILE}: {error}") from None
+        return parse_config(model_id, folder, data)
+
+
+def _shape_matches(expected: Sequence[int], actual: Sequence[int]) -> bool:
+    return len(expected) == len(actual) and all(e in (-1, a) for e, a in zip(expected, actual, strict=True))
+
+
+def check_inputs(spec: ModelSpec, arrays: Mapping[str, np.ndarray]) -> None:
+    """Raise `InvalidArgumentError` naming the tensor when `arrays` do not fit the declared inputs."""
+    declared = spec.config.inputs
+    if not declared:
+        return
+    for tensor in declared:
+        array = arrays.get(tensor.name)
+        if array is None:
+            raise InvalidArgumentError(f"model '{spec.model_id}' needs input tensor '{tensor.name}'")
+        if array.dtype != tensor.numpy_dtype:
+            raise InvalidArgumentError(
+                f"tensor '{tensor.name}': dtype {array.dtype.name}, model '{spec.model_id}' "
+                f"expects {tensor.dtype}"
+            )
+        if tensor.shape is not None and not _shape_matches(tensor.shape, array.shape):
+            raise InvalidArgumentError(
+                f"tensor '{tensor.name}': shape {list(array.shape)}, model '{spec.model_id}' "
+                f"expects {list(tensor.shape)} (-1 = any)"
+            )
+    if not spec.config.allow_extra_inputs:
+        names = {tensor.name for tensor in declared}
+        extra = sorted(key for key in arrays if key not in names)
+        if extra:
+            raise InvalidArgumentError(
+                f"tensor '{extra[0]}' is not an input of model '{spec.model_id}' "
+                f"(inputs: {', '.join(sorted(names))})"
+            )
+
+
+def zeros_for(specs: Sequence[TensorSpec]) -> dict[str, np.ndarray] | None:
+    """A zero input for warm-up (variable axes of size 1), or None when a shape is unknown."""
+    if not specs or any(spec.shape is None for spec in specs):
+        return None
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        assert spec.shape is not None
+        shape = tuple(1 if dim == -1 else dim for dim in spec.shape)
+        if math.prod(shape) > (64 << 20):
+            return None
+        out[spec.name] = np.zeros(shape, dtype=spec.numpy_dtype)
+    return out

@@ -1,0 +1,152 @@
+"""Wiring of one model-pool worker: pool, gRPC servicer, data port, scheduler session.
+
+    server = await build(settings)          # wired, not started
+    port = await server.start()             # gRPC port; then data port, session, preload
+    server.data_endpoint, server.worker_id  # what the scheduler and gateways are told
+    await server.stop()                     # refuse new work, drain, unload, release, close
+
+`python -m loadmaster.model_pool` runs the same thing until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.config import Settings
+from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.common.service import default_instance_id
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.common.tensors import TensorLimits
+from loadmaster.model_pool.data_port import DataPort, advertised_endpoint
+from loadmaster.model_pool.leases import GrpcLeaseClient, LeaseClient
+from loadmaster.model_pool.pool import ModelPool
+from loadmaster.model_pool.repository import ModelRepository
+from loadmaster.model_pool.servicer import ModelPoolServicer
+from loadmaster.model_pool.worker_session import WorkerIdentity, WorkerSession
+from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
+
+__all__ = ["ModelPoolServer", "advertised_grpc_endpoint", "build"]
+
+log = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", "*", ""}
+
+
+def advertised_grpc_endpoint(address: str, listen: str | None, port: int, *, hostname: str | None = None) -> str:
+    """`host:port` others use for this worker's gRPC: the bound port, and the host name
+    when bound to a wildcard (a shared `address` may name a load balancer, not this worker)."""
+    host = (listen or address).rpartition(":")[0]
+    if host in _WILDCARD_HOSTS:
+        host = hostname or socket.gethostname()
+    return f"{host}:{port}"
+
+
+class ModelPoolServer(GrpcServer):
+    """The worker's gRPC server plus everything it starts and stops with it."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Clock,
+        lease_client: LeaseClient | None,
+    ) -> None:
+        pool_settings = settings.model_pool
+        super().__init__("model-pool", pool_settings.listen_address)
+        self.settings = settings
+        self.worker_id = pool_settings.worker_id or default_instance_id()
+        self.data_endpoint = ""  # known once started
+        self.grpc_endpoint = ""
+        self._clock = clock
+        self._owns_lease_client = lease_client is None
+        self.lease_client: LeaseClient = lease_client or GrpcLeaseClient(
+            settings.gpu_broker.address, holder=self.worker_id, node=pool_settings.node, clock=clock
+        )
+        self.telemetry = TelemetryReporter(
+            "model-pool", self.worker_id, settings.metrics.address if settings.metrics.enabled else None
+        )
+        self.pool = ModelPool(
+            ModelRepository(settings.repository_path),
+            models=settings.models,
+            lease_client=self.lease_client,
+            device=pool_settings.device,
+            threads=pool_settings.inference_threads,
+            lease_ttl_s=pool_settings.lease_ttl_s,
+            clock=clock,
+            metrics=self.telemetry,
+        )
+        limits = settings.gateway.limits
+        tensor_limits = TensorLimits(
+            max_payload_bytes=limits.max_payload_bytes, max_tensors=limits.max_tensors, max_dims=limits.max_dims
+        )
+        self.data_port = DataPort(
+            self.pool, bind=pool_settings.data_bind, worker_id=self.worker_id, limits=tensor_limits, clock=clock
+        )
+        self.session: WorkerSession | None = None
+        servicer = ModelPoolServicer(
+            self.pool, worker_id=self.worker_id, data_endpoint=lambda: self.data_endpoint, limits=tensor_limits
+        )
+        self.add_service(
+            model_pool_pb2.DESCRIPTOR.services_by_name["ModelPool"].full_name,
+            model_pool_pb2_grpc.add_ModelPoolServicer_to_server,
+            servicer,
+        )
+        self.on_start(self._started)
+        self.on_stop(self._stopping_hook)
+
+    async def _started(self) -> None:
+        pool_settings = self.settings.model_pool
+        self.telemetry.start()
+        last_endpoint = await self.data_port.start()
+        self.data_endpoint = advertised_endpoint(last_endpoint, configured=pool_settings.data_endpoint)
+        assert self.port is not None
+        self.grpc_endpoint = advertised_grpc_endpoint(pool_settings.address, pool_settings.listen, self.port)
+        self.session = WorkerSession(
+            self.settings.scheduler.address,
+            self.pool,
+            identity=WorkerIdentity(
+                worker_id=self.worker_id,
+                data_endpoint=self.data_endpoint,
+                grpc_endpoint=self.grpc_endpoint,
+                node=pool_settings.node,
+            ),
+            clock=self._clock,
+        )
+        self.session.start()
+        log.info(
+            "worker %s: data %s, grpc %s, repository %s",
+            self.worker_id,
+            self.data_endpoint,
+            self.grpc_endpoint,
+            self.pool.repository.root,
+        )
+        await self._preload(pool_settings.preload)
+
+    async def _preload(self, model_ids: list[str]) -> None:
+        results = await asyncio.gather(*(self.pool.load(m) for m in model_ids), return_exceptions=True)
+        for model_id, result in zip(model_ids, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("preloading %s failed: %s", model_id, getattr(result, "message", result))
+
+    async def _stopping_hook(self) -> None:
+        # New requests are answered `unavailable` (retryable) while in-flight ones finish.
+        await self.pool.close()
+        await self.data_port.stop()
+        if self.session is not None:
+            await self.session.stop()
+        if self._owns_lease_client:
+            await self.lease_client.close()
+        await self.telemetry.close()
+
+
+async def build(
+    settings: Settings,
+    *,
+    clock: Clock | None = None,
+    lease_client: LeaseClient | None = None,
+) -> ModelPoolServer:
+    """The worker, wired and not started (`await server.start()` or `await server.run()`)."""
+    return ModelPoolServer(settings, clock=clock or SystemClock(), lease_client=lease_client)

@@ -1,0 +1,68 @@
+"""gRPC `ModelPool` service: translation only.
+
+`Infer` answers failures in the reply (`error_code`, `error_message`, `retryable`),
+exactly as the data port does, so both paths share one shape. `Load`, `Unload` and
+`Status` raise `LoadmasterError`s, which the server's interceptor maps to status codes;
+a failed `Load` also leaves its error in the slot (see `Status`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from loadmaster.common.tensors import TensorLimits
+from loadmaster.model_pool.pool import ModelPool
+from loadmaster.model_pool.wire import handle_infer, slot_status_pb
+from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
+
+__all__ = ["ModelPoolServicer"]
+
+_DEFAULT_LIMITS = TensorLimits()
+
+
+class ModelPoolServicer(model_pool_pb2_grpc.ModelPoolServicer):
+    def __init__(
+        self,
+        pool: ModelPool,
+        *,
+        worker_id: str,
+        data_endpoint: Callable[[], str],
+        limits: TensorLimits = _DEFAULT_LIMITS,
+    ) -> None:
+        self._pool = pool
+        self._worker_id = worker_id
+        self._data_endpoint = data_endpoint
+        self._limits = limits
+
+    async def Infer(  # noqa: N802 - gRPC method name
+        self, request: model_pool_pb2.InferRequest, context: grpc.aio.ServicerContext
+    ) -> model_pool_pb2.InferReply:
+        reply, payload = await handle_infer(
+            self._pool, request, request.payload, worker_id=self._worker_id, limits=self._limits
+        )
+        reply.payload = bytes(payload)
+        return reply
+
+    async def Load(  # noqa: N802
+        self, request: model_pool_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> model_pool_pb2.LoadResponse:
+        status = await self._pool.load(request.model_id)
+        return model_pool_pb2.LoadResponse(model=slot_status_pb(status))
+
+    async def Unload(  # noqa: N802
+        self, request: model_pool_pb2.UnloadRequest, context: grpc.aio.ServicerContext
+    ) -> model_pool_pb2.UnloadResponse:
+        status = await self._pool.unload(request.model_id, reason="unload requested")
+        return model_pool_pb2.UnloadResponse(model=slot_status_pb(status))
+
+    async def Status(  # noqa: N802
+        self, request: model_pool_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> model_pool_pb2.StatusResponse:
+        return model_pool_pb2.StatusResponse(
+            worker_id=self._worker_id,
+            data_endpoint=self._data_endpoint(),
+            models=[slot_status_pb(status) for status in self._pool.statuses()],
+            repository=self._pool.repository.names(),
+        )

@@ -1,0 +1,103 @@
+"""Protobuf translation shared by the worker's three front doors: the gRPC servicer,
+the ZMQ data port and the scheduler session. Protobuf lives here and in those
+modules only; the pool works on domain values.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from loadmaster.common.errors import InternalError, LoadmasterError
+from loadmaster.common.tensors import TensorLimits, decode_tensors, encode_tensors
+from loadmaster.model_pool.pool import ModelPool
+from loadmaster.model_pool.slots import ModelState, SlotStatus
+from loadmaster.v1 import model_pool_pb2
+
+__all__ = ["STATE_TO_PB", "error_reply", "handle_infer", "slot_status_pb"]
+
+log = logging.getLogger(__name__)
+
+STATE_TO_PB: dict[ModelState, model_pool_pb2.ModelState.ValueType] = {
+    ModelState.IDLE: model_pool_pb2.MODEL_STATE_IDLE,
+    ModelState.LOADING: model_pool_pb2.MODEL_STATE_LOADING,
+    ModelState.READY: model_pool_pb2.MODEL_STATE_READY,
+    ModelState.DRAINING: model_pool_pb2.MODEL_STATE_DRAINING,
+    ModelState.UNLOADING: model_pool_pb2.MODEL_STATE_UNLOADING,
+}
+
+
+def slot_status_pb(status: SlotStatus) -> model_pool_pb2.ModelSlotStatus:
+    return model_pool_pb2.ModelSlotStatus(
+        model_id=status.model_id,
+        state=STATE_TO_PB[status.state],
+        generation=status.generation,
+        inflight=status.inflight,
+        max_inflight=status.max_inflight,
+        device=status.device,
+        vram_mb=status.vram_mb,
+        backend=status.backend,
+        pinned=status.pinned,
+        last_used_unix_ms=status.last_used_unix_ms,
+        loaded_unix_ms=status.loaded_unix_ms,
+        load_time_ms=status.load_time_ms,
+        error=status.error,
+        lease_id=status.lease_id,
+        priority=status.priority,
+    )
+
+
+def error_reply(
+    error: LoadmasterError, *, request_id: str = "", model_id: str = "", worker_id: str = ""
+) -> model_pool_pb2.InferReply:
+    return model_pool_pb2.InferReply(
+        request_id=request_id,
+        model_id=model_id,
+        error_code=error.code,  # type: ignore[arg-type]
+        error_message=error.message,
+        retryable=error.retryable,
+        worker_id=worker_id,
+    )
+
+
+async def handle_infer(
+    pool: ModelPool,
+    request: model_pool_pb2.InferRequest,
+    payload: Any,
+    *,
+    worker_id: str,
+    limits: TensorLimits,
+    received_monotonic: float | None = None,
+) -> tuple[model_pool_pb2.InferReply, Any]:
+    """Answer one InferRequest: (reply envelope, output payload). Failures are replies, never raised."""
+    try:
+        inputs = decode_tensors(request.inputs, payload, limits)
+        result = await pool.infer(
+            request.model_id,
+            inputs,
+            deadline_unix_ns=request.deadline_unix_ns,
+            received_monotonic=received_monotonic,
+        )
+        descriptors, out_payload = encode_tensors(result.outputs, timestamp_ns=time.time_ns())
+    except LoadmasterError as error:
+        return error_reply(
+            error, request_id=request.request_id, model_id=request.model_id, worker_id=worker_id
+        ), b""
+    except Exception as error:
+        log.error("request %s for %s failed", request.request_id, request.model_id, exc_info=error)
+        internal = InternalError(f"{type(error).__name__}: {error}")
+        return error_reply(
+            internal, request_id=request.request_id, model_id=request.model_id, worker_id=worker_id
+        ), b""
+    reply = model_pool_pb2.InferReply(
+        request_id=request.request_id,
+        model_id=request.model_id,
+        outputs=descriptors,
+        inference_latency_ms=result.inference_ms,
+        queue_ms=result.queue_ms,
+        batch_size=result.batch_size,
+        worker_id=worker_id,
+        generation=result.generation,
+    )
+    return reply, out_payload

@@ -1,0 +1,157 @@
+"""The worker's side of the scheduler's `WorkerSession` stream.
+
+On connect: a hello (worker id, data and gRPC endpoints, node, the models in the
+repository), then a full `WorkerReport`; after that a full report whenever a slot
+changes state (changes that arrive together are coalesced into one report). Load
+and Unload commands are obeyed as background tasks, so a slow load never stalls
+the stream. When the stream drops (or the scheduler is not up yet) the session
+reconnects with exponential backoff and starts again with hello + report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.errors import LoadmasterError
+from loadmaster.common.grpc_client import aio_channel
+from loadmaster.model_pool.pool import ModelPool
+from loadmaster.model_pool.slots import SlotStatus
+from loadmaster.model_pool.wire import slot_status_pb
+from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["WorkerIdentity", "WorkerSession"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    worker_id: str
+    data_endpoint: str
+    grpc_endpoint: str
+    node: str
+
+
+class WorkerSession:
+    def __init__(
+        self,
+        address: str,
+        pool: ModelPool,
+        *,
+        identity: WorkerIdentity,
+        clock: Clock | None = None,
+        min_backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        stable_after_s: float = 5.0,
+    ) -> None:
+        self._address = address
+        self._pool = pool
+        self._identity = identity
+        self._clock = clock or SystemClock()
+        self._min_backoff_s = min_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._stable_after_s = stable_after_s
+        self._dirty = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._commands: set[asyncio.Task[Any]] = set()
+        self.sessions = 0  # streams opened so far (for logs and tests)
+
+    def start(self) -> None:
+        if self._task is not None:
+            return
+        self._pool.add_listener(self._on_change)
+        self._task = asyncio.create_task(self._run(), name="worker-session")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._commands) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    def _on_change(self, status: SlotStatus) -> None:
+        self._dirty.set()
+
+    # ---- stream ------------------------------------------------------------
+
+    def _hello(self) -> scheduler_pb2.WorkerMessage:
+        return scheduler_pb2.WorkerMessage(
+            hello=scheduler_pb2.WorkerHello(
+                worker_id=self._identity.worker_id,
+                data_endpoint=self._identity.data_endpoint,
+                grpc_endpoint=self._identity.grpc_endpoint,
+                node=self._identity.node,
+                repository=self._pool.repository.names(),
+            )
+        )
+
+    def _report(self) -> scheduler_pb2.WorkerMessage:
+        report = scheduler_pb2.WorkerReport(models=[slot_status_pb(s) for s in self._pool.statuses()])
+        return scheduler_pb2.WorkerMessage(report=report)
+
+    async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerMessage]:
+        self._dirty.clear()
+        yield self._hello()
+        yield self._report()
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            yield self._report()
+
+    async def _run(self) -> None:
+        backoff = self._min_backoff_s
+        while True:
+            opened = self._clock.monotonic()
+            try:
+                async with aio_channel(self._address) as channel:
+                    call = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession(self._messages())
+                    self.sessions += 1
+                    async for command in call:
+                        self._obey(command)
+                log.warning("scheduler at %s ended the worker session", self._address)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as error:
+                log.warning(
+                    "worker session to %s dropped: %s %s", self._address, error.code().name, error.details()
+                )
+            except Exception:
+                log.exception("worker session failed")
+            if self._clock.monotonic() - opened >= self._stable_after_s:
+                backoff = self._min_backoff_s
+            await self._clock.sleep(backoff)
+            backoff = min(backoff * 2, self._max_backoff_s)
+
+    # ---- commands ----------------------------------------------------------
+
+    def _obey(self, command: scheduler_pb2.WorkerCommand) -> None:
+        kind = command.WhichOneof("kind")
+        if kind == "load":
+            self._background(self._pool.load(command.load.model_id), f"load {command.load.model_id}")
+        elif kind == "unload":
+            self._background(
+                self._pool.unload(command.unload.model_id, reason="scheduler command"),
+                f"unload {command.unload.model_id}",
+            )
+        else:
+            log.warning("ignoring an unknown worker command: %s", kind)
+
+    def _background(self, work: Coroutine[Any, Any, Any], what: str) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except LoadmasterError as error:
+                log.warning("%s (scheduler command) failed: %s", what, error.message)
+            except Exception:
+                log.exception("%s (scheduler command) failed", what)
+
+        task = asyncio.create_task(run(), name=what)
+        self._commands.add(task)
+        task.add_done_callback(self._commands.discard)

@@ -1,0 +1,100 @@
+"""The worker against the real gpu-broker (services/gpu-broker) on the session's Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from loadmaster.common.config import GpuBrokerSettings, GpuSpec, MetricsSettings, Settings
+from loadmaster.common.errors import UnavailableError
+from loadmaster.model_pool.slots import ModelState
+from loadmaster.v1 import errors_pb2, gpu_broker_pb2, gpu_broker_pb2_grpc
+
+gpu_broker_server = pytest.importorskip("loadmaster.gpu_broker.server")
+
+
+@contextlib.asynccontextmanager
+async def broker(redis_url: str, *, total_mb: int = 1_000) -> AsyncIterator[tuple[str, Any]]:
+    settings = Settings(
+        redis_url=redis_url,
+        gpu_broker=GpuBrokerSettings(
+            listen="127.0.0.1:0",
+            key_prefix=f"model-pool-test-{uuid.uuid4().hex[:12]}",
+            use_nvml=False,
+            reserve_mb=0,
+            declared={"local": [GpuSpec(index=0, total_mb=total_mb)]},
+        ),
+        metrics=MetricsSettings(enabled=False),
+    )
+    server = await gpu_broker_server.build(settings)
+    port = await server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            yield address, gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+    finally:
+        await server.stop()
+
+
+async def test_leases_follow_the_models(
+    redis_url: str, example_repo: Path, start_worker: Any, make_client: Any
+) -> None:
+    async with broker(redis_url) as (address, stub):
+        async with start_worker(
+            example_repo, preload=["double", "policy"], broker_address=address, lease_ttl_s=1.5
+        ) as worker:
+            leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
+            by_model = {lease.labels["model"]: lease for lease in leases}
+            assert sorted(by_model) == ["double", "policy"]
+            assert dict(by_model["policy"].mb_per_gpu) == {0: 64} and by_model["policy"].node == "local"
+            assert worker.pool.status("policy").lease_id == by_model["policy"].lease_id
+
+            client = make_client(worker.data_endpoint)
+            reply, outputs = await client.call("double", {"x": np.ones(2, np.float32)})
+            assert reply.error_code == errors_pb2.ERROR_CODE_UNSPECIFIED and outputs["x"].tolist() == [2.0, 2.0]
+
+            await worker.pool.unload("policy")
+            leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
+            assert [lease.labels["model"] for lease in leases] == ["double"]
+
+            # Someone else frees double's lease: the next renew (every 0.5 s) finds it gone.
+            idle = asyncio.Event()
+            worker.pool.add_listener(
+                lambda s: idle.set() if (s.model_id, s.state) == ("double", ModelState.IDLE) else None
+            )
+            lost = by_model["double"]
+            await stub.Release(gpu_broker_pb2.ReleaseRequest(lease_id=lost.lease_id, fencing_token=lost.fencing_token))
+            await asyncio.wait_for(idle.wait(), 5.0)
+            status = worker.pool.status("double")
+            assert status.state is ModelState.IDLE and "lost" in status.error
+            reply, _ = await client.call("double", {"x": np.ones(2, np.float32)})
+            assert reply.error_code == errors_pb2.ERROR_CODE_UNAVAILABLE and reply.retryable
+
+            await worker.pool.load("policy")
+        leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
+        assert list(leases) == []  # released at shutdown
+
+
+async def test_a_model_that_does_not_fit_stays_idle(redis_url: str, example_repo: Path, start_worker: Any) -> None:
+    async with (
+        broker(redis_url, total_mb=50) as (address, _),
+        start_worker(example_repo, preload=["policy"], broker_address=address) as worker,
+    ):
+        status = worker.pool.status("policy")  # 64 MB on a 50 MB card
+        assert status.state is ModelState.IDLE and "50" in status.error, status.error
+
+
+async def test_unreachable_broker_fails_loads_unavailable(example_repo: Path, start_worker: Any) -> None:
+    async with start_worker(example_repo, preload=[], broker_address="127.0.0.1:1") as worker:
+        with pytest.raises(UnavailableError, match="unreachable"):
+            await worker.pool.load("double")
+        status = worker.pool.status("double")
+        assert status.state is ModelState.IDLE and "unreachable" in status.error
