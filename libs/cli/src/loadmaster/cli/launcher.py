@@ -81,6 +81,7 @@ class ServiceProcess:
     address: str
     process: subprocess.Popen[bytes]
     log_path: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -96,6 +97,7 @@ class Suite:
     overrides: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children write to this process's stderr
     services: tuple[str, ...] = tuple(spec.name for spec in SERVICES)
+    workers: int = 1  # model-pool processes; the extra ones take free loopback ports
     settings: Settings = field(init=False)
     redis: EmbeddedRedis | None = field(init=False, default=None)
     processes: list[ServiceProcess] = field(init=False, default_factory=list)
@@ -136,25 +138,56 @@ class Suite:
             for spec in SERVICES:
                 if spec.name not in self.services:
                     continue
-                address = getattr(self.settings, spec.section).address
-                say(f"starting {spec.name} ({address})")
-                service = self._spawn(spec, address)
-                self.processes.append(service)
-                self._wait_healthy(service, timeout_s)
+                copies = self.workers if spec.name == "model-pool" else 1
+                for index in range(copies):
+                    self.start_service(spec.name, index=index, timeout_s=timeout_s, progress=say)
         except BaseException:
             self.stop()
             raise
 
-    def _spawn(self, spec: _ServiceSpec, address: str) -> ServiceProcess:
+    def start_service(
+        self, name: str, *, index: int = 0, timeout_s: float = 90.0, progress: Any = None
+    ) -> ServiceProcess:
+        """Start one service process (again, after it was killed) and wait until it is healthy."""
+        spec = next(spec for spec in SERVICES if spec.name == name)
+        extra_env: dict[str, str] = {}
+        address = getattr(self.settings, spec.section).address
+        label = name
+        if name == "model-pool" and index > 0:
+            label = f"model-pool-{index}"
+            previous = self.service(label)
+            if previous is not None:
+                address = previous.address
+                extra_env = previous.extra_env
+            else:
+                host = address.rsplit(":", 1)[0]
+                address = f"{host}:{free_port()}"
+                extra_env = to_env(
+                    {"model_pool": {"address": address, "data_bind": f"tcp://{host}:{free_port()}"}}
+                )
+        if progress is not None:
+            progress(f"starting {label} ({address})")
+        self.processes = [p for p in self.processes if p.name != label]
+        service = self._spawn(spec, label, address, extra_env)
+        self.processes.append(service)
+        self._wait_healthy(service, timeout_s)
+        return service
+
+    def service(self, name: str) -> ServiceProcess | None:
+        return next((p for p in self.processes if p.name == name), None)
+
+    def _spawn(
+        self, spec: _ServiceSpec, label: str, address: str, extra_env: dict[str, str]
+    ) -> ServiceProcess:
         log_path: Path | None = None
         stream: IO[bytes] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / f"{spec.name}.log"
+            log_path = self.log_dir / f"{label}.log"
             stream = log_path.open("ab")
         process = subprocess.Popen(
             [sys.executable, "-m", spec.module, "--config", str(self.config_path)],
-            env=self.env,
+            env={**self.env, **extra_env},
             stdin=subprocess.DEVNULL,
             stdout=stream,
             stderr=subprocess.STDOUT if stream is not None else None,
@@ -163,7 +196,7 @@ class Suite:
         )
         if stream is not None:
             stream.close()
-        return ServiceProcess(spec.name, address, process, log_path)
+        return ServiceProcess(label, address, process, log_path, extra_env)
 
     def _wait_healthy(self, service: ServiceProcess, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -12,11 +12,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loadmaster.cli import gpu_cmd, keys_cmd, scheduler_cmd
 from loadmaster.cli.launcher import Suite
 from loadmaster.cli.status import collect_status
 from loadmaster.common.config import load_settings
 
 app = typer.Typer(help="Loadmaster: the inference control plane.", no_args_is_help=True)
+app.add_typer(gpu_cmd.app, name="gpu")
+app.add_typer(scheduler_cmd.app, name="scheduler")
+app.add_typer(keys_cmd.app, name="keys")
 console = Console(stderr=True)
 
 ConfigOption = Annotated[
@@ -25,12 +29,15 @@ ConfigOption = Annotated[
 
 
 @app.command()
-def up(config: ConfigOption = None) -> None:
-    """Start Redis, gpu-broker, metrics, scheduler, a model-pool worker and the gateway; Ctrl-C stops all."""
+def up(
+    config: ConfigOption = None,
+    workers: Annotated[int, typer.Option(min=1, help="model-pool worker processes")] = 1,
+) -> None:
+    """Start Redis, gpu-broker, metrics, scheduler, model-pool worker(s) and the gateway; Ctrl-C stops all."""
     config_path = config or Path("loadmaster.yaml")
     if not config_path.exists():
         raise typer.BadParameter(f"{config_path} does not exist", param_hint="--config")
-    suite = Suite(config_path)
+    suite = Suite(config_path, workers=workers)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -48,6 +48,7 @@ class TelemetryReporter:
         self.dropped = 0
         self.sent = 0  # samples in streams that ended cleanly
         self._unconfirmed = 0  # samples written to the current stream
+        self._outage = False
 
     def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
         """Queue one sample. Safe from any thread; never blocks."""
@@ -110,6 +111,7 @@ class TelemetryReporter:
                     await stub.Report(self._batches())
                 self.sent += self._unconfirmed
                 self._unconfirmed = 0
+                self._outage = False
                 if self._closing:
                     return
                 log.info("metrics service at %s ended the report stream; reconnecting", self._address)
@@ -121,12 +123,15 @@ class TelemetryReporter:
                 self._unconfirmed = 0
                 self._buffer.clear()
                 self.dropped += dropped
-                log.warning(
+                # Once per outage at warning level; the retries after it at debug.
+                log.log(
+                    logging.DEBUG if self._outage else logging.WARNING,
                     "metrics service at %s unreachable (%s); dropped %d samples",
                     self._address,
                     error.code().name,
                     dropped,
                 )
+                self._outage = True
             except Exception:
                 log.exception("telemetry reporter failed; restarting")
             if self._closing:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -23,6 +24,16 @@ from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 __all__ = ["SchedulerLink"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Outbox:
+    """What one session has yet to send."""
+
+    enqueues: list[scheduler_pb2.Enqueue] = field(default_factory=list)
+    completes: list[scheduler_pb2.Complete] = field(default_factory=list)
+    cancels: list[scheduler_pb2.Cancel] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class SchedulerLink:
@@ -44,10 +55,7 @@ class SchedulerLink:
         self._on_lost = on_lost
         self._max_batch = max_batch
         self._connect_timeout_s = connect_timeout_s
-        self._enqueues: list[scheduler_pb2.Enqueue] = []
-        self._completes: list[scheduler_pb2.Complete] = []
-        self._cancels: list[scheduler_pb2.Cancel] = []
-        self._wake = asyncio.Event()
+        self._outbox = _Outbox()
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -66,8 +74,8 @@ class SchedulerLink:
     # -- outbox (called from the event loop thread) ---------------------------------
 
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
-        self._enqueues.append(scheduler_pb2.Enqueue(request=request))
-        self._wake.set()
+        self._outbox.enqueues.append(scheduler_pb2.Enqueue(request=request))
+        self._outbox.wake.set()
 
     def complete(
         self,
@@ -80,7 +88,7 @@ class SchedulerLink:
     ) -> None:
         if not self.connected:
             return  # the scheduler forgot this session's requests when the stream broke
-        self._completes.append(
+        self._outbox.completes.append(
             scheduler_pb2.Complete(
                 request_id=request_id,
                 error_code=error_code,  # type: ignore[arg-type]
@@ -89,12 +97,12 @@ class SchedulerLink:
                 inference_ms=inference_ms,
             )
         )
-        self._wake.set()
+        self._outbox.wake.set()
 
     def cancel(self, request_id: str) -> None:
         if self.connected:
-            self._cancels.append(scheduler_pb2.Cancel(request_id=request_id))
-            self._wake.set()
+            self._outbox.cancels.append(scheduler_pb2.Cancel(request_id=request_id))
+            self._outbox.wake.set()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -108,20 +116,22 @@ class SchedulerLink:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
 
-    async def _outgoing(self) -> AsyncIterator[scheduler_pb2.SessionRequest]:
+    async def _outgoing(self, outbox: _Outbox) -> AsyncIterator[scheduler_pb2.SessionRequest]:
+        """The messages of one session; a broken session's generator never sees later messages."""
         yield scheduler_pb2.SessionRequest(hello=scheduler_pb2.SessionHello(gateway_id=self._gateway_id))
+        batch = self._max_batch
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._enqueues or self._completes or self._cancels:
+            await outbox.wake.wait()
+            outbox.wake.clear()
+            while outbox.enqueues or outbox.completes or outbox.cancels:
                 message = scheduler_pb2.SessionRequest()
                 # Completes first: they free slots the enqueues may be granted.
-                message.complete.extend(self._completes[: self._max_batch])
-                del self._completes[: self._max_batch]
-                message.cancel.extend(self._cancels[: self._max_batch])
-                del self._cancels[: self._max_batch]
-                message.enqueue.extend(self._enqueues[: self._max_batch])
-                del self._enqueues[: self._max_batch]
+                message.complete.extend(outbox.completes[:batch])
+                del outbox.completes[:batch]
+                message.cancel.extend(outbox.cancels[:batch])
+                del outbox.cancels[:batch]
+                message.enqueue.extend(outbox.enqueues[:batch])
+                del outbox.enqueues[:batch]
                 yield message
 
     async def _run(self) -> None:
@@ -131,7 +141,8 @@ class SchedulerLink:
                 async with aio_channel(self._address) as channel:
                     await asyncio.wait_for(channel.channel_ready(), self._connect_timeout_s)
                     stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                    call = stub.Session(self._outgoing())
+                    self._outbox = _Outbox()
+                    call = stub.Session(self._outgoing(self._outbox))
                     self._connected.set()
                     log.info("session to scheduler %s open", self._address)
                     backoff = 0.05
@@ -159,8 +170,6 @@ class SchedulerLink:
     def _mark_lost(self) -> None:
         was_connected = self.connected
         self._connected.clear()
-        self._enqueues.clear()
-        self._completes.clear()
-        self._cancels.clear()
+        self._outbox = _Outbox()  # what the broken session had not sent is answered via on_lost
         if was_connected:
             self._on_lost()
