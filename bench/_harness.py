@@ -56,24 +56,38 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
 
 
 @contextmanager
+def running_suite_handle(
+    *, preload: list[str] | None = None, overrides: dict[str, Any] | None = None
+) -> Iterator[Any]:
+    """A suite started on free ports with the example config (a `loadmaster.cli.launcher.Suite`)."""
+    import tempfile
+
+    from loadmaster.cli.launcher import Suite, free_port_overrides
+
+    merged = free_port_overrides()
+    for section, values in (overrides or {}).items():
+        if isinstance(values, dict):
+            merged.setdefault(section, {}).update(values)
+        else:
+            merged[section] = values
+    if preload is not None:
+        merged["model_pool"]["preload"] = preload
+    with tempfile.TemporaryDirectory(prefix="loadmaster-bench-") as logs:
+        suite = Suite(EXAMPLE_CONFIG, overrides=merged, log_dir=Path(logs))
+        print("starting the suite…", flush=True)
+        suite.start(timeout_s=120)
+        try:
+            suite.wait_for_models(suite.settings.model_pool.preload, timeout_s=120)
+            yield suite
+        finally:
+            suite.stop()
+
+
+@contextmanager
 def running_suite(edge: str | None, *, preload: list[str] | None = None) -> Iterator[str]:
     """Yield the edge address: `edge` when given, else a suite started on free ports."""
     if edge:
         yield edge
         return
-    import tempfile
-
-    from loadmaster.cli.launcher import Suite, free_port_overrides
-
-    overrides = free_port_overrides()
-    if preload is not None:
-        overrides["model_pool"]["preload"] = preload
-    with tempfile.TemporaryDirectory(prefix="loadmaster-bench-") as logs:
-        suite = Suite(EXAMPLE_CONFIG, overrides=overrides, log_dir=Path(logs))
-        print("starting the suite…", flush=True)
-        suite.start(timeout_s=120)
-        try:
-            suite.wait_for_models(suite.settings.model_pool.preload, timeout_s=120)
-            yield suite.settings.gateway.edge.bind
-        finally:
-            suite.stop()
+    with running_suite_handle(preload=preload) as suite:
+        yield suite.settings.gateway.edge.bind

@@ -1,0 +1,108 @@
+"""Load from several client processes, each a stock Inferential client.
+
+Closed loop (`rate_hz=None`): every client sends its next observation as soon as the
+previous reply arrives — throughput. Open loop (`rate_hz`): every client sends on a fixed
+cadence, like a robot's control loop — latency at a given load. Bounded by `duration_s`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["LoadResult", "run_load"]
+
+
+@dataclass
+class LoadResult:
+    requests: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    duration_s: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.duration_s if self.duration_s else 0.0
+
+
+def _client(
+    edge: str,
+    model_id: str,
+    inputs: dict[str, np.ndarray],
+    duration_s: float,
+    rate_hz: float | None,
+    start_at: float,
+    queue: mp.Queue,
+) -> None:
+    from inferential import Connection
+
+    conn = Connection(server=edge, client_id=f"load-{uuid.uuid4().hex[:8]}")
+    model = conn.model(model_id)
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    timeouts = 0
+    while time.time() < start_at:
+        time.sleep(0.001)
+    begin = time.perf_counter()
+    next_send = begin
+    while time.perf_counter() - begin < duration_s:
+        if rate_hz is not None:
+            delay = next_send - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            next_send += 1.0 / rate_hz
+        sent = time.perf_counter()
+        model.observe(**inputs)
+        result = model.get_result(timeout_ms=5000)
+        if result is None:
+            timeouts += 1
+            continue
+        if "error_code" in result:
+            errors[result["error_code"]] = errors.get(result["error_code"], 0) + 1
+            continue
+        latencies.append(time.perf_counter() - sent)
+    conn.close()
+    queue.put((latencies, errors, timeouts, time.perf_counter() - begin))
+
+
+def run_load(
+    edge: str,
+    model_id: str,
+    inputs: dict[str, np.ndarray],
+    *,
+    clients: int,
+    duration_s: float,
+    rate_hz: float | None = None,
+) -> LoadResult:
+    context = mp.get_context("spawn")
+    queue: mp.Queue = context.Queue()
+    start_at = time.time() + 1.5  # all clients start together, after their imports
+    processes = [
+        context.Process(target=_client, args=(edge, model_id, inputs, duration_s, rate_hz, start_at, queue))
+        for _ in range(clients)
+    ]
+    for process in processes:
+        process.start()
+    result = LoadResult()
+    durations = []
+    for _ in processes:
+        latencies, errors, timeouts, elapsed = queue.get(timeout=duration_s + 60)
+        result.latencies_s += latencies
+        result.requests += len(latencies)
+        result.timeouts += timeouts
+        for code, count in errors.items():
+            result.error_codes[code] = result.error_codes.get(code, 0) + count
+            result.errors += count
+        durations.append(elapsed)
+    for process in processes:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+    result.duration_s = max(durations)
+    return result

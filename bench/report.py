@@ -1,0 +1,68 @@
+"""Render bench/RESULTS.md from bench/results/*.json.
+
+A result may carry `targets`: a list of {name, measured, target, unit, met}; those rows make
+the summary table. Everything else scalar at the top level is listed per benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+OUT = ROOT / "bench" / "RESULTS.md"
+
+
+def _scalars(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if key in {"benchmark", "when", "machine", "targets"}:
+            continue
+        if isinstance(value, dict) and len(value) <= 12:
+            rows += _scalars(value, f"{prefix}{key}.")
+        elif isinstance(value, str | int | float | bool):
+            rows.append((f"{prefix}{key}", value))
+    return rows
+
+
+def render() -> str:
+    results = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
+    lines = ["# Benchmark results", ""]
+    if results:
+        machine = results[-1].get("machine", {})
+        lines += [
+            "Produced by `make bench` (`python bench/run_all.py`); each file in `bench/results/` holds the",
+            "raw numbers. Machine of the latest run: "
+            + ", ".join(f"{k} {v}" for k, v in machine.items())
+            + ".",
+            "",
+        ]
+    targets = [(r["benchmark"], t) for r in results for t in r.get("targets", [])]
+    if targets:
+        lines += ["## Targets", "", "| benchmark | target | measured | goal | met |", "|---|---|---|---|---|"]
+        for bench, t in targets:
+            unit = t.get("unit", "")
+            met = "yes" if t.get("met") else "**no**"
+            lines.append(f"| {bench} | {t['name']} | {t['measured']} {unit} | {t['target']} {unit} | {met} |")
+        lines.append("")
+    for r in results:
+        lines += [f"## {r['benchmark']}", "", f"Run {r.get('when', '?')}.", ""]
+        rows = _scalars(r)
+        if rows:
+            lines += ["| value | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows[:40]]
+        plots = sorted(RESULTS.glob(f"{r['benchmark']}*.png"))
+        lines += [""] + [f"![{p.stem}](results/{p.name})" for p in plots] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    OUT.write_text(render())
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
