@@ -78,7 +78,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("client_request_id", "holder", "node", "mb", "gpus", "allow_split", "ttl_s", "labels")
+    __slots__ = ("client_request_id", "holder", "node", "mb", "gpus", "allow_split", "ttl_s", "labels", "wait_s", "priority")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,8 @@ class AcquireRequest(_message.Message):
     ALLOW_SPLIT_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     client_request_id: str
     holder: str
     node: str
@@ -102,7 +104,9 @@ class AcquireRequest(_message.Message):
     allow_split: bool
     ttl_s: float
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, client_request_id: _Optional[str] = ..., holder: _Optional[str] = ..., node: _Optional[str] = ..., mb: _Optional[int] = ..., gpus: _Optional[_Iterable[int]] = ..., allow_split: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    wait_s: float
+    priority: int
+    def __init__(self, client_request_id: _Optional[str] = ..., holder: _Optional[str] = ..., node: _Optional[str] = ..., mb: _Optional[int] = ..., gpus: _Optional[_Iterable[int]] = ..., allow_split: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ..., wait_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease",)

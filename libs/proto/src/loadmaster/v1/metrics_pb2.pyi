@@ -119,3 +119,68 @@ class WatchMetricsRequest(_message.Message):
     names: _containers.RepeatedScalarFieldContainer[str]
     labels: _containers.ScalarMap[str, str]
     def __init__(self, names: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GetModelStatisticsRequest(_message.Message):
+    __slots__ = ("model_id", "window_s")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    window_s: float
+    def __init__(self, model_id: _Optional[str] = ..., window_s: _Optional[float] = ...) -> None: ...
+
+class DurationTotal(_message.Message):
+    __slots__ = ("count", "total_ms")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    total_ms: float
+    def __init__(self, count: _Optional[int] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class BatchStatistics(_message.Message):
+    __slots__ = ("batch_size", "count")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    count: int
+    def __init__(self, batch_size: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ModelStatistics(_message.Message):
+    __slots__ = ("model_id", "success_count", "failure_count", "failures_by_code", "success", "failure", "queue", "compute", "inference_count", "execution_count", "batch_stats", "last_inference_unix_ns")
+    class FailuresByCodeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_BY_CODE_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STATS_FIELD_NUMBER: _ClassVar[int]
+    LAST_INFERENCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    success_count: int
+    failure_count: int
+    failures_by_code: _containers.ScalarMap[str, int]
+    success: DurationTotal
+    failure: DurationTotal
+    queue: DurationTotal
+    compute: DurationTotal
+    inference_count: int
+    execution_count: int
+    batch_stats: _containers.RepeatedCompositeFieldContainer[BatchStatistics]
+    last_inference_unix_ns: int
+    def __init__(self, model_id: _Optional[str] = ..., success_count: _Optional[int] = ..., failure_count: _Optional[int] = ..., failures_by_code: _Optional[_Mapping[str, int]] = ..., success: _Optional[_Union[DurationTotal, _Mapping]] = ..., failure: _Optional[_Union[DurationTotal, _Mapping]] = ..., queue: _Optional[_Union[DurationTotal, _Mapping]] = ..., compute: _Optional[_Union[DurationTotal, _Mapping]] = ..., inference_count: _Optional[int] = ..., execution_count: _Optional[int] = ..., batch_stats: _Optional[_Iterable[_Union[BatchStatistics, _Mapping]]] = ..., last_inference_unix_ns: _Optional[int] = ...) -> None: ...
+
+class GetModelStatisticsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatistics]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelStatistics, _Mapping]]] = ...) -> None: ...

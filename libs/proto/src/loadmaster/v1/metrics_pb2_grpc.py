@@ -54,6 +54,11 @@ class MetricsStub:
                 request_serializer=loadmaster_dot_v1_dot_metrics__pb2.WatchMetricsRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.Sample.FromString,
                 _registered_method=True)
+        self.GetModelStatistics = channel.unary_unary(
+                '/loadmaster.v1.Metrics/GetModelStatistics',
+                request_serializer=loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsRequest.SerializeToString,
+                response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsResponse.FromString,
+                _registered_method=True)
 
 
 class MetricsServicer:
@@ -83,6 +88,14 @@ class MetricsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelStatistics(self, request, context):
+        """Per-model statistics (after Triton's statistics extension), computed from the
+        series the services report; the gateway serves KServe `ModelStatistics` with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetricsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +118,11 @@ def add_MetricsServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=loadmaster_dot_v1_dot_metrics__pb2.WatchMetricsRequest.FromString,
                     response_serializer=loadmaster_dot_v1_dot_metrics__pb2.Sample.SerializeToString,
+            ),
+            'GetModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelStatistics,
+                    request_deserializer=loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsRequest.FromString,
+                    response_serializer=loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +233,33 @@ class Metrics:
             '/loadmaster.v1.Metrics/Watch',
             loadmaster_dot_v1_dot_metrics__pb2.WatchMetricsRequest.SerializeToString,
             loadmaster_dot_v1_dot_metrics__pb2.Sample.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loadmaster.v1.Metrics/GetModelStatistics',
+            loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsRequest.SerializeToString,
+            loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,7 +78,14 @@ class InferReply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., error_message: _Optional[str] = ..., retryable: _Optional[bool] = ..., inference_latency_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class ModelSlotStatus(_message.Message):
-    __slots__ = ("model_id", "state", "generation", "inflight", "max_inflight", "device", "vram_mb", "backend", "pinned", "last_used_unix_ms", "loaded_unix_ms", "load_time_ms", "error", "lease_id", "priority")
+    __slots__ = ("model_id", "state", "generation", "inflight", "max_inflight", "device", "vram_mb", "backend", "pinned", "last_used_unix_ms", "loaded_unix_ms", "load_time_ms", "error", "lease_id", "priority", "instances", "max_batch_size", "evictions", "reloads", "mb_per_gpu")
+    class MbPerGpuEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +101,11 @@ class ModelSlotStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    RELOADS_FIELD_NUMBER: _ClassVar[int]
+    MB_PER_GPU_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     state: ModelState
     generation: int
@@ -109,7 +121,12 @@ class ModelSlotStatus(_message.Message):
     error: str
     lease_id: str
     priority: int
-    def __init__(self, model_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., generation: _Optional[int] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., device: _Optional[str] = ..., vram_mb: _Optional[int] = ..., backend: _Optional[str] = ..., pinned: _Optional[bool] = ..., last_used_unix_ms: _Optional[int] = ..., loaded_unix_ms: _Optional[int] = ..., load_time_ms: _Optional[float] = ..., error: _Optional[str] = ..., lease_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    instances: int
+    max_batch_size: int
+    evictions: int
+    reloads: int
+    mb_per_gpu: _containers.ScalarMap[int, int]
+    def __init__(self, model_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., generation: _Optional[int] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., device: _Optional[str] = ..., vram_mb: _Optional[int] = ..., backend: _Optional[str] = ..., pinned: _Optional[bool] = ..., last_used_unix_ms: _Optional[int] = ..., loaded_unix_ms: _Optional[int] = ..., load_time_ms: _Optional[float] = ..., error: _Optional[str] = ..., lease_id: _Optional[str] = ..., priority: _Optional[int] = ..., instances: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., evictions: _Optional[int] = ..., reloads: _Optional[int] = ..., mb_per_gpu: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -140,13 +157,47 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("worker_id", "data_endpoint", "models", "repository")
+    __slots__ = ("worker_id", "data_endpoint", "models", "repository", "free_mb", "evictions", "leased_mb_per_gpu")
+    class EvictionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LeasedMbPerGpuEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     REPOSITORY_FIELD_NUMBER: _ClassVar[int]
+    FREE_MB_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_MB_PER_GPU_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     data_endpoint: str
     models: _containers.RepeatedCompositeFieldContainer[ModelSlotStatus]
     repository: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSlotStatus, _Mapping]]] = ..., repository: _Optional[_Iterable[str]] = ...) -> None: ...
+    free_mb: int
+    evictions: _containers.ScalarMap[str, int]
+    leased_mb_per_gpu: _containers.ScalarMap[int, int]
+    def __init__(self, worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSlotStatus, _Mapping]]] = ..., repository: _Optional[_Iterable[str]] = ..., free_mb: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., leased_mb_per_gpu: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("model_id", "pinned")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    pinned: bool
+    def __init__(self, model_id: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelSlotStatus
+    def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...

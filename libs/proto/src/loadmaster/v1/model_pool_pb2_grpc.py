@@ -54,6 +54,11 @@ class ModelPoolStub:
                 request_serializer=loadmaster_dot_v1_dot_model__pool__pb2.StatusRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/loadmaster.v1.ModelPool/Pin',
+                request_serializer=loadmaster_dot_v1_dot_model__pool__pb2.PinRequest.SerializeToString,
+                response_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.PinResponse.FromString,
+                _registered_method=True)
 
 
 class ModelPoolServicer:
@@ -83,6 +88,13 @@ class ModelPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Pin (never evicted, never unloaded when idle) or unpin a model, loaded or not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_ModelPoolServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.StatusRequest.FromString,
                     response_serializer=loadmaster_dot_v1_dot_model__pool__pb2.StatusResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.PinRequest.FromString,
+                    response_serializer=loadmaster_dot_v1_dot_model__pool__pb2.PinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +232,33 @@ class ModelPool:
             '/loadmaster.v1.ModelPool/Status',
             loadmaster_dot_v1_dot_model__pool__pb2.StatusRequest.SerializeToString,
             loadmaster_dot_v1_dot_model__pool__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loadmaster.v1.ModelPool/Pin',
+            loadmaster_dot_v1_dot_model__pool__pb2.PinRequest.SerializeToString,
+            loadmaster_dot_v1_dot_model__pool__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,

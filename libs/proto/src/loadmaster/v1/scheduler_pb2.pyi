@@ -9,7 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "client_id", "model_id", "priority", "urgency", "steps_remaining", "received_unix_ns", "timeout_ms", "payload_bytes", "client_type")
+    __slots__ = ("request_id", "client_id", "model_id", "priority", "urgency", "steps_remaining", "received_unix_ns", "timeout_ms", "payload_bytes", "client_type", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +27,7 @@ class RequestInfo(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     client_id: str
     model_id: str
@@ -30,7 +38,8 @@ class RequestInfo(_message.Message):
     timeout_ms: float
     payload_bytes: int
     client_type: str
-    def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., urgency: _Optional[float] = ..., steps_remaining: _Optional[int] = ..., received_unix_ns: _Optional[int] = ..., timeout_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., client_type: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., urgency: _Optional[float] = ..., steps_remaining: _Optional[int] = ..., received_unix_ns: _Optional[int] = ..., timeout_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., client_type: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Enqueue(_message.Message):
     __slots__ = ("request",)
@@ -191,25 +200,51 @@ class GetQueuesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class QueueInfo(_message.Message):
-    __slots__ = ("model_id", "depth", "inflight", "expired", "overflowed", "granted")
+    __slots__ = ("model_id", "depth", "inflight", "expired", "overflowed", "granted", "superseded", "dropped")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     OVERFLOWED_FIELD_NUMBER: _ClassVar[int]
     GRANTED_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     depth: int
     inflight: int
     expired: int
     overflowed: int
     granted: int
-    def __init__(self, model_id: _Optional[str] = ..., depth: _Optional[int] = ..., inflight: _Optional[int] = ..., expired: _Optional[int] = ..., overflowed: _Optional[int] = ..., granted: _Optional[int] = ...) -> None: ...
+    superseded: int
+    dropped: int
+    def __init__(self, model_id: _Optional[str] = ..., depth: _Optional[int] = ..., inflight: _Optional[int] = ..., expired: _Optional[int] = ..., overflowed: _Optional[int] = ..., granted: _Optional[int] = ..., superseded: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class GetQueuesResponse(_message.Message):
-    __slots__ = ("queues", "strategy")
+    __slots__ = ("queues", "strategy", "policy", "active_clients")
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.RepeatedCompositeFieldContainer[QueueInfo]
     strategy: str
-    def __init__(self, queues: _Optional[_Iterable[_Union[QueueInfo, _Mapping]]] = ..., strategy: _Optional[str] = ...) -> None: ...
+    policy: str
+    active_clients: int
+    def __init__(self, queues: _Optional[_Iterable[_Union[QueueInfo, _Mapping]]] = ..., strategy: _Optional[str] = ..., policy: _Optional[str] = ..., active_clients: _Optional[int] = ...) -> None: ...
+
+class SetStrategyRequest(_message.Message):
+    __slots__ = ("strategy", "policy")
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    policy: str
+    def __init__(self, strategy: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class SetStrategyResponse(_message.Message):
+    __slots__ = ("strategy", "previous", "moved")
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    previous: str
+    moved: int
+    def __init__(self, strategy: _Optional[str] = ..., previous: _Optional[str] = ..., moved: _Optional[int] = ...) -> None: ...

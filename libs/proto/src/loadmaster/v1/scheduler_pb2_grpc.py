@@ -54,6 +54,11 @@ class SchedulerStub:
                 request_serializer=loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesResponse.FromString,
                 _registered_method=True)
+        self.SetStrategy = channel.unary_unary(
+                '/loadmaster.v1.Scheduler/SetStrategy',
+                request_serializer=loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyRequest.SerializeToString,
+                response_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -83,6 +88,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetStrategy(self, request, context):
+        """Switch the ordering strategy at runtime; waiting requests move to the new queues.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetQueues,
                     request_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesRequest.FromString,
                     response_serializer=loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesResponse.SerializeToString,
+            ),
+            'SetStrategy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetStrategy,
+                    request_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyRequest.FromString,
+                    response_serializer=loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +232,33 @@ class Scheduler:
             '/loadmaster.v1.Scheduler/GetQueues',
             loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesRequest.SerializeToString,
             loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetStrategy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loadmaster.v1.Scheduler/SetStrategy',
+            loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyRequest.SerializeToString,
+            loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyResponse.FromString,
             options,
             channel_credentials,
             insecure,

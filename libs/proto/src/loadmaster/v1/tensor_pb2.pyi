@@ -18,6 +18,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT32: _ClassVar[DType]
     INT64: _ClassVar[DType]
     BOOL: _ClassVar[DType]
+    BYTES: _ClassVar[DType]
 
 class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ UINT8: DType
 INT32: DType
 INT64: DType
 BOOL: DType
+BYTES: DType
 ENCODING_UNSPECIFIED: Encoding
 RAW: Encoding
 JPEG: Encoding
