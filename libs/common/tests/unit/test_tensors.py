@@ -271,7 +271,7 @@ def test_dtype_mapping_is_a_bijection_over_the_wire_dtypes() -> None:
         assert numpy_dtype(wire) == np.dtype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.int16, np.complex64, np.uint32, np.object_])
+@pytest.mark.parametrize("dtype", [np.int16, np.complex64, np.uint32])
 def test_dtypes_without_a_wire_form_cannot_be_encoded(dtype: type) -> None:
     with pytest.raises(InvalidArgumentError, match=np.dtype(dtype).name):
         encode_tensors({"x": np.zeros(2, dtype=dtype)})
@@ -280,3 +280,51 @@ def test_dtypes_without_a_wire_form_cannot_be_encoded(dtype: type) -> None:
 def test_numpy_dtype_rejects_unknown_wire_values() -> None:
     with pytest.raises(InvalidArgumentError, match="unsupported dtype 42"):
         numpy_dtype(42)
+
+
+# ---- BYTES (KServe layout: 4-byte little-endian length before each element) ----------
+
+
+def test_bytes_tensors_round_trip_with_their_shape() -> None:
+    from loadmaster.common.tensors import decode_tensors as decode
+    from loadmaster.common.tensors import encode_tensors as encode
+
+    strings = np.array([[b"ab", b""], [b"xyz", "\u00e9".encode()]], dtype=object)
+    descriptors, payload = encode({"s": strings, "x": np.arange(3, dtype=np.float32)})
+    assert descriptors[0].dtype == tensor_pb2.BYTES
+    assert descriptors[0].byte_length == 4 * 4 + 2 + 0 + 3 + 2
+    decoded = decode(descriptors, bytes(payload))
+    assert decoded["s"].shape == (2, 2)
+    assert decoded["s"].tolist() == strings.tolist()
+    np.testing.assert_array_equal(decoded["x"], np.arange(3, dtype=np.float32))
+
+
+def test_str_elements_travel_as_utf8() -> None:
+    from loadmaster.common.tensors import decode_tensors as decode
+    from loadmaster.common.tensors import encode_tensors as encode
+
+    descriptors, payload = encode({"s": np.array(["héllo"])})
+    assert decode(descriptors, bytes(payload))["s"].tolist() == ["héllo".encode()]
+
+
+@pytest.mark.parametrize(
+    ("data", "count", "problem"),
+    [
+        (b"\x05\x00\x00\x00abc", 1, "past the end"),
+        (b"\x01\x00\x00\x00a\x00", 1, "left after"),
+        (b"\x01\x00\x00\x00a", 2, "cannot hold|ends inside"),
+    ],
+)
+def test_malformed_bytes_data_names_the_tensor(data: bytes, count: int, problem: str) -> None:
+    from loadmaster.common.tensors import decode_tensors as decode
+
+    desc = tensor_pb2.Tensor(
+        key="text", dtype=tensor_pb2.BYTES, shape=[count], byte_offset=0, byte_length=len(data)
+    )
+    with pytest.raises(InvalidArgumentError, match=rf"'text'.*({problem})"):
+        decode([desc], data)
+
+
+def test_object_arrays_of_anything_but_bytes_or_str_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"bytes or str, not int.*object"):
+        encode_tensors({"x": np.zeros(2, dtype=object)})

@@ -18,8 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 __all__ = [
+    "ApiKeySettings",
+    "AuthSettings",
+    "BatchSettings",
     "ClientSettings",
     "ClientsSettings",
+    "CurveSettings",
+    "DeadlineSettings",
     "EdgeSettings",
     "GatewaySettings",
     "GpuBrokerSettings",
@@ -68,6 +73,35 @@ class LimitsSettings(_Section):
     max_metadata_bytes: int = Field(default=16 << 10, ge=0)
 
 
+class ApiKeySettings(_Section):
+    """One API key, stored hashed: `sha256` is the hex SHA-256 of the key (`loadmaster keys api`)."""
+
+    name: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    scopes: list[Literal["infer", "admin"]] = Field(default_factory=lambda: ["infer"])
+    rate_per_s: float = Field(default=0.0, ge=0)  # token-bucket refill; 0 = unlimited
+    burst: int = Field(default=0, ge=0)  # bucket size; 0 = max(1, rate_per_s)
+
+
+class CurveSettings(_Section):
+    """CurveZMQ on the edge: the server key pair and the client public keys allowed (Z85 text)."""
+
+    server_public_key: str = ""
+    server_secret_key: str = ""
+    allowed_client_keys: list[str] = Field(default_factory=list)  # empty = any client with the server key
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.server_secret_key)
+
+
+class AuthSettings(_Section):
+    """API keys for HTTP (`Authorization: Bearer`) and gRPC (`authorization` metadata); empty = open."""
+
+    api_keys: list[ApiKeySettings] = Field(default_factory=list)
+    curve: CurveSettings = CurveSettings()
+
+
 class GatewaySettings(ServiceEndpoint):
     address: str = "127.0.0.1:8001"
     gateway_id: str = ""  # default: <hostname>-<pid>
@@ -75,13 +109,40 @@ class GatewaySettings(ServiceEndpoint):
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     limits: LimitsSettings = LimitsSettings()
+    auth: AuthSettings = AuthSettings()
     # Gateway -> scheduler: Enqueue/Complete are batched on the stream while it is busy.
     max_stream_batch: int = Field(default=256, ge=1)
 
 
+class DeadlineSettings(_Section):
+    """Terms of the deadline family's virtual deadline (see loadmaster.scheduler.strategies.deadline).
+
+    virtual deadline = enqueued + min(budget, max(cadence, service_ms)) x urgency factor x steps factor
+                       + priority x priority_step_ms + queued-by-the-same-client x service_ms
+    """
+
+    # Aging bound: a priority-p request is served before any request of priority 0 that
+    # arrived more than p x priority_step_ms (plus the budget difference) after it.
+    priority_step_ms: float = Field(default=100.0, ge=0)
+    urgency_weight: float = Field(default=0.5, ge=0, lt=1)  # urgency 1 cuts the slack by this share
+    steps_horizon: int = Field(default=8, ge=1)  # steps_remaining at or above this: no extra urgency
+    service_ms: float = Field(default=10.0, ge=0)  # spacing between one client's queued requests
+
+
+class BatchSettings(_Section):
+    max_batch_size: int = Field(default=8, ge=1)
+    max_wait_ms: float = Field(default=5.0, ge=0)
+
+
 class SchedulerSettings(ServiceEndpoint):
     address: str = "127.0.0.1:50051"
-    strategy: str = "priority"  # the order of each model's queue (see loadmaster.scheduler.strategies)
+    # model_deadline | deadline_aware | tiered_deadline | batch_optimized | priority_tiered | round_robin
+    strategy: str = "model_deadline"
+    policy: str | None = None  # a @register_policy name, for the deadline family
+    policy_modules: list[str] = Field(default_factory=list)  # imported at start to register policies
+    tiers: list[int] = Field(default_factory=lambda: [0, 1, 2])  # tiered_deadline: highest priority per tier
+    deadline: DeadlineSettings = DeadlineSettings()
+    batch: BatchSettings = BatchSettings()
     max_queue_size: int = Field(default=1000, ge=1)
     request_ttl_ms: float = Field(default=5000.0, gt=0)
     overflow_policy: Literal["drop_oldest", "reject_newest"] = "drop_oldest"
@@ -99,6 +160,10 @@ class ModelPoolSettings(ServiceEndpoint):
     preload: list[str] = Field(default_factory=list)
     lease_ttl_s: float = Field(default=15.0, gt=0)
     inference_threads: int = Field(default=4, ge=1)
+    # A load that needs room waits this long for busy or recently loaded models to become evictable.
+    eviction_wait_s: float = Field(default=10.0, ge=0)
+    # A model too big for one GPU may be leased across several GPUs of the node (one atomic lease).
+    allow_split: bool = True
 
 
 class GpuSpec(_Section):
@@ -138,6 +203,18 @@ class ModelSettings(_Section):
     pin: bool = False
     priority: int = Field(default=1, ge=0)
     keep_alive_s: float | None = Field(default=None, gt=0)
+    # Scheduler queue policy for this model; None = the scheduler's global setting.
+    latest_only: bool = False  # a client's newer request supersedes its queued older one
+    max_queue_size: int | None = Field(default=None, ge=1)
+    request_ttl_ms: float | None = Field(default=None, gt=0)
+    overflow_policy: Literal["drop_oldest", "reject_newest"] | None = None
+    # Anti-thrash: a model loaded less than this long ago is not evicted to make room.
+    min_resident_s: float = Field(default=1.0, ge=0)
+    # Overrides of the model's config.yaml (None = what config.yaml says).
+    max_batch_size: int | None = Field(default=None, ge=1)
+    max_queue_delay_ms: float | None = Field(default=None, ge=0)
+    preferred_batch_sizes: list[int] | None = None
+    instances: int | None = Field(default=None, ge=1)
 
 
 class ModelsSettings(_Section):

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loadmaster.common import tracing
 from loadmaster.common.grpc_server import GRPC_OPTIONS
 
 __all__ = ["CLIENT_OPTIONS", "aio_channel", "check_health", "wait_for_health", "wait_for_health_sync"]
@@ -25,7 +26,10 @@ CLIENT_OPTIONS: list[tuple[str, Any]] = [
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+    """A channel with the suite's options; traced when tracing is on (`loadmaster.common.tracing`)."""
+    return grpc.aio.insecure_channel(
+        address, options=CLIENT_OPTIONS, interceptors=tracing.client_interceptors()
+    )
 
 
 async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 1.0) -> bool:

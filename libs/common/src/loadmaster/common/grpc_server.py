@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from loadmaster.common import tracing
 from loadmaster.common.errors import ERROR_CODE_TRAILER, InternalError, LoadmasterError
 
 __all__ = ["GRPC_OPTIONS", "ErrorInterceptor", "GrpcServer"]
@@ -172,7 +173,9 @@ class GrpcServer:
         self._listen = listen
         self._grace_s = grace_s
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(), *(interceptors or [])], options=GRPC_OPTIONS
+            # Tracing (when on) is outermost, so its spans see the status the error mapping sets.
+            interceptors=[*tracing.server_interceptors(), ErrorInterceptor(), *(interceptors or [])],
+            options=GRPC_OPTIONS,
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

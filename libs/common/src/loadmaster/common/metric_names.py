@@ -60,6 +60,16 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("requests_expired", _C, "Requests answered `expired`", ("model",)),
         MetricSpec("queue_full_drops", _C, "Requests answered `overflow`", ("model",)),
         MetricSpec("loads_commanded", _C, "Load commands sent to workers", ("model", "worker")),
+        MetricSpec(
+            "requests_dropped", _C, "Queued requests answered without running, by reason", ("model", "reason")
+        ),
+        MetricSpec(
+            "request_retries", _C, "Granted requests queued again after a retryable failure", ("model",)
+        ),
+        MetricSpec(
+            "placement_decisions", _C, "Placement choices, by kind (grant, load)", ("model", "worker", "kind")
+        ),
+        MetricSpec("strategy_switches", _C, "Strategy changes through SetStrategy", ("strategy",)),
         # model-pool
         MetricSpec("inference_latency_ms", _H, "Engine time per batch", ("model",)),
         MetricSpec("batch_size", _H, "Requests per engine call", ("model",)),
@@ -68,9 +78,13 @@ METRICS: dict[str, MetricSpec] = {
             "evictions", _C, "Models unloaded to make room or when idle, by reason", ("model", "reason")
         ),
         MetricSpec("slot_state", _G, "Model slot state (1 = in this state)", ("model", "state")),
+        MetricSpec("reloads", _C, "Loads of a model this worker had evicted before", ("model",)),
+        MetricSpec("worker_leased_mb", _G, "GPU memory a worker holds under its leases", ("gpu",)),
         # gpu-broker
         MetricSpec("lease_mb", _G, "GPU memory under live leases", ("node", "gpu")),
         MetricSpec("free_mb", _G, "GPU memory free for leases", ("node", "gpu")),
+        MetricSpec("outside_mb", _G, "GPU memory in use outside any lease (NVML)", ("node", "gpu")),
+        MetricSpec("waiters", _G, "Acquire requests waiting for memory", ()),
         MetricSpec("grant_latency_ms", _H, "Time to grant an Acquire", ()),
         MetricSpec("lease_expirations", _C, "Leases reclaimed after their TTL passed", ()),
         MetricSpec("fencing_rejections", _C, "Renew/Release refused for a stale token", ()),

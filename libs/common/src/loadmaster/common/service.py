@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.logging import setup_logging
+from loadmaster.common.tracing import setup_tracing, shutdown_tracing
 
 __all__ = ["default_instance_id", "run_service"]
 
@@ -38,6 +39,10 @@ def run_service(
     args = parser.parse_args(argv)
     settings = load_settings(args.config)
     setup_logging(name, settings.log_level)
-    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(main(settings))
+    setup_tracing(name)  # on only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    try:
+        with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(main(settings))
+    finally:
+        shutdown_tracing()
     sys.exit(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,8 +21,10 @@ from loadmaster.v1 import tensor_pb2
 __all__ = [
     "TensorLimits",
     "decode_tensors",
+    "deserialize_bytes",
     "encode_tensors",
     "numpy_dtype",
+    "serialize_bytes",
     "wire_dtype",
 ]
 
@@ -40,6 +43,7 @@ _FROM_NUMPY: dict[np.dtype, int] = {
     dtype: wire for wire, dtype in _TO_NUMPY.items() if wire != tensor_pb2.BFLOAT16
 }
 _ACCEPTED_ENCODINGS = (tensor_pb2.ENCODING_UNSPECIFIED, tensor_pb2.RAW)
+_LENGTH = struct.Struct("<I")  # BYTES element prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,8 @@ class TensorLimits:
 
 
 def numpy_dtype(wire: int) -> np.dtype:
+    if wire == tensor_pb2.BYTES:
+        return np.dtype(object)
     try:
         return _TO_NUMPY[wire]
     except KeyError:
@@ -57,6 +63,8 @@ def numpy_dtype(wire: int) -> np.dtype:
 
 
 def wire_dtype(dtype: np.dtype) -> int:
+    if np.dtype(dtype).kind in "OSU":
+        return tensor_pb2.BYTES
     try:
         return _FROM_NUMPY[np.dtype(dtype)]
     except KeyError:
@@ -96,6 +104,10 @@ def decode_tensors(
             raise InvalidArgumentError(f"tensor '{key}' appears more than once")
         if desc.encoding not in _ACCEPTED_ENCODINGS:
             raise InvalidArgumentError(f"tensor '{key}': encoding {desc.encoding} is not supported (use RAW)")
+        if desc.dtype == tensor_pb2.BYTES:
+            arrays[key] = _decode_bytes_tensor(desc, payload, limits)
+            spans.append((desc.byte_offset, desc.byte_offset + desc.byte_length, key))
+            continue
         if desc.dtype not in _TO_NUMPY:
             raise InvalidArgumentError(f"tensor '{key}': unsupported dtype {_dtype_name(desc.dtype)}")
         dtype = _TO_NUMPY[desc.dtype]
@@ -142,6 +154,22 @@ def encode_tensors(
     offset = 0
     for key, value in arrays.items():
         array = np.asarray(value)
+        if array.dtype.kind in "OSU":
+            data = serialize_bytes(array)
+            descriptors.append(
+                tensor_pb2.Tensor(
+                    key=key,
+                    dtype=tensor_pb2.BYTES,
+                    shape=array.shape,
+                    byte_offset=offset,
+                    byte_length=len(data),
+                    timestamp_ns=timestamp_ns,
+                    encoding=tensor_pb2.RAW,
+                )
+            )
+            parts.append(memoryview(data))
+            offset += len(data)
+            continue
         if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-d array into 1-d)
             array = array.copy(order="C")
         wire = wire_dtype(array.dtype)
@@ -162,3 +190,66 @@ def encode_tensors(
     if len(parts) == 1:
         return descriptors, parts[0]
     return descriptors, b"".join(parts)
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """A BYTES tensor's payload: each element (bytes, or str as UTF-8), C order, length-prefixed."""
+    parts: list[bytes] = []
+    for element in np.asarray(array, dtype=object).flat:
+        if isinstance(element, str):
+            data = element.encode()
+        elif isinstance(element, bytes | bytearray | memoryview):
+            data = bytes(element)
+        else:
+            raise InvalidArgumentError(
+                f"BYTES elements must be bytes or str, not {type(element).__name__} (dtype object)"
+            )
+        parts += (_LENGTH.pack(len(data)), data)
+    return b"".join(parts)
+
+
+def deserialize_bytes(buffer: bytes | memoryview, count: int, *, name: str = "") -> np.ndarray:
+    """`count` length-prefixed elements filling `buffer` exactly -> a 1-d object array of bytes."""
+    view = memoryview(buffer).cast("B")
+    elements = np.empty(count, dtype=object)
+    position = 0
+    for index in range(count):
+        if position + 4 > len(view):
+            raise InvalidArgumentError(f"tensor '{name}': BYTES data ends inside element {index} of {count}")
+        (length,) = _LENGTH.unpack_from(view, position)
+        position += 4
+        if position + length > len(view):
+            raise InvalidArgumentError(
+                f"tensor '{name}': BYTES element {index} claims {length} bytes past the end of its data"
+            )
+        elements[index] = bytes(view[position : position + length])
+        position += length
+    if position != len(view):
+        raise InvalidArgumentError(
+            f"tensor '{name}': {len(view) - position} bytes left after its {count} BYTES elements"
+        )
+    return elements
+
+
+def _decode_bytes_tensor(
+    desc: tensor_pb2.Tensor, payload: bytes | memoryview, limits: TensorLimits
+) -> np.ndarray:
+    key, shape = desc.key, tuple(desc.shape)
+    if len(shape) > limits.max_dims:
+        raise InvalidArgumentError(
+            f"tensor '{key}': {len(shape)} dimensions exceed the limit of {limits.max_dims}"
+        )
+    if any(dim < 0 for dim in shape):
+        raise InvalidArgumentError(f"tensor '{key}': negative dimension in shape {list(shape)}")
+    end = desc.byte_offset + desc.byte_length
+    if end > len(payload):
+        raise InvalidArgumentError(
+            f"tensor '{key}': bytes [{desc.byte_offset}, {end}) lie outside the {len(payload)}-byte payload"
+        )
+    count = math.prod(shape)
+    if 4 * count > desc.byte_length:
+        raise InvalidArgumentError(
+            f"tensor '{key}': byte_length {desc.byte_length} cannot hold {count} BYTES elements"
+        )
+    view = memoryview(payload).cast("B")[desc.byte_offset : end]
+    return deserialize_bytes(view, count, name=key).reshape(shape)
