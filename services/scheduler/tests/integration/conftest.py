@@ -110,8 +110,9 @@ async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float =
 
 
 class SchedulerHarness:
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, address: str = "") -> None:
         self.stub = stub
+        self.address = address
         self._clients: list[GatewayClient | WorkerClient] = []
 
     async def gateway(self, gateway_id: str = "gw") -> GatewayClient:
@@ -174,7 +175,7 @@ async def scheduler() -> AsyncIterator[SchedulerHarness]:
     server = build(settings)
     port = await server.start()
     channel = aio_channel(f"127.0.0.1:{port}")
-    harness = SchedulerHarness(scheduler_pb2_grpc.SchedulerStub(channel))
+    harness = SchedulerHarness(scheduler_pb2_grpc.SchedulerStub(channel), f"127.0.0.1:{port}")
     try:
         yield harness
     finally:

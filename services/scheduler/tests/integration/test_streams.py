@@ -36,7 +36,7 @@ async def test_enqueue_grant_complete(scheduler: SchedulerHarness) -> None:
     )
     assert grant.deadline_unix_ns > time.time_ns()
     queues = await scheduler.stub.GetQueues(scheduler_pb2.GetQueuesRequest())
-    assert queues.strategy == "priority"
+    assert queues.strategy == "model_deadline"
     assert [(q.model_id, q.inflight, q.granted) for q in queues.queues] == [("m", 1, 1)]
     await gateway.complete(grant)
 

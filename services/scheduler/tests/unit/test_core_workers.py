@@ -226,5 +226,5 @@ def test_admin_views(h: Harness) -> None:
     assert [(s.model_id, s.state) for s in views[0].slots] == [("m", READY)]
     [stats] = h.core.queue_stats()
     assert (stats.model_id, stats.depth, stats.inflight, stats.granted) == ("m", 1, 1, 1)
-    assert h.core.strategy == "priority"
+    assert h.core.strategy == "model_deadline"
     assert not any(isinstance(o, Reject) for o in h.take())

@@ -1,9 +1,10 @@
-"""The scheduler's decisions: admission, dispatch, retries, expiry, cold starts.
+"""The scheduler's decisions: admission, dispatch, retries, expiry, conflation, clients, cold starts.
 
 `SchedulerCore` is synchronous and owns no I/O. Callers feed it what arrived on the
 streams (a gateway batch, a worker hello/report/loss, a session loss, "the timer
 fired") and it answers through an `Outbound` sink (grants, rejects, worker commands).
-After each call the caller re-arms one timer at `next_deadline()`.
+After each call the caller re-arms one timer at `next_deadline()`: the earliest request
+deadline, client liveness check or batch release, whichever comes first.
 
 Every admitted request ends exactly once: a Reject, or a Grant whose Complete is
 final (success or non-retryable failure). A retryable failure re-queues the
@@ -14,15 +15,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from loadmaster.common.clock import Clock
-from loadmaster.common.config import Settings
 from loadmaster.scheduler import placement
+from loadmaster.scheduler.clients import ClientTracker
+from loadmaster.scheduler.config import CoreConfig, ModelPolicy
 from loadmaster.scheduler.domain import (
-    HOLDING_STATES,
     Completion,
     Grant,
     LoadModel,
@@ -32,71 +33,24 @@ from loadmaster.scheduler.domain import (
     Request,
     RequestInfo,
     RequestKey,
-    SlotState,
     SlotStatus,
-    WorkerCommand,
     WorkerHello,
     WorkerView,
 )
+from loadmaster.scheduler.loads import LoadTracker
+from loadmaster.scheduler.ports import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
-from loadmaster.scheduler.strategies import Ordering, PriorityOrdering
+from loadmaster.scheduler.strategies import Ordering, Scope, make_ordering
 from loadmaster.v1 import errors_pb2
 
-__all__ = ["CoreConfig", "Outbound", "SchedulerCore", "Telemetry"]
+__all__ = ["CoreConfig", "ModelPolicy", "Outbound", "SchedulerCore", "Telemetry"]
 
 log = logging.getLogger(__name__)
 
 _OK = errors_pb2.ERROR_CODE_UNSPECIFIED
 _UNAVAILABLE = errors_pb2.ERROR_CODE_UNAVAILABLE
-
-
-class Outbound(Protocol):
-    """Where the core's answers go (the session layer routes them to streams)."""
-
-    def grant(self, session_id: int, grant: Grant) -> None: ...
-
-    def reject(self, session_id: int, reject: Reject) -> None: ...
-
-    def command(self, worker_id: str, command: WorkerCommand) -> None: ...
-
-
-class Telemetry(Protocol):
-    def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None: ...
-
-
-class _NoTelemetry:
-    def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
-        pass
-
-
-@dataclass(frozen=True, slots=True)
-class CoreConfig:
-    max_queue_size: int = 1000
-    request_ttl_ms: float = 5000.0
-    overflow_policy: OverflowPolicy = OverflowPolicy.DROP_OLDEST
-    max_retries: int = 1
-    max_inflight: Callable[[str], int] = lambda model_id: 2  # per worker, per model
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> CoreConfig:
-        s = settings.scheduler
-        models = settings.models
-        limits: dict[str, int] = {}  # settings do not change while the service runs
-
-        def max_inflight(model_id: str) -> int:
-            limit = limits.get(model_id)
-            if limit is None:
-                limit = limits[model_id] = models.for_model(model_id).max_inflight
-            return limit
-
-        return cls(
-            max_queue_size=s.max_queue_size,
-            request_ttl_ms=s.request_ttl_ms,
-            overflow_policy=OverflowPolicy(s.overflow_policy),
-            max_retries=s.max_retries,
-            max_inflight=max_inflight,
-        )
+_CANCELLED = errors_pb2.ERROR_CODE_CANCELLED
 
 
 @dataclass(slots=True)
@@ -111,21 +65,8 @@ class _ModelStats:
     expired: int = 0
     overflowed: int = 0
     granted: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingLoad:
-    """A LoadCommand sent and not yet answered by a LOADING/READY report or a failure."""
-
-    worker_id: str
-    baseline: tuple[SlotState, str, int]  # the slot's (state, error, generation) when commanded
-
-
-def _slot_key(slot: SlotStatus | None) -> tuple[SlotState, str, int]:
-    """What tells one load attempt's outcome from another's (a worker bumps the generation per load)."""
-    if slot is None:
-        return (SlotState.IDLE, "", 0)
-    return (slot.state, slot.error, slot.generation)
+    superseded: int = 0
+    dropped: int = 0  # client disconnected
 
 
 class SchedulerCore:
@@ -137,16 +78,24 @@ class SchedulerCore:
         outbound: Outbound,
         ordering: Ordering | None = None,
         telemetry: Telemetry | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._config = config
         self._clock = clock
         self._out = outbound
-        self._telemetry: Telemetry = telemetry if telemetry is not None else _NoTelemetry()
-        self._queues = RequestQueues(ordering if ordering is not None else PriorityOrdering())
+        self._telemetry: Telemetry = telemetry if telemetry is not None else NoTelemetry()
+        self._queues = RequestQueues(ordering if ordering is not None else make_ordering("model_deadline"))
         self._registry = WorkerRegistry()
+        self._clients = ClientTracker(
+            cadence_alpha=config.cadence_alpha, disconnect_timeout_s=config.disconnect_timeout_s
+        )
+        self._rng = rng if rng is not None else random.Random()
         self._tracked: dict[RequestKey, _Tracked] = {}
+        # client -> model -> its admitted requests not ended yet (queued or granted)
+        self._outstanding: dict[str, dict[str, set[RequestKey]]] = {}
         self._stats: dict[str, _ModelStats] = {}
-        self._pending_loads: dict[str, _PendingLoad] = {}
+        self._loads = LoadTracker()
+        self._placed: dict[tuple[str, str], int] = {}  # (model, worker) -> grants this dispatch
         self._arrivals = itertools.count()
 
     # ---- gateway side ------------------------------------------------------------
@@ -161,10 +110,10 @@ class SchedulerCore:
     ) -> None:
         """One batch from a gateway session; dispatches once at the end."""
         touched: set[str] = set()
+        for completion in completes:  # completions first: they free slots for this batch
+            self._complete(session_id, completion, touched)
         for info in enqueues:
             self._enqueue(session_id, info, touched)
-        for completion in completes:
-            self._complete(session_id, completion, touched)
         for request_id in cancels:
             self._cancel((session_id, request_id))
         self._dispatch(touched)
@@ -175,7 +124,7 @@ class SchedulerCore:
         for key, tracked in list(self._tracked.items()):
             if key[0] != session_id:
                 continue
-            del self._tracked[key]
+            self._forget(tracked.request)
             if tracked.worker_id is None:
                 self._queues.remove(key)
             else:
@@ -192,28 +141,12 @@ class SchedulerCore:
         self._registry.add(hello)
         self._dispatch(self._queues.waiting_models())
 
-    def update_worker(self, worker_id: str, slots: Sequence[SlotStatus]) -> None:
-        """A worker's full slot report."""
+    def update_worker(self, worker_id: str, slots: Sequence[SlotStatus], *, free_mb: int = 0) -> None:
+        """A worker's full slot report (`free_mb` 0 = not reported)."""
         if self._registry.get(worker_id) is None:
             return
-        previous = self._registry.report(worker_id, slots)
-        current = {slot.model_id: slot for slot in slots}
-        failures: dict[str, str] = {}
-        for model_id, pending in list(self._pending_loads.items()):
-            if pending.worker_id != worker_id:
-                continue
-            seen = _slot_key(current.get(model_id))
-            state, error, _ = seen
-            if state in HOLDING_STATES:
-                del self._pending_loads[model_id]
-            elif error and seen != pending.baseline:  # a new failure, even if LOADING went unseen
-                del self._pending_loads[model_id]
-                failures[model_id] = error
-        for model_id, slot in current.items():
-            before = previous.get(model_id)
-            was_loading = before is not None and before.state is SlotState.LOADING
-            if was_loading and slot.error and slot.state not in HOLDING_STATES:
-                failures.setdefault(model_id, slot.error)
+        previous = self._registry.report(worker_id, slots, free_mb=free_mb)
+        failures = self._loads.observe(worker_id, previous, {slot.model_id: slot for slot in slots})
         for model_id, error in failures.items():
             log.warning("model %s failed to load on worker %s: %s", model_id, worker_id, error)
             if not self._registry.holds(model_id):
@@ -225,9 +158,7 @@ class SchedulerCore:
         record = self._registry.remove(worker_id)
         if record is None:
             return
-        for model_id, pending in list(self._pending_loads.items()):
-            if pending.worker_id == worker_id:
-                del self._pending_loads[model_id]
+        self._loads.forget_worker(worker_id)
         touched: set[str] = set()
         for key in record.granted:
             tracked = self._tracked.get(key)
@@ -239,19 +170,59 @@ class SchedulerCore:
     # ---- time --------------------------------------------------------------------
 
     def next_deadline(self) -> float | None:
-        """The earliest deadline among waiting requests (clock.monotonic scale)."""
-        return self._queues.next_deadline()
+        """When the core next has time-driven work: the earliest waiting request's deadline,
+        client liveness check or batch release (clock.monotonic scale)."""
+        wake = self._queues.next_deadline()
+        check = self._clients.next_check()
+        if check is not None and (wake is None or check < wake):
+            wake = check
+        rule = self._queues.ordering.batch
+        if rule is not None:
+            now = self._clock.monotonic()
+            for model_id in self._queues.waiting_models():
+                if self._queues.depth(model_id) >= rule.max_batch_size:
+                    continue  # released as soon as a worker has room, not by time
+                oldest = self._queues.peek_oldest(model_id)
+                if oldest is None:
+                    continue
+                release = oldest.enqueued_at + rule.max_wait_s
+                if release > now and (wake is None or release < wake):
+                    wake = release
+        return wake
 
     def expire_due(self) -> None:
-        """Reject every waiting request whose deadline has come."""
-        for request in self._queues.pop_expired(self._clock.monotonic()):
+        """The timer fired: expire due requests, mark silent clients, release due batches."""
+        now = self._clock.monotonic()
+        for request in self._queues.pop_expired(now):
             self._expire(request)
+        for client_id in self._clients.due_disconnects(now):
+            self._disconnect_client(client_id)
+        if self._queues.ordering.batch is not None:
+            self._dispatch(self._queues.waiting_models())
 
     # ---- admin -------------------------------------------------------------------
 
     @property
     def strategy(self) -> str:
         return self._queues.ordering.name
+
+    @property
+    def ordering(self) -> Ordering:
+        return self._queues.ordering
+
+    @property
+    def active_clients(self) -> int:
+        return self._clients.active
+
+    def set_ordering(self, ordering: Ordering) -> int:
+        """Switch strategy: every waiting request moves to the new queues (none is lost).
+        Returns how many moved."""
+        moved = len(self._queues)
+        self._queues = self._queues.reordered(ordering)
+        log.info("strategy switched to %s; %d waiting requests moved", ordering.name, moved)
+        self._telemetry.record("strategy_switches", 1, {"strategy": ordering.name})
+        self._dispatch(self._queues.waiting_models())
+        return moved
 
     def workers(self) -> list[WorkerView]:
         return [
@@ -268,11 +239,13 @@ class SchedulerCore:
                 expired=stats.expired,
                 overflowed=stats.overflowed,
                 granted=stats.granted,
+                superseded=stats.superseded,
+                dropped=stats.dropped,
             )
             for model_id, stats in sorted(self._stats.items())
         ]
 
-    # ---- internals ---------------------------------------------------------------
+    # ---- admission ---------------------------------------------------------------
 
     def _enqueue(self, session_id: int, info: RequestInfo, touched: set[str]) -> None:
         key = (session_id, info.request_id)
@@ -299,10 +272,22 @@ class SchedulerCore:
                 f"model {model_id!r} is not in any connected worker's repository",
             )
             return
-        ttl_ms = self._config.request_ttl_ms
+        policy = self._config.policy(model_id)
+        now = self._clock.monotonic()
+        client_id = info.client_id
+        budget_ms = self._config.latency_budget_ms(client_id)
+        cadence_ms: float | None = None
+        backlog = 0
+        if client_id:
+            if self._clients.observe(client_id, now):
+                self._telemetry.record("active_clients", self._clients.active)
+            cadence_ms = self._clients.cadence_ms(client_id)
+            if policy.latest_only:
+                self._supersede(client_id, model_id)
+            backlog = len(self._outstanding.get(client_id, {}).get(model_id, ()))
+        ttl_ms = policy.request_ttl_ms
         if info.timeout_ms > 0:
             ttl_ms = min(ttl_ms, info.timeout_ms)
-        now = self._clock.monotonic()
         request = Request(
             key=key,
             info=info,
@@ -310,22 +295,96 @@ class SchedulerCore:
             enqueued_at=now,
             deadline=now + ttl_ms / 1000.0,
             deadline_unix_ns=int((self._clock.time() + ttl_ms / 1000.0) * 1e9),
+            budget_ms=budget_ms,
+            cadence_ms=cadence_ms,
+            backlog=backlog,
         )
         stats = self._stats_for(model_id)
-        if self._queues.depth(model_id) >= self._config.max_queue_size:
+        if self._queues.depth(model_id) >= policy.max_queue_size:
             stats.overflowed += 1
             self._telemetry.record("queue_full_drops", 1, {"model": model_id})
-            full = f"queue for model {model_id!r} is full ({self._config.max_queue_size} waiting)"
-            if self._config.overflow_policy is OverflowPolicy.REJECT_NEWEST:
+            self._telemetry.record("requests_dropped", 1, {"model": model_id, "reason": "overflow"})
+            full = f"queue for model {model_id!r} is full ({policy.max_queue_size} waiting)"
+            if policy.overflow_policy is OverflowPolicy.REJECT_NEWEST:
                 self._reject_key(key, errors_pb2.ERROR_CODE_OVERFLOW, full)
                 return
             oldest = self._queues.pop_oldest(model_id)
             if oldest is not None:
-                del self._tracked[oldest.key]
+                self._forget(oldest)
                 self._reject_key(oldest.key, errors_pb2.ERROR_CODE_OVERFLOW, f"{full}; dropped the oldest")
         self._tracked[key] = _Tracked(request)
+        if client_id:
+            self._outstanding.setdefault(client_id, {}).setdefault(model_id, set()).add(key)
         self._queues.push(request)
         touched.add(model_id)
+
+    def _supersede(self, client_id: str, model_id: str) -> None:
+        """latest_only: the client's queued (not granted) requests for the model give way.
+
+        Requests that arrived in the same gateway batch get their chance at a free worker
+        first: a batch on the stream must not change what a one-by-one arrival would do."""
+        keys = self._outstanding.get(client_id, {}).get(model_id)
+        if not keys:
+            return
+        if any(key in self._queues for key in keys):
+            self._dispatch([model_id])
+        for key in list(self._outstanding.get(client_id, {}).get(model_id, ())):
+            request = self._queues.remove(key)
+            if request is None:
+                continue  # granted: it runs
+            self._forget(request)
+            self._stats_for(model_id).superseded += 1
+            self._telemetry.record("requests_dropped", 1, {"model": model_id, "reason": "superseded"})
+            self._reject_key(
+                key,
+                errors_pb2.ERROR_CODE_SUPERSEDED,
+                f"superseded by a newer request from client {client_id!r} for model {model_id!r}",
+            )
+
+    def _disconnect_client(self, client_id: str) -> None:
+        """A client silent past disconnect_timeout_s: drop its queued requests, with a reply."""
+        log.info("client %s disconnected (silent for %.1f s)", client_id, self._config.disconnect_timeout_s)
+        self._telemetry.record("client_disconnected", 1)
+        self._queues.ordering.forget_client(client_id)
+        self._telemetry.record("active_clients", self._clients.active)
+        queued = [
+            request
+            for keys in self._outstanding.get(client_id, {}).values()
+            for key in keys
+            if (request := self._queues.get(key)) is not None
+        ]
+        for request in sorted(queued, key=lambda r: r.arrival):  # answered in arrival order
+            key, model_id = request.key, request.model_id
+            self._queues.remove(key)
+            self._forget(request)
+            self._stats_for(model_id).dropped += 1
+            self._telemetry.record(
+                "requests_dropped", 1, {"model": model_id, "reason": "client_disconnected"}
+            )
+            self._reject_key(
+                key,
+                _CANCELLED,
+                f"client {client_id!r} disconnected (silent for "
+                f"{self._config.disconnect_timeout_s:g} s); its queued request was dropped",
+            )
+
+    def _forget(self, request: Request) -> None:
+        """`request` has ended (or its gateway is gone): stop tracking it."""
+        key = request.key
+        self._tracked.pop(key, None)
+        client_id = request.info.client_id
+        if client_id:
+            by_model = self._outstanding.get(client_id)
+            if by_model is not None:
+                keys = by_model.get(request.model_id)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del by_model[request.model_id]
+                        if not by_model:
+                            del self._outstanding[client_id]
+
+    # ---- completion --------------------------------------------------------------
 
     def _complete(self, session_id: int, completion: Completion, touched: set[str]) -> None:
         key = (session_id, completion.request_id)
@@ -338,7 +397,7 @@ class SchedulerCore:
         tracked.worker_id = None
         touched.add(tracked.request.model_id)
         if completion.error_code == _OK or not completion.retryable:
-            del self._tracked[key]
+            self._forget(tracked.request)
             return
         reason = errors_pb2.ErrorCode.Name(completion.error_code).removeprefix("ERROR_CODE_").lower()
         self._retry_or_reject(tracked, completion.error_code, reason, touched)
@@ -346,7 +405,7 @@ class SchedulerCore:
     def _cancel(self, key: RequestKey) -> None:
         tracked = self._tracked.get(key)
         if tracked is not None and tracked.worker_id is None:
-            del self._tracked[key]
+            self._forget(tracked.request)
             self._queues.remove(key)
 
     def _retry_or_reject(self, tracked: _Tracked, error_code: int, reason: str, touched: set[str]) -> None:
@@ -356,46 +415,113 @@ class SchedulerCore:
         in_time = request.deadline > self._clock.monotonic()
         if retries_left and in_time:
             self._queues.push(request)  # over max_queue_size if need be: it was admitted already
+            self._telemetry.record("request_retries", 1, {"model": request.model_id})
             touched.add(request.model_id)
             return
-        del self._tracked[request.key]
+        self._forget(request)
         attempts = "attempt" if tracked.attempts == 1 else "attempts"
         message = f"request failed after {tracked.attempts} {attempts}: {reason}"
         if retries_left:
             message += " (no time left to retry)"
         self._reject_key(request.key, error_code, message)
 
+    # ---- dispatch ----------------------------------------------------------------
+
     def _dispatch(self, models: Iterable[str]) -> None:
+        models = list(models)
+        if not models:
+            return
         now = self._clock.monotonic()
+        ordering = self._queues.ordering
+        if ordering.batch is not None:
+            for model_id in models:
+                self._dispatch_batch(model_id, now)
+        elif ordering.scope is Scope.GLOBAL and len(models) > 1:
+            self._dispatch_global(models, now)
+        else:
+            for model_id in models:
+                self._dispatch_model(model_id, now)
         for model_id in models:
-            self._dispatch_model(model_id, now)
+            self._maybe_load(model_id)
             if model_id in self._stats:
                 self._telemetry.record("queue_depth", self._queues.depth(model_id), {"model": model_id})
+        if self._placed:
+            for (model_id, worker_id), count in self._placed.items():
+                labels = {"model": model_id, "worker": worker_id}
+                self._telemetry.record("grants", count, labels)
+                self._telemetry.record("placement_decisions", count, {**labels, "kind": "grant"})
+            self._placed.clear()
+
+    def _head(self, model_id: str, now: float) -> tuple[tuple[float, ...], Request] | None:
+        """The next request for `model_id`, expiring any whose deadline has passed."""
+        queues = self._queues
+        while (entry := queues.peek_entry(model_id)) is not None:
+            head = entry[1]
+            if head.deadline > now:
+                return entry
+            queues.remove(head.key)
+            self._expire(head)
+        return None
+
+    def _pick_worker(self, model_id: str) -> str | None:
+        return placement.pick_grant_worker(
+            self._registry.grant_candidates(model_id),
+            max_inflight=self._config.max_inflight(model_id),
+            rng=self._rng,
+        )
 
     def _dispatch_model(self, model_id: str, now: float) -> None:
-        queues = self._queues
-        max_inflight = self._config.max_inflight(model_id)
-        while (head := queues.peek(model_id)) is not None:
-            if head.deadline <= now:
-                queues.remove(head.key)
-                self._expire(head)
-                continue
-            worker_id = placement.pick_grant_worker(
-                self._registry.grant_candidates(model_id), max_inflight=max_inflight
-            )
+        while (entry := self._head(model_id, now)) is not None:
+            worker_id = self._pick_worker(model_id)
             if worker_id is None:
                 break
-            queues.remove(head.key)
-            self._grant(self._tracked[head.key], worker_id, now)
-        if (
-            queues.depth(model_id)
-            and model_id not in self._pending_loads
-            and not self._registry.holds(model_id)
-        ):
-            self._command_load(model_id)
+            self._grant_head(entry, worker_id, now)
 
-    def _grant(self, tracked: _Tracked, worker_id: str, now: float) -> None:
-        request = tracked.request
+    def _dispatch_global(self, models: list[str], now: float) -> None:
+        """One order across models: the smallest head key among models a worker can take goes first."""
+        active = set(models)
+        while active:
+            best: tuple[tuple[float, ...], Request, str] | None = None
+            for model_id in list(active):
+                entry = self._head(model_id, now)
+                worker_id = self._pick_worker(model_id) if entry is not None else None
+                if entry is None or worker_id is None:
+                    active.discard(model_id)
+                elif best is None or entry[0] < best[0]:
+                    best = (entry[0], entry[1], worker_id)
+            if best is None:
+                return
+            self._grant_head((best[0], best[1]), best[2], now)
+
+    def _dispatch_batch(self, model_id: str, now: float) -> None:
+        """Release groups of up to max_batch_size, each to one worker, once full or old enough."""
+        rule = self._queues.ordering.batch
+        assert rule is not None
+        max_inflight = self._config.max_inflight(model_id)
+        while True:
+            depth = self._queues.depth(model_id)
+            oldest = self._queues.peek_oldest(model_id)
+            if oldest is None:
+                return
+            if depth < rule.max_batch_size and now < oldest.enqueued_at + rule.max_wait_s:
+                return  # the timer releases it at oldest + max_wait
+            chosen = placement.pick_batch_worker(
+                self._registry.grant_candidates(model_id), max_inflight=max_inflight
+            )
+            if chosen is None:
+                return
+            worker_id, room = chosen
+            for _ in range(min(room, rule.max_batch_size)):
+                entry = self._head(model_id, now)
+                if entry is None:
+                    return
+                self._grant_head(entry, worker_id, now)
+
+    def _grant_head(self, entry: tuple[tuple[float, ...], Request], worker_id: str, now: float) -> None:
+        key, request = entry
+        self._queues.remove(request.key)
+        self._queues.ordering.granted(request, key)
+        tracked = self._tracked[request.key]
         model_id = request.model_id
         record = self._registry.get(worker_id)
         assert record is not None
@@ -418,29 +544,45 @@ class SchedulerCore:
         self._telemetry.record(
             "scheduling_wait_ms", (now - request.enqueued_at) * 1000.0, {"model": model_id}
         )
-        self._telemetry.record("grants", 1, {"model": model_id, "worker": worker_id})
+        placed = (model_id, worker_id)
+        self._placed[placed] = self._placed.get(placed, 0) + 1  # recorded once per dispatch
+
+    # ---- cold starts -------------------------------------------------------------
+
+    def _maybe_load(self, model_id: str) -> None:
+        if (
+            self._queues.depth(model_id)
+            and model_id not in self._loads
+            and not self._registry.holds(model_id)
+        ):
+            self._command_load(model_id)
 
     def _command_load(self, model_id: str) -> None:
-        worker_id = placement.pick_load_worker(self._registry.load_candidates(model_id))
+        candidates = self._registry.load_candidates(model_id, busy=lambda m: self._queues.depth(m) > 0)
+        worker_id = placement.pick_load_worker(candidates, vram_mb=self._config.policy(model_id).vram_mb)
         if worker_id is None:
             return  # nobody can load it now; waiters expire unless a worker turns up
         record = self._registry.get(worker_id)
         assert record is not None
-        self._pending_loads[model_id] = _PendingLoad(worker_id, _slot_key(record.slots.get(model_id)))
+        self._loads.commanded(model_id, worker_id, record.slots.get(model_id))
         log.info("commanding worker %s to load model %s", worker_id, model_id)
         self._out.command(worker_id, LoadModel(model_id))
         self._telemetry.record("loads_commanded", 1, {"model": model_id, "worker": worker_id})
+        self._telemetry.record(
+            "placement_decisions", 1, {"model": model_id, "worker": worker_id, "kind": "load"}
+        )
 
     def _reject_waiters(self, model_id: str, message: str) -> None:
         while (request := self._queues.pop(model_id)) is not None:
-            del self._tracked[request.key]
+            self._forget(request)
             self._reject_key(request.key, _UNAVAILABLE, message)
 
     def _expire(self, request: Request) -> None:
-        del self._tracked[request.key]
+        self._forget(request)
         model_id = request.model_id
         self._stats_for(model_id).expired += 1
         self._telemetry.record("requests_expired", 1, {"model": model_id})
+        self._telemetry.record("requests_dropped", 1, {"model": model_id, "reason": "expired"})
         waited_ms = (self._clock.monotonic() - request.enqueued_at) * 1000.0
         self._reject_key(
             request.key,

@@ -1,22 +1,39 @@
 """Placement decisions over plain values: which worker gets a grant, which one loads a model.
 
 Pure functions; the registry builds the candidates, the core acts on the answer.
+
+Grants go to a worker holding the model READY with room under its per-model
+`max_inflight`: the fewest grants in flight wins; ties are broken by power-of-two
+choices (two tied workers drawn at random, the one whose own report shows less load
+wins), which spreads load without herding when several schedulers or stale reports
+are in play. Loads go to the worker best able to take the model: enough free leased
+memory first (most free first), else the fewest models it could not evict (busy, pinned
+or with waiters), then the fewest models held; a worker where this model just failed to
+load comes last. `free_mb` 0 means "not reported".
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["GrantCandidate", "LoadCandidate", "pick_grant_worker", "pick_load_worker"]
+__all__ = [
+    "GrantCandidate",
+    "LoadCandidate",
+    "pick_batch_worker",
+    "pick_grant_worker",
+    "pick_load_worker",
+]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per grant: not frozen (a frozen __init__ costs ~7x)
 class GrantCandidate:
     """A worker holding the model READY, with the grants it has not completed yet."""
 
     worker_id: str
-    inflight: int
+    inflight: int  # the scheduler's grants for this model not completed yet
+    reported_load: int = 0  # requests in flight on the worker, all models, by its last report
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,20 +43,48 @@ class LoadCandidate:
     worker_id: str
     loaded: int  # models it holds READY or LOADING
     failed: bool  # its last attempt to load this model failed
+    free_mb: int = 0  # free leased memory by its last report (0 = not reported)
+    evictable: int = 0  # READY models with nothing in flight or waiting, not pinned
 
 
-def pick_grant_worker(candidates: Iterable[GrantCandidate], *, max_inflight: int) -> str | None:
-    """The candidate with the fewest grants in flight, if it has room for one more."""
+def pick_grant_worker(
+    candidates: Iterable[GrantCandidate], *, max_inflight: int, rng: random.Random | None = None
+) -> str | None:
+    """The candidate with the fewest grants in flight, if it has room; ties by power of two."""
+    tied: list[GrantCandidate] = []
+    least = max_inflight
+    for candidate in candidates:
+        if candidate.inflight < least:
+            least = candidate.inflight
+            tied = [candidate]
+        elif candidate.inflight == least and candidate.inflight < max_inflight:
+            tied.append(candidate)
+    if not tied:
+        return None
+    if len(tied) == 1:
+        return tied[0].worker_id
+    a, b = (rng or random).sample(tied, 2)
+    return min((a, b), key=lambda c: (c.reported_load, c.worker_id)).worker_id
+
+
+def pick_batch_worker(candidates: Iterable[GrantCandidate], *, max_inflight: int) -> tuple[str, int] | None:
+    """The candidate with the most room for a group (worker id, free slots), if any has room."""
     best: GrantCandidate | None = None
     for candidate in candidates:
         if candidate.inflight >= max_inflight:
             continue
         if best is None or (candidate.inflight, candidate.worker_id) < (best.inflight, best.worker_id):
             best = candidate
-    return best.worker_id if best is not None else None
+    return (best.worker_id, max_inflight - best.inflight) if best is not None else None
 
 
-def pick_load_worker(candidates: Iterable[LoadCandidate]) -> str | None:
-    """The least loaded candidate, avoiding one where this model just failed to load."""
-    ranked = sorted(candidates, key=lambda c: (c.failed, c.loaded, c.worker_id))
+def pick_load_worker(candidates: Iterable[LoadCandidate], *, vram_mb: int | None = None) -> str | None:
+    """The candidate best able to take the model (see the module docstring)."""
+
+    def rank(c: LoadCandidate) -> tuple[object, ...]:
+        fits = c.free_mb > 0 and (vram_mb is None or c.free_mb >= vram_mb)
+        committed = c.loaded - c.evictable  # models it holds that cannot make room
+        return (c.failed, not fits, -c.free_mb if fits else 0, committed, c.loaded, c.worker_id)
+
+    ranked = sorted(candidates, key=rank)
     return ranked[0].worker_id if ranked else None

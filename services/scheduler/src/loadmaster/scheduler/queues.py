@@ -79,13 +79,28 @@ class RequestQueues:
 
     def peek(self, model_id: str) -> Request | None:
         """The request the strategy serves next for `model_id`, left in place."""
+        entry = self.peek_entry(model_id)
+        return entry[1] if entry is not None else None
+
+    def peek_entry(self, model_id: str) -> tuple[SortKey, Request] | None:
+        """(sort key, request) of the request served next for `model_id`, left in place."""
         heaps = self._models.get(model_id)
         if heaps is None:
             return None
         order = heaps.order
         while order and not self._valid(order[0][1], order[0][2]):
             heapq.heappop(order)
-        return self._live[order[0][2]].request if order else None
+        return (order[0][0], self._live[order[0][2]].request) if order else None
+
+    def peek_oldest(self, model_id: str) -> Request | None:
+        """The earliest-arrived request waiting for `model_id`, left in place."""
+        heaps = self._models.get(model_id)
+        if heaps is None:
+            return None
+        arrival = heaps.arrival
+        while arrival and not self._valid(arrival[0][1], arrival[0][2]):
+            heapq.heappop(arrival)
+        return self._live[arrival[0][2]].request if arrival else None
 
     def pop(self, model_id: str) -> Request | None:
         """Remove and return the request the strategy serves next for `model_id`."""
@@ -96,15 +111,20 @@ class RequestQueues:
 
     def pop_oldest(self, model_id: str) -> Request | None:
         """Remove and return the earliest-arrived request waiting for `model_id`."""
-        heaps = self._models.get(model_id)
-        if heaps is None:
-            return None
-        arrival = heaps.arrival
-        while arrival and not self._valid(arrival[0][1], arrival[0][2]):
-            heapq.heappop(arrival)
-        if not arrival:
-            return None
-        return self.remove(arrival[0][2])
+        oldest = self.peek_oldest(model_id)
+        return self.remove(oldest.key) if oldest is not None else None
+
+    def get(self, key: RequestKey) -> Request | None:
+        live = self._live.get(key)
+        return live.request if live is not None else None
+
+    def reordered(self, ordering: Ordering) -> RequestQueues:
+        """The same waiting requests in a new queue under `ordering` (keys recomputed in
+        arrival order, so stateful orderings see them as they came)."""
+        queues = RequestQueues(ordering)
+        for request in sorted(self.requests(), key=lambda r: r.arrival):
+            queues.push(request)
+        return queues
 
     def remove(self, key: RequestKey) -> Request | None:
         """Take `key` out of its queue; None if it was not waiting."""
@@ -116,8 +136,15 @@ class RequestQueues:
         heaps.count -= 1
         if heaps.count == 0:
             del self._models[model_id]  # drops its stale entries with it
-        elif max(len(heaps.order), len(heaps.arrival)) > 2 * heaps.count + _SLACK:
-            self._compact(heaps)
+        else:
+            token = live.token
+            # the usual removals take a heap's head (a grant, drop_oldest): pop it now
+            if heaps.order[0][1] == token:
+                heapq.heappop(heaps.order)
+            if heaps.arrival[0][1] == token:
+                heapq.heappop(heaps.arrival)
+            if max(len(heaps.order), len(heaps.arrival)) > 2 * heaps.count + _SLACK:
+                self._compact(heaps)
         if len(self._deadlines) > 2 * len(self._live) + _SLACK:
             self._deadlines = [e for e in self._deadlines if self._valid(e[1], e[2])]
             heapq.heapify(self._deadlines)

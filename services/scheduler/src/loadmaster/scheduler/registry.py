@@ -7,7 +7,7 @@ the scheduler's grants instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from loadmaster.scheduler.domain import HOLDING_STATES, RequestKey, SlotState, SlotStatus, WorkerHello
@@ -23,6 +23,8 @@ class WorkerRecord:
     slots: dict[str, SlotStatus] = field(default_factory=dict)
     granted: dict[RequestKey, str] = field(default_factory=dict)  # request -> model
     inflight: dict[str, int] = field(default_factory=dict)  # model -> grants not completed
+    free_mb: int = 0  # free leased memory by its last report (0 = not reported)
+    reported_load: int = 0  # requests in flight on the worker, all models, by its last report
 
     @property
     def worker_id(self) -> str:
@@ -39,6 +41,7 @@ class WorkerRecord:
 class WorkerRegistry:
     def __init__(self) -> None:
         self._workers: dict[str, WorkerRecord] = {}
+        self._known: set[str] | None = None  # models some worker can load or has a slot for
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -54,21 +57,30 @@ class WorkerRegistry:
             raise ValueError(f"worker {hello.worker_id!r} is already registered")
         record = WorkerRecord(hello=hello, repository=frozenset(hello.repository))
         self._workers[hello.worker_id] = record
+        self._known = None
         return record
 
     def remove(self, worker_id: str) -> WorkerRecord | None:
+        self._known = None
         return self._workers.pop(worker_id, None)
 
-    def report(self, worker_id: str, slots: Sequence[SlotStatus]) -> dict[str, SlotStatus]:
+    def report(
+        self, worker_id: str, slots: Sequence[SlotStatus], *, free_mb: int = 0
+    ) -> dict[str, SlotStatus]:
         """Replace the worker's slots with a full report; return the previous ones."""
         record = self._workers[worker_id]
         previous = record.slots
         record.slots = {slot.model_id: slot for slot in slots}
+        record.free_mb = free_mb
+        record.reported_load = sum(slot.inflight for slot in slots)
+        self._known = None
         return previous
 
     def knows(self, model_id: str) -> bool:
         """Some connected worker can load `model_id` or already has a slot for it."""
-        return any(model_id in w.repository or model_id in w.slots for w in self._workers.values())
+        if self._known is None:  # rebuilt after a hello, a report or a loss
+            self._known = {m for w in self._workers.values() for m in (*w.repository, *w.slots)}
+        return model_id in self._known
 
     def holds(self, model_id: str) -> bool:
         """Some connected worker holds `model_id` READY or LOADING."""
@@ -76,18 +88,36 @@ class WorkerRegistry:
 
     def grant_candidates(self, model_id: str) -> list[GrantCandidate]:
         return [
-            GrantCandidate(w.worker_id, w.inflight.get(model_id, 0))
+            GrantCandidate(w.worker_id, w.inflight.get(model_id, 0), w.reported_load)
             for w in self._workers.values()
             if w.state_of(model_id) is SlotState.READY
         ]
 
-    def load_candidates(self, model_id: str) -> list[LoadCandidate]:
+    def load_candidates(self, model_id: str, *, busy: Callable[[str], bool]) -> list[LoadCandidate]:
+        """Workers that could load `model_id`; `busy(m)` tells whether model m has waiters
+        (a model with waiters is not evictable: a cold model does not push out a warm one in use)."""
         candidates: list[LoadCandidate] = []
         for w in self._workers.values():
             slot = w.slots.get(model_id)
             if model_id not in w.repository or (slot is not None and slot.state in HOLDING_STATES):
                 continue
-            candidates.append(LoadCandidate(w.worker_id, w.holding(), bool(slot is not None and slot.error)))
+            evictable = sum(
+                1
+                for other in w.slots.values()
+                if other.state is SlotState.READY
+                and not other.pinned
+                and not w.inflight.get(other.model_id)
+                and not busy(other.model_id)
+            )
+            candidates.append(
+                LoadCandidate(
+                    w.worker_id,
+                    w.holding(),
+                    bool(slot is not None and slot.error),
+                    free_mb=w.free_mb,
+                    evictable=evictable,
+                )
+            )
         return candidates
 
     def acquire(self, worker_id: str, key: RequestKey, model_id: str) -> None:

@@ -7,10 +7,10 @@ from loadmaster.common.config import Settings
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
-from loadmaster.scheduler.core import CoreConfig
+from loadmaster.scheduler.config import CoreConfig, strategy_factory
 from loadmaster.scheduler.servicer import SchedulerServicer
 from loadmaster.scheduler.sessions import SchedulerHub
-from loadmaster.scheduler.strategies import make_ordering
+from loadmaster.scheduler.strategies import load_policy_modules
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "build"]
@@ -24,11 +24,14 @@ def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
     telemetry = TelemetryReporter(
         "scheduler", default_instance_id(), metrics.address if metrics.enabled else None
     )
+    load_policy_modules(settings.scheduler.policy_modules)
+    make_ordering = strategy_factory(settings)
     hub = SchedulerHub(
         CoreConfig.from_settings(settings),
         clock=clock or SystemClock(),
-        ordering=make_ordering(settings.scheduler.strategy),
+        ordering=make_ordering(settings.scheduler.strategy, settings.scheduler.policy),
         telemetry=telemetry,
+        make_ordering=make_ordering,
     )
     server = GrpcServer("scheduler", settings.scheduler.listen_address)
     server.add_service(

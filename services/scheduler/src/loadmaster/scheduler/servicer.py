@@ -62,7 +62,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _report(self, link: WorkerLink, message: scheduler_pb2.WorkerMessage) -> None:
         if message.WhichOneof("kind") != "report":
             raise InvalidArgumentError("a WorkerSession sends one hello, then reports")
-        self._hub.report(link, wire.slot_statuses(message.report))
+        self._hub.report(link, wire.slot_statuses(message.report), free_mb=message.report.free_mb)
 
     async def ListWorkers(  # noqa: N802 - gRPC method name
         self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
@@ -72,4 +72,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetQueues(  # noqa: N802 - gRPC method name
         self, request: scheduler_pb2.GetQueuesRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.GetQueuesResponse:
-        return wire.get_queues_response(self._hub.core.queue_stats(), self._hub.core.strategy)
+        core = self._hub.core
+        return wire.get_queues_response(
+            core.queue_stats(),
+            core.strategy,
+            policy=getattr(core.ordering, "policy_name", ""),
+            active_clients=core.active_clients,
+        )
+
+    async def SetStrategy(  # noqa: N802 - gRPC method name
+        self, request: scheduler_pb2.SetStrategyRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SetStrategyResponse:
+        if not request.strategy:
+            raise InvalidArgumentError("SetStrategy needs strategy")
+        try:
+            previous, moved = self._hub.set_strategy(request.strategy, request.policy or None)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"strategy: {exc}") from exc
+        return scheduler_pb2.SetStrategyResponse(
+            strategy=self._hub.core.strategy, previous=previous, moved=moved
+        )

@@ -17,7 +17,13 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from opentelemetry import trace
+
+from loadmaster.common import tracing
 from loadmaster.common.clock import Clock
+from loadmaster.common.errors import edge_code_name
+from loadmaster.scheduler import strategies
+from loadmaster.scheduler.config import StrategyFactory
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore, Telemetry
 from loadmaster.scheduler.domain import (
     Completion,
@@ -174,14 +180,20 @@ class SchedulerHub:
         clock: Clock,
         ordering: Ordering | None = None,
         telemetry: Telemetry | None = None,
+        make_ordering: StrategyFactory | None = None,
     ) -> None:
         self._clock = clock
+        self._make_ordering: StrategyFactory = make_ordering or (
+            lambda name, policy: strategies.make_ordering(name, policy=policy)
+        )
         self.core = SchedulerCore(config, clock=clock, outbound=self, ordering=ordering, telemetry=telemetry)
         self._sessions: dict[int, GatewayLink] = {}
         self._workers: dict[str, WorkerLink] = {}
         self._session_ids = itertools.count(1)
         self._timer = DeadlineTimer(clock, self._on_timer)
         self._stopped = False
+        # Queue spans of traced requests only (empty while tracing is off).
+        self._spans: dict[tuple[int, str], trace.Span] = {}
 
     # ---- gateway sessions --------------------------------------------------------
 
@@ -204,6 +216,16 @@ class SchedulerHub:
     ) -> None:
         if self._sessions.get(link.session_id) is not link:
             return
+        for info in enqueues:
+            if info.trace_context:
+                self._spans[(link.session_id, info.request_id)] = tracing.start_request_span(
+                    "scheduler.queue",
+                    request_id=info.request_id,
+                    model_id=info.model_id,
+                    carrier=info.trace_context,
+                )
+        for request_id in cancels:
+            self._end_span(link.session_id, request_id, "cancelled")
         self.core.submit(link.session_id, enqueues=enqueues, completes=completes, cancels=cancels)
         self._rearm()
 
@@ -212,6 +234,8 @@ class SchedulerHub:
             return
         link.outbox.close()
         self.core.close_session(link.session_id)
+        for key in [key for key in self._spans if key[0] == link.session_id]:
+            self._end_span(*key, "cancelled")
         self._rearm()
         log.info("gateway %s disconnected (session %d)", link.gateway_id, link.session_id)
 
@@ -232,11 +256,21 @@ class SchedulerHub:
         log.info("worker %s connected (repository: %s)", hello.worker_id, ", ".join(hello.repository))
         return link
 
-    def report(self, link: WorkerLink, slots: Sequence[SlotStatus]) -> None:
+    def report(self, link: WorkerLink, slots: Sequence[SlotStatus], *, free_mb: int = 0) -> None:
         if self._workers.get(link.worker_id) is not link:
             return  # a replaced session still talking
-        self.core.update_worker(link.worker_id, slots)
+        self.core.update_worker(link.worker_id, slots, free_mb=free_mb)
         self._rearm()
+
+    # ---- admin -------------------------------------------------------------------
+
+    def set_strategy(self, name: str, policy: str | None = None) -> tuple[str, int]:
+        """Switch the ordering (ValueError for an unknown name/policy); (previous, moved)."""
+        ordering = self._make_ordering(name, policy or None)
+        previous = self.core.strategy
+        moved = self.core.set_ordering(ordering)
+        self._rearm()
+        return previous, moved
 
     def disconnect_worker(self, link: WorkerLink) -> None:
         link.outbox.close()
@@ -261,11 +295,15 @@ class SchedulerHub:
     # ---- Outbound (called by the core) -----------------------------------------------
 
     def grant(self, session_id: int, grant: Grant) -> None:
+        if self._spans:
+            self._end_span(session_id, grant.request_id, "")
         link = self._sessions.get(session_id)
         if link is not None:
             link.outbox.put(grant)
 
     def reject(self, session_id: int, reject: Reject) -> None:
+        if self._spans:
+            self._end_span(session_id, reject.request_id, edge_code_name(reject.error_code))
         link = self._sessions.get(session_id)
         if link is not None:
             link.outbox.put(reject)
@@ -274,6 +312,11 @@ class SchedulerHub:
         link = self._workers.get(worker_id)
         if link is not None:
             link.outbox.put(command)
+
+    def _end_span(self, session_id: int, request_id: str, error_code: str) -> None:
+        span = self._spans.pop((session_id, request_id), None)
+        if span is not None:
+            tracing.end_span(span, error_code=error_code)
 
     # ---- timer -------------------------------------------------------------------
 

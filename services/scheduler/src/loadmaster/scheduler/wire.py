@@ -60,6 +60,7 @@ def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
         received_unix_ns=pb.received_unix_ns,
         payload_bytes=pb.payload_bytes,
         client_type=pb.client_type,
+        trace_context=dict(pb.trace_context) if pb.trace_context else None,
     )
 
 
@@ -175,8 +176,12 @@ def list_workers_response(workers: Sequence[WorkerView]) -> scheduler_pb2.ListWo
     return response
 
 
-def get_queues_response(stats: Sequence[QueueStats], strategy: str) -> scheduler_pb2.GetQueuesResponse:
-    response = scheduler_pb2.GetQueuesResponse(strategy=strategy)
+def get_queues_response(
+    stats: Sequence[QueueStats], strategy: str, *, policy: str = "", active_clients: int = 0
+) -> scheduler_pb2.GetQueuesResponse:
+    response = scheduler_pb2.GetQueuesResponse(
+        strategy=strategy, policy=policy, active_clients=active_clients
+    )
     for q in stats:
         response.queues.add(
             model_id=q.model_id,
@@ -185,5 +190,7 @@ def get_queues_response(stats: Sequence[QueueStats], strategy: str) -> scheduler
             expired=q.expired,
             overflowed=q.overflowed,
             granted=q.granted,
+            superseded=q.superseded,
+            dropped=q.dropped,
         )
     return response

@@ -1,23 +1,86 @@
-"""Ordering strategies: how requests waiting for one model are ranked.
+"""Ordering strategies: how waiting requests are ranked.
 
-A strategy turns a queued `Request` into a sort key (smaller = served first).
-`make_ordering(name)` builds one by name; today only `priority` exists.
+`make_ordering(name, ...)` builds one by name:
+
+| name | queues | order |
+|---|---|---|
+| `model_deadline` (default) | per model | virtual deadline, earliest first |
+| `deadline_aware` | one global | virtual deadline, earliest first |
+| `tiered_deadline` | one global, per priority tier | tier, then virtual deadline |
+| `batch_optimized` | per model, released in groups | arrival |
+| `priority_tiered` | per model | priority, then arrival |
+| `round_robin` | per model | one request per client per round |
+| `priority` | per model | priority, urgency, arrival (the original order) |
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from loadmaster.scheduler.strategies.base import BatchRule, Ordering, Scope, SortKey
+from loadmaster.scheduler.strategies.deadline import DeadlineOrdering, DeadlineTerms
+from loadmaster.scheduler.strategies.fair import BatchOrdering, RoundRobinOrdering
+from loadmaster.scheduler.strategies.policies import (
+    InferenceRequest,
+    get_policy,
+    load_policy_modules,
+    register_policy,
+)
+from loadmaster.scheduler.strategies.priority import PriorityOrdering, PriorityTieredOrdering
 
-from loadmaster.scheduler.strategies.base import Ordering, SortKey
-from loadmaster.scheduler.strategies.priority import PriorityOrdering
+__all__ = [
+    "DEADLINE_FAMILY",
+    "STRATEGIES",
+    "BatchOrdering",
+    "BatchRule",
+    "DeadlineOrdering",
+    "DeadlineTerms",
+    "InferenceRequest",
+    "Ordering",
+    "PriorityOrdering",
+    "PriorityTieredOrdering",
+    "RoundRobinOrdering",
+    "Scope",
+    "SortKey",
+    "get_policy",
+    "load_policy_modules",
+    "make_ordering",
+    "register_policy",
+]
 
-__all__ = ["ORDERINGS", "Ordering", "PriorityOrdering", "SortKey", "make_ordering"]
+DEADLINE_FAMILY = ("model_deadline", "deadline_aware", "tiered_deadline")
+STRATEGIES = (*DEADLINE_FAMILY, "batch_optimized", "priority_tiered", "round_robin", "priority")
 
-ORDERINGS: dict[str, Callable[[], Ordering]] = {"priority": PriorityOrdering}
 
-
-def make_ordering(name: str) -> Ordering:
-    try:
-        return ORDERINGS[name]()
-    except KeyError:
-        raise ValueError(f"unknown ordering strategy {name!r}; known: {sorted(ORDERINGS)}") from None
+def make_ordering(
+    name: str,
+    *,
+    policy: str | None = None,
+    terms: DeadlineTerms | None = None,
+    tiers: list[int] | None = None,
+    batch: BatchRule | None = None,
+) -> Ordering:
+    """A fresh ordering; `policy` (a registered name) applies to the deadline family only."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+    if policy and name not in DEADLINE_FAMILY:
+        raise ValueError(f"policy {policy!r}: policies apply to {', '.join(DEADLINE_FAMILY)} only")
+    fn = get_policy(policy) if policy else None
+    if name == "model_deadline":
+        return DeadlineOrdering(name, scope=Scope.MODEL, terms=terms, policy=fn, policy_name=policy or "")
+    if name == "deadline_aware":
+        return DeadlineOrdering(name, scope=Scope.GLOBAL, terms=terms, policy=fn, policy_name=policy or "")
+    if name == "tiered_deadline":
+        return DeadlineOrdering(
+            name,
+            scope=Scope.GLOBAL,
+            terms=terms,
+            tiers=tiers or [0, 1, 2],
+            policy=fn,
+            policy_name=policy or "",
+        )
+    if name == "batch_optimized":
+        return BatchOrdering(batch if batch is not None else BatchRule(max_batch_size=8, max_wait_s=0.005))
+    if name == "priority_tiered":
+        return PriorityTieredOrdering()
+    if name == "round_robin":
+        return RoundRobinOrdering()
+    return PriorityOrdering()

@@ -1,0 +1,111 @@
+"""The core's configuration: global defaults plus per-model queue policy and per-client budgets,
+resolved from `Settings` once per id (settings do not change while the service runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loadmaster.common.config import Settings
+from loadmaster.scheduler.domain import OverflowPolicy
+from loadmaster.scheduler.strategies import BatchRule, DeadlineTerms, Ordering, make_ordering
+
+__all__ = ["CoreConfig", "ModelPolicy", "StrategyFactory", "strategy_factory"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """Queue policy of one model."""
+
+    max_queue_size: int
+    request_ttl_ms: float
+    overflow_policy: OverflowPolicy
+    latest_only: bool = False
+    vram_mb: int | None = None
+
+
+def _memo(fn: Callable[[str], object]) -> Callable[[str], object]:
+    cache: dict[str, object] = {}
+
+    def get(key: str) -> object:
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = fn(key)
+        return value
+
+    return get
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    max_queue_size: int = 1000
+    request_ttl_ms: float = 5000.0
+    overflow_policy: OverflowPolicy = OverflowPolicy.DROP_OLDEST
+    max_retries: int = 1
+    max_inflight: Callable[[str], int] = lambda model_id: 2  # per worker, per model
+    # Per-model overrides (None: the global values above for every model).
+    model_policy: Callable[[str], ModelPolicy] | None = None
+    latency_budget_ms: Callable[[str], float] = lambda client_id: 50.0
+    cadence_alpha: float = 0.3
+    disconnect_timeout_s: float = 10.0
+    _policies: dict[str, ModelPolicy] = field(default_factory=dict, compare=False, repr=False)
+
+    def policy(self, model_id: str) -> ModelPolicy:
+        policy = self._policies.get(model_id)
+        if policy is None:
+            if self.model_policy is not None:
+                policy = self.model_policy(model_id)
+            else:
+                policy = ModelPolicy(self.max_queue_size, self.request_ttl_ms, self.overflow_policy)
+            self._policies[model_id] = policy
+        return policy
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> CoreConfig:
+        s = settings.scheduler
+        models = settings.models
+
+        def model_policy(model_id: str) -> ModelPolicy:
+            m = models.for_model(model_id)
+            return ModelPolicy(
+                max_queue_size=m.max_queue_size or s.max_queue_size,
+                request_ttl_ms=m.request_ttl_ms or s.request_ttl_ms,
+                overflow_policy=OverflowPolicy(m.overflow_policy or s.overflow_policy),
+                latest_only=m.latest_only,
+                vram_mb=m.vram_mb,
+            )
+
+        max_inflight = _memo(lambda model_id: models.for_model(model_id).max_inflight)
+        budgets = _memo(lambda client_id: settings.clients.for_client(client_id).latency_budget_ms)
+        return cls(
+            max_queue_size=s.max_queue_size,
+            request_ttl_ms=s.request_ttl_ms,
+            overflow_policy=OverflowPolicy(s.overflow_policy),
+            max_retries=s.max_retries,
+            max_inflight=max_inflight,  # type: ignore[arg-type]
+            model_policy=model_policy,
+            latency_budget_ms=budgets,  # type: ignore[arg-type]
+            cadence_alpha=settings.response_tracking.cadence_alpha,
+            disconnect_timeout_s=settings.response_tracking.disconnect_timeout_s,
+        )
+
+
+StrategyFactory = Callable[[str, str | None], Ordering]
+
+
+def strategy_factory(settings: Settings) -> StrategyFactory:
+    """`(name, policy) -> Ordering` with the strategy parameters of `settings.scheduler`."""
+    s = settings.scheduler
+    d = s.deadline
+    terms = DeadlineTerms(
+        priority_step_ms=d.priority_step_ms,
+        urgency_weight=d.urgency_weight,
+        steps_horizon=d.steps_horizon,
+        service_ms=d.service_ms,
+    )
+    batch = BatchRule(max_batch_size=s.batch.max_batch_size, max_wait_s=s.batch.max_wait_ms / 1000.0)
+
+    def make(name: str, policy: str | None) -> Ordering:
+        return make_ordering(name, policy=policy, terms=terms, tiers=list(s.tiers), batch=batch)
+
+    return make
