@@ -10,6 +10,7 @@ tests can check answers (compare with a small tolerance: thread counts change th
 order of float sums).
 
     policy      TorchScript MLP        state float32 [B, 32]        -> action float32 [B, 8]
+    policy-onnx the same MLP, same weights, exported with torch.onnx.export (dynamic batch)
     classifier  torch.export (.pt2)    image uint8 [480, 640, 3]    -> logits float32 [10]
                                         (normalises inside the model)
 """
@@ -17,6 +18,7 @@ order of float sums).
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,6 +87,36 @@ def build_policy(folder: Path) -> Path:
     return artifact
 
 
+def build_policy_onnx(folder: Path) -> Path:
+    """`policy` as ONNX: the same seed, so the same weights and the same answers."""
+    torch.manual_seed(0)
+    model = PolicyMLP().eval()
+    artifact = folder / "artifacts" / "policy.onnx"
+    artifact.parent.mkdir(parents=True, exist_ok=True)
+    example = torch.zeros((1, 32), dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore", DeprecationWarning
+        )  # the TorchScript-based exporter: no onnxscript needed
+        torch.onnx.export(
+            model,
+            (example,),
+            str(artifact),
+            input_names=["state"],
+            output_names=["action"],
+            dynamic_axes={"state": {0: "batch"}, "action": {0: "batch"}},
+            opset_version=17,
+            dynamo=False,
+        )
+    import onnxruntime as ort
+
+    state = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    session = ort.InferenceSession(str(artifact), providers=["CPUExecutionProvider"])
+    (action,) = session.run(["action"], {"state": state})
+    _write_reference(folder, {"state": state}, {"action": np.asarray(action)})
+    return artifact
+
+
 def _test_image() -> np.ndarray:
     """A fixed 480x640 RGB test image (gradients and stripes: deterministic, compresses well)."""
     rows = np.arange(480, dtype=np.int64)[:, None]
@@ -115,6 +147,7 @@ def build_classifier(folder: Path) -> Path:
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "policy": build_policy,
+    "policy-onnx": build_policy_onnx,
     "classifier": build_classifier,
 }
 
@@ -130,7 +163,9 @@ def build(names: list[str] | None = None, *, root: Path = ROOT) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("names", nargs="*", help=f"models to build (default: {' '.join(BUILDERS)})")
     parser.add_argument("--root", type=Path, default=ROOT, help="model repository folder")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from loadmaster.common.errors import LoadmasterError, UnavailableError
+from loadmaster.common.errors import LoadmasterError, ResourceExhaustedError, UnavailableError
 from loadmaster.model_pool.leases import Lease, LeaseLostError
 
 torch.set_num_threads(1)
@@ -40,6 +40,7 @@ class FakeLeaseClient:
     """Records every call; `fail_acquire` / `lost` make the broker misbehave."""
 
     fail_acquire: LoadmasterError | None = None
+    capacity_mb: int | None = None  # one GPU of this size: acquires beyond it are exhausted
     lost: set[str] = field(default_factory=set)  # lease ids the broker no longer honours
     acquired: list[dict[str, object]] = field(default_factory=list)
     renewed: list[str] = field(default_factory=list)
@@ -52,14 +53,31 @@ class FakeLeaseClient:
         return {str(a["lease_id"]) for a in self.acquired} - set(self.released)
 
     async def acquire(
-        self, *, mb: int, ttl_s: float, labels: Mapping[str, str], gpus: list[int] | None = None
+        self,
+        *,
+        mb: int,
+        ttl_s: float,
+        labels: Mapping[str, str],
+        gpus: list[int] | None = None,
+        allow_split: bool = False,
     ) -> Lease:
         await asyncio.sleep(0)
         if self.fail_acquire is not None:
             raise self.fail_acquire
+        if self.capacity_mb is not None:
+            held = sum(int(a["mb"]) for a in self.acquired if a["lease_id"] in self.held)
+            if held + mb > self.capacity_mb:
+                raise ResourceExhaustedError(f"{mb} MB do not fit: {self.capacity_mb - held} MB free")
         lease = Lease(lease_id=f"lease-{next(self._ids)}", fencing_token=1, mb_per_gpu={0: mb})
         self.acquired.append(
-            {"lease_id": lease.lease_id, "mb": mb, "ttl_s": ttl_s, "labels": dict(labels), "gpus": gpus}
+            {
+                "lease_id": lease.lease_id,
+                "mb": mb,
+                "ttl_s": ttl_s,
+                "labels": dict(labels),
+                "gpus": gpus,
+                "allow_split": allow_split,
+            }
         )
         return lease
 
@@ -97,9 +115,9 @@ def _copy_sources(target: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def example_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """examples/models with the policy artifact built (the classifier's is left out: slow to export)."""
+    """examples/models with the policy artifacts built (TorchScript and ONNX; the classifier is left out: slow to export)."""
     root = _copy_sources(tmp_path_factory.mktemp("repo") / "models")
-    load_make_models().build(["policy"], root=root)
+    load_make_models().build(["policy", "policy-onnx"], root=root)
     return root
 
 

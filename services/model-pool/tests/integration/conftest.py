@@ -65,7 +65,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             queue.put_nowait(None)
 
     async def wait_for(
-        self, predicate: Callable[[scheduler_pb2.WorkerMessage], bool], *, after: int = 0, timeout_s: float = 10.0
+        self,
+        predicate: Callable[[scheduler_pb2.WorkerMessage], bool],
+        *,
+        after: int = 0,
+        timeout_s: float = 10.0,
     ) -> scheduler_pb2.WorkerMessage:
         """The first message at index >= `after` that satisfies `predicate`."""
 
@@ -165,7 +169,10 @@ class DataClient:
         self._ids += 1
         descriptors, payload = encode_tensors(arrays or {})
         request = model_pool_pb2.InferRequest(
-            request_id=fields.pop("request_id", f"r{self._ids}"), model_id=model_id, inputs=descriptors, **fields
+            request_id=fields.pop("request_id", f"r{self._ids}"),
+            model_id=model_id,
+            inputs=descriptors,
+            **fields,
         )
         return request, bytes(payload)
 
@@ -175,7 +182,9 @@ class DataClient:
     async def send_raw(self, frames: list[bytes]) -> None:
         await self.socket.send_multipart(frames)
 
-    async def receive(self, timeout_s: float = 10.0) -> tuple[model_pool_pb2.InferReply, dict[str, np.ndarray]]:
+    async def receive(
+        self, timeout_s: float = 10.0
+    ) -> tuple[model_pool_pb2.InferReply, dict[str, np.ndarray]]:
         frames = await asyncio.wait_for(self.socket.recv_multipart(), timeout_s)
         assert len(frames) == 3 and frames[0] == b"", frames
         reply = model_pool_pb2.InferReply.FromString(frames[1])

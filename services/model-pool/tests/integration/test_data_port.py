@@ -72,7 +72,9 @@ async def test_malformed_messages_are_answered(client: Any) -> None:
     reply, _ = await client.receive()
     assert reply.error_code == errors_pb2.ERROR_CODE_INVALID_ARGUMENT
     bad_dtype = model_pool_pb2.InferRequest(
-        request_id="d", model_id="double", inputs=[tensor_pb2.Tensor(key="x", dtype=99, shape=[1], byte_length=1)]
+        request_id="d",
+        model_id="double",
+        inputs=[tensor_pb2.Tensor(key="x", dtype=99, shape=[1], byte_length=1)],
     )
     await client.send_raw([b"", bad_dtype.SerializeToString(), b"\0"])
     reply, _ = await client.receive()

@@ -59,7 +59,10 @@ async def test_leases_follow_the_models(
 
             client = make_client(worker.data_endpoint)
             reply, outputs = await client.call("double", {"x": np.ones(2, np.float32)})
-            assert reply.error_code == errors_pb2.ERROR_CODE_UNSPECIFIED and outputs["x"].tolist() == [2.0, 2.0]
+            assert reply.error_code == errors_pb2.ERROR_CODE_UNSPECIFIED and outputs["x"].tolist() == [
+                2.0,
+                2.0,
+            ]
 
             await worker.pool.unload("policy")
             leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
@@ -71,7 +74,9 @@ async def test_leases_follow_the_models(
                 lambda s: idle.set() if (s.model_id, s.state) == ("double", ModelState.IDLE) else None
             )
             lost = by_model["double"]
-            await stub.Release(gpu_broker_pb2.ReleaseRequest(lease_id=lost.lease_id, fencing_token=lost.fencing_token))
+            await stub.Release(
+                gpu_broker_pb2.ReleaseRequest(lease_id=lost.lease_id, fencing_token=lost.fencing_token)
+            )
             await asyncio.wait_for(idle.wait(), 5.0)
             status = worker.pool.status("double")
             assert status.state is ModelState.IDLE and "lost" in status.error
@@ -83,7 +88,9 @@ async def test_leases_follow_the_models(
         assert list(leases) == []  # released at shutdown
 
 
-async def test_a_model_that_does_not_fit_stays_idle(redis_url: str, example_repo: Path, start_worker: Any) -> None:
+async def test_a_model_that_does_not_fit_stays_idle(
+    redis_url: str, example_repo: Path, start_worker: Any
+) -> None:
     async with (
         broker(redis_url, total_mb=50) as (address, _),
         start_worker(example_repo, preload=["policy"], broker_address=address) as worker,

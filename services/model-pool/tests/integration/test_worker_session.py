@@ -30,11 +30,15 @@ async def test_hello_then_reports(worker: ModelPoolServer, scheduler: Any) -> No
     assert hello.data_endpoint == worker.data_endpoint
     assert hello.grpc_endpoint == worker.grpc_endpoint
     assert hello.node == "local"
-    assert list(hello.repository) == ["classifier", "double", "policy", "sleep"]
+    assert {"classifier", "double", "policy", "policy-onnx", "sleep"} <= set(hello.repository)
     assert fake.messages.index(next(m for m in fake.messages if is_hello(m))) == 0
-    report = await fake.wait_for(lambda m: all(states(m).get(x) == READY for x in ("double", "sleep", "policy")))
+    report = await fake.wait_for(
+        lambda m: all(states(m).get(x) == READY for x in ("double", "sleep", "policy"))
+    )
     by_id = {m.model_id: m for m in report.report.models}
-    assert by_id["double"].lease_id and by_id["double"].generation == 1 and by_id["double"].backend == "python"
+    assert (
+        by_id["double"].lease_id and by_id["double"].generation == 1 and by_id["double"].backend == "python"
+    )
     assert by_id["classifier"].state == IDLE
 
 

@@ -25,11 +25,11 @@ def make_model(root: Path, model_id: str, config: str, files: dict[str, str] | N
 
 
 def test_registry() -> None:
-    assert set(ENGINES) >= {"python", "torch"}
+    assert set(ENGINES) == {"python", "torch", "onnx", "tensorrt", "ray_serve"}
     assert engine_class("python") is PythonEngine
     assert engine_class("torch") is TorchEngine
-    with pytest.raises(ModelConfigError, match="no engine for backend 'tensorrt'"):
-        engine_class("tensorrt")
+    with pytest.raises(ModelConfigError, match="no engine for backend 'caffe'"):
+        engine_class("caffe")
 
 
 # ---- python ---------------------------------------------------------------
@@ -189,7 +189,9 @@ def test_torch_engine_cuda_without_cuda_fails_to_load(example_repo: Path) -> Non
         engine.load()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU path not exercised on this machine")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: GPU path not exercised on this machine"
+)
 def test_torch_engine_on_cuda(example_repo: Path) -> None:
     spec = ModelRepository(example_repo).spec("policy")
     reference = np.load(example_repo / "policy" / "artifacts" / "reference.npz")

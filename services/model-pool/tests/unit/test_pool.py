@@ -50,7 +50,7 @@ BAD_OUTPUT = """
 import numpy as np
 class BadOutput:
     def infer(self, inputs):
-        return {"text": np.array(["a", "b"])}
+        return {"z": np.array([1 + 2j], dtype=np.complex64)}
 """
 
 
@@ -80,8 +80,14 @@ def repo(example_repo: Path, tmp_path: Path) -> Path:
     return root
 
 
-def make_pool(repo: Path, leases: Any, *, clock: Any = None, known: dict[str, ModelSettings] | None = None,
-              metrics: Any = None) -> ModelPool:
+def make_pool(
+    repo: Path,
+    leases: Any,
+    *,
+    clock: Any = None,
+    known: dict[str, ModelSettings] | None = None,
+    metrics: Any = None,
+) -> ModelPool:
     return ModelPool(
         ModelRepository(repo),
         models=ModelsSettings(known=known or {}),
@@ -105,9 +111,21 @@ async def test_load_infer_unload_and_generation(repo: Path, leases: Any) -> None
     pool = make_pool(repo, leases, metrics=metrics)
     assert {s.model_id: s.state for s in pool.statuses()}["double"] is ModelState.IDLE
     status = await pool.load("double")
-    assert (status.state, status.generation, status.backend, status.device) == (ModelState.READY, 1, "python", "cpu")
+    assert (status.state, status.generation, status.backend, status.device) == (
+        ModelState.READY,
+        1,
+        "python",
+        "cpu",
+    )
     assert leases.acquired == [
-        {"lease_id": "lease-1", "mb": 16, "ttl_s": 3.0, "labels": {"model": "double"}, "gpus": []}
+        {
+            "lease_id": "lease-1",
+            "mb": 16,
+            "ttl_s": 3.0,
+            "labels": {"model": "double"},
+            "gpus": [],
+            "allow_split": False,
+        }
     ]
     assert status.lease_id == "lease-1"
     x = np.arange(4, dtype=np.float32)

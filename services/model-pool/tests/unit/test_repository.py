@@ -28,7 +28,7 @@ def write(root: Path, model_id: str, config: str, files: dict[str, str] | None =
 
 def test_example_configs_are_valid() -> None:
     repo = ModelRepository(EXAMPLES)
-    assert repo.names() == ["classifier", "double", "policy", "sleep"]
+    assert {"classifier", "double", "policy", "policy-onnx", "sleep"} <= set(repo.names())
     policy = repo.spec("policy").config
     assert isinstance(policy, TorchModelConfig)
     assert policy.artifact_format == "torchscript"
@@ -52,14 +52,17 @@ def test_names_skip_folders_without_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("config", "fragment"),
     [
-        ("backend: onnx\nartifact: m.onnx\n", "backend"),
+        ("backend: caffe\nartifact: m.caffemodel\n", "backend"),
         ("backend: python\n", "class: Field required"),
         ("backend: torch\n", "artifact: Field required"),
         ("backend: python\nclass: A\nflavour: x\n", "flavour: Extra inputs are not permitted"),
         ("backend: python\nclass: A\ndevice: tpu\n", "device"),
         ("backend: python\nclass: A\ninputs: [{name: x, dtype: complex64}]\n", "inputs.0.dtype"),
         ("backend: python\nclass: A\ninputs: [{name: x, dtype: uint8, shape: [-2]}]\n", "-1 for any size"),
-        ("backend: python\nclass: A\ninputs: [{name: x, dtype: uint8}, {name: x, dtype: uint8}]\n", "duplicate"),
+        (
+            "backend: python\nclass: A\ninputs: [{name: x, dtype: uint8}, {name: x, dtype: uint8}]\n",
+            "duplicate",
+        ),
         ("backend: python\nclass: A\nvram_mb: -1\n", "vram_mb"),
         ("- just\n- a list\n", "must be a mapping"),
         ("backend: [unclosed\n", "cannot read config.yaml"),
@@ -101,7 +104,11 @@ def test_format_follows_the_suffix_unless_given(tmp_path: Path) -> None:
 
 
 def _spec(tmp_path: Path, inputs: str, extra: bool = False):  # type: ignore[no-untyped-def]
-    write(tmp_path, "m", f"backend: python\nclass: A\nallow_extra_inputs: {str(extra).lower()}\ninputs: {inputs}\n")
+    write(
+        tmp_path,
+        "m",
+        f"backend: python\nclass: A\nallow_extra_inputs: {str(extra).lower()}\ninputs: {inputs}\n",
+    )
     return ModelRepository(tmp_path).spec("m")
 
 

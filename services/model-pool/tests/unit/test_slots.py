@@ -32,7 +32,11 @@ def test_full_cycle_and_generation() -> None:
     assert status.load_time_ms == pytest.approx(250.0)
     assert status.loaded_unix_ms == int(clock.time() * 1000)
     assert (status.lease_id, status.backend, status.vram_mb, status.pinned, status.max_inflight) == (
-        "lease-1", "torch", 64, True, 3,
+        "lease-1",
+        "torch",
+        64,
+        True,
+        3,
     )
     slot.begin_drain()
     slot.begin_unload()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +29,15 @@ from loadmaster.common.errors import (
 from loadmaster.common.grpc_client import aio_channel
 from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc
 
-__all__ = ["GrpcLeaseClient", "Lease", "LeaseClient", "LeaseKeeper", "LeaseLostError"]
+__all__ = [
+    "GrpcLeaseClient",
+    "Lease",
+    "LeaseClient",
+    "LeaseKeeper",
+    "LeaseLostError",
+    "device_for_lease",
+    "gpus_for_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +54,35 @@ class Lease:
         return sorted(self.mb_per_gpu)
 
 
+def gpus_for_device(device: str) -> list[int]:
+    """The GPUs to ask the broker for: `cuda:N` -> [N]; `cuda` / `cpu` -> any."""
+    kind, _, index = device.partition(":")
+    return [int(index)] if kind == "cuda" and index else []
+
+
+def device_for_lease(device: str, lease: Lease) -> str:
+    """`cuda` (any GPU) becomes the GPU the broker granted; explicit devices stay as they are."""
+    if device == "cuda":
+        return f"cuda:{lease.gpus[0]}" if lease.gpus else "cuda:0"
+    return device
+
+
 class LeaseLostError(FailedPreconditionError):
     """The broker no longer honours a lease (expired or fenced): the memory is not ours."""
 
 
 class LeaseClient(Protocol):
     async def acquire(
-        self, *, mb: int, ttl_s: float, labels: Mapping[str, str], gpus: list[int] | None = None
+        self,
+        *,
+        mb: int,
+        ttl_s: float,
+        labels: Mapping[str, str],
+        gpus: list[int] | None = None,
+        allow_split: bool = False,
     ) -> Lease:
-        """Take `mb` on one GPU; `UnavailableError` when the broker cannot be reached."""
+        """Take `mb` on one GPU (or spread over several with `allow_split`);
+        `ResourceExhaustedError` when it does not fit, `UnavailableError` when unreachable."""
 
     async def renew(self, lease: Lease, *, ttl_s: float) -> Lease:
         """Extend; `LeaseLostError` when the lease is gone, `UnavailableError` when unreachable."""
@@ -112,7 +141,13 @@ class GrpcLeaseClient:
         )
 
     async def acquire(
-        self, *, mb: int, ttl_s: float, labels: Mapping[str, str], gpus: list[int] | None = None
+        self,
+        *,
+        mb: int,
+        ttl_s: float,
+        labels: Mapping[str, str],
+        gpus: list[int] | None = None,
+        allow_split: bool = False,
     ) -> Lease:
         request = gpu_broker_pb2.AcquireRequest(
             client_request_id=uuid.uuid4().hex,
@@ -120,8 +155,11 @@ class GrpcLeaseClient:
             node=self._node,
             mb=mb,
             gpus=gpus or [],
+            allow_split=allow_split,
             ttl_s=ttl_s,
-            labels=dict(labels),
+            # `pid` lets the broker's NVML reconciliation tell this worker's GPU memory (covered
+            # by the lease) from memory used outside any lease.
+            labels={"pid": str(os.getpid()), **labels},
         )
         delay = 0.1
         for attempt in range(1, self._attempts + 1):

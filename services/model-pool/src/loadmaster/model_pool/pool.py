@@ -3,15 +3,19 @@
 `ModelPool` decides; the front doors (gRPC servicer, ZMQ data port, worker session)
 only translate into its calls:
 
-    load(model_id)     lease -> engine.load() + warmup on the model's thread -> READY
-    unload(model_id)   DRAINING (wait for in-flight) -> engine.unload() -> release lease -> IDLE
-    infer(model_id, inputs, deadline_unix_ns=...) -> InferResult
+    load(model_id)     lease (evicting idle models when it does not fit) -> engine.load()
+                       + warm-up on each instance's thread -> READY
+    unload(model_id)   DRAINING (wait for in-flight) -> engine.unload() -> memory freed
+                       -> release lease -> IDLE
+    infer(model_id, inputs, deadline_unix_ns=...) -> InferResult   (through the model's Batcher)
+    pin(model_id, pinned)   never evicted while pinned
 
-Each loaded model has its own single-thread executor: a slow model never blocks
-another model's requests, and requests to one model run one at a time, in arrival
-order. Lifecycle operations on one model are serialised (a second `load` waits for
-the first and shares its result) and run as tasks shielded from their callers, so
-a cancelled RPC never leaves a model half-loaded.
+Each loaded model has `instances` engine copies, each on its own single-thread
+executor, fed by one `Batcher` (dynamic batching when `max_batch_size` > 1): a slow
+model never blocks another model's requests. Lifecycle operations on one model are
+serialised (a second `load` waits for the first and shares its result) and run as
+tasks shielded from their callers, so a cancelled RPC never leaves a model half-loaded.
+Which model to evict is decided in `eviction.py`; this module only acts on it.
 """
 
 from __future__ import annotations
@@ -30,14 +34,31 @@ from loadmaster.common.config import ModelsSettings
 from loadmaster.common.errors import (
     ExpiredError,
     InternalError,
-    InvalidArgumentError,
     LoadmasterError,
     NotFoundError,
+    ResourceExhaustedError,
     UnavailableError,
 )
-from loadmaster.common.tensors import wire_dtype
+from loadmaster.model_pool import memory
+from loadmaster.model_pool._waiting import event_or_timeout, settle
+from loadmaster.model_pool.batcher import Batcher, Instance, batch_policy
 from loadmaster.model_pool.engines import Engine, EngineContext, engine_class
-from loadmaster.model_pool.leases import Lease, LeaseClient, LeaseKeeper
+from loadmaster.model_pool.eviction import (
+    EvictionCounters,
+    Incoming,
+    Resident,
+    choose_victim,
+    idle_models,
+    next_idle_deadline,
+    no_room_message,
+)
+from loadmaster.model_pool.leases import (
+    Lease,
+    LeaseClient,
+    LeaseKeeper,
+    device_for_lease,
+    gpus_for_device,
+)
 from loadmaster.model_pool.repository import ModelRepository, ModelSpec, check_inputs
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
 
@@ -64,9 +85,10 @@ class _Loaded:
     """What a READY model holds: freed, in this order, by unload."""
 
     spec: ModelSpec
-    engine: Engine
-    executor: ThreadPoolExecutor
+    instances: list[Instance]
+    batcher: Batcher
     lease: Lease
+    memory_before: dict[int, int]  # NVML: this process's MB per leased GPU before the load
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,33 +97,9 @@ class _Operation:
     task: asyncio.Task[None]
 
 
-def gpus_for_device(device: str) -> list[int]:
-    """The GPUs to ask the broker for: `cuda:N` -> [N]; `cuda` / `cpu` -> any."""
-    kind, _, index = device.partition(":")
-    return [int(index)] if kind == "cuda" and index else []
-
-
-def device_for_lease(device: str, lease: Lease) -> str:
-    """`cuda` (any GPU) becomes the GPU the broker granted; explicit devices stay as they are."""
-    if device == "cuda":
-        return f"cuda:{lease.gpus[0]}" if lease.gpus else "cuda:0"
-    return device
-
-
 def _load_and_warm(engine: Engine) -> None:
     engine.load()
     engine.warmup()
-
-
-async def _settle(task: asyncio.Future[Any]) -> None:
-    """Wait for `task` without taking on its result or its error."""
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        if not task.done():
-            raise
-    except Exception:
-        pass
 
 
 class ModelPool:
@@ -117,6 +115,8 @@ class ModelPool:
         clock: Clock | None = None,
         metrics: MetricsSink | None = None,
         engines: Callable[[str], type[Engine]] = engine_class,
+        eviction_wait_s: float = 10.0,
+        allow_split: bool = True,
     ) -> None:
         self.repository = repository
         self._models = models
@@ -127,6 +127,14 @@ class ModelPool:
         self._clock = clock or SystemClock()
         self._metrics = metrics
         self._engines = engines
+        self._eviction_wait_s = eviction_wait_s
+        self._allow_split = allow_split
+        self.counters = EvictionCounters()
+        self._room_lock = asyncio.Lock()
+        self._room = asyncio.Event()  # set when a request finishes or a model unloads
+        self._idle_wake = asyncio.Event()
+        self._keep_alive_task: asyncio.Task[None] | None = None
+        self._reported_gpus: set[int] = set()
         self._keeper = LeaseKeeper(
             lease_client, ttl_s=lease_ttl_s, on_lost=self._on_lease_lost, clock=self._clock
         )
@@ -151,6 +159,48 @@ class ModelPool:
 
     def status(self, model_id: str) -> SlotStatus:
         return self._slot(model_id).status()
+
+    def free_mb(self) -> int:
+        """Memory this worker could free now: READY models that are neither pinned nor busy."""
+        return sum(r.vram_mb for r in self._residents() if not r.pinned and r.inflight == 0)
+
+    def leased_mb_per_gpu(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for loaded in self._loaded.values():
+            for gpu, mb in loaded.lease.mb_per_gpu.items():
+                out[gpu] = out.get(gpu, 0) + mb
+        return out
+
+    def pin(self, model_id: str, *, pinned: bool = True) -> SlotStatus:
+        """Pin (never evicted, never unloaded when idle) or unpin a model; loaded or not."""
+        slot = self._slot(model_id)
+        slot.pinned = pinned
+        self._changed(slot)
+        self._idle_wake.set()
+        return slot.status()
+
+    def _residents(self) -> list[Resident]:
+        out = []
+        for model_id, loaded in self._loaded.items():
+            slot = self._slots[model_id]
+            if slot.state is not ModelState.READY:
+                continue
+            model = self._models.for_model(model_id)
+            out.append(
+                Resident(
+                    model_id=model_id,
+                    vram_mb=slot.vram_mb,
+                    priority=slot.priority,
+                    pinned=slot.pinned,
+                    inflight=slot.inflight,
+                    last_used=slot.last_used_monotonic,
+                    loaded_at=slot.loaded_monotonic,
+                    gpus=tuple(loaded.lease.gpus),
+                    min_resident_s=model.min_resident_s,
+                    keep_alive_s=model.keep_alive_s,
+                )
+            )
+        return out
 
     def add_listener(self, listener: Callable[[SlotStatus], None]) -> None:
         """Called (on the event loop) with the new status each time a slot changes state."""
@@ -190,7 +240,9 @@ class ModelPool:
 
     # ---- lifecycle ---------------------------------------------------------
 
-    def _start(self, model_id: str, kind: Literal["load", "unload"], work: Coroutine[Any, Any, None]) -> _Operation:
+    def _start(
+        self, model_id: str, kind: Literal["load", "unload"], work: Coroutine[Any, Any, None]
+    ) -> _Operation:
         task = asyncio.create_task(work, name=f"{kind}-{model_id}")
         operation = _Operation(kind, task)
         self._ops[model_id] = operation
@@ -211,7 +263,7 @@ class ModelPool:
             if operation.kind == "load":
                 await asyncio.shield(operation.task)
                 return slot.status()
-            await _settle(operation.task)
+            await settle(operation.task)
         if slot.state is ModelState.READY:
             return slot.status()
         if self._closing:
@@ -225,13 +277,13 @@ class ModelPool:
         slot = self._slot(model_id)
         while (operation := self._ops.get(model_id)) is not None:
             if operation.kind == "unload":
-                await _settle(operation.task)
+                await settle(operation.task)
                 return slot.status()
-            await _settle(operation.task)
+            await settle(operation.task)
         if slot.state is not ModelState.READY:
             return slot.status()
         operation = self._start(model_id, "unload", self._do_unload(slot, reason))
-        await _settle(operation.task)
+        await settle(operation.task)
         return slot.status()
 
     async def _do_load(self, slot: Slot) -> None:
@@ -240,74 +292,205 @@ class ModelPool:
         slot.begin_load()
         self._changed(slot)
         lease: Lease | None = None
-        executor: ThreadPoolExecutor | None = None
-        engine: Engine | None = None
+        built: list[Instance] = []
+        memory_before: dict[int, int] = {}
         try:
             spec = self.repository.spec(model_id)
             # The first use of a backend imports it (torch: seconds): off the event loop.
             cls = await asyncio.to_thread(self._engines, spec.backend)
+            model = self._models.for_model(model_id)
+            policy = batch_policy(spec.config, model)
+            count = model.instances or spec.config.instances
             device = spec.config.device or self._device
-            mb = self._models.for_model(model_id).vram_mb
+            mb = model.vram_mb
             if mb is None:
-                mb = spec.config.vram_mb if spec.config.vram_mb is not None else cls.estimate_mb(spec)
+                mb = spec.config.vram_mb if spec.config.vram_mb is not None else cls.estimate_mb(spec) * count
             mb = max(1, mb)  # the broker leases whole, positive megabytes
             slot.set_placement(backend=spec.backend, device=device, vram_mb=mb)
-            lease = await self._lease_client.acquire(
-                mb=mb, ttl_s=self._lease_ttl_s, labels={"model": model_id}, gpus=gpus_for_device(device)
-            )
+            slot.instances, slot.max_batch_size = count, policy.max_batch_size
+            slot.keep_alive_s = model.keep_alive_s
+            lease = await self._acquire_room(slot, mb=mb, device=device)
             device = device_for_lease(device, lease)
-            slot.set_lease(lease.lease_id, device=device)
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{model_id}")
-            engine = cls(spec, EngineContext(device=device, threads=self._threads))
-            await loop.run_in_executor(executor, _load_and_warm, engine)
+            slot.set_lease(lease.lease_id, device=device, mb_per_gpu=dict(lease.mb_per_gpu))
+            if device.startswith("cuda"):
+                memory_before = await asyncio.to_thread(memory.snapshot, lease.gpus)
+            for index in range(count):
+                executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{model_id}-{index}")
+                engine = cls(spec, EngineContext(device=device, threads=self._threads))
+                built.append(Instance(engine=engine, executor=executor))
+                # Warm-up (config inputs, or zeros from the declared inputs) runs before READY.
+                await loop.run_in_executor(executor, _load_and_warm, engine)
         except BaseException as error:
-            message = await self._abandon_load(model_id, error, engine=engine, executor=executor, lease=lease)
+            message = await self._abandon_load(model_id, error, instances=built, lease=lease)
             slot.load_failed(message)
             self._changed(slot)
             if isinstance(error, LoadmasterError | asyncio.CancelledError):
                 raise
             raise InternalError(message) from error
-        self._loaded[model_id] = _Loaded(spec=spec, engine=engine, executor=executor, lease=lease)
+        batcher = Batcher(
+            model_id,
+            policy,
+            instances=built,
+            clock=self._clock,
+            on_batch=lambda size, ms: self._record_batch(model_id, size, ms),
+        )
+        batcher.start()
+        self._loaded[model_id] = _Loaded(
+            spec=spec, instances=built, batcher=batcher, lease=lease, memory_before=memory_before
+        )
         self._keeper.keep(model_id, lease)
         slot.loaded()
+        if self.counters.loaded(model_id):
+            slot.reloads += 1
+            self._record("reloads", 1.0, {"model": model_id})
         self._changed(slot)
-        if self._metrics is not None:
-            self._metrics.record("model_load_ms", slot.load_time_ms, {"model": model_id})
-        log.info("model %s ready on %s (generation %d, %.0f ms)", model_id, device, slot.generation, slot.load_time_ms)
+        self._record("model_load_ms", slot.load_time_ms, {"model": model_id})
+        self._record_leased()
+        if slot.keep_alive_s is not None:
+            self._ensure_keep_alive()
+        log.info(
+            "model %s ready on %s (generation %d, %d instance(s), batch <= %d, %.0f ms)",
+            model_id,
+            device,
+            slot.generation,
+            count,
+            policy.max_batch_size,
+            slot.load_time_ms,
+        )
+
+    # ---- room: leases and eviction -----------------------------------------
+
+    async def _acquire_room(self, slot: Slot, *, mb: int, device: str) -> Lease:
+        """The lease for a load, evicting idle models one at a time until it fits."""
+        model_id = slot.model_id
+        gpus = gpus_for_device(device)
+        labels = {"model": model_id}
+        async with self._room_lock:
+            deadline = self._clock.monotonic() + self._eviction_wait_s
+            while True:
+                try:
+                    return await self._lease_client.acquire(
+                        mb=mb, ttl_s=self._lease_ttl_s, labels=labels, gpus=gpus
+                    )
+                except ResourceExhaustedError as exhausted:
+                    broker_says = exhausted.message
+                residents = self._residents()
+                now = self._clock.monotonic()
+                choice = choose_victim(
+                    residents, incoming=Incoming(model_id, slot.priority, tuple(gpus)), now=now
+                )
+                if choice.victim is not None:
+                    await self._evict(choice.victim, reason="capacity", detail=f"room for {model_id}")
+                    continue
+                if choice.worth_waiting and now < deadline:
+                    log.info(
+                        "load of %s waits for %s to become evictable", model_id, ", ".join(choice.waiting)
+                    )
+                    await self._wait_for_room(residents, deadline=deadline, now=now)
+                    continue
+                if self._allow_split and not gpus:
+                    try:  # too big for any single GPU: one atomic lease over several
+                        return await self._lease_client.acquire(
+                            mb=mb, ttl_s=self._lease_ttl_s, labels=labels, gpus=gpus, allow_split=True
+                        )
+                    except ResourceExhaustedError:
+                        pass
+                raise ResourceExhaustedError(
+                    f"{no_room_message(model_id, mb, choice, residents)} ({broker_says})"
+                )
+
+    async def _wait_for_room(self, residents: list[Resident], *, deadline: float, now: float) -> None:
+        """Until a request finishes, a model unloads, a young model comes of age, or `deadline`."""
+        wake_at = deadline
+        for r in residents:
+            if r.inflight == 0 and now - r.loaded_at < r.min_resident_s:
+                wake_at = min(wake_at, r.loaded_at + r.min_resident_s)
+        self._room.clear()
+        await event_or_timeout(self._room, self._clock, wake_at - now)
+
+    async def _evict(self, model_id: str, *, reason: str, detail: str = "") -> None:
+        slot = self._slots[model_id]
+        log.info("evicting model %s (%s%s)", model_id, reason, f": {detail}" if detail else "")
+        self.counters.evicted(model_id, reason)
+        slot.evictions += 1
+        self._record("evictions", 1.0, {"model": model_id, "reason": reason})
+        await self.unload(model_id, reason=f"evicted ({reason}{': ' + detail if detail else ''})")
+
+    def _ensure_keep_alive(self) -> None:
+        if self._keep_alive_task is None and not self._closing:
+            self._keep_alive_task = asyncio.create_task(self._keep_alive_loop(), name="keep-alive")
+
+    async def _keep_alive_loop(self) -> None:
+        """Unload models idle for their `keep_alive_s`; sleeps until the next one could be due."""
+        while True:
+            try:
+                self._idle_wake.clear()
+                residents = self._residents()
+                now = self._clock.monotonic()
+                due = idle_models(residents, now=now)
+                if due:
+                    await asyncio.gather(
+                        *(self._evict(m, reason="idle") for m in due), return_exceptions=True
+                    )
+                    continue
+                deadline = next_idle_deadline(residents)
+                await event_or_timeout(
+                    self._idle_wake, self._clock, None if deadline is None else deadline - now
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("keep-alive step failed")
+                await self._clock.sleep(1.0)
+
+    # ---- teardown ----------------------------------------------------------
 
     async def _abandon_load(
         self,
         model_id: str,
         error: BaseException,
         *,
-        engine: Engine | None,
-        executor: ThreadPoolExecutor | None,
+        instances: list[Instance],
         lease: Lease | None,
     ) -> str:
-        """Free what a failed load took (engine, thread, lease); returns the error text."""
+        """Free what a failed load took (engines, threads, lease); returns the error text."""
         if isinstance(error, LoadmasterError):
             message = error.message
             log.error("loading model %s failed: %s", model_id, message)
         else:
             message = f"loading model '{model_id}' failed: {type(error).__name__}: {error}"
             log.error("loading model %s failed", model_id, exc_info=error)
-        if executor is not None:
-            if engine is not None:
-                try:
-                    # Queued behind a load still running on that thread, so it frees what it built.
-                    await asyncio.wrap_future(executor.submit(engine.unload))
-                except Exception:
-                    log.exception("cleaning up after the failed load of %s", model_id)
-            executor.shutdown(wait=False)
+        await self._free_instances(model_id, instances)
         if lease is not None:
             await self._release(model_id, lease)
         return message
+
+    async def _free_instances(self, model_id: str, instances: list[Instance]) -> None:
+        for instance in instances:
+            try:
+                # Queued behind a load still running on that thread, so it frees what it built.
+                await asyncio.wrap_future(instance.executor.submit(instance.engine.unload))
+            except Exception:
+                log.exception("unloading an instance of %s failed", model_id)
+            finally:
+                instance.executor.shutdown(wait=False)
+
+    async def _memory_freed(self, model_id: str, loaded: _Loaded) -> None:
+        """On NVIDIA: wait (bounded) until NVML shows the model's memory gone from this process."""
+        if loaded.memory_before and not await memory.wait_freed(
+            loaded.memory_before, dict(loaded.lease.mb_per_gpu), clock=self._clock
+        ):
+            log.warning(
+                "NVML still shows memory of %s held after unload; releasing its lease anyway", model_id
+            )
 
     async def _release(self, model_id: str, lease: Lease) -> None:
         try:
             await self._lease_client.release(lease)
         except Exception as error:
-            log.warning("releasing lease %s of %s failed (it expires by TTL): %s", lease.lease_id, model_id, error)
+            log.warning(
+                "releasing lease %s of %s failed (it expires by TTL): %s", lease.lease_id, model_id, error
+            )
 
     async def _do_unload(self, slot: Slot, reason: str) -> None:
         model_id = slot.model_id
@@ -319,20 +502,23 @@ class ModelPool:
         loaded = self._loaded.pop(model_id)
         lease = self._keeper.forget(model_id) or loaded.lease
         try:
-            await asyncio.wrap_future(loaded.executor.submit(loaded.engine.unload))
-        except Exception:
-            log.exception("unloading model %s failed", model_id)
+            await loaded.batcher.close()
+            await self._free_instances(model_id, loaded.instances)
+            await self._memory_freed(model_id, loaded)
         finally:
-            loaded.executor.shutdown(wait=False)
-        await self._release(model_id, lease)  # only after the engine freed its memory
-        slot.unloaded()
-        self._changed(slot)
+            await self._release(model_id, lease)  # only after the engines freed their memory
+            slot.unloaded()
+            self._changed(slot)
+            self._record_leased()
+            self._room.set()
         log.info("model %s unloaded%s", model_id, f" ({reason})" if reason else "")
 
     def _on_lease_lost(self, model_id: str, lease: Lease) -> None:
         loaded = self._loaded.get(model_id)
         if loaded is None or loaded.lease.lease_id != lease.lease_id:
             return
+        self._record("evictions", 1.0, {"model": model_id, "reason": "lease_lost"})
+        self.counters.evicted(model_id, "lease_lost")
         task = asyncio.create_task(
             self.unload(model_id, reason=f"lease {lease.lease_id} lost; stopped serving"),
             name=f"lease-lost-{model_id}",
@@ -343,6 +529,10 @@ class ModelPool:
     async def close(self, *, timeout_s: float = 30.0) -> None:
         """Refuse new work, drain and unload every model, release every lease."""
         self._closing = True
+        if self._keep_alive_task is not None:
+            self._keep_alive_task.cancel()
+            await asyncio.gather(self._keep_alive_task, return_exceptions=True)
+            self._keep_alive_task = None
         busy = [
             model_id
             for model_id, slot in self._slots.items()
@@ -373,7 +563,7 @@ class ModelPool:
         deadline_unix_ns: int = 0,
         received_monotonic: float | None = None,
     ) -> InferResult:
-        """Run one request on the model's thread. Errors are `LoadmasterError`s (engine bugs: internal)."""
+        """Run one request (batched with others when the model batches). Errors are `LoadmasterError`s."""
         if self._closing:
             raise UnavailableError("worker is shutting down")
         slot = self._slot(model_id)
@@ -383,51 +573,41 @@ class ModelPool:
             check_inputs(loaded.spec, inputs)
             if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
                 raise ExpiredError(f"request for '{model_id}' expired before it started")
+            received = self._clock.monotonic() if received_monotonic is None else received_monotonic
+            future = loaded.batcher.submit(inputs, deadline_unix_ns=deadline_unix_ns, received=received)
         except BaseException:
-            slot.release()
+            self._released(slot)
             raise
-        received = self._clock.monotonic() if received_monotonic is None else received_monotonic
-        loop = asyncio.get_running_loop()
-        future = loaded.executor.submit(self._run, loaded, inputs, deadline_unix_ns, received)
-        future.add_done_callback(lambda _: _call_soon(loop, slot.release))
-        try:
-            outputs, queue_ms, inference_ms = await asyncio.wrap_future(future)
-        except LoadmasterError:
-            raise
-        except Exception as error:
-            log.error("model %s failed on a request", model_id, exc_info=error)
-            raise InternalError(f"model '{model_id}' failed: {type(error).__name__}: {error}") from error
+        future.add_done_callback(lambda _: self._released(slot))
+        # Shielded: a cancelled caller leaves the request counted until its engine call is over.
+        outputs, timing = await asyncio.shield(future)
+        return InferResult(
+            outputs=outputs,
+            generation=generation,
+            inference_ms=timing.inference_ms,
+            queue_ms=timing.queue_ms,
+            batch_size=timing.batch_size,
+        )
+
+    def _released(self, slot: Slot) -> None:
+        slot.release()
+        if slot.inflight == 0:
+            self._room.set()
+            if slot.keep_alive_s is not None:  # its idle clock starts now
+                self._idle_wake.set()
+
+    def _record_batch(self, model_id: str, size: int, inference_ms: float) -> None:
+        labels = {"model": model_id}
+        self._record("inference_latency_ms", inference_ms, labels)
+        self._record("batch_size", float(size), labels)
+
+    def _record_leased(self) -> None:
+        for gpu, mb in self.leased_mb_per_gpu().items():
+            self._record("worker_leased_mb", float(mb), {"gpu": str(gpu)})
+        for gpu in self._reported_gpus - set(self.leased_mb_per_gpu()):
+            self._record("worker_leased_mb", 0.0, {"gpu": str(gpu)})
+        self._reported_gpus |= set(self.leased_mb_per_gpu())
+
+    def _record(self, name: str, value: float, labels: Mapping[str, str]) -> None:
         if self._metrics is not None:
-            labels = {"model": model_id}
-            self._metrics.record("inference_latency_ms", inference_ms, labels)
-            self._metrics.record("batch_size", 1.0, labels)
-        return InferResult(outputs=outputs, generation=generation, inference_ms=inference_ms, queue_ms=queue_ms)
-
-    def _run(
-        self, loaded: _Loaded, inputs: Mapping[str, np.ndarray], deadline_unix_ns: int, received: float
-    ) -> tuple[dict[str, np.ndarray], float, float]:
-        """On the model's thread: never start after the deadline; check outputs can travel."""
-        started = self._clock.monotonic()
-        queue_ms = (started - received) * 1000.0
-        if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
-            raise ExpiredError(
-                f"request for '{loaded.spec.model_id}' expired after {queue_ms:.1f} ms in the model's queue"
-            )
-        outputs = loaded.engine.infer(inputs)
-        inference_ms = (self._clock.monotonic() - started) * 1000.0
-        for key, array in outputs.items():
-            try:
-                wire_dtype(array.dtype)
-            except InvalidArgumentError:
-                raise InternalError(
-                    f"model '{loaded.spec.model_id}' output '{key}' has dtype {array.dtype}, "
-                    "which cannot travel on the wire"
-                ) from None
-        return outputs, queue_ms, inference_ms
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
-    try:
-        loop.call_soon_threadsafe(callback)
-    except RuntimeError:  # the loop closed during shutdown
-        pass
+            self._metrics.record(name, value, labels)

@@ -6,7 +6,7 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch (the engine registry's keys)
+    backend: torch            # python | torch | onnx | tensorrt | ray_serve (the engine registry)
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -43,7 +43,10 @@ __all__ = [
     "ModelConfigError",
     "ModelRepository",
     "ModelSpec",
+    "OnnxModelConfig",
     "PythonModelConfig",
+    "RayServeModelConfig",
+    "TensorRTModelConfig",
     "TensorSpec",
     "TorchModelConfig",
     "check_inputs",
@@ -105,6 +108,23 @@ class _BaseModelConfig(BaseModel):
     # With declared inputs, undeclared request tensors are refused unless this is true.
     allow_extra_inputs: bool = False
     description: str = ""
+    # Warm-up inputs: an .npz in the model folder (keys = input names); default: zeros
+    # generated from the declared inputs (variable axes = 1) when every shape is declared.
+    warmup_inputs: str | None = None
+    # Dynamic batching: concurrent requests are stacked on dim 0 up to max_batch_size rows
+    # (1 = no batching); the first waits at most max_queue_delay_ms for company.
+    max_batch_size: int = Field(default=1, ge=1)
+    max_queue_delay_ms: float = Field(default=0.0, ge=0)
+    preferred_batch_sizes: tuple[int, ...] = ()
+    # Copies of the model, each with its own thread, run batches in parallel.
+    instances: int = Field(default=1, ge=1, le=64)
+
+    @field_validator("preferred_batch_sizes")
+    @classmethod
+    def _preferred(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        if any(size < 1 for size in sizes):
+            raise ValueError("preferred batch sizes are >= 1")
+        return tuple(sorted(set(sizes)))
 
     @field_validator("device")
     @classmethod
@@ -142,9 +162,35 @@ class TorchModelConfig(_BaseModelConfig):
         return "export" if self.artifact.endswith(".pt2") else "torchscript"
 
 
+class OnnxModelConfig(_BaseModelConfig):
+    backend: Literal["onnx"]
+    artifact: str = Field(min_length=1)
+    # ONNX Runtime execution providers in order of preference; default: TensorRT and CUDA
+    # first when the device is cuda and the runtime has them, then CPU.
+    providers: tuple[str, ...] | None = None
+
+
+class TensorRTModelConfig(_BaseModelConfig):
+    backend: Literal["tensorrt"]
+    artifact: str = Field(min_length=1)  # a serialized engine (.plan / .engine)
+    profile: int = Field(default=0, ge=0)  # the optimization profile the context uses
+
+
+class RayServeModelConfig(_BaseModelConfig):
+    backend: Literal["ray_serve"]
+    deployment: str = Field(min_length=1)  # the deployment (or application ingress) name
+    app_name: str = "default"
+    route: str | None = None  # HTTP fallback, e.g. http://127.0.0.1:8000/policy
+    address: str | None = None  # Ray cluster address ("auto", "ray://host:10001"); None = HTTP only
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+AnyModelConfig = (
+    PythonModelConfig | TorchModelConfig | OnnxModelConfig | TensorRTModelConfig | RayServeModelConfig
+)
 # One entry per engine; the `backend` field picks the class.
-ModelConfig = Annotated[PythonModelConfig | TorchModelConfig, Field(discriminator="backend")]
-_CONFIG_ADAPTER: TypeAdapter[PythonModelConfig | TorchModelConfig] = TypeAdapter(ModelConfig)
+ModelConfig = Annotated[AnyModelConfig, Field(discriminator="backend")]
+_CONFIG_ADAPTER: TypeAdapter[AnyModelConfig] = TypeAdapter(ModelConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +199,7 @@ class ModelSpec:
 
     model_id: str
     folder: Path
-    config: PythonModelConfig | TorchModelConfig
+    config: AnyModelConfig
 
     @property
     def backend(self) -> str:

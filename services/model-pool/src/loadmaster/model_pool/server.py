@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", "*", ""}
 
 
-def advertised_grpc_endpoint(address: str, listen: str | None, port: int, *, hostname: str | None = None) -> str:
+def advertised_grpc_endpoint(
+    address: str, listen: str | None, port: int, *, hostname: str | None = None
+) -> str:
     """`host:port` others use for this worker's gRPC: the bound port, and the host name
     when bound to a wildcard (a shared `address` may name a load balancer, not this worker)."""
     host = (listen or address).rpartition(":")[0]
@@ -77,17 +79,28 @@ class ModelPoolServer(GrpcServer):
             lease_ttl_s=pool_settings.lease_ttl_s,
             clock=clock,
             metrics=self.telemetry,
+            eviction_wait_s=pool_settings.eviction_wait_s,
+            allow_split=pool_settings.allow_split,
         )
         limits = settings.gateway.limits
         tensor_limits = TensorLimits(
-            max_payload_bytes=limits.max_payload_bytes, max_tensors=limits.max_tensors, max_dims=limits.max_dims
+            max_payload_bytes=limits.max_payload_bytes,
+            max_tensors=limits.max_tensors,
+            max_dims=limits.max_dims,
         )
         self.data_port = DataPort(
-            self.pool, bind=pool_settings.data_bind, worker_id=self.worker_id, limits=tensor_limits, clock=clock
+            self.pool,
+            bind=pool_settings.data_bind,
+            worker_id=self.worker_id,
+            limits=tensor_limits,
+            clock=clock,
         )
         self.session: WorkerSession | None = None
         servicer = ModelPoolServicer(
-            self.pool, worker_id=self.worker_id, data_endpoint=lambda: self.data_endpoint, limits=tensor_limits
+            self.pool,
+            worker_id=self.worker_id,
+            data_endpoint=lambda: self.data_endpoint,
+            limits=tensor_limits,
         )
         self.add_service(
             model_pool_pb2.DESCRIPTOR.services_by_name["ModelPool"].full_name,

@@ -65,4 +65,13 @@ class ModelPoolServicer(model_pool_pb2_grpc.ModelPoolServicer):
             data_endpoint=self._data_endpoint(),
             models=[slot_status_pb(status) for status in self._pool.statuses()],
             repository=self._pool.repository.names(),
+            free_mb=self._pool.free_mb(),
+            evictions=self._pool.counters.by_reason(),
+            leased_mb_per_gpu=self._pool.leased_mb_per_gpu(),
         )
+
+    async def Pin(  # noqa: N802
+        self, request: model_pool_pb2.PinRequest, context: grpc.aio.ServicerContext
+    ) -> model_pool_pb2.PinResponse:
+        status = self._pool.pin(request.model_id, pinned=request.pinned)
+        return model_pool_pb2.PinResponse(model=slot_status_pb(status))

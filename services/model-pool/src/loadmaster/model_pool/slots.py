@@ -62,6 +62,11 @@ class SlotStatus:
     load_time_ms: float
     error: str
     lease_id: str
+    instances: int = 1
+    max_batch_size: int = 1
+    evictions: int = 0
+    reloads: int = 0
+    mb_per_gpu: tuple[tuple[int, int], ...] = ()
 
 
 class Slot:
@@ -93,6 +98,15 @@ class Slot:
         self.last_used_unix_ms = 0
         self.loaded_unix_ms = 0
         self.load_time_ms = 0.0
+        self.instances = 1
+        self.max_batch_size = 1
+        self.evictions = 0
+        self.reloads = 0
+        self.mb_per_gpu: tuple[tuple[int, int], ...] = ()
+        # Monotonic twins of the wall-clock stamps above, for keep-alive and eviction order.
+        self.last_used_monotonic = 0.0
+        self.loaded_monotonic = 0.0
+        self.keep_alive_s: float | None = None  # the deployment's, read at each load
         self._load_started = 0.0
         self._drained = asyncio.Event()
         self._drained.set()
@@ -118,16 +132,23 @@ class Slot:
         self.device = device
         self.vram_mb = vram_mb
 
-    def set_lease(self, lease_id: str, *, device: str | None = None) -> None:
+    def set_lease(
+        self, lease_id: str, *, device: str | None = None, mb_per_gpu: dict[int, int] | None = None
+    ) -> None:
         self.lease_id = lease_id
         if device is not None:
             self.device = device
+        if mb_per_gpu is not None:
+            self.mb_per_gpu = tuple(sorted(mb_per_gpu.items()))
 
     def loaded(self) -> None:
         """LOADING -> READY."""
         self._move(ModelState.READY)
-        self.load_time_ms = (self._clock.monotonic() - self._load_started) * 1000.0
+        now = self._clock.monotonic()
+        self.load_time_ms = (now - self._load_started) * 1000.0
         self.loaded_unix_ms = int(self._clock.time() * 1000)
+        self.loaded_monotonic = now
+        self.last_used_monotonic = now
         self.error = ""
 
     def load_failed(self, error: str) -> None:
@@ -135,6 +156,7 @@ class Slot:
         self._move(ModelState.IDLE)
         self.error = error
         self.lease_id = ""
+        self.mb_per_gpu = ()
 
     def begin_drain(self, reason: str = "") -> None:
         """READY -> DRAINING: no new requests; `drained()` completes when in-flight ones finish."""
@@ -156,6 +178,7 @@ class Slot:
         self._move(ModelState.IDLE)
         self.lease_id = ""
         self.loaded_unix_ms = 0
+        self.mb_per_gpu = ()
 
     # ---- requests -------------------------------------------------------
 
@@ -172,6 +195,7 @@ class Slot:
         """One admitted request finished (its engine call is over, not just its caller)."""
         self.inflight = max(0, self.inflight - 1)
         self.last_used_unix_ms = int(self._clock.time() * 1000)
+        self.last_used_monotonic = self._clock.monotonic()
         if self.inflight == 0:
             self._drained.set()
 
@@ -194,4 +218,9 @@ class Slot:
             load_time_ms=self.load_time_ms,
             error=self.error,
             lease_id=self.lease_id,
+            instances=self.instances,
+            max_batch_size=self.max_batch_size,
+            evictions=self.evictions,
+            reloads=self.reloads,
+            mb_per_gpu=self.mb_per_gpu,
         )

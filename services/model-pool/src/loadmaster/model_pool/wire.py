@@ -45,6 +45,11 @@ def slot_status_pb(status: SlotStatus) -> model_pool_pb2.ModelSlotStatus:
         error=status.error,
         lease_id=status.lease_id,
         priority=status.priority,
+        instances=status.instances,
+        max_batch_size=status.max_batch_size,
+        evictions=status.evictions,
+        reloads=status.reloads,
+        mb_per_gpu=dict(status.mb_per_gpu),
     )
 
 

@@ -93,7 +93,9 @@ class WorkerSession:
         )
 
     def _report(self) -> scheduler_pb2.WorkerMessage:
-        report = scheduler_pb2.WorkerReport(models=[slot_status_pb(s) for s in self._pool.statuses()])
+        report = scheduler_pb2.WorkerReport(
+            models=[slot_status_pb(s) for s in self._pool.statuses()], free_mb=self._pool.free_mb()
+        )
         return scheduler_pb2.WorkerMessage(report=report)
 
     async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerMessage]:

@@ -17,7 +17,9 @@ __all__ = ["ENGINES", "Engine", "EngineContext", "engine_class"]
 ENGINES: dict[str, str] = {
     "python": "loadmaster.model_pool.engines.python:PythonEngine",
     "torch": "loadmaster.model_pool.engines.torch:TorchEngine",
-    # Later: "onnx", "tensorrt", "ray_serve".
+    "onnx": "loadmaster.model_pool.engines.onnx:OnnxEngine",
+    "tensorrt": "loadmaster.model_pool.engines.tensorrt:TensorRTEngine",
+    "ray_serve": "loadmaster.model_pool.engines.ray_serve:RayServeEngine",
 }
 
 

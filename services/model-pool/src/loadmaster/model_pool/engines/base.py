@@ -10,8 +10,10 @@ and may keep thread-affine state (CUDA streams, interpreter handles):
     infer(inputs)      dict[str, ndarray] -> dict[str, ndarray]; inputs are read-only views
     unload()           free everything, device memory included, before returning
 
-Reserved for the batching issue: `supports_batching` (engines that accept requests
-stacked on axis 0) and `max_batch_size`; the pool sends one request per call today.
+Batching is the pool's business (`batcher.py`): with `max_batch_size` > 1 in the
+config, `infer` receives requests stacked on dim 0 and must return outputs with the
+same rows on dim 0. `estimate_factor` scales the artifact size into the lease size
+when the config gives no `vram_mb`.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import numpy as np
 
 from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, zeros_for
 
-__all__ = ["ESTIMATE_FACTOR", "Engine", "EngineContext", "outputs_to_numpy"]
+__all__ = ["ESTIMATE_FACTOR", "Engine", "EngineContext", "outputs_to_numpy", "warmup_inputs"]
 
-# Lease estimate when a model gives no `vram_mb`: artifact bytes x this factor.
+# Lease estimate when a model gives no `vram_mb`: artifact bytes x this factor (the
+# default; engines override `estimate_factor`, e.g. 1.1 for TensorRT plans).
 ESTIMATE_FACTOR = 1.3
 
 
@@ -41,8 +44,7 @@ class EngineContext:
 
 class Engine(ABC):
     backend: ClassVar[str]
-    supports_batching: ClassVar[bool] = False
-    max_batch_size: ClassVar[int] = 1
+    estimate_factor: ClassVar[float] = ESTIMATE_FACTOR
 
     def __init__(self, spec: ModelSpec, context: EngineContext) -> None:
         self.spec = spec
@@ -57,7 +59,8 @@ class Engine(ABC):
 
     @classmethod
     def estimate_mb(cls, spec: ModelSpec) -> int:
-        """Memory to lease when no `vram_mb` is given: artifact size x 1.3, at least 1 MB."""
+        """Memory to lease per instance when no `vram_mb` is given: artifact size x
+        `estimate_factor`, at least 1 MB."""
         total = 0
         for path in cls.artifact_files(spec):
             try:
@@ -66,7 +69,7 @@ class Engine(ABC):
                 raise ModelConfigError(
                     f"model '{spec.model_id}': cannot read {path}: {error.strerror or error}"
                 ) from None
-        return max(1, math.ceil(total * ESTIMATE_FACTOR / (1 << 20)))
+        return max(1, math.ceil(total * cls.estimate_factor / (1 << 20)))
 
     # ---- lifecycle ------------------------------------------------------
 
@@ -74,10 +77,8 @@ class Engine(ABC):
     def load(self) -> None: ...
 
     def warmup(self) -> None:
-        """One call with zeros when the config declares every input shape (variable axes = 1)."""
-        if not self.spec.config.warmup:
-            return
-        inputs = zeros_for(self.spec.config.inputs)
+        """One call with the config's `warmup_inputs` (.npz), else zeros from the declared inputs."""
+        inputs = warmup_inputs(self.spec)
         if inputs is not None:
             self.infer(inputs)
 
@@ -86,6 +87,21 @@ class Engine(ABC):
 
     @abstractmethod
     def unload(self) -> None: ...
+
+
+def warmup_inputs(spec: ModelSpec) -> dict[str, np.ndarray] | None:
+    """The warm-up request: `warmup_inputs` (an .npz in the model folder) or generated zeros."""
+    config = spec.config
+    if not config.warmup:
+        return None
+    if config.warmup_inputs:
+        path = spec.path(config.warmup_inputs)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return {name: np.asarray(data[name]) for name in data.files}
+        except (OSError, ValueError) as error:
+            raise ModelConfigError(f"model '{spec.model_id}': warmup_inputs {path}: {error}") from None
+    return zeros_for(config.inputs)
 
 
 def _to_numpy(value: Any) -> np.ndarray:
@@ -101,9 +117,7 @@ def _to_numpy(value: Any) -> np.ndarray:
 def outputs_to_numpy(model_id: str, outputs: Any) -> dict[str, np.ndarray]:
     """A model's outputs as `dict[str, ndarray]`; anything else is the model's bug (ValueError)."""
     if not isinstance(outputs, Mapping):
-        raise ValueError(
-            f"model '{model_id}' returned {type(outputs).__name__}, expected a dict of tensors"
-        )
+        raise ValueError(f"model '{model_id}' returned {type(outputs).__name__}, expected a dict of tensors")
     result: dict[str, np.ndarray] = {}
     for key, value in outputs.items():
         if not isinstance(key, str) or not key:

@@ -111,7 +111,9 @@ class TorchEngine(Engine):
         pinned.copy_(host)
         return pinned.to(self._device, non_blocking=True)
 
-    def _arguments(self, inputs: Mapping[str, np.ndarray]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    def _arguments(
+        self, inputs: Mapping[str, np.ndarray]
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         if self._input_order:
             return [self._tensor(name, inputs[name]) for name in self._input_order], {}
         if len(inputs) == 1:

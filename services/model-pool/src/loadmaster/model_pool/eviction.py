@@ -1,0 +1,152 @@
+"""Eviction policy over plain values: which resident model makes room, and which are idle too long.
+
+    choice = choose_victim(residents, incoming=Incoming(model_id, priority, gpus), now=clock.monotonic())
+    choice.victim      the model to unload next (None when nothing may go now)
+    choice.waiting     models that could go later (requests in flight, or loaded < min_resident_s ago)
+    choice.refused     model -> why it never goes for this load (pinned, higher priority)
+
+Rules, in order: only READY models; never a pinned one; never one with a request in
+flight; never one whose priority is above the incoming model's; never one loaded less
+than its `min_resident_s` ago (anti-thrash). Among the rest: lowest priority first,
+then least recently used, then the larger model. The pool evicts one victim at a time
+and tries its lease again, until the lease fits.
+
+`idle_models` / `next_idle_deadline` implement `keep_alive_s`. Pure functions, no clock
+of their own: `now` is the pool's monotonic time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "EvictionChoice",
+    "EvictionCounters",
+    "Incoming",
+    "Resident",
+    "choose_victim",
+    "idle_models",
+    "next_idle_deadline",
+    "no_room_message",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Resident:
+    """A model this worker holds READY, as the policy sees it."""
+
+    model_id: str
+    vram_mb: int
+    priority: int
+    pinned: bool
+    inflight: int
+    last_used: float  # monotonic seconds of the last finished request (or of the load)
+    loaded_at: float  # monotonic seconds when it became READY
+    gpus: tuple[int, ...] = ()
+    min_resident_s: float = 0.0
+    keep_alive_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    model_id: str
+    priority: int
+    gpus: tuple[int, ...] = ()  # the GPUs it must go on; () = any
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionChoice:
+    victim: str | None
+    waiting: tuple[str, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def worth_waiting(self) -> bool:
+        return self.victim is None and bool(self.waiting)
+
+
+def choose_victim(residents: Iterable[Resident], *, incoming: Incoming, now: float) -> EvictionChoice:
+    eligible: list[Resident] = []
+    waiting: list[str] = []
+    refused: dict[str, str] = {}
+    for r in residents:
+        if r.model_id == incoming.model_id:
+            continue
+        if incoming.gpus and r.gpus and not set(r.gpus) & set(incoming.gpus):
+            continue  # frees nothing where the incoming model goes
+        if r.pinned:
+            refused[r.model_id] = "pinned"
+        elif r.priority > incoming.priority:
+            refused[r.model_id] = f"priority {r.priority} > {incoming.priority}"
+        elif r.inflight > 0 or now - r.loaded_at < r.min_resident_s:
+            waiting.append(r.model_id)
+        else:
+            eligible.append(r)
+    eligible.sort(key=lambda r: (r.priority, r.last_used, -r.vram_mb, r.model_id))
+    victim = eligible[0].model_id if eligible else None
+    return EvictionChoice(victim=victim, waiting=tuple(sorted(waiting)), refused=refused)
+
+
+def no_room_message(model_id: str, mb: int, choice: EvictionChoice, residents: Sequence[Resident]) -> str:
+    """The error for a load that cannot get room, naming what holds the memory and why it stays."""
+    reasons = [f"{m} ({why})" for m, why in sorted(choice.refused.items())]
+    busy = {r.model_id: r for r in residents}
+    for m in choice.waiting:
+        r = busy.get(m)
+        reasons.append(f"{m} ({'busy' if r is not None and r.inflight else 'recently loaded'})")
+    held = ", ".join(reasons) if reasons else "no evictable model"
+    return f"no GPU memory for model '{model_id}' ({mb} MB) and nothing can be evicted: {held}"
+
+
+def idle_models(residents: Iterable[Resident], *, now: float) -> list[str]:
+    """READY models idle for at least their `keep_alive_s` (never pinned, never busy)."""
+    return sorted(
+        r.model_id
+        for r in residents
+        if r.keep_alive_s is not None
+        and not r.pinned
+        and r.inflight == 0
+        and now - r.last_used >= r.keep_alive_s
+    )
+
+
+def next_idle_deadline(residents: Iterable[Resident]) -> float | None:
+    """When the next idle model reaches its keep-alive (monotonic), if any could."""
+    deadlines = [
+        r.last_used + r.keep_alive_s
+        for r in residents
+        if r.keep_alive_s is not None and not r.pinned and r.inflight == 0
+    ]
+    return min(deadlines) if deadlines else None
+
+
+@dataclass(slots=True)
+class EvictionCounters:
+    """Evictions by (model, reason) and reloads (loads of a model evicted before)."""
+
+    evictions: dict[tuple[str, str], int] = field(default_factory=dict)
+    reloads: dict[str, int] = field(default_factory=dict)
+    _evicted: set[str] = field(default_factory=set)
+
+    def evicted(self, model_id: str, reason: str) -> None:
+        key = (model_id, reason)
+        self.evictions[key] = self.evictions.get(key, 0) + 1
+        self._evicted.add(model_id)
+
+    def loaded(self, model_id: str) -> bool:
+        """Count a load; True when it is a reload of an evicted model."""
+        if model_id in self._evicted:
+            self._evicted.discard(model_id)
+            self.reloads[model_id] = self.reloads.get(model_id, 0) + 1
+            return True
+        return False
+
+    def of(self, model_id: str) -> int:
+        return sum(count for (m, _), count in self.evictions.items() if m == model_id)
+
+    def by_reason(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (_, reason), count in self.evictions.items():
+            out[reason] = out.get(reason, 0) + count
+        return out

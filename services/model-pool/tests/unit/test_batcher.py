@@ -1,0 +1,215 @@
+"""Dynamic batching: stacking, splitting, queue delay on a fake clock, per-request errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadmaster.common.clock import FakeClock
+from loadmaster.common.config import ModelSettings
+from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumentError
+from loadmaster.model_pool.batcher import (
+    Batcher,
+    BatchPolicy,
+    Instance,
+    batch_policy,
+    rows,
+    signature,
+    split,
+    stack,
+    take_batch,
+)
+from loadmaster.model_pool.engines.base import Engine, EngineContext
+from loadmaster.model_pool.repository import ModelSpec, parse_config
+
+
+class Doubler(Engine):
+    """Test double: x * 2, records the rows of each call; refuses any input holding -1."""
+
+    backend = "python"
+
+    def __init__(self, spec: ModelSpec, context: EngineContext) -> None:
+        super().__init__(spec, context)
+        self.calls: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    @classmethod
+    def artifact_files(cls, spec: ModelSpec) -> Iterable[Path]:
+        return []
+
+    def load(self) -> None:
+        pass
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.gate.wait(5)
+        x = inputs["x"]
+        self.calls.append(int(x.shape[0]))
+        if (x == -1).any():
+            raise ValueError("poisoned row")
+        return {"y": x * 2}
+
+    def unload(self) -> None:
+        pass
+
+
+def _spec() -> ModelSpec:
+    return parse_config("m", Path("."), {"backend": "python", "class": "M"})
+
+
+@pytest.fixture
+def engine() -> Doubler:
+    return Doubler(_spec(), EngineContext(device="cpu"))
+
+
+def make(
+    engine: Doubler, policy: BatchPolicy, clock: FakeClock, sizes: list[int]
+) -> tuple[Batcher, ThreadPoolExecutor]:
+    executor = ThreadPoolExecutor(max_workers=1)
+    batcher = Batcher(
+        "m",
+        policy,
+        instances=[Instance(engine=engine, executor=executor)],
+        clock=clock,
+        on_batch=lambda size, ms: sizes.append(size),
+    )
+    batcher.start()
+    return batcher, executor
+
+
+def x(*values: float) -> dict[str, np.ndarray]:
+    return {"x": np.array([[v] for v in values], dtype=np.float32)}
+
+
+def test_stack_split_rows_signature() -> None:
+    a, b = x(1), x(2, 3)
+    stacked = stack([a, b])
+    assert stacked["x"].shape == (3, 1)
+    parts = split({"y": stacked["x"] * 2}, [1, 2])
+    assert [p["y"].ravel().tolist() for p in parts] == [[2.0], [4.0, 6.0]]
+    assert rows(b) == 2
+    assert rows({"a": np.zeros((2, 1)), "b": np.zeros((3, 1))}) is None
+    assert rows({"s": np.zeros(())}) is None
+    assert signature(a) == signature(b)
+    assert signature(a) != signature({"x": np.zeros((1, 2), dtype=np.float32)})
+    with pytest.raises(ValueError, match="expected 3 rows"):
+        split({"y": np.zeros((1,))}, [1, 2])
+
+
+def test_take_batch_stops_at_max_rows_and_at_an_incompatible_request() -> None:
+    assert take_batch([1, 1, 1], ["s", "s", "s"], max_rows=2) == 2
+    assert take_batch([1, 2, 1], ["s", "s", "s"], max_rows=4) == 3
+    assert take_batch([1, 1, 1], ["s", "t", "s"], max_rows=8) == 1
+    assert take_batch([], [], max_rows=8) == 0
+
+
+def test_policy_from_config_and_overrides() -> None:
+    config = parse_config(
+        "m",
+        Path("."),
+        {"backend": "python", "class": "M", "max_batch_size": 4, "preferred_batch_sizes": [4, 2]},
+    ).config
+    assert batch_policy(config, ModelSettings()) == BatchPolicy(4, 0.0, (2, 4))
+    assert batch_policy(config, ModelSettings(max_batch_size=16, max_queue_delay_ms=3)) == BatchPolicy(
+        16, 3.0, (2, 4)
+    )
+    assert batch_policy(config, ModelSettings(max_batch_size=1)).batching is False
+
+
+async def test_concurrent_requests_are_stacked_and_split_back(engine: Doubler) -> None:
+    clock, sizes = FakeClock(), []
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
+    engine.gate.clear()  # the first request holds the instance while the others queue
+    first = batcher.submit(x(0), deadline_unix_ns=0, received=clock.monotonic())
+    await asyncio.sleep(0.05)
+    rest = [
+        batcher.submit(x(i, i + 0.5), deadline_unix_ns=0, received=clock.monotonic()) for i in range(1, 4)
+    ]
+    engine.gate.set()
+    results = await asyncio.gather(first, *rest)
+    assert engine.calls == [1, 6]  # one alone, then three requests of two rows in one call
+    assert sizes == [1, 3]
+    for i, (outputs, timing) in enumerate(results[1:], start=1):
+        assert outputs["y"].ravel().tolist() == [2 * i, 2 * i + 1]
+        assert timing.batch_size == 3
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_queue_delay_waits_for_company_on_the_clock(engine: Doubler) -> None:
+    clock, sizes = FakeClock(), []
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=4, max_queue_delay_ms=50), clock, sizes)
+    one = batcher.submit(x(1), deadline_unix_ns=0, received=clock.monotonic())
+    await asyncio.sleep(0.05)
+    assert engine.calls == []  # waiting for the delay to pass
+    two = batcher.submit(x(2), deadline_unix_ns=0, received=clock.monotonic())
+    await asyncio.sleep(0.05)
+    assert engine.calls == []
+    clock.advance(0.05)
+    await asyncio.gather(one, two)
+    assert engine.calls == [2]
+    # A full batch does not wait.
+    full = [batcher.submit(x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(4)]
+    await asyncio.gather(*full)
+    assert engine.calls == [2, 4]
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_preferred_size_goes_without_waiting(engine: Doubler) -> None:
+    clock, sizes = FakeClock(), []
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_ms=1000, preferred_batch_sizes=(2,))
+    batcher, executor = make(engine, policy, clock, sizes)
+    pair = [batcher.submit(x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(2)]
+    await asyncio.gather(*pair)  # never advanced the clock
+    assert engine.calls == [2]
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_errors_stay_per_request(engine: Doubler) -> None:
+    clock, sizes = FakeClock(), []
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
+    engine.gate.clear()
+    blocker = batcher.submit(x(0), deadline_unix_ns=0, received=clock.monotonic())
+    await asyncio.sleep(0.05)
+    good = batcher.submit(x(1), deadline_unix_ns=0, received=clock.monotonic())
+    bad = batcher.submit(x(-1), deadline_unix_ns=0, received=clock.monotonic())
+    expired = batcher.submit(x(3), deadline_unix_ns=int(clock.time() * 1e9) - 1, received=clock.monotonic())
+    engine.gate.set()
+    await blocker
+    assert (await good)[0]["y"].ravel().tolist() == [2.0]
+    with pytest.raises(InternalError, match="poisoned row"):
+        await bad
+    with pytest.raises(ExpiredError):
+        await expired
+    assert engine.calls == [1, 2, 1, 1]  # the failed pair ran again one by one
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_unstackable_requests_are_refused_by_name(engine: Doubler) -> None:
+    clock = FakeClock()
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=2), clock, [])
+    with pytest.raises(InvalidArgumentError, match=r"1\.\.2"):
+        await batcher.submit(x(1, 2, 3), deadline_unix_ns=0, received=clock.monotonic())
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_unbatched_models_run_one_at_a_time_in_order(engine: Doubler) -> None:
+    clock = FakeClock()
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, [])
+    results = await asyncio.gather(
+        *(batcher.submit(x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(5))
+    )
+    assert engine.calls == [1] * 5
+    assert [r[0]["y"].item() for r in results] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    await batcher.close()
+    executor.shutdown()

@@ -1,0 +1,115 @@
+"""The eviction policy over plain values, with a fake clock's `now`."""
+
+from __future__ import annotations
+
+from loadmaster.common.clock import FakeClock
+from loadmaster.model_pool.eviction import (
+    EvictionCounters,
+    Incoming,
+    Resident,
+    choose_victim,
+    idle_models,
+    next_idle_deadline,
+    no_room_message,
+)
+
+
+def resident(model_id: str, **fields: object) -> Resident:
+    values: dict[str, object] = {
+        "vram_mb": 400,
+        "priority": 1,
+        "pinned": False,
+        "inflight": 0,
+        "last_used": 900.0,
+        "loaded_at": 800.0,
+    }
+    values.update(fields)
+    return Resident(model_id=model_id, **values)  # type: ignore[arg-type]
+
+
+def test_lowest_priority_first_then_least_recently_used() -> None:
+    clock = FakeClock()
+    residents = [
+        resident("a", priority=1, last_used=950.0),
+        resident("b", priority=0, last_used=990.0),
+        resident("c", priority=0, last_used=960.0),
+        resident("d", priority=1, last_used=910.0),
+    ]
+    incoming = Incoming("x", priority=1)
+    assert choose_victim(residents, incoming=incoming, now=clock.monotonic()).victim == "c"
+    rest = [r for r in residents if r.model_id != "c"]
+    assert choose_victim(rest, incoming=incoming, now=clock.monotonic()).victim == "b"
+    rest = [r for r in rest if r.model_id != "b"]
+    assert choose_victim(rest, incoming=incoming, now=clock.monotonic()).victim == "d"
+
+
+def test_never_pinned_busy_or_higher_priority() -> None:
+    residents = [
+        resident("pinned", pinned=True, priority=0, last_used=0.0),
+        resident("busy", inflight=2, priority=0, last_used=0.0),
+        resident("important", priority=5, last_used=0.0),
+    ]
+    choice = choose_victim(residents, incoming=Incoming("x", priority=1), now=1000.0)
+    assert choice.victim is None
+    assert choice.waiting == ("busy",)
+    assert choice.refused == {"pinned": "pinned", "important": "priority 5 > 1"}
+    assert choice.worth_waiting
+    message = no_room_message("x", 400, choice, residents)
+    assert (
+        "pinned (pinned)" in message and "busy (busy)" in message and "important (priority 5 > 1)" in message
+    )
+
+
+def test_only_pinned_left_is_not_worth_waiting() -> None:
+    choice = choose_victim([resident("p", pinned=True)], incoming=Incoming("x", priority=9), now=1000.0)
+    assert choice.victim is None and not choice.worth_waiting
+    assert "nothing can be evicted" in no_room_message("x", 10, choice, [])
+
+
+def test_min_resident_anti_thrash() -> None:
+    clock = FakeClock(start=1000.0)
+    young = resident("young", loaded_at=999.5, last_used=999.5, min_resident_s=2.0)
+    choice = choose_victim([young], incoming=Incoming("x", priority=1), now=clock.monotonic())
+    assert choice.victim is None and choice.waiting == ("young",)
+    clock.advance(1.5)
+    assert choose_victim([young], incoming=Incoming("x", priority=1), now=clock.monotonic()).victim == "young"
+
+
+def test_gpu_scoped_loads_only_evict_models_on_those_gpus() -> None:
+    residents = [resident("gpu0", gpus=(0,), last_used=1.0), resident("gpu1", gpus=(1,), last_used=2.0)]
+    assert choose_victim(residents, incoming=Incoming("x", 1, gpus=(1,)), now=1000.0).victim == "gpu1"
+    assert choose_victim(residents, incoming=Incoming("x", 1), now=1000.0).victim == "gpu0"
+
+
+def test_the_incoming_model_is_never_its_own_victim() -> None:
+    assert choose_victim([resident("x")], incoming=Incoming("x", 1), now=1000.0).victim is None
+
+
+def test_keep_alive() -> None:
+    clock = FakeClock(start=1000.0)
+    residents = [
+        resident("idle", keep_alive_s=30.0, last_used=1000.0),
+        resident("forever", keep_alive_s=None, last_used=0.0),
+        resident("pinned", keep_alive_s=1.0, pinned=True, last_used=0.0),
+        resident("busy", keep_alive_s=1.0, inflight=1, last_used=0.0),
+    ]
+    assert idle_models(residents, now=clock.monotonic()) == []
+    assert next_idle_deadline(residents) == 1030.0
+    clock.advance(29.9)
+    assert idle_models(residents, now=clock.monotonic()) == []
+    clock.advance(0.1)
+    assert idle_models(residents, now=clock.monotonic()) == ["idle"]
+    assert next_idle_deadline([r for r in residents if r.model_id != "idle"]) is None
+
+
+def test_counters_count_evictions_by_reason_and_reloads() -> None:
+    counters = EvictionCounters()
+    assert counters.loaded("a") is False
+    counters.evicted("a", "capacity")
+    counters.evicted("a", "idle")
+    counters.evicted("b", "capacity")
+    assert counters.loaded("a") is True
+    assert counters.loaded("a") is False  # a second load without eviction is not a reload
+    assert counters.of("a") == 2
+    assert counters.by_reason() == {"capacity": 2, "idle": 1}
+    assert counters.reloads == {"a": 1}
