@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+from collections.abc import Iterator
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import LoadmasterError, UnavailableError
@@ -74,6 +75,7 @@ class LeaseEventHub:
         self._clock = clock
         self._max_pending = max_pending
         self._watchers: set[Watcher] = set()
+        self._wakers: set[asyncio.Event] = set()
         self._subscription: EventSubscription | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -104,6 +106,17 @@ class LeaseEventHub:
 
     def forget(self, watcher: Watcher) -> None:
         self._watchers.discard(watcher)
+
+    @contextlib.contextmanager
+    def wakeups(self) -> Iterator[asyncio.Event]:
+        """An event set on every lease event from any replica (memory may have been freed,
+        or a waiter ahead was granted). Waiting acquires clear it, re-check, and wait on it."""
+        wake = asyncio.Event()
+        self._wakers.add(wake)
+        try:
+            yield wake
+        finally:
+            self._wakers.discard(wake)
 
     async def _connect(self) -> bool:
         try:
@@ -138,6 +151,8 @@ class LeaseEventHub:
                 if event is not None:
                     for watcher in list(self._watchers):
                         watcher.push(event)
+                    for wake in self._wakers:
+                        wake.set()
             except asyncio.CancelledError:
                 raise
             except Exception as error:

@@ -14,7 +14,7 @@ Placement rules:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import groupby
 
@@ -29,7 +29,9 @@ __all__ = [
     "Placement",
     "PlacementRequest",
     "best_fit",
+    "can_ever_fit",
     "candidate_gpus",
+    "describe_capacity",
     "describe_free",
     "plan_placement",
     "split_proportional",
@@ -106,6 +108,8 @@ class AcquireRequest:
     placement: PlacementRequest
     ttl_s: float = 0.0  # 0 = the broker's default
     labels: Mapping[str, str] = field(default_factory=dict)
+    wait_s: float = 0.0  # > 0: wait up to this long for memory instead of failing at once
+    priority: int = 0  # 0..999, higher first among waiting requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,3 +200,24 @@ def describe_free(gpus: Sequence[GpuState], *, limit: int = 32) -> str:
     if len(gpus) > limit:
         parts.append(f"… {len(gpus) - limit} more")
     return ", ".join(parts)
+
+
+def can_ever_fit(gpus: Iterable[GpuState], request: PlacementRequest) -> bool:
+    """Whether `request` would fit if no lease were held and nothing used memory outside leases."""
+    empty = [replace(g, leased_mb=0, used_outside_mb=0) for g in gpus]
+    return plan_placement(empty, request) is not None
+
+
+def describe_capacity(gpus: Sequence[GpuState], request: PlacementRequest) -> str:
+    """The most `request` could get with no leases held: `"6000 MB (node a, GPU 1)"`."""
+    gpus = [replace(g, leased_mb=0, used_outside_mb=0) for g in gpus]
+    if not gpus:
+        return "0 MB (no GPUs)"
+    if request.allow_split:
+        per_node: dict[str, int] = {}
+        for g in gpus:
+            per_node[g.node] = per_node.get(g.node, 0) + g.capacity_mb
+        node, mb = max(per_node.items(), key=lambda item: (item[1], item[0]))
+        return f"{mb} MB (split across node {node!r})"
+    top = max(gpus, key=lambda g: (g.capacity_mb, g.node, -g.index))
+    return f"{top.capacity_mb} MB (node {top.node!r}, GPU {top.index})"

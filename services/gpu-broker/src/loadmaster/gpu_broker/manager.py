@@ -5,6 +5,8 @@ into results or `LoadmasterError`s. It keeps no state of its own: Redis is the t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -20,23 +22,46 @@ from loadmaster.common.errors import (
     UnavailableError,
 )
 from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.gpu_broker.events import LeaseEventHub
 from loadmaster.gpu_broker.leases import (
     AcquireRequest,
     GpuState,
     Lease,
     PlacementRequest,
+    can_ever_fit,
     candidate_gpus,
+    describe_capacity,
     describe_free,
     plan_placement,
 )
-from loadmaster.gpu_broker.scripts import REAP_BATCH
-from loadmaster.gpu_broker.store import ChangeStatus, Granted, RedisLeaseStore, RequestReused, Snapshot
+from loadmaster.gpu_broker.scripts import MAX_PRIORITY, REAP_BATCH
+from loadmaster.gpu_broker.store import (
+    Blocked,
+    ChangeStatus,
+    Granted,
+    RedisLeaseStore,
+    RequestReused,
+    Snapshot,
+)
 
-__all__ = ["MAX_PLACEMENT_ATTEMPTS", "MAX_TTL_S", "LeaseManager"]
+__all__ = [
+    "MAX_PLACEMENT_ATTEMPTS",
+    "MAX_TTL_S",
+    "MAX_WAIT_S",
+    "WAITER_RECORD_S",
+    "WAITER_REFRESH_S",
+    "LeaseManager",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_TTL_S = 24 * 3600.0
+MAX_WAIT_S = 3600.0
+# A waiting acquire re-checks at least this often (besides on every lease event), refreshing
+# its waiter record, which lapses WAITER_RECORD_S after the last refresh: the waiters of a
+# replica that crashed stop blocking the queue within seconds.
+WAITER_REFRESH_S = 2.0
+WAITER_RECORD_S = 3 * WAITER_REFRESH_S
 # A plan loses its race when another grant took the memory between snapshot and commit;
 # each loss returns a fresh snapshot. Past this many losses the caller is told to retry.
 MAX_PLACEMENT_ATTEMPTS = 8
@@ -55,8 +80,10 @@ class LeaseManager:
         default_ttl_s: float,
         default_reserve_mb: int,
         telemetry: TelemetryReporter | None = None,
+        hub: LeaseEventHub | None = None,
     ) -> None:
         self._store = store
+        self._hub = hub
         self._clock = clock
         self._default_ttl_s = default_ttl_s
         self._default_reserve_mb = default_reserve_mb
@@ -90,29 +117,83 @@ class LeaseManager:
         return await self._store.register_node(node, spec, now_ms=self.now_ms())
 
     async def acquire(self, request: AcquireRequest) -> Lease:
+        """Grant `request`, or raise. With `wait_s` > 0 a request that does not fit (or has
+        waiting requests ahead of it) queues in Redis and is re-tried on every lease event
+        until it is granted or `wait_s` passes; one that could never fit fails at once."""
         _check_acquire(request)
         started = self._clock.monotonic()
         ttl_ms = self._ttl_ms(request.ttl_s)
         lease_id = uuid.uuid4().hex
+        if request.wait_s <= 0:
+            result = await self._attempt(request, lease_id=lease_id, ttl_ms=ttl_ms, queue_ttl_ms=0)
+            if isinstance(result, LoadmasterError):
+                raise result
+            self._granted(request, result, started)
+            return result.lease
+        deadline = started + request.wait_s
+        queued = False
+        wakeups = self._hub.wakeups() if self._hub is not None else contextlib.nullcontext(asyncio.Event())
+        try:
+            with wakeups as wake:
+                while True:
+                    wake.clear()
+                    queue_ttl_ms = round(WAITER_RECORD_S * 1000) if queued else 0
+                    result = await self._attempt(
+                        request, lease_id=lease_id, ttl_ms=ttl_ms, queue_ttl_ms=queue_ttl_ms
+                    )
+                    if isinstance(result, Granted):
+                        queued = False  # the grant removed the waiter record
+                        self._granted(request, result, started)
+                        return result.lease
+                    remaining = deadline - self._clock.monotonic()
+                    if remaining <= 0:
+                        raise ResourceExhaustedError(
+                            f"waited {request.wait_s:g} s without a grant: {result.message}"
+                        )
+                    if not queued:
+                        queued = True  # queue now, and re-check at once (nothing is missed)
+                        continue
+                    await self._wait(wake, min(remaining, WAITER_REFRESH_S))
+        finally:
+            if queued:
+                await self._leave_queue(lease_id)
+
+    async def _attempt(
+        self, request: AcquireRequest, *, lease_id: str, ttl_ms: int, queue_ttl_ms: int
+    ) -> Granted | ResourceExhaustedError:
+        """One snapshot -> plan -> commit round. Returns the grant, or the error a request that
+        does not wait gets; raises for errors that waiting cannot cure."""
         outcome = await self._store.acquire(
-            request, now_ms=self.now_ms(), lease_id=lease_id, ttl_ms=ttl_ms, placement=None
+            request,
+            now_ms=self.now_ms(),
+            lease_id=lease_id,
+            ttl_ms=ttl_ms,
+            placement=None,
+            queue_ttl_ms=queue_ttl_ms,
+            best_fit=True,  # the common case is granted in this one call
         )
         attempts = 0
         while True:
             self._count_expirations(outcome.reaped)
             if isinstance(outcome, Granted):
-                if outcome.replayed:
-                    log.info(
-                        "acquire %s replayed: lease %s", request.client_request_id, outcome.lease.lease_id
-                    )
-                else:
-                    self._record("grant_latency_ms", (self._clock.monotonic() - started) * 1000)
-                return outcome.lease
+                return outcome
+            if isinstance(outcome, Blocked):
+                return ResourceExhaustedError(
+                    f"{outcome.ahead} waiting request(s) of equal or higher priority come first "
+                    f"for {_where(request.placement)}"
+                )
             if not isinstance(outcome, Snapshot):
                 raise _reused_error(request, outcome)
             placement = plan_placement(outcome.gpus, request.placement)
             if placement is None:
-                raise ResourceExhaustedError(_exhausted_message(outcome.gpus, request.placement))
+                if not can_ever_fit(outcome.gpus, request.placement):
+                    raise ResourceExhaustedError(
+                        f"{request.placement.mb} MB can never fit on {_where(request.placement)}: "
+                        f"even with no leases the most it could get is "
+                        f"{describe_capacity(candidate_gpus(outcome.gpus, request.placement), request.placement)}; "
+                        f"free now per GPU: {describe_free(candidate_gpus(outcome.gpus, request.placement))}"
+                    )
+                return ResourceExhaustedError(_exhausted_message(outcome.gpus, request.placement))
             if attempts == MAX_PLACEMENT_ATTEMPTS:
                 raise UnavailableError(
                     f"could not place {request.placement.mb} MB: concurrent grants took the memory "
@@ -120,8 +201,40 @@ class LeaseManager:
                 )
             attempts += 1
             outcome = await self._store.acquire(
-                request, now_ms=self.now_ms(), lease_id=lease_id, ttl_ms=ttl_ms, placement=placement
+                request,
+                now_ms=self.now_ms(),
+                lease_id=lease_id,
+                ttl_ms=ttl_ms,
+                placement=placement,
+                queue_ttl_ms=queue_ttl_ms,
             )
+
+    def _granted(self, request: AcquireRequest, outcome: Granted, started: float) -> None:
+        if outcome.replayed:
+            log.info("acquire %s replayed: lease %s", request.client_request_id, outcome.lease.lease_id)
+        else:
+            self._record("grant_latency_ms", (self._clock.monotonic() - started) * 1000)
+
+    async def _wait(self, wake: asyncio.Event, timeout_s: float) -> None:
+        """Until a lease event arrives or `timeout_s` passes on the injected clock."""
+        waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(self._clock.sleep(timeout_s))]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waiters:
+                task.cancel()
+
+    async def _leave_queue(self, waiter: str) -> None:
+        try:
+            await self._store.leave_queue(waiter, now_ms=self.now_ms())
+        except LoadmasterError as error:  # the record lapses by itself
+            log.warning("could not dequeue waiting acquire %s: %s", waiter, error.message)
+
+    async def waiting(self) -> int:
+        return await self._store.waiting()
+
+    async def set_outside(self, node: str, outside_mb: dict[int, int]) -> int:
+        return await self._store.set_outside(node, outside_mb, now_ms=self.now_ms())
 
     async def renew(self, lease_id: str, *, fencing_token: int, ttl_s: float = 0.0) -> Lease:
         _check_lease_ref(lease_id, fencing_token)
@@ -208,6 +321,12 @@ def _check_acquire(request: AcquireRequest) -> None:
         _check_name("node", wanted.node)
     elif wanted.gpus:
         raise InvalidArgumentError("gpus are indexes on one node: give node as well")
+    if math.isnan(request.wait_s) or not 0 <= request.wait_s <= MAX_WAIT_S:
+        raise InvalidArgumentError(
+            f"wait_s must be between 0 (no wait) and {MAX_WAIT_S:.0f}, got {request.wait_s}"
+        )
+    if not 0 <= request.priority <= MAX_PRIORITY:
+        raise InvalidArgumentError(f"priority must be between 0 and {MAX_PRIORITY}, got {request.priority}")
     if sum(len(k) + len(v) for k, v in request.labels.items()) > _MAX_LABELS_BYTES:
         raise InvalidArgumentError(f"labels are larger than {_MAX_LABELS_BYTES} bytes")
 
@@ -232,12 +351,16 @@ def _check_lease_ref(lease_id: str, fencing_token: int) -> None:
         raise InvalidArgumentError("fencing_token is required (the token Acquire returned)")
 
 
-def _exhausted_message(gpus: Sequence[GpuState], wanted: PlacementRequest) -> str:
+def _where(wanted: PlacementRequest) -> str:
     where = f"node {wanted.node!r}" if wanted.node else "any node"
     if wanted.gpus:
         where += f" GPU {', '.join(map(str, sorted(set(wanted.gpus))))}"
+    return where
+
+
+def _exhausted_message(gpus: Sequence[GpuState], wanted: PlacementRequest) -> str:
     split = ", split allowed" if wanted.allow_split else ""
     return (
-        f"cannot fit {wanted.mb} MB on {where}{split}; "
+        f"cannot fit {wanted.mb} MB on {_where(wanted)}{split}; "
         f"free per GPU: {describe_free(candidate_gpus(gpus, wanted))}"
     )

@@ -1,5 +1,6 @@
-"""The broker's background loop: register the local inventory (until it succeeds), reap
-expired leases, and report per-GPU gauges. Every replica runs one; the reap script makes
+"""The broker's background loop: register the local inventory (until it succeeds), record
+memory used outside leases from NVML (when this host has GPUs), reap expired leases, and
+report per-GPU gauges and the number of waiting acquires. Every replica runs one; the reap script makes
 concurrent reaping safe. A step that fails is logged and the loop goes on.
 """
 
@@ -10,16 +11,31 @@ import contextlib
 import logging
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gpu_broker.leases import GpuState
 from loadmaster.gpu_broker.manager import LeaseManager
+from loadmaster.gpu_broker.nvml import NvmlSampler, proc_ancestors
+from loadmaster.gpu_broker.reconcile import outside_per_gpu
 
-__all__ = ["Reaper"]
+__all__ = ["LocalGpus", "Reaper"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalGpus:
+    """This host's GPUs, sampled through NVML each step to record memory used outside leases.
+
+    `horizon_s` must exceed the step interval (see `reconcile.py`)."""
+
+    node: str
+    sampler: NvmlSampler
+    reserve_mb: int
+    horizon_s: float = 3.0
 
 
 class Reaper:
@@ -33,7 +49,9 @@ class Reaper:
         interval_s: float = 1.0,
         slow_step_s: float = 0.5,
         rng: random.Random | None = None,
+        local_gpus: LocalGpus | None = None,
     ) -> None:
+        self._local_gpus = local_gpus
         self._manager = manager
         self._clock = clock
         self._unregistered = dict(inventory)
@@ -61,6 +79,8 @@ class Reaper:
             registered = await self._manager.register_node(node, gpus)
             del self._unregistered[node]
             log.info("registered node %s: %d GPU(s)", node, len(registered))
+        if self._local_gpus is not None:  # before reaping: a dead holder's bytes stay unavailable
+            await self._reconcile(self._local_gpus)
         reaped = await self._manager.reap()
         if reaped:
             log.info("reaped %d expired lease(s)", reaped)
@@ -69,7 +89,23 @@ class Reaper:
                 labels = {"node": gpu.node, "gpu": str(gpu.index)}
                 self._telemetry.record("lease_mb", gpu.leased_mb, labels)
                 self._telemetry.record("free_mb", gpu.free_mb, labels)
+                self._telemetry.record("outside_mb", gpu.used_outside_mb, labels)
+            self._telemetry.record("waiters", await self._manager.waiting())
         return reaped
+
+    async def _reconcile(self, local: LocalGpus) -> None:
+        samples = await asyncio.to_thread(local.sampler.sample)
+        leases = await self._manager.leases(node=local.node)
+        outside = outside_per_gpu(
+            samples,
+            leases=leases,
+            node=local.node,
+            reserve_mb={s.index: local.reserve_mb for s in samples},
+            now_ms=self._manager.now_ms(),
+            horizon_ms=round(local.horizon_s * 1000),
+            ancestors=proc_ancestors,
+        )
+        await self._manager.set_outside(local.node, outside)
 
     async def _guarded_step(self) -> None:
         started = self._clock.monotonic()

@@ -17,8 +17,18 @@ Cluster needs a hash-tagged prefix such as `{loadmaster:gpu}` to keep them in on
     <prefix>:lease:<id>             hash id holder node alloc labels created_ms expires_ms token
                                     (alloc = "index=mb,index=mb"; labels = JSON object)
     <prefix>:request:<...>          hash lease fingerprint, with a TTL (idempotency record)
+    <prefix>:waiters                sorted set: waiting Acquire id -> (999 - priority) * 1e12 + arrival
+    <prefix>:waiter_expiry          sorted set: waiting Acquire id -> when its record lapses (ms)
+    <prefix>:waiter_scope           hash: waiting Acquire id -> its node scope ('' = any node)
+    <prefix>:waiter_seq             arrival counter of waiting Acquires (INCR)
 
 Invariant kept by ACQUIRE, per GPU: leased_mb + used_outside_mb <= total_mb - reserve_mb.
+Waiting Acquires (wait_s > 0) queue in <prefix>:waiters: an Acquire is granted only when no
+waiter ahead of it (higher priority, or equal priority and earlier) has an overlapping node
+scope, so waiting requests are served in priority then FIFO order by every replica. A waiter
+record lapses unless the replica that waits for it refreshes it (a crashed replica's waiters
+vanish within seconds).
+
 A lease is live while expires_ms > now; expired leases count as leased until a script
 reaps them (ACQUIRE and REGISTER reap first, RENEW/RELEASE reap the lease they touch,
 REAP reaps in batches). Each reaped or changed lease is published on the channel as
@@ -31,16 +41,21 @@ from __future__ import annotations
 __all__ = [
     "ACQUIRE_SCRIPT",
     "INVENTORY_SCRIPT",
+    "LEAVE_QUEUE_SCRIPT",
     "LIST_LEASES_SCRIPT",
+    "MAX_PRIORITY",
     "REAP_BATCH",
     "REAP_SCRIPT",
     "REGISTER_SCRIPT",
     "RELEASE_SCRIPT",
     "RENEW_SCRIPT",
+    "SET_OUTSIDE_SCRIPT",
 ]
 
 # How many expired leases a script reclaims per call (bounds the time one script holds Redis).
 REAP_BATCH = 500
+# Priorities are 0..MAX_PRIORITY (higher first); see the waiter score in the docstring.
+MAX_PRIORITY = 999
 
 _COMMON = (
     f"\nlocal reap_batch = {REAP_BATCH}"
@@ -56,6 +71,20 @@ local function int(x) return string.format('%d', x) end
 local function node_key(node) return prefix .. ':node:' .. node end
 local function gpu_key(node, index) return prefix .. ':gpu:' .. node .. ':' .. index end
 local function lease_key(id) return prefix .. ':lease:' .. id end
+local waiters_key = prefix .. ':waiters'
+local waiter_expiry_key = prefix .. ':waiter_expiry'
+local waiter_scope_key = prefix .. ':waiter_scope'
+local waiter_seq_key = prefix .. ':waiter_seq'
+
+local function forget_waiter(id)
+  redis.call('ZREM', waiters_key, id)
+  redis.call('ZREM', waiter_expiry_key, id)
+  redis.call('HDEL', waiter_scope_key, id)
+end
+
+local function prune_waiters()
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', waiter_expiry_key, '-inf', now)) do forget_waiter(id) end
+end
 
 local function parse_alloc(text)
   local alloc = {}
@@ -120,13 +149,20 @@ ACQUIRE_SCRIPT = (
 -- KEYS, ARGV[1..3]: see module docstring.
 -- ARGV[4] request key ('' = not idempotent)   ARGV[5] request fingerprint
 -- ARGV[6] idempotency record TTL (ms)         ARGV[7] scope node for the state report ('' = all)
--- ARGV[8] new lease id   ARGV[9] holder   ARGV[10] node   ARGV[11] alloc ('' = only report state)
+-- ARGV[8] new lease id   ARGV[9] holder   ARGV[10] node   ARGV[11] alloc ('' = only report state,
+--   '*' = best fit of ARGV[16] MB on one GPU in scope: the least free memory that fits, ties by
+--   node then index, as `leases.best_fit`)
 -- ARGV[12] lease TTL (ms)   ARGV[13] labels (JSON)
+-- ARGV[14] priority (0..999)   ARGV[15] waiter record TTL (ms; 0 = do not queue when not granted)
+-- ARGV[16] MB wanted (for '*')   ARGV[17] GPU indexes allowed for '*' (",0,2," style; '' = any)
 -- returns {'granted', reaped, lease fields}  a new lease (published 'acquired')
 --         {'replayed', reaped, lease fields} the live lease this request already got
 --         {'gone', reaped, lease id}         this request's lease was released or expired
 --         {'mismatch', reaped, lease id}     the request id was used with other parameters
 --         {'state', reaped, gpu rows}        no alloc given, or it no longer fits: plan again
+--         {'blocked', reaped, ahead}         `ahead` waiters with an overlapping scope come first
+-- With ARGV[15] > 0, any answer but a grant leaves the request queued as waiter ARGV[8]
+-- (the new lease id), its record refreshed to lapse ARGV[15] ms from now.
 """
     + _COMMON
     + """
@@ -141,23 +177,76 @@ if request_key ~= '' then
     return {'replayed', reaped, flat}
   end
 end
+local id = ARGV[8]
+local scope = ARGV[7]
+local queue_ttl = tonumber(ARGV[15])
+prune_waiters()
+local my_score = redis.call('ZSCORE', waiters_key, id)
+local function enqueue()
+  if queue_ttl <= 0 then return end
+  if not my_score then
+    my_score = string.format('%d', (999 - tonumber(ARGV[14])) * 1e12 + redis.call('INCR', waiter_seq_key))
+    redis.call('ZADD', waiters_key, my_score, id)
+    redis.call('HSET', waiter_scope_key, id, scope)
+  end
+  redis.call('ZADD', waiter_expiry_key, now + queue_ttl, id)
+end
+local ahead = 0
+if redis.call('ZCARD', waiters_key) > 0 then
+  local bound = my_score and ('(' .. my_score)
+    or string.format('%d', (999 - tonumber(ARGV[14])) * 1e12 + 1e12 - 1)
+  for _, other in ipairs(redis.call('ZRANGEBYSCORE', waiters_key, '-inf', bound)) do
+    local other_scope = redis.call('HGET', waiter_scope_key, other) or ''
+    if other ~= id and (scope == '' or other_scope == '' or other_scope == scope) then ahead = ahead + 1 end
+  end
+end
+if ahead > 0 then
+  enqueue()
+  return {'blocked', reaped, ahead}
+end
 local alloc_text = ARGV[11]
-if alloc_text == '' then return {'state', reaped, read_gpus(ARGV[7])} end
+if alloc_text == '' then
+  enqueue()
+  return {'state', reaped, read_gpus(scope)}
+end
 
 local node = ARGV[10]
+if alloc_text == '*' then
+  local want = tonumber(ARGV[16])
+  local allowed = ARGV[17]
+  local rows = read_gpus(scope)
+  local best = nil
+  for _, r in ipairs(rows) do
+    local free = tonumber(r[3]) - tonumber(r[4]) - tonumber(r[5]) - tonumber(r[6])
+    if free >= want and (allowed == '' or string.find(allowed, ',' .. r[2] .. ',', 1, true)) then
+      if best == nil or free < best[1] or (free == best[1] and (r[1] < best[2]
+          or (r[1] == best[2] and tonumber(r[2]) < tonumber(best[3])))) then
+        best = {free, r[1], r[2]}
+      end
+    end
+  end
+  if best == nil then
+    enqueue()
+    return {'state', reaped, rows}
+  end
+  node = best[2]
+  alloc_text = best[3] .. '=' .. int(want)
+end
 local alloc = parse_alloc(alloc_text)
 local need = {}
 for _, part in ipairs(alloc) do need[part[1]] = (need[part[1]] or 0) + part[2] end
 for index, mb in pairs(need) do
   local g = redis.call('HMGET', gpu_key(node, index), 'total_mb', 'reserve_mb', 'used_outside_mb', 'leased_mb')
-  if not g[1] then return {'state', reaped, read_gpus(ARGV[7])} end
-  local free = tonumber(g[1]) - tonumber(g[2]) - tonumber(g[3]) - tonumber(g[4] or '0')
-  if mb > free then return {'state', reaped, read_gpus(ARGV[7])} end
+  local free = g[1] and (tonumber(g[1]) - tonumber(g[2]) - tonumber(g[3]) - tonumber(g[4] or '0')) or -1
+  if mb > free then
+    enqueue()
+    return {'state', reaped, read_gpus(scope)}
+  end
 end
+forget_waiter(id)
 
 for index, mb in pairs(need) do redis.call('HINCRBY', gpu_key(node, index), 'leased_mb', mb) end
 local token = redis.call('INCR', fence_key)
-local id = ARGV[8]
 local expires = now + tonumber(ARGV[12])
 local fields = {'id', id, 'holder', ARGV[9], 'node', node, 'alloc', alloc_text, 'labels', ARGV[13],
   'created_ms', int(now), 'expires_ms', int(expires), 'token', int(token)}
@@ -312,5 +401,41 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', expiry_key, '(' .. int(now), '+i
   end
 end
 return out
+"""
+)
+
+LEAVE_QUEUE_SCRIPT = (
+    """
+-- LEAVE_QUEUE: forget a waiting Acquire (it was granted elsewhere, gave up, or was cancelled).
+-- KEYS, ARGV[1..3]: see module docstring.   ARGV[4] waiter id
+-- returns the number of waiters left after pruning lapsed records
+"""
+    + _COMMON
+    + """
+forget_waiter(ARGV[4])
+prune_waiters()
+return redis.call('ZCARD', waiters_key)
+"""
+)
+
+SET_OUTSIDE_SCRIPT = (
+    """
+-- SET_OUTSIDE: record GPU memory in use outside any live lease (sampled from NVML).
+-- KEYS, ARGV[1..3]: see module docstring.   ARGV[4] node   ARGV[5] "index=mb,index=mb"
+-- Unknown GPUs are skipped. Leases are not touched: when outside use grows past what is
+-- free, the GPU grants nothing until it shrinks again.
+-- returns the number of GPUs updated
+"""
+    + _COMMON
+    + """
+local updated = 0
+for _, part in ipairs(parse_alloc(ARGV[5])) do
+  local key = gpu_key(ARGV[4], part[1])
+  if redis.call('EXISTS', key) == 1 then
+    redis.call('HSET', key, 'used_outside_mb', int(part[2]))
+    updated = updated + 1
+  end
+end
+return updated
 """
 )

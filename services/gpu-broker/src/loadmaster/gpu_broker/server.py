@@ -15,7 +15,8 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gpu_broker.events import LeaseEventHub
 from loadmaster.gpu_broker.inventory import local_inventory
 from loadmaster.gpu_broker.manager import LeaseManager
-from loadmaster.gpu_broker.reaper import Reaper
+from loadmaster.gpu_broker.nvml import NvmlSampler
+from loadmaster.gpu_broker.reaper import LocalGpus, Reaper
 from loadmaster.gpu_broker.servicer import GpuBrokerServicer
 from loadmaster.gpu_broker.store import RedisLeaseStore
 from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc
@@ -39,17 +40,22 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
         if settings.metrics.enabled
         else None
     )
+    hub = LeaseEventHub(store, clock=clock)
     manager = LeaseManager(
         store,
         clock=clock,
         default_ttl_s=config.lease_ttl_s,
         default_reserve_mb=config.reserve_mb,
         telemetry=telemetry,
+        hub=hub,
     )
-    hub = LeaseEventHub(store, clock=clock)
     # NVML GPUs are those of this host: registered under the node name the local model-pool uses.
     inventory = local_inventory(config, node=settings.gpu_broker.node)
-    reaper = Reaper(manager, clock=clock, inventory=inventory, telemetry=telemetry)
+    sampler = NvmlSampler.open() if config.use_nvml else None
+    local_gpus = (
+        LocalGpus(node=config.node, sampler=sampler, reserve_mb=config.reserve_mb) if sampler else None
+    )
+    reaper = Reaper(manager, clock=clock, inventory=inventory, telemetry=telemetry, local_gpus=local_gpus)
 
     server = GrpcServer("gpu-broker", config.listen_address)
     server.add_service(
@@ -68,6 +74,8 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
         if telemetry is not None:
             await telemetry.close()
         await store.close()
+        if sampler is not None:
+            sampler.close()
 
     server.on_start(start)
     server.on_stop(stop)

@@ -86,6 +86,8 @@ def acquire_from_proto(request: pb.AcquireRequest) -> AcquireRequest:
         ),
         ttl_s=request.ttl_s,
         labels=dict(request.labels),
+        wait_s=request.wait_s,
+        priority=request.priority,
     )
 
 

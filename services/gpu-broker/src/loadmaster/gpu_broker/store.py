@@ -38,6 +38,7 @@ from loadmaster.gpu_broker.leases import (
 __all__ = [
     "IDEMPOTENCY_TTL_MS",
     "AcquireOutcome",
+    "Blocked",
     "ChangeStatus",
     "EventSubscription",
     "Granted",
@@ -82,7 +83,15 @@ class RequestReused:
     reaped: int
 
 
-AcquireOutcome = Granted | Snapshot | RequestReused
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """`ahead` waiting requests with an overlapping scope come first (priority, then FIFO)."""
+
+    ahead: int
+    reaped: int
+
+
+AcquireOutcome = Granted | Snapshot | RequestReused | Blocked
 
 
 class ChangeStatus(StrEnum):
@@ -197,6 +206,8 @@ class RedisLeaseStore:
         self._register = client.register_script(scripts.REGISTER_SCRIPT)
         self._inventory = client.register_script(scripts.INVENTORY_SCRIPT)
         self._list = client.register_script(scripts.LIST_LEASES_SCRIPT)
+        self._leave_queue = client.register_script(scripts.LEAVE_QUEUE_SCRIPT)
+        self._set_outside = client.register_script(scripts.SET_OUTSIDE_SCRIPT)
 
     @classmethod
     def connect(
@@ -222,7 +233,17 @@ class RedisLeaseStore:
         try:
             return await script(keys=self._keys, args=[self._prefix, now_ms, self.channel, *args])
         except _REDIS_DOWN as error:
+            await self._drop_idle_connections()
             raise UnavailableError(f"Redis unreachable: {error}") from error
+
+    async def _drop_idle_connections(self) -> None:
+        """After a connection error, close the idle pooled connections: once Redis is back
+        (e.g. restarted), the next calls open fresh ones instead of each failing once on a
+        dead socket. The failed call itself is not retried (a retried grant could be a second one)."""
+        try:
+            await self._redis.connection_pool.disconnect(inuse_connections=False)
+        except Exception:
+            log.debug("dropping idle Redis connections failed", exc_info=True)
 
     def _request_key(self, holder: str, client_request_id: str) -> str:
         # Length-prefixed, so ("a:b", "c") and ("a", "b:c") never share a record.
@@ -236,8 +257,14 @@ class RedisLeaseStore:
         lease_id: str,
         ttl_ms: int,
         placement: Placement | None,
+        queue_ttl_ms: int = 0,
+        best_fit: bool = False,
     ) -> AcquireOutcome:
-        """Grant `placement` if it still fits; with no placement, report the GPUs in scope."""
+        """Grant `placement` if it still fits and no waiter comes first; with no placement,
+        report the GPUs in scope. With `queue_ttl_ms` > 0 a request that is not granted stays
+        queued as waiter `lease_id` for that long (each call refreshes it). With `best_fit` and no
+        placement, the script grants the best single-GPU fit itself (one round trip) or reports
+        the GPUs in scope."""
         wanted = request.placement
         request_key = ""
         if request.client_request_id:
@@ -253,15 +280,21 @@ class RedisLeaseStore:
             lease_id,
             request.holder,
             placement.node if placement else "",
-            encode_alloc(placement.mb_per_gpu) if placement else "",
+            encode_alloc(placement.mb_per_gpu) if placement else ("*" if best_fit else ""),
             ttl_ms,
             json.dumps(dict(request.labels), sort_keys=True),
+            request.priority,
+            queue_ttl_ms,
+            wanted.mb,
+            f",{','.join(map(str, wanted.gpus))}," if wanted.gpus else "",
         )
         status, reaped, body = reply[0], int(reply[1]), reply[2]
         if status in ("granted", "replayed"):
             return Granted(lease=_lease(body), replayed=status == "replayed", reaped=reaped)
         if status == "state":
             return Snapshot(gpus=_gpus(body), reaped=reaped)
+        if status == "blocked":
+            return Blocked(ahead=int(body), reaped=reaped)
         if status in ("gone", "mismatch"):
             return RequestReused(lease_id=body, mismatch=status == "mismatch", reaped=reaped)
         raise RuntimeError(f"unexpected acquire script reply {status!r}")
@@ -277,6 +310,21 @@ class RedisLeaseStore:
     async def reap(self, *, now_ms: int, limit: int = scripts.REAP_BATCH) -> int:
         """Reclaim up to `limit` expired leases; returns how many."""
         return int(await self._call(self._reap, now_ms, limit))
+
+    async def leave_queue(self, waiter: str, *, now_ms: int) -> int:
+        """Forget waiting request `waiter` (idempotent); returns how many requests still wait."""
+        return int(await self._call(self._leave_queue, now_ms, waiter))
+
+    async def waiting(self) -> int:
+        """How many requests wait for memory (records not yet pruned included)."""
+        try:
+            return int(await self._redis.zcard(f"{self._prefix}:waiters"))
+        except _REDIS_DOWN as error:
+            raise UnavailableError(f"Redis unreachable: {error}") from error
+
+    async def set_outside(self, node: str, outside_mb: Mapping[int, int], *, now_ms: int) -> int:
+        """Record each GPU's memory in use outside live leases; returns GPUs updated."""
+        return int(await self._call(self._set_outside, now_ms, node, encode_alloc(outside_mb)))
 
     async def register_node(self, node: str, gpus: Sequence[GpuState], *, now_ms: int) -> list[GpuState]:
         """Set `node`'s GPUs, keeping leased memory; refuses to drop a GPU that holds leases."""
