@@ -1,4 +1,4 @@
-"""The one dispatcher behind every front end (edge ZMQ now; KServe HTTP and gRPC later).
+"""The one dispatcher behind every front end (edge ZMQ, KServe v2 gRPC and HTTP).
 
 A call's path: `submit` registers it and enqueues its metadata with the
 scheduler; a Grant sends descriptors + payload to the granted worker's data
@@ -16,6 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from loadmaster.common import tracing
 from loadmaster.common.errors import (
     ExpiredError,
     LoadmasterError,
@@ -41,6 +45,7 @@ class _Pending:
     worker_id: str = ""
     attempt: int = 0
     watchdog: asyncio.TimerHandle | None = None
+    span: trace.Span = trace.INVALID_SPAN  # recording only while tracing is on
 
 
 class Dispatcher:
@@ -75,21 +80,25 @@ class Dispatcher:
         if call.request_id in self._pending:
             on_result(self._failed(call, UnavailableError(f"duplicate request id {call.request_id}")))
             return
-        self._pending[call.request_id] = _Pending(call, on_result)
-        self._scheduler.enqueue(
-            scheduler_pb2.RequestInfo(
-                request_id=call.request_id,
-                client_id=call.client_id,
-                model_id=call.model_id,
-                priority=call.priority,
-                urgency=call.urgency,
-                steps_remaining=call.steps_remaining,
-                received_unix_ns=call.received_unix_ns,
-                timeout_ms=call.timeout_ms,
-                payload_bytes=len(call.payload),
-                client_type=call.client_type,
-            )
+        span = tracing.start_request_span(
+            "gateway.request", request_id=call.request_id, model_id=call.model_id, kind=SpanKind.SERVER
         )
+        self._pending[call.request_id] = _Pending(call, on_result, span=span)
+        info = scheduler_pb2.RequestInfo(
+            request_id=call.request_id,
+            client_id=call.client_id,
+            model_id=call.model_id,
+            priority=call.priority,
+            urgency=call.urgency,
+            steps_remaining=call.steps_remaining,
+            received_unix_ns=call.received_unix_ns,
+            timeout_ms=call.timeout_ms,
+            payload_bytes=len(call.payload),
+            client_type=call.client_type,
+        )
+        if span.is_recording():
+            tracing.inject(info.trace_context, span=span)
+        self._scheduler.enqueue(info)
 
     def cancel(self, request_id: str) -> None:
         """The caller went away: drop its queued request; no reply is sent."""
@@ -97,6 +106,7 @@ class Dispatcher:
         if pending is None:
             return
         self._disarm(pending)
+        tracing.end_span(pending.span, error_code="cancelled")
         assert self._scheduler is not None
         if pending.worker_id:
             self._scheduler.complete(request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
@@ -114,14 +124,17 @@ class Dispatcher:
         pending.worker_id = grant.worker_id
         pending.attempt = grant.attempt
         call = pending.call
-        envelope = model_pool_pb2.InferRequest(
+        request = model_pool_pb2.InferRequest(
             request_id=call.request_id,
             model_id=call.model_id,
             inputs=call.inputs,
             metadata=call.metadata,
             deadline_unix_ns=grant.deadline_unix_ns,
             generation=grant.generation,
-        ).SerializeToString()
+        )
+        if pending.span.is_recording():
+            tracing.inject(request.metadata, span=pending.span)
+        envelope = request.SerializeToString()
         try:
             self._workers.send(grant.data_endpoint, envelope, call.payload)
         except UnavailableError as error:
@@ -222,6 +235,7 @@ class Dispatcher:
         code = "ok" if result.error is None else result.error.edge_code
         model = call.model_id if code != edge_code_name(errors_pb2.ERROR_CODE_NOT_FOUND) else "(unknown)"
         labels = {"model": model, "code": code}
+        tracing.end_span(pending.span, error_code="" if result.error is None else code)
         self._telemetry.record("requests", 1, labels)
         self._telemetry.record("e2e_latency_ms", (time.monotonic() - call.received_monotonic) * 1e3, labels)
         try:

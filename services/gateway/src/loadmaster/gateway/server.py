@@ -8,10 +8,19 @@ from loadmaster.common.config import Settings
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.gateway.admin import SchedulerAdmin
+from loadmaster.gateway.auth import Authenticator
+from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.edge import EdgeFrontend
+from loadmaster.gateway.frontends.grpc import KServeGrpcServicer
+from loadmaster.gateway.frontends.http import HttpFrontend, build_app
+from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
+from loadmaster.gateway.statistics import StatisticsSource
 from loadmaster.gateway.worker_link import WorkerLinks
+from loadmaster.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = ["Gateway", "GatewayServer", "build"]
 
@@ -42,14 +51,46 @@ class Gateway:
         self.edge = EdgeFrontend(
             settings.gateway, self.dispatcher, self.telemetry, self.context, gateway_id=self.gateway_id
         )
+        self.catalog = ModelCatalog(settings.scheduler.address)
+        self.statistics = StatisticsSource(settings.metrics.address if settings.metrics.enabled else None)
+        self.readiness = Readiness(self.scheduler, self.catalog)
+        self.auth = Authenticator(settings.gateway.auth.api_keys)
+        self.admin = SchedulerAdmin(settings.scheduler.address)
+        self.kserve_grpc = KServeGrpcServicer(
+            self.dispatcher,
+            self.catalog,
+            self.statistics,
+            self.readiness,
+            self.auth,
+            settings.gateway.limits,
+            gateway_id=self.gateway_id,
+        )
+        app = build_app(
+            settings.gateway,
+            self.dispatcher,
+            self.catalog,
+            self.statistics,
+            self.readiness,
+            self.auth,
+            self.admin,
+            gateway_id=self.gateway_id,
+        )
+        self.http = HttpFrontend(app, host=settings.gateway.http_host, port=settings.gateway.http_port)
+        self._settings = settings
 
     async def start(self) -> None:
+        warn_if_exposed(self._settings.gateway)
         self.telemetry.start()
         self.scheduler.start()
         await self.edge.start()
+        await self.http.start()
 
     async def stop(self) -> None:
+        await self.http.close()
         await self.edge.close()
+        await self.catalog.close()
+        await self.statistics.close()
+        await self.admin.close()
         await self.scheduler.close()
         await self.workers.close()
         await self.telemetry.close()
@@ -57,11 +98,16 @@ class Gateway:
 
 
 class GatewayServer(GrpcServer):
-    """The gateway's gRPC server (health, reflection; KServe v2 later) with its running parts."""
+    """The gateway's gRPC server (health, reflection, KServe v2) with its running parts."""
 
     def __init__(self, settings: Settings) -> None:
         super().__init__("gateway", settings.gateway.listen_address)
         self.gateway = Gateway(settings)
+        self.add_service(
+            inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+            inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+            self.gateway.kserve_grpc,
+        )
         self.on_start(self.gateway.start)
         self.on_stop(self.gateway.stop)
 

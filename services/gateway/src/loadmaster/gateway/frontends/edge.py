@@ -23,6 +23,7 @@ from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
 from loadmaster.common.framing import REQUEST_ID_KEY, edge_error_response, router_reply, split_router_frames
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult
+from loadmaster.gateway.curve import EdgeCurve
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.ordering import ReplyOrderer, Ticket
 from loadmaster.gateway.validation import observation_to_call, parse_observation
@@ -51,6 +52,7 @@ class EdgeFrontend:
         self._orderer: ReplyOrderer[list[Any]] = ReplyOrderer(self._send)
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._curve = EdgeCurve(settings.auth.curve, context)
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -59,11 +61,12 @@ class EdgeFrontend:
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         socket.setsockopt(zmq.RCVHWM, self._settings.edge.recv_hwm)
         socket.setsockopt(zmq.SNDHWM, self._settings.edge.send_hwm)
+        self._curve.apply(socket)
         socket.bind(self._settings.edge.bind)
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = socket
         self._task = asyncio.create_task(self._receive(), name="edge-receive")
-        log.info("edge front end listening on %s", self.endpoint)
+        log.info("edge front end listening on %s%s", self.endpoint, " (CURVE)" if self._curve.enabled else "")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -71,6 +74,7 @@ class EdgeFrontend:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._socket is not None:
             self._socket.close(linger=0)
+        self._curve.stop()
 
     async def _receive(self) -> None:
         assert self._socket is not None

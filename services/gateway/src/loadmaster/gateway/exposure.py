@@ -1,0 +1,51 @@
+"""A warning at start when a front end listens beyond loopback without authentication."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from urllib.parse import urlsplit
+
+from loadmaster.common.config import GatewaySettings
+
+__all__ = ["exposed_without_auth", "is_loopback", "warn_if_exposed"]
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or "*": assume it is reachable from elsewhere
+
+
+def _host_of(address: str) -> str:
+    if "://" in address:
+        return urlsplit(address.replace("*", "0.0.0.0")).hostname or ""
+    return address.rsplit(":", 1)[0]
+
+
+def exposed_without_auth(settings: GatewaySettings) -> list[str]:
+    """Front ends that listen on a non-loopback address with no authentication configured."""
+    exposed: list[str] = []
+    has_keys = bool(settings.auth.api_keys)
+    if not has_keys and not is_loopback(settings.http_host):
+        exposed.append(f"HTTP on {settings.http_host}:{settings.http_port}")
+    if not has_keys and not is_loopback(_host_of(settings.listen_address)):
+        exposed.append(f"gRPC on {settings.listen_address}")
+    if not settings.auth.curve.enabled and not is_loopback(_host_of(settings.edge.bind)):
+        exposed.append(f"edge on {settings.edge.bind}")
+    return exposed
+
+
+def warn_if_exposed(settings: GatewaySettings) -> None:
+    for front_end in exposed_without_auth(settings):
+        log.warning(
+            "%s is reachable beyond this machine without authentication; configure "
+            "gateway.auth (api_keys, curve) — `loadmaster keys` makes them",
+            front_end,
+        )

@@ -1,0 +1,270 @@
+"""KServe v2 `inference.GRPCInferenceService` on the gateway's gRPC server: translation only.
+
+Each RPC converts protobuf -> `KServeInput`s / names, awaits the dispatcher or
+the catalog, and converts back. Errors are `LoadmasterError`s, mapped to status
+codes by the server's one interceptor. The gRPC deadline and the `timeout`
+parameter become the request's timeout; a cancelled call cancels its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from loadmaster.common.config import LimitsSettings
+from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, NotFoundError
+from loadmaster.common.tensors import serialize_bytes
+from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
+from loadmaster.gateway.catalog import ModelCatalog
+from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.frontends.kserve import (
+    EXTENSIONS,
+    SERVER_NAME,
+    SERVER_VERSION,
+    KServeInput,
+    build_call,
+    check_parameters,
+    dispatch,
+    numpy_for,
+    outputs_of,
+    parse_priority,
+    parse_timeout_ms,
+)
+from loadmaster.gateway.readiness import Readiness
+from loadmaster.gateway.statistics import StatisticsSource, empty_v2
+from loadmaster.v1 import inference_pb2, inference_pb2_grpc
+
+__all__ = ["KServeGrpcServicer", "request_inputs"]
+
+log = logging.getLogger(__name__)
+
+
+# Typed contents: which field carries each datatype (FP16/BF16 only travel raw).
+_CONTENTS_FIELD = {
+    "BYTES": "bytes_contents",
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+
+def _parameter(parameters: Any, name: str) -> Any:
+    if name not in parameters:
+        return None
+    parameter = parameters[name]
+    choice = parameter.WhichOneof("parameter_choice")
+    return getattr(parameter, choice) if choice else None
+
+
+def _contents_bytes(tensor: inference_pb2.ModelInferRequest.InferInputTensor) -> bytes:
+    dtype = numpy_for(tensor.name, tensor.datatype)
+    field = _CONTENTS_FIELD.get(tensor.datatype)
+    if field is None:
+        raise InvalidArgumentError(
+            f"tensor '{tensor.name}': {tensor.datatype} data must be sent in raw_input_contents"
+        )
+    values = getattr(tensor.contents, field)
+    if tensor.datatype == "BYTES":
+        return serialize_bytes(np.asarray(list(values), dtype=object))
+    if dtype.kind in "iu":
+        wide = np.asarray(values, dtype=np.int64)
+        info = np.iinfo(dtype)
+        if wide.size and (wide.min() < info.min or wide.max() > info.max):
+            raise InvalidArgumentError(
+                f"tensor '{tensor.name}': a value is out of range for {tensor.datatype}"
+            )
+        return wide.astype(dtype).tobytes()
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+def request_inputs(request: inference_pb2.ModelInferRequest) -> list[KServeInput]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidArgumentError(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs"
+        )
+    return [
+        KServeInput(
+            tensor.name,
+            tensor.datatype,
+            tuple(tensor.shape),
+            raw[index] if raw else _contents_bytes(tensor),
+        )
+        for index, tensor in enumerate(request.inputs)
+    ]
+
+
+def _token(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return bearer_token(value if isinstance(value, str) else value.decode(errors="replace"))
+    return None
+
+
+class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        catalog: ModelCatalog,
+        statistics: StatisticsSource,
+        readiness: Readiness,
+        auth: Authenticator,
+        limits: LimitsSettings,
+        *,
+        gateway_id: str,
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._catalog = catalog
+        self._statistics = statistics
+        self._readiness = readiness
+        self._auth = auth
+        self._limits = limits
+        self._ids = (f"{gateway_id}-g{n}" for n in itertools.count(1))
+
+    # -- health and metadata ---------------------------------------------------------
+
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        return inference_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        return inference_pb2.ServerReadyResponse(ready=(await self._readiness.check()).ready)
+
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        try:
+            ready = (await self._catalog.model(request.name)).ready
+        except NotFoundError:
+            ready = False
+        return inference_pb2.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        return inference_pb2.ServerMetadataResponse(
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
+        )
+
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        self._auth.authorize(_token(context), INFER)
+        view = await self._catalog.model(request.name)
+        return inference_pb2.ModelMetadataResponse(name=view.name, versions=["1"], platform=view.backend)
+
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        self._auth.authorize(_token(context), INFER)
+        view = await self._catalog.model(request.name)
+        return inference_pb2.ModelConfigResponse(
+            config=inference_pb2.ModelConfig(name=view.name, platform=view.backend, backend=view.backend)
+        )
+
+    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        self._auth.authorize(_token(context), INFER)
+        if request.name:
+            await self._catalog.model(request.name)  # NotFoundError for an unknown model
+        stats = await self._statistics.model_statistics(request.name)
+        if request.name and not stats:
+            stats = [empty_v2(request.name)]
+        return json_format.ParseDict({"model_stats": stats}, inference_pb2.ModelStatisticsResponse())
+
+    # -- repository ------------------------------------------------------------------
+
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        self._auth.authorize(_token(context), INFER)
+        views = (await self._catalog.models()).values()
+        Index = inference_pb2.RepositoryIndexResponse.ModelIndex  # noqa: N806
+        return inference_pb2.RepositoryIndexResponse(
+            models=[
+                Index(name=v.name, version="1", state=v.state, reason=v.reason)
+                for v in views
+                if v.ready or not request.ready
+            ]
+        )
+
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        self._auth.authorize(_token(context), ADMIN)
+        await self._catalog.load(request.model_name)
+        return inference_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        self._auth.authorize(_token(context), ADMIN)
+        await self._catalog.unload(request.model_name)
+        return inference_pb2.RepositoryModelUnloadResponse()
+
+    # -- inference -------------------------------------------------------------------
+
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        client = self._auth.authorize(_token(context), INFER)
+        return await self._infer(request, client=client, deadline_s=context.time_remaining())
+
+    async def ModelStreamInfer(  # noqa: N802
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        client = self._auth.authorize(_token(context), INFER)
+        replies: asyncio.Queue[inference_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(request: inference_pb2.ModelInferRequest) -> None:
+            try:
+                response = await self._infer(request, client=client, deadline_s=None)
+                reply = inference_pb2.ModelStreamInferResponse(infer_response=response)
+            except LoadmasterError as error:
+                reply = self._stream_error(request, error.message)
+            except Exception as error:
+                log.exception("stream request %s failed", request.id)
+                reply = self._stream_error(request, f"internal error: {type(error).__name__}")
+            replies.put_nowait(reply)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                while tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                replies.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    @staticmethod
+    def _stream_error(request: Any, message: str) -> inference_pb2.ModelStreamInferResponse:
+        return inference_pb2.ModelStreamInferResponse(
+            error_message=message,
+            infer_response=inference_pb2.ModelInferResponse(model_name=request.model_name, id=request.id),
+        )
+
+    async def _infer(self, request: Any, *, client: str, deadline_s: float | None) -> Any:
+        check_parameters({k: _parameter(request.parameters, k) for k in request.parameters}, self._limits)
+        call = build_call(
+            request_inputs(request),
+            model_id=request.model_name,
+            request_id=next(self._ids),
+            client_id=client or "grpc",
+            priority=parse_priority(_parameter(request.parameters, "priority")),
+            timeout_ms=parse_timeout_ms(_parameter(request.parameters, "timeout"), deadline_s=deadline_s),
+            limits=self._limits,
+        )
+        result = await dispatch(self._dispatcher, call)
+        outputs = outputs_of(result, [output.name for output in request.outputs])
+        Output = inference_pb2.ModelInferResponse.InferOutputTensor  # noqa: N806
+        return inference_pb2.ModelInferResponse(
+            model_name=request.model_name,
+            model_version="1",
+            id=request.id,
+            outputs=[Output(name=o.name, datatype=o.datatype, shape=o.shape) for o in outputs],
+            raw_output_contents=[bytes(o.data) for o in outputs],
+        )

@@ -1,0 +1,313 @@
+"""KServe v2 over HTTP (Starlette app served by uvicorn in the gateway's loop): translation only.
+
+Routes: `/v2/health/{live,ready}`, `/v2`, `/v2/models/{m}[/versions/{v}][/ready|/config|/stats|/infer]`,
+`/v2/models/stats`, `/v2/repository/index`, `/v2/repository/models/{m}/{load,unload}`; the admin
+routes `/admin/queues` and `/admin/strategy` (POST {"strategy", "policy"}); and the probes
+`/livez`, `/readyz` (503 until the scheduler is connected and a model is READY), `/healthz`.
+Errors are `LoadmasterError`s mapped to a status in one handler (`{"error": message}` bodies). A
+client that disconnects while its request waits cancels it in the dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loadmaster.common.config import GatewaySettings
+from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError
+from loadmaster.gateway.admin import SchedulerAdmin
+from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
+from loadmaster.gateway.catalog import ModelCatalog
+from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.frontends.http_codec import HEADER_LENGTH, encode_response, parse_infer
+from loadmaster.gateway.frontends.kserve import (
+    EXTENSIONS,
+    SERVER_NAME,
+    SERVER_VERSION,
+    build_call,
+    check_parameters,
+    dispatch,
+    outputs_of,
+    parse_priority,
+    parse_timeout_ms,
+)
+from loadmaster.gateway.readiness import Readiness
+from loadmaster.gateway.statistics import StatisticsSource, empty_v2
+
+__all__ = ["HttpFrontend", "build_app"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+async def _error_response(request: Request, error: Exception) -> Response:
+    """The one place HTTP maps errors to statuses."""
+    mapped = error if isinstance(error, LoadmasterError) else None
+    if mapped is None:
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=error)
+        mapped = InternalError(f"internal error: {type(error).__name__}")
+    return JSONResponse({"error": mapped.message}, status_code=mapped.http_status)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise InvalidArgumentError(f"request body of {declared} bytes exceeds the limit of {limit}")
+    if request.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
+        raise InvalidArgumentError("Content-Encoding is not supported; send the body uncompressed")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise InvalidArgumentError(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away (after the body was read, receive() only yields that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(
+    settings: GatewaySettings,
+    dispatcher: Dispatcher,
+    catalog: ModelCatalog,
+    statistics: StatisticsSource,
+    readiness: Readiness,
+    auth: Authenticator,
+    admin: SchedulerAdmin,
+    *,
+    gateway_id: str,
+) -> Starlette:
+    limits = settings.limits
+    body_limit = limits.max_payload_bytes + limits.max_envelope_bytes
+    ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
+
+    def authorize(request: Request, scope: str) -> str:
+        return auth.authorize(bearer_token(request.headers.get("authorization")), scope)
+
+    async def livez(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def readyz(request: Request) -> Response:
+        report = await readiness.check()
+        return JSONResponse(report.as_dict(), status_code=200 if report.ready else 503)
+
+    async def healthz(request: Request) -> Response:
+        report = await readiness.check()
+        return JSONResponse({"live": True, **report.as_dict(), "inflight": dispatcher.inflight})
+
+    async def health_live(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def health_ready(request: Request) -> Response:
+        return Response(status_code=200 if (await readiness.check()).ready else 503)
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS})
+
+    async def model_metadata(request: Request) -> Response:
+        authorize(request, INFER)
+        view = await catalog.model(request.path_params["model"])
+        return JSONResponse(
+            {"name": view.name, "versions": ["1"], "platform": view.backend, "inputs": [], "outputs": []}
+        )
+
+    async def model_ready(request: Request) -> Response:
+        view = await catalog.model(request.path_params["model"])
+        return Response(status_code=200 if view.ready else 503)
+
+    async def model_config(request: Request) -> Response:
+        authorize(request, INFER)
+        view = await catalog.model(request.path_params["model"])
+        return JSONResponse(
+            {"name": view.name, "platform": view.backend, "backend": view.backend, "max_batch_size": 0}
+        )
+
+    async def model_stats(request: Request) -> Response:
+        authorize(request, INFER)
+        name = request.path_params.get("model", "")
+        if name:
+            await catalog.model(name)  # NotFoundError for an unknown model
+        stats = await statistics.model_statistics(name)
+        if name and not stats:
+            stats = [empty_v2(name)]
+        return JSONResponse({"model_stats": stats})
+
+    async def repository_index(request: Request) -> Response:
+        authorize(request, INFER)
+        ready_only = False
+        raw = await _read_body(request, limits.max_envelope_bytes)
+        if raw.strip():
+            parsed = parse_json_object(raw)
+            ready_only = bool(parsed.get("ready", False))
+        views = (await catalog.models()).values()
+        return JSONResponse(
+            [
+                {"name": v.name, "version": "1", "state": v.state, "reason": v.reason}
+                for v in views
+                if v.ready or not ready_only
+            ]
+        )
+
+    async def repository_load(request: Request) -> Response:
+        authorize(request, ADMIN)
+        await catalog.load(request.path_params["model"])
+        return Response(status_code=200)
+
+    async def repository_unload(request: Request) -> Response:
+        authorize(request, ADMIN)
+        await catalog.unload(request.path_params["model"])
+        return Response(status_code=200)
+
+    async def admin_queues(request: Request) -> Response:
+        authorize(request, ADMIN)
+        return JSONResponse(await admin.queues())
+
+    async def admin_strategy(request: Request) -> Response:
+        authorize(request, ADMIN)
+        body = parse_json_object(await _read_body(request, limits.max_envelope_bytes))
+        strategy, policy = body.get("strategy"), body.get("policy", "")
+        if not isinstance(strategy, str) or not strategy or not isinstance(policy, str):
+            raise InvalidArgumentError('body must be {"strategy": <name>, "policy": <name, optional>}')
+        return JSONResponse(await admin.set_strategy(strategy, policy))
+
+    async def infer(request: Request) -> Response:
+        client = authorize(request, INFER)
+        model_name = request.path_params["model"]
+        body = await _read_body(request, body_limit)
+        parsed = parse_infer(body, request.headers.get(HEADER_LENGTH))
+        check_parameters(parsed.parameters, limits)
+        call = build_call(
+            parsed.inputs,
+            model_id=model_name,
+            request_id=next(ids),
+            client_id=client or "http",
+            priority=parse_priority(parsed.parameters.get("priority")),
+            timeout_ms=parse_timeout_ms(parsed.parameters.get("timeout")),
+            limits=limits,
+        )
+        work = asyncio.ensure_future(dispatch(dispatcher, call))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()  # the client left: dispatch() cancels the request in the dispatcher
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)
+        result = work.result()
+        outputs = outputs_of(result, parsed.outputs.keys())
+        content, header_length = encode_response(
+            model_name=model_name,
+            request_id=parsed.id,
+            outputs=outputs,
+            binary=parsed.outputs,
+            binary_default=parsed.binary_default,
+        )
+        if header_length is None:
+            return Response(content, media_type="application/json")
+        return Response(
+            content,
+            media_type="application/octet-stream",
+            headers={"Inference-Header-Content-Length": str(header_length)},
+        )
+
+    def route(path: str, handler: Handler, methods: tuple[str, ...] = ("GET",)) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as error:  # the one place errors become HTTP statuses
+                return await _error_response(request, error)
+
+        return Route(path, endpoint, methods=list(methods))
+
+    model = "/v2/models/{model}"
+    versioned = "/v2/models/{model}/versions/{version}"
+    routes = [
+        route("/livez", livez),
+        route("/readyz", readyz),
+        route("/healthz", healthz),
+        route("/v2/health/live", health_live),
+        route("/v2/health/ready", health_ready),
+        route("/v2", server_metadata),
+        route("/v2/models/stats", model_stats),
+        route("/v2/repository/index", repository_index, ("POST",)),
+        route("/v2/repository/models/{model}/load", repository_load, ("POST",)),
+        route("/v2/repository/models/{model}/unload", repository_unload, ("POST",)),
+        route("/admin/queues", admin_queues),
+        route("/admin/strategy", admin_strategy, ("POST",)),
+    ]
+    for prefix in (model, versioned):
+        routes += [
+            route(prefix, model_metadata),
+            route(prefix + "/ready", model_ready),
+            route(prefix + "/config", model_config),
+            route(prefix + "/stats", model_stats),
+            route(prefix + "/infer", infer, ("POST",)),
+        ]
+    return Starlette(routes=routes)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise InvalidArgumentError("request body is not JSON") from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError("request body must be a JSON object")
+    return value
+
+
+class HttpFrontend:
+    """Serves the app with uvicorn on the gateway's event loop."""
+
+    def __init__(self, app: Starlette, *, host: str, port: int) -> None:
+        self._config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+        )
+        self._server = uvicorn.Server(self._config)
+        self._task: asyncio.Task[None] | None = None
+        self.port = port
+
+    async def start(self) -> None:
+        if not self._config.loaded:
+            self._config.load()
+        self._server.lifespan = self._config.lifespan_class(self._config)
+        try:
+            await self._server.startup()
+        except SystemExit:  # uvicorn exits when it cannot bind
+            raise RuntimeError(
+                f"HTTP front end could not bind {self._config.host}:{self._config.port}"
+            ) from None
+        sockets = [sock for server in self._server.servers for sock in server.sockets]
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        self._task = asyncio.create_task(self._server.main_loop(), name="http-serve")
+        log.info("HTTP front end listening on %s:%d", self._config.host, self.port)
+
+    async def close(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._server.force_exit = True  # do not wait for idle keep-alive connections
+        await self._server.shutdown()
+        self._task = None

@@ -1,0 +1,254 @@
+"""What the KServe v2 front ends (gRPC and HTTP) share: tensors <-> one call, and awaiting it.
+
+Both front ends reduce a v2 request to `KServeInput`s (name, datatype, shape,
+raw little-endian bytes) plus the `priority` / `timeout` parameters, and this
+module turns those into one `InferenceCall` for the dispatcher: descriptors
+with offsets into one payload, checked against the gateway's limits. Outputs
+come back as `KServeOutput`s. Queueing, retries and error mapping stay in the
+dispatcher; a caller that goes away cancels its call there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loadmaster.common.config import LimitsSettings
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.tensors import TensorLimits, decode_tensors
+from loadmaster.gateway.calls import CallResult, InferenceCall
+from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.v1 import tensor_pb2
+
+__all__ = [
+    "DATATYPES",
+    "DEFAULT_PRIORITY",
+    "EXTENSIONS",
+    "SERVER_NAME",
+    "SERVER_VERSION",
+    "KServeInput",
+    "KServeOutput",
+    "build_call",
+    "check_parameters",
+    "dispatch",
+    "numpy_for",
+    "outputs_of",
+    "parse_priority",
+    "parse_timeout_ms",
+]
+
+DEFAULT_PRIORITY = 1  # Loadmaster priorities: 0 = highest
+SERVER_NAME = "loadmaster"
+SERVER_VERSION = "0.1.0"
+EXTENSIONS = ["model_repository", "statistics", "binary_tensor_data", "parameters"]
+
+# KServe v2 datatype <-> wire dtype. BF16 travels as raw 2-byte words; BYTES in the v2
+# layout (4-byte little-endian length before each element), which is also ours.
+DATATYPES: dict[str, int] = {
+    "BYTES": tensor_pb2.BYTES,
+    "BOOL": tensor_pb2.BOOL,
+    "UINT8": tensor_pb2.UINT8,
+    "INT32": tensor_pb2.INT32,
+    "INT64": tensor_pb2.INT64,
+    "FP16": tensor_pb2.FLOAT16,
+    "FP32": tensor_pb2.FLOAT32,
+    "FP64": tensor_pb2.FLOAT64,
+    "BF16": tensor_pb2.BFLOAT16,
+}
+_NAMES: dict[int, str] = {wire: name for name, wire in DATATYPES.items()}
+_NUMPY: dict[str, np.dtype] = {
+    "BYTES": np.dtype(object),
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BF16": np.dtype(np.uint16),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KServeInput:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes | memoryview  # raw little-endian bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KServeOutput:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+def numpy_for(name: str, datatype: str) -> np.dtype:
+    """The numpy dtype of a v2 datatype; `InvalidArgumentError` naming the tensor otherwise."""
+    try:
+        return _NUMPY[datatype]
+    except KeyError:
+        supported = ", ".join(_NUMPY)
+        raise InvalidArgumentError(
+            f"tensor '{name}': datatype {datatype!r} is not supported (supported: {supported})"
+        ) from None
+
+
+def parse_priority(value: Any) -> int:
+    """The v2 `priority` parameter -> Loadmaster's priority (0 = highest, default 1).
+
+    As in Triton's: 0 or absent = the default, 1 = the highest, larger = lower. So v2
+    priority p >= 1 is Loadmaster priority p - 1 (v2 1 -> 0, v2 2 -> 1 = the default).
+    """
+    if value is None:
+        return DEFAULT_PRIORITY
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**32:
+        raise InvalidArgumentError(f"parameter 'priority' must be an integer in [0, 2^32], got {value!r}")
+    return DEFAULT_PRIORITY if value == 0 else value - 1
+
+
+def parse_timeout_ms(value: Any, *, deadline_s: float | None = None) -> float:
+    """The v2 `timeout` parameter (microseconds) and/or a transport deadline -> timeout in ms (0 = none)."""
+    timeout_ms = 0.0
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise InvalidArgumentError(f"parameter 'timeout' must be a number of microseconds, got {value!r}")
+        if value < 0:
+            raise InvalidArgumentError("parameter 'timeout' must not be negative")
+        timeout_ms = value / 1000.0
+    if deadline_s is not None:
+        deadline_ms = max(deadline_s * 1000.0, 0.001)
+        timeout_ms = deadline_ms if timeout_ms == 0 else min(timeout_ms, deadline_ms)
+    return timeout_ms
+
+
+def check_parameters(parameters: Mapping[str, Any], limits: LimitsSettings) -> None:
+    """Request parameters are the v2 analog of edge metadata: the same size limit applies."""
+    size = sum(len(str(key)) + len(str(value)) for key, value in parameters.items())
+    if size > limits.max_metadata_bytes:
+        raise InvalidArgumentError(
+            f"request parameters of {size} bytes exceed the limit of {limits.max_metadata_bytes}"
+        )
+
+
+def build_call(
+    inputs: Sequence[KServeInput],
+    *,
+    model_id: str,
+    request_id: str,
+    client_id: str,
+    priority: int,
+    timeout_ms: float,
+    limits: LimitsSettings,
+    metadata: Mapping[str, str] | None = None,
+) -> InferenceCall:
+    """One `InferenceCall` from v2 inputs: descriptors into one payload, checked against `limits`."""
+    if not model_id:
+        raise InvalidArgumentError("model name is empty")
+    if len(inputs) > limits.max_tensors:
+        raise InvalidArgumentError(f"{len(inputs)} tensors exceed the limit of {limits.max_tensors}")
+    descriptors: list[tensor_pb2.Tensor] = []
+    parts: list[bytes | memoryview] = []
+    offset = 0
+    for tensor in inputs:
+        if tensor.datatype not in DATATYPES:
+            numpy_for(tensor.name, tensor.datatype)  # raises, naming the tensor
+        if len(tensor.shape) > limits.max_dims:
+            raise InvalidArgumentError(
+                f"tensor '{tensor.name}': {len(tensor.shape)} dimensions exceed the limit of {limits.max_dims}"
+            )
+        length = len(tensor.data)
+        descriptors.append(
+            tensor_pb2.Tensor(
+                key=tensor.name,
+                dtype=DATATYPES[tensor.datatype],  # type: ignore[arg-type]
+                shape=tensor.shape,
+                byte_offset=offset,
+                byte_length=length,
+                encoding=tensor_pb2.RAW,
+            )
+        )
+        parts.append(tensor.data)
+        offset += length
+        if offset > limits.max_payload_bytes:
+            raise InvalidArgumentError(
+                f"tensor data of {offset}+ bytes exceeds the limit of {limits.max_payload_bytes}"
+            )
+    payload: bytes | memoryview = parts[0] if len(parts) == 1 else b"".join(parts)
+    decode_tensors(  # dtype x shape against lengths, duplicates, empty names: errors name the tensor
+        descriptors,
+        payload,
+        TensorLimits(
+            max_payload_bytes=limits.max_payload_bytes,
+            max_tensors=limits.max_tensors,
+            max_dims=limits.max_dims,
+        ),
+    )
+    meta = dict(metadata or {})
+    metadata_bytes = sum(len(k) + len(v) for k, v in meta.items())
+    if metadata_bytes > limits.max_metadata_bytes:
+        raise InvalidArgumentError(
+            f"metadata of {metadata_bytes} bytes exceeds the limit of {limits.max_metadata_bytes}"
+        )
+    return InferenceCall(
+        request_id=request_id,
+        client_id=client_id,
+        client_type="kserve",
+        model_id=model_id,
+        inputs=descriptors,
+        payload=payload,
+        priority=priority,
+        timeout_ms=timeout_ms,
+        metadata=meta,
+        received_unix_ns=time.time_ns(),
+        received_monotonic=time.monotonic(),
+    )
+
+
+def outputs_of(result: CallResult, requested: Iterable[str] = ()) -> list[KServeOutput]:
+    """The v2 outputs of a successful call, only the `requested` ones when any are named."""
+    wanted = set(requested)
+    payload = result.payload
+    buffer = memoryview(payload.buffer if hasattr(payload, "buffer") else payload).cast("B")
+    outputs: list[KServeOutput] = []
+    for desc in result.outputs:
+        if wanted and desc.key not in wanted:
+            continue
+        datatype = _NAMES.get(desc.dtype)
+        if datatype is None:
+            raise InvalidArgumentError(f"output '{desc.key}' has dtype {desc.dtype}, which v2 cannot carry")
+        start = desc.byte_offset
+        outputs.append(
+            KServeOutput(desc.key, datatype, tuple(desc.shape), buffer[start : start + desc.byte_length])
+        )
+    missing = wanted - {output.name for output in outputs}
+    if missing:
+        raise InvalidArgumentError(f"requested output(s) {sorted(missing)} not produced by {result.model_id}")
+    return outputs
+
+
+async def dispatch(dispatcher: Dispatcher, call: InferenceCall) -> CallResult:
+    """Submit `call` and await its one result; if the caller goes away, cancel it in the dispatcher."""
+    future: asyncio.Future[CallResult] = asyncio.get_running_loop().create_future()
+
+    def on_result(result: CallResult) -> None:
+        if not future.done():
+            future.set_result(result)
+
+    dispatcher.submit(call, on_result)
+    try:
+        result = await future
+    except asyncio.CancelledError:
+        dispatcher.cancel(call.request_id)
+        raise
+    if result.error is not None:
+        raise result.error
+    return result

@@ -1,0 +1,46 @@
+"""Is the gateway ready to serve: its scheduler session is up and at least one model is READY."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loadmaster.common.errors import LoadmasterError
+from loadmaster.gateway.catalog import ModelCatalog
+from loadmaster.gateway.scheduler_link import SchedulerLink
+
+__all__ = ["Readiness", "ReadinessReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadinessReport:
+    scheduler_connected: bool
+    ready_models: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler_connected and bool(self.ready_models)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "ready": self.ready,
+            "scheduler_connected": self.scheduler_connected,
+            "ready_models": list(self.ready_models),
+            "reason": self.reason,
+        }
+
+
+class Readiness:
+    def __init__(self, scheduler: SchedulerLink, catalog: ModelCatalog) -> None:
+        self._scheduler = scheduler
+        self._catalog = catalog
+
+    async def check(self) -> ReadinessReport:
+        if not self._scheduler.connected:
+            return ReadinessReport(False, reason="the scheduler session is not connected")
+        try:
+            views = await self._catalog.models()
+        except LoadmasterError as error:
+            return ReadinessReport(False, reason=error.message)
+        ready = tuple(name for name, view in views.items() if view.ready)
+        return ReadinessReport(True, ready, "" if ready else "no model is READY")
