@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.metrics.exposition import Exposition, ServiceMetrics
+from loadmaster.metrics.model_stats import ModelStatistics, model_ids, model_statistics
 from loadmaster.metrics.subscriptions import Subscription, Subscriptions
 from loadmaster.metrics.windows import Sample, Windows, WindowStats, label_set
 
@@ -78,6 +79,14 @@ class MetricsHub:
     def latest(self, name: str, labels: Mapping[str, str]) -> list[Sample]:
         """The newest sample of each matching series; an empty `name` matches every name."""
         return self.windows.latest(name or None, label_set(labels))
+
+    def model_statistics(self, model_id: str, *, window_s: float) -> list[ModelStatistics]:
+        """Statistics of `model_id` (of every model that reported when empty), by model id.
+        A named model nothing was reported for gets all zeros."""
+        if math.isnan(window_s) or window_s < 0:
+            raise InvalidArgumentError(f"window_s must be >= 0 (0 = since the start), got {window_s}")
+        models = [model_id] if model_id else model_ids(self.windows)
+        return [model_statistics(self.windows, model, window_s=window_s) for model in models]
 
     @contextmanager
     def watch(self, *, names: Iterable[str], labels: Mapping[str, str]) -> Iterator[Subscription]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.metrics.dashboard_routes import dashboard_routes
 from loadmaster.metrics.http import HttpServer, create_app
 from loadmaster.metrics.hub import MetricsHub
 from loadmaster.metrics.servicer import MetricsServicer
+from loadmaster.metrics.workers import SchedulerWorkers
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "MetricsServer", "build"]
@@ -32,9 +34,15 @@ class MetricsServer(GrpcServer):
 async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsServer:
     """A wired, not yet started metrics server; `start()` also starts the HTTP endpoint."""
     config = settings.metrics
-    hub = MetricsHub(ring_size=config.ring_size, clock=clock or SystemClock())
+    clock = clock or SystemClock()
+    hub = MetricsHub(ring_size=config.ring_size, clock=clock)
     serving = False
-    app = create_app(hub.exposition, serving=lambda: serving)
+    workers = SchedulerWorkers(settings.scheduler.address, clock=clock)
+    app = create_app(
+        hub.exposition,
+        serving=lambda: serving,
+        routes=dashboard_routes(hub.windows, workers=workers.rows),
+    )
     server = MetricsServer(
         config.listen_address, hub=hub, http=HttpServer(app, host=config.http_host, port=config.http_port)
     )
@@ -50,6 +58,7 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsSer
         serving = False
         hub.close()  # ends Watch streams, so the gRPC grace period is not spent waiting on them
         await server.http.stop()
+        await workers.close()
 
     server.on_start(start_http)
     server.on_stop(stop)

@@ -10,10 +10,17 @@ import grpc
 
 from loadmaster.common.errors import UnavailableError
 from loadmaster.metrics.hub import MetricsHub
+from loadmaster.metrics.model_stats import DurationTotal, ModelStatistics
 from loadmaster.metrics.windows import Sample, WindowStats, label_set
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
-__all__ = ["MetricsServicer", "sample_to_proto", "samples_from_batch", "stats_to_proto"]
+__all__ = [
+    "MetricsServicer",
+    "model_statistics_to_proto",
+    "sample_to_proto",
+    "samples_from_batch",
+    "stats_to_proto",
+]
 
 _T = TypeVar("_T")
 
@@ -49,6 +56,28 @@ def stats_to_proto(stats: WindowStats) -> metrics_pb2.Stats:
     )
 
 
+def model_statistics_to_proto(stats: ModelStatistics) -> metrics_pb2.ModelStatistics:
+    def duration(total: DurationTotal) -> metrics_pb2.DurationTotal:
+        return metrics_pb2.DurationTotal(count=total.count, total_ms=total.total_ms)
+
+    return metrics_pb2.ModelStatistics(
+        model_id=stats.model_id,
+        success_count=stats.success_count,
+        failure_count=stats.failure_count,
+        failures_by_code=stats.failures_by_code,
+        success=duration(stats.success),
+        failure=duration(stats.failure),
+        queue=duration(stats.queue),
+        compute=duration(stats.compute),
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+        batch_stats=[
+            metrics_pb2.BatchStatistics(batch_size=b.batch_size, count=b.count) for b in stats.batch_stats
+        ],
+        last_inference_unix_ns=stats.last_inference_unix_ns,
+    )
+
+
 class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
     def __init__(self, hub: MetricsHub) -> None:
         self._hub = hub
@@ -78,6 +107,12 @@ class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
     ) -> metrics_pb2.GetLatestResponse:
         samples = self._hub.latest(request.name, request.labels)
         return metrics_pb2.GetLatestResponse(samples=[sample_to_proto(s) for s in samples])
+
+    async def GetModelStatistics(  # noqa: N802
+        self, request: metrics_pb2.GetModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> metrics_pb2.GetModelStatisticsResponse:
+        models = self._hub.model_statistics(request.model_id, window_s=request.window_s)
+        return metrics_pb2.GetModelStatisticsResponse(models=[model_statistics_to_proto(m) for m in models])
 
     async def Watch(  # noqa: N802
         self, request: metrics_pb2.WatchMetricsRequest, context: grpc.aio.ServicerContext

@@ -120,6 +120,7 @@ class Series:
         "last_value",
         "name",
         "total",
+        "value_total",
     )
 
     def __init__(self, name: str, labels: LabelSet, *, capacity: int) -> None:
@@ -134,6 +135,7 @@ class Series:
         self._next = 0  # index of the next write
         self._size = 0  # samples held
         self.total = 0  # samples ever appended
+        self.value_total = 0.0  # sum of the values ever appended
         self.last_value = 0.0
         self.last_timestamp_unix_ns = 0
 
@@ -153,6 +155,7 @@ class Series:
         if self._size < self.capacity:
             self._size += 1
         self.total += 1
+        self.value_total += value
         self.last_value = value
         self.last_timestamp_unix_ns = timestamp_unix_ns
 
@@ -172,6 +175,16 @@ class Series:
         if cutoff is None:
             return values
         return values[self._received[: self._size] >= cutoff]
+
+    def window_since(self, cutoff: float | None) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """(receive times, values) of the samples received at or after `cutoff` (all when
+        None), in no particular order."""
+        received = self._received[: self._size]
+        values = self._values[: self._size]
+        if cutoff is None:
+            return received, values
+        keep = received >= cutoff
+        return received[keep], values[keep]
 
     def latest(self) -> Sample:
         return Sample(self.name, self.last_value, self.labels, self.last_timestamp_unix_ns)
@@ -245,12 +258,20 @@ class Windows:
         self._series_count += 1
         return series
 
+    def now(self) -> float:
+        """The monotonic time windows are measured on."""
+        return self._clock.monotonic()
+
+    def cutoff(self, window_s: float) -> float | None:
+        """The earliest receive time inside a window of `window_s` seconds (None: no limit)."""
+        if window_s < 0 or math.isnan(window_s):
+            raise ValueError("window_s must be >= 0")
+        return None if window_s == 0 or math.isinf(window_s) else self._clock.monotonic() - window_s
+
     def stats(self, name: str, labels: LabelSet = frozenset(), *, window_s: float = 0.0) -> WindowStats:
         """Stats of `name` over the last `window_s` seconds (0 = everything kept), across every
         series whose labels include `labels`."""
-        if window_s < 0 or math.isnan(window_s):
-            raise ValueError("window_s must be >= 0")
-        cutoff = None if window_s == 0 or math.isinf(window_s) else self._clock.monotonic() - window_s
+        cutoff = self.cutoff(window_s)
         parts = [
             series.values_since(cutoff)
             for series in self.series(name)
