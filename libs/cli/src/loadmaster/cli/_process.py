@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
+import shutil
 import subprocess
 
 __all__ = ["die_with_parent", "signal_group"]
 
 
-def die_with_parent() -> None:
-    """For `preexec_fn`: the kernel sends the child SIGTERM when its parent dies (PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)
+def die_with_parent(argv: list[str]) -> list[str]:
+    """`argv` wrapped so the kernel sends the child SIGTERM when its parent dies.
+
+    util-linux's `setpriv --pdeathsig` sets PR_SET_PDEATHSIG and execs the command, which
+    keeps it across exec. (A `preexec_fn` would do the same from Python, but it forces a
+    real fork() of a process that may run gRPC threads, whose fork handlers can then abort
+    the child; without one, subprocess uses vfork/exec and no Python runs in the child.)
+    Where setpriv is missing, the child simply runs without the guard.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return argv
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
 
 
 def signal_group(process: subprocess.Popen[bytes], sig: int) -> None:

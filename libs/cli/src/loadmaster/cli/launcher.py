@@ -186,13 +186,12 @@ class Suite:
             log_path = self.log_dir / f"{label}.log"
             stream = log_path.open("ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", spec.module, "--config", str(self.config_path)],
+            die_with_parent([sys.executable, "-m", spec.module, "--config", str(self.config_path)]),
             env={**self.env, **extra_env},
             stdin=subprocess.DEVNULL,
             stdout=stream,
             stderr=subprocess.STDOUT if stream is not None else None,
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
         if stream is not None:
             stream.close()

@@ -75,11 +75,10 @@ class EmbeddedRedis:
             "warning",
         ]
         self.process = subprocess.Popen(
-            args,
+            die_with_parent(args),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -1,0 +1,101 @@
+"""`loadmaster scheduler use NAME [--policy P]` and `loadmaster scheduler queues`.
+
+`use` switches the running scheduler's ordering strategy (the `SetStrategy` admin RPC):
+waiting requests move to the new queues, none is lost. `queues` prints each model's
+queue (depth, in flight, granted, expired, overflowed, superseded, dropped).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import grpc
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loadmaster.common.config import load_settings
+from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["app"]
+
+app = typer.Typer(help="The scheduler: strategy and queues.", no_args_is_help=True)
+console = Console(stderr=True)
+
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="loadmaster.yaml (default: built-in defaults)")
+]
+AddressOption = Annotated[
+    str | None,
+    typer.Option("--address", help="scheduler address (default: scheduler.address of the config)"),
+]
+_TIMEOUT_S = 10.0
+
+
+def _address(config: Path | None, address: str | None) -> str:
+    if address:
+        return address
+    if config is not None and not config.exists():
+        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
+    return load_settings(config).scheduler.address
+
+
+def _fail(exc: grpc.RpcError, address: str) -> typer.Exit:
+    code = exc.code()  # type: ignore[attr-defined]
+    console.print(f"[red]scheduler at {address}: {code.name}: {exc.details()}[/red]")  # type: ignore[attr-defined]
+    return typer.Exit(2 if code is grpc.StatusCode.INVALID_ARGUMENT else 1)
+
+
+@app.command()
+def use(
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="model_deadline | deadline_aware | tiered_deadline | batch_optimized | "
+            "priority_tiered | round_robin"
+        ),
+    ],
+    policy: Annotated[
+        str | None, typer.Option("--policy", help="a registered policy (deadline family only)")
+    ] = None,
+    config: ConfigOption = None,
+    address: AddressOption = None,
+) -> None:
+    """Switch the scheduler's strategy; waiting requests move over."""
+    target = _address(config, address)
+    with grpc.insecure_channel(target) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        try:
+            reply = stub.SetStrategy(
+                scheduler_pb2.SetStrategyRequest(strategy=name, policy=policy or ""), timeout=_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            raise _fail(exc, target) from None
+    suffix = f" (policy {policy})" if policy else ""
+    typer.echo(f"strategy {reply.previous} -> {reply.strategy}{suffix}; {reply.moved} waiting requests moved")
+
+
+@app.command()
+def queues(config: ConfigOption = None, address: AddressOption = None) -> None:
+    """Print the scheduler's strategy and per-model queues."""
+    target = _address(config, address)
+    with grpc.insecure_channel(target) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        try:
+            reply = stub.GetQueues(scheduler_pb2.GetQueuesRequest(), timeout=_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise _fail(exc, target) from None
+    policy = f", policy {reply.policy}" if reply.policy else ""
+    table = Table(title=f"strategy {reply.strategy}{policy}; {reply.active_clients} active clients")
+    for column in ("model", "depth", "inflight", "granted", "expired", "overflowed", "superseded", "dropped"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for q in reply.queues:
+        table.add_row(
+            q.model_id,
+            *(
+                str(v)
+                for v in (q.depth, q.inflight, q.granted, q.expired, q.overflowed, q.superseded, q.dropped)
+            ),
+        )
+    Console().print(table)

@@ -1,0 +1,158 @@
+"""`loadmaster top`: the dashboard at a glance in the terminal, refreshed live.
+
+Reads the metrics service's dashboard document (`GET /api/dashboard` on its HTTP port, the
+same data the web dashboard plots): per model latency percentiles, throughput, queue depth,
+deadline misses and errors over the last seconds, with a throughput trend; memory leased per
+GPU; the state of each model on each worker.
+
+    loadmaster top -c loadmaster.yaml                 # live until Ctrl-C
+    loadmaster top -c loadmaster.yaml --once          # one frame, then exit (scripts, tests)
+    loadmaster top -c loadmaster.yaml --iterations 5  # five refreshes, then exit
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from loadmaster.common.config import Settings, load_settings
+
+__all__ = ["fetch_dashboard", "render", "top"]
+
+_SPARKS = "▁▂▃▄▅▆▇█"
+_STATE_STYLE = {"READY": "green", "LOADING": "yellow", "UNLOADING": "yellow", "FAILED": "red"}
+
+
+def dashboard_url(settings: Settings, *, window_s: float, summary_s: float) -> str:
+    host = settings.metrics.http_host
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return (
+        f"http://{host}:{settings.metrics.http_port}/api/dashboard"
+        f"?window_s={window_s:g}&step_s=1&summary_s={summary_s:g}"
+    )
+
+
+def fetch_dashboard(url: str, *, timeout_s: float = 2.0) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
+
+
+def sparkline(values: list[float | None], width: int = 30) -> str:
+    tail = values[-width:]
+    numbers = [v for v in tail if v is not None]
+    top = max(numbers, default=0.0)
+    if top <= 0:
+        return _SPARKS[0] * len(tail)
+    return "".join(" " if v is None else _SPARKS[min(7, int(v / top * 7.999))] for v in tail)
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.{digits}f}"
+
+
+def render(doc: dict[str, Any], *, source: str = "") -> Group:
+    """One frame of `top` from the dashboard document."""
+    models = Table(title=f"models (last {_num(doc.get('summary_s'))} s)", expand=True)
+    for column in ("model", "p50 ms", "p95 ms", "p99 ms", "req/s", "queue", "deadline misses", "errors"):
+        models.add_column(column, justify="left" if column == "model" else "right")
+    models.add_column(f"req/s, last {min(30, len(doc.get('t', [])))} s")
+    for name, model in doc.get("models", {}).items():
+        s = model["summary"]
+        misses = s.get("deadline_misses") or 0
+        models.add_row(
+            name,
+            _num(s.get("p50_ms"), 2),
+            _num(s.get("p95_ms"), 2),
+            _num(s.get("p99_ms"), 2),
+            _num(s.get("throughput_rps")),
+            _num(s.get("queue_depth")),
+            Text(_num(misses), style="red" if misses else ""),
+            _num(s.get("errors")),
+            Text(sparkline(model.get("throughput_rps", [])), style="cyan"),
+        )
+
+    gpus = Table(title="GPU memory", expand=True)
+    for column in ("gpu", "leased MB", "free MB", "leased, trend"):
+        gpus.add_column(column, justify="left" if column in ("gpu", "leased, trend") else "right")
+    for name, gpu in doc.get("gpus", {}).items():
+        gpus.add_row(
+            name,
+            _num(gpu.get("lease_mb_now")),
+            _num(gpu.get("free_mb_now")),
+            Text(sparkline(gpu.get("lease_mb", [])), style="magenta"),
+        )
+
+    workers = Table(title="model states per worker", expand=True)
+    for column in ("worker", "model", "state", "inflight", "VRAM MB"):
+        workers.add_column(column, justify="right" if column in ("inflight", "VRAM MB") else "left")
+    for worker in doc.get("workers", []):
+        for slot in worker["slots"]:
+            state = slot["state"]
+            workers.add_row(
+                worker["worker_id"],
+                slot["model"],
+                Text(state, style=_STATE_STYLE.get(state, "dim")),
+                str(slot["inflight"]),
+                str(slot["vram_mb"]),
+            )
+    header = Text.assemble(("loadmaster top", "bold"), "  ", (source, "dim"))
+    return Group(header, models, gpus, workers)
+
+
+def _frame(url: str) -> Group | Text:
+    try:
+        return render(fetch_dashboard(url), source=url.split("/api/", 1)[0])
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        return Text(f"metrics service unreachable at {url}: {error}", style="red")
+
+
+def top(
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="loadmaster.yaml (default: built-in defaults)")
+    ] = None,
+    once: Annotated[bool, typer.Option("--once", help="print one frame and exit")] = False,
+    iterations: Annotated[
+        int,
+        typer.Option("--iterations", "-n", min=0, help="stop after this many refreshes (0 = until Ctrl-C)"),
+    ] = 0,
+    interval_s: Annotated[float, typer.Option("--interval", min=0.1, help="seconds between refreshes")] = 1.0,
+    window_s: Annotated[
+        float, typer.Option("--window", min=1, help="seconds of history in the trends")
+    ] = 60.0,
+    summary_s: Annotated[float, typer.Option("--summary", min=1, help="seconds the figures cover")] = 10.0,
+) -> None:
+    """Latency, throughput, queues, deadline misses, GPU memory and model states, refreshed live."""
+    settings = load_settings(config)
+    url = dashboard_url(settings, window_s=window_s, summary_s=summary_s)
+    console = Console()
+    if once:
+        frame = _frame(url)
+        console.print(frame)
+        if isinstance(frame, Text):
+            raise typer.Exit(1)
+        return
+    stop = threading.Event()
+    count = 0
+    try:
+        with Live(_frame(url), console=console, refresh_per_second=4, screen=False) as live:
+            count = 1
+            while not (iterations and count >= iterations) and not stop.wait(interval_s):
+                live.update(_frame(url))
+                count += 1
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,121 @@
+"""What the sync and async edge clients share: building observations, reading replies, sockets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from loadmaster.common.errors import LoadmasterError, error_for_code
+from loadmaster.common.framing import ERROR_CODE_KEY, ERROR_KEY, REQUEST_ID_KEY
+from loadmaster.common.tensors import decode_tensors, encode_tensors
+from loadmaster.v1 import edge_pb2, errors_pb2
+
+__all__ = [
+    "CurveKeys",
+    "NoReplyError",
+    "build_observation",
+    "configure_socket",
+    "raise_for_error",
+    "read_reply",
+]
+
+_CODES = {name.removeprefix("ERROR_CODE_").lower(): number for name, number in errors_pb2.ErrorCode.items()}
+
+
+class NoReplyError(LoadmasterError):
+    """No reply came within the caller's timeout (the request may still be answered later; it is dropped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """CurveZMQ keys (Z85 text): the gateway's public key and this client's key pair.
+
+    `loadmaster keys curve` makes pairs. Without a client pair a fresh one is made per
+    connection (enough when the gateway allows any client that knows its public key).
+    """
+
+    server_public_key: str
+    client_public_key: str = ""
+    client_secret_key: str = ""
+
+
+def raise_for_error(metadata: Mapping[str, str]) -> None:
+    """Raise the typed error a reply's metadata describes, if any."""
+    code = metadata.get(ERROR_CODE_KEY)
+    if code:
+        raise error_for_code(_CODES.get(code, errors_pb2.ERROR_CODE_INTERNAL), metadata.get(ERROR_KEY, code))
+
+
+def configure_socket(socket: zmq.Socket, *, client_id: str, curve: CurveKeys | None) -> None:  # type: ignore[type-arg]
+    socket.setsockopt(zmq.IDENTITY, client_id.encode())
+    socket.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        if curve.client_secret_key:
+            public, secret = curve.client_public_key.encode(), curve.client_secret_key.encode()
+            if not public:
+                public = zmq.curve_public(secret)
+        else:
+            public, secret = zmq.curve_keypair()
+        socket.curve_secretkey = secret
+        socket.curve_publickey = public
+        socket.curve_serverkey = curve.server_public_key.encode()
+
+
+def endpoint(server: str) -> str:
+    return server if "://" in server else f"tcp://{server}"
+
+
+def build_observation(
+    *,
+    client_id: str,
+    client_type: str,
+    model_id: str,
+    request_id: str,
+    urgency: float,
+    priority: int,
+    steps_remaining: int | None,
+    timeout_ms: float | None,
+    tensors: Mapping[str, np.ndarray],
+) -> tuple[edge_pb2.Observation, Any]:
+    descriptors, payload = encode_tensors(tensors, timestamp_ns=time.time_ns())
+    observation = edge_pb2.Observation(
+        client=edge_pb2.Client(id=client_id, type=client_type),
+        timestamp_ns=time.time_ns(),
+        urgency=urgency,
+        tensors=descriptors,
+        model_id=model_id,
+        priority=priority,
+    )
+    if steps_remaining is not None:
+        observation.steps_remaining = steps_remaining
+    if timeout_ms is not None:
+        observation.metadata["timeout_ms"] = str(timeout_ms)
+    observation.metadata[REQUEST_ID_KEY] = request_id
+    return observation, payload
+
+
+def reply_id(response: edge_pb2.ModelResponse) -> str:
+    return response.metadata.get(REQUEST_ID_KEY, response.response_id)
+
+
+def read_reply(response: edge_pb2.ModelResponse, payload: bytes) -> dict[str, Any]:
+    """A reply as Inferential returns it (arrays + metadata); raises the typed error of a failure."""
+    metadata = dict(response.metadata)
+    raise_for_error(metadata)
+    result: dict[str, Any] = {
+        key: np.array(value) for key, value in decode_tensors(response.tensors, payload).items()
+    }
+    result.update(metadata)
+    result["response_id"] = response.response_id
+    result["model_id"] = response.model_id
+    result["inference_latency_ms"] = response.inference_latency_ms
+    return result
+
+
+def tensors_of(result: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {key: value for key, value in result.items() if isinstance(value, np.ndarray)}

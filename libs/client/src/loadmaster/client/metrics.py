@@ -1,0 +1,135 @@
+"""Live metric samples from the metrics service (`Metrics.Watch`), delivered to a callback.
+
+    from loadmaster.client import on_metric
+
+    with on_metric(lambda s: print(s.name, s.value, s.labels), names=["e2e_latency_ms"],
+                   labels={"model": "double"}, address="127.0.0.1:50054") as subscription:
+        subscription.wait_ready(timeout_s=5)   # from here on, nothing reported is missed
+        ...
+
+The callback runs on the subscription's own thread, one sample at a time in arrival
+order; an exception in it is logged and the stream goes on. When the metrics service
+goes away the subscription reconnects with backoff (samples reported meanwhile are
+not replayed) until `close()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+
+from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
+
+__all__ = ["MetricSample", "MetricSubscription", "on_metric"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSample:
+    name: str
+    value: float
+    labels: dict[str, str] = field(default_factory=dict)  # includes `service`, the reporter
+    timestamp_unix_ns: int = 0
+
+
+MetricCallback = Callable[[MetricSample], object]
+
+
+class MetricSubscription:
+    """A running Watch; close it (or leave its `with` block) to stop."""
+
+    def __init__(
+        self,
+        callback: MetricCallback,
+        *,
+        address: str,
+        names: Iterable[str] = (),
+        labels: Mapping[str, str] | None = None,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self._callback = callback
+        self._address = address
+        self._request = metrics_pb2.WatchMetricsRequest(names=list(names), labels=dict(labels or {}))
+        self._max_backoff_s = max_backoff_s
+        self._closed = threading.Event()
+        self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+        self.received = 0  # samples delivered to the callback
+        self.callback_errors = 0
+        self._thread = threading.Thread(target=self._run, name=f"on_metric-{address}", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """True once the service has registered the watch: samples reported after that arrive."""
+        return self._ready.wait(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> MetricSubscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._closed.is_set():
+            try:
+                with grpc.insecure_channel(self._address) as channel:
+                    call = metrics_pb2_grpc.MetricsStub(channel).Watch(self._request)
+                    with self._lock:
+                        self._call = call
+                    if self._closed.is_set():
+                        call.cancel()
+                    call.initial_metadata()  # sent once the watch is registered
+                    self._ready.set()
+                    backoff = 0.1
+                    for sample in call:
+                        self._deliver(sample)
+            except grpc.RpcError as error:
+                if self._closed.is_set():
+                    return
+                code = error.code() if hasattr(error, "code") else None
+                log.warning("metrics watch on %s ended (%s); reconnecting", self._address, code)
+            except Exception:
+                log.exception("metrics watch on %s failed; reconnecting", self._address)
+            finally:
+                self._ready.clear()
+                with self._lock:
+                    self._call = None
+            if self._closed.wait(backoff):
+                return
+            backoff = min(backoff * 2, self._max_backoff_s)
+
+    def _deliver(self, sample: metrics_pb2.Sample) -> None:
+        value = MetricSample(sample.name, sample.value, dict(sample.labels), sample.timestamp_unix_ns)
+        try:
+            self._callback(value)
+        except Exception:
+            self.callback_errors += 1
+            log.exception("on_metric callback failed on %s", sample.name)
+        self.received += 1
+
+
+def on_metric(
+    callback: MetricCallback,
+    *,
+    address: str = "127.0.0.1:50054",
+    names: Iterable[str] = (),
+    labels: Mapping[str, str] | None = None,
+) -> MetricSubscription:
+    """Call `callback` with every new sample of `names` (every name when empty) whose labels
+    include `labels`, as the metrics service at `address` receives it."""
+    return MetricSubscription(callback, address=address, names=names, labels=labels)
