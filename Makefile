@@ -13,6 +13,7 @@ DISTS := libs/proto libs/common libs/client libs/cli \
 PYPROJECTS := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
+RAY_STAMP := $(VENV)/.installed-ray
 
 .PHONY: run test test-all install models protos check-protos bench soak lint clean chromium
 
@@ -22,7 +23,7 @@ run: install models
 test: install models chromium
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: install models chromium
+test-all: install models chromium $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -36,6 +37,11 @@ $(STAMP): $(PY) $(PYPROJECTS) requirements-dev.txt
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet $(foreach d,$(DISTS),-e $(d)) -r requirements-dev.txt
 	touch $(STAMP)
+
+# ray[serve] is large: only `make test-all` (the slow Ray Serve engine test) installs it.
+$(RAY_STAMP): $(STAMP)
+	$(PIP) install --quiet -e "services/model-pool[torch,onnx,ray]"
+	touch $(RAY_STAMP)
 
 # Debian's chromium, for the dashboard's headless-browser test; installed only when missing
 # (the test skips with a reason where it cannot be installed).

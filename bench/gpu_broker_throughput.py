@@ -1,0 +1,231 @@
+"""Acquire + Release pairs per second with 8 concurrent clients on one Redis; grant latency.
+
+    python bench/gpu_broker_throughput.py                       # both modes, 8 clients, 5 s each
+    python bench/gpu_broker_throughput.py --mode grpc --replicas 2 --seconds 10
+    python bench/gpu_broker_throughput.py --mode core --processes 2   # two replicas, 4 clients each
+    python bench/gpu_broker_throughput.py --redis-url redis://127.0.0.1:6379/0
+
+Modes:
+- `core`: 8 asyncio clients call `LeaseManager` in one process (the broker's own logic and
+  its Lua scripts on a real Redis, no gRPC): what one Redis sustains.
+- `grpc`: 8 client processes, each a blocking loop of `Acquire` + `Release` RPCs against
+  `--replicas` gpu-broker processes (the whole path as a model-pool worker sees it).
+
+Each pair acquires 100 MB (best fit, any GPU) and releases it at once. Grant latency is the
+Acquire call as the client sees it. Writes bench/results/gpu_broker_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from _harness import percentiles_ms, write_result
+
+from loadmaster.cli.redis_server import EmbeddedRedis, free_port
+from loadmaster.common.clock import SystemClock
+from loadmaster.common.grpc_client import wait_for_health_sync
+from loadmaster.gpu_broker.leases import AcquireRequest, GpuState, PlacementRequest
+from loadmaster.gpu_broker.manager import LeaseManager
+from loadmaster.gpu_broker.store import RedisLeaseStore
+
+TARGET_PAIRS_PER_S = 5_000
+GPUS = [GpuState("bench", index, total_mb=80_000, reserve_mb=0) for index in range(8)]
+
+
+async def _core_loop(redis_url: str, prefix: str, clients: int, seconds: float) -> dict[str, Any]:
+    store = RedisLeaseStore.connect(redis_url, key_prefix=prefix)
+    manager = LeaseManager(store, clock=SystemClock(), default_ttl_s=30, default_reserve_mb=0)
+    await manager.register_node("bench", GPUS)
+    latencies: list[float] = []
+    pairs = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client(n: int) -> None:
+        nonlocal pairs
+        request = 0
+        while time.perf_counter() < deadline:
+            request += 1
+            started = time.perf_counter()
+            lease = await manager.acquire(
+                AcquireRequest(
+                    f"{prefix}-{os.getpid()}-{n}-{request}", f"bench-{n}", PlacementRequest(mb=100)
+                )
+            )
+            latencies.append(time.perf_counter() - started)
+            await manager.release(lease.lease_id, fencing_token=lease.fencing_token)
+            pairs += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(n) for n in range(clients)))
+    elapsed = time.perf_counter() - started
+    await store.close()
+    return {"pairs": pairs, "seconds": elapsed, "latencies": latencies}
+
+
+def _core_process(redis_url: str, prefix: str, clients: int, seconds: float) -> dict[str, Any]:
+    return asyncio.run(_core_loop(redis_url, prefix, clients, seconds))
+
+
+def _core(redis_url: str, *, clients: int, seconds: float, processes: int) -> dict[str, Any]:
+    """`clients` asyncio clients spread over `processes` processes, each its own LeaseManager
+    (a broker replica without gRPC), on the one Redis."""
+    import multiprocessing
+
+    import redis
+
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(redis_url)
+    admin.config_resetstat()
+    shares = [clients // processes + (1 if n < clients % processes else 0) for n in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        outputs = pool.starmap(_core_process, [(redis_url, prefix, share, seconds) for share in shares])
+    evalsha = admin.info("commandstats").get("cmdstat_evalsha", {})
+    admin.close()
+    pairs = sum(o["pairs"] for o in outputs)
+    elapsed = max(o["seconds"] for o in outputs)
+    return {
+        "processes": processes,
+        "pairs": pairs,
+        "seconds": round(elapsed, 3),
+        "pairs_per_s": round(pairs / elapsed, 1),
+        "grant_latency": percentiles_ms([x for o in outputs for x in o["latencies"]]),
+        # Time Redis itself spends per script call; the rest of a pair's cost is the client side.
+        "redis_script_calls": evalsha.get("calls", 0),
+        "redis_us_per_script_call": evalsha.get("usec_per_call", 0.0),
+    }
+
+
+_GRPC_CLIENT = r"""
+import json, sys, time, uuid
+import grpc
+from loadmaster.v1 import gpu_broker_pb2 as pb, gpu_broker_pb2_grpc
+address, start, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+stub = gpu_broker_pb2_grpc.GpuBrokerStub(grpc.insecure_channel(address))
+stub.Inventory(pb.InventoryRequest(), timeout=10)  # connected before the clock starts
+latencies, pairs = [], 0
+time.sleep(max(0.0, start - time.time()))
+end = start + seconds
+holder = uuid.uuid4().hex[:8]
+while time.time() < end:
+    t0 = time.perf_counter()
+    lease = stub.Acquire(pb.AcquireRequest(client_request_id=uuid.uuid4().hex, holder=holder, mb=100), timeout=10).lease
+    latencies.append(time.perf_counter() - t0)
+    stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token), timeout=10)
+    pairs += 1
+print(json.dumps({"pairs": pairs, "latencies": latencies}))
+"""
+
+
+@contextlib.contextmanager
+def _brokers(redis_url: str, replicas: int, logs: Path) -> Iterator[list[str]]:
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    declared = {"bench": [{"index": g.index, "total_mb": g.total_mb} for g in GPUS]}
+    processes = []
+    addresses = []
+    try:
+        for n in range(replicas):
+            port = free_port()
+            env = {
+                **os.environ,
+                "REDIS_URL": redis_url,
+                "LOADMASTER_GPU_BROKER__LISTEN": f"127.0.0.1:{port}",
+                "LOADMASTER_GPU_BROKER__KEY_PREFIX": prefix,
+                "LOADMASTER_GPU_BROKER__USE_NVML": "false",
+                "LOADMASTER_GPU_BROKER__RESERVE_MB": "0",
+                "LOADMASTER_GPU_BROKER__DECLARED": json.dumps(declared),
+                "LOADMASTER_METRICS__ENABLED": "false",
+                "LOADMASTER_LOG_LEVEL": "WARNING",
+            }
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "loadmaster.gpu_broker"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=(logs / f"broker-{n}.log").open("wb"),
+                    start_new_session=True,
+                )
+            )
+            addresses.append(f"127.0.0.1:{port}")
+            wait_for_health_sync(addresses[-1], timeout_s=30)
+        yield addresses
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            process.wait(10)
+
+
+def _grpc(redis_url: str, *, clients: int, seconds: float, replicas: int) -> dict[str, Any]:
+    with (
+        tempfile.TemporaryDirectory(prefix="gpu-bench-") as logs,
+        _brokers(redis_url, replicas, Path(logs)) as addresses,
+    ):
+        start = time.time() + 5.0
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _GRPC_CLIENT, addresses[n % len(addresses)], str(start), str(seconds)],
+                stdout=subprocess.PIPE,
+            )
+            for n in range(clients)
+        ]
+        outputs = [json.loads(p.communicate(timeout=seconds + 60)[0]) for p in procs]
+    pairs = sum(o["pairs"] for o in outputs)
+    latencies = [x for o in outputs for x in o["latencies"]]
+    return {
+        "replicas": replicas,
+        "pairs": pairs,
+        "seconds": seconds,
+        "pairs_per_s": round(pairs / seconds, 1),
+        "grant_latency": percentiles_ms(latencies),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["core", "grpc", "both"], default="both")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--replicas", type=int, default=1, help="gpu-broker processes (grpc mode)")
+    parser.add_argument("--processes", type=int, default=1, help="processes sharing the clients (core mode)")
+    parser.add_argument("--redis-url", help="use this Redis (default: an embedded redis-server)")
+    args = parser.parse_args()
+    results: dict[str, Any] = {"clients": args.clients, "target_pairs_per_s": TARGET_PAIRS_PER_S}
+    with contextlib.ExitStack() as stack:
+        redis_url = args.redis_url or stack.enter_context(EmbeddedRedis()).url
+        if args.mode in ("core", "both"):
+            print(
+                f"core: {args.clients} clients, {args.processes} process(es), {args.seconds:g} s…", flush=True
+            )
+            results["core"] = _core(
+                redis_url, clients=args.clients, seconds=args.seconds, processes=args.processes
+            )
+            print(json.dumps(results["core"]), flush=True)
+        if args.mode in ("grpc", "both"):
+            print(
+                f"grpc: {args.clients} client processes, {args.replicas} broker(s), {args.seconds:g} s…",
+                flush=True,
+            )
+            results["grpc"] = _grpc(
+                redis_url, clients=args.clients, seconds=args.seconds, replicas=args.replicas
+            )
+            print(json.dumps(results["grpc"]), flush=True)
+    path = write_result("gpu_broker_throughput", results)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
