@@ -222,6 +222,17 @@ def main() -> int:
                 redis_url, clients=args.clients, seconds=args.seconds, replicas=args.replicas
             )
             print(json.dumps(results["grpc"]), flush=True)
+    results["targets"] = [
+        {
+            "name": f"Acquire+Release pairs/s, {args.clients} clients ({mode})",
+            "measured": results[mode]["pairs_per_s"],
+            "target": 5000,
+            "unit": "/s",
+            "met": results[mode]["pairs_per_s"] >= 5000,
+        }
+        for mode in ("grpc", "core")
+        if mode in results
+    ]
     path = write_result("gpu_broker_throughput", results)
     print(f"wrote {path}")
     return 0
