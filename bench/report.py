@@ -40,7 +40,9 @@ def render() -> str:
             + ".",
             "",
         ]
-    targets = [(r["benchmark"], t) for r in results for t in r.get("targets", [])]
+    targets = [
+        (r["benchmark"], t) for r in results if isinstance(r.get("targets"), list) for t in r["targets"]
+    ]
     if targets:
         lines += ["## Targets", "", "| benchmark | target | measured | goal | met |", "|---|---|---|---|---|"]
         for bench, t in targets:
