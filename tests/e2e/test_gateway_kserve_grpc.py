@@ -65,6 +65,13 @@ def test_model_metadata_and_config(client: triton.InferenceServerClient) -> None
     assert "no-such-model" in raised.value.message()
 
 
+def test_model_metadata_lists_the_declared_inputs_and_outputs(client: triton.InferenceServerClient) -> None:
+    metadata = client.get_model_metadata("policy", as_json=True)
+    assert metadata["platform"] == "torch"
+    assert metadata["inputs"] == [{"name": "state", "datatype": "FP32", "shape": ["-1", "32"]}]
+    assert metadata["outputs"] == [{"name": "action", "datatype": "FP32", "shape": ["-1", "8"]}]
+
+
 @pytest.mark.parametrize(
     ("datatype", "array"),
     [

@@ -72,6 +72,14 @@ def test_metadata_and_config(client: triton.InferenceServerClient) -> None:
     assert raised.value.status() == "404"
 
 
+def test_model_metadata_lists_the_declared_inputs_and_outputs(client: triton.InferenceServerClient) -> None:
+    metadata = client.get_model_metadata("policy")
+    assert metadata["platform"] == "torch"
+    assert metadata["inputs"] == [{"name": "state", "datatype": "FP32", "shape": [-1, 32]}]
+    assert metadata["outputs"] == [{"name": "action", "datatype": "FP32", "shape": [-1, 8]}]
+    assert client.get_model_metadata("double")["inputs"] == []  # declares none: takes any tensors
+
+
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 @pytest.mark.parametrize(
     ("datatype", "array"),

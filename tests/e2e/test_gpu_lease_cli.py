@@ -187,6 +187,15 @@ def test_the_lease_is_released_on_ctrl_c_and_on_a_crash(broker: Path, how: str, 
     try:
         _until(lambda: len(_leases(broker)) == 1, 30)
         if how == "sigint":
+            # Ctrl-C while the command runs: wait for the CLI to report the lease it holds (the
+            # lease shows in the broker a moment before the CLI has the grant).
+            assert process.stderr is not None
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                line = process.stderr.readline().decode()
+                if line.startswith("lease ") or not line:
+                    break
+            time.sleep(0.3)  # the command is being started
             process.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the foreground process
         assert process.wait(30) == expected
         assert _leases(broker) == []

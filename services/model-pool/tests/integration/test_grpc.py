@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.model_pool.server import ModelPoolServer
-from loadmaster.v1 import errors_pb2, model_pool_pb2, model_pool_pb2_grpc
+from loadmaster.v1 import errors_pb2, model_pool_pb2, model_pool_pb2_grpc, tensor_pb2
 
 READY = model_pool_pb2.MODEL_STATE_READY
 IDLE = model_pool_pb2.MODEL_STATE_IDLE
@@ -45,6 +45,21 @@ async def test_health_and_status(worker: ModelPoolServer, stub: Any) -> None:
     assert (
         by_id["policy"].vram_mb == 64 and by_id["policy"].device == "cpu" and by_id["policy"].load_time_ms > 0
     )
+
+
+async def test_status_carries_the_declared_signatures_asked_for(stub: Any) -> None:
+    pool, _ = stub
+    status = await pool.Status(model_pool_pb2.StatusRequest(signatures_of=["policy", "double", "nope"]))
+    by_id = {signature.model_id: signature for signature in status.signatures}
+    assert set(by_id) == {"policy", "double"}  # not in the repository: left out
+    policy = by_id["policy"]
+    assert policy.backend == "torch"
+    assert [(t.name, t.dtype, list(t.shape), t.any_shape) for t in policy.inputs] == [
+        ("state", tensor_pb2.FLOAT32, [-1, 32], False)
+    ]
+    assert [(t.name, list(t.shape)) for t in policy.outputs] == [("action", [-1, 8])]
+    assert list(by_id["double"].inputs) == []  # declares nothing: takes any tensors
+    assert not (await pool.Status(model_pool_pb2.StatusRequest())).signatures
 
 
 async def test_infer_over_grpc(stub: Any) -> None:

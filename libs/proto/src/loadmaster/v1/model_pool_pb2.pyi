@@ -153,11 +153,37 @@ class UnloadResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("signatures_of",)
+    SIGNATURES_OF_FIELD_NUMBER: _ClassVar[int]
+    signatures_of: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, signatures_of: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "any_shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ANY_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _tensor_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    any_shape: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., any_shape: _Optional[bool] = ...) -> None: ...
+
+class ModelSignature(_message.Message):
+    __slots__ = ("model_id", "backend", "inputs", "outputs")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    backend: str
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, model_id: _Optional[str] = ..., backend: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("worker_id", "data_endpoint", "models", "repository", "free_mb", "evictions", "leased_mb_per_gpu")
+    __slots__ = ("worker_id", "data_endpoint", "models", "repository", "free_mb", "evictions", "leased_mb_per_gpu", "signatures")
     class EvictionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +205,7 @@ class StatusResponse(_message.Message):
     FREE_MB_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     LEASED_MB_PER_GPU_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     data_endpoint: str
     models: _containers.RepeatedCompositeFieldContainer[ModelSlotStatus]
@@ -186,7 +213,8 @@ class StatusResponse(_message.Message):
     free_mb: int
     evictions: _containers.ScalarMap[str, int]
     leased_mb_per_gpu: _containers.ScalarMap[int, int]
-    def __init__(self, worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSlotStatus, _Mapping]]] = ..., repository: _Optional[_Iterable[str]] = ..., free_mb: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., leased_mb_per_gpu: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    signatures: _containers.RepeatedCompositeFieldContainer[ModelSignature]
+    def __init__(self, worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSlotStatus, _Mapping]]] = ..., repository: _Optional[_Iterable[str]] = ..., free_mb: _Optional[int] = ..., evictions: _Optional[_Mapping[str, int]] = ..., leased_mb_per_gpu: _Optional[_Mapping[int, int]] = ..., signatures: _Optional[_Iterable[_Union[ModelSignature, _Mapping]]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("model_id", "pinned")

@@ -136,6 +136,23 @@ class ModelCatalog:
             if isinstance(outcome, BaseException):
                 raise outcome
 
+    async def signature(self, name: str) -> model_pool_pb2.ModelSignature:
+        """The model's declared inputs and outputs, from a worker whose repository holds it."""
+        holders = [w for w in await self.workers() if name in w.repository]
+        if not holders:
+            raise NotFoundError(f"model '{name}' is not in any worker's repository")
+        stub = model_pool_pb2_grpc.ModelPoolStub(self._worker_channel(holders[0].grpc_endpoint))
+        try:
+            status = await stub.Status(
+                model_pool_pb2.StatusRequest(signatures_of=[name]), timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            raise from_grpc_error(error) from None
+        for signature in status.signatures:
+            if signature.model_id == name:
+                return signature
+        return model_pool_pb2.ModelSignature(model_id=name)  # its config could not be read
+
     def _worker_channel(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._worker_channels.get(endpoint)
         if channel is None:

@@ -8,14 +8,18 @@ a failed `Load` also leaves its error in the slot (see `Status`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 
 import grpc
 
+from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.tensors import TensorLimits
 from loadmaster.model_pool.pool import ModelPool
-from loadmaster.model_pool.wire import handle_infer, slot_status_pb
+from loadmaster.model_pool.wire import handle_infer, signature_pb, slot_status_pb
 from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ModelPoolServicer"]
 
@@ -68,7 +72,20 @@ class ModelPoolServicer(model_pool_pb2_grpc.ModelPoolServicer):
             free_mb=self._pool.free_mb(),
             evictions=self._pool.counters.by_reason(),
             leased_mb_per_gpu=self._pool.leased_mb_per_gpu(),
+            signatures=self._signatures(request.signatures_of),
         )
+
+    def _signatures(self, model_ids: Sequence[str]) -> list[model_pool_pb2.ModelSignature]:
+        """Declared signatures of the named models this repository holds (broken configs skipped)."""
+        signatures = []
+        for model_id in dict.fromkeys(model_ids):
+            if not self._pool.repository.contains(model_id):
+                continue
+            try:
+                signatures.append(signature_pb(self._pool.repository.spec(model_id)))
+            except LoadmasterError as error:
+                log.warning("no signature for %s: %s", model_id, error.message)
+        return signatures
 
     async def Pin(  # noqa: N802
         self, request: model_pool_pb2.PinRequest, context: grpc.aio.ServicerContext

@@ -12,8 +12,9 @@ from typing import Any
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.common.tensors import TensorLimits, decode_tensors, encode_tensors
 from loadmaster.model_pool.pool import ModelPool
+from loadmaster.model_pool.repository import ModelSpec, TensorSpec
 from loadmaster.model_pool.slots import ModelState, SlotStatus
-from loadmaster.v1 import model_pool_pb2
+from loadmaster.v1 import model_pool_pb2, tensor_pb2
 
 __all__ = ["STATE_TO_PB", "error_reply", "handle_infer", "slot_status_pb"]
 
@@ -106,3 +107,34 @@ async def handle_infer(
         generation=result.generation,
     )
     return reply, out_payload
+
+
+_SPEC_DTYPES = {
+    "float16": tensor_pb2.FLOAT16,
+    "float32": tensor_pb2.FLOAT32,
+    "float64": tensor_pb2.FLOAT64,
+    "bfloat16": tensor_pb2.BFLOAT16,
+    "uint8": tensor_pb2.UINT8,
+    "int32": tensor_pb2.INT32,
+    "int64": tensor_pb2.INT64,
+    "bool": tensor_pb2.BOOL,
+}
+
+
+def signature_pb(spec: ModelSpec) -> model_pool_pb2.ModelSignature:
+    """A model's declared inputs and outputs, from its config."""
+
+    def tensor(declared: TensorSpec) -> model_pool_pb2.TensorSpec:
+        return model_pool_pb2.TensorSpec(
+            name=declared.name,
+            dtype=_SPEC_DTYPES[declared.dtype],  # type: ignore[arg-type]
+            shape=declared.shape or (),
+            any_shape=declared.shape is None,
+        )
+
+    return model_pool_pb2.ModelSignature(
+        model_id=spec.model_id,
+        backend=spec.backend,
+        inputs=[tensor(t) for t in spec.config.inputs],
+        outputs=[tensor(t) for t in spec.config.outputs],
+    )

@@ -36,6 +36,7 @@ from loadmaster.gateway.frontends.kserve import (
     outputs_of,
     parse_priority,
     parse_timeout_ms,
+    tensor_metadata,
 )
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
@@ -154,7 +155,23 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         self._auth.authorize(_token(context), INFER)
         view = await self._catalog.model(request.name)
-        return inference_pb2.ModelMetadataResponse(name=view.name, versions=["1"], platform=view.backend)
+        signature = await self._catalog.signature(request.name)
+
+        def listed(specs: Any) -> list[Any]:
+            return [
+                inference_pb2.ModelMetadataResponse.TensorMetadata(
+                    name=t.name, datatype=t.datatype, shape=t.shape
+                )
+                for t in tensor_metadata(specs)
+            ]
+
+        return inference_pb2.ModelMetadataResponse(
+            name=view.name,
+            versions=["1"],
+            platform=view.backend or signature.backend,
+            inputs=listed(signature.inputs),
+            outputs=listed(signature.outputs),
+        )
 
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         self._auth.authorize(_token(context), INFER)

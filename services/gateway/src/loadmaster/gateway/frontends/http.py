@@ -40,6 +40,7 @@ from loadmaster.gateway.frontends.kserve import (
     outputs_of,
     parse_priority,
     parse_timeout_ms,
+    tensor_metadata,
 )
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
@@ -125,8 +126,22 @@ def build_app(
     async def model_metadata(request: Request) -> Response:
         authorize(request, INFER)
         view = await catalog.model(request.path_params["model"])
+        signature = await catalog.signature(view.name)
+
+        def listed(specs: Any) -> list[dict[str, Any]]:
+            return [
+                {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+                for t in tensor_metadata(specs)
+            ]
+
         return JSONResponse(
-            {"name": view.name, "versions": ["1"], "platform": view.backend, "inputs": [], "outputs": []}
+            {
+                "name": view.name,
+                "versions": ["1"],
+                "platform": view.backend or signature.backend,
+                "inputs": listed(signature.inputs),
+                "outputs": listed(signature.outputs),
+            }
         )
 
     async def model_ready(request: Request) -> Response:

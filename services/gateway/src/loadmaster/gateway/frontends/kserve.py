@@ -24,7 +24,7 @@ from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.tensors import TensorLimits, decode_tensors
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.dispatcher import Dispatcher
-from loadmaster.v1 import tensor_pb2
+from loadmaster.v1 import model_pool_pb2, tensor_pb2
 
 __all__ = [
     "DATATYPES",
@@ -34,6 +34,7 @@ __all__ = [
     "SERVER_VERSION",
     "KServeInput",
     "KServeOutput",
+    "TensorMetadata",
     "build_call",
     "check_parameters",
     "dispatch",
@@ -41,6 +42,7 @@ __all__ = [
     "outputs_of",
     "parse_priority",
     "parse_timeout_ms",
+    "tensor_metadata",
 ]
 
 DEFAULT_PRIORITY = 1  # Loadmaster priorities: 0 = highest
@@ -89,6 +91,25 @@ class KServeOutput:
     datatype: str
     shape: tuple[int, ...]
     data: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMetadata:
+    """One declared input or output, as v2 model metadata lists it."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # -1 = any size on that axis
+
+
+def tensor_metadata(specs: Iterable[model_pool_pb2.TensorSpec]) -> list[TensorMetadata]:
+    """v2 metadata entries for a model's declared tensors (an undeclared shape is `[-1]`)."""
+    return [
+        TensorMetadata(
+            spec.name, _NAMES.get(spec.dtype, "BYTES"), (-1,) if spec.any_shape else tuple(spec.shape)
+        )
+        for spec in specs
+    ]
 
 
 def numpy_for(name: str, datatype: str) -> np.dtype:
