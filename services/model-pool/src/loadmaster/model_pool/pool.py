@@ -48,10 +48,9 @@ from loadmaster.model_pool.eviction import (
     Incoming,
     Resident,
     choose_victim,
-    idle_models,
-    next_idle_deadline,
     no_room_message,
 )
+from loadmaster.model_pool.keep_alive import KeepAlive
 from loadmaster.model_pool.leases import (
     Lease,
     LeaseClient,
@@ -132,8 +131,11 @@ class ModelPool:
         self.counters = EvictionCounters()
         self._room_lock = asyncio.Lock()
         self._room = asyncio.Event()  # set when a request finishes or a model unloads
-        self._idle_wake = asyncio.Event()
-        self._keep_alive_task: asyncio.Task[None] | None = None
+        self._keep_alive = KeepAlive(
+            residents=self._residents,
+            unload_idle=lambda model_id: self._evict(model_id, reason="idle"),
+            clock=self._clock,
+        )
         self._reported_gpus: set[int] = set()
         self._keeper = LeaseKeeper(
             lease_client, ttl_s=lease_ttl_s, on_lost=self._on_lease_lost, clock=self._clock
@@ -176,7 +178,7 @@ class ModelPool:
         slot = self._slot(model_id)
         slot.pinned = pinned
         self._changed(slot)
-        self._idle_wake.set()
+        self._keep_alive.poke()
         return slot.status()
 
     def _residents(self) -> list[Resident]:
@@ -346,8 +348,8 @@ class ModelPool:
         self._changed(slot)
         self._record("model_load_ms", slot.load_time_ms, {"model": model_id})
         self._record_leased()
-        if slot.keep_alive_s is not None:
-            self._ensure_keep_alive()
+        if slot.keep_alive_s is not None and not self._closing:
+            self._keep_alive.start()
         log.info(
             "model %s ready on %s (generation %d, %d instance(s), batch <= %d, %.0f ms)",
             model_id,
@@ -415,33 +417,6 @@ class ModelPool:
         slot.evictions += 1
         self._record("evictions", 1.0, {"model": model_id, "reason": reason})
         await self.unload(model_id, reason=f"evicted ({reason}{': ' + detail if detail else ''})")
-
-    def _ensure_keep_alive(self) -> None:
-        if self._keep_alive_task is None and not self._closing:
-            self._keep_alive_task = asyncio.create_task(self._keep_alive_loop(), name="keep-alive")
-
-    async def _keep_alive_loop(self) -> None:
-        """Unload models idle for their `keep_alive_s`; sleeps until the next one could be due."""
-        while True:
-            try:
-                self._idle_wake.clear()
-                residents = self._residents()
-                now = self._clock.monotonic()
-                due = idle_models(residents, now=now)
-                if due:
-                    await asyncio.gather(
-                        *(self._evict(m, reason="idle") for m in due), return_exceptions=True
-                    )
-                    continue
-                deadline = next_idle_deadline(residents)
-                await event_or_timeout(
-                    self._idle_wake, self._clock, None if deadline is None else deadline - now
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("keep-alive step failed")
-                await self._clock.sleep(1.0)
 
     # ---- teardown ----------------------------------------------------------
 
@@ -529,10 +504,7 @@ class ModelPool:
     async def close(self, *, timeout_s: float = 30.0) -> None:
         """Refuse new work, drain and unload every model, release every lease."""
         self._closing = True
-        if self._keep_alive_task is not None:
-            self._keep_alive_task.cancel()
-            await asyncio.gather(self._keep_alive_task, return_exceptions=True)
-            self._keep_alive_task = None
+        await self._keep_alive.stop()
         busy = [
             model_id
             for model_id, slot in self._slots.items()
@@ -594,7 +566,7 @@ class ModelPool:
         if slot.inflight == 0:
             self._room.set()
             if slot.keep_alive_s is not None:  # its idle clock starts now
-                self._idle_wake.set()
+                self._keep_alive.poke()
 
     def _record_batch(self, model_id: str, size: int, inference_ms: float) -> None:
         labels = {"model": model_id}
