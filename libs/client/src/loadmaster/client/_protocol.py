@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,7 @@ from loadmaster.v1 import edge_pb2, errors_pb2
 
 __all__ = [
     "CurveKeys",
+    "EdgeClient",
     "NoReplyError",
     "build_observation",
     "configure_socket",
@@ -68,6 +71,30 @@ def configure_socket(socket: zmq.Socket, *, client_id: str, curve: CurveKeys | N
 
 def endpoint(server: str) -> str:
     return server if "://" in server else f"tcp://{server}"
+
+
+class EdgeClient:
+    """What the sync and async connections share: the client's identity, its DEALER socket
+    (identity = client id, optional CURVE) connected to the gateway, and request ids."""
+
+    def __init__(
+        self,
+        context: zmq.Context,  # type: ignore[type-arg]
+        server: str,
+        client_id: str | None,
+        client_type: str,
+        curve: CurveKeys | None,
+    ) -> None:
+        self.client_id = client_id or f"lm-{uuid.uuid4().hex[:12]}"
+        self.client_type = client_type
+        self._context = context
+        self._socket = context.socket(zmq.DEALER)
+        configure_socket(self._socket, client_id=self.client_id, curve=curve)
+        self._socket.connect(endpoint(server))
+        self._ids = itertools.count(1)
+
+    def _next_id(self) -> str:
+        return f"{self.client_id}-{next(self._ids)}"
 
 
 def build_observation(

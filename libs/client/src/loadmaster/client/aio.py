@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import logging
-import uuid
 from typing import Any
 
 import numpy as np
@@ -25,10 +23,9 @@ import zmq.asyncio
 
 from loadmaster.client._protocol import (
     CurveKeys,
+    EdgeClient,
     NoReplyError,
     build_observation,
-    configure_socket,
-    endpoint,
     read_reply,
     reply_id,
     tensors_of,
@@ -42,7 +39,7 @@ log = logging.getLogger(__name__)
 _Reply = tuple[edge_pb2.ModelResponse, bytes]
 
 
-class AsyncConnection:
+class AsyncConnection(EdgeClient):
     def __init__(
         self,
         server: str = "tcp://127.0.0.1:5555",
@@ -51,13 +48,7 @@ class AsyncConnection:
         *,
         curve: CurveKeys | None = None,
     ) -> None:
-        self.client_id = client_id or f"lm-{uuid.uuid4().hex[:12]}"
-        self.client_type = client_type
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        configure_socket(self._socket, client_id=self.client_id, curve=curve)
-        self._socket.connect(endpoint(server))
-        self._ids = itertools.count(1)
+        super().__init__(zmq.asyncio.Context(), server, client_id, client_type, curve)
         self._waiting: dict[str, asyncio.Future[_Reply]] = {}
         self._reader: asyncio.Task[None] | None = None
 
@@ -73,9 +64,6 @@ class AsyncConnection:
         self._waiting[request_id] = future
         self._socket.send_multipart([b"", observation.SerializeToString(), payload], copy=False)
         return future
-
-    def _next_id(self) -> str:
-        return f"{self.client_id}-{next(self._ids)}"
 
     def _forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)

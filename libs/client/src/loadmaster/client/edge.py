@@ -14,9 +14,7 @@ being returned for a later request. Failures raise the typed errors of
 from __future__ import annotations
 
 import collections
-import itertools
 import time
-import uuid
 from typing import Any
 
 import numpy as np
@@ -24,10 +22,9 @@ import zmq
 
 from loadmaster.client._protocol import (
     CurveKeys,
+    EdgeClient,
     NoReplyError,
     build_observation,
-    configure_socket,
-    endpoint,
     raise_for_error,
     read_reply,
     reply_id,
@@ -38,7 +35,7 @@ from loadmaster.v1 import edge_pb2
 __all__ = ["Connection", "CurveKeys", "Model", "NoReplyError", "raise_for_error"]
 
 
-class Connection:
+class Connection(EdgeClient):
     def __init__(
         self,
         server: str = "tcp://127.0.0.1:5555",
@@ -47,22 +44,13 @@ class Connection:
         *,
         curve: CurveKeys | None = None,
     ) -> None:
-        self.client_id = client_id or f"lm-{uuid.uuid4().hex[:12]}"
-        self.client_type = client_type
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        configure_socket(self._socket, client_id=self.client_id, curve=curve)
-        self._socket.connect(endpoint(server))
-        self._ids = itertools.count(1)
+        super().__init__(zmq.Context(), server, client_id, client_type, curve)
         # replies that arrived for a request other than the one being waited for
         self._inbox: dict[str, tuple[edge_pb2.ModelResponse, bytes]] = {}
         self._outstanding: dict[str, collections.deque[str]] = collections.defaultdict(collections.deque)
 
     def model(self, model_id: str, *, latency_budget_ms: float = 50.0, priority: int = 1) -> Model:
         return Model(self, model_id, latency_budget_ms=latency_budget_ms, priority=priority)
-
-    def _next_id(self) -> str:
-        return f"{self.client_id}-{next(self._ids)}"
 
     def _send(self, observation: edge_pb2.Observation, payload: Any, request_id: str) -> None:
         self._socket.send_multipart([b"", observation.SerializeToString(), payload], copy=False)
