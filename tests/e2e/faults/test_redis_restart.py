@@ -68,15 +68,23 @@ async def _client(address: str, stop_at: float, held: list[_Held], outcomes: dic
             held.append(_Held(reply.lease.lease_id, granted, released))
 
 
-def _max_concurrent(held: list[_Held]) -> int:
+def _max_concurrent(held: list[_Held]) -> tuple[int, list[_Held]]:
+    """The most leases held at one instant, and those leases (for the failure message)."""
     events = sorted(
-        [(h.granted, 1) for h in held] + [(h.released, -1) for h in held if h.released != float("inf")]
+        [(h.granted, 1, i) for i, h in enumerate(held)]
+        + [(h.released, -1, i) for i, h in enumerate(held) if h.released != float("inf")],
+        key=lambda e: (e[0], e[1]),  # a release at the same instant as a grant comes first
     )
-    current = peak = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
-    return peak
+    alive: set[int] = set()
+    peak, at_peak = 0, []
+    for _, delta, index in events:
+        if delta > 0:
+            alive.add(index)
+        else:
+            alive.discard(index)
+        if len(alive) > peak:
+            peak, at_peak = len(alive), [held[i] for i in sorted(alive)]
+    return peak, at_peak
 
 
 def test_redis_restart_under_lease_traffic(tmp_path: Path) -> None:
@@ -118,7 +126,10 @@ def test_redis_restart_under_lease_traffic(tmp_path: Path) -> None:
 
         lease_ids = [h.lease_id for h in held]
         assert len(lease_ids) == len(set(lease_ids)), "a lease id was granted twice"
-        assert _max_concurrent(held) <= TOTAL_MB // LEASE_MB, "GPU memory was overcommitted"
+        peak, at_peak = _max_concurrent(held)
+        assert peak <= TOTAL_MB // LEASE_MB, (
+            f"GPU memory was overcommitted (Redis back at {restarted_at}): {at_peak}"
+        )
         assert outcomes.get("UNAVAILABLE", 0) > 0, f"the outage was not noticed: {outcomes}"
         recovered = [h.granted - restarted_at[0] for h in held if h.granted > restarted_at[0]]
         assert recovered, f"the brokers did not recover after Redis came back: {outcomes}"

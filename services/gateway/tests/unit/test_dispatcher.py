@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ class _SchedulerDouble:
         self.enqueued: list[scheduler_pb2.RequestInfo] = []
         self.completed: list[tuple[str, int, bool]] = []
         self.cancelled: list[str] = []
+        self.returned: list[str] = []
 
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
         self.enqueued.append(request)
@@ -29,6 +31,9 @@ class _SchedulerDouble:
 
     def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
+
+    def return_credit(self, credit_id: str) -> None:
+        self.returned.append(credit_id)
 
 
 class _WorkersDouble:
@@ -145,3 +150,88 @@ async def test_cancel_before_the_grant_gives_back_the_slot_when_it_comes(parts) 
     dispatcher.on_grant(_grant())
     assert workers.sent == [] and results == []
     assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_CANCELLED, False)]
+
+
+def _credit(credit_id: str = "c1", worker: str = "w1", ttl_ms: float = 500.0) -> scheduler_pb2.Credit:
+    return scheduler_pb2.Credit(
+        credit_id=credit_id,
+        model_id="double",
+        worker_id=worker,
+        data_endpoint=f"tcp://{worker}",
+        generation=3,
+        request_ttl_ms=ttl_ms,
+    )
+
+
+def _ok(request_id: str, worker: str = "w1") -> model_pool_pb2.InferReply:
+    return model_pool_pb2.InferReply(request_id=request_id, model_id="double", worker_id=worker)
+
+
+async def test_a_call_on_an_idle_credit_goes_straight_to_the_worker(parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)
+    [(endpoint, request)] = workers.sent
+    assert (endpoint, request.generation) == ("tcp://w1", 3)
+    assert abs(request.deadline_unix_ns - time.time_ns() - 500e6) < 200e6  # now + the credit's TTL
+    assert [(e.request_id, e.credit_id) for e in scheduler.enqueued] == [("r1", "c1")]
+    dispatcher.submit(_call("r2"), results.append)  # the only credit is busy: asks the scheduler
+    assert scheduler.enqueued[-1].credit_id == "" and len(workers.sent) == 1
+    dispatcher.on_worker_reply(_ok("r1"), b"out")
+    assert results[0].ok and scheduler.completed == [("r1", 0, False)]
+    dispatcher.submit(_call("r3"), results.append)  # the credit is idle again
+    assert scheduler.enqueued[-1].credit_id == "c1"
+    assert scheduler.returned == []
+
+
+async def test_a_revoked_credit_is_returned_at_once_when_idle_else_when_its_call_ends(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.on_credit(_credit("c2"))
+    dispatcher.submit(_call("r1"), results.append)  # runs on c2 (the last lent)
+    dispatcher.on_revoke("c1")
+    dispatcher.on_revoke("c2")
+    assert scheduler.returned == ["c1"]
+    dispatcher.submit(_call("r2"), results.append)  # no credit left to use
+    assert scheduler.enqueued[-1].credit_id == ""
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert scheduler.returned == ["c1", "c2"]
+    dispatcher.on_revoke("c9")  # unknown: ignored
+
+
+async def test_a_retryable_failure_on_a_credit_returns_it_and_follows_the_regrant(parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)
+    failure = model_pool_pb2.InferReply(
+        request_id="r1", worker_id="w1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
+    )
+    dispatcher.on_worker_reply(failure, b"")
+    assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
+    assert scheduler.returned == ["c1"] and results == []
+    dispatcher.on_grant(_grant("r1", worker="w2", attempt=2))
+    assert workers.sent[-1][0] == "tcp://w2"
+    dispatcher.on_worker_reply(_ok("r1", worker="w2"), b"ok")
+    assert len(results) == 1 and results[0].ok
+
+
+async def test_an_unreachable_credit_worker_falls_back_to_the_scheduler(parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit())
+    workers.refuse = True
+    dispatcher.submit(_call("r1"), results.append)
+    assert scheduler.returned == ["c1"]
+    assert [(e.request_id, e.credit_id) for e in scheduler.enqueued] == [("r1", "")]
+    assert results == []
+
+
+async def test_losing_the_scheduler_voids_credits_but_running_calls_still_finish(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.on_scheduler_lost()
+    assert results == []  # it is running on the worker, not waiting for a grant
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert results[0].ok and scheduler.returned == []
+    dispatcher.submit(_call("r2"), results.append)
+    assert scheduler.enqueued[-1].credit_id == ""  # the old session's credit is gone

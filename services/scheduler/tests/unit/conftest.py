@@ -11,6 +11,7 @@ import pytest
 
 from loadmaster.common.clock import FakeClock
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore
+from loadmaster.scheduler.credits import Credit, CreditRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -42,6 +43,8 @@ class Harness:
         self.clock = FakeClock()
         self.outcomes: list[tuple[int, Outcome]] = []
         self.commands: list[tuple[str, WorkerCommand]] = []
+        self.lent: dict[str, tuple[int, Credit]] = {}  # credit id -> (session, credit), not returned
+        self.revoked: list[str] = []
         self._cursor = 0
         self._lives: dict[RequestKey, _Life] = {}
         self.violations: list[str] = []
@@ -71,6 +74,12 @@ class Harness:
 
     def command(self, worker_id: str, command: WorkerCommand) -> None:
         self.commands.append((worker_id, command))
+
+    def lend_credit(self, session_id: int, credit: Credit) -> None:
+        self.lent[credit.credit_id] = (session_id, credit)
+
+    def revoke_credit(self, session_id: int, credit_id: str) -> None:
+        self.revoked.append(credit_id)
 
     # ---- driving -----------------------------------------------------------------
 
@@ -103,6 +112,7 @@ class Harness:
         for life in self._lives.values():
             if life.state == "granted" and life.worker_id == worker_id:
                 life.state = "queued"
+        self.lent = {cid: entry for cid, entry in self.lent.items() if entry[1].worker_id != worker_id}
         self.core.remove_worker(worker_id)
 
     def enqueue(
@@ -145,6 +155,31 @@ class Harness:
             life.state = "done" if final else "queued"
         self.core.submit(session, completes=[completion])
 
+    def run(
+        self, request_id: str, credit_id: str, *, model: str = "m", session: int = 1, client: str = ""
+    ) -> None:
+        """The gateway sent `request_id` on a credit; if the core does not hold that credit
+        for this session, it queues the request instead (the harness expects a grant then)."""
+        entry = self.lent.get(credit_id)
+        life = self._lives.setdefault((session, request_id), _Life())
+        if entry is not None and entry[0] == session and entry[1].running is None:
+            life.state, life.attempts, life.worker_id = "granted", 1, entry[1].worker_id
+        self.core.submit(
+            session, runs=[CreditRun(credit_id, RequestInfo(request_id, model, client_id=client))]
+        )
+
+    def return_credit(self, credit_id: str, *, session: int = 1) -> None:
+        self.lent.pop(credit_id, None)
+        self.core.submit(session, returns=[credit_id])
+
+    def idle_credits(self, model: str = "m") -> list[str]:
+        """Credits lent for `model`, not revoked, with nothing running on them."""
+        return [
+            cid
+            for cid, (_, c) in self.lent.items()
+            if c.model_id == model and cid not in self.revoked and c.running is None
+        ]
+
     def cancel(self, request_id: str, *, session: int = 1) -> None:
         life = self._lives[(session, request_id)]
         if life.state == "queued":
@@ -152,6 +187,7 @@ class Harness:
         self.core.submit(session, cancels=[request_id])
 
     def close_session(self, session: int) -> None:
+        self.lent = {cid: entry for cid, entry in self.lent.items() if entry[0] != session}
         for key, life in self._lives.items():
             if key[0] == session and life.state in ("queued", "granted"):
                 life.state = "dropped"

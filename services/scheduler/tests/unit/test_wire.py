@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loadmaster.scheduler import wire
+from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -17,7 +18,7 @@ from loadmaster.scheduler.domain import (
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
 
-def test_session_batch_translates_all_three_kinds() -> None:
+def test_session_batch_translates_every_kind() -> None:
     pb = scheduler_pb2.SessionRequest(
         enqueue=[
             scheduler_pb2.Enqueue(
@@ -32,6 +33,9 @@ def test_session_batch_translates_all_three_kinds() -> None:
                 )
             ),
             scheduler_pb2.Enqueue(request=scheduler_pb2.RequestInfo(request_id="r2", model_id="m")),
+            scheduler_pb2.Enqueue(
+                request=scheduler_pb2.RequestInfo(request_id="r3", model_id="m", credit_id="c7")
+            ),
         ],
         complete=[
             scheduler_pb2.Complete(
@@ -39,8 +43,12 @@ def test_session_batch_translates_all_three_kinds() -> None:
             )
         ],
         cancel=[scheduler_pb2.Cancel(request_id="r9")],
+        return_credit=[scheduler_pb2.ReturnCredit(credit_id="c5")],
     )
-    enqueues, completes, cancels = wire.session_batch(pb)
+    batch = wire.session_batch(pb)
+    enqueues, completes, cancels = batch.enqueues, batch.completes, batch.cancels
+    assert batch.runs == [CreditRun("c7", RequestInfo("r3", "m"))]
+    assert batch.returns == ["c5"]
     assert enqueues == [
         RequestInfo("r1", "m", client_id="c", priority=2, urgency=0.5, timeout_ms=20.0, steps_remaining=3),
         RequestInfo("r2", "m"),
@@ -59,6 +67,20 @@ def test_session_response_carries_grants_and_rejects() -> None:
     assert response.rejects[0] == scheduler_pb2.Reject(
         request_id="r2", error_code=errors_pb2.ERROR_CODE_EXPIRED, message="late"
     )
+
+
+def test_session_response_carries_credits_and_revocations() -> None:
+    credit = Credit("c1", 3, "m", "w", "tcp://w", 2, 250.0)
+    response = wire.session_response([credit, CreditRevoke("c0")])
+    assert response.credits[0] == scheduler_pb2.Credit(
+        credit_id="c1",
+        model_id="m",
+        worker_id="w",
+        data_endpoint="tcp://w",
+        generation=2,
+        request_ttl_ms=250.0,
+    )
+    assert [r.credit_id for r in response.revokes] == ["c0"]
 
 
 def test_worker_messages_and_admin_round_trip() -> None:

@@ -88,14 +88,34 @@ def queues(config: ConfigOption = None, address: AddressOption = None) -> None:
             raise _fail(exc, target) from None
     policy = f", policy {reply.policy}" if reply.policy else ""
     table = Table(title=f"strategy {reply.strategy}{policy}; {reply.active_clients} active clients")
-    for column in ("model", "depth", "inflight", "granted", "expired", "overflowed", "superseded", "dropped"):
+    columns = (
+        "model",
+        "depth",
+        "inflight",
+        "credits",
+        "granted",
+        "expired",
+        "overflowed",
+        "superseded",
+        "dropped",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column == "model" else "right")
     for q in reply.queues:
         table.add_row(
             q.model_id,
             *(
                 str(v)
-                for v in (q.depth, q.inflight, q.granted, q.expired, q.overflowed, q.superseded, q.dropped)
+                for v in (
+                    q.depth,
+                    q.inflight,
+                    q.credits,
+                    q.granted,
+                    q.expired,
+                    q.overflowed,
+                    q.superseded,
+                    q.dropped,
+                )
             ),
         )
     Console().print(table)

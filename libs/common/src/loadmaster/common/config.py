@@ -147,6 +147,12 @@ class SchedulerSettings(ServiceEndpoint):
     request_ttl_ms: float = Field(default=5000.0, gt=0)
     overflow_policy: Literal["drop_oldest", "reject_newest"] = "drop_oldest"
     max_retries: int = Field(default=1, ge=0)
+    # Dispatch credits (scheduler.proto): while a model's queue is empty and one gateway is its
+    # only user within `credit_window_s`, lend that gateway up to this many of the model's free
+    # worker slots so its requests skip the scheduler round trip. 0 = every request is granted.
+    dispatch_credits: int = Field(default=4, ge=0)
+    # The "only recent user" window; a revocation also pauses a model's credits this long.
+    credit_window_s: float = Field(default=1.0, ge=0)
 
 
 class ModelPoolSettings(ServiceEndpoint):
@@ -208,6 +214,7 @@ class ModelSettings(_Section):
     max_queue_size: int | None = Field(default=None, ge=1)
     request_ttl_ms: float | None = Field(default=None, gt=0)
     overflow_policy: Literal["drop_oldest", "reject_newest"] | None = None
+    dispatch_credits: int | None = Field(default=None, ge=0)
     # Anti-thrash: a model loaded less than this long ago is not evicted to make room.
     min_resident_s: float = Field(default=1.0, ge=0)
     # Overrides of the model's config.yaml (None = what config.yaml says).

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "client_id", "model_id", "priority", "urgency", "steps_remaining", "received_unix_ns", "timeout_ms", "payload_bytes", "client_type", "trace_context")
+    __slots__ = ("request_id", "client_id", "model_id", "priority", "urgency", "steps_remaining", "received_unix_ns", "timeout_ms", "payload_bytes", "client_type", "trace_context", "credit_id")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class RequestInfo(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TYPE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     client_id: str
     model_id: str
@@ -39,7 +40,8 @@ class RequestInfo(_message.Message):
     payload_bytes: int
     client_type: str
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., urgency: _Optional[float] = ..., steps_remaining: _Optional[int] = ..., received_unix_ns: _Optional[int] = ..., timeout_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., client_type: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    credit_id: str
+    def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., urgency: _Optional[float] = ..., steps_remaining: _Optional[int] = ..., received_unix_ns: _Optional[int] = ..., timeout_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., client_type: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., credit_id: _Optional[str] = ...) -> None: ...
 
 class Enqueue(_message.Message):
     __slots__ = ("request",)
@@ -68,22 +70,32 @@ class Cancel(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class SessionHello(_message.Message):
-    __slots__ = ("gateway_id",)
+    __slots__ = ("gateway_id", "accepts_credits")
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_CREDITS_FIELD_NUMBER: _ClassVar[int]
     gateway_id: str
-    def __init__(self, gateway_id: _Optional[str] = ...) -> None: ...
+    accepts_credits: bool
+    def __init__(self, gateway_id: _Optional[str] = ..., accepts_credits: _Optional[bool] = ...) -> None: ...
+
+class ReturnCredit(_message.Message):
+    __slots__ = ("credit_id",)
+    CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
+    credit_id: str
+    def __init__(self, credit_id: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("hello", "enqueue", "complete", "cancel")
+    __slots__ = ("hello", "enqueue", "complete", "cancel", "return_credit")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ENQUEUE_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RETURN_CREDIT_FIELD_NUMBER: _ClassVar[int]
     hello: SessionHello
     enqueue: _containers.RepeatedCompositeFieldContainer[Enqueue]
     complete: _containers.RepeatedCompositeFieldContainer[Complete]
     cancel: _containers.RepeatedCompositeFieldContainer[Cancel]
-    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ...) -> None: ...
+    return_credit: _containers.RepeatedCompositeFieldContainer[ReturnCredit]
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ...) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns", "attempt")
@@ -111,13 +123,39 @@ class Reject(_message.Message):
     message: str
     def __init__(self, request_id: _Optional[str] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
+class Credit(_message.Message):
+    __slots__ = ("credit_id", "model_id", "worker_id", "data_endpoint", "generation", "request_ttl_ms")
+    CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    credit_id: str
+    model_id: str
+    worker_id: str
+    data_endpoint: str
+    generation: int
+    request_ttl_ms: float
+    def __init__(self, credit_id: _Optional[str] = ..., model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., request_ttl_ms: _Optional[float] = ...) -> None: ...
+
+class RevokeCredit(_message.Message):
+    __slots__ = ("credit_id",)
+    CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
+    credit_id: str
+    def __init__(self, credit_id: _Optional[str] = ...) -> None: ...
+
 class SessionResponse(_message.Message):
-    __slots__ = ("grants", "rejects")
+    __slots__ = ("grants", "rejects", "credits", "revokes")
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     REJECTS_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    REVOKES_FIELD_NUMBER: _ClassVar[int]
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
     rejects: _containers.RepeatedCompositeFieldContainer[Reject]
-    def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., rejects: _Optional[_Iterable[_Union[Reject, _Mapping]]] = ...) -> None: ...
+    credits: _containers.RepeatedCompositeFieldContainer[Credit]
+    revokes: _containers.RepeatedCompositeFieldContainer[RevokeCredit]
+    def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., rejects: _Optional[_Iterable[_Union[Reject, _Mapping]]] = ..., credits: _Optional[_Iterable[_Union[Credit, _Mapping]]] = ..., revokes: _Optional[_Iterable[_Union[RevokeCredit, _Mapping]]] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ("worker_id", "data_endpoint", "grpc_endpoint", "node", "repository")
@@ -200,7 +238,7 @@ class GetQueuesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class QueueInfo(_message.Message):
-    __slots__ = ("model_id", "depth", "inflight", "expired", "overflowed", "granted", "superseded", "dropped")
+    __slots__ = ("model_id", "depth", "inflight", "expired", "overflowed", "granted", "superseded", "dropped", "credits")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +247,7 @@ class QueueInfo(_message.Message):
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     depth: int
     inflight: int
@@ -217,7 +256,8 @@ class QueueInfo(_message.Message):
     granted: int
     superseded: int
     dropped: int
-    def __init__(self, model_id: _Optional[str] = ..., depth: _Optional[int] = ..., inflight: _Optional[int] = ..., expired: _Optional[int] = ..., overflowed: _Optional[int] = ..., granted: _Optional[int] = ..., superseded: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+    credits: int
+    def __init__(self, model_id: _Optional[str] = ..., depth: _Optional[int] = ..., inflight: _Optional[int] = ..., expired: _Optional[int] = ..., overflowed: _Optional[int] = ..., granted: _Optional[int] = ..., superseded: _Optional[int] = ..., dropped: _Optional[int] = ..., credits: _Optional[int] = ...) -> None: ...
 
 class GetQueuesResponse(_message.Message):
     __slots__ = ("queues", "strategy", "policy", "active_clients")

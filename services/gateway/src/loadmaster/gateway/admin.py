@@ -36,6 +36,7 @@ class SchedulerAdmin:
                     "model": q.model_id,
                     "depth": q.depth,
                     "inflight": q.inflight,
+                    "credits": q.credits,
                     "expired": q.expired,
                     "overflowed": q.overflowed,
                     "granted": q.granted,

@@ -6,6 +6,12 @@ port; the worker's reply (or a Reject, or the reply watchdog) finishes the call
 exactly once through its callback, and the scheduler is told with Complete.
 A retryable worker failure is not answered: the scheduler re-grants (possibly
 elsewhere) or rejects. Replies from an earlier grant's worker are ignored.
+
+Dispatch credits (scheduler.proto) skip the grant round trip: while the gateway
+holds an idle credit for a call's model, `submit` sends the call straight to the
+credit's worker and reports it to the scheduler as already running. A credit is
+idle again once its call has ended, unless it was revoked (then it is returned)
+or its worker failed the call retryably or never replied (returned as well).
 """
 
 from __future__ import annotations
@@ -46,6 +52,21 @@ class _Pending:
     attempt: int = 0
     watchdog: asyncio.TimerHandle | None = None
     span: trace.Span = trace.INVALID_SPAN  # recording only while tracing is on
+    credit: _Credit | None = None  # the dispatch credit it runs on
+
+
+@dataclass(slots=True)
+class _Credit:
+    """A worker slot the scheduler lent this gateway (see scheduler.proto)."""
+
+    credit_id: str
+    model_id: str
+    worker_id: str
+    data_endpoint: str
+    generation: int
+    request_ttl_ms: float
+    running: str | None = None  # request id
+    revoked: bool = False
 
 
 class Dispatcher:
@@ -58,6 +79,8 @@ class Dispatcher:
         self._telemetry = telemetry
         self._reply_grace_s = reply_grace_s
         self._pending: dict[str, _Pending] = {}
+        self._credits: dict[str, _Credit] = {}
+        self._idle_credits: dict[str, list[_Credit]] = {}  # model -> idle credits
         self._scheduler: SchedulerLink | None = None
         self._workers: WorkerLinks | None = None
 
@@ -83,7 +106,7 @@ class Dispatcher:
         span = tracing.start_request_span(
             "gateway.request", request_id=call.request_id, model_id=call.model_id, kind=SpanKind.SERVER
         )
-        self._pending[call.request_id] = _Pending(call, on_result, span=span)
+        pending = self._pending[call.request_id] = _Pending(call, on_result, span=span)
         info = scheduler_pb2.RequestInfo(
             request_id=call.request_id,
             client_id=call.client_id,
@@ -98,6 +121,11 @@ class Dispatcher:
         )
         if span.is_recording():
             tracing.inject(info.trace_context, span=span)
+        idle = self._idle_credits.get(call.model_id)
+        if idle:
+            credit = idle.pop()
+            if self._run_on_credit(pending, credit):
+                info.credit_id = credit.credit_id
         self._scheduler.enqueue(info)
 
     def cancel(self, request_id: str) -> None:
@@ -112,6 +140,7 @@ class Dispatcher:
             self._scheduler.complete(request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
         else:
             self._scheduler.cancel(request_id)
+        self._release_credit(pending)
 
     # -- scheduler callbacks -------------------------------------------------------------
 
@@ -121,40 +150,55 @@ class Dispatcher:
         if pending is None:  # cancelled or answered meanwhile: give the slot back
             self._scheduler.complete(grant.request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
             return
-        pending.worker_id = grant.worker_id
+        # A run the scheduler did not take as one (its credit was gone) was queued and
+        # granted like any other request: follow the grant.
+        self._release_credit(pending, give_back=True)
         pending.attempt = grant.attempt
-        call = pending.call
-        request = model_pool_pb2.InferRequest(
-            request_id=call.request_id,
-            model_id=call.model_id,
-            inputs=call.inputs,
-            metadata=call.metadata,
-            deadline_unix_ns=grant.deadline_unix_ns,
-            generation=grant.generation,
-        )
-        if pending.span.is_recording():
-            tracing.inject(request.metadata, span=pending.span)
-        envelope = request.SerializeToString()
         try:
-            self._workers.send(grant.data_endpoint, envelope, call.payload)
-        except UnavailableError as error:
-            log.warning("request %s: %s", call.request_id, error.message)
-            self._telemetry.record("dispatch_errors", 1, {"model": call.model_id, "code": error.edge_code})
-            pending.worker_id = ""
-            self._scheduler.complete(
-                call.request_id, error_code=error.code, retryable=True, worker_id=grant.worker_id
+            self._send(
+                pending, grant.worker_id, grant.data_endpoint, grant.generation, grant.deadline_unix_ns
             )
-            return
-        self._arm(pending, grant.deadline_unix_ns)
+        except UnavailableError as error:
+            self._scheduler.complete(
+                pending.call.request_id, error_code=error.code, retryable=True, worker_id=grant.worker_id
+            )
 
     def on_reject(self, reject: scheduler_pb2.Reject) -> None:
         pending = self._pending.get(reject.request_id)
         if pending is None:
             return
         self._finish(pending, self._failed(pending.call, error_for_code(reject.error_code, reject.message)))
+        self._release_credit(pending)
+
+    def on_credit(self, credit: scheduler_pb2.Credit) -> None:
+        lent = _Credit(
+            credit_id=credit.credit_id,
+            model_id=credit.model_id,
+            worker_id=credit.worker_id,
+            data_endpoint=credit.data_endpoint,
+            generation=credit.generation,
+            request_ttl_ms=credit.request_ttl_ms,
+        )
+        self._credits[lent.credit_id] = lent
+        self._idle_credits.setdefault(lent.model_id, []).append(lent)
+
+    def on_revoke(self, credit_id: str) -> None:
+        credit = self._credits.get(credit_id)
+        if credit is None:
+            return
+        if credit.running is not None:
+            credit.revoked = True  # returned when its call ends
+            return
+        self._idle_credits[credit.model_id].remove(credit)
+        self._give_back(credit)
 
     def on_scheduler_lost(self) -> None:
-        """Calls still waiting for a grant will never get one: answer them now."""
+        """Calls still waiting for a grant will never get one: answer them now. The lost
+        session's credits are void (calls running on them still get their replies)."""
+        self._credits.clear()
+        self._idle_credits.clear()
+        for pending in self._pending.values():
+            pending.credit = None
         waiting = [p for p in self._pending.values() if not p.worker_id]
         for pending in waiting:
             self._finish(pending, self._failed(pending.call, UnavailableError("scheduler connection lost")))
@@ -174,6 +218,7 @@ class Dispatcher:
             self._scheduler.complete(
                 reply.request_id, error_code=code, retryable=True, worker_id=reply.worker_id
             )
+            self._release_credit(pending, give_back=True)
             return
         if code:
             result = self._failed(pending.call, error_for_code(code, reply.error_message))
@@ -193,8 +238,76 @@ class Dispatcher:
             worker_id=reply.worker_id,
             inference_ms=reply.inference_latency_ms,
         )
+        self._release_credit(pending)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _send(
+        self, pending: _Pending, worker_id: str, endpoint: str, generation: int, deadline_ns: int
+    ) -> None:
+        """Send the call to a worker's data port and arm its reply watchdog; on
+        `UnavailableError` the call is back to waiting (the caller tells the scheduler)."""
+        assert self._workers is not None
+        call = pending.call
+        request = model_pool_pb2.InferRequest(
+            request_id=call.request_id,
+            model_id=call.model_id,
+            inputs=call.inputs,
+            metadata=call.metadata,
+            deadline_unix_ns=deadline_ns,
+            generation=generation,
+        )
+        if pending.span.is_recording():
+            tracing.inject(request.metadata, span=pending.span)
+        pending.worker_id = worker_id
+        try:
+            self._workers.send(endpoint, request.SerializeToString(), call.payload)
+        except UnavailableError as error:
+            log.warning("request %s: %s", call.request_id, error.message)
+            self._telemetry.record("dispatch_errors", 1, {"model": call.model_id, "code": error.edge_code})
+            pending.worker_id = ""
+            raise
+        self._arm(pending, deadline_ns)
+
+    def _run_on_credit(self, pending: _Pending, credit: _Credit) -> bool:
+        """Send the call on an idle credit; False (credit returned) if its worker is unreachable."""
+        call = pending.call
+        ttl_ms = credit.request_ttl_ms
+        if call.timeout_ms > 0:
+            ttl_ms = min(ttl_ms, call.timeout_ms)
+        pending.attempt = 1
+        try:
+            self._send(
+                pending,
+                credit.worker_id,
+                credit.data_endpoint,
+                credit.generation,
+                time.time_ns() + int(ttl_ms * 1e6),
+            )
+        except UnavailableError:
+            self._give_back(credit)
+            return False
+        credit.running = call.request_id
+        pending.credit = credit
+        return True
+
+    def _release_credit(self, pending: _Pending, *, give_back: bool = False) -> None:
+        """The call on `pending`'s credit has ended: the credit is idle again, or returned
+        when it was revoked or `give_back` (its worker failed the call)."""
+        credit = pending.credit
+        if credit is None:
+            return
+        pending.credit = None
+        credit.running = None
+        if credit.revoked or give_back:
+            self._give_back(credit)
+        elif credit.credit_id in self._credits:
+            self._idle_credits[credit.model_id].append(credit)
+
+    def _give_back(self, credit: _Credit) -> None:
+        if self._credits.pop(credit.credit_id, None) is not None:
+            assert self._scheduler is not None
+            self._scheduler.return_credit(credit.credit_id)
 
     def _arm(self, pending: _Pending, deadline_unix_ns: int) -> None:
         """Answer `expired` if the worker never replies (hung or dead) by deadline + grace."""
@@ -223,6 +336,7 @@ class Dispatcher:
         )
         self._finish(pending, self._failed(pending.call, error))
         self._scheduler.complete(request_id, error_code=error.code, worker_id=worker_id)
+        self._release_credit(pending, give_back=True)
 
     @staticmethod
     def _failed(call: InferenceCall, error: LoadmasterError) -> CallResult:

@@ -1,8 +1,9 @@
 """The gateway's one long-lived `Session` stream to the scheduler.
 
-Enqueue / Complete / Cancel calls only append to an outbox; a writer task sends
-everything pending as one `SessionRequest`, so messages batch by themselves
-under load. Grants and Rejects are handed to callbacks. When the stream breaks,
+Enqueue / Complete / Cancel / ReturnCredit calls only append to an outbox; a
+writer task sends everything pending as one `SessionRequest`, so messages batch
+by themselves under load. Grants, Rejects, Credits and credit revocations are
+handed to callbacks. When the stream breaks,
 `on_lost` is called at once (the dispatcher fails what was waiting for a grant)
 and the link reconnects with backoff; while it is down, `connected` is False
 and new requests are answered `unavailable` by the dispatcher.
@@ -33,6 +34,11 @@ class _Outbox:
     enqueues: list[scheduler_pb2.Enqueue] = field(default_factory=list)
     completes: list[scheduler_pb2.Complete] = field(default_factory=list)
     cancels: list[scheduler_pb2.Cancel] = field(default_factory=list)
+    returns: list[scheduler_pb2.ReturnCredit] = field(default_factory=list)
+    # Requests run on a credit whose Enqueue is not sent yet, and Completes held back
+    # until it is: the scheduler must see a run before its Complete.
+    unsent_runs: set[str] = field(default_factory=set)
+    held: list[scheduler_pb2.Complete] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -45,6 +51,8 @@ class SchedulerLink:
         on_grant: Callable[[scheduler_pb2.Grant], None],
         on_reject: Callable[[scheduler_pb2.Reject], None],
         on_lost: Callable[[], None],
+        on_credit: Callable[[scheduler_pb2.Credit], None] | None = None,
+        on_revoke: Callable[[str], None] | None = None,
         max_batch: int = 256,
         connect_timeout_s: float = 1.0,
     ) -> None:
@@ -53,6 +61,8 @@ class SchedulerLink:
         self._on_grant = on_grant
         self._on_reject = on_reject
         self._on_lost = on_lost
+        self._on_credit = on_credit
+        self._on_revoke = on_revoke
         self._max_batch = max_batch
         self._connect_timeout_s = connect_timeout_s
         self._outbox = _Outbox()
@@ -74,7 +84,10 @@ class SchedulerLink:
     # -- outbox (called from the event loop thread) ---------------------------------
 
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
+        """Queue a request (with `credit_id` set: report one already sent on that credit)."""
         self._outbox.enqueues.append(scheduler_pb2.Enqueue(request=request))
+        if request.credit_id:
+            self._outbox.unsent_runs.add(request.request_id)
         self._outbox.wake.set()
 
     def complete(
@@ -88,20 +101,25 @@ class SchedulerLink:
     ) -> None:
         if not self.connected:
             return  # the scheduler forgot this session's requests when the stream broke
-        self._outbox.completes.append(
-            scheduler_pb2.Complete(
-                request_id=request_id,
-                error_code=error_code,  # type: ignore[arg-type]
-                retryable=retryable,
-                worker_id=worker_id,
-                inference_ms=inference_ms,
-            )
+        message = scheduler_pb2.Complete(
+            request_id=request_id,
+            error_code=error_code,  # type: ignore[arg-type]
+            retryable=retryable,
+            worker_id=worker_id,
+            inference_ms=inference_ms,
         )
-        self._outbox.wake.set()
+        outbox = self._outbox
+        (outbox.held if request_id in outbox.unsent_runs else outbox.completes).append(message)
+        outbox.wake.set()
 
     def cancel(self, request_id: str) -> None:
         if self.connected:
             self._outbox.cancels.append(scheduler_pb2.Cancel(request_id=request_id))
+            self._outbox.wake.set()
+
+    def return_credit(self, credit_id: str) -> None:
+        if self.connected:
+            self._outbox.returns.append(scheduler_pb2.ReturnCredit(credit_id=credit_id))
             self._outbox.wake.set()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -118,20 +136,33 @@ class SchedulerLink:
 
     async def _outgoing(self, outbox: _Outbox) -> AsyncIterator[scheduler_pb2.SessionRequest]:
         """The messages of one session; a broken session's generator never sees later messages."""
-        yield scheduler_pb2.SessionRequest(hello=scheduler_pb2.SessionHello(gateway_id=self._gateway_id))
+        hello = scheduler_pb2.SessionHello(
+            gateway_id=self._gateway_id, accepts_credits=self._on_credit is not None
+        )
+        yield scheduler_pb2.SessionRequest(hello=hello)
         batch = self._max_batch
         while True:
             await outbox.wake.wait()
             outbox.wake.clear()
-            while outbox.enqueues or outbox.completes or outbox.cancels:
+            while outbox.enqueues or outbox.completes or outbox.cancels or outbox.returns:
                 message = scheduler_pb2.SessionRequest()
-                # Completes first: they free slots the enqueues may be granted.
+                # Completes and returns first: they free slots the enqueues may be granted.
+                # (The scheduler handles a message's completes, then returns, then enqueues.)
                 message.complete.extend(outbox.completes[:batch])
                 del outbox.completes[:batch]
+                message.return_credit.extend(outbox.returns[:batch])
+                del outbox.returns[:batch]
                 message.cancel.extend(outbox.cancels[:batch])
                 del outbox.cancels[:batch]
                 message.enqueue.extend(outbox.enqueues[:batch])
                 del outbox.enqueues[:batch]
+                if outbox.unsent_runs:
+                    for enqueue in message.enqueue:
+                        outbox.unsent_runs.discard(enqueue.request.request_id)
+                if outbox.held:  # their runs are in this message: they go in the next one
+                    held = outbox.held
+                    outbox.held = [c for c in held if c.request_id in outbox.unsent_runs]
+                    outbox.completes.extend(c for c in held if c.request_id not in outbox.unsent_runs)
                 yield message
 
     async def _run(self) -> None:
@@ -151,6 +182,12 @@ class SchedulerLink:
                             self._on_grant(grant)
                         for reject in response.rejects:
                             self._on_reject(reject)
+                        if self._on_credit is not None:
+                            for credit in response.credits:
+                                self._on_credit(credit)
+                        if self._on_revoke is not None:
+                            for revoke in response.revokes:
+                                self._on_revoke(revoke.credit_id)
                     log.warning("scheduler %s ended the session", self._address)
             except asyncio.CancelledError:
                 self._mark_lost()

@@ -44,6 +44,8 @@ class Gateway:
             on_grant=self.dispatcher.on_grant,
             on_reject=self.dispatcher.on_reject,
             on_lost=self.dispatcher.on_scheduler_lost,
+            on_credit=self.dispatcher.on_credit,
+            on_revoke=self.dispatcher.on_revoke,
             max_batch=settings.gateway.max_stream_batch,
         )
         self.workers = WorkerLinks(self.context, self.dispatcher.on_worker_reply)

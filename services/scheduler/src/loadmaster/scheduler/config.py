@@ -22,6 +22,7 @@ class ModelPolicy:
     overflow_policy: OverflowPolicy
     latest_only: bool = False
     vram_mb: int | None = None
+    dispatch_credits: int = 0  # worker slots a sole gateway may borrow while the queue is empty
 
 
 def _memo(fn: Callable[[str], object]) -> Callable[[str], object]:
@@ -48,6 +49,9 @@ class CoreConfig:
     latency_budget_ms: Callable[[str], float] = lambda client_id: 50.0
     cadence_alpha: float = 0.3
     disconnect_timeout_s: float = 10.0
+    # Dispatch credits (see credits.py); 0 = off, the default for a bare CoreConfig.
+    dispatch_credits: int = 0
+    credit_window_s: float = 1.0
     _policies: dict[str, ModelPolicy] = field(default_factory=dict, compare=False, repr=False)
 
     def policy(self, model_id: str) -> ModelPolicy:
@@ -56,7 +60,12 @@ class CoreConfig:
             if self.model_policy is not None:
                 policy = self.model_policy(model_id)
             else:
-                policy = ModelPolicy(self.max_queue_size, self.request_ttl_ms, self.overflow_policy)
+                policy = ModelPolicy(
+                    self.max_queue_size,
+                    self.request_ttl_ms,
+                    self.overflow_policy,
+                    dispatch_credits=self.dispatch_credits,
+                )
             self._policies[model_id] = policy
         return policy
 
@@ -73,6 +82,7 @@ class CoreConfig:
                 overflow_policy=OverflowPolicy(m.overflow_policy or s.overflow_policy),
                 latest_only=m.latest_only,
                 vram_mb=m.vram_mb,
+                dispatch_credits=s.dispatch_credits if m.dispatch_credits is None else m.dispatch_credits,
             )
 
         max_inflight = _memo(lambda model_id: models.for_model(model_id).max_inflight)
@@ -87,6 +97,8 @@ class CoreConfig:
             latency_budget_ms=budgets,  # type: ignore[arg-type]
             cadence_alpha=settings.response_tracking.cadence_alpha,
             disconnect_timeout_s=settings.response_tracking.disconnect_timeout_s,
+            dispatch_credits=s.dispatch_credits,
+            credit_window_s=s.credit_window_s,
         )
 
 

@@ -9,6 +9,10 @@ deadline, client liveness check or batch release, whichever comes first.
 Every admitted request ends exactly once: a Reject, or a Grant whose Complete is
 final (success or non-retryable failure). A retryable failure re-queues the
 request (same arrival, same deadline) while attempts <= max_retries.
+
+While a model's queue is empty the core may lend its free worker slots to the
+model's only gateway as dispatch credits (credits.py); a request run on a credit
+is admitted already started, and any request that has to wait revokes them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from loadmaster.common.clock import Clock
 from loadmaster.scheduler import placement
 from loadmaster.scheduler.clients import ClientTracker
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
+from loadmaster.scheduler.credits import Credit, CreditBook, CreditRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -33,6 +38,7 @@ from loadmaster.scheduler.domain import (
     Request,
     RequestInfo,
     RequestKey,
+    SlotState,
     SlotStatus,
     WorkerHello,
     WorkerView,
@@ -58,6 +64,7 @@ class _Tracked:
     request: Request
     attempts: int = 0
     worker_id: str | None = None  # set while granted
+    credit_id: str | None = None  # set while it runs on a dispatch credit's lent slot
 
 
 @dataclass(slots=True)
@@ -97,6 +104,7 @@ class SchedulerCore:
         self._loads = LoadTracker()
         self._placed: dict[tuple[str, str], int] = {}  # (model, worker) -> grants this dispatch
         self._arrivals = itertools.count()
+        self._credits = CreditBook(config.credit_window_s)
 
     # ---- gateway side ------------------------------------------------------------
 
@@ -107,20 +115,33 @@ class SchedulerCore:
         enqueues: Sequence[RequestInfo] = (),
         completes: Sequence[Completion] = (),
         cancels: Sequence[str] = (),
+        runs: Sequence[CreditRun] = (),
+        returns: Sequence[str] = (),
     ) -> None:
         """One batch from a gateway session; dispatches once at the end."""
         touched: set[str] = set()
         for completion in completes:  # completions first: they free slots for this batch
             self._complete(session_id, completion, touched)
+        for credit_id in returns:
+            self._return_credit(session_id, credit_id, touched)
+        for run in runs:
+            self._enqueue(session_id, run.info, touched, credit_id=run.credit_id)
         for info in enqueues:
             self._enqueue(session_id, info, touched)
         for request_id in cancels:
             self._cancel((session_id, request_id))
         self._dispatch(touched)
 
+    def accept_credits(self, session_id: int) -> None:
+        """The session's gateway understands dispatch credits."""
+        self._credits.accept(session_id)
+
     def close_session(self, session_id: int) -> None:
-        """The gateway is gone: drop its waiting requests silently, free its grants."""
+        """The gateway is gone: drop its waiting requests silently, free its grants and credits."""
         touched: set[str] = set()
+        for credit in self._credits.drop_session(session_id):
+            self._registry.release(credit.worker_id, credit.slot_key)
+            touched.add(credit.model_id)
         for key, tracked in list(self._tracked.items()):
             if key[0] != session_id:
                 continue
@@ -146,6 +167,9 @@ class SchedulerCore:
         if self._registry.get(worker_id) is None:
             return
         previous = self._registry.report(worker_id, slots, free_mb=free_mb)
+        if self._credits:
+            ready = {slot.model_id: slot.generation for slot in slots if slot.state is SlotState.READY}
+            self._revoke(self._credits.revoke_stale(worker_id, ready))
         failures = self._loads.observe(worker_id, previous, {slot.model_id: slot for slot in slots})
         for model_id, error in failures.items():
             log.warning("model %s failed to load on worker %s: %s", model_id, worker_id, error)
@@ -160,10 +184,17 @@ class SchedulerCore:
             return
         self._loads.forget_worker(worker_id)
         touched: set[str] = set()
-        for key in record.granted:
+        lost = list(record.granted)
+        for credit in self._credits.drop_worker(worker_id):
+            if not credit.revoked:
+                self._out.revoke_credit(credit.session_id, credit.credit_id)
+            if credit.running is not None:
+                lost.append(credit.running)
+        for key in lost:
             tracked = self._tracked.get(key)
-            if tracked is not None:
+            if tracked is not None and tracked.worker_id == worker_id:
                 tracked.worker_id = None
+                tracked.credit_id = None
                 self._retry_or_reject(tracked, _UNAVAILABLE, f"worker {worker_id} disconnected", touched)
         self._dispatch(set(self._queues.waiting_models()) | touched)
 
@@ -219,6 +250,8 @@ class SchedulerCore:
         Returns how many moved."""
         moved = len(self._queues)
         self._queues = self._queues.reordered(ordering)
+        if ordering.batch is not None:  # groups are formed centrally: no request may bypass them
+            self._revoke(self._credits.revoke_all())
         log.info("strategy switched to %s; %d waiting requests moved", ordering.name, moved)
         self._telemetry.record("strategy_switches", 1, {"strategy": ordering.name})
         self._dispatch(self._queues.waiting_models())
@@ -235,19 +268,25 @@ class SchedulerCore:
             QueueStats(
                 model_id=model_id,
                 depth=self._queues.depth(model_id),
-                inflight=self._registry.inflight(model_id),
+                inflight=self._registry.inflight(model_id) - (idle := self._credits.idle(model_id)),
                 expired=stats.expired,
                 overflowed=stats.overflowed,
                 granted=stats.granted,
                 superseded=stats.superseded,
                 dropped=stats.dropped,
+                credits=idle,
             )
             for model_id, stats in sorted(self._stats.items())
         ]
 
     # ---- admission ---------------------------------------------------------------
 
-    def _enqueue(self, session_id: int, info: RequestInfo, touched: set[str]) -> None:
+    def _enqueue(
+        self, session_id: int, info: RequestInfo, touched: set[str], *, credit_id: str | None = None
+    ) -> None:
+        """Admit a request to its model's queue, or, with `credit_id`, as already running
+        on that credit's slot (a credit no longer valid: queued like any other request; the
+        gateway then follows the grant)."""
         key = (session_id, info.request_id)
         model_id = info.model_id
         if not info.request_id:
@@ -285,6 +324,8 @@ class SchedulerCore:
             if policy.latest_only:
                 self._supersede(client_id, model_id)
             backlog = len(self._outstanding.get(client_id, {}).get(model_id, ()))
+        if policy.dispatch_credits:
+            self._credits.note_use(model_id, session_id, now)
         ttl_ms = policy.request_ttl_ms
         if info.timeout_ms > 0:
             ttl_ms = min(ttl_ms, info.timeout_ms)
@@ -300,6 +341,16 @@ class SchedulerCore:
             backlog=backlog,
         )
         stats = self._stats_for(model_id)
+        if credit_id is not None:
+            credit = self._credits.get(credit_id)
+            if (
+                credit is not None
+                and credit.session_id == session_id
+                and credit.model_id == model_id
+                and credit.running is None
+            ):
+                self._start_on_credit(request, credit, now)
+                return
         if self._queues.depth(model_id) >= policy.max_queue_size:
             stats.overflowed += 1
             self._telemetry.record("queue_full_drops", 1, {"model": model_id})
@@ -393,7 +444,13 @@ class SchedulerCore:
             return  # unknown, or a late report for an attempt already re-queued
         if completion.worker_id and completion.worker_id != tracked.worker_id:
             return  # a late reply from an earlier attempt's worker
-        self._registry.release(tracked.worker_id, key)
+        if tracked.credit_id is not None:
+            credit = self._credits.get(tracked.credit_id)
+            if credit is not None:
+                credit.running = None  # the slot stays lent until the gateway returns it
+            tracked.credit_id = None
+        else:
+            self._registry.release(tracked.worker_id, key)
         tracked.worker_id = None
         touched.add(tracked.request.model_id)
         if completion.error_code == _OK or not completion.retryable:
@@ -443,6 +500,11 @@ class SchedulerCore:
                 self._dispatch_model(model_id, now)
         for model_id in models:
             self._maybe_load(model_id)
+            if self._queues.depth(model_id):
+                if self._credits.lent(model_id):
+                    self._revoke(self._credits.revoke_model(model_id, now))
+            elif self._config.policy(model_id).dispatch_credits and ordering.batch is None:
+                self._lend_credits(model_id, now)
             if model_id in self._stats:
                 self._telemetry.record("queue_depth", self._queues.depth(model_id), {"model": model_id})
         if self._placed:
@@ -546,6 +608,67 @@ class SchedulerCore:
         )
         placed = (model_id, worker_id)
         self._placed[placed] = self._placed.get(placed, 0) + 1  # recorded once per dispatch
+
+    # ---- dispatch credits ----------------------------------------------------------
+
+    def _lend_credits(self, model_id: str, now: float) -> None:
+        """Lend the model's free slots to its only recent gateway, up to its dispatch_credits."""
+        session_id = self._credits.sole_user(model_id, now)
+        if session_id is None:
+            return
+        policy = self._config.policy(model_id)
+        while self._credits.lent(model_id) < policy.dispatch_credits:
+            worker_id = self._pick_worker(model_id)
+            if worker_id is None:
+                return
+            record = self._registry.get(worker_id)
+            assert record is not None
+            credit = self._credits.lend(
+                session_id,
+                model_id,
+                worker_id,
+                data_endpoint=record.hello.data_endpoint,
+                generation=record.slots[model_id].generation,
+                request_ttl_ms=policy.request_ttl_ms,
+            )
+            self._registry.acquire(worker_id, credit.slot_key, model_id)
+            self._out.lend_credit(session_id, credit)
+            self._telemetry.record("credits_lent", 1, {"model": model_id})
+
+    def _start_on_credit(self, request: Request, credit: Credit, now: float) -> None:
+        """Admit a request the gateway already sent to `credit`'s worker."""
+        key = request.key
+        credit.running = key
+        model_id = request.model_id
+        self._tracked[key] = _Tracked(
+            request, attempts=1, worker_id=credit.worker_id, credit_id=credit.credit_id
+        )
+        client_id = request.info.client_id
+        if client_id:
+            self._outstanding.setdefault(client_id, {}).setdefault(model_id, set()).add(key)
+        self._stats_for(model_id).granted += 1
+        self._telemetry.record("scheduling_wait_ms", 0.0, {"model": model_id})
+        self._telemetry.record(
+            "placement_decisions", 1, {"model": model_id, "worker": credit.worker_id, "kind": "credit"}
+        )
+
+    def _return_credit(self, session_id: int, credit_id: str, touched: set[str]) -> None:
+        credit = self._credits.get(credit_id)
+        if credit is None or credit.session_id != session_id:
+            return
+        self._credits.take_back(credit_id)
+        if credit.running is not None:  # returned mid-run: the run holds a slot of its own
+            tracked = self._tracked.get(credit.running)
+            if tracked is not None and tracked.credit_id == credit_id:
+                tracked.credit_id = None
+                self._registry.acquire(credit.worker_id, credit.running, credit.model_id)
+        self._registry.release(credit.worker_id, credit.slot_key)
+        touched.add(credit.model_id)
+
+    def _revoke(self, credits: list[Credit]) -> None:
+        for credit in credits:
+            self._out.revoke_credit(credit.session_id, credit.credit_id)
+            self._telemetry.record("credits_revoked", 1, {"model": credit.model_id})
 
     # ---- cold starts -------------------------------------------------------------
 

@@ -196,3 +196,4 @@ class QueueStats:
     granted: int
     superseded: int = 0
     dropped: int = 0  # queued requests of clients that disconnected
+    credits: int = 0  # idle worker slots lent to gateways as dispatch credits

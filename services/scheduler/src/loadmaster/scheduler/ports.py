@@ -8,9 +8,12 @@ The core calls these synchronously and does no I/O itself; the session layer
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from loadmaster.scheduler.domain import Grant, Reject, WorkerCommand
+
+if TYPE_CHECKING:
+    from loadmaster.scheduler.credits import Credit
 
 __all__ = ["NoTelemetry", "Outbound", "Telemetry"]
 
@@ -23,6 +26,10 @@ class Outbound(Protocol):
     def reject(self, session_id: int, reject: Reject) -> None: ...
 
     def command(self, worker_id: str, command: WorkerCommand) -> None: ...
+
+    def lend_credit(self, session_id: int, credit: Credit) -> None: ...
+
+    def revoke_credit(self, session_id: int, credit_id: str) -> None: ...
 
 
 class Telemetry(Protocol):

@@ -28,7 +28,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return
         if not first.hello.gateway_id:
             raise InvalidArgumentError("the first Session message must carry hello.gateway_id")
-        link = self._hub.open_session(first.hello.gateway_id)
+        link = self._hub.open_session(first.hello.gateway_id, accepts_credits=first.hello.accepts_credits)
         try:
             self._submit(link, first)
             async for outcomes in pump(request_iterator, lambda m: self._submit(link, m), link.outbox):
@@ -37,9 +37,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._hub.close_session(link)
 
     def _submit(self, link: GatewayLink, message: scheduler_pb2.SessionRequest) -> None:
-        enqueues, completes, cancels = wire.session_batch(message)
-        if enqueues or completes or cancels:
-            self._hub.submit(link, enqueues=enqueues, completes=completes, cancels=cancels)
+        batch = wire.session_batch(message)
+        if batch:
+            self._hub.submit(
+                link,
+                enqueues=batch.enqueues,
+                completes=batch.completes,
+                cancels=batch.cancels,
+                runs=batch.runs,
+                returns=batch.returns,
+            )
 
     async def WorkerSession(  # noqa: N802 - gRPC method name
         self,

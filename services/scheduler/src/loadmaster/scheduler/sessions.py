@@ -25,6 +25,7 @@ from loadmaster.common.errors import edge_code_name
 from loadmaster.scheduler import strategies
 from loadmaster.scheduler.config import StrategyFactory
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore, Telemetry
+from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -118,7 +119,7 @@ async def pump(
 class GatewayLink:
     session_id: int
     gateway_id: str
-    outbox: Outbox[Outcome] = field(default_factory=Outbox)
+    outbox: Outbox[Outcome | Credit | CreditRevoke] = field(default_factory=Outbox)
 
 
 @dataclass(eq=False, slots=True)
@@ -197,12 +198,14 @@ class SchedulerHub:
 
     # ---- gateway sessions --------------------------------------------------------
 
-    def open_session(self, gateway_id: str) -> GatewayLink:
+    def open_session(self, gateway_id: str, *, accepts_credits: bool = False) -> GatewayLink:
         link = GatewayLink(next(self._session_ids), gateway_id)
         if self._stopped:
             link.outbox.close()  # shutting down: the stream ends at once
             return link
         self._sessions[link.session_id] = link
+        if accepts_credits:
+            self.core.accept_credits(link.session_id)
         log.info("gateway %s connected (session %d)", gateway_id, link.session_id)
         return link
 
@@ -213,9 +216,21 @@ class SchedulerHub:
         enqueues: Sequence[RequestInfo] = (),
         completes: Sequence[Completion] = (),
         cancels: Sequence[str] = (),
+        runs: Sequence[CreditRun] = (),
+        returns: Sequence[str] = (),
     ) -> None:
         if self._sessions.get(link.session_id) is not link:
             return
+        for run in runs:  # it never waits: its queue span is an instant
+            if run.info.trace_context:
+                span = tracing.start_request_span(
+                    "scheduler.queue",
+                    request_id=run.info.request_id,
+                    model_id=run.info.model_id,
+                    carrier=run.info.trace_context,
+                )
+                span.set_attribute("loadmaster.credit_id", run.credit_id)
+                tracing.end_span(span, error_code="")
         for info in enqueues:
             if info.trace_context:
                 self._spans[(link.session_id, info.request_id)] = tracing.start_request_span(
@@ -226,7 +241,14 @@ class SchedulerHub:
                 )
         for request_id in cancels:
             self._end_span(link.session_id, request_id, "cancelled")
-        self.core.submit(link.session_id, enqueues=enqueues, completes=completes, cancels=cancels)
+        self.core.submit(
+            link.session_id,
+            enqueues=enqueues,
+            completes=completes,
+            cancels=cancels,
+            runs=runs,
+            returns=returns,
+        )
         self._rearm()
 
     def close_session(self, link: GatewayLink) -> None:
@@ -307,6 +329,16 @@ class SchedulerHub:
         link = self._sessions.get(session_id)
         if link is not None:
             link.outbox.put(reject)
+
+    def lend_credit(self, session_id: int, credit: Credit) -> None:
+        link = self._sessions.get(session_id)
+        if link is not None:
+            link.outbox.put(credit)
+
+    def revoke_credit(self, session_id: int, credit_id: str) -> None:
+        link = self._sessions.get(session_id)
+        if link is not None:
+            link.outbox.put(CreditRevoke(credit_id))
 
     def command(self, worker_id: str, command: WorkerCommand) -> None:
         link = self._workers.get(worker_id)

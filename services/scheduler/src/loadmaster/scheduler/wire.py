@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -23,6 +25,7 @@ from loadmaster.v1 import model_pool_pb2, scheduler_pb2
 
 __all__ = [
     "SessionBatch",
+    "SessionOutcome",
     "get_queues_response",
     "list_workers_response",
     "session_batch",
@@ -44,8 +47,21 @@ _STATE_TO_PB: dict[SlotState, model_pool_pb2.ModelState.ValueType] = {
     state: value for value, state in _STATE_FROM_PB.items()
 }
 
-# (enqueues, completes, cancels) of one SessionRequest
-SessionBatch = tuple[list[RequestInfo], list[Completion], list[str]]
+SessionOutcome = Outcome | Credit | CreditRevoke
+
+
+@dataclass(slots=True)
+class SessionBatch:
+    """What one SessionRequest carries, as core arguments."""
+
+    enqueues: list[RequestInfo]
+    completes: list[Completion]
+    cancels: list[str]
+    runs: list[CreditRun]
+    returns: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.enqueues or self.completes or self.cancels or self.runs or self.returns)
 
 
 def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
@@ -65,7 +81,14 @@ def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
 
 
 def session_batch(pb: scheduler_pb2.SessionRequest) -> SessionBatch:
-    enqueues = [_request_info(e.request) for e in pb.enqueue]
+    enqueues: list[RequestInfo] = []
+    runs: list[CreditRun] = []
+    for e in pb.enqueue:
+        info = _request_info(e.request)
+        if e.request.credit_id:
+            runs.append(CreditRun(e.request.credit_id, info))
+        else:
+            enqueues.append(info)
     completes = [
         Completion(
             request_id=c.request_id,
@@ -77,13 +100,25 @@ def session_batch(pb: scheduler_pb2.SessionRequest) -> SessionBatch:
         for c in pb.complete
     ]
     cancels = [c.request_id for c in pb.cancel]
-    return enqueues, completes, cancels
+    returns = [r.credit_id for r in pb.return_credit]
+    return SessionBatch(enqueues, completes, cancels, runs, returns)
 
 
-def session_response(outcomes: Iterable[Outcome]) -> scheduler_pb2.SessionResponse:
+def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.SessionResponse:
     response = scheduler_pb2.SessionResponse()
     for outcome in outcomes:
-        if isinstance(outcome, Grant):
+        if isinstance(outcome, Credit):
+            response.credits.add(
+                credit_id=outcome.credit_id,
+                model_id=outcome.model_id,
+                worker_id=outcome.worker_id,
+                data_endpoint=outcome.data_endpoint,
+                generation=outcome.generation,
+                request_ttl_ms=outcome.request_ttl_ms,
+            )
+        elif isinstance(outcome, CreditRevoke):
+            response.revokes.add(credit_id=outcome.credit_id)
+        elif isinstance(outcome, Grant):
             response.grants.add(
                 request_id=outcome.request_id,
                 worker_id=outcome.worker_id,
@@ -192,5 +227,6 @@ def get_queues_response(
             granted=q.granted,
             superseded=q.superseded,
             dropped=q.dropped,
+            credits=q.credits,
         )
     return response

@@ -1,0 +1,198 @@
+"""Dispatch credits: worker slots lent to a gateway while a model's queue is empty.
+
+The uncontended path should not pay a scheduler round trip per request. So while
+a model has no waiters and one gateway session is its only user within
+`window_s`, the core lends that session free slots of workers holding the model
+READY (up to the model's `dispatch_credits`). The gateway sends a request on an
+idle credit straight to the credit's worker and reports it afterwards (a
+`CreditRun`); the scheduler tracks it like a granted request. The moment a
+request has to wait in the model's queue, every credit for the model is revoked
+and lending pauses for `window_s`, so ordering is central again under contention.
+
+A lent slot counts against the worker's `max_inflight` until the gateway returns
+the credit (at once when it is idle, else when the request running on it ends),
+so a revocation never lets a worker be granted more than it may run. This module
+is the bookkeeping; the core decides when to lend and revoke.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from loadmaster.scheduler.domain import RequestInfo, RequestKey
+
+__all__ = ["Credit", "CreditBook", "CreditRevoke", "CreditRun"]
+
+# Registry keys of lent slots use session 0, which no gateway session has.
+_SLOT_SESSION = 0
+
+
+@dataclass(slots=True)
+class Credit:
+    """One worker slot for `model_id` lent to gateway session `session_id`."""
+
+    credit_id: str
+    session_id: int
+    model_id: str
+    worker_id: str
+    data_endpoint: str
+    generation: int
+    request_ttl_ms: float
+    running: RequestKey | None = None  # the request the gateway runs on it now
+    revoked: bool = False
+
+    @property
+    def slot_key(self) -> RequestKey:
+        """The key the lent slot is held under in the worker registry."""
+        return (_SLOT_SESSION, self.credit_id)
+
+
+@dataclass(slots=True)
+class CreditRevoke:
+    """Tell a gateway to stop using a credit and return it."""
+
+    credit_id: str
+
+
+@dataclass(slots=True)
+class CreditRun:
+    """A request the gateway already sent to a credit's worker."""
+
+    credit_id: str
+    info: RequestInfo
+
+
+class CreditBook:
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._credits: dict[str, Credit] = {}
+        self._by_model: dict[str, set[str]] = {}
+        self._ids = itertools.count(1)
+        self._users: dict[str, dict[int, float]] = {}  # model -> session -> last use (monotonic)
+        self._paused_until: dict[str, float] = {}
+        self._accepting: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._credits)
+
+    def get(self, credit_id: str) -> Credit | None:
+        return self._credits.get(credit_id)
+
+    def idle(self, model_id: str) -> int:
+        """Credits for the model with nothing running on them."""
+        return sum(1 for i in self._by_model.get(model_id, ()) if self._credits[i].running is None)
+
+    def lent(self, model_id: str) -> int:
+        """Credits for the model not returned yet (revoked ones included)."""
+        ids = self._by_model.get(model_id)
+        return len(ids) if ids else 0
+
+    # ---- sessions and their use of models ---------------------------------------
+
+    def accept(self, session_id: int) -> None:
+        """The session's gateway understands credits."""
+        self._accepting.add(session_id)
+
+    def note_use(self, model_id: str, session_id: int, now: float) -> None:
+        users = self._users.get(model_id)
+        if users is None:
+            users = self._users[model_id] = {}
+        users[session_id] = now
+
+    def sole_user(self, model_id: str, now: float) -> int | None:
+        """The session to lend the model's slots to: the only one that used the model within
+        the window, if it accepts credits and lending is not paused."""
+        if self._paused_until.get(model_id, 0.0) > now:
+            return None
+        users = self._users.get(model_id)
+        if not users:
+            return None
+        horizon = now - self._window_s
+        if len(users) > 1:
+            for session_id in [s for s, last in users.items() if last < horizon]:
+                del users[session_id]
+        if len(users) != 1:
+            return None
+        session_id = next(iter(users))
+        return session_id if session_id in self._accepting else None
+
+    # ---- lending and taking back -----------------------------------------------
+
+    def lend(
+        self,
+        session_id: int,
+        model_id: str,
+        worker_id: str,
+        *,
+        data_endpoint: str,
+        generation: int,
+        request_ttl_ms: float,
+    ) -> Credit:
+        credit = Credit(
+            credit_id=f"c{next(self._ids)}",
+            session_id=session_id,
+            model_id=model_id,
+            worker_id=worker_id,
+            data_endpoint=data_endpoint,
+            generation=generation,
+            request_ttl_ms=request_ttl_ms,
+        )
+        self._credits[credit.credit_id] = credit
+        self._by_model.setdefault(model_id, set()).add(credit.credit_id)
+        return credit
+
+    def revoke_model(self, model_id: str, now: float) -> list[Credit]:
+        """Revoke the model's credits and pause lending it; returns those newly revoked."""
+        ids = self._by_model.get(model_id)
+        if not ids:
+            return []
+        self._paused_until[model_id] = now + self._window_s
+        return self._revoke(self._credits[i] for i in ids)
+
+    def revoke_stale(self, worker_id: str, ready: dict[str, int]) -> list[Credit]:
+        """Revoke the worker's credits for models it no longer holds READY at the lent
+        generation (`ready`: model -> generation of its READY slots)."""
+        return self._revoke(
+            c
+            for c in self._credits.values()
+            if c.worker_id == worker_id and ready.get(c.model_id) != c.generation
+        )
+
+    def revoke_all(self) -> list[Credit]:
+        return self._revoke(self._credits.values())
+
+    def take_back(self, credit_id: str) -> Credit | None:
+        """The gateway returned the credit: forget it (the caller frees its slot)."""
+        credit = self._credits.pop(credit_id, None)
+        if credit is not None:
+            ids = self._by_model[credit.model_id]
+            ids.discard(credit_id)
+            if not ids:
+                del self._by_model[credit.model_id]
+        return credit
+
+    def drop_session(self, session_id: int) -> list[Credit]:
+        """The session ended: forget its credits and its use of models."""
+        self._accepting.discard(session_id)
+        for users in self._users.values():
+            users.pop(session_id, None)
+        return self._take_back_where(lambda c: c.session_id == session_id)
+
+    def drop_worker(self, worker_id: str) -> list[Credit]:
+        """The worker is gone: forget the credits on it."""
+        return self._take_back_where(lambda c: c.worker_id == worker_id)
+
+    def _take_back_where(self, match: Callable[[Credit], bool]) -> list[Credit]:
+        taken = [c for c in self._credits.values() if match(c)]
+        for credit in taken:
+            self.take_back(credit.credit_id)
+        return taken
+
+    @staticmethod
+    def _revoke(credits: Iterable[Credit]) -> list[Credit]:
+        revoked = [c for c in credits if not c.revoked]
+        for credit in revoked:
+            credit.revoked = True
+        return revoked
