@@ -38,7 +38,6 @@ from loadmaster.scheduler.domain import (
     Request,
     RequestInfo,
     RequestKey,
-    SlotState,
     SlotStatus,
     WorkerHello,
     WorkerView,
@@ -104,7 +103,9 @@ class SchedulerCore:
         self._loads = LoadTracker()
         self._placed: dict[tuple[str, str], int] = {}  # (model, worker) -> grants this dispatch
         self._arrivals = itertools.count()
-        self._credits = CreditBook(config.credit_window_s)
+        self._credits = CreditBook(
+            config.credit_window_s, registry=self._registry, outbound=outbound, telemetry=self._telemetry
+        )
 
     # ---- gateway side ------------------------------------------------------------
 
@@ -123,7 +124,11 @@ class SchedulerCore:
         for completion in completes:  # completions first: they free slots for this batch
             self._complete(session_id, completion, touched)
         for credit_id in returns:
-            self._return_credit(session_id, credit_id, touched)
+            credit = self._credits.give_back(session_id, credit_id)
+            if credit is not None:
+                touched.add(credit.model_id)
+                if credit.running is not None and (run := self._tracked.get(credit.running)) is not None:
+                    run.credit_id = None  # returned mid-run: now an ordinary grant
         for run in runs:
             self._enqueue(session_id, run.info, touched, credit_id=run.credit_id)
         for info in enqueues:
@@ -138,10 +143,7 @@ class SchedulerCore:
 
     def close_session(self, session_id: int) -> None:
         """The gateway is gone: drop its waiting requests silently, free its grants and credits."""
-        touched: set[str] = set()
-        for credit in self._credits.drop_session(session_id):
-            self._registry.release(credit.worker_id, credit.slot_key)
-            touched.add(credit.model_id)
+        touched = self._credits.drop_session(session_id)
         for key, tracked in list(self._tracked.items()):
             if key[0] != session_id:
                 continue
@@ -167,9 +169,7 @@ class SchedulerCore:
         if self._registry.get(worker_id) is None:
             return
         previous = self._registry.report(worker_id, slots, free_mb=free_mb)
-        if self._credits:
-            ready = {slot.model_id: slot.generation for slot in slots if slot.state is SlotState.READY}
-            self._revoke(self._credits.revoke_stale(worker_id, ready))
+        self._credits.revoke_stale(worker_id, slots)
         failures = self._loads.observe(worker_id, previous, {slot.model_id: slot for slot in slots})
         for model_id, error in failures.items():
             log.warning("model %s failed to load on worker %s: %s", model_id, worker_id, error)
@@ -184,13 +184,7 @@ class SchedulerCore:
             return
         self._loads.forget_worker(worker_id)
         touched: set[str] = set()
-        lost = list(record.granted)
-        for credit in self._credits.drop_worker(worker_id):
-            if not credit.revoked:
-                self._out.revoke_credit(credit.session_id, credit.credit_id)
-            if credit.running is not None:
-                lost.append(credit.running)
-        for key in lost:
+        for key in [*record.granted, *self._credits.drop_worker(worker_id)]:
             tracked = self._tracked.get(key)
             if tracked is not None and tracked.worker_id == worker_id:
                 tracked.worker_id = None
@@ -251,7 +245,7 @@ class SchedulerCore:
         moved = len(self._queues)
         self._queues = self._queues.reordered(ordering)
         if ordering.batch is not None:  # groups are formed centrally: no request may bypass them
-            self._revoke(self._credits.revoke_all())
+            self._credits.revoke_all()
         log.info("strategy switched to %s; %d waiting requests moved", ordering.name, moved)
         self._telemetry.record("strategy_switches", 1, {"strategy": ordering.name})
         self._dispatch(self._queues.waiting_models())
@@ -501,10 +495,15 @@ class SchedulerCore:
         for model_id in models:
             self._maybe_load(model_id)
             if self._queues.depth(model_id):
-                if self._credits.lent(model_id):
-                    self._revoke(self._credits.revoke_model(model_id, now))
-            elif self._config.policy(model_id).dispatch_credits and ordering.batch is None:
-                self._lend_credits(model_id, now)
+                self._credits.revoke_model(model_id, now)
+            elif (policy := self._config.policy(model_id)).dispatch_credits and ordering.batch is None:
+                self._credits.lend(
+                    model_id,
+                    now,
+                    limit=policy.dispatch_credits,
+                    ttl_ms=policy.request_ttl_ms,
+                    pick=lambda m=model_id: self._pick_worker(m),
+                )
             if model_id in self._stats:
                 self._telemetry.record("queue_depth", self._queues.depth(model_id), {"model": model_id})
         if self._placed:
@@ -611,30 +610,6 @@ class SchedulerCore:
 
     # ---- dispatch credits ----------------------------------------------------------
 
-    def _lend_credits(self, model_id: str, now: float) -> None:
-        """Lend the model's free slots to its only recent gateway, up to its dispatch_credits."""
-        session_id = self._credits.sole_user(model_id, now)
-        if session_id is None:
-            return
-        policy = self._config.policy(model_id)
-        while self._credits.lent(model_id) < policy.dispatch_credits:
-            worker_id = self._pick_worker(model_id)
-            if worker_id is None:
-                return
-            record = self._registry.get(worker_id)
-            assert record is not None
-            credit = self._credits.lend(
-                session_id,
-                model_id,
-                worker_id,
-                data_endpoint=record.hello.data_endpoint,
-                generation=record.slots[model_id].generation,
-                request_ttl_ms=policy.request_ttl_ms,
-            )
-            self._registry.acquire(worker_id, credit.slot_key, model_id)
-            self._out.lend_credit(session_id, credit)
-            self._telemetry.record("credits_lent", 1, {"model": model_id})
-
     def _start_on_credit(self, request: Request, credit: Credit, now: float) -> None:
         """Admit a request the gateway already sent to `credit`'s worker."""
         key = request.key
@@ -651,24 +626,6 @@ class SchedulerCore:
         self._telemetry.record(
             "placement_decisions", 1, {"model": model_id, "worker": credit.worker_id, "kind": "credit"}
         )
-
-    def _return_credit(self, session_id: int, credit_id: str, touched: set[str]) -> None:
-        credit = self._credits.get(credit_id)
-        if credit is None or credit.session_id != session_id:
-            return
-        self._credits.take_back(credit_id)
-        if credit.running is not None:  # returned mid-run: the run holds a slot of its own
-            tracked = self._tracked.get(credit.running)
-            if tracked is not None and tracked.credit_id == credit_id:
-                tracked.credit_id = None
-                self._registry.acquire(credit.worker_id, credit.running, credit.model_id)
-        self._registry.release(credit.worker_id, credit.slot_key)
-        touched.add(credit.model_id)
-
-    def _revoke(self, credits: list[Credit]) -> None:
-        for credit in credits:
-            self._out.revoke_credit(credit.session_id, credit.credit_id)
-            self._telemetry.record("credits_revoked", 1, {"model": credit.model_id})
 
     # ---- cold starts -------------------------------------------------------------
 

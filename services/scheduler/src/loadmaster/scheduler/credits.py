@@ -11,8 +11,9 @@ and lending pauses for `window_s`, so ordering is central again under contention
 
 A lent slot counts against the worker's `max_inflight` until the gateway returns
 the credit (at once when it is idle, else when the request running on it ends),
-so a revocation never lets a worker be granted more than it may run. This module
-is the bookkeeping; the core decides when to lend and revoke.
+so a revocation never lets a worker be granted more than it may run.
+`CreditBook` keeps the credits, holds their slots in the worker registry and sends
+credits and revocations out; the core decides when to lend and revoke.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from loadmaster.scheduler.domain import RequestInfo, RequestKey
+from loadmaster.scheduler.domain import RequestInfo, RequestKey, SlotState, SlotStatus
+from loadmaster.scheduler.ports import Outbound, Telemetry
+from loadmaster.scheduler.registry import WorkerRegistry
 
 __all__ = ["Credit", "CreditBook", "CreditRevoke", "CreditRun"]
 
@@ -65,8 +68,13 @@ class CreditRun:
 
 
 class CreditBook:
-    def __init__(self, window_s: float) -> None:
+    def __init__(
+        self, window_s: float, *, registry: WorkerRegistry, outbound: Outbound, telemetry: Telemetry
+    ) -> None:
         self._window_s = window_s
+        self._registry = registry
+        self._out = outbound
+        self._telemetry = telemetry
         self._credits: dict[str, Credit] = {}
         self._by_model: dict[str, set[str]] = {}
         self._ids = itertools.count(1)
@@ -121,78 +129,101 @@ class CreditBook:
     # ---- lending and taking back -----------------------------------------------
 
     def lend(
-        self,
-        session_id: int,
-        model_id: str,
-        worker_id: str,
-        *,
-        data_endpoint: str,
-        generation: int,
-        request_ttl_ms: float,
-    ) -> Credit:
-        credit = Credit(
-            credit_id=f"c{next(self._ids)}",
-            session_id=session_id,
-            model_id=model_id,
-            worker_id=worker_id,
-            data_endpoint=data_endpoint,
-            generation=generation,
-            request_ttl_ms=request_ttl_ms,
-        )
-        self._credits[credit.credit_id] = credit
-        self._by_model.setdefault(model_id, set()).add(credit.credit_id)
-        return credit
+        self, model_id: str, now: float, *, limit: int, ttl_ms: float, pick: Callable[[], str | None]
+    ) -> None:
+        """Lend the model's free slots (`pick` names a worker with one, or None) to its only
+        recent gateway, until `limit` credits for it are out."""
+        session_id = self.sole_user(model_id, now)
+        if session_id is None:
+            return
+        while self.lent(model_id) < limit:
+            worker_id = pick()
+            if worker_id is None:
+                return
+            record = self._registry.get(worker_id)
+            assert record is not None
+            credit = Credit(
+                credit_id=f"c{next(self._ids)}",
+                session_id=session_id,
+                model_id=model_id,
+                worker_id=worker_id,
+                data_endpoint=record.hello.data_endpoint,
+                generation=record.slots[model_id].generation,
+                request_ttl_ms=ttl_ms,
+            )
+            self._credits[credit.credit_id] = credit
+            self._by_model.setdefault(model_id, set()).add(credit.credit_id)
+            self._registry.acquire(worker_id, credit.slot_key, model_id)
+            self._out.lend_credit(session_id, credit)
+            self._telemetry.record("credits_lent", 1, {"model": model_id})
 
-    def revoke_model(self, model_id: str, now: float) -> list[Credit]:
-        """Revoke the model's credits and pause lending it; returns those newly revoked."""
+    def revoke_model(self, model_id: str, now: float) -> None:
+        """A request waits for the model: revoke its credits and pause lending it."""
         ids = self._by_model.get(model_id)
-        if not ids:
-            return []
-        self._paused_until[model_id] = now + self._window_s
-        return self._revoke(self._credits[i] for i in ids)
+        if ids:
+            self._paused_until[model_id] = now + self._window_s
+            self._revoke(self._credits[i] for i in ids)
 
-    def revoke_stale(self, worker_id: str, ready: dict[str, int]) -> list[Credit]:
-        """Revoke the worker's credits for models it no longer holds READY at the lent
-        generation (`ready`: model -> generation of its READY slots)."""
-        return self._revoke(
+    def revoke_stale(self, worker_id: str, slots: Iterable[SlotStatus]) -> None:
+        """Revoke the worker's credits for models it no longer holds READY at the lent generation."""
+        if not self._credits:
+            return
+        ready = {slot.model_id: slot.generation for slot in slots if slot.state is SlotState.READY}
+        self._revoke(
             c
             for c in self._credits.values()
             if c.worker_id == worker_id and ready.get(c.model_id) != c.generation
         )
 
-    def revoke_all(self) -> list[Credit]:
-        return self._revoke(self._credits.values())
+    def revoke_all(self) -> None:
+        self._revoke(self._credits.values())
 
-    def take_back(self, credit_id: str) -> Credit | None:
-        """The gateway returned the credit: forget it (the caller frees its slot)."""
-        credit = self._credits.pop(credit_id, None)
-        if credit is not None:
-            ids = self._by_model[credit.model_id]
-            ids.discard(credit_id)
-            if not ids:
-                del self._by_model[credit.model_id]
+    def give_back(self, session_id: int, credit_id: str) -> Credit | None:
+        """The gateway returned a credit: free its slot. A run still on it keeps a slot of its
+        own in the registry (the caller stops treating it as a credit run)."""
+        credit = self._credits.get(credit_id)
+        if credit is None or credit.session_id != session_id:
+            return None
+        self._forget(credit)
+        if credit.running is not None:
+            self._registry.acquire(credit.worker_id, credit.running, credit.model_id)
+        self._registry.release(credit.worker_id, credit.slot_key)
         return credit
 
-    def drop_session(self, session_id: int) -> list[Credit]:
-        """The session ended: forget its credits and its use of models."""
+    def drop_session(self, session_id: int) -> set[str]:
+        """The session ended: free its credits' slots, forget its use of models; returns the
+        models whose slots were freed."""
         self._accepting.discard(session_id)
         for users in self._users.values():
             users.pop(session_id, None)
-        return self._take_back_where(lambda c: c.session_id == session_id)
+        freed: set[str] = set()
+        for credit in [c for c in self._credits.values() if c.session_id == session_id]:
+            self._forget(credit)
+            self._registry.release(credit.worker_id, credit.slot_key)
+            freed.add(credit.model_id)
+        return freed
 
-    def drop_worker(self, worker_id: str) -> list[Credit]:
-        """The worker is gone: forget the credits on it."""
-        return self._take_back_where(lambda c: c.worker_id == worker_id)
+    def drop_worker(self, worker_id: str) -> list[RequestKey]:
+        """The worker is gone (its registry record with it): forget its credits, tell their
+        gateways; returns the runs that were on them."""
+        running: list[RequestKey] = []
+        for credit in [c for c in self._credits.values() if c.worker_id == worker_id]:
+            self._forget(credit)
+            if not credit.revoked:
+                self._out.revoke_credit(credit.session_id, credit.credit_id)
+            if credit.running is not None:
+                running.append(credit.running)
+        return running
 
-    def _take_back_where(self, match: Callable[[Credit], bool]) -> list[Credit]:
-        taken = [c for c in self._credits.values() if match(c)]
-        for credit in taken:
-            self.take_back(credit.credit_id)
-        return taken
+    def _forget(self, credit: Credit) -> None:
+        del self._credits[credit.credit_id]
+        ids = self._by_model[credit.model_id]
+        ids.discard(credit.credit_id)
+        if not ids:
+            del self._by_model[credit.model_id]
 
-    @staticmethod
-    def _revoke(credits: Iterable[Credit]) -> list[Credit]:
-        revoked = [c for c in credits if not c.revoked]
-        for credit in revoked:
+    def _revoke(self, credits: Iterable[Credit]) -> None:
+        for credit in [c for c in credits if not c.revoked]:
             credit.revoked = True
-        return revoked
+            self._out.revoke_credit(credit.session_id, credit.credit_id)
+            self._telemetry.record("credits_revoked", 1, {"model": credit.model_id})
