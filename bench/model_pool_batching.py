@@ -3,115 +3,150 @@
     .venv/bin/python bench/model_pool_batching.py [--clients 8] [--seconds 5] [--model policy]
 
 Starts the real suite twice on free ports (`loadmaster.cli.launcher.Suite`, the
-example config, only the model preloaded): once with `max_batch_size` 1 (no
-batching) and once with the model's batching config (`max_batch_size` 8). Each run
-drives the worker's real ZMQ data port with N DEALER clients, each sending its next
-request as soon as the previous reply arrives (closed loop), for a fixed time.
-Prints requests/s, latency percentiles and the mean batch size the worker reported,
-then the same closed loop straight into `ModelPool.infer` in this process (the pool
-core: batcher + engine threads, no sockets), and writes
-bench/results/model_pool_batching.json (with the machine's load average: other work
-on a 2-core machine moves these numbers a lot). Target: batched >= 3x unbatched.
+example config, only the model preloaded): one with `max_batch_size` 1 (no batching)
+and one with `max_batch_size` 8. N DEALER clients per suite drive its worker's real
+ZMQ data port, each sending its next request as soon as the previous reply arrives
+(closed loop). The two suites are measured in alternating windows (`--windows`, 5 of
+each by default, `--seconds` in total per mode), so load that other work puts on the
+machine drifts into both modes alike instead of into whichever ran second. Prints
+requests/s, latency percentiles, the mean batch size the worker reported and the
+worker process's CPU time per request (which moves much less than throughput when
+other work shares the machine), then the same closed loops straight into
+`ModelPool.infer` in this process (the pool core: batcher + engine threads, no
+sockets; an unbatched and a batched pool, alternating the same way), and writes bench/results/model_pool_batching.json (with the machine's load
+average). Target: batched >= 3x unbatched through the data port.
+
+The load generator is one thread polling all the blocking DEALER sockets: each client
+still builds, sends, receives, parses and decodes every request and reply, but without
+an asyncio Task and Future per request. It shares the machine's two cores with the
+worker, so its own cost per request is part of what is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import zmq
-import zmq.asyncio
 from _harness import EXAMPLE_CONFIG, percentiles_ms, write_result
 
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.v1 import model_pool_pb2
 
-
-async def _client(
-    context: zmq.asyncio.Context,
-    endpoint: str,
-    model: str,
-    state: np.ndarray,
-    *,
-    until: float,
-    latencies: list[float],
-    batches: list[int],
-) -> int:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    descriptors, payload = encode_tensors({"state": state})
-    ids = itertools.count()
-    done = 0
-    try:
-        while time.perf_counter() < until:
-            request = model_pool_pb2.InferRequest(
-                request_id=str(next(ids)), model_id=model, inputs=descriptors
-            )
-            started = time.perf_counter()
-            await sock.send_multipart([b"", request.SerializeToString(), bytes(payload)])
-            frames = await asyncio.wait_for(sock.recv_multipart(), 10.0)
-            latencies.append(time.perf_counter() - started)
-            reply = model_pool_pb2.InferReply.FromString(frames[1])
-            if reply.error_code:
-                raise RuntimeError(f"{reply.error_code}: {reply.error_message}")
-            outputs = decode_tensors(reply.outputs, frames[2])
-            assert outputs["action"].shape == (1, 8)
-            batches.append(reply.batch_size)
-            done += 1
-    finally:
-        sock.close()
-    return done
+_REPLY_TIMEOUT_MS = 10_000
 
 
-async def _drive(endpoint: str, model: str, clients: int, seconds: float) -> dict[str, Any]:
-    rng = np.random.default_rng(0)
-    states = [rng.standard_normal((1, 32)).astype(np.float32) for _ in range(clients)]
-    context = zmq.asyncio.Context()
-    try:
-        return await _measure(context, endpoint, model, states, seconds)
-    finally:
-        context.term()
+@dataclass
+class _Client:
+    """One closed-loop client: a DEALER and the request it sends again and again."""
 
+    socket: zmq.Socket[bytes]
+    model: str
+    descriptors: list[Any]
+    payload: Any
+    ids: itertools.count[int] = field(default_factory=itertools.count)
+    sent_at: float = 0.0
 
-async def _measure(
-    context: zmq.asyncio.Context, endpoint: str, model: str, states: list[np.ndarray], seconds: float
-) -> dict[str, Any]:
-    warm_until = time.perf_counter() + 1.0  # warm-up: one second, not measured
-    await asyncio.gather(
-        *(_client(context, endpoint, model, s, until=warm_until, latencies=[], batches=[]) for s in states)
-    )
-    latencies: list[float] = []
-    batches: list[int] = []
-    started = time.perf_counter()
-    counts = await asyncio.gather(
-        *(
-            _client(
-                context, endpoint, model, s, until=started + seconds, latencies=latencies, batches=batches
-            )
-            for s in states
+    def send(self) -> None:
+        request = model_pool_pb2.InferRequest(
+            request_id=str(next(self.ids)), model_id=self.model, inputs=self.descriptors
         )
-    )
-    elapsed = time.perf_counter() - started
-    return {
-        "requests": sum(counts),
-        "seconds": round(elapsed, 3),
-        "throughput_rps": round(sum(counts) / elapsed, 1),
-        "mean_batch_size": round(float(np.mean(batches)), 2),
-        "latency": percentiles_ms(latencies),
-    }
+        self.sent_at = time.perf_counter()
+        self.socket.send_multipart([b"", request.SerializeToString(), self.payload])
+
+    def receive(self) -> int:
+        """The reply to the request in flight (checked and decoded); returns its batch size."""
+        frames = self.socket.recv_multipart(copy=False)
+        reply = model_pool_pb2.InferReply.FromString(frames[1].bytes)
+        if reply.error_code:
+            raise RuntimeError(f"{reply.error_code}: {reply.error_message}")
+        outputs = decode_tensors(reply.outputs, frames[2].buffer)
+        assert outputs["action"].shape == (1, 8)
+        return reply.batch_size
 
 
-def _run(
-    model: str, max_batch_size: int, clients: int, seconds: float, threads: int, delay_ms: float
-) -> dict[str, Any]:
+def _closed_loop(
+    clients: list[_Client], seconds: float, *, latencies: list[float], batches: list[int]
+) -> None:
+    """Every client keeps one request in flight until `seconds` pass; each reply adds its
+    latency and batch size."""
+    poller = zmq.Poller()
+    for client in clients:
+        poller.register(client.socket, zmq.POLLIN)
+        client.send()
+    by_socket = {client.socket: client for client in clients}
+    until = time.perf_counter() + seconds
+    outstanding = len(clients)
+    while outstanding:
+        ready = poller.poll(_REPLY_TIMEOUT_MS)
+        if not ready:
+            raise TimeoutError(f"no reply within {_REPLY_TIMEOUT_MS} ms")
+        for sock, _ in ready:
+            client = by_socket[sock]
+            batches.append(client.receive())
+            now = time.perf_counter()
+            latencies.append(now - client.sent_at)
+            if now < until:
+                client.send()
+            else:
+                outstanding -= 1
+
+
+@dataclass
+class _Tally:
+    """What one mode measured over its windows."""
+
+    latencies: list[float] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "requests": len(self.latencies),
+            "seconds": round(self.seconds, 3),
+            "throughput_rps": round(len(self.latencies) / self.seconds, 1),
+            "mean_batch_size": round(float(np.mean(self.batches)), 2),
+            "latency": percentiles_ms(self.latencies),
+        }
+
+
+@dataclass
+class _Mode:
+    """One suite under load: its clients, its worker process and what they measured so far."""
+
+    clients: list[_Client]
+    worker: psutil.Process
+    tally: _Tally = field(default_factory=_Tally)
+    worker_cpu_s: float = 0.0
+
+    def window(self, seconds: float) -> None:
+        cpu_before = sum(self.worker.cpu_times()[:2])
+        started = time.perf_counter()
+        _closed_loop(self.clients, seconds, latencies=self.tally.latencies, batches=self.tally.batches)
+        self.tally.seconds += time.perf_counter() - started
+        self.worker_cpu_s += sum(self.worker.cpu_times()[:2]) - cpu_before
+
+    def result(self) -> dict[str, Any]:
+        cpu_us = self.worker_cpu_s / len(self.tally.latencies) * 1e6
+        return {**self.tally.result(), "worker_cpu_us_per_request": round(cpu_us, 1)}
+
+
+@contextlib.contextmanager
+def _worker_suite(
+    model: str, max_batch_size: int, *, threads: int, delay_ms: float
+) -> Iterator[tuple[str, psutil.Process]]:
+    """A running suite with `model` READY at `max_batch_size`: (data endpoint, worker process)."""
     from loadmaster.cli.launcher import Suite, free_port_overrides
 
     overrides = free_port_overrides()
@@ -124,16 +159,47 @@ def _run(
         suite.start(timeout_s=120)
         try:
             suite.wait_for_models([model], timeout_s=120)
-            endpoint = suite.settings.model_pool.data_bind
-            return asyncio.run(_drive(endpoint, model, clients, seconds))
+            worker = suite.service("model-pool")
+            assert worker is not None
+            yield suite.settings.model_pool.data_bind, psutil.Process(worker.process.pid)
         finally:
             suite.stop()
 
 
+def _measure(
+    context: zmq.Context[zmq.Socket[bytes]],
+    targets: dict[str, tuple[str, psutil.Process]],
+    *,
+    model: str,
+    clients: int,
+    seconds: float,
+    windows: int,
+) -> dict[str, dict[str, Any]]:
+    """Alternate `windows` closed-loop windows per target, `seconds` in total per target."""
+    rng = np.random.default_rng(0)
+    states = [rng.standard_normal((1, 32)).astype(np.float32) for _ in range(clients)]
+    modes: dict[str, _Mode] = {}
+    for label, (endpoint, worker) in targets.items():
+        loop = []
+        for state in states:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            descriptors, payload = encode_tensors({"state": state})
+            loop.append(_Client(sock, model, descriptors, bytes(payload)))
+        _closed_loop(loop, 1.0, latencies=[], batches=[])  # warm-up: one second, not measured
+        modes[label] = _Mode(loop, worker)
+    for _ in range(windows):
+        for mode in modes.values():
+            mode.window(seconds / windows)
+    return {label: mode.result() for label, mode in modes.items()}
+
+
 async def _pool_core(
-    model: str, max_batch_size: int, clients: int, seconds: float, delay_ms: float
-) -> dict[str, Any]:
-    """The same closed loop straight into `ModelPool.infer` (batcher + engine threads, no sockets)."""
+    model: str, *, max_batch_size: int, delay_ms: float, clients: int, seconds: float, windows: int
+) -> dict[str, dict[str, Any]]:
+    """The same closed loops straight into `ModelPool.infer` (batcher + engine threads, no
+    sockets), an unbatched and a batched pool in this process, in alternating windows."""
     from loadmaster.common.config import ModelSettings, load_settings
     from loadmaster.model_pool.leases import Lease
     from loadmaster.model_pool.pool import ModelPool
@@ -153,45 +219,42 @@ async def _pool_core(
             pass
 
     settings = load_settings(EXAMPLE_CONFIG)
-    models = settings.models.model_copy(
-        update={
-            "known": {
-                **settings.models.known,
-                model: ModelSettings(max_batch_size=max_batch_size, max_queue_delay_ms=delay_ms),
-            }
-        }
-    )
-    pool = ModelPool(
-        ModelRepository(settings.repository_path), models=models, lease_client=_NoBroker(), threads=1
-    )
-    await pool.load(model)
-    state = {"state": np.zeros((1, 32), dtype=np.float32)}
-    latencies: list[float] = []
-    batches: list[int] = []
 
-    async def client(until: float) -> int:
-        done = 0
+    async def loaded(size: int, delay: float) -> ModelPool:
+        known = {**settings.models.known, model: ModelSettings(max_batch_size=size, max_queue_delay_ms=delay)}
+        pool = ModelPool(
+            ModelRepository(settings.repository_path),
+            models=settings.models.model_copy(update={"known": known}),
+            lease_client=_NoBroker(),
+            threads=1,
+        )
+        await pool.load(model)
+        return pool
+
+    pools = {"unbatched": await loaded(1, 0.0), "batched": await loaded(max_batch_size, delay_ms)}
+    state = {"state": np.zeros((1, 32), dtype=np.float32)}
+    tallies = {label: _Tally() for label in pools}
+
+    async def client(pool: ModelPool, until: float, tally: _Tally) -> None:
         while time.perf_counter() < until:
             started = time.perf_counter()
             result = await pool.infer(model, state)
-            latencies.append(time.perf_counter() - started)
-            batches.append(result.batch_size)
-            done += 1
-        return done
+            tally.latencies.append(time.perf_counter() - started)
+            tally.batches.append(result.batch_size)
 
-    await asyncio.gather(*(client(time.perf_counter() + 1.0) for _ in range(clients)))
-    latencies.clear()
-    batches.clear()
-    started = time.perf_counter()
-    counts = await asyncio.gather(*(client(started + seconds) for _ in range(clients)))
-    elapsed = time.perf_counter() - started
-    await pool.close()
-    return {
-        "requests": sum(counts),
-        "throughput_rps": round(sum(counts) / elapsed, 1),
-        "mean_batch_size": round(float(np.mean(batches)), 2),
-        "latency": percentiles_ms(latencies),
-    }
+    async def window(label: str, seconds: float, tally: _Tally) -> None:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(pools[label], started + seconds, tally) for _ in range(clients)))
+        tally.seconds += time.perf_counter() - started
+
+    for label in pools:
+        await window(label, 1.0, _Tally())  # warm-up
+    for _ in range(windows):
+        for label, tally in tallies.items():
+            await window(label, seconds / windows, tally)
+    for pool in pools.values():
+        await pool.close()
+    return {label: tally.result() for label, tally in tallies.items()}
 
 
 def main() -> None:
@@ -204,29 +267,51 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--max-queue-delay-ms", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=1, help="model_pool.inference_threads")
+    parser.add_argument("--windows", type=int, default=5, help="alternating windows per mode")
     args = parser.parse_args()
-    results = {}
-    for label, size in (("unbatched", 1), ("batched", args.max_batch_size)):
-        print(f"{label}: max_batch_size={size}, {args.clients} clients, {args.seconds:.0f}s …", flush=True)
-        delay = args.max_queue_delay_ms if size > 1 else 0.0
-        results[label] = _run(args.model, size, args.clients, args.seconds, args.threads, delay)
-        r = results[label]
+    print(
+        f"unbatched (max_batch_size 1) vs batched (max_batch_size {args.max_batch_size}): "
+        f"{args.clients} clients each, {args.windows} alternating windows, {args.seconds:.0f}s per mode …",
+        flush=True,
+    )
+    threads, delay = args.threads, args.max_queue_delay_ms
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with (
+            _worker_suite(args.model, 1, threads=threads, delay_ms=0.0) as unbatched,
+            _worker_suite(args.model, args.max_batch_size, threads=threads, delay_ms=delay) as batched,
+        ):
+            results = _measure(
+                context,
+                {"unbatched": unbatched, "batched": batched},
+                model=args.model,
+                clients=args.clients,
+                seconds=args.seconds,
+                windows=args.windows,
+            )
+    finally:
+        context.destroy(linger=0)
+    for label, r in results.items():
         print(
-            f"  {r['throughput_rps']:.0f} req/s, mean batch {r['mean_batch_size']}, "
-            f"p50 {r['latency']['p50_ms']} ms, p99 {r['latency']['p99_ms']} ms",
+            f"  {label}: {r['throughput_rps']:.0f} req/s, mean batch {r['mean_batch_size']}, "
+            f"p50 {r['latency']['p50_ms']} ms, p99 {r['latency']['p99_ms']} ms, "
+            f"worker CPU {r['worker_cpu_us_per_request']:.0f} us/request",
             flush=True,
         )
     gain = results["batched"]["throughput_rps"] / results["unbatched"]["throughput_rps"]
     print(f"batching gain through the data port: {gain:.2f}x (target >= 3x)")
-    core = {}
-    for label, size in (("unbatched", 1), ("batched", args.max_batch_size)):
-        delay = args.max_queue_delay_ms if size > 1 else 0.0
-        core[label] = asyncio.run(_pool_core(args.model, size, args.clients, args.seconds, delay))
-        print(
-            f"  pool core {label}: {core[label]['throughput_rps']:.0f} req/s, "
-            f"mean batch {core[label]['mean_batch_size']}",
-            flush=True,
+    core = asyncio.run(
+        _pool_core(
+            args.model,
+            max_batch_size=args.max_batch_size,
+            delay_ms=args.max_queue_delay_ms,
+            clients=args.clients,
+            seconds=args.seconds,
+            windows=args.windows,
         )
+    )
+    for label, r in core.items():
+        print(f"  pool core {label}: {r['throughput_rps']:.0f} req/s, mean batch {r['mean_batch_size']}")
     core_gain = core["batched"]["throughput_rps"] / core["unbatched"]["throughput_rps"]
     print(f"batching gain in the pool core (no sockets): {core_gain:.2f}x")
     path = write_result(
@@ -234,7 +319,8 @@ def main() -> None:
         {
             "model": args.model,
             "clients": args.clients,
-            "path": "8 DEALER clients -> worker ZMQ data port (real suite, real broker)",
+            "path": f"{args.clients} DEALER clients (one polling thread) -> worker ZMQ data port "
+            f"(real suite, real broker; {args.windows} alternating windows per mode)",
             "results": results,
             "gain": round(gain, 2),
             "pool_core": core,

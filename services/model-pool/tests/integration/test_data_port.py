@@ -140,3 +140,33 @@ async def test_classifier_matches_its_reference(
         assert reply.error_code == OK, reply.error_message
         assert outputs["logits"].shape == (10,)
         np.testing.assert_allclose(outputs["logits"], reference["output.logits"], rtol=1e-4, atol=1e-5)
+
+
+async def test_a_burst_from_many_dealers_is_answered_per_request(
+    worker: ModelPoolServer, make_client: Any
+) -> None:
+    """Requests sent at once (batched together by `policy`) each get their own rows back, on the
+    DEALER that sent them."""
+    rng = np.random.default_rng(7)
+    states = [rng.standard_normal((1, 32)).astype(np.float32) for _ in range(16)]
+    alone = make_client(worker.data_endpoint)
+    expected = []
+    for state in states:  # one at a time: the reference for each input
+        reply, outputs = await alone.call("policy", {"state": state})
+        assert reply.error_code == OK, reply.error_message
+        expected.append(outputs["action"])
+    clients = [make_client(worker.data_endpoint) for _ in range(4)]
+    for index, state in enumerate(states):
+        client = clients[index % 4]
+        await client.send(*client.request("policy", {"state": state}, request_id=f"s{index}"))
+    answered = {}
+    for index, client in enumerate(clients):
+        for _ in range(4):
+            reply, outputs = await client.receive()
+            assert reply.error_code == OK, reply.error_message
+            number = int(reply.request_id[1:])
+            assert number % 4 == index  # the reply came back to its sender
+            answered[number] = outputs["action"]
+    assert sorted(answered) == list(range(16))
+    for number, action in answered.items():
+        np.testing.assert_allclose(action, expected[number], rtol=1e-5, atol=1e-6)

@@ -16,7 +16,9 @@ from loadmaster.common.config import ModelSettings
 from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumentError
 from loadmaster.model_pool.batcher import (
     Batcher,
+    BatchOutcome,
     BatchPolicy,
+    BatchTiming,
     Instance,
     batch_policy,
     rows,
@@ -83,6 +85,25 @@ def make(
     return batcher, executor
 
 
+def submit(
+    batcher: Batcher, inputs: dict[str, np.ndarray], *, deadline_unix_ns: int = 0, received: float
+) -> asyncio.Future[tuple[dict[str, np.ndarray], BatchTiming]]:
+    """The batcher's callback as a future, so a test can await each request."""
+    future: asyncio.Future[tuple[dict[str, np.ndarray], BatchTiming]] = (
+        asyncio.get_running_loop().create_future()
+    )
+
+    def done(outcome: BatchOutcome) -> None:
+        assert not future.done(), "a request was answered twice"
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    batcher.submit(inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=done)
+    return future
+
+
 def x(*values: float) -> dict[str, np.ndarray]:
     return {"x": np.array([[v] for v in values], dtype=np.float32)}
 
@@ -126,10 +147,10 @@ async def test_concurrent_requests_are_stacked_and_split_back(engine: Doubler) -
     clock, sizes = FakeClock(), []
     batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
     engine.gate.clear()  # the first request holds the instance while the others queue
-    first = batcher.submit(x(0), deadline_unix_ns=0, received=clock.monotonic())
+    first = submit(batcher, x(0), deadline_unix_ns=0, received=clock.monotonic())
     await asyncio.sleep(0.05)
     rest = [
-        batcher.submit(x(i, i + 0.5), deadline_unix_ns=0, received=clock.monotonic()) for i in range(1, 4)
+        submit(batcher, x(i, i + 0.5), deadline_unix_ns=0, received=clock.monotonic()) for i in range(1, 4)
     ]
     engine.gate.set()
     results = await asyncio.gather(first, *rest)
@@ -145,17 +166,17 @@ async def test_concurrent_requests_are_stacked_and_split_back(engine: Doubler) -
 async def test_queue_delay_waits_for_company_on_the_clock(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
     batcher, executor = make(engine, BatchPolicy(max_batch_size=4, max_queue_delay_ms=50), clock, sizes)
-    one = batcher.submit(x(1), deadline_unix_ns=0, received=clock.monotonic())
+    one = submit(batcher, x(1), deadline_unix_ns=0, received=clock.monotonic())
     await asyncio.sleep(0.05)
     assert engine.calls == []  # waiting for the delay to pass
-    two = batcher.submit(x(2), deadline_unix_ns=0, received=clock.monotonic())
+    two = submit(batcher, x(2), deadline_unix_ns=0, received=clock.monotonic())
     await asyncio.sleep(0.05)
     assert engine.calls == []
     clock.advance(0.05)
     await asyncio.gather(one, two)
     assert engine.calls == [2]
     # A full batch does not wait.
-    full = [batcher.submit(x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(4)]
+    full = [submit(batcher, x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(4)]
     await asyncio.gather(*full)
     assert engine.calls == [2, 4]
     await batcher.close()
@@ -166,7 +187,7 @@ async def test_preferred_size_goes_without_waiting(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
     policy = BatchPolicy(max_batch_size=8, max_queue_delay_ms=1000, preferred_batch_sizes=(2,))
     batcher, executor = make(engine, policy, clock, sizes)
-    pair = [batcher.submit(x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(2)]
+    pair = [submit(batcher, x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(2)]
     await asyncio.gather(*pair)  # never advanced the clock
     assert engine.calls == [2]
     await batcher.close()
@@ -177,11 +198,11 @@ async def test_errors_stay_per_request(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
     batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
     engine.gate.clear()
-    blocker = batcher.submit(x(0), deadline_unix_ns=0, received=clock.monotonic())
+    blocker = submit(batcher, x(0), deadline_unix_ns=0, received=clock.monotonic())
     await asyncio.sleep(0.05)
-    good = batcher.submit(x(1), deadline_unix_ns=0, received=clock.monotonic())
-    bad = batcher.submit(x(-1), deadline_unix_ns=0, received=clock.monotonic())
-    expired = batcher.submit(x(3), deadline_unix_ns=int(clock.time() * 1e9) - 1, received=clock.monotonic())
+    good = submit(batcher, x(1), deadline_unix_ns=0, received=clock.monotonic())
+    bad = submit(batcher, x(-1), deadline_unix_ns=0, received=clock.monotonic())
+    expired = submit(batcher, x(3), deadline_unix_ns=int(clock.time() * 1e9) - 1, received=clock.monotonic())
     engine.gate.set()
     await blocker
     assert (await good)[0]["y"].ravel().tolist() == [2.0]
@@ -198,7 +219,7 @@ async def test_unstackable_requests_are_refused_by_name(engine: Doubler) -> None
     clock = FakeClock()
     batcher, executor = make(engine, BatchPolicy(max_batch_size=2), clock, [])
     with pytest.raises(InvalidArgumentError, match=r"1\.\.2"):
-        await batcher.submit(x(1, 2, 3), deadline_unix_ns=0, received=clock.monotonic())
+        submit(batcher, x(1, 2, 3), deadline_unix_ns=0, received=clock.monotonic())
     await batcher.close()
     executor.shutdown()
 
@@ -207,9 +228,56 @@ async def test_unbatched_models_run_one_at_a_time_in_order(engine: Doubler) -> N
     clock = FakeClock()
     batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, [])
     results = await asyncio.gather(
-        *(batcher.submit(x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(5))
+        *(submit(batcher, x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(5))
     )
     assert engine.calls == [1] * 5
     assert [r[0]["y"].item() for r in results] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_a_burst_submitted_at_once_runs_as_one_batch(engine: Doubler) -> None:
+    clock, sizes = FakeClock(), []
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
+    burst = [submit(batcher, x(i), received=clock.monotonic()) for i in range(5)]  # no await between
+    results = await asyncio.gather(*burst)
+    assert engine.calls == [5] and sizes == [5]
+    assert [r[0]["y"].item() for r in results] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_close_answers_queued_requests_and_refuses_new_ones(engine: Doubler) -> None:
+    clock = FakeClock()
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, [])
+    engine.gate.clear()
+    running = submit(batcher, x(1), received=clock.monotonic())
+    await asyncio.sleep(0.05)
+    queued = submit(batcher, x(2), received=clock.monotonic())
+    closing = asyncio.create_task(batcher.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # waits for the running batch
+    engine.gate.set()
+    await closing
+    assert (await running)[0]["y"].item() == 2.0
+    with pytest.raises(InternalError, match="stopped"):
+        await queued
+    with pytest.raises(InternalError, match="stopped"):
+        submit(batcher, x(3), received=clock.monotonic())
+    assert engine.calls == [1]
+    executor.shutdown()
+
+
+async def test_a_failing_callback_does_not_cost_the_others_their_answer(engine: Doubler) -> None:
+    clock = FakeClock()
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=4), clock, [])
+
+    def broken(outcome: BatchOutcome) -> None:
+        raise RuntimeError("caller bug")
+
+    batcher.submit(x(1), deadline_unix_ns=0, received=clock.monotonic(), done=broken)
+    other = submit(batcher, x(2), received=clock.monotonic())
+    assert (await other)[0]["y"].item() == 4.0
+    assert engine.calls == [2]
     await batcher.close()
     executor.shutdown()

@@ -1,7 +1,9 @@
 """Dynamic batching: concurrent requests for one model stacked on dim 0, run once, split back.
 
     batcher = Batcher(model_id, policy, instances=[...], clock=clock)
-    outputs, timing = await batcher.submit(inputs, deadline_unix_ns=..., received=...)
+    batcher.start()
+    batcher.submit(inputs, deadline_unix_ns=..., received=..., done=callback)
+    # later, on the event loop: callback((outputs, timing)) or callback(error)
 
 One `Batcher` per loaded model. Requests wait in arrival order; whenever an instance
 (one engine copy with its own thread) is free, the batcher takes the head request and
@@ -15,17 +17,26 @@ Errors stay per request: a request whose deadline passed is answered `expired` a
 left out; when a stacked call fails (or returns outputs without the batch rows) each
 request of that batch runs again on its own, so only the request at fault fails.
 
+The hot path costs per batch, not per request: submissions only append to the queue
+and schedule one look at it for the next loop iteration (so a burst received in one
+go is batched whole), a batch reaches its instance's thread with one executor submit
+and comes back with one loop wake-up, and every request of it is answered by a plain
+callback in that same wake-up (no Future or Task per request). Only a partial batch
+waiting for company holds a timer task.
+
 The stacking and splitting are pure functions (`stack`, `split`, `take_batch`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,10 +44,10 @@ from loadmaster.common.clock import Clock
 from loadmaster.common.config import ModelSettings
 from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumentError, LoadmasterError
 from loadmaster.common.tensors import wire_dtype
-from loadmaster.model_pool._waiting import event_or_timeout
 from loadmaster.model_pool.engines.base import Engine
 
 __all__ = [
+    "BatchOutcome",
     "BatchPolicy",
     "BatchTiming",
     "Batcher",
@@ -48,7 +59,6 @@ __all__ = [
     "stack",
     "take_batch",
 ]
-
 log = logging.getLogger(__name__)
 
 Arrays = Mapping[str, np.ndarray]
@@ -96,14 +106,19 @@ class Instance:
     executor: ThreadPoolExecutor
 
 
+# What a request comes to: its outputs and timing, or the error that answers it.
+BatchOutcome = tuple[dict[str, np.ndarray], BatchTiming] | BaseException
+Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
 @dataclass(slots=True)
 class _Item:
     inputs: Arrays
     deadline_unix_ns: int
     received: float
-    future: asyncio.Future[tuple[dict[str, np.ndarray], BatchTiming]]
+    done: Callable[[BatchOutcome], None]
     rows: int = 1
-    signature: tuple[tuple[str, str, tuple[int, ...]], ...] = field(default_factory=tuple)
+    signature: Signature = ()
 
 
 # ---- pure helpers ------------------------------------------------------------
@@ -111,16 +126,22 @@ class _Item:
 
 def rows(inputs: Arrays) -> int | None:
     """Rows on dim 0 shared by every input, or None when they cannot be stacked."""
-    counts = {array.shape[0] if array.ndim else -1 for array in inputs.values()}
-    if len(counts) != 1:
-        return None
-    (count,) = counts
-    return count if count >= 1 else None
+    count = None
+    for array in inputs.values():
+        size = array.shape[0] if array.ndim else 0
+        if count is None:
+            count = size
+        elif size != count:
+            return None
+    return count or None
 
 
-def signature(inputs: Arrays) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+def signature(inputs: Arrays) -> Signature:
     """What must match for requests to be stacked: names, dtypes, shapes after dim 0."""
-    return tuple(sorted((name, array.dtype.str, tuple(array.shape[1:])) for name, array in inputs.items()))
+    entries = [(name, array.dtype.str, array.shape[1:]) for name, array in inputs.items()]
+    if len(entries) > 1:
+        entries.sort()
+    return tuple(entries)
 
 
 def stack(requests: Sequence[Arrays]) -> dict[str, np.ndarray]:
@@ -140,10 +161,10 @@ def split(outputs: Arrays, counts: Sequence[int]) -> list[dict[str, np.ndarray]]
             raise ValueError(
                 f"output '{name}' has shape {list(array.shape)}, expected {total} rows on dim 0 for a batch"
             )
-    bounds = np.cumsum([0, *counts])
+    bounds = [0, *itertools.accumulate(counts)]
     return [
-        {name: array[bounds[i] : bounds[i + 1]] for name, array in outputs.items()}
-        for i in range(len(counts))
+        {name: array[start:end] for name, array in outputs.items()}
+        for start, end in itertools.pairwise(bounds)
     ]
 
 
@@ -197,104 +218,158 @@ class Batcher:
         self._clock = clock
         self._on_batch = on_batch
         self._queue: deque[_Item] = deque()
-        self._arrived = asyncio.Event()
-        self._free: asyncio.Queue[Instance] = asyncio.Queue()
-        for instance in instances:
-            self._free.put_nowait(instance)
-        self._running: set[asyncio.Task[None]] = set()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._free: list[Instance] = list(instances)
+        self._busy = 0  # batches on instance threads
+        self._idle = asyncio.Event()  # set while no batch is running
+        self._idle.set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pump_scheduled = False
+        self._timer: asyncio.Task[None] | None = None  # wakes a partial batch at its queue deadline
+        self._timer_at = math.inf
+        self._closed = False
 
     def start(self) -> None:
-        if self._loop_task is None:
-            self._loop_task = asyncio.create_task(self._run(), name=f"batcher-{self.model_id}")
+        """Start taking batches (requests submitted before wait until then)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._schedule()
 
     async def close(self) -> None:
         """Stop taking batches and wait for running ones. Callers drain first; anything still
         queued is answered `internal` (a bug in the caller, never silence)."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-            self._loop_task = None
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            await asyncio.gather(self._timer, return_exceptions=True)
+            self._timer = None
+        await self._idle.wait()
         while self._queue:
-            item = self._queue.popleft()
-            if not item.future.done():
-                item.future.set_exception(InternalError(f"model '{self.model_id}' stopped"))
+            self._deliver(self._queue.popleft(), InternalError(f"model '{self.model_id}' stopped"))
 
     def submit(
-        self, inputs: Arrays, *, deadline_unix_ns: int, received: float
-    ) -> asyncio.Future[tuple[dict[str, np.ndarray], BatchTiming]]:
-        future: asyncio.Future[tuple[dict[str, np.ndarray], BatchTiming]] = (
-            asyncio.get_running_loop().create_future()
-        )
-        item = _Item(inputs=inputs, deadline_unix_ns=deadline_unix_ns, received=received, future=future)
+        self,
+        inputs: Arrays,
+        *,
+        deadline_unix_ns: int,
+        received: float,
+        done: Callable[[BatchOutcome], None],
+    ) -> None:
+        """Queue one request; `done` is called once, on the event loop, with its outcome.
+        Raises (and queues nothing) when the batcher is closed or the inputs cannot be stacked."""
+        if self._closed:
+            raise InternalError(f"model '{self.model_id}' stopped")
+        item = _Item(inputs=inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=done)
         if self.policy.batching:
             count = rows(inputs)
             if count is None or count > self.policy.max_batch_size:
-                future.set_exception(
-                    InvalidArgumentError(
-                        f"model '{self.model_id}' batches on dim 0: every input needs the same number "
-                        f"of rows, 1..{self.policy.max_batch_size}"
-                    )
+                raise InvalidArgumentError(
+                    f"model '{self.model_id}' batches on dim 0: every input needs the same number "
+                    f"of rows, 1..{self.policy.max_batch_size}"
                 )
-                return future
             item.rows = count
             item.signature = signature(inputs)
         self._queue.append(item)
-        self._arrived.set()
-        return future
+        self._schedule()
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                instance = await self._free.get()
-                batch = await self._collect()
-                task = asyncio.create_task(self._execute(instance, batch))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("batcher of %s failed a step", self.model_id)
+    # ---- scheduling, on the event loop -------------------------------------------
 
-    async def _collect(self) -> list[_Item]:
-        while not self._queue:
-            self._arrived.clear()
-            await self._arrived.wait()
+    def _schedule(self) -> None:
+        """Look at the queue once the current loop iteration is over (after the whole burst)."""
+        if not self._pump_scheduled and self._loop is not None:
+            self._pump_scheduled = True
+            self._loop.call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Hand every batch that is ready to a free instance."""
+        self._pump_scheduled = False
+        try:
+            while self._free and self._queue and not self._closed:
+                count = self._ready()
+                if not count:
+                    return
+                batch = [self._queue.popleft() for _ in range(count)]
+                self._launch(self._free.pop(), batch)
+        except Exception:
+            log.exception("batcher of %s failed a step", self.model_id)
+
+    def _ready(self) -> int:
+        """Requests (from the head) that go now; 0 while a partial batch waits for company."""
         if not self.policy.batching:
-            return [self._queue.popleft()]
-        deadline = self._queue[0].received + self.policy.max_queue_delay_ms / 1000.0
-        while True:
-            taken = self._candidates()
-            total = sum(item.rows for item in list(self._queue)[:taken])
-            now = self._clock.monotonic()
-            blocked = taken < len(self._queue)  # the next request cannot join this batch
-            if blocked or _complete(self.policy, total) or now >= deadline:
-                break
-            self._arrived.clear()
-            await event_or_timeout(self._arrived, self._clock, deadline - now)
-        return [self._queue.popleft() for _ in range(self._candidates())]
-
-    def _candidates(self) -> int:
-        queued = list(self._queue)
-        return take_batch(
-            [item.rows for item in queued],
-            [item.signature for item in queued],
+            return 1
+        head = list(itertools.islice(self._queue, self.policy.max_batch_size))
+        taken = take_batch(
+            [item.rows for item in head],
+            [item.signature for item in head],
             max_rows=self.policy.max_batch_size,
         )
+        total = sum(item.rows for item in head[:taken])
+        blocked = taken < len(self._queue)  # the next request cannot join this batch
+        if blocked or _complete(self.policy, total):
+            return taken
+        deadline = head[0].received + self.policy.max_queue_delay_ms / 1000.0
+        now = self._clock.monotonic()
+        if now >= deadline:
+            return taken
+        self._wake_at(deadline, now)
+        return 0
 
-    async def _execute(self, instance: Instance, batch: list[_Item]) -> None:
-        loop = asyncio.get_running_loop()
+    def _wake_at(self, deadline: float, now: float) -> None:
+        if self._timer is not None:
+            if self._timer_at <= deadline:
+                return  # an earlier wake-up looks again and re-arms
+            self._timer.cancel()
+        assert self._loop is not None
+        self._timer_at = deadline
+        self._timer = self._loop.create_task(self._wake(deadline - now))
+
+    async def _wake(self, seconds: float) -> None:
+        await self._clock.sleep(seconds)
+        self._timer, self._timer_at = None, math.inf
+        self._pump()
+
+    def _launch(self, instance: Instance, batch: list[_Item]) -> None:
+        """One executor submit per batch; the result comes back in one loop wake-up."""
+        loop = self._loop
+        assert loop is not None
         calls: list[tuple[int, float]] = []
+
+        def returned(future: Future[list[BatchOutcome]]) -> None:  # on the instance's thread
+            try:
+                loop.call_soon_threadsafe(self._finish, instance, batch, calls, future)
+            except RuntimeError:  # the loop is closed: nobody is left to answer
+                log.warning("model %s finished a batch after its event loop closed", self.model_id)
+
         try:
-            results = await loop.run_in_executor(
-                instance.executor, self._run_batch, instance.engine, batch, calls
-            )
+            future = instance.executor.submit(self._run_batch, instance.engine, batch, calls)
+        except BaseException as error:  # the executor itself failed: every request hears it
+            self._free.append(instance)
+            self._answer(batch, [error] * len(batch), calls)
+            return
+        self._busy += 1
+        self._idle.clear()
+        future.add_done_callback(returned)
+
+    def _finish(
+        self,
+        instance: Instance,
+        batch: list[_Item],
+        calls: list[tuple[int, float]],
+        future: Future[list[BatchOutcome]],
+    ) -> None:
+        self._busy -= 1
+        self._free.append(instance)
+        try:
+            results = future.result()
         except BaseException as error:  # the executor itself failed: every request hears it
             results = [error] * len(batch)
-        finally:
-            self._free.put_nowait(instance)
+        self._pump()  # the instance starts its next batch while these replies go out
+        if not self._busy:
+            self._idle.set()
+        self._answer(batch, results, calls)
+
+    def _answer(
+        self, batch: list[_Item], results: list[BatchOutcome], calls: list[tuple[int, float]]
+    ) -> None:
         if self._on_batch is not None:
             for size, inference_ms in calls:
                 try:
@@ -302,20 +377,21 @@ class Batcher:
                 except Exception:
                     log.exception("batch observer failed")
         for item, result in zip(batch, results, strict=True):
-            if item.future.done():
-                continue
-            if isinstance(result, BaseException):
-                item.future.set_exception(result)
-            else:
-                item.future.set_result(result)
+            self._deliver(item, result)
+
+    def _deliver(self, item: _Item, outcome: BatchOutcome) -> None:
+        try:
+            item.done(outcome)
+        except Exception:
+            log.exception("answering a request of %s failed", self.model_id)
 
     # ---- on the instance's thread -----------------------------------------------
 
     def _run_batch(
         self, engine: Engine, batch: list[_Item], calls: list[tuple[int, float]]
-    ) -> list[tuple[dict[str, np.ndarray], BatchTiming] | BaseException]:
+    ) -> list[BatchOutcome]:
         now_ns = self._clock.time() * 1e9
-        results: list[tuple[dict[str, np.ndarray], BatchTiming] | BaseException] = []
+        results: list[BatchOutcome] = []
         live: list[int] = []
         started = self._clock.monotonic()
         for index, item in enumerate(batch):
@@ -334,9 +410,8 @@ class Batcher:
         items = [batch[i] for i in live]
         try:
             outputs = engine.infer(stack([item.inputs for item in items]))
+            _check_outputs(self.model_id, outputs)  # once for the batch: its parts share the dtypes
             parts = split(outputs, [item.rows for item in items])
-            for part in parts:
-                _check_outputs(self.model_id, part)
         except Exception as error:
             if len(items) == 1:
                 results[live[0]] = self._engine_error(error)
@@ -352,17 +427,16 @@ class Batcher:
                 results[index] = self._run_single(engine, batch[index], calls)
             return results
         inference_ms = (self._clock.monotonic() - started) * 1000.0
-        calls.append((len(items), inference_ms))
+        size = len(items)
+        calls.append((size, inference_ms))
         for index, item, part in zip(live, items, parts, strict=True):
             timing = BatchTiming(
-                queue_ms=(started - item.received) * 1000.0, inference_ms=inference_ms, batch_size=len(items)
+                queue_ms=(started - item.received) * 1000.0, inference_ms=inference_ms, batch_size=size
             )
             results[index] = (part, timing)
         return results
 
-    def _run_single(
-        self, engine: Engine, item: _Item, calls: list[tuple[int, float]]
-    ) -> tuple[dict[str, np.ndarray], BatchTiming] | BaseException:
+    def _run_single(self, engine: Engine, item: _Item, calls: list[tuple[int, float]]) -> BatchOutcome:
         started = self._clock.monotonic()
         try:
             outputs = engine.infer(item.inputs)

@@ -3,10 +3,25 @@
     in   [identity, b"", InferRequest, payload]
     out  [identity, b"", InferReply, payload]      (payloads >= 64 KiB sent with copy=False)
 
-Input tensors are zero-copy views of the received payload frame; each request runs
-as its own task, so a slow model never holds up another model's replies. Every
-failure is a reply (invalid tensors, unknown model, model not ready, expired,
-engine errors); nothing a client sends stops the receive loop.
+Input tensors are zero-copy views of the received payload frame. Every failure is a
+reply (invalid tensors, unknown model, model not ready, expired, engine errors);
+nothing a client sends stops the receive loop, and a slow model never holds up
+another model's replies (each model has its own batcher and threads).
+
+The path costs per wake-up, not per message, because once batching removes most of
+the engine time per request this overhead is what limits throughput (see
+bench/model_pool_batching.py). The socket is a plain (blocking-API) ZMQ socket whose
+file descriptor the event loop watches: each wake-up receives every waiting message
+with NOBLOCK, decodes and admits each one straight into the pool (so a burst reaches
+the batcher whole and runs as one batch), and replies are encoded and sent from the
+batch's completion callback, one send per reply, without a Task, Future or await per
+request. ROUTER sends never block (a reply to a vanished peer is dropped), so sending
+from the loop is safe.
+
+ZMQ's descriptor is edge-triggered: it signals only when the socket's state changed,
+and a send may consume the signal of a message that arrived meanwhile. So after
+sending, the port looks at the socket again on the next loop iteration (once, however
+many replies went out).
 """
 
 from __future__ import annotations
@@ -17,17 +32,16 @@ import socket
 from typing import Any
 
 import zmq
-import zmq.asyncio
 from google.protobuf.message import DecodeError
 from opentelemetry.trace import SpanKind
 
 from loadmaster.common import tracing
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, UnavailableError, edge_code_name
-from loadmaster.common.framing import router_reply, split_router_frames
-from loadmaster.common.tensors import TensorLimits
-from loadmaster.model_pool.pool import ModelPool
-from loadmaster.model_pool.wire import error_reply, handle_infer
+from loadmaster.common.errors import InvalidArgumentError, UnavailableError, edge_code_name
+from loadmaster.common.framing import split_router_frames
+from loadmaster.common.tensors import TensorLimits, decode_tensors
+from loadmaster.model_pool.pool import InferResult, ModelPool
+from loadmaster.model_pool.wire import error_reply, failure_reply, result_reply
 from loadmaster.v1 import model_pool_pb2
 
 __all__ = ["DataPort", "advertised_endpoint"]
@@ -36,16 +50,13 @@ log = logging.getLogger(__name__)
 
 _DEFAULT_LIMITS = TensorLimits()
 _WILDCARD_HOSTS = {"0.0.0.0", "*", "::", "[::]", ""}
-
-
 _ZERO_COPY_BYTES = 64 << 10
-
-
-def _nbytes(payload: Any) -> int:
-    try:
-        return memoryview(payload).nbytes
-    except TypeError:
-        return len(payload)
+# Plain ints: pyzmq's flag enums cost microseconds per `|` on this path.
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+# Messages taken per wake-up before yielding to the loop (replies, timers, gRPC), so a
+# flood of requests cannot starve the rest of the worker.
+_BURST = 256
 
 
 def advertised_endpoint(
@@ -67,6 +78,15 @@ def advertised_endpoint(
     return f"tcp://{host}:{port}"
 
 
+def _receive(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:
+    """One whole message as zero-copy frames (raises zmq.Again when none is waiting). Half the
+    cost of recv_multipart: no RCVMORE getsockopt and no flag enums per frame."""
+    frames = [sock.recv(_NOBLOCK, copy=False)]
+    while frames[-1].more:  # the rest of a message arrives with its first frame
+        frames.append(sock.recv(_NOBLOCK, copy=False))
+    return frames
+
+
 class DataPort:
     def __init__(
         self,
@@ -86,15 +106,19 @@ class DataPort:
         self._clock = clock or SystemClock()
         self._max_pending = max_pending
         self._hwm = hwm
-        self._context: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
-        self._receiver: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Task[None]] = set()
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None  # watched by the loop while receiving
+        self._drain_scheduled = False
+        self._pending = 0  # admitted requests not yet answered
+        self._settled = asyncio.Event()  # set while nothing is pending
+        self._settled.set()
         self.last_endpoint = ""
 
     async def start(self) -> str:
         """Bind and start answering; returns ZMQ's LAST_ENDPOINT (the real port of a `:*` bind)."""
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.RCVHWM, self._hwm)
         sock.setsockopt(zmq.SNDHWM, self._hwm)
@@ -108,21 +132,23 @@ class DataPort:
             raise RuntimeError(f"data port: cannot bind {self._bind}: {error}") from error
         self._socket = sock
         self.last_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._receiver = asyncio.create_task(self._receive_loop(), name="data-port")
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.fileno()
+        self._loop.add_reader(self._fd, self._drain)
+        self._schedule_drain()  # anything that arrived before the loop watched the descriptor
         log.info("data port bound on %s", self.last_endpoint)
         return self.last_endpoint
 
     async def stop(self, *, timeout_s: float = 5.0) -> None:
         """Stop receiving, let replies in progress go out (bounded), close the socket."""
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
-            self._receiver = None
+        if self._loop is not None and self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
         if self._pending:
-            _, late = await asyncio.wait(set(self._pending), timeout=timeout_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+            try:
+                await asyncio.wait_for(self._settled.wait(), timeout_s)
+            except TimeoutError:
+                log.warning("data port closing with %d request(s) unanswered", self._pending)
         if self._socket is not None:
             self._socket.close()
             self._socket = None
@@ -130,96 +156,136 @@ class DataPort:
             self._context.term()
             self._context = None
 
-    async def _receive_loop(self) -> None:
-        assert self._socket is not None
-        while True:
+    # ---- receiving -----------------------------------------------------------
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and self._loop is not None:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Take every message waiting (up to `_BURST`) and hand each one to the pool."""
+        self._drain_scheduled = False
+        sock = self._socket
+        if sock is None or self._fd is None:
+            return
+        for _ in range(_BURST):
             try:
-                frames = await self._socket.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                raise
+                frames = _receive(sock)
+            except zmq.Again:
+                return
             except zmq.ZMQError as error:
-                if error.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                log.exception("data port receive failed")
-                continue
-            except Exception:
-                log.exception("data port receive failed")
-                continue
+                if error.errno not in (zmq.ETERM, zmq.ENOTSOCK):
+                    log.exception("data port receive failed")
+                return
             try:
-                self._dispatch(frames, self._clock.monotonic())
+                self._handle(frames, self._clock.monotonic())
             except Exception:
                 log.exception("data port dispatch failed")
+        self._schedule_drain()  # more may be waiting: after the loop has run other work
 
-    def _dispatch(self, frames: list[Any], received: float) -> None:
-        if len(self._pending) >= self._max_pending:
-            self._spawn(
-                self._reply_error(frames, UnavailableError("worker overloaded: too many pending requests"))
-            )
-            return
-        self._spawn(self._handle(frames, received))
-
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.create_task(work)
-        self._pending.add(task)
-        task.add_done_callback(self._finished)
-
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._pending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("data port request failed", exc_info=task.exception())
-
-    async def _reply_error(self, frames: list[Any], error: LoadmasterError) -> None:
-        if not frames:
-            return
-        identity = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
-        await self._send(identity, error_reply(error, worker_id=self._worker_id), b"")
-
-    async def _handle(self, frames: list[Any], received: float) -> None:
+    def _handle(self, frames: list[Any], received: float) -> None:
         try:
             split = split_router_frames(frames)
         except InvalidArgumentError as error:
-            await self._reply_error(frames, error)
+            if frames:
+                self._send(frames[0].bytes, error_reply(error, worker_id=self._worker_id), b"")
             return
+        identity = split.identity
         request = model_pool_pb2.InferRequest()
         try:
-            request.ParseFromString(
-                split.envelope.bytes if hasattr(split.envelope, "bytes") else split.envelope
-            )
+            request.ParseFromString(split.envelope.buffer)
         except (DecodeError, TypeError, ValueError) as error:
             reply = error_reply(
                 InvalidArgumentError(f"envelope is not an InferRequest: {error}"), worker_id=self._worker_id
             )
-            await self._send(split.identity, reply, b"")
+            self._send(identity, reply, b"")
             return
-        payload = split.payload.buffer if hasattr(split.payload, "buffer") else split.payload
+        request_id, model_id = request.request_id, request.model_id
+        if self._pending >= self._max_pending:
+            overloaded = UnavailableError("worker overloaded: too many pending requests")
+            self._send(identity, self._failed(overloaded, request_id, model_id), b"")
+            return
         # The worker's span of this request, parented on the gateway's (context in the metadata).
-        span = tracing.start_request_span(
-            "model_pool.infer",
-            request_id=request.request_id,
-            model_id=request.model_id,
-            carrier=request.metadata,
-            kind=SpanKind.SERVER,
+        span = (
+            tracing.start_request_span(
+                "model_pool.infer",
+                request_id=request_id,
+                model_id=model_id,
+                carrier=request.metadata,
+                kind=SpanKind.SERVER,
+            )
+            if tracing.enabled()
+            else None
         )
-        reply, out_payload = await handle_infer(
-            self._pool,
-            request,
-            payload,
-            worker_id=self._worker_id,
-            limits=self._limits,
-            received_monotonic=received,
-        )
-        tracing.end_span(span, error_code=edge_code_name(reply.error_code) if reply.error_code else "")
-        await self._send(split.identity, reply, out_payload)
 
-    async def _send(self, identity: bytes, reply: model_pool_pb2.InferReply, payload: Any) -> None:
+        def done(outcome: InferResult | BaseException) -> None:
+            self._answered()
+            self._answer(identity, request_id, model_id, outcome, span)
+
+        payload = split.payload.buffer if isinstance(split.payload, zmq.Frame) else split.payload
+        self._pending += 1
+        self._settled.clear()
+        try:
+            inputs = decode_tensors(request.inputs, payload, self._limits)
+            self._pool.submit(
+                model_id,
+                inputs,
+                done=done,
+                deadline_unix_ns=request.deadline_unix_ns,
+                received_monotonic=received,
+            )
+        except Exception as error:  # refused at the door: answered now
+            self._answered()
+            self._answer(identity, request_id, model_id, error, span)
+
+    def _answered(self) -> None:
+        self._pending -= 1
+        if not self._pending:
+            self._settled.set()
+
+    # ---- answering -----------------------------------------------------------
+
+    def _failed(self, error: BaseException, request_id: str, model_id: str) -> model_pool_pb2.InferReply:
+        return failure_reply(error, request_id=request_id, model_id=model_id, worker_id=self._worker_id)
+
+    def _answer(
+        self,
+        identity: bytes,
+        request_id: str,
+        model_id: str,
+        outcome: InferResult | BaseException,
+        span: Any,
+    ) -> None:
+        payload: Any = b""
+        if isinstance(outcome, BaseException):
+            reply = self._failed(outcome, request_id, model_id)
+        else:
+            try:
+                reply, payload = result_reply(
+                    outcome, request_id=request_id, model_id=model_id, worker_id=self._worker_id
+                )
+            except Exception as error:  # outputs that cannot be encoded
+                reply = self._failed(error, request_id, model_id)
+        if span is not None:
+            tracing.end_span(span, error_code=edge_code_name(reply.error_code) if reply.error_code else "")
+        self._send(identity, reply, payload)
+
+    def _send(self, identity: bytes, reply: model_pool_pb2.InferReply, payload: Any) -> None:
         if self._socket is None:
             return
+        sock = self._socket
         try:
+            envelope = reply.SerializeToString()
             # Zero-copy only pays for large payloads: below it pyzmq's Frame bookkeeping costs more
-            # than the copy (measured: ~80 us per frame on the small-tensor path).
-            copy = _nbytes(payload) < _ZERO_COPY_BYTES
-            await self._socket.send_multipart(
-                router_reply(identity, reply.SerializeToString(), payload), copy=copy
-            )
+            # than the copy (measured: ~80 us per frame on the small-tensor path). Sized before the
+            # first frame goes, so a bad payload cannot leave half a message on the socket.
+            copy = memoryview(payload).nbytes < _ZERO_COPY_BYTES
+            # Frame by frame with int flags: a third of what send_multipart costs per reply.
+            sock.send(identity, _MORE_NOBLOCK)
+            sock.send(b"", _MORE_NOBLOCK)
+            sock.send(envelope, _MORE_NOBLOCK)
+            sock.send(payload, _NOBLOCK, copy=copy)
         except (zmq.ZMQError, TypeError, ValueError) as error:
             log.warning("data port could not send reply %s: %s", reply.request_id, error)
+        self._schedule_drain()  # the send may have taken the descriptor's signal of a new message

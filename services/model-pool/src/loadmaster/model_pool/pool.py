@@ -8,6 +8,7 @@ only translate into its calls:
     unload(model_id)   DRAINING (wait for in-flight) -> engine.unload() -> memory freed
                        -> release lease -> IDLE
     infer(model_id, inputs, deadline_unix_ns=...) -> InferResult   (through the model's Batcher)
+    submit(model_id, inputs, done=callback, ...)   the same, answered by a callback (data port)
     pin(model_id, pinned)   never evicted while pinned
 
 Each loaded model has `instances` engine copies, each on its own single-thread
@@ -21,9 +22,9 @@ Which model to evict is decided in `eviction.py`; this module only acts on it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Coroutine, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -41,7 +42,7 @@ from loadmaster.common.errors import (
 )
 from loadmaster.model_pool import memory
 from loadmaster.model_pool._waiting import event_or_timeout, settle
-from loadmaster.model_pool.batcher import Batcher, Instance, batch_policy
+from loadmaster.model_pool.batcher import Batcher, BatchOutcome, Instance, batch_policy
 from loadmaster.model_pool.engines import Engine, EngineContext, engine_class
 from loadmaster.model_pool.eviction import (
     EvictionCounters,
@@ -50,6 +51,7 @@ from loadmaster.model_pool.eviction import (
     choose_victim,
     no_room_message,
 )
+from loadmaster.model_pool.instances import free_instances, load_instance
 from loadmaster.model_pool.keep_alive import KeepAlive
 from loadmaster.model_pool.leases import (
     Lease,
@@ -96,9 +98,13 @@ class _Operation:
     task: asyncio.Task[None]
 
 
-def _load_and_warm(engine: Engine) -> None:
-    engine.load()
-    engine.warmup()
+def _resolve(future: asyncio.Future[InferResult], outcome: InferResult | BaseException) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 class ModelPool:
@@ -290,7 +296,6 @@ class ModelPool:
 
     async def _do_load(self, slot: Slot) -> None:
         model_id = slot.model_id
-        loop = asyncio.get_running_loop()
         slot.begin_load()
         self._changed(slot)
         lease: Lease | None = None
@@ -316,12 +321,9 @@ class ModelPool:
             slot.set_lease(lease.lease_id, device=device, mb_per_gpu=dict(lease.mb_per_gpu))
             if device.startswith("cuda"):
                 memory_before = await asyncio.to_thread(memory.snapshot, lease.gpus)
-            for index in range(count):
-                executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-{model_id}-{index}")
-                engine = cls(spec, EngineContext(device=device, threads=self._threads))
-                built.append(Instance(engine=engine, executor=executor))
-                # Warm-up (config inputs, or zeros from the declared inputs) runs before READY.
-                await loop.run_in_executor(executor, _load_and_warm, engine)
+            context = EngineContext(device=device, threads=self._threads)
+            for index in range(count):  # each loaded and warmed up on its own thread before READY
+                await load_instance(built, cls, spec, context, name=f"model-{model_id}-{index}")
         except BaseException as error:
             message = await self._abandon_load(model_id, error, instances=built, lease=lease)
             slot.load_failed(message)
@@ -435,20 +437,10 @@ class ModelPool:
         else:
             message = f"loading model '{model_id}' failed: {type(error).__name__}: {error}"
             log.error("loading model %s failed", model_id, exc_info=error)
-        await self._free_instances(model_id, instances)
+        await free_instances(model_id, instances)
         if lease is not None:
             await self._release(model_id, lease)
         return message
-
-    async def _free_instances(self, model_id: str, instances: list[Instance]) -> None:
-        for instance in instances:
-            try:
-                # Queued behind a load still running on that thread, so it frees what it built.
-                await asyncio.wrap_future(instance.executor.submit(instance.engine.unload))
-            except Exception:
-                log.exception("unloading an instance of %s failed", model_id)
-            finally:
-                instance.executor.shutdown(wait=False)
 
     async def _memory_freed(self, model_id: str, loaded: _Loaded) -> None:
         """On NVIDIA: wait (bounded) until NVML shows the model's memory gone from this process."""
@@ -478,7 +470,7 @@ class ModelPool:
         lease = self._keeper.forget(model_id) or loaded.lease
         try:
             await loaded.batcher.close()
-            await self._free_instances(model_id, loaded.instances)
+            await free_instances(model_id, loaded.instances)
             await self._memory_freed(model_id, loaded)
         finally:
             await self._release(model_id, lease)  # only after the engines freed their memory
@@ -527,6 +519,46 @@ class ModelPool:
 
     # ---- inference ---------------------------------------------------------
 
+    def submit(
+        self,
+        model_id: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        done: Callable[[InferResult | BaseException], None],
+        deadline_unix_ns: int = 0,
+        received_monotonic: float | None = None,
+    ) -> None:
+        """Admit one request and queue it on the model's batcher; `done` is called once, on the
+        event loop, with its `InferResult` or its error. Refusals at the door (closing, unknown or
+        not READY model, bad inputs, deadline passed) raise `LoadmasterError` instead. The request
+        stays in flight until its engine call is over, whoever still waits. A callback, so the
+        data port answers a whole batch in one loop wake-up; `infer` is the awaitable form."""
+        if self._closing:
+            raise UnavailableError("worker is shutting down")
+        slot = self._slot(model_id)
+        generation = slot.acquire()
+        try:
+            loaded = self._loaded[model_id]
+            check_inputs(loaded.spec, inputs)
+            if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
+                raise ExpiredError(f"request for '{model_id}' expired before it started")
+            received = self._clock.monotonic() if received_monotonic is None else received_monotonic
+
+            def finished(outcome: BatchOutcome) -> None:
+                self._released(slot)
+                if isinstance(outcome, BaseException):
+                    done(outcome)
+                    return
+                outputs, timing = outcome
+                done(
+                    InferResult(outputs, generation, timing.inference_ms, timing.queue_ms, timing.batch_size)
+                )
+
+            loaded.batcher.submit(inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=finished)
+        except BaseException:
+            self._released(slot)
+            raise
+
     async def infer(
         self,
         model_id: str,
@@ -535,31 +567,18 @@ class ModelPool:
         deadline_unix_ns: int = 0,
         received_monotonic: float | None = None,
     ) -> InferResult:
-        """Run one request (batched with others when the model batches). Errors are `LoadmasterError`s."""
-        if self._closing:
-            raise UnavailableError("worker is shutting down")
-        slot = self._slot(model_id)
-        generation = slot.acquire()
-        loaded = self._loaded[model_id]
-        try:
-            check_inputs(loaded.spec, inputs)
-            if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
-                raise ExpiredError(f"request for '{model_id}' expired before it started")
-            received = self._clock.monotonic() if received_monotonic is None else received_monotonic
-            future = loaded.batcher.submit(inputs, deadline_unix_ns=deadline_unix_ns, received=received)
-        except BaseException:
-            self._released(slot)
-            raise
-        future.add_done_callback(lambda _: self._released(slot))
-        # Shielded: a cancelled caller leaves the request counted until its engine call is over.
-        outputs, timing = await asyncio.shield(future)
-        return InferResult(
-            outputs=outputs,
-            generation=generation,
-            inference_ms=timing.inference_ms,
-            queue_ms=timing.queue_ms,
-            batch_size=timing.batch_size,
+        """Run one request (batched with others when the model batches). Errors are `LoadmasterError`s.
+        A cancelled caller stops waiting; the request itself runs on (see `submit`)."""
+        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        done = functools.partial(_resolve, future)
+        self.submit(
+            model_id,
+            inputs,
+            done=done,
+            deadline_unix_ns=deadline_unix_ns,
+            received_monotonic=received_monotonic,
         )
+        return await future
 
     def _released(self, slot: Slot) -> None:
         slot.release()

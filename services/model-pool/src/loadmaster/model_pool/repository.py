@@ -285,7 +285,8 @@ def check_inputs(spec: ModelSpec, arrays: Mapping[str, np.ndarray]) -> None:
                 f"tensor '{tensor.name}': shape {list(array.shape)}, model '{spec.model_id}' "
                 f"expects {list(tensor.shape)} (-1 = any)"
             )
-    if not spec.config.allow_extra_inputs:
+    # Every declared input was found, so equal counts mean no extra ones (the common case).
+    if len(arrays) != len(declared) and not spec.config.allow_extra_inputs:
         names = {tensor.name for tensor in declared}
         extra = sorted(key for key in arrays if key not in names)
         if extra:

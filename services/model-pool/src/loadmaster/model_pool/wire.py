@@ -11,12 +11,20 @@ from typing import Any
 
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.common.tensors import TensorLimits, decode_tensors, encode_tensors
-from loadmaster.model_pool.pool import ModelPool
+from loadmaster.model_pool.pool import InferResult, ModelPool
 from loadmaster.model_pool.repository import ModelSpec, TensorSpec
 from loadmaster.model_pool.slots import ModelState, SlotStatus
 from loadmaster.v1 import model_pool_pb2, tensor_pb2
 
-__all__ = ["STATE_TO_PB", "error_reply", "handle_infer", "slot_status_pb"]
+__all__ = [
+    "STATE_TO_PB",
+    "error_reply",
+    "failure_reply",
+    "handle_infer",
+    "result_reply",
+    "signature_pb",
+    "slot_status_pb",
+]
 
 log = logging.getLogger(__name__)
 
@@ -67,38 +75,24 @@ def error_reply(
     )
 
 
-async def handle_infer(
-    pool: ModelPool,
-    request: model_pool_pb2.InferRequest,
-    payload: Any,
-    *,
-    worker_id: str,
-    limits: TensorLimits,
-    received_monotonic: float | None = None,
+def failure_reply(
+    error: BaseException, *, request_id: str, model_id: str, worker_id: str
+) -> model_pool_pb2.InferReply:
+    """The reply for a failed request: its `LoadmasterError`, anything else as `internal` (logged)."""
+    if not isinstance(error, LoadmasterError):
+        log.error("request %s for %s failed", request_id, model_id, exc_info=error)
+        error = InternalError(f"{type(error).__name__}: {error}")
+    return error_reply(error, request_id=request_id, model_id=model_id, worker_id=worker_id)
+
+
+def result_reply(
+    result: InferResult, *, request_id: str, model_id: str, worker_id: str
 ) -> tuple[model_pool_pb2.InferReply, Any]:
-    """Answer one InferRequest: (reply envelope, output payload). Failures are replies, never raised."""
-    try:
-        inputs = decode_tensors(request.inputs, payload, limits)
-        result = await pool.infer(
-            request.model_id,
-            inputs,
-            deadline_unix_ns=request.deadline_unix_ns,
-            received_monotonic=received_monotonic,
-        )
-        descriptors, out_payload = encode_tensors(result.outputs, timestamp_ns=time.time_ns())
-    except LoadmasterError as error:
-        return error_reply(
-            error, request_id=request.request_id, model_id=request.model_id, worker_id=worker_id
-        ), b""
-    except Exception as error:
-        log.error("request %s for %s failed", request.request_id, request.model_id, exc_info=error)
-        internal = InternalError(f"{type(error).__name__}: {error}")
-        return error_reply(
-            internal, request_id=request.request_id, model_id=request.model_id, worker_id=worker_id
-        ), b""
+    """The reply envelope and output payload of a request that ran."""
+    descriptors, payload = encode_tensors(result.outputs, timestamp_ns=time.time_ns())
     reply = model_pool_pb2.InferReply(
-        request_id=request.request_id,
-        model_id=request.model_id,
+        request_id=request_id,
+        model_id=model_id,
         outputs=descriptors,
         inference_latency_ms=result.inference_ms,
         queue_ms=result.queue_ms,
@@ -106,7 +100,25 @@ async def handle_infer(
         worker_id=worker_id,
         generation=result.generation,
     )
-    return reply, out_payload
+    return reply, payload
+
+
+async def handle_infer(
+    pool: ModelPool,
+    request: model_pool_pb2.InferRequest,
+    payload: Any,
+    *,
+    worker_id: str,
+    limits: TensorLimits,
+) -> tuple[model_pool_pb2.InferReply, Any]:
+    """Answer one InferRequest: (reply envelope, output payload). Failures are replies, never raised."""
+    request_id, model_id = request.request_id, request.model_id
+    try:
+        inputs = decode_tensors(request.inputs, payload, limits)
+        result = await pool.infer(model_id, inputs, deadline_unix_ns=request.deadline_unix_ns)
+        return result_reply(result, request_id=request_id, model_id=model_id, worker_id=worker_id)
+    except Exception as error:
+        return failure_reply(error, request_id=request_id, model_id=model_id, worker_id=worker_id), b""
 
 
 _SPEC_DTYPES = {
