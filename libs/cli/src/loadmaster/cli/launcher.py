@@ -220,13 +220,17 @@ class Suite:
         """Block until the scheduler sees every model in `model_ids` READY on some worker."""
         import asyncio
 
+        asyncio.run(self._wait_for_models(set(model_ids), timeout_s))  # one loop: grpc.aio binds to it
+
+    async def _wait_for_models(self, wanted: set[str], timeout_s: float) -> None:
+        import asyncio
+
         from loadmaster.cli.status import collect_status
 
         deadline = time.monotonic() + timeout_s
-        missing = set(model_ids)
         while True:
-            status = asyncio.run(collect_status(self.settings))
-            missing = set(model_ids) - {m.model_id for m in status.models if m.state == "READY"}
+            status = await collect_status(self.settings)
+            missing = wanted - {m.model_id for m in status.models if m.state == "READY"}
             failed = [m for m in status.models if m.model_id in missing and m.error]
             if failed:
                 raise RuntimeError(f"model {failed[0].model_id} failed to load: {failed[0].error}")
@@ -234,7 +238,7 @@ class Suite:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"models not READY within {timeout_s:.0f}s: {sorted(missing)}")
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)
 
     def exited(self) -> list[ServiceProcess]:
         return [p for p in self.processes if p.process.poll() is not None]

@@ -69,4 +69,24 @@ async def wait_for_health(address: str, *, timeout_s: float, service: str = "") 
 
 
 def wait_for_health_sync(address: str, *, timeout_s: float, service: str = "") -> None:
-    asyncio.run(wait_for_health(address, timeout_s=timeout_s, service=service))
+    """`wait_for_health` for synchronous callers, on the blocking gRPC API: no event loop of its
+    own, so callers that later run grpc.aio in a loop of theirs are not left with a closed one."""
+    deadline = time.monotonic() + timeout_s
+    backoff = 0.02
+    with grpc.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s:.1f}s")
+            call = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=remaining)
+            try:
+                for reply in call:
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError:
+                pass  # refused or deadline: retry until ours
+            finally:
+                call.cancel()
+            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+            backoff = min(backoff * 2, 0.25)
