@@ -42,6 +42,21 @@ class _Outbox:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def _one_run_per_credit(enqueues: list[scheduler_pb2.Enqueue]) -> list[scheduler_pb2.Enqueue]:
+    """The leading enqueues that may share one message: a credit runs one request at a time,
+    so a second run on a credit waits for the next message, where the first run's Complete
+    (held until its run is sent) goes before it. Otherwise the scheduler would see the second
+    run while the first still holds the credit, queue it, and revoke the model's credits."""
+    seen: set[str] = set()
+    for index, enqueue in enumerate(enqueues):
+        credit_id = enqueue.request.credit_id
+        if credit_id:
+            if credit_id in seen:
+                return enqueues[:index]
+            seen.add(credit_id)
+    return enqueues
+
+
 class SchedulerLink:
     def __init__(
         self,
@@ -154,8 +169,9 @@ class SchedulerLink:
                 del outbox.returns[:batch]
                 message.cancel.extend(outbox.cancels[:batch])
                 del outbox.cancels[:batch]
-                message.enqueue.extend(outbox.enqueues[:batch])
-                del outbox.enqueues[:batch]
+                enqueues = _one_run_per_credit(outbox.enqueues[:batch])
+                message.enqueue.extend(enqueues)
+                del outbox.enqueues[: len(enqueues)]
                 if outbox.unsent_runs:
                     for enqueue in message.enqueue:
                         outbox.unsent_runs.discard(enqueue.request.request_id)
