@@ -46,3 +46,10 @@ def test_load_goes_where_memory_is_free_else_evictable() -> None:
     assert pick_load_worker([unknown_busy, unknown_idle], vram_mb=50) == "idle"  # can make room
     failed = LoadCandidate("failed", loaded=0, failed=True, free_mb=9000)
     assert pick_load_worker([failed, unknown_busy], vram_mb=50) == "busy"
+
+
+def test_a_less_loaded_candidate_ends_an_earlier_tie() -> None:
+    candidates = [GrantCandidate("a", 1), GrantCandidate("b", 1), GrantCandidate("c", 0)]
+    assert {pick_grant_worker(candidates, max_inflight=2) for _ in range(20)} == {"c"}
+    full = [GrantCandidate("a", 2), GrantCandidate("b", 2)]  # tied, but at max_inflight: no room
+    assert pick_grant_worker(full, max_inflight=2) is None

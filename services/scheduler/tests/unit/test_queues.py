@@ -85,3 +85,42 @@ def test_stale_entries_are_compacted() -> None:
     assert len(heaps.order) < 200 and len(heaps.arrival) < 200
     assert len(q._deadlines) < 200
     assert q.peek("m") is keep
+
+
+def test_a_retried_request_is_served_once_under_its_new_key() -> None:
+    q = RequestQueues(make_ordering("priority_tiered"))
+    first, second = _request(0), _request(1)
+    q.push(first)
+    q.push(second)
+    entry = q.peek_entry("m")
+    assert entry == ((0, 0), first)  # the ordering's key, as the ordering made it
+    q.remove(first.key)
+    q.push(first)  # same arrival, same key: its stale entry ties with the live one
+    assert [q.pop("m") for _ in range(3)] == [first, second, None]
+    assert len(q) == 0 and q.waiting_models() == []
+
+
+def test_expiry_survives_a_compaction_halfway() -> None:
+    q = RequestQueues(PriorityOrdering())
+    requests = [_request(n, deadline=1.0 + n) for n in range(136)]
+    for request in requests:
+        q.push(request)
+    for request in requests[36:]:  # 100 stale deadline entries, 36 live: one short of compacting
+        q.remove(request.key)
+    expired = q.pop_expired(1000.0)  # the first removal inside compacts the deadline heap
+    assert [r.request_id for r in expired] == [f"r{n}" for n in range(36)]
+    assert len(q) == 0 and q.next_deadline() is None
+
+
+def test_out_of_order_arrivals_and_deadlines_keep_their_order() -> None:
+    q = RequestQueues(PriorityOrdering())
+    r0, r1, r2 = _request(0, deadline=2.0), _request(1, deadline=3.0), _request(2, deadline=2.0)
+    for request in (r0, r1, r2):  # r2's deadline is earlier than r1's though it came later
+        q.push(request)
+    q.remove(r0.key)
+    q.push(r0)  # a retry re-enters with the earliest arrival of all
+    assert q.peek_oldest("m") is r0
+    assert q.next_deadline() == 2.0
+    # equal deadlines expire in the order they were queued: r2 before the re-queued r0
+    assert [r.request_id for r in q.pop_expired(2.5)] == ["r2", "r0"]
+    assert q.pop_oldest("m") is r1 and len(q) == 0

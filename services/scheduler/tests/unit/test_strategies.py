@@ -227,3 +227,17 @@ def test_forget_client_drops_per_client_state() -> None:
         rr.key(_req(f"r{i}", client="gone"))
     rr.forget_client("gone")
     assert rr.key(_req("again", client="gone"))[0] == 0
+
+
+def test_slack_clamps_each_input_to_its_range() -> None:
+    from loadmaster.scheduler.strategies.deadline import slack_ms
+
+    terms = DeadlineTerms(priority_step_ms=100.0, urgency_weight=0.5, steps_horizon=8, service_ms=10.0)
+    assert slack_ms(_req("u", urgency=1.5), terms) == 25.0  # urgency above 1 counts as 1
+    assert slack_ms(_req("u", urgency=-1.0), terms) == 50.0  # below 0 as 0
+    assert slack_ms(_req("s", steps=20), terms) == 50.0  # past the horizon: no shortening
+    assert slack_ms(_req("s", steps=2), terms) == pytest.approx(50.0 * 3 / 9)
+    assert slack_ms(_req("c", cadence_ms=2.0), terms) == 10.0  # a burst: one service time
+    assert slack_ms(_req("c", cadence_ms=30.0), terms) == 30.0
+    assert slack_ms(_req("c", cadence_ms=500.0), terms) == 50.0  # the budget binds
+    assert slack_ms(_req("p", priority=2, backlog=3), terms) == 50.0 + 200.0 + 30.0

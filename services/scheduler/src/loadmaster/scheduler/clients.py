@@ -50,10 +50,11 @@ class ClientTracker:
             self._active += 1
             self._schedule(client_id, client)
             return True
-        gap = max(0.0, now - client.last_seen)
-        client.cadence_s = (
-            gap if client.cadence_s is None else (self._alpha * gap + (1.0 - self._alpha) * client.cadence_s)
-        )
+        gap = now - client.last_seen
+        if gap < 0.0:
+            gap = 0.0
+        cadence_s = client.cadence_s
+        client.cadence_s = gap if cadence_s is None else self._alpha * gap + (1.0 - self._alpha) * cadence_s
         client.last_seen = now
         if not client.scheduled:
             self._schedule(client_id, client)

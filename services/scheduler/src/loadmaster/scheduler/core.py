@@ -317,22 +317,27 @@ class SchedulerCore:
             cadence_ms = self._clients.cadence_ms(client_id)
             if policy.latest_only:
                 self._supersede(client_id, model_id)
-            backlog = len(self._outstanding.get(client_id, {}).get(model_id, ()))
+            by_model = self._outstanding.get(client_id)
+            if by_model is not None and (keys := by_model.get(model_id)) is not None:
+                backlog = len(keys)
         if policy.dispatch_credits:
             self._credits.note_use(model_id, session_id, now)
         ttl_ms = policy.request_ttl_ms
-        if info.timeout_ms > 0:
-            ttl_ms = min(ttl_ms, info.timeout_ms)
+        if 0 < info.timeout_ms < ttl_ms:
+            ttl_ms = info.timeout_ms
+        ttl_s = ttl_ms / 1000.0
+        # Positional, in Request's field order: a class called with keywords packs them into
+        # a dict first, which doubles the cost of this call (once per request).
         request = Request(
-            key=key,
-            info=info,
-            arrival=next(self._arrivals),
-            enqueued_at=now,
-            deadline=now + ttl_ms / 1000.0,
-            deadline_unix_ns=int((self._clock.time() + ttl_ms / 1000.0) * 1e9),
-            budget_ms=budget_ms,
-            cadence_ms=cadence_ms,
-            backlog=backlog,
+            key,
+            info,
+            next(self._arrivals),  # arrival
+            now,  # enqueued_at
+            now + ttl_s,  # deadline
+            int((self._clock.time() + ttl_s) * 1e9),  # deadline_unix_ns
+            budget_ms,
+            cadence_ms,
+            backlog,
         )
         stats = self._stats_for(model_id)
         if credit_id is not None:
@@ -358,8 +363,14 @@ class SchedulerCore:
                 self._forget(oldest)
                 self._reject_key(oldest.key, errors_pb2.ERROR_CODE_OVERFLOW, f"{full}; dropped the oldest")
         self._tracked[key] = _Tracked(request)
-        if client_id:
-            self._outstanding.setdefault(client_id, {}).setdefault(model_id, set()).add(key)
+        if client_id:  # (not setdefault: its default would be built on every call)
+            by_model = self._outstanding.get(client_id)
+            if by_model is None:
+                by_model = self._outstanding[client_id] = {}
+            keys = by_model.get(model_id)
+            if keys is None:
+                keys = by_model[model_id] = set()
+            keys.add(key)
         self._queues.push(request)
         touched.add(model_id)
 
@@ -532,8 +543,11 @@ class SchedulerCore:
         )
 
     def _dispatch_model(self, model_id: str, now: float) -> None:
+        max_inflight = self._config.max_inflight(model_id)
         while (entry := self._head(model_id, now)) is not None:
-            worker_id = self._pick_worker(model_id)
+            worker_id = placement.pick_grant_worker(
+                self._registry.grant_candidates(model_id), max_inflight=max_inflight, rng=self._rng
+            )
             if worker_id is None:
                 break
             self._grant_head(entry, worker_id, now)
@@ -591,17 +605,15 @@ class SchedulerCore:
         tracked.worker_id = worker_id
         tracked.attempts += 1
         self._stats_for(model_id).granted += 1
-        self._out.grant(
-            request.session_id,
-            Grant(
-                request_id=request.request_id,
-                worker_id=worker_id,
-                data_endpoint=record.hello.data_endpoint,
-                generation=slot.generation,
-                deadline_unix_ns=request.deadline_unix_ns,
-                attempt=tracked.attempts,
-            ),
+        grant = Grant(  # positional, in Grant's field order (see `Request(` in _enqueue)
+            request.request_id,
+            worker_id,
+            record.hello.data_endpoint,
+            slot.generation,
+            request.deadline_unix_ns,
+            tracked.attempts,
         )
+        self._out.grant(request.session_id, grant)
         self._telemetry.record(
             "scheduling_wait_ms", (now - request.enqueued_at) * 1000.0, {"model": model_id}
         )

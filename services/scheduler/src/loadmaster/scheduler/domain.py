@@ -10,7 +10,7 @@ enum values of errors.proto (plain ints), as everywhere in loadmaster.common.err
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 __all__ = [
@@ -92,18 +92,15 @@ class Request:
     budget_ms: float = 50.0  # the client's latency budget
     cadence_ms: float | None = None  # EWMA of the client's inter-arrival time; None before 2 arrivals
     backlog: int = 0  # the client's requests already queued for this model
+    # Copied out of `key` and `info` once: the core and the queues read them several times
+    # per decision, and a slot read costs half a property call.
+    session_id: int = field(init=False, repr=False, compare=False)
+    request_id: str = field(init=False, repr=False, compare=False)
+    model_id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def session_id(self) -> int:
-        return self.key[0]
-
-    @property
-    def request_id(self) -> str:
-        return self.key[1]
-
-    @property
-    def model_id(self) -> str:
-        return self.info.model_id
+    def __post_init__(self) -> None:
+        self.session_id, self.request_id = self.key
+        self.model_id = self.info.model_id
 
 
 @dataclass(slots=True)  # hot path: not frozen (see the module docstring)

@@ -27,9 +27,11 @@ __all__ = [
 ]
 
 
-@dataclass(slots=True)  # built per grant: not frozen (a frozen __init__ costs ~7x)
+@dataclass(slots=True)
 class GrantCandidate:
-    """A worker holding the model READY, with the grants it has not completed yet."""
+    """A worker holding the model READY, with the grants it has not completed yet.
+
+    Mutable: the registry keeps one per READY slot and counts grants in it in place."""
 
     worker_id: str
     inflight: int  # the scheduler's grants for this model not completed yet
@@ -51,18 +53,23 @@ def pick_grant_worker(
     candidates: Iterable[GrantCandidate], *, max_inflight: int, rng: random.Random | None = None
 ) -> str | None:
     """The candidate with the fewest grants in flight, if it has room; ties by power of two."""
-    tied: list[GrantCandidate] = []
+    best: GrantCandidate | None = None
+    tied: list[GrantCandidate] | None = None  # a list only when candidates tie (this runs per grant)
     least = max_inflight
     for candidate in candidates:
-        if candidate.inflight < least:
-            least = candidate.inflight
-            tied = [candidate]
-        elif candidate.inflight == least and candidate.inflight < max_inflight:
+        inflight = candidate.inflight
+        if inflight < least:
+            least = inflight
+            best = candidate
+            tied = None
+        elif inflight == least and best is not None:
+            if tied is None:
+                tied = [best]
             tied.append(candidate)
-    if not tied:
+    if best is None:
         return None
-    if len(tied) == 1:
-        return tied[0].worker_id
+    if tied is None:
+        return best.worker_id
     a, b = (rng or random).sample(tied, 2)
     return min((a, b), key=lambda c: (c.reported_load, c.worker_id)).worker_id
 

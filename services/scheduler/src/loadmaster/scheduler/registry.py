@@ -3,6 +3,11 @@ grants the scheduler has handed them that are not completed yet.
 
 Plain bookkeeping; the worker's own `inflight` in a report lags, so placement counts
 the scheduler's grants instead.
+
+Placement asks for a model's grant candidates once per grant, so they are not built
+per call: each READY slot has one `GrantCandidate` whose `inflight` acquire/release
+keep current, and the per-model lists (with the sets behind `knows` and `holds`) are
+rebuilt only after a hello, a report or a loss.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class WorkerRecord:
     slots: dict[str, SlotStatus] = field(default_factory=dict)
     granted: dict[RequestKey, str] = field(default_factory=dict)  # request -> model
     inflight: dict[str, int] = field(default_factory=dict)  # model -> grants not completed
+    candidates: dict[str, GrantCandidate] = field(default_factory=dict)  # READY model -> candidate
     free_mb: int = 0  # free leased memory by its last report (0 = not reported)
     reported_load: int = 0  # requests in flight on the worker, all models, by its last report
 
@@ -33,15 +39,15 @@ class WorkerRecord:
     def holding(self) -> int:
         return sum(1 for slot in self.slots.values() if slot.state in HOLDING_STATES)
 
-    def state_of(self, model_id: str) -> SlotState:
-        slot = self.slots.get(model_id)
-        return slot.state if slot is not None else SlotState.IDLE
-
 
 class WorkerRegistry:
     def __init__(self) -> None:
         self._workers: dict[str, WorkerRecord] = {}
-        self._known: set[str] | None = None  # models some worker can load or has a slot for
+        # Indexes over the workers, rebuilt on first use after a hello, a report or a loss:
+        self._stale = False
+        self._known: set[str] = set()  # models some worker can load or has a slot for
+        self._holding: set[str] = set()  # models some worker holds READY or LOADING
+        self._ready: dict[str, tuple[GrantCandidate, ...]] = {}  # model -> workers holding it READY
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -57,11 +63,11 @@ class WorkerRegistry:
             raise ValueError(f"worker {hello.worker_id!r} is already registered")
         record = WorkerRecord(hello=hello, repository=frozenset(hello.repository))
         self._workers[hello.worker_id] = record
-        self._known = None
+        self._stale = True
         return record
 
     def remove(self, worker_id: str) -> WorkerRecord | None:
-        self._known = None
+        self._stale = True
         return self._workers.pop(worker_id, None)
 
     def report(
@@ -73,25 +79,34 @@ class WorkerRegistry:
         record.slots = {slot.model_id: slot for slot in slots}
         record.free_mb = free_mb
         record.reported_load = sum(slot.inflight for slot in slots)
-        self._known = None
+        record.candidates = {
+            slot.model_id: GrantCandidate(
+                worker_id, record.inflight.get(slot.model_id, 0), record.reported_load
+            )
+            for slot in slots
+            if slot.state is SlotState.READY
+        }
+        self._stale = True
         return previous
 
     def knows(self, model_id: str) -> bool:
         """Some connected worker can load `model_id` or already has a slot for it."""
-        if self._known is None:  # rebuilt after a hello, a report or a loss
-            self._known = {m for w in self._workers.values() for m in (*w.repository, *w.slots)}
+        if self._stale:
+            self._reindex()
         return model_id in self._known
 
     def holds(self, model_id: str) -> bool:
         """Some connected worker holds `model_id` READY or LOADING."""
-        return any(w.state_of(model_id) in HOLDING_STATES for w in self._workers.values())
+        if self._stale:
+            self._reindex()
+        return model_id in self._holding
 
-    def grant_candidates(self, model_id: str) -> list[GrantCandidate]:
-        return [
-            GrantCandidate(w.worker_id, w.inflight.get(model_id, 0), w.reported_load)
-            for w in self._workers.values()
-            if w.state_of(model_id) is SlotState.READY
-        ]
+    def grant_candidates(self, model_id: str) -> tuple[GrantCandidate, ...]:
+        """The workers holding `model_id` READY, in registration order. Their `inflight`
+        counts move with every acquire/release: read them now, do not keep them."""
+        if self._stale:
+            self._reindex()
+        return self._ready.get(model_id, ())
 
     def load_candidates(self, model_id: str, *, busy: Callable[[str], bool]) -> list[LoadCandidate]:
         """Workers that could load `model_id`; `busy(m)` tells whether model m has waiters
@@ -124,6 +139,9 @@ class WorkerRegistry:
         record = self._workers[worker_id]
         record.granted[key] = model_id
         record.inflight[model_id] = record.inflight.get(model_id, 0) + 1
+        candidate = record.candidates.get(model_id)
+        if candidate is not None:
+            candidate.inflight += 1
 
     def release(self, worker_id: str, key: RequestKey) -> None:
         record = self._workers.get(worker_id)
@@ -137,6 +155,20 @@ class WorkerRegistry:
             record.inflight[model_id] = left
         else:
             del record.inflight[model_id]
+        candidate = record.candidates.get(model_id)
+        if candidate is not None:
+            candidate.inflight = left
 
     def inflight(self, model_id: str) -> int:
         return sum(w.inflight.get(model_id, 0) for w in self._workers.values())
+
+    def _reindex(self) -> None:
+        self._stale = False
+        workers = self._workers.values()
+        self._known = {m for w in workers for m in (*w.repository, *w.slots)}
+        self._holding = {m for w in workers for m, slot in w.slots.items() if slot.state in HOLDING_STATES}
+        ready: dict[str, list[GrantCandidate]] = {}
+        for w in workers:
+            for model_id, candidate in w.candidates.items():
+                ready.setdefault(model_id, []).append(candidate)
+        self._ready = {model_id: tuple(candidates) for model_id, candidates in ready.items()}

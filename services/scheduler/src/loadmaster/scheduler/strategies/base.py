@@ -11,7 +11,8 @@ from loadmaster.scheduler.domain import Request
 __all__ = ["BatchRule", "Ordering", "Scope", "SortKey"]
 
 # Compared element by element; smaller is served first. Strategies end their key with
-# `request.arrival` so ties resolve first come, first served.
+# `request.arrival` so ties resolve first come, first served. Every key of one ordering
+# has the same length: the queues flatten keys into their heap entries.
 SortKey = tuple[float, ...]
 
 

@@ -42,17 +42,31 @@ class DeadlineTerms:
 
 
 def slack_ms(request: Request, terms: DeadlineTerms) -> float:
-    """How long `request` may wait from its arrival (before priority tiers apply)."""
+    """How long `request` may wait from its arrival (before priority tiers apply).
+
+    Runs once per admitted request: the clamps are comparisons, not min()/max() calls,
+    which cost as much again as the rest of the function."""
     info = request.info
     slack = request.budget_ms
-    if request.cadence_ms is not None:
+    cadence = request.cadence_ms
+    if cadence is not None:
         # a burst (gap ~0) must not make a client more urgent than one service time
-        slack = min(slack, max(request.cadence_ms, terms.service_ms))
-    urgency = min(max(info.urgency, 0.0), 1.0)
+        if terms.service_ms > cadence:
+            cadence = terms.service_ms
+        if cadence < slack:
+            slack = cadence
+    urgency = info.urgency
+    if urgency < 0.0:
+        urgency = 0.0
+    elif urgency > 1.0:
+        urgency = 1.0
     slack *= 1.0 - terms.urgency_weight * urgency
-    if info.steps_remaining is not None:
+    steps = info.steps_remaining
+    if steps is not None:
         horizon = terms.steps_horizon
-        slack *= (min(info.steps_remaining, horizon) + 1) / (horizon + 1)
+        if steps > horizon:
+            steps = horizon
+        slack *= (steps + 1) / (horizon + 1)
     slack += info.priority * terms.priority_step_ms
     slack += request.backlog * terms.service_ms
     return slack
@@ -103,10 +117,11 @@ class DeadlineOrdering:
             return 0
         return bisect.bisect_left(self._tiers, priority)
 
-    def virtual_deadline(self, request: Request) -> float:
-        """enqueued_at + slack, never earlier than the same client's previous request for the
-        same model (a client's requests keep their order: a burst's 2nd request, whose cadence
-        is already known, must not pass its 1st)."""
+    def key(self, request: Request) -> SortKey:
+        """(tier,) virtual deadline, arrival. The virtual deadline is enqueued_at + slack, never
+        earlier than the same client's previous request for the same model (a client's
+        requests keep their order: a burst's 2nd request, whose cadence is already known,
+        must not pass its 1st)."""
         if self._policy is not None:
             slack = float(self._policy(policy_view(request)))
         else:
@@ -119,10 +134,6 @@ class DeadlineOrdering:
             if previous is not None and previous > vd:
                 vd = previous
             self._last[stream] = vd
-        return vd
-
-    def key(self, request: Request) -> SortKey:
-        vd = self.virtual_deadline(request)
         if self._tiers is None:
             return (vd, request.arrival)
         return (self.tier(request.info.priority), vd, request.arrival)
