@@ -8,6 +8,7 @@ import pytest
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.tensors import (
     TensorLimits,
+    check_tensors,
     decode_tensors,
     encode_tensors,
     numpy_dtype,
@@ -49,9 +50,13 @@ def descriptor(key: str = "x", **fields: object) -> tensor_pb2.Tensor:
 
 
 def assert_rejected(descriptors: list[tensor_pb2.Tensor], payload: bytes, *names: str, **limits: int) -> str:
+    """Rejected by decode_tensors, and by check_tensors with the same message."""
+    with pytest.raises(InvalidArgumentError) as checked:
+        check_tensors(descriptors, payload, TensorLimits(**limits))
     with pytest.raises(InvalidArgumentError) as caught:
         decode_tensors(descriptors, payload, TensorLimits(**limits))
     message = caught.value.message
+    assert checked.value.message == message
     for name in names:
         assert f"'{name}'" in message, message
     assert caught.value.edge_code == "invalid_argument"
@@ -256,6 +261,12 @@ def test_non_raw_encodings_are_rejected(encoding: int) -> None:
     assert "encoding" in message
 
 
+def test_check_accepts_what_decode_accepts_without_building_arrays() -> None:
+    descriptors, payload = encode_tensors({"img": np.zeros((2, 3), np.uint8), "s": np.array([b"ab"])})
+    assert check_tensors(descriptors, memoryview(bytes(payload))) is None
+    assert set(decode_tensors(descriptors, bytes(payload))) == {"img", "s"}
+
+
 def test_unspecified_encoding_is_taken_as_raw() -> None:
     desc = descriptor("x", encoding=tensor_pb2.ENCODING_UNSPECIFIED)
     values = np.array([1.5, 2.5], dtype=np.float32)
@@ -323,6 +334,8 @@ def test_malformed_bytes_data_names_the_tensor(data: bytes, count: int, problem:
     )
     with pytest.raises(InvalidArgumentError, match=rf"'text'.*({problem})"):
         decode([desc], data)
+    with pytest.raises(InvalidArgumentError, match=rf"'text'.*({problem})"):
+        check_tensors([desc], data)
 
 
 def test_object_arrays_of_anything_but_bytes_or_str_are_refused() -> None:

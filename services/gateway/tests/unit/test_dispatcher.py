@@ -22,18 +22,22 @@ class _SchedulerDouble:
         self.completed: list[tuple[str, int, bool]] = []
         self.cancelled: list[str] = []
         self.returned: list[str] = []
+        self.order: list[str] = []  # "enqueue r1", "complete r1", "return c1" as sent
 
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
         self.enqueued.append(request)
+        self.order.append(f"enqueue {request.request_id}")
 
     def complete(self, request_id: str, *, error_code: int = 0, retryable: bool = False, **_: Any) -> None:
         self.completed.append((request_id, error_code, retryable))
+        self.order.append(f"complete {request_id}")
 
     def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 
     def return_credit(self, credit_id: str) -> None:
         self.returned.append(credit_id)
+        self.order.append(f"return {credit_id}")
 
 
 class _WorkersDouble:
@@ -49,7 +53,9 @@ class _WorkersDouble:
 
 @pytest.fixture()
 def parts() -> tuple[Dispatcher, _SchedulerDouble, _WorkersDouble, list[CallResult]]:
-    dispatcher = Dispatcher(telemetry=TelemetryReporter("gateway", "test", None), reply_grace_s=0.05)
+    dispatcher = Dispatcher(
+        telemetry=TelemetryReporter("gateway", "test", None), reply_grace_s=0.05, report_delay_s=0.01
+    )
     scheduler, workers = _SchedulerDouble(), _WorkersDouble()
     dispatcher.attach(scheduler, workers)  # type: ignore[arg-type]
     results: list[CallResult] = []
@@ -178,24 +184,85 @@ async def test_a_call_on_an_idle_credit_goes_straight_to_the_worker(parts) -> No
     dispatcher.submit(_call("r2"), results.append)  # the only credit is busy: asks the scheduler
     assert scheduler.enqueued[-1].credit_id == "" and len(workers.sent) == 1
     dispatcher.on_worker_reply(_ok("r1"), b"out")
-    assert results[0].ok and scheduler.completed == [("r1", 0, False)]
+    assert results[0].ok and scheduler.completed == []  # held for the next Enqueue
     dispatcher.submit(_call("r3"), results.append)  # the credit is idle again
     assert scheduler.enqueued[-1].credit_id == "c1"
+    assert scheduler.completed == [("r1", 0, False)]
     assert scheduler.returned == []
+
+
+async def test_idle_credits_take_turns(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.on_credit(_credit("c2"))
+    for request_id in ("r1", "r2", "r3"):
+        dispatcher.submit(_call(request_id), results.append)
+        dispatcher.on_worker_reply(_ok(request_id), b"")
+    assert [e.credit_id for e in scheduler.enqueued] == ["c1", "c2", "c1"]
+
+
+async def test_the_end_of_a_credit_run_is_reported_just_before_the_next_enqueue(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    dispatcher.submit(_call("r2"), results.append)
+    dispatcher.on_worker_reply(_ok("r2"), b"")
+    dispatcher.submit(_call("r3"), results.append)
+    assert scheduler.order == ["enqueue r1", "complete r1", "enqueue r2", "complete r2", "enqueue r3"]
+    assert [e.credit_id for e in scheduler.enqueued] == ["c1", "c1", "c1"]
+
+
+async def test_a_held_complete_goes_out_on_its_own_when_no_request_follows(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert scheduler.completed == []
+    await asyncio.sleep(0.1)  # the fixture's report_delay_s is 0.01
+    assert scheduler.completed == [("r1", 0, False)]
+
+
+async def test_held_completes_go_out_before_a_credit_is_returned(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    dispatcher.on_revoke("c1")
+    assert scheduler.order == ["enqueue r1", "complete r1", "return c1"]
+
+
+async def test_a_call_on_a_revoked_credit_reports_its_end_at_once(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.on_revoke("c1")
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert scheduler.order == ["enqueue r1", "complete r1", "return c1"]
+
+
+async def test_losing_the_scheduler_drops_held_completes(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    dispatcher.on_scheduler_lost()
+    await asyncio.sleep(0.1)
+    assert scheduler.completed == []  # the new session never heard of r1
 
 
 async def test_a_revoked_credit_is_returned_at_once_when_idle_else_when_its_call_ends(parts) -> None:
     dispatcher, scheduler, _workers, results = parts
     dispatcher.on_credit(_credit("c1"))
     dispatcher.on_credit(_credit("c2"))
-    dispatcher.submit(_call("r1"), results.append)  # runs on c2 (the last lent)
+    dispatcher.submit(_call("r1"), results.append)  # runs on c1 (idle the longest)
     dispatcher.on_revoke("c1")
     dispatcher.on_revoke("c2")
-    assert scheduler.returned == ["c1"]
+    assert scheduler.returned == ["c2"]
     dispatcher.submit(_call("r2"), results.append)  # no credit left to use
     assert scheduler.enqueued[-1].credit_id == ""
     dispatcher.on_worker_reply(_ok("r1"), b"")
-    assert scheduler.returned == ["c1", "c2"]
+    assert scheduler.returned == ["c2", "c1"]
     dispatcher.on_revoke("c9")  # unknown: ignored
 
 

@@ -20,6 +20,7 @@ from loadmaster.v1 import tensor_pb2
 
 __all__ = [
     "TensorLimits",
+    "check_tensors",
     "decode_tensors",
     "deserialize_bytes",
     "encode_tensors",
@@ -87,6 +88,28 @@ def decode_tensors(
     limits: TensorLimits = TensorLimits(),
 ) -> dict[str, np.ndarray]:
     """Validate `descriptors` against `payload` and return read-only views, keyed by tensor key."""
+    arrays: dict[str, np.ndarray] = {}
+    _check(descriptors, payload, limits, arrays)
+    return arrays
+
+
+def check_tensors(
+    descriptors: Sequence[tensor_pb2.Tensor],
+    payload: bytes | memoryview,
+    limits: TensorLimits = TensorLimits(),
+) -> None:
+    """Every check of `decode_tensors`, with the same errors, without building the arrays: for
+    a hop that only forwards the payload (the gateway), views it would never read are waste."""
+    _check(descriptors, payload, limits, None)
+
+
+def _check(
+    descriptors: Sequence[tensor_pb2.Tensor],
+    payload: bytes | memoryview,
+    limits: TensorLimits,
+    arrays: dict[str, np.ndarray] | None,
+) -> None:
+    """Validate `descriptors` against `payload`; with `arrays`, also fill it with the views."""
     payload_len = len(payload)
     if payload_len > limits.max_payload_bytes:
         raise InvalidArgumentError(
@@ -94,53 +117,58 @@ def decode_tensors(
         )
     if len(descriptors) > limits.max_tensors:
         raise InvalidArgumentError(f"{len(descriptors)} tensors exceed the limit of {limits.max_tensors}")
-    arrays: dict[str, np.ndarray] = {}
+    keys: set[str] = set()
     spans: list[tuple[int, int, str]] = []
     for desc in descriptors:
         key = desc.key
         if not key:
             raise InvalidArgumentError("a tensor has an empty key")
-        if key in arrays:
+        if key in keys:
             raise InvalidArgumentError(f"tensor '{key}' appears more than once")
+        keys.add(key)
         if desc.encoding not in _ACCEPTED_ENCODINGS:
             raise InvalidArgumentError(f"tensor '{key}': encoding {desc.encoding} is not supported (use RAW)")
-        if desc.dtype == tensor_pb2.BYTES:
-            arrays[key] = _decode_bytes_tensor(desc, payload, limits)
-            spans.append((desc.byte_offset, desc.byte_offset + desc.byte_length, key))
+        wire = desc.dtype
+        offset, length = desc.byte_offset, desc.byte_length
+        if wire == tensor_pb2.BYTES:
+            elements = _decode_bytes_tensor(desc, payload, limits)
+            if arrays is not None:
+                arrays[key] = elements
+            spans.append((offset, offset + length, key))
             continue
-        if desc.dtype not in _TO_NUMPY:
-            raise InvalidArgumentError(f"tensor '{key}': unsupported dtype {_dtype_name(desc.dtype)}")
-        dtype = _TO_NUMPY[desc.dtype]
+        dtype = _TO_NUMPY.get(wire)
+        if dtype is None:
+            raise InvalidArgumentError(f"tensor '{key}': unsupported dtype {_dtype_name(wire)}")
         shape = tuple(desc.shape)
         if len(shape) > limits.max_dims:
             raise InvalidArgumentError(
                 f"tensor '{key}': {len(shape)} dimensions exceed the limit of {limits.max_dims}"
             )
-        if any(dim < 0 for dim in shape):
+        if shape and min(shape) < 0:
             raise InvalidArgumentError(f"tensor '{key}': negative dimension in shape {list(shape)}")
-        expected = math.prod(shape) * dtype.itemsize
-        if desc.byte_length != expected:
+        count = math.prod(shape)
+        expected = count * dtype.itemsize
+        if length != expected:
             raise InvalidArgumentError(
-                f"tensor '{key}': byte_length {desc.byte_length} != {expected} "
-                f"(shape {list(shape)} x {dtype.itemsize} bytes of {_dtype_name(desc.dtype)})"
+                f"tensor '{key}': byte_length {length} != {expected} "
+                f"(shape {list(shape)} x {dtype.itemsize} bytes of {_dtype_name(wire)})"
             )
-        end = desc.byte_offset + desc.byte_length
+        end = offset + length
         if end > payload_len:
             raise InvalidArgumentError(
-                f"tensor '{key}': bytes [{desc.byte_offset}, {end}) lie outside the "
-                f"{payload_len}-byte payload"
+                f"tensor '{key}': bytes [{offset}, {end}) lie outside the {payload_len}-byte payload"
             )
-        if desc.byte_length:
-            spans.append((desc.byte_offset, end, key))
-        array = np.frombuffer(payload, dtype=dtype, count=math.prod(shape), offset=desc.byte_offset)
-        array = array.reshape(shape)
-        array.flags.writeable = False  # a view of the request payload: never to be changed in place
-        arrays[key] = array
-    spans.sort()
-    for (_, prev_end, prev_key), (start, _, key) in itertools.pairwise(spans):
-        if start < prev_end:
-            raise InvalidArgumentError(f"tensors '{prev_key}' and '{key}' overlap in the payload")
-    return arrays
+        if length:
+            spans.append((offset, end, key))
+        if arrays is not None:
+            array = np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
+            array.flags.writeable = False  # a view of the request payload: never to be changed in place
+            arrays[key] = array
+    if len(spans) > 1:
+        spans.sort()
+        for (_, prev_end, prev_key), (start, _, key) in itertools.pairwise(spans):
+            if start < prev_end:
+                raise InvalidArgumentError(f"tensors '{prev_key}' and '{key}' overlap in the payload")
 
 
 def encode_tensors(

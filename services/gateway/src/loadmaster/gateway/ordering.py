@@ -47,7 +47,11 @@ class ReplyOrderer(Generic[R]):
         lane = self._lanes.get(ticket.key)
         if lane is None or ticket.seq < lane.next_release or ticket.seq in lane.ready:
             raise ValueError(f"ticket {ticket} completed twice")
-        lane.ready[ticket.seq] = reply
+        if ticket.seq != lane.next_release:  # an earlier reply is still outstanding
+            lane.ready[ticket.seq] = reply
+            return
+        self._release(reply)
+        lane.next_release += 1
         while lane.next_release in lane.ready:
             self._release(lane.ready.pop(lane.next_release))
             lane.next_release += 1

@@ -10,7 +10,7 @@ from google.protobuf.message import DecodeError
 
 from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.common.tensors import TensorLimits, decode_tensors
+from loadmaster.common.tensors import TensorLimits, check_tensors
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.v1 import edge_pb2
 
@@ -40,9 +40,10 @@ def observation_to_call(
     request_id: str,
     limits: LimitsSettings,
 ) -> InferenceCall:
-    """Check the observation against its payload and limits; the tensors are not copied."""
+    """Check the observation against its payload and limits, without copying the payload or
+    building arrays over it (the gateway only forwards it)."""
     buffer = payload.buffer if hasattr(payload, "buffer") else payload
-    decode_tensors(
+    check_tensors(
         observation.tensors,
         buffer,
         TensorLimits(
@@ -51,7 +52,7 @@ def observation_to_call(
             max_dims=limits.max_dims,
         ),
     )
-    metadata = dict(observation.metadata)
+    metadata = dict(observation.metadata) if observation.metadata else {}
     metadata_bytes = sum(len(k) + len(v) for k, v in metadata.items())
     if metadata_bytes > limits.max_metadata_bytes:
         raise InvalidArgumentError(

@@ -4,11 +4,15 @@ A client DEALER sends `[b"", Observation, payload]`; the ROUTER answers
 `[identity, b"", ModelResponse, payload]`. Every observation gets exactly one
 reply, in order per (client connection, model). Replies are sent without
 blocking, so a client that stops reading never stalls replies to others.
+
+The ROUTER is a plain ZMQ socket read straight from the event loop
+(`SocketReader`): an observation goes from the socket through validation to
+the worker's data link within one callback, with no Future, Task or extra loop
+iteration per message.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -20,7 +24,14 @@ import zmq.asyncio
 
 from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
-from loadmaster.common.framing import REQUEST_ID_KEY, edge_error_response, router_reply, split_router_frames
+from loadmaster.common.framing import (
+    REQUEST_ID_KEY,
+    SocketReader,
+    edge_error_response,
+    router_reply,
+    send_frames,
+    split_router_frames,
+)
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.curve import EdgeCurve
@@ -50,13 +61,13 @@ class EdgeFrontend:
         self._context = context
         self._ids = (f"{gateway_id}-{n}" for n in itertools.count(1))
         self._orderer: ReplyOrderer[list[Any]] = ReplyOrderer(self._send)
-        self._socket: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._socket: zmq.Socket[Any] | None = None
+        self._reader: SocketReader | None = None
         self._curve = EdgeCurve(settings.auth.curve, context)
         self.endpoint = ""
 
     async def start(self) -> None:
-        socket = self._context.socket(zmq.ROUTER)
+        socket: zmq.Socket[Any] = zmq.Socket(self._context, zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         socket.setsockopt(zmq.RCVHWM, self._settings.edge.recv_hwm)
@@ -65,25 +76,16 @@ class EdgeFrontend:
         socket.bind(self._settings.edge.bind)
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = socket
-        self._task = asyncio.create_task(self._receive(), name="edge-receive")
+        self._reader = SocketReader(socket, self._handle, name="edge")
+        self._reader.start()
         log.info("edge front end listening on %s%s", self.endpoint, " (CURVE)" if self._curve.enabled else "")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._reader is not None:
+            self._reader.stop()
         if self._socket is not None:
             self._socket.close(linger=0)
         self._curve.stop()
-
-    async def _receive(self) -> None:
-        assert self._socket is not None
-        while True:
-            frames = await self._socket.recv_multipart(copy=False)
-            try:
-                self._handle(frames)
-            except Exception:
-                log.exception("edge message handling failed")
 
     def _handle(self, frames: list[Any]) -> None:
         try:
@@ -107,10 +109,11 @@ class EdgeFrontend:
         model_id = observation.model_id
         ticket = self._orderer.take((identity, model_id))
         client_request_id = observation.metadata.get(REQUEST_ID_KEY, "")
-        self._telemetry.record("payload_size_bytes", len(message.payload), {"model": model_id})
+        labels = {"model": model_id}
+        self._telemetry.record("payload_size_bytes", len(message.payload), labels)
         if observation.timestamp_ns:
             staleness_ms = (time.time_ns() - observation.timestamp_ns) / 1e6
-            self._telemetry.record("observation_staleness_ms", staleness_ms, {"model": model_id})
+            self._telemetry.record("observation_staleness_ms", staleness_ms, labels)
         try:
             call = observation_to_call(
                 observation, message.payload, request_id=request_id, limits=self._settings.limits
@@ -175,9 +178,10 @@ class EdgeFrontend:
         self._orderer.complete(ticket, router_reply(identity, response.SerializeToString()))
 
     def _send(self, frames: list[Any]) -> None:
-        assert self._socket is not None
+        assert self._socket is not None and self._reader is not None
         try:
-            self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(self._socket, frames)
         except zmq.ZMQError as error:  # the client is gone or not reading: drop, never block
             self._telemetry.record("send_errors", 1)
             log.debug("reply to %r dropped: %s", frames[0], error)
+        self._reader.sent()
