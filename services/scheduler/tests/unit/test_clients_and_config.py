@@ -68,7 +68,8 @@ def test_core_config_merges_per_model_and_per_client_settings() -> None:
         models={
             "defaults": {"max_inflight": 3},
             "known": {
-                "fast": {"latest_only": True, "request_ttl_ms": 40.0, "overflow_policy": "reject_newest"}
+                "fast": {"latest_only": True, "request_ttl_ms": 40.0, "overflow_policy": "reject_newest"},
+                "eager": {"latest_only": True, "dispatch_credits": 2},
             },
         },
         clients={"known": {"arm": {"latency_budget_ms": 20.0}}},
@@ -86,6 +87,12 @@ def test_core_config_merges_per_model_and_per_client_settings() -> None:
         False,
         900.0,
         OverflowPolicy.DROP_OLDEST,
+    )
+    # Credits: the global default, none for a latest_only model unless it asks for them.
+    assert (other.dispatch_credits, fast.dispatch_credits, config.policy("eager").dispatch_credits) == (
+        4,
+        0,
+        2,
     )
     assert config.max_inflight("fast") == 3
     assert config.latency_budget_ms("arm") == 20.0 and config.latency_budget_ms("x") == 50.0

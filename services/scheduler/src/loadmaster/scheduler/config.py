@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loadmaster.common.config import Settings
+from loadmaster.common.config import ModelSettings, Settings
 from loadmaster.scheduler.domain import OverflowPolicy
 from loadmaster.scheduler.strategies import BatchRule, DeadlineTerms, Ordering, make_ordering
 
@@ -82,7 +82,7 @@ class CoreConfig:
                 overflow_policy=OverflowPolicy(m.overflow_policy or s.overflow_policy),
                 latest_only=m.latest_only,
                 vram_mb=m.vram_mb,
-                dispatch_credits=s.dispatch_credits if m.dispatch_credits is None else m.dispatch_credits,
+                dispatch_credits=_dispatch_credits(m, s.dispatch_credits),
             )
 
         max_inflight = _memo(lambda model_id: models.for_model(model_id).max_inflight)
@@ -100,6 +100,14 @@ class CoreConfig:
             dispatch_credits=s.dispatch_credits,
             credit_window_s=s.credit_window_s,
         )
+
+
+def _dispatch_credits(model: ModelSettings, default: int) -> int:
+    """A latest_only model is conflated in its queue: unless its config asks for credits, its
+    requests all pass the queue (a run on a credit would never supersede or be superseded)."""
+    if model.dispatch_credits is not None:
+        return model.dispatch_credits
+    return 0 if model.latest_only else default
 
 
 StrategyFactory = Callable[[str, str | None], Ordering]
