@@ -18,10 +18,9 @@ batch's completion callback, one send per reply, without a Task, Future or await
 request. ROUTER sends never block (a reply to a vanished peer is dropped), so sending
 from the loop is safe.
 
-ZMQ's descriptor is edge-triggered: it signals only when the socket's state changed,
-and a send may consume the signal of a message that arrived meanwhile. So after
-sending, the port looks at the socket again on the next loop iteration (once, however
-many replies went out).
+Receiving is `loadmaster.common.framing.SocketReader` (shared with the gateway): ZMQ's
+descriptor is edge-triggered and a send may consume the signal of a message that arrived
+meanwhile, so after each reply the port tells the reader, which looks at the socket again.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from opentelemetry.trace import SpanKind
 from loadmaster.common import tracing
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError, edge_code_name
-from loadmaster.common.framing import split_router_frames
+from loadmaster.common.framing import SocketReader, split_router_frames
 from loadmaster.common.tensors import TensorLimits, decode_tensors
 from loadmaster.model_pool.pool import InferResult, ModelPool
 from loadmaster.model_pool.wire import error_reply, failure_reply, result_reply
@@ -78,15 +77,6 @@ def advertised_endpoint(
     return f"tcp://{host}:{port}"
 
 
-def _receive(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:
-    """One whole message as zero-copy frames (raises zmq.Again when none is waiting). Half the
-    cost of recv_multipart: no RCVMORE getsockopt and no flag enums per frame."""
-    frames = [sock.recv(_NOBLOCK, copy=False)]
-    while frames[-1].more:  # the rest of a message arrives with its first frame
-        frames.append(sock.recv(_NOBLOCK, copy=False))
-    return frames
-
-
 class DataPort:
     def __init__(
         self,
@@ -108,9 +98,7 @@ class DataPort:
         self._hwm = hwm
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._socket: zmq.Socket[bytes] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd: int | None = None  # watched by the loop while receiving
-        self._drain_scheduled = False
+        self._reader: SocketReader | None = None
         self._pending = 0  # admitted requests not yet answered
         self._settled = asyncio.Event()  # set while nothing is pending
         self._settled.set()
@@ -132,18 +120,17 @@ class DataPort:
             raise RuntimeError(f"data port: cannot bind {self._bind}: {error}") from error
         self._socket = sock
         self.last_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._loop = asyncio.get_running_loop()
-        self._fd = sock.fileno()
-        self._loop.add_reader(self._fd, self._drain)
-        self._schedule_drain()  # anything that arrived before the loop watched the descriptor
+        self._reader = SocketReader(
+            sock, lambda frames: self._handle(frames, self._clock.monotonic()), name="data port", burst=_BURST
+        )
+        self._reader.start()
         log.info("data port bound on %s", self.last_endpoint)
         return self.last_endpoint
 
     async def stop(self, *, timeout_s: float = 5.0) -> None:
         """Stop receiving, let replies in progress go out (bounded), close the socket."""
-        if self._loop is not None and self._fd is not None:
-            self._loop.remove_reader(self._fd)
-            self._fd = None
+        if self._reader is not None:
+            self._reader.stop()
         if self._pending:
             try:
                 await asyncio.wait_for(self._settled.wait(), timeout_s)
@@ -157,32 +144,6 @@ class DataPort:
             self._context = None
 
     # ---- receiving -----------------------------------------------------------
-
-    def _schedule_drain(self) -> None:
-        if not self._drain_scheduled and self._loop is not None:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
-
-    def _drain(self) -> None:
-        """Take every message waiting (up to `_BURST`) and hand each one to the pool."""
-        self._drain_scheduled = False
-        sock = self._socket
-        if sock is None or self._fd is None:
-            return
-        for _ in range(_BURST):
-            try:
-                frames = _receive(sock)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as error:
-                if error.errno not in (zmq.ETERM, zmq.ENOTSOCK):
-                    log.exception("data port receive failed")
-                return
-            try:
-                self._handle(frames, self._clock.monotonic())
-            except Exception:
-                log.exception("data port dispatch failed")
-        self._schedule_drain()  # more may be waiting: after the loop has run other work
 
     def _handle(self, frames: list[Any], received: float) -> None:
         try:
@@ -288,4 +249,5 @@ class DataPort:
             sock.send(payload, _NOBLOCK, copy=copy)
         except (zmq.ZMQError, TypeError, ValueError) as error:
             log.warning("data port could not send reply %s: %s", reply.request_id, error)
-        self._schedule_drain()  # the send may have taken the descriptor's signal of a new message
+        if self._reader is not None:
+            self._reader.sent()  # the send may have taken the descriptor's signal of a new message
