@@ -7,9 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -202,6 +204,89 @@ def test_the_lease_is_released_on_ctrl_c_and_on_a_crash(broker: Path, how: str, 
     finally:
         if process.poll() is None:
             process.kill()
+
+
+class _HoldingProxy(gpu_broker_pb2_grpc.GpuBrokerServicer):
+    """Forwards to the broker, but holds back the reply to the first Acquire (already granted
+    by the broker) until `hold` is set: a grant still in flight when the client is interrupted."""
+
+    def __init__(self, upstream: str) -> None:
+        self._channel = grpc.insecure_channel(upstream)
+        self._stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
+        self.acquires: list[pb.AcquireRequest] = []
+        self.granted = threading.Event()
+        self.hold = threading.Event()
+
+    def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:  # noqa: N802
+        self.acquires.append(request)
+        reply = self._stub.Acquire(request, timeout=10)
+        if len(self.acquires) == 1:
+            self.granted.set()
+            self.hold.wait(30)
+        return reply
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:  # noqa: N802
+        return self._stub.Release(request, timeout=10)
+
+    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:  # noqa: N802
+        return self._stub.Renew(request, timeout=10)
+
+
+@pytest.fixture
+def holding_proxy(broker: Path) -> Iterator[tuple[_HoldingProxy, str]]:
+    proxy = _HoldingProxy(_address(broker))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server(proxy, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield proxy, f"127.0.0.1:{port}"
+    finally:
+        proxy.hold.set()
+        server.stop(grace=None).wait()
+        proxy._channel.close()
+
+
+def test_ctrl_c_during_acquire_releases_a_grant_that_was_in_flight(
+    broker: Path, holding_proxy: tuple[_HoldingProxy, str]
+) -> None:
+    proxy, address = holding_proxy
+    process = subprocess.Popen(
+        [*LOADMASTER, "gpu", "lease", "--broker", address, "--mb", "1000", "--", "true"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proxy.granted.wait(30), "the CLI never sent Acquire"
+        assert len(_leases(broker)) == 1  # granted by the broker; the CLI has not seen the reply
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 128 + signal.SIGINT
+        assert _leases(broker) == []
+        # It replayed its Acquire (same client_request_id: the broker answers with the same
+        # lease) and released that lease.
+        assert [a.client_request_id for a in proxy.acquires] == [proxy.acquires[0].client_request_id] * 2
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+async def test_cancelling_an_async_acquire_in_flight_releases_its_grant(
+    broker: Path, holding_proxy: tuple[_HoldingProxy, str]
+) -> None:
+    import asyncio
+
+    proxy, address = holding_proxy
+    entering = asyncio.create_task(AsyncGpuLease(mb=1000, address=address).__aenter__())
+    assert await asyncio.to_thread(proxy.granted.wait, 30), "Acquire never reached the broker"
+    assert len(_leases(broker)) == 1
+    entering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await entering
+    assert _leases(broker) == []
+    assert (
+        len(proxy.acquires) == 2
+        and proxy.acquires[1].client_request_id == proxy.acquires[0].client_request_id
+    )
 
 
 def test_gpu_lease_context_manager_renews_releases_and_learns_it_was_lost(broker: Path) -> None:

@@ -56,14 +56,19 @@ async def _client(address: str, stop_at: float, held: list[_Held], outcomes: dic
                 lease_id=reply.lease.lease_id, fencing_token=reply.lease.fencing_token
             )
             released = float("inf")  # until a Release succeeds, the lease counts as held
+            last_failed: float | None = None
             for _ in range(100):
                 attempt = time.monotonic()
                 try:
-                    await stub.Release(release, timeout=5)
+                    outcome = await stub.Release(release, timeout=5)
                 except grpc.aio.AioRpcError:
+                    # Redis may have run the release and gone down before the broker had its
+                    # reply: then a retry finds the lease gone (released=False), and the release
+                    # took effect at one of the failed attempts, the last at the latest.
+                    last_failed = attempt
                     await asyncio.sleep(0.05)
                     continue
-                released = attempt
+                released = attempt if outcome.released or last_failed is None else last_failed
                 break
             held.append(_Held(reply.lease.lease_id, granted, released))
 

@@ -213,10 +213,12 @@ def lease(
     def forward(sig: int, frame: FrameType | None) -> None:
         if process is not None:
             _signal_group(process, sig)
-        elif not holding.is_set():
-            raise KeyboardInterrupt  # still acquiring (maybe waiting): give up
-        else:
-            interrupted.append(sig)  # held, command not started yet: do not start it
+            return
+        interrupted.append(sig)  # held, command not started yet: do not start it
+        if not holding.is_set():
+            # Still acquiring (maybe waiting): give up. GpuLease.acquire releases a grant
+            # that was in flight before it re-raises.
+            raise KeyboardInterrupt
 
     for forwarded in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         previous[forwarded] = signal.signal(forwarded, forward)
@@ -225,12 +227,14 @@ def lease(
         holding.set()
     except LoadmasterError as error:
         _restore(previous)
+        if interrupted:  # the interruption surfaced as a failed call (e.g. CANCELLED)
+            raise typer.Exit(128 + interrupted[0]) from None
         console.print(f"[red]no lease for {mb} MB:[/red] {error}")
         raise typer.Exit(EXIT_NO_LEASE) from None
     except KeyboardInterrupt:
         _restore(previous)
         held.release()  # in case the grant arrived just before the signal
-        raise typer.Exit(128 + signal.SIGINT) from None
+        raise typer.Exit(128 + (interrupted[0] if interrupted else signal.SIGINT)) from None
     try:  # right after the grant: whatever happens next, the lease is released
         # Ctrl-C no longer interrupts us: it goes to the command, then we release.
         if interrupted:

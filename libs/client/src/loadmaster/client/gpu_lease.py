@@ -5,6 +5,11 @@ block runs (every third of its TTL), and released on exit, also when the block r
 If a renewal learns the lease was lost (it expired, or its fencing token went stale), the
 lease is marked `lost` and `on_lost` is called: the holder must stop using the memory.
 
+An Acquire interrupted in flight (Ctrl-C, a task cancelled, its deadline) may have been granted
+by the broker without the reply ever arriving. Before the interruption propagates, the same
+request (same client_request_id, no waiting) is sent again: the broker answers with that lease
+if it was granted, which is then released at once, instead of leaking until its TTL.
+
 `AsyncGpuLease` is the same for asyncio code (`async with AsyncGpuLease(mb=...)`).
 `loadmaster gpu lease -- COMMAND` is built on `GpuLease`.
 """
@@ -26,8 +31,11 @@ from typing import Any
 import grpc
 
 from loadmaster.common.errors import (
+    CancelledError_,
+    ExpiredError,
     FailedPreconditionError,
     LoadmasterError,
+    ResourceExhaustedError,
     UnavailableError,
     from_grpc_error,
 )
@@ -41,6 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BROKER = "127.0.0.1:50053"
 _CALL_TIMEOUT_S = 10.0
 _ACQUIRE_ATTEMPTS = 3  # UNAVAILABLE is retried with the same client_request_id (idempotent)
+_CLEANUP_TIMEOUT_S = 5.0  # for the replay + release after an interrupted Acquire
 
 
 class LeaseLostError(FailedPreconditionError):
@@ -134,6 +143,30 @@ def _is_lost(error: LoadmasterError) -> bool:
     return isinstance(error, FailedPreconditionError)
 
 
+def _maybe_granted(error: BaseException) -> bool:
+    """Whether an Acquire that ended with `error` may have been granted without us seeing it:
+    interrupted (not a broker answer at all), cancelled, or past its deadline."""
+    return not isinstance(error, LoadmasterError) or isinstance(error, CancelledError_ | ExpiredError)
+
+
+def _replay(request: pb.AcquireRequest) -> pb.AcquireRequest:
+    """`request` again, not waiting: the lease it got if it was granted, else (at most) a new one."""
+    replay = pb.AcquireRequest()
+    replay.CopyFrom(request)
+    replay.wait_s = 0
+    return replay
+
+
+def _log_cleanup_failure(request: pb.AcquireRequest, error: LoadmasterError) -> None:
+    if not isinstance(error, ResourceExhaustedError | FailedPreconditionError):  # nothing is held
+        log.warning(
+            "could not release what interrupted acquire %s may have been granted "
+            "(it expires by itself after its TTL): %s",
+            request.client_request_id,
+            error,
+        )
+
+
 class GpuLease(_LeaseView):
     """A lease held for the duration of a `with` block; renewed by a daemon thread."""
 
@@ -173,27 +206,48 @@ class GpuLease(_LeaseView):
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> pb.Lease:
-        """Acquire (raises the broker's error as a `LoadmasterError`) and start renewing."""
+        """Acquire (raises the broker's error as a `LoadmasterError`) and start renewing.
+        If interrupted (e.g. KeyboardInterrupt), releases what the call may have been granted
+        (see the module docstring), then re-raises."""
+        request = self.spec.acquire_request(uuid.uuid4().hex)
         self._channel = grpc.insecure_channel(self._address)
         self._stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
-        request = self.spec.acquire_request(uuid.uuid4().hex)
         try:
-            for attempt in range(_ACQUIRE_ATTEMPTS):
-                try:
-                    reply = self._stub.Acquire(request, timeout=self.spec.call_timeout_s())
-                    break
-                except grpc.RpcError as raw:
-                    error = from_grpc_error(raw)
-                    if not isinstance(error, UnavailableError) or attempt == _ACQUIRE_ATTEMPTS - 1:
-                        raise error from None
-                    self._stop.wait(0.2 * 2**attempt)
-        except BaseException:
+            reply = self._acquire_with_retries(self._stub, request)
+        except BaseException as error:
+            if _maybe_granted(error):
+                self._release_unseen_grant(self._stub, request)
             self._close_channel()
             raise
         self._lease = reply.lease
         self._thread = threading.Thread(target=self._renew_loop, name="gpu-lease-renew", daemon=True)
         self._thread.start()
         return reply.lease
+
+    def _acquire_with_retries(
+        self, stub: gpu_broker_pb2_grpc.GpuBrokerStub, request: pb.AcquireRequest
+    ) -> pb.AcquireResponse:
+        attempt = 0
+        while True:
+            try:
+                return stub.Acquire(request, timeout=self.spec.call_timeout_s())
+            except grpc.RpcError as raw:
+                error = from_grpc_error(raw)
+                if not isinstance(error, UnavailableError) or attempt == _ACQUIRE_ATTEMPTS - 1:
+                    raise error from None
+                self._stop.wait(0.2 * 2**attempt)
+                attempt += 1
+
+    @staticmethod
+    def _release_unseen_grant(stub: gpu_broker_pb2_grpc.GpuBrokerStub, request: pb.AcquireRequest) -> None:
+        try:
+            lease = stub.Acquire(_replay(request), timeout=_CLEANUP_TIMEOUT_S).lease
+            stub.Release(
+                pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token),
+                timeout=_CLEANUP_TIMEOUT_S,
+            )
+        except grpc.RpcError as raw:
+            _log_cleanup_failure(request, from_grpc_error(raw))
 
     def release(self) -> bool:
         """Stop renewing and release; True when the broker freed it. Never raises."""
@@ -285,20 +339,14 @@ class AsyncGpuLease(_LeaseView):
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AsyncGpuLease:
+        request = self.spec.acquire_request(uuid.uuid4().hex)
         self._channel = grpc.aio.insecure_channel(self._address)
         stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
-        request = self.spec.acquire_request(uuid.uuid4().hex)
         try:
-            for attempt in range(_ACQUIRE_ATTEMPTS):
-                try:
-                    reply = await stub.Acquire(request, timeout=self.spec.call_timeout_s())
-                    break
-                except grpc.aio.AioRpcError as raw:
-                    error = from_grpc_error(raw)
-                    if not isinstance(error, UnavailableError) or attempt == _ACQUIRE_ATTEMPTS - 1:
-                        raise error from None
-                    await asyncio.sleep(0.2 * 2**attempt)
-        except BaseException:
+            reply = await self._acquire_with_retries(stub, request)
+        except BaseException as error:  # asyncio.CancelledError included
+            if _maybe_granted(error):
+                await self._release_unseen_grant(stub, request)
             await self._channel.close()
             raise
         self._lease = reply.lease
@@ -325,6 +373,33 @@ class AsyncGpuLease(_LeaseView):
                     from_grpc_error(raw),
                 )
         await self._channel.close()
+
+    async def _acquire_with_retries(
+        self, stub: gpu_broker_pb2_grpc.GpuBrokerStub, request: pb.AcquireRequest
+    ) -> pb.AcquireResponse:
+        attempt = 0
+        while True:
+            try:
+                return await stub.Acquire(request, timeout=self.spec.call_timeout_s())
+            except grpc.aio.AioRpcError as raw:
+                error = from_grpc_error(raw)
+                if not isinstance(error, UnavailableError) or attempt == _ACQUIRE_ATTEMPTS - 1:
+                    raise error from None
+                await asyncio.sleep(0.2 * 2**attempt)
+                attempt += 1
+
+    @staticmethod
+    async def _release_unseen_grant(
+        stub: gpu_broker_pb2_grpc.GpuBrokerStub, request: pb.AcquireRequest
+    ) -> None:
+        try:
+            lease = (await stub.Acquire(_replay(request), timeout=_CLEANUP_TIMEOUT_S)).lease
+            await stub.Release(
+                pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token),
+                timeout=_CLEANUP_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as raw:
+            _log_cleanup_failure(request, from_grpc_error(raw))
 
     async def _renew_loop(self, stub: gpu_broker_pb2_grpc.GpuBrokerStub) -> None:
         assert self._lease is not None
