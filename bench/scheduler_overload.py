@@ -239,6 +239,10 @@ def main() -> None:
         try:
             suite.wait_for_models(["sleep", "double"], timeout_s=120)
             edge, scheduler = suite.settings.gateway.edge.bind, suite.settings.scheduler.address
+            # One unmeasured pass first, so no strategy's numbers include the suite's first seconds.
+            print("warm-up pass (not measured)…", flush=True)
+            run_clients(edge, min(args.seconds, 4.0))
+            _drain_queues(scheduler)
             for strategy in args.strategies.split(","):
                 _use(scheduler, strategy)
                 result = run_clients(edge, args.seconds)
