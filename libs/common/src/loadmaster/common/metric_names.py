@@ -67,8 +67,13 @@ METRICS: dict[str, MetricSpec] = {
             "request_retries", _C, "Granted requests queued again after a retryable failure", ("model",)
         ),
         MetricSpec(
-            "placement_decisions", _C, "Placement choices, by kind (grant, load)", ("model", "worker", "kind")
+            "placement_decisions",
+            _C,
+            "Placement choices, by kind (grant, load, credit)",
+            ("model", "worker", "kind"),
         ),
+        MetricSpec("credits_lent", _C, "Worker slots lent to a gateway as dispatch credits", ("model",)),
+        MetricSpec("credits_revoked", _C, "Dispatch credits revoked (a request had to wait)", ("model",)),
         MetricSpec("strategy_switches", _C, "Strategy changes through SetStrategy", ("strategy",)),
         # model-pool
         MetricSpec("inference_latency_ms", _H, "Engine time per batch", ("model",)),
