@@ -1,0 +1,181 @@
+"""The dispatch half of `SchedulerCore`: after each event, hand queued requests to workers.
+
+Split out of core.py by responsibility: admission, completion, clients, credits and cold
+starts stay in the core; this base class only decides, per strategy scope, which queued
+head goes to which worker next, and grants it. It works on the core's own state (declared
+below), so `SchedulerCore(Dispatching)` is the only class meant to use it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from loadmaster.scheduler import placement
+from loadmaster.scheduler.config import CoreConfig
+from loadmaster.scheduler.domain import Grant, Request, RequestKey
+from loadmaster.scheduler.ports import Outbound, Telemetry
+from loadmaster.scheduler.queues import RequestQueues
+from loadmaster.scheduler.registry import WorkerRegistry
+from loadmaster.scheduler.strategies import Scope
+
+if TYPE_CHECKING:
+    from loadmaster.common.clock import Clock
+    from loadmaster.scheduler.credits import CreditBook
+
+__all__ = ["Dispatching"]
+
+
+class Dispatching:
+    # The core's state this half reads and updates.
+    _config: CoreConfig
+    _clock: Clock
+    _out: Outbound
+    _telemetry: Telemetry
+    _queues: RequestQueues
+    _registry: WorkerRegistry
+    _rng: random.Random
+    _tracked: dict[RequestKey, Any]
+    _stats: dict[str, Any]
+    _placed: dict[tuple[str, str], int]
+    _credits: CreditBook
+
+    if TYPE_CHECKING:  # provided by SchedulerCore
+
+        def _maybe_load(self, model_id: str) -> None: ...
+
+        def _expire(self, request: Request) -> None: ...
+
+        def _stats_for(self, model_id: str) -> Any: ...
+
+    def _dispatch(self, models: Iterable[str]) -> None:
+        models = list(models)
+        if not models:
+            return
+        now = self._clock.monotonic()
+        ordering = self._queues.ordering
+        if ordering.batch is not None:
+            for model_id in models:
+                self._dispatch_batch(model_id, now)
+        elif ordering.scope is Scope.GLOBAL and len(models) > 1:
+            self._dispatch_global(models, now)
+        else:
+            for model_id in models:
+                self._dispatch_model(model_id, now)
+        for model_id in models:
+            self._maybe_load(model_id)
+            if self._queues.depth(model_id):
+                self._credits.revoke_model(model_id, now)
+            elif (policy := self._config.policy(model_id)).dispatch_credits and ordering.batch is None:
+                self._credits.lend(
+                    model_id,
+                    now,
+                    limit=policy.dispatch_credits,
+                    ttl_ms=policy.request_ttl_ms,
+                    pick=lambda m=model_id: self._pick_worker(m),
+                )
+            if model_id in self._stats:
+                self._telemetry.record("queue_depth", self._queues.depth(model_id), {"model": model_id})
+        if self._placed:
+            for (model_id, worker_id), count in self._placed.items():
+                labels = {"model": model_id, "worker": worker_id}
+                self._telemetry.record("grants", count, labels)
+                self._telemetry.record("placement_decisions", count, {**labels, "kind": "grant"})
+            self._placed.clear()
+
+    def _head(self, model_id: str, now: float) -> tuple[tuple[float, ...], Request] | None:
+        """The next request for `model_id`, expiring any whose deadline has passed."""
+        queues = self._queues
+        while (entry := queues.peek_entry(model_id)) is not None:
+            head = entry[1]
+            if head.deadline > now:
+                return entry
+            queues.remove(head.key)
+            self._expire(head)
+        return None
+
+    def _pick_worker(self, model_id: str) -> str | None:
+        return placement.pick_grant_worker(
+            self._registry.grant_candidates(model_id),
+            max_inflight=self._config.max_inflight(model_id),
+            rng=self._rng,
+        )
+
+    def _dispatch_model(self, model_id: str, now: float) -> None:
+        max_inflight = self._config.max_inflight(model_id)
+        while (entry := self._head(model_id, now)) is not None:
+            worker_id = placement.pick_grant_worker(
+                self._registry.grant_candidates(model_id), max_inflight=max_inflight, rng=self._rng
+            )
+            if worker_id is None:
+                break
+            self._grant_head(entry, worker_id, now)
+
+    def _dispatch_global(self, models: list[str], now: float) -> None:
+        """One order across models: the smallest head key among models a worker can take goes first."""
+        active = set(models)
+        while active:
+            best: tuple[tuple[float, ...], Request, str] | None = None
+            for model_id in list(active):
+                entry = self._head(model_id, now)
+                worker_id = self._pick_worker(model_id) if entry is not None else None
+                if entry is None or worker_id is None:
+                    active.discard(model_id)
+                elif best is None or entry[0] < best[0]:
+                    best = (entry[0], entry[1], worker_id)
+            if best is None:
+                return
+            self._grant_head((best[0], best[1]), best[2], now)
+
+    def _dispatch_batch(self, model_id: str, now: float) -> None:
+        """Release groups of up to max_batch_size, each to one worker, once full or old enough."""
+        rule = self._queues.ordering.batch
+        assert rule is not None
+        max_inflight = self._config.max_inflight(model_id)
+        while True:
+            depth = self._queues.depth(model_id)
+            oldest = self._queues.peek_oldest(model_id)
+            if oldest is None:
+                return
+            if depth < rule.max_batch_size and now < oldest.enqueued_at + rule.max_wait_s:
+                return  # the timer releases it at oldest + max_wait
+            chosen = placement.pick_batch_worker(
+                self._registry.grant_candidates(model_id), max_inflight=max_inflight
+            )
+            if chosen is None:
+                return
+            worker_id, room = chosen
+            for _ in range(min(room, rule.max_batch_size)):
+                entry = self._head(model_id, now)
+                if entry is None:
+                    return
+                self._grant_head(entry, worker_id, now)
+
+    def _grant_head(self, entry: tuple[tuple[float, ...], Request], worker_id: str, now: float) -> None:
+        key, request = entry
+        self._queues.remove(request.key)
+        self._queues.ordering.granted(request, key)
+        tracked = self._tracked[request.key]
+        model_id = request.model_id
+        record = self._registry.get(worker_id)
+        assert record is not None
+        slot = record.slots[model_id]
+        self._registry.acquire(worker_id, request.key, model_id)
+        tracked.worker_id = worker_id
+        tracked.attempts += 1
+        self._stats_for(model_id).granted += 1
+        grant = Grant(  # positional, in Grant's field order (see `Request(` in _enqueue)
+            request.request_id,
+            worker_id,
+            record.hello.data_endpoint,
+            slot.generation,
+            request.deadline_unix_ns,
+            tracked.attempts,
+        )
+        self._out.grant(request.session_id, grant)
+        self._telemetry.record(
+            "scheduling_wait_ms", (now - request.enqueued_at) * 1000.0, {"model": model_id}
+        )
+        placed = (model_id, worker_id)
+        self._placed[placed] = self._placed.get(placed, 0) + 1  # recorded once per dispatch
