@@ -81,6 +81,23 @@ def test_gpu_scoped_loads_only_evict_models_on_those_gpus() -> None:
     assert choose_victim(residents, incoming=Incoming("x", 1), now=1000.0).victim == "gpu0"
 
 
+def test_models_settling_are_waited_for_never_chosen() -> None:
+    residents = [
+        resident("loading", state="loading", last_used=0.0),
+        resident("unloading", state="unloading", pinned=True, last_used=0.0),
+        resident("loading-pinned", state="loading", pinned=True),
+    ]
+    choice = choose_victim(residents, incoming=Incoming("x", priority=1), now=1000.0)
+    assert choice.victim is None and choice.worth_waiting
+    # a pinned model on its way out still gives memory back; one on its way in never will
+    assert choice.waiting == ("loading", "unloading")
+    assert choice.refused == {"loading-pinned": "pinned"}
+    message = no_room_message("x", 400, choice, residents)
+    assert "loading (loading)" in message and "unloading (unloading)" in message
+    # keep-alive never unloads a model that is not READY
+    assert idle_models([resident("loading", state="loading", keep_alive_s=1.0)], now=1000.0) == []
+
+
 def test_the_incoming_model_is_never_its_own_victim() -> None:
     assert choose_victim([resident("x")], incoming=Incoming("x", 1), now=1000.0).victim is None
 

@@ -26,6 +26,16 @@ class Slow:
         time.sleep(float(inputs["ms"].reshape(())) / 1000.0)
         return {"ms": np.array(inputs["ms"])}
 """
+SLOW_LOAD = """
+import time
+import numpy as np
+
+class SlowLoad:
+    def load(self):
+        time.sleep(0.3)
+    def infer(self, inputs):
+        return {"ms": np.array(inputs["ms"])}
+"""
 BATCHED = """
 import numpy as np
 
@@ -45,6 +55,9 @@ def repo(tmp_path: Path, example_repo: Path) -> Path:
         (root / name).mkdir()
         (root / name / "config.yaml").write_text("backend: python\nclass: Slow\nvram_mb: 400\n")
         (root / name / "model.py").write_text(SLOW)
+    (root / "slow_load").mkdir()
+    (root / "slow_load" / "config.yaml").write_text("backend: python\nclass: SlowLoad\nvram_mb: 400\n")
+    (root / "slow_load" / "model.py").write_text(SLOW_LOAD)
     (root / "batched").mkdir()
     (root / "batched" / "config.yaml").write_text(
         "backend: python\nclass: Batched\nmax_batch_size: 8\ninstances: 2\n"
@@ -120,6 +133,47 @@ async def test_a_load_waits_for_a_busy_model_then_evicts_it(repo: Path, leases: 
     await pool.load("c")  # waits for b's request, then evicts b
     assert (await busy).outputs["ms"].tolist() == [200.0]  # answered, not cut off
     assert pool.status("b").state is ModelState.IDLE and pool.status("c").state is ModelState.READY
+    await pool.close()
+
+
+async def test_a_load_waits_for_a_model_still_loading_then_evicts_it(repo: Path, leases: Any) -> None:
+    # The race CI once hit: slow_load holds its lease but is not READY yet when c needs room.
+    # c must wait for it to settle (and then evict it), not fail with "only a (pinned)".
+    leases.capacity_mb = 1000
+    pool = make(repo, leases, wait_s=10.0)
+    await pool.load("a")
+    pool.pin("a")
+    loading = asyncio.create_task(pool.load("slow_load"))
+    for _ in range(100):  # bounded: until slow_load holds its lease
+        if pool.status("slow_load").lease_id:
+            break
+        await asyncio.sleep(0.01)
+    assert pool.status("slow_load").state is ModelState.LOADING
+    await pool.load("c")
+    await loading
+    states = {s.model_id: s.state for s in pool.statuses()}
+    assert (states["a"], states["slow_load"], states["c"]) == (
+        ModelState.READY,
+        ModelState.IDLE,
+        ModelState.READY,
+    )
+    assert pool.status("slow_load").evictions == 1
+    await pool.close()
+
+
+async def test_a_load_with_no_wait_fails_at_once_naming_the_loading_model(repo: Path, leases: Any) -> None:
+    leases.capacity_mb = 1000
+    pool = make(repo, leases, wait_s=0.0)
+    await pool.load("a")
+    pool.pin("a")
+    loading = asyncio.create_task(pool.load("slow_load"))
+    for _ in range(100):
+        if pool.status("slow_load").lease_id:
+            break
+        await asyncio.sleep(0.01)
+    with pytest.raises(ResourceExhaustedError, match=r"a \(pinned\), slow_load \(loading\)"):
+        await pool.load("c")
+    await loading
     await pool.close()
 
 

@@ -2,12 +2,15 @@
 
     choice = choose_victim(residents, incoming=Incoming(model_id, priority, gpus), now=clock.monotonic())
     choice.victim      the model to unload next (None when nothing may go now)
-    choice.waiting     models that could go later (requests in flight, or loaded < min_resident_s ago)
+    choice.waiting     models worth waiting for: requests in flight, loaded < min_resident_s ago,
+                       still loading (evictable once READY), or draining/unloading (memory on its way back)
     choice.refused     model -> why it never goes for this load (pinned, higher priority)
 
 Rules, in order: only READY models; never a pinned one; never one with a request in
 flight; never one whose priority is above the incoming model's; never one loaded less
-than its `min_resident_s` ago (anti-thrash). Among the rest: lowest priority first,
+than its `min_resident_s` ago (anti-thrash). A model that holds a lease but is not READY
+(`state` "loading" or "unloading") is never a victim: the load waits for it to settle.
+Among the rest: lowest priority first,
 then least recently used, then the larger model. The pool evicts one victim at a time
 and tries its lease again, until the lease fits.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 __all__ = [
     "EvictionChoice",
@@ -46,6 +50,7 @@ class Resident:
     gpus: tuple[int, ...] = ()
     min_resident_s: float = 0.0
     keep_alive_s: float | None = None
+    state: Literal["ready", "loading", "unloading"] = "ready"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +80,13 @@ def choose_victim(residents: Iterable[Resident], *, incoming: Incoming, now: flo
             continue
         if incoming.gpus and r.gpus and not set(r.gpus) & set(incoming.gpus):
             continue  # frees nothing where the incoming model goes
-        if r.pinned:
+        if r.state == "unloading":
+            waiting.append(r.model_id)  # its memory comes back without anyone's say
+        elif r.pinned:
             refused[r.model_id] = "pinned"
         elif r.priority > incoming.priority:
             refused[r.model_id] = f"priority {r.priority} > {incoming.priority}"
-        elif r.inflight > 0 or now - r.loaded_at < r.min_resident_s:
+        elif r.state == "loading" or r.inflight > 0 or now - r.loaded_at < r.min_resident_s:
             waiting.append(r.model_id)
         else:
             eligible.append(r)
@@ -94,7 +101,12 @@ def no_room_message(model_id: str, mb: int, choice: EvictionChoice, residents: S
     busy = {r.model_id: r for r in residents}
     for m in choice.waiting:
         r = busy.get(m)
-        reasons.append(f"{m} ({'busy' if r is not None and r.inflight else 'recently loaded'})")
+        why: str
+        if r is not None and r.state != "ready":
+            why = r.state
+        else:
+            why = "busy" if r is not None and r.inflight else "recently loaded"
+        reasons.append(f"{m} ({why})")
     held = ", ".join(reasons) if reasons else "no evictable model"
     return f"no GPU memory for model '{model_id}' ({mb} MB) and nothing can be evicted: {held}"
 
@@ -104,7 +116,8 @@ def idle_models(residents: Iterable[Resident], *, now: float) -> list[str]:
     return sorted(
         r.model_id
         for r in residents
-        if r.keep_alive_s is not None
+        if r.state == "ready"
+        and r.keep_alive_s is not None
         and not r.pinned
         and r.inflight == 0
         and now - r.last_used >= r.keep_alive_s
@@ -116,7 +129,7 @@ def next_idle_deadline(residents: Iterable[Resident]) -> float | None:
     deadlines = [
         r.last_used + r.keep_alive_s
         for r in residents
-        if r.keep_alive_s is not None and not r.pinned and r.inflight == 0
+        if r.state == "ready" and r.keep_alive_s is not None and not r.pinned and r.inflight == 0
     ]
     return min(deadlines) if deadlines else None
 

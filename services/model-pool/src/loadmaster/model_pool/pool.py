@@ -37,20 +37,13 @@ from loadmaster.common.errors import (
     InternalError,
     LoadmasterError,
     NotFoundError,
-    ResourceExhaustedError,
     UnavailableError,
 )
 from loadmaster.model_pool import memory
-from loadmaster.model_pool._waiting import event_or_timeout, settle
+from loadmaster.model_pool._waiting import settle
 from loadmaster.model_pool.batcher import Batcher, BatchOutcome, Instance, batch_policy
 from loadmaster.model_pool.engines import Engine, EngineContext, engine_class
-from loadmaster.model_pool.eviction import (
-    EvictionCounters,
-    Incoming,
-    Resident,
-    choose_victim,
-    no_room_message,
-)
+from loadmaster.model_pool.eviction import EvictionCounters, Resident
 from loadmaster.model_pool.instances import free_instances, load_instance
 from loadmaster.model_pool.keep_alive import KeepAlive
 from loadmaster.model_pool.leases import (
@@ -61,6 +54,7 @@ from loadmaster.model_pool.leases import (
     gpus_for_device,
 )
 from loadmaster.model_pool.repository import ModelRepository, ModelSpec, check_inputs
+from loadmaster.model_pool.room import Room
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
 
 __all__ = ["InferResult", "MetricsSink", "ModelPool", "device_for_lease", "gpus_for_device"]
@@ -132,11 +126,18 @@ class ModelPool:
         self._clock = clock or SystemClock()
         self._metrics = metrics
         self._engines = engines
-        self._eviction_wait_s = eviction_wait_s
-        self._allow_split = allow_split
         self.counters = EvictionCounters()
-        self._room_lock = asyncio.Lock()
-        self._room = asyncio.Event()  # set when a request finishes or a model unloads
+        self._room = Room(
+            lease_client,
+            residents=functools.partial(self._residents, settling=True),
+            evict=lambda victim, incoming: self._evict(
+                victim, reason="capacity", detail=f"room for {incoming}"
+            ),
+            clock=self._clock,
+            ttl_s=lease_ttl_s,
+            wait_s=eviction_wait_s,
+            allow_split=allow_split,
+        )
         self._keep_alive = KeepAlive(
             residents=self._residents,
             unload_idle=lambda model_id: self._evict(model_id, reason="idle"),
@@ -187,11 +188,15 @@ class ModelPool:
         self._keep_alive.poke()
         return slot.status()
 
-    def _residents(self) -> list[Resident]:
+    def _residents(self, *, settling: bool = False) -> list[Resident]:
+        """READY models; with `settling`, also those holding a lease on the way in or out."""
         out = []
-        for model_id, loaded in self._loaded.items():
-            slot = self._slots[model_id]
-            if slot.state is not ModelState.READY:
+        for model_id, slot in self._slots.items():
+            if slot.state is ModelState.READY:
+                state = "ready"
+            elif settling and slot.lease_id and slot.state is not ModelState.IDLE:
+                state = "loading" if slot.state is ModelState.LOADING else "unloading"
+            else:
                 continue
             model = self._models.for_model(model_id)
             out.append(
@@ -203,9 +208,10 @@ class ModelPool:
                     inflight=slot.inflight,
                     last_used=slot.last_used_monotonic,
                     loaded_at=slot.loaded_monotonic,
-                    gpus=tuple(loaded.lease.gpus),
+                    gpus=tuple(gpu for gpu, _ in slot.mb_per_gpu),
                     min_resident_s=model.min_resident_s,
                     keep_alive_s=model.keep_alive_s,
+                    state=state,
                 )
             )
         return out
@@ -316,7 +322,7 @@ class ModelPool:
             slot.set_placement(backend=spec.backend, device=device, vram_mb=mb)
             slot.instances, slot.max_batch_size = count, policy.max_batch_size
             slot.keep_alive_s = model.keep_alive_s
-            lease = await self._acquire_room(slot, mb=mb, device=device)
+            lease = await self._room.acquire(model_id, slot.priority, mb=mb, device=device)
             device = device_for_lease(device, lease)
             slot.set_lease(lease.lease_id, device=device, mb_per_gpu=dict(lease.mb_per_gpu))
             if device.startswith("cuda"):
@@ -328,6 +334,7 @@ class ModelPool:
             message = await self._abandon_load(model_id, error, instances=built, lease=lease)
             slot.load_failed(message)
             self._changed(slot)
+            self._room.changed()
             if isinstance(error, LoadmasterError | asyncio.CancelledError):
                 raise
             raise InternalError(message) from error
@@ -344,6 +351,7 @@ class ModelPool:
         )
         self._keeper.keep(model_id, lease)
         slot.loaded()
+        self._room.changed()  # a load waiting for this one may now evict it (once of age)
         if self.counters.loaded(model_id):
             slot.reloads += 1
             self._record("reloads", 1.0, {"model": model_id})
@@ -362,55 +370,7 @@ class ModelPool:
             slot.load_time_ms,
         )
 
-    # ---- room: leases and eviction -----------------------------------------
-
-    async def _acquire_room(self, slot: Slot, *, mb: int, device: str) -> Lease:
-        """The lease for a load, evicting idle models one at a time until it fits."""
-        model_id = slot.model_id
-        gpus = gpus_for_device(device)
-        labels = {"model": model_id}
-        async with self._room_lock:
-            deadline = self._clock.monotonic() + self._eviction_wait_s
-            while True:
-                try:
-                    return await self._lease_client.acquire(
-                        mb=mb, ttl_s=self._lease_ttl_s, labels=labels, gpus=gpus
-                    )
-                except ResourceExhaustedError as exhausted:
-                    broker_says = exhausted.message
-                residents = self._residents()
-                now = self._clock.monotonic()
-                choice = choose_victim(
-                    residents, incoming=Incoming(model_id, slot.priority, tuple(gpus)), now=now
-                )
-                if choice.victim is not None:
-                    await self._evict(choice.victim, reason="capacity", detail=f"room for {model_id}")
-                    continue
-                if choice.worth_waiting and now < deadline:
-                    log.info(
-                        "load of %s waits for %s to become evictable", model_id, ", ".join(choice.waiting)
-                    )
-                    await self._wait_for_room(residents, deadline=deadline, now=now)
-                    continue
-                if self._allow_split and not gpus:
-                    try:  # too big for any single GPU: one atomic lease over several
-                        return await self._lease_client.acquire(
-                            mb=mb, ttl_s=self._lease_ttl_s, labels=labels, gpus=gpus, allow_split=True
-                        )
-                    except ResourceExhaustedError:
-                        pass
-                raise ResourceExhaustedError(
-                    f"{no_room_message(model_id, mb, choice, residents)} ({broker_says})"
-                )
-
-    async def _wait_for_room(self, residents: list[Resident], *, deadline: float, now: float) -> None:
-        """Until a request finishes, a model unloads, a young model comes of age, or `deadline`."""
-        wake_at = deadline
-        for r in residents:
-            if r.inflight == 0 and now - r.loaded_at < r.min_resident_s:
-                wake_at = min(wake_at, r.loaded_at + r.min_resident_s)
-        self._room.clear()
-        await event_or_timeout(self._room, self._clock, wake_at - now)
+    # ---- eviction ------------------------------------------------------------
 
     async def _evict(self, model_id: str, *, reason: str, detail: str = "") -> None:
         slot = self._slots[model_id]
@@ -477,7 +437,7 @@ class ModelPool:
             slot.unloaded()
             self._changed(slot)
             self._record_leased()
-            self._room.set()
+            self._room.changed()
         log.info("model %s unloaded%s", model_id, f" ({reason})" if reason else "")
 
     def _on_lease_lost(self, model_id: str, lease: Lease) -> None:
@@ -583,7 +543,7 @@ class ModelPool:
     def _released(self, slot: Slot) -> None:
         slot.release()
         if slot.inflight == 0:
-            self._room.set()
+            self._room.changed()
             if slot.keep_alive_s is not None:  # its idle clock starts now
                 self._keep_alive.poke()
 
