@@ -171,10 +171,10 @@ def summarize(results: dict[int, list[tuple[float, float | None, str]]], seconds
     }
 
 
-def _config(tmp: Path) -> Path:
+def _config(tmp: Path, lookahead: int) -> Path:
     data = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     data["models"]["repository"] = str((EXAMPLE_CONFIG.parent / data["models"]["repository"]).resolve())
-    data["models"]["known"]["sleep"] = {"max_inflight": 1, "vram_mb": 16}
+    data["models"]["known"]["sleep"] = {"max_inflight": 1, "vram_mb": 16, "lookahead": lookahead}
     data["model_pool"]["preload"] = ["sleep", "double"]
     data["clients"] = {
         "defaults": {"latency_budget_ms": LOW["budget_ms"]},
@@ -227,12 +227,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--strategies", default=",".join(ALL))
     parser.add_argument("--no-inferential", action="store_true")
+    parser.add_argument(
+        "--lookahead", type=int, default=1, help="the sleep model's scheduler lookahead (0 = off)"
+    )
     args = parser.parse_args()
     runs: dict[str, Any] = {}
     from loadmaster.cli.launcher import Suite, free_port_overrides
 
     with tempfile.TemporaryDirectory(prefix="loadmaster-overload-") as tmp:
-        config = _config(Path(tmp))
+        config = _config(Path(tmp), args.lookahead)
         suite = Suite(config, overrides=free_port_overrides(), log_dir=Path(tmp))
         print("starting the suite…", flush=True)
         suite.start(timeout_s=120)
@@ -288,6 +291,7 @@ def main() -> None:
                 "model": "sleep",
                 "sleep_ms": SLEEP_MS,
                 "max_inflight": 1,
+                "lookahead": args.lookahead,
                 "capacity_per_s": CAPACITY_PER_S,
                 "clients": CLIENTS,
                 "offered_per_s": RATE_PER_CLIENT * CLIENTS,

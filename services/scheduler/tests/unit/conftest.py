@@ -145,10 +145,11 @@ class Harness:
         error: int = errors_pb2.ERROR_CODE_UNSPECIFIED,
         retryable: bool = False,
         worker: str | None = None,
+        inference_ms: float = 0.0,
     ) -> None:
         life = self._lives[(session, request_id)]
         completion = Completion(
-            request_id, error, retryable, worker if worker is not None else life.worker_id
+            request_id, error, retryable, worker if worker is not None else life.worker_id, inference_ms
         )
         if life.state == "granted" and completion.worker_id == life.worker_id:
             final = error == errors_pb2.ERROR_CODE_UNSPECIFIED or not retryable

@@ -153,6 +153,12 @@ class SchedulerSettings(ServiceEndpoint):
     dispatch_credits: int = Field(default=4, ge=0)
     # The "only recent user" window; a revocation also pauses a model's credits this long.
     credit_window_s: float = Field(default=1.0, ge=0)
+    # Timed lookahead (scheduler lookahead.py): while a model has waiters and a worker's slots
+    # for it are all busy, grant up to this many more requests to that worker just before a slot
+    # is predicted to free, so the next request is there when the running one ends instead of a
+    # dispatch round trip later. 0 = a slot gets its next request only after its Complete.
+    lookahead: int = Field(default=1, ge=0)
+    lookahead_margin_ms: float = Field(default=0.5, ge=0)
 
 
 class ModelPoolSettings(ServiceEndpoint):
@@ -215,6 +221,7 @@ class ModelSettings(_Section):
     request_ttl_ms: float | None = Field(default=None, gt=0)
     overflow_policy: Literal["drop_oldest", "reject_newest"] | None = None
     dispatch_credits: int | None = Field(default=None, ge=0)
+    lookahead: int | None = Field(default=None, ge=0)
     # Anti-thrash: a model loaded less than this long ago is not evicted to make room.
     min_resident_s: float = Field(default=1.0, ge=0)
     # Overrides of the model's config.yaml (None = what config.yaml says).

@@ -23,6 +23,7 @@ class ModelPolicy:
     latest_only: bool = False
     vram_mb: int | None = None
     dispatch_credits: int = 0  # worker slots a sole gateway may borrow while the queue is empty
+    lookahead: int = 0  # requests staged on a busy slot just before it frees (lookahead.py)
 
 
 def _memo(fn: Callable[[str], object]) -> Callable[[str], object]:
@@ -52,6 +53,9 @@ class CoreConfig:
     # Dispatch credits (see credits.py); 0 = off, the default for a bare CoreConfig.
     dispatch_credits: int = 0
     credit_window_s: float = 1.0
+    # Timed lookahead (see lookahead.py); 0 = off, the default for a bare CoreConfig.
+    lookahead: int = 0
+    lookahead_margin_ms: float = 0.5
     _policies: dict[str, ModelPolicy] = field(default_factory=dict, compare=False, repr=False)
 
     def policy(self, model_id: str) -> ModelPolicy:
@@ -65,6 +69,7 @@ class CoreConfig:
                     self.request_ttl_ms,
                     self.overflow_policy,
                     dispatch_credits=self.dispatch_credits,
+                    lookahead=self.lookahead,
                 )
             self._policies[model_id] = policy
         return policy
@@ -83,6 +88,7 @@ class CoreConfig:
                 latest_only=m.latest_only,
                 vram_mb=m.vram_mb,
                 dispatch_credits=_dispatch_credits(m, s.dispatch_credits),
+                lookahead=s.lookahead if m.lookahead is None else m.lookahead,
             )
 
         max_inflight = _memo(lambda model_id: models.for_model(model_id).max_inflight)
@@ -99,6 +105,8 @@ class CoreConfig:
             disconnect_timeout_s=settings.response_tracking.disconnect_timeout_s,
             dispatch_credits=s.dispatch_credits,
             credit_window_s=s.credit_window_s,
+            lookahead=s.lookahead,
+            lookahead_margin_ms=s.lookahead_margin_ms,
         )
 
 

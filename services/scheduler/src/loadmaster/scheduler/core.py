@@ -43,6 +43,7 @@ from loadmaster.scheduler.domain import (
     WorkerView,
 )
 from loadmaster.scheduler.loads import LoadTracker
+from loadmaster.scheduler.lookahead import Lookahead
 from loadmaster.scheduler.ports import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
@@ -106,6 +107,7 @@ class SchedulerCore(Dispatching):
         self._credits = CreditBook(
             config.credit_window_s, registry=self._registry, outbound=outbound, telemetry=self._telemetry
         )
+        self._lookahead = Lookahead(margin_s=config.lookahead_margin_ms / 1000.0)
 
     # ---- gateway side ------------------------------------------------------------
 
@@ -152,6 +154,7 @@ class SchedulerCore(Dispatching):
                 self._queues.remove(key)
             else:
                 self._registry.release(tracked.worker_id, key)
+                self._lookahead.forget(key)
                 touched.add(tracked.request.model_id)
         self._dispatch(touched)
 
@@ -169,6 +172,7 @@ class SchedulerCore(Dispatching):
         if self._registry.get(worker_id) is None:
             return
         previous = self._registry.report(worker_id, slots, free_mb=free_mb)
+        self._reopen_windows(worker_id)  # the report rebuilt the worker's grant candidates
         self._credits.revoke_stale(worker_id, slots)
         failures = self._loads.observe(worker_id, previous, {slot.model_id: slot for slot in slots})
         for model_id, error in failures.items():
@@ -183,6 +187,7 @@ class SchedulerCore(Dispatching):
         if record is None:
             return
         self._loads.forget_worker(worker_id)
+        self._lookahead.forget_worker(worker_id)
         touched: set[str] = set()
         for key in [*record.granted, *self._credits.drop_worker(worker_id)]:
             tracked = self._tracked.get(key)
@@ -201,6 +206,10 @@ class SchedulerCore(Dispatching):
         check = self._clients.next_check()
         if check is not None and (wake is None or check < wake):
             wake = check
+        if self._lookahead.active:
+            opens = self._lookahead.next_open(self._queues.waiting_models(), self._clock.monotonic())
+            if opens is not None and (wake is None or opens < wake):
+                wake = opens
         rule = self._queues.ordering.batch
         if rule is not None:
             now = self._clock.monotonic()
@@ -222,8 +231,8 @@ class SchedulerCore(Dispatching):
             self._expire(request)
         for client_id in self._clients.due_disconnects(now):
             self._disconnect_client(client_id)
-        if self._queues.ordering.batch is not None:
-            self._dispatch(self._queues.waiting_models())
+        if self._queues.ordering.batch is not None or self._lookahead.active:
+            self._dispatch(self._queues.waiting_models())  # due batches, due lookahead windows
 
     # ---- admin -------------------------------------------------------------------
 
@@ -456,6 +465,12 @@ class SchedulerCore(Dispatching):
             tracked.credit_id = None
         else:
             self._registry.release(tracked.worker_id, key)
+            if self._lookahead.active:
+                self._close_window(
+                    self._lookahead.completed(
+                        key, self._clock.monotonic(), inference_ms=completion.inference_ms
+                    )
+                )
         tracked.worker_id = None
         touched.add(tracked.request.model_id)
         if completion.error_code == _OK or not completion.retryable:

@@ -23,6 +23,7 @@ from loadmaster.scheduler.strategies import Scope
 if TYPE_CHECKING:
     from loadmaster.common.clock import Clock
     from loadmaster.scheduler.credits import CreditBook
+    from loadmaster.scheduler.lookahead import Lookahead
 
 __all__ = ["Dispatching"]
 
@@ -40,6 +41,7 @@ class Dispatching:
     _stats: dict[str, Any]
     _placed: dict[tuple[str, str], int]
     _credits: CreditBook
+    _lookahead: Lookahead
 
     if TYPE_CHECKING:  # provided by SchedulerCore
 
@@ -73,7 +75,7 @@ class Dispatching:
                     now,
                     limit=policy.dispatch_credits,
                     ttl_ms=policy.request_ttl_ms,
-                    pick=lambda m=model_id: self._pick_worker(m),
+                    pick=lambda m=model_id: self._pick_worker(m, ahead=False),
                 )
             if model_id in self._stats:
                 self._telemetry.record("queue_depth", self._queues.depth(model_id), {"model": model_id})
@@ -95,26 +97,74 @@ class Dispatching:
             self._expire(head)
         return None
 
-    def _pick_worker(self, model_id: str) -> str | None:
+    def _pick_worker(self, model_id: str, *, ahead: bool = True) -> str | None:
         return placement.pick_grant_worker(
             self._registry.grant_candidates(model_id),
             max_inflight=self._config.max_inflight(model_id),
             rng=self._rng,
+            ahead=ahead,
         )
+
+    # ---- lookahead windows (lookahead.py) ------------------------------------------
+
+    def _open_windows(self, model_id: str, now: float) -> None:
+        """Let busy slots of `model_id` whose lookahead window is due take grants ahead; close
+        the windows whose prediction has passed."""
+        if not self._lookahead.active:
+            return
+        opened, closed = self._lookahead.update(model_id, now)
+        if opened:
+            depth = self._config.policy(model_id).lookahead
+            for worker_id in opened:
+                self._set_ahead(worker_id, model_id, depth)
+        for worker_id in closed:
+            self._set_ahead(worker_id, model_id, 0)
+
+    def _close_window(self, where: tuple[str, str] | None) -> None:
+        if where is not None:
+            self._set_ahead(*where, 0)
+
+    def _set_ahead(self, worker_id: str, model_id: str, ahead: int) -> None:
+        record = self._registry.get(worker_id)
+        candidate = record.candidates.get(model_id) if record is not None else None
+        if candidate is not None:
+            candidate.ahead = ahead
+
+    def _too_late(self, request: Request, worker_id: str, now: float) -> bool:
+        """With lookahead on, a head that would reach its worker (or, staged, its turn) only
+        after its deadline is answered `expired` now, so it does not take the slot to be
+        refused there: under overload, the slot would sit idle for a dispatch round trip."""
+        if not self._lookahead.active or not self._config.policy(request.model_id).lookahead:
+            return False
+        if request.deadline > now + self._lookahead.start_delay(worker_id, request.model_id, now):
+            return False
+        self._queues.remove(request.key)
+        self._expire(request)
+        return True
+
+    def _reopen_windows(self, worker_id: str) -> None:
+        """A report rebuilt the worker's candidates: give the open windows back to them."""
+        for model_id in self._lookahead.open_models(worker_id):
+            self._set_ahead(worker_id, model_id, self._config.policy(model_id).lookahead)
 
     def _dispatch_model(self, model_id: str, now: float) -> None:
         max_inflight = self._config.max_inflight(model_id)
+        self._open_windows(model_id, now)
         while (entry := self._head(model_id, now)) is not None:
             worker_id = placement.pick_grant_worker(
                 self._registry.grant_candidates(model_id), max_inflight=max_inflight, rng=self._rng
             )
             if worker_id is None:
                 break
+            if self._too_late(entry[1], worker_id, now):
+                continue
             self._grant_head(entry, worker_id, now)
 
     def _dispatch_global(self, models: list[str], now: float) -> None:
         """One order across models: the smallest head key among models a worker can take goes first."""
         active = set(models)
+        for model_id in models:
+            self._open_windows(model_id, now)
         while active:
             best: tuple[tuple[float, ...], Request, str] | None = None
             for model_id in list(active):
@@ -126,6 +176,8 @@ class Dispatching:
                     best = (entry[0], entry[1], worker_id)
             if best is None:
                 return
+            if self._too_late(best[1], best[2], now):
+                continue
             self._grant_head((best[0], best[1]), best[2], now)
 
     def _dispatch_batch(self, model_id: str, now: float) -> None:
@@ -162,6 +214,10 @@ class Dispatching:
         assert record is not None
         slot = record.slots[model_id]
         self._registry.acquire(worker_id, request.key, model_id)
+        if self._config.policy(model_id).lookahead:
+            self._lookahead.granted(
+                worker_id, model_id, request.key, now, max_inflight=self._config.max_inflight(model_id)
+            )
         tracked.worker_id = worker_id
         tracked.attempts += 1
         self._stats_for(model_id).granted += 1

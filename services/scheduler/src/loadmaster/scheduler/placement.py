@@ -3,7 +3,7 @@
 Pure functions; the registry builds the candidates, the core acts on the answer.
 
 Grants go to a worker holding the model READY with room under its per-model
-`max_inflight`: the fewest grants in flight wins; ties are broken by power-of-two
+`max_inflight` (or in its open lookahead window, lookahead.py): the fewest grants in flight wins; ties are broken by power-of-two
 choices (two tied workers drawn at random, the one whose own report shows less load
 wins), which spreads load without herding when several schedulers or stale reports
 are in play. Loads go to the worker best able to take the model: enough free leased
@@ -36,6 +36,7 @@ class GrantCandidate:
     worker_id: str
     inflight: int  # the scheduler's grants for this model not completed yet
     reported_load: int = 0  # requests in flight on the worker, all models, by its last report
+    ahead: int = 0  # grants allowed beyond max_inflight while a lookahead window is open
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,19 +51,24 @@ class LoadCandidate:
 
 
 def pick_grant_worker(
-    candidates: Iterable[GrantCandidate], *, max_inflight: int, rng: random.Random | None = None
+    candidates: Iterable[GrantCandidate],
+    *,
+    max_inflight: int,
+    rng: random.Random | None = None,
+    ahead: bool = True,
 ) -> str | None:
-    """The candidate with the fewest grants in flight, if it has room; ties by power of two."""
+    """The candidate with the fewest grants in flight, if it has room (under max_inflight, plus
+    its open lookahead window when `ahead`); ties by power of two."""
     best: GrantCandidate | None = None
     tied: list[GrantCandidate] | None = None  # a list only when candidates tie (this runs per grant)
-    least = max_inflight
     for candidate in candidates:
         inflight = candidate.inflight
-        if inflight < least:
-            least = inflight
+        if inflight >= max_inflight and not (ahead and inflight < max_inflight + candidate.ahead):
+            continue  # no room
+        if best is None or inflight < best.inflight:
             best = candidate
             tied = None
-        elif inflight == least and best is not None:
+        elif inflight == best.inflight:
             if tied is None:
                 tied = [best]
             tied.append(candidate)

@@ -1,0 +1,149 @@
+"""Timed lookahead in the core: a busy slot takes its next grant just before it is predicted
+to free (not before, and only `lookahead` ahead), and a head that could only start after its
+deadline is answered `expired` instead of taking the slot. Fake clock; times in ms from t0."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from loadmaster.scheduler.config import ModelPolicy
+from loadmaster.scheduler.domain import OverflowPolicy, SlotState
+from loadmaster.scheduler.lookahead import Lookahead
+from loadmaster.v1 import errors_pb2
+
+if TYPE_CHECKING:
+    from conftest import Harness, MakeHarness
+
+MS = 0.001
+
+
+@pytest.fixture
+def h(make_harness: MakeHarness) -> Harness:
+    """One worker, one slot for "m" (max_inflight 1), lookahead 1, margin 0.5 ms; the first
+    requests teach the estimates: 12 ms from grant to Complete, 10 of them inference, so the
+    send and reply paths take 1 ms each."""
+    h = make_harness(model_policy=lambda model_id: POLICY, lookahead_margin_ms=0.5)
+    h.worker("w1", ["m"], ready=["m"])
+    teach(h, [10.0] * WARM_UP)
+    return h
+
+
+POLICY = ModelPolicy(100, 1000.0, OverflowPolicy.REJECT_NEWEST, lookahead=1)
+WARM_UP = 5  # samples until a steady model counts as predictable (its deviation starts at mean / 2)
+
+
+def teach(h: Harness, inference_ms: list[float]) -> None:
+    for n, ms in enumerate(inference_ms):
+        h.enqueue(f"warm-{n}")
+        h.advance((ms + 2) * MS)
+        h.complete(f"warm-{n}", inference_ms=ms)
+
+
+def test_the_next_request_is_granted_just_before_the_slot_frees(h: Harness) -> None:
+    t0 = h.clock.monotonic()
+    h.enqueue("b", "c", "d")  # b starts at once: predicted to end at t0 + 1 + 10 ms
+    assert h.granted_ids()[WARM_UP:] == ["b"]
+    opens = h.core.next_deadline()
+    assert opens == pytest.approx(t0 + (11 - 1 - 0.5) * MS)  # its end - send time - margin
+    h.advance(9 * MS)
+    assert h.granted_ids()[WARM_UP:] == ["b"]  # too early: c would wait at the worker
+    h.advance(0.6 * MS)
+    assert h.granted_ids()[WARM_UP:] == ["b", "c"]  # staged while b still runs
+    h.advance(5 * MS)
+    assert "d" not in h.granted_ids()  # one ahead, no more
+    h.complete("b", inference_ms=10.0)  # at t0 + 14.6: c has been running since ~13.6
+    assert "d" not in h.granted_ids()  # the window closed with b's Complete
+    assert h.core.next_deadline() == pytest.approx(t0 + (14.6 - 1 + 10 - 1 - 0.5) * MS)
+    h.advance((22.2 - 14.6) * MS)
+    assert h.granted_ids()[WARM_UP:] == ["b", "c", "d"]
+    h.complete("c", inference_ms=10.0)
+    h.complete("d", inference_ms=10.0)
+    h.check(settled=True)
+
+
+def test_without_lookahead_a_busy_slot_waits_for_its_complete(make_harness: MakeHarness) -> None:
+    h = make_harness()
+    h.worker("w1", ["m"], ready=["m"])
+    h.enqueue("a")
+    h.advance(12 * MS)
+    h.complete("a", inference_ms=10.0)
+    h.enqueue("b", "c")
+    h.advance(50 * MS)
+    assert h.granted_ids() == ["a", "b"]
+    assert h.core.next_deadline() == pytest.approx(h.clock.monotonic() - 50 * MS + 1.0)  # c's TTL
+
+
+def test_a_head_that_would_start_after_its_deadline_is_expired_not_staged(h: Harness) -> None:
+    t0 = h.clock.monotonic()
+    h.enqueue("b")  # running, predicted to end at t0 + 11 ms
+    h.enqueue("low", priority=2)
+    h.enqueue("late", priority=0, timeout_ms=10.5)  # the head, but its deadline is before b ends
+    h.advance(9.6 * MS)
+    assert "late" not in h.granted_ids() and "low" in h.granted_ids()
+    [reject] = h.rejects()
+    assert (reject.request_id, reject.error_code) == ("late", errors_pb2.ERROR_CODE_EXPIRED)
+    assert h.clock.monotonic() < t0 + 10.5 * MS  # answered before its deadline, not after
+    h.complete("b", inference_ms=10.0)
+    h.complete("low", inference_ms=10.0)
+    h.check(settled=True)
+
+
+def test_a_worker_report_keeps_an_open_window(h: Harness) -> None:
+    h.enqueue("b", "c")
+    h.advance(9.6 * MS)
+    assert h.granted_ids()[WARM_UP:] == ["b", "c"]
+    h.report("w1", {"m": SlotState.READY})  # rebuilds the worker's grant candidates
+    candidate = h.core._registry.get("w1").candidates["m"]  # type: ignore[union-attr]
+    assert (candidate.inflight, candidate.ahead) == (2, 1)
+    h.enqueue("d")
+    assert "d" not in h.granted_ids()  # still one ahead at most
+    h.complete("b", inference_ms=10.0)
+    assert candidate.ahead == 0
+
+
+def test_a_window_closes_once_its_prediction_has_passed(h: Harness) -> None:
+    t0 = h.clock.monotonic()
+    h.enqueue("b")  # predicted to end at t0 + 11 ms; it will run far longer
+    h.enqueue("x")
+    h.advance(9.6 * MS)  # window open: x staged
+    assert h.granted_ids()[WARM_UP:] == ["b", "x"]
+    h.enqueue("y")
+    h.clock.advance(3 * MS)  # t0 + 12.6 ms: past end + send time + margin
+    h.enqueue("z")  # the next dispatch closes the window: no request lands behind an overrun
+    candidate = h.core._registry.get("w1").candidates["m"]  # type: ignore[union-attr]
+    assert candidate.ahead == 0
+    assert h.core.next_deadline() == pytest.approx(t0 + 9.6 * MS + 1.0)  # y TTL: no wake for the window
+    h.complete("b", inference_ms=10.0)
+    assert h.granted_ids()[WARM_UP:] == ["b", "x"]  # x took b's slot; y and z wait their turn
+
+
+def test_a_model_with_unsteady_inference_times_never_stages(make_harness: MakeHarness) -> None:
+    h = make_harness(model_policy=lambda model_id: POLICY)
+    h.worker("w1", ["m"], ready=["m"])
+    teach(h, [1.0, 1500.0, 1.0, 1500.0, 1.0, 1.0, 1.0])
+    h.enqueue("long", "next")
+    assert h.core.next_deadline() == pytest.approx(h.clock.monotonic() + 1.0)  # only the TTL
+    h.advance(0.5)
+    assert h.granted_ids()[-1] == "long"
+
+
+def test_estimates_and_forgetting() -> None:
+    look = Lookahead(margin_s=0.0)
+    key = (1, "a")
+    look.granted("w", "m", key, 0.0, max_inflight=1)
+    assert look.next_open(["m"], 0.0) is None  # nothing measured yet: no prediction, no window
+    for n in range(WARM_UP):
+        assert look.completed(key, n * 0.012 + 0.012, inference_ms=10.0) is None
+        key = (1, f"a{n}")
+        look.granted("w", "m", key, n * 0.012 + 0.012, max_inflight=1)
+    start = WARM_UP * 0.012
+    assert look.next_open(["m"], start) == pytest.approx(start + 0.001 + 0.010 - 0.001)
+    assert look.next_open(["other"], start) is None  # only models with waiters wake the core
+    assert look.start_delay("w", "m", start) == pytest.approx(0.011)
+    assert look.update("m", start + 0.0095) == ([], [])
+    assert look.update("m", start + 0.0101) == (["w"], []) and look.is_open("w", "m")
+    assert look.update("m", start + 0.0121) == ([], ["w"])  # past end + lead
+    look.forget_worker("w")
+    assert not look.active and not look.is_open("w", "m")
