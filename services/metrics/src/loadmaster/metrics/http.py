@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from loadmaster.common.http_server import main_loop
 from loadmaster.metrics.exposition import Exposition
 
 __all__ = ["HttpServer", "create_app"]
@@ -49,11 +50,23 @@ def create_app(
 
 
 class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: the gRPC server owns SIGTERM/SIGINT."""
+    """uvicorn without its signal handlers (the gRPC server owns SIGTERM/SIGINT), ticking once
+    a second (`loadmaster.common.http_server`)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._stop = asyncio.Event()
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+        self._stop.set()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def main_loop(self) -> None:
+        await main_loop(self, self._stop)
 
 
 class HttpServer:
@@ -98,7 +111,7 @@ class HttpServer:
     async def stop(self) -> None:
         if self._server is None or self._task is None:
             return
-        self._server.should_exit = True
+        self._server.request_exit()
         try:
             await asyncio.wait_for(asyncio.shield(self._task), self._shutdown_timeout_s + 1.0)
         except TimeoutError:

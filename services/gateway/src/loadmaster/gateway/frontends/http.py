@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError
+from loadmaster.common.http_server import main_loop
 from loadmaster.gateway.admin import SchedulerAdmin
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.catalog import ModelCatalog
@@ -299,6 +300,7 @@ class HttpFrontend:
             app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
         )
         self._server = uvicorn.Server(self._config)
+        self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.port = port
 
@@ -315,13 +317,14 @@ class HttpFrontend:
         sockets = [sock for server in self._server.servers for sock in server.sockets]
         if sockets:
             self.port = sockets[0].getsockname()[1]
-        self._task = asyncio.create_task(self._server.main_loop(), name="http-serve")
+        self._task = asyncio.create_task(main_loop(self._server, self._stop), name="http-serve")
         log.info("HTTP front end listening on %s:%d", self._config.host, self.port)
 
     async def close(self) -> None:
         if self._task is None:
             return
         self._server.should_exit = True
+        self._stop.set()
         await asyncio.gather(self._task, return_exceptions=True)
         self._server.force_exit = True  # do not wait for idle keep-alive connections
         await self._server.shutdown()
