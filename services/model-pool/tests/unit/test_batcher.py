@@ -86,7 +86,12 @@ def make(
 
 
 def submit(
-    batcher: Batcher, inputs: dict[str, np.ndarray], *, deadline_unix_ns: int = 0, received: float
+    batcher: Batcher,
+    inputs: dict[str, np.ndarray],
+    *,
+    deadline_unix_ns: int = 0,
+    received: float,
+    front: bool = False,
 ) -> asyncio.Future[tuple[dict[str, np.ndarray], BatchTiming]]:
     """The batcher's callback as a future, so a test can await each request."""
     future: asyncio.Future[tuple[dict[str, np.ndarray], BatchTiming]] = (
@@ -100,7 +105,7 @@ def submit(
         else:
             future.set_result(outcome)
 
-    batcher.submit(inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=done)
+    batcher.submit(inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=done, front=front)
     return future
 
 
@@ -232,6 +237,20 @@ async def test_unbatched_models_run_one_at_a_time_in_order(engine: Doubler) -> N
     )
     assert engine.calls == [1] * 5
     assert [r[0]["y"].item() for r in results] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_a_front_of_queue_request_runs_before_those_waiting(engine: Doubler) -> None:
+    clock, order = FakeClock(), []
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, [])
+    futures = []
+    for value, front in ((0, False), (1, False), (2, True)):  # one loop turn: all wait together
+        future = submit(batcher, x(value), received=clock.monotonic(), front=front)
+        future.add_done_callback(lambda f, v=value: order.append(v))
+        futures.append(future)
+    await asyncio.gather(*futures)
+    assert order == [2, 0, 1]
     await batcher.close()
     executor.shutdown()
 

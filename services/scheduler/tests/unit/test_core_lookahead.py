@@ -147,3 +147,30 @@ def test_estimates_and_forgetting() -> None:
     assert look.update("m", start + 0.0121) == ([], ["w"])  # past end + lead
     look.forget_worker("w")
     assert not look.active and not look.is_open("w", "m")
+
+
+def test_a_more_urgent_request_goes_ahead_of_a_staged_one_once_per_complete(h: Harness) -> None:
+    h.enqueue("b")  # running, predicted to end at t0 + 11 ms
+    h.enqueue("low", priority=2)
+    h.advance(9.6 * MS)
+    assert h.granted_ids()[WARM_UP:] == ["b", "low"]  # staged
+    h.enqueue("urgent", "second", priority=0)  # more urgent than "low", which has not started
+    grants = {g.request_id: g for g in h.grants()}
+    assert grants["urgent"].front and grants["urgent"].worker_id == "w1"
+    assert not grants["low"].front and "second" not in grants  # one per slot until its Complete
+    h.complete("b", inference_ms=10.0)  # "urgent" runs now; "low" has still not started
+    grants = {g.request_id: g for g in h.grants()}
+    assert grants["second"].front
+    h.complete("urgent", inference_ms=10.0)
+    h.complete("second", inference_ms=10.0)
+    h.complete("low", inference_ms=10.0)
+    h.check(settled=True)
+
+
+def test_no_front_once_the_staged_request_has_started(h: Harness) -> None:
+    h.enqueue("b")
+    h.enqueue("low", priority=2)
+    h.advance(9.6 * MS)
+    h.clock.advance(2 * MS)  # past b's predicted end: "low" is running by now
+    h.enqueue("urgent", priority=0)
+    assert "urgent" not in h.granted_ids()

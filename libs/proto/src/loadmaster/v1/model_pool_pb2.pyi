@@ -25,7 +25,7 @@ MODEL_STATE_DRAINING: ModelState
 MODEL_STATE_UNLOADING: ModelState
 
 class InferRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "inputs", "metadata", "deadline_unix_ns", "generation", "payload")
+    __slots__ = ("request_id", "model_id", "inputs", "metadata", "deadline_unix_ns", "generation", "front_of_queue", "payload")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class InferRequest(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FRONT_OF_QUEUE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
@@ -46,8 +47,9 @@ class InferRequest(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     deadline_unix_ns: int
     generation: int
+    front_of_queue: bool
     payload: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., front_of_queue: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class InferReply(_message.Message):
     __slots__ = ("request_id", "model_id", "outputs", "error_code", "error_message", "retryable", "inference_latency_ms", "queue_ms", "batch_size", "worker_id", "generation", "payload")

@@ -98,20 +98,22 @@ class SessionRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns", "attempt")
+    __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns", "attempt", "front_of_queue")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FRONT_OF_QUEUE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     data_endpoint: str
     generation: int
     deadline_unix_ns: int
     attempt: int
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+    front_of_queue: bool
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., front_of_queue: _Optional[bool] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("request_id", "error_code", "message")

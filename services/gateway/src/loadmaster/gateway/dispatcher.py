@@ -187,7 +187,12 @@ class Dispatcher:
         pending.attempt = grant.attempt
         try:
             self._send(
-                pending, grant.worker_id, grant.data_endpoint, grant.generation, grant.deadline_unix_ns
+                pending,
+                grant.worker_id,
+                grant.data_endpoint,
+                grant.generation,
+                grant.deadline_unix_ns,
+                front=grant.front_of_queue,
             )
         except UnavailableError as error:
             self._scheduler.complete(
@@ -278,7 +283,14 @@ class Dispatcher:
     # -- internals -----------------------------------------------------------------------
 
     def _send(
-        self, pending: _Pending, worker_id: str, endpoint: str, generation: int, deadline_ns: int
+        self,
+        pending: _Pending,
+        worker_id: str,
+        endpoint: str,
+        generation: int,
+        deadline_ns: int,
+        *,
+        front: bool = False,
     ) -> None:
         """Send the call to a worker's data port and arm its reply watchdog; on
         `UnavailableError` the call is back to waiting (the caller tells the scheduler)."""
@@ -291,6 +303,7 @@ class Dispatcher:
             metadata=call.metadata,
             deadline_unix_ns=deadline_ns,
             generation=generation,
+            front_of_queue=front,
         )
         if pending.span.is_recording():
             tracing.inject(request.metadata, span=pending.span)

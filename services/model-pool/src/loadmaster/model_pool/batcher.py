@@ -253,9 +253,11 @@ class Batcher:
         deadline_unix_ns: int,
         received: float,
         done: Callable[[BatchOutcome], None],
+        front: bool = False,
     ) -> None:
-        """Queue one request; `done` is called once, on the event loop, with its outcome.
-        Raises (and queues nothing) when the batcher is closed or the inputs cannot be stacked."""
+        """Queue one request (`front`: ahead of those waiting); `done` is called once, on the event
+        loop, with its outcome. Raises (and queues nothing) when the batcher is closed or the
+        inputs cannot be stacked."""
         if self._closed:
             raise InternalError(f"model '{self.model_id}' stopped")
         item = _Item(inputs=inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=done)
@@ -268,7 +270,10 @@ class Batcher:
                 )
             item.rows = count
             item.signature = signature(inputs)
-        self._queue.append(item)
+        if front:
+            self._queue.appendleft(item)
+        else:
+            self._queue.append(item)
         self._schedule()
 
     # ---- scheduling, on the event loop -------------------------------------------

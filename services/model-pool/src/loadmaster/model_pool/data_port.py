@@ -195,6 +195,7 @@ class DataPort:
                 done=done,
                 deadline_unix_ns=request.deadline_unix_ns,
                 received_monotonic=received,
+                front=request.front_of_queue,
             )
         except Exception as error:  # refused at the door: answered now
             self._answered()

@@ -487,8 +487,10 @@ class ModelPool:
         done: Callable[[InferResult | BaseException], None],
         deadline_unix_ns: int = 0,
         received_monotonic: float | None = None,
+        front: bool = False,
     ) -> None:
-        """Admit one request and queue it on the model's batcher; `done` is called once, on the
+        """Admit one request and queue it on the model's batcher (`front`: ahead of the requests
+        waiting there, see Grant.front_of_queue); `done` is called once, on the
         event loop, with its `InferResult` or its error. Refusals at the door (closing, unknown or
         not READY model, bad inputs, deadline passed) raise `LoadmasterError` instead. The request
         stays in flight until its engine call is over, whoever still waits. A callback, so the
@@ -514,7 +516,9 @@ class ModelPool:
                     InferResult(outputs, generation, timing.inference_ms, timing.queue_ms, timing.batch_size)
                 )
 
-            loaded.batcher.submit(inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=finished)
+            loaded.batcher.submit(
+                inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=finished, front=front
+            )
         except BaseException:
             self._released(slot)
             raise

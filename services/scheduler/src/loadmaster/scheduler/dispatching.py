@@ -154,11 +154,18 @@ class Dispatching:
             worker_id = placement.pick_grant_worker(
                 self._registry.grant_candidates(model_id), max_inflight=max_inflight, rng=self._rng
             )
+            front = False
             if worker_id is None:
-                break
+                if not self._lookahead.active:
+                    break
+                # more urgent than a request staged on a busy slot: ahead of it at the worker
+                worker_id = self._lookahead.front_target(model_id, entry[0], now)
+                if worker_id is None:
+                    break
+                front = True
             if self._too_late(entry[1], worker_id, now):
                 continue
-            self._grant_head(entry, worker_id, now)
+            self._grant_head(entry, worker_id, now, front=front)
 
     def _dispatch_global(self, models: list[str], now: float) -> None:
         """One order across models: the smallest head key among models a worker can take goes first."""
@@ -204,7 +211,9 @@ class Dispatching:
                     return
                 self._grant_head(entry, worker_id, now)
 
-    def _grant_head(self, entry: tuple[tuple[float, ...], Request], worker_id: str, now: float) -> None:
+    def _grant_head(
+        self, entry: tuple[tuple[float, ...], Request], worker_id: str, now: float, *, front: bool = False
+    ) -> None:
         key, request = entry
         self._queues.remove(request.key)
         self._queues.ordering.granted(request, key)
@@ -216,7 +225,13 @@ class Dispatching:
         self._registry.acquire(worker_id, request.key, model_id)
         if self._config.policy(model_id).lookahead:
             self._lookahead.granted(
-                worker_id, model_id, request.key, now, max_inflight=self._config.max_inflight(model_id)
+                worker_id,
+                model_id,
+                request.key,
+                now,
+                max_inflight=self._config.max_inflight(model_id),
+                sort_key=key,
+                front=front,
             )
         tracked.worker_id = worker_id
         tracked.attempts += 1
@@ -228,6 +243,7 @@ class Dispatching:
             slot.generation,
             request.deadline_unix_ns,
             tracked.attempts,
+            front,
         )
         self._out.grant(request.session_id, grant)
         self._telemetry.record(

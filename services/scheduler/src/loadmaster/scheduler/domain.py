@@ -152,6 +152,7 @@ class Grant:
     generation: int
     deadline_unix_ns: int
     attempt: int
+    front: bool = False  # run before what waits at the worker (lookahead.py, front_of_queue)
 
 
 @dataclass(slots=True)  # hot path: not frozen (see the module docstring)

@@ -21,9 +21,11 @@ Only a model whose inference time is predictable gets windows: the EWMA of its s
 distance from the mean (as TCP's RTTVAR) must stay within a quarter of the mean, or
 0.5 ms. A model whose requests take 1 ms or 1.5 s depending on the input never stages a
 request behind a long one.
-The price, and why this is a setting (off by default): a staged request is committed up
-to `send time + margin` before its slot frees, so a more urgent request that arrives in
-that window runs one service time later than it would have.
+The price: a staged request is committed up to `send time + margin` before its slot
+frees. So that a more urgent request arriving in that window does not run a service time
+later, it may go to the front of the worker's queue (`front_target`, Grant.front_of_queue):
+once per slot and staged request, while the running one is predicted to run on (the staged
+one has not started), the worker runs it before the staged one.
 
 Plain bookkeeping on the core's clock. The core grants, and opens a window by setting the
 slot's `GrantCandidate.ahead`; this module only says when.
@@ -35,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from loadmaster.scheduler.domain import RequestKey
+from loadmaster.scheduler.strategies import SortKey
 
 __all__ = ["Lookahead"]
 
@@ -75,8 +78,10 @@ class _Slot:
     max_inflight: int
     running: dict[RequestKey, float] = field(default_factory=dict)  # request -> predicted end
     staged: list[RequestKey] = field(default_factory=list)  # granted beyond max_inflight, in order
+    staged_keys: dict[RequestKey, SortKey] = field(default_factory=dict)  # their place in the queue
     granted_at: dict[RequestKey, float] = field(default_factory=dict)  # started on arrival
     open: bool = False
+    front_used: bool = False  # a request went ahead of the staged ones since the last Complete
 
 
 class Lookahead:
@@ -87,7 +92,15 @@ class Lookahead:
         self._where: dict[RequestKey, tuple[str, str]] = {}
 
     def granted(
-        self, worker_id: str, model_id: str, key: RequestKey, now: float, *, max_inflight: int
+        self,
+        worker_id: str,
+        model_id: str,
+        key: RequestKey,
+        now: float,
+        *,
+        max_inflight: int,
+        sort_key: SortKey = (),
+        front: bool = False,
     ) -> None:
         slot = self._slots.get((worker_id, model_id))
         if slot is None:
@@ -100,8 +113,13 @@ class Lookahead:
             inference_s = estimates.inference_s if estimates and estimates.inference_s is not None else 0.0
             slot.running[key] = now + send_s + inference_s
             slot.granted_at[key] = now
+        elif front:
+            slot.staged.insert(0, key)
+            slot.staged_keys[key] = sort_key
+            slot.front_used = True
         else:
             slot.staged.append(key)
+            slot.staged_keys[key] = sort_key
 
     def completed(self, key: RequestKey, now: float, *, inference_ms: float) -> tuple[str, str] | None:
         """A granted request finished; returns its (worker, model) when that slot's window closed."""
@@ -115,12 +133,16 @@ class Lookahead:
             estimates.learn(inference_ms / 1000.0, None if granted_at is None else now - granted_at)
         if slot.running.pop(key, None) is None and key in slot.staged:
             slot.staged.remove(key)  # failed before it ran (expired, refused at the door)
+            slot.staged_keys.pop(key, None)
         reply_s = estimates.overhead_s / 2 if estimates.overhead_s is not None else 0.0
         inference_s = estimates.inference_s if estimates.inference_s is not None else 0.0
         while slot.staged and len(slot.running) < slot.max_inflight:
             # it started when the finished one ended, a reply path before this Complete
-            slot.running[slot.staged.pop(0)] = now - reply_s + inference_s
+            started = slot.staged.pop(0)
+            slot.staged_keys.pop(started, None)
+            slot.running[started] = now - reply_s + inference_s
         was_open, slot.open = slot.open, False
+        slot.front_used = False
         if not slot.running and not slot.staged:
             del self._slots[where]
         return where if was_open else None
@@ -133,6 +155,7 @@ class Lookahead:
             return
         slot.running.pop(key, None)
         slot.granted_at.pop(key, None)
+        slot.staged_keys.pop(key, None)
         if key in slot.staged:
             slot.staged.remove(key)
 
@@ -159,6 +182,25 @@ class Lookahead:
         if slot is None or len(slot.running) < slot.max_inflight or not slot.running:
             return send_s
         return max(send_s, min(slot.running.values()) - now)
+
+    def front_target(self, model_id: str, sort_key: SortKey, now: float) -> str | None:
+        """A worker where a request of `model_id` with `sort_key` may go to the front of the queue:
+        a slot whose next staged request is less urgent, has not started (the running one is
+        predicted to run on), and has not been passed yet since the slot's last Complete."""
+        estimates = self._estimates.get(model_id)
+        if estimates is None or not estimates.predictable:
+            return None
+        for (worker_id, m), slot in self._slots.items():
+            if (
+                m == model_id
+                and slot.staged
+                and not slot.front_used
+                and slot.running
+                and min(slot.running.values()) > now
+                and slot.staged_keys.get(slot.staged[0], ()) > sort_key
+            ):
+                return worker_id
+        return None
 
     def is_open(self, worker_id: str, model_id: str) -> bool:
         slot = self._slots.get((worker_id, model_id))

@@ -126,6 +126,7 @@ def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.Sessio
                 generation=outcome.generation,
                 deadline_unix_ns=outcome.deadline_unix_ns,
                 attempt=outcome.attempt,
+                front_of_queue=outcome.front,
             )
         else:
             response.rejects.add(
