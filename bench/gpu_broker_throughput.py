@@ -1,18 +1,27 @@
 """Acquire + Release pairs per second with 8 concurrent clients on one Redis; grant latency.
 
     python bench/gpu_broker_throughput.py                       # both modes, 8 clients, 5 s each
-    python bench/gpu_broker_throughput.py --mode grpc --replicas 2 --seconds 10
+    python bench/gpu_broker_throughput.py --mode grpc --replicas 1 2 --seconds 10
+    python bench/gpu_broker_throughput.py --mode grpc --api stream   # only the Leases stream
     python bench/gpu_broker_throughput.py --mode core --processes 2   # two replicas, 4 clients each
     python bench/gpu_broker_throughput.py --redis-url redis://127.0.0.1:6379/0
 
 Modes:
-- `core`: 8 asyncio clients call `LeaseManager` in one process (the broker's own logic and
-  its Lua scripts on a real Redis, no gRPC): what one Redis sustains.
-- `grpc`: 8 client processes, each a blocking loop of `Acquire` + `Release` RPCs against
-  `--replicas` gpu-broker processes (the whole path as a model-pool worker sees it).
+- `core`: 8 asyncio clients call `LeaseManager` in one process on uvloop, as the service runs
+  (the broker's own logic and its Lua scripts on a real Redis, no gRPC): what one Redis
+  sustains.
+- `grpc`: 8 client processes against `--replicas` gpu-broker processes (the whole path as a
+  model-pool worker sees it), once per `--api`: `unary`, each client a blocking loop of
+  `Acquire` + `Release` RPCs (result `grpc`); `stream`, each client an asyncio loop of the
+  same two ops on one `Leases` stream (result `grpc_stream`). Several `--replicas` values run
+  one after the other (`grpc`, then `grpc_x2`, ...).
 
 Each pair acquires 100 MB (best fit, any GPU) and releases it at once. Grant latency is the
-Acquire call as the client sees it. Writes bench/results/gpu_broker_throughput.json.
+Acquire call as the client sees it. `cpu_us_per_pair` says where the CPU went during the
+measured window (clients, broker processes, Redis from its INFO): on a small machine every
+part shares the same cores, so that, not Redis, bounds the rate. `load_avg_1m` is the
+machine's load just before the run (other work makes the numbers move). Writes
+bench/results/gpu_broker_throughput.json.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+import redis
 from _harness import percentiles_ms, write_result
 
 from loadmaster.cli.redis_server import EmbeddedRedis, free_port
@@ -43,6 +54,15 @@ from loadmaster.gpu_broker.store import RedisLeaseStore
 
 TARGET_PAIRS_PER_S = 5_000
 GPUS = [GpuState("bench", index, total_mb=80_000, reserve_mb=0) for index in range(8)]
+
+
+def _redis_cpu_s(admin: redis.Redis) -> float:
+    info = admin.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _per_pair_us(pairs: int, **cpu_s: float) -> dict[str, float]:
+    return {role: round(seconds / max(pairs, 1) * 1e6, 1) for role, seconds in cpu_s.items()}
 
 
 async def _core_loop(redis_url: str, prefix: str, clients: int, seconds: float) -> dict[str, Any]:
@@ -68,15 +88,17 @@ async def _core_loop(redis_url: str, prefix: str, clients: int, seconds: float) 
             await manager.release(lease.lease_id, fencing_token=lease.fencing_token)
             pairs += 1
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     await asyncio.gather(*(client(n) for n in range(clients)))
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     await store.close()
-    return {"pairs": pairs, "seconds": elapsed, "latencies": latencies}
+    return {"pairs": pairs, "seconds": elapsed, "cpu_s": cpu, "latencies": latencies}
 
 
 def _core_process(redis_url: str, prefix: str, clients: int, seconds: float) -> dict[str, Any]:
-    return asyncio.run(_core_loop(redis_url, prefix, clients, seconds))
+    import uvloop
+
+    return uvloop.run(_core_loop(redis_url, prefix, clients, seconds))
 
 
 def _core(redis_url: str, *, clients: int, seconds: float, processes: int) -> dict[str, Any]:
@@ -84,14 +106,14 @@ def _core(redis_url: str, *, clients: int, seconds: float, processes: int) -> di
     (a broker replica without gRPC), on the one Redis."""
     import multiprocessing
 
-    import redis
-
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     admin = redis.Redis.from_url(redis_url)
     admin.config_resetstat()
+    redis_cpu = _redis_cpu_s(admin)
     shares = [clients // processes + (1 if n < clients % processes else 0) for n in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         outputs = pool.starmap(_core_process, [(redis_url, prefix, share, seconds) for share in shares])
+    redis_cpu = _redis_cpu_s(admin) - redis_cpu  # includes the processes' set-up: a few ms
     evalsha = admin.info("commandstats").get("cmdstat_evalsha", {})
     admin.close()
     pairs = sum(o["pairs"] for o in outputs)
@@ -105,6 +127,7 @@ def _core(redis_url: str, *, clients: int, seconds: float, processes: int) -> di
         # Time Redis itself spends per script call; the rest of a pair's cost is the client side.
         "redis_script_calls": evalsha.get("calls", 0),
         "redis_us_per_script_call": evalsha.get("usec_per_call", 0.0),
+        "cpu_us_per_pair": _per_pair_us(pairs, clients=sum(o["cpu_s"] for o in outputs), redis=redis_cpu),
     }
 
 
@@ -119,22 +142,59 @@ latencies, pairs = [], 0
 time.sleep(max(0.0, start - time.time()))
 end = start + seconds
 holder = uuid.uuid4().hex[:8]
+cpu = time.process_time()
 while time.time() < end:
     t0 = time.perf_counter()
     lease = stub.Acquire(pb.AcquireRequest(client_request_id=uuid.uuid4().hex, holder=holder, mb=100), timeout=10).lease
     latencies.append(time.perf_counter() - t0)
     stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token), timeout=10)
     pairs += 1
-print(json.dumps({"pairs": pairs, "latencies": latencies}))
+print(json.dumps({"pairs": pairs, "cpu_s": time.process_time() - cpu, "latencies": latencies}))
 """
 
 
+_GRPC_STREAM_CLIENT = r"""
+import asyncio, json, sys, time, uuid
+import grpc
+from loadmaster.v1 import gpu_broker_pb2 as pb, gpu_broker_pb2_grpc
+address, start, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+async def main():
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+        await stub.Inventory(pb.InventoryRequest(), timeout=10)
+        call = stub.Leases(timeout=seconds + 30)
+        latencies, pairs = [], 0
+        await asyncio.sleep(max(0.0, start - time.time()))
+        end = start + seconds
+        holder = uuid.uuid4().hex[:8]
+        cpu = time.process_time()
+        while time.time() < end:
+            t0 = time.perf_counter()
+            request = pb.AcquireRequest(client_request_id=uuid.uuid4().hex, holder=holder, mb=100)
+            await call.write(pb.LeaseOp(op_id=2 * pairs + 1, acquire=request))
+            result = await call.read()
+            assert result.WhichOneof("result") == "acquire", result
+            lease = result.acquire.lease
+            latencies.append(time.perf_counter() - t0)
+            release = pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token)
+            await call.write(pb.LeaseOp(op_id=2 * pairs + 2, release=release))
+            assert (await call.read()).release.released
+            pairs += 1
+        cpu = time.process_time() - cpu
+        await call.done_writing()
+        print(json.dumps({"pairs": pairs, "cpu_s": cpu, "latencies": latencies}))
+asyncio.run(main())
+"""
+_CLIENTS = {"unary": _GRPC_CLIENT, "stream": _GRPC_STREAM_CLIENT}
+
+
 @contextlib.contextmanager
-def _brokers(redis_url: str, replicas: int, logs: Path) -> Iterator[list[str]]:
+def _brokers(redis_url: str, replicas: int, logs: Path) -> Iterator[dict[str, psutil.Process]]:
+    """`replicas` gpu-broker processes on one key prefix: {address: process}."""
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     declared = {"bench": [{"index": g.index, "total_mb": g.total_mb} for g in GPUS]}
-    processes = []
-    addresses = []
+    processes: list[subprocess.Popen[bytes]] = []
+    brokers: dict[str, psutil.Process] = {}
     try:
         for n in range(replicas):
             port = free_port()
@@ -158,9 +218,9 @@ def _brokers(redis_url: str, replicas: int, logs: Path) -> Iterator[list[str]]:
                     start_new_session=True,
                 )
             )
-            addresses.append(f"127.0.0.1:{port}")
-            wait_for_health_sync(addresses[-1], timeout_s=30)
-        yield addresses
+            wait_for_health_sync(f"127.0.0.1:{port}", timeout_s=30)
+            brokers[f"127.0.0.1:{port}"] = psutil.Process(processes[-1].pid)
+        yield brokers
     finally:
         for process in processes:
             with contextlib.suppress(ProcessLookupError):
@@ -168,28 +228,47 @@ def _brokers(redis_url: str, replicas: int, logs: Path) -> Iterator[list[str]]:
             process.wait(10)
 
 
-def _grpc(redis_url: str, *, clients: int, seconds: float, replicas: int) -> dict[str, Any]:
+def _grpc(redis_url: str, *, clients: int, seconds: float, replicas: int, api: str) -> dict[str, Any]:
+    admin = redis.Redis.from_url(redis_url)
     with (
         tempfile.TemporaryDirectory(prefix="gpu-bench-") as logs,
-        _brokers(redis_url, replicas, Path(logs)) as addresses,
+        _brokers(redis_url, replicas, Path(logs)) as brokers,
     ):
+        addresses = list(brokers)
         start = time.time() + 5.0
         procs = [
             subprocess.Popen(
-                [sys.executable, "-c", _GRPC_CLIENT, addresses[n % len(addresses)], str(start), str(seconds)],
+                [
+                    sys.executable,
+                    "-c",
+                    _CLIENTS[api],
+                    addresses[n % len(addresses)],
+                    str(start),
+                    str(seconds),
+                ],
                 stdout=subprocess.PIPE,
             )
             for n in range(clients)
         ]
+        time.sleep(max(0.0, start - time.time()))
+        broker_cpu = -sum(sum(b.cpu_times()[:2]) for b in brokers.values())
+        redis_cpu = -_redis_cpu_s(admin)
         outputs = [json.loads(p.communicate(timeout=seconds + 60)[0]) for p in procs]
+        broker_cpu += sum(sum(b.cpu_times()[:2]) for b in brokers.values())
+        redis_cpu += _redis_cpu_s(admin)
+    admin.close()
     pairs = sum(o["pairs"] for o in outputs)
     latencies = [x for o in outputs for x in o["latencies"]]
     return {
+        "api": api,
         "replicas": replicas,
         "pairs": pairs,
         "seconds": seconds,
         "pairs_per_s": round(pairs / seconds, 1),
         "grant_latency": percentiles_ms(latencies),
+        "cpu_us_per_pair": _per_pair_us(
+            pairs, clients=sum(o["cpu_s"] for o in outputs), brokers=broker_cpu, redis=redis_cpu
+        ),
     }
 
 
@@ -198,11 +277,24 @@ def main() -> int:
     parser.add_argument("--mode", choices=["core", "grpc", "both"], default="both")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--replicas", type=int, default=1, help="gpu-broker processes (grpc mode)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="gpu-broker processes (grpc mode; several: one run each)",
+    )
+    parser.add_argument(
+        "--api", choices=sorted(_CLIENTS), nargs="+", default=["unary", "stream"], help="grpc mode"
+    )
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the clients (core mode)")
     parser.add_argument("--redis-url", help="use this Redis (default: an embedded redis-server)")
     args = parser.parse_args()
-    results: dict[str, Any] = {"clients": args.clients, "target_pairs_per_s": TARGET_PAIRS_PER_S}
+    results: dict[str, Any] = {
+        "clients": args.clients,
+        "target_pairs_per_s": TARGET_PAIRS_PER_S,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url or stack.enter_context(EmbeddedRedis()).url
         if args.mode in ("core", "both"):
@@ -214,28 +306,39 @@ def main() -> int:
             )
             print(json.dumps(results["core"]), flush=True)
         if args.mode in ("grpc", "both"):
-            print(
-                f"grpc: {args.clients} client processes, {args.replicas} broker(s), {args.seconds:g} s…",
-                flush=True,
-            )
-            results["grpc"] = _grpc(
-                redis_url, clients=args.clients, seconds=args.seconds, replicas=args.replicas
-            )
-            print(json.dumps(results["grpc"]), flush=True)
+            for replicas in args.replicas:
+                for api in args.api:
+                    print(
+                        f"grpc {api}: {args.clients} client processes, {replicas} broker(s), "
+                        f"{args.seconds:g} s…",
+                        flush=True,
+                    )
+                    key = "grpc" if api == "unary" else f"grpc_{api}"
+                    key += "" if replicas == args.replicas[0] else f"_x{replicas}"
+                    results[key] = _grpc(
+                        redis_url, clients=args.clients, seconds=args.seconds, replicas=replicas, api=api
+                    )
+                    print(json.dumps(results[key]), flush=True)
     results["targets"] = [
         {
-            "name": f"Acquire+Release pairs/s, {args.clients} clients ({mode})",
-            "measured": results[mode]["pairs_per_s"],
-            "target": 5000,
+            "name": f"Acquire+Release pairs/s, {args.clients} clients ({key}, {_setup(results[key])})",
+            "measured": results[key]["pairs_per_s"],
+            "target": TARGET_PAIRS_PER_S,
             "unit": "/s",
-            "met": results[mode]["pairs_per_s"] >= 5000,
+            "met": results[key]["pairs_per_s"] >= TARGET_PAIRS_PER_S,
         }
-        for mode in ("grpc", "core")
-        if mode in results
+        for key in results
+        if key.startswith(("grpc", "core"))
     ]
     path = write_result("gpu_broker_throughput", results)
     print(f"wrote {path}")
     return 0
+
+
+def _setup(result: dict[str, Any]) -> str:
+    if "replicas" in result:
+        return f"{result['api']}, {result['replicas']} broker process(es)"
+    return f"{result['processes']} process(es)"
 
 
 if __name__ == "__main__":

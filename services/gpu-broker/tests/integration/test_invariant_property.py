@@ -1,6 +1,7 @@
-"""Property: per GPU at every instant, sum(live leases) + used_outside <= total - reserve, and the
-leased_mb books equal the leases stored, whatever sequence of acquire / renew / release / holder
-crash / clock advance / reap / re-register two broker replicas run on one real Redis.
+"""Property: per GPU at every instant, sum(live leases) + used_outside <= total - reserve, the
+leased_mb books equal the leases stored, and the best-fit index holds every GPU's exact free
+memory, whatever sequence of acquire / renew / release / holder crash / clock advance / reap /
+re-register two broker replicas run on one real Redis.
 
 The fast variant runs 1,000 steps; the slow one (`-m slow`) runs 10,000.
 """
@@ -69,8 +70,12 @@ async def _check_invariant(raw: aioredis.Redis, prefix: str, now_ms: int) -> Non
     gpu_keys = [(node, g.index) for node, gpus in NODES.items() for g in gpus]
     for node, index in gpu_keys:
         pipe.hgetall(f"{prefix}:gpu:{node}:{index}")
+    pipe.zrange(f"{prefix}:free", 0, -1, withscores=True)
+    for node in NODES:
+        pipe.zrange(f"{prefix}:free:{node}", 0, -1, withscores=True)
     replies = await pipe.execute()
-    leases, gpus = replies[: len(ids)], replies[len(ids) :]
+    leases, gpus = replies[: len(ids)], replies[len(ids) : len(ids) + len(gpu_keys)]
+    free_index, *node_indexes = replies[len(ids) + len(gpu_keys) :]
     booked: dict[tuple[str, int], int] = defaultdict(int)
     live: dict[tuple[str, int], int] = defaultdict(int)
     for (lease_id, score), fields in zip(ids, leases, strict=True):
@@ -85,6 +90,17 @@ async def _check_invariant(raw: aioredis.Redis, prefix: str, now_ms: int) -> Non
         assert int(gpu["leased_mb"]) == booked[(node, index)], f"books of {node}/{index} drifted"
         assert live[(node, index)] <= capacity, f"{node}/{index} overcommitted"
         assert int(gpu["leased_mb"]) <= capacity, f"{node}/{index} overcommitted (unreaped included)"
+    free = {
+        f"{node} {index:010d}": int(gpu["total_mb"])
+        - int(gpu["reserve_mb"])
+        - int(gpu["used_outside_mb"])
+        - int(gpu["leased_mb"])
+        for (node, index), gpu in zip(gpu_keys, gpus, strict=True)
+    }
+    assert {member: int(score) for member, score in free_index} == free, "the best-fit index drifted"
+    for node, indexed in zip(NODES, node_indexes, strict=True):
+        expected = {m.split(" ")[1]: mb for m, mb in free.items() if m.split(" ")[0] == node}
+        assert {member: int(score) for member, score in indexed} == expected, f"{node}'s index drifted"
 
 
 async def _run(redis_url: str, steps: list[tuple[str, int]], model: Model) -> None:

@@ -8,7 +8,13 @@ import pytest
 
 from loadmaster.gpu_broker.leases import GpuState, LeaseEventKind
 from loadmaster.gpu_broker.servicer import acquire_from_proto, event_to_proto, gpu_to_proto
-from loadmaster.gpu_broker.store import decode_alloc, encode_alloc, event_from_message, lease_from_fields
+from loadmaster.gpu_broker.store import (
+    decode_alloc,
+    decode_event,
+    encode_alloc,
+    event_from_message,
+    lease_from_fields,
+)
 from loadmaster.v1 import gpu_broker_pb2 as pb
 
 FIELDS = {
@@ -49,6 +55,9 @@ def test_event_message_decodes_and_converts_to_proto() -> None:
 def test_malformed_event_message_raises() -> None:
     with pytest.raises((ValueError, KeyError)):
         event_from_message(json.dumps({"kind": "bogus", "ts": "1", "lease": FIELDS}))
+    assert decode_event(json.dumps({"kind": "bogus", "ts": "1", "lease": FIELDS})) is None  # logged, skipped
+    assert decode_event("not json") is None
+    assert decode_event(json.dumps({"kind": "renewed", "ts": "1", "lease": FIELDS})) is not None
 
 
 def test_gpu_to_proto_reports_free_memory() -> None:

@@ -59,6 +59,8 @@ async def test_bad_renew_release_and_register(manager: LeaseManager) -> None:
         await manager.register_node("n", [gpu, gpu])
     with pytest.raises(InvalidArgumentError, match="total_mb must be > 0"):
         await manager.register_node("n", [GpuState(node="n", index=0, total_mb=0, reserve_mb=0)])
+    with pytest.raises(InvalidArgumentError, match="is not a uint32"):
+        await manager.register_node("n", [GpuState(node="n", index=-1, total_mb=1_000, reserve_mb=0)])
 
 
 async def test_build_without_redis_url_says_what_to_set() -> None:

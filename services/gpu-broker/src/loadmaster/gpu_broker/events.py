@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import LoadmasterError, UnavailableError
 from loadmaster.gpu_broker.leases import LeaseEvent
-from loadmaster.gpu_broker.store import EventSubscription, RedisLeaseStore
+from loadmaster.gpu_broker.store import EventSubscription, RedisLeaseStore, decode_event
 
 __all__ = ["LeaseEventHub", "Watcher"]
 
@@ -146,11 +146,13 @@ class LeaseEventHub:
                     backoff_s = min(backoff_s * 2, 5.0)
                     continue
                 assert self._subscription is not None
-                event = await self._subscription.next(timeout_s=1.0)
+                data = await self._subscription.next_message(timeout_s=1.0)
                 backoff_s = 0.1
-                if event is not None:
-                    for watcher in list(self._watchers):
-                        watcher.push(event)
+                if data is not None:
+                    event = decode_event(data) if self._watchers else None
+                    if event is not None:
+                        for watcher in list(self._watchers):
+                            watcher.push(event)
                     for wake in self._wakers:
                         wake.set()
             except asyncio.CancelledError:

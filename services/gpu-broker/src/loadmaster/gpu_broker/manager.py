@@ -69,6 +69,7 @@ _MAX_REAP_BATCHES = 20  # per reap() call; the rest waits for the next one
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _MAX_TEXT = 256
 _MAX_LABELS_BYTES = 4096
+_MAX_GPU_INDEX = 2**32 - 1  # uint32 on the wire
 
 
 class LeaseManager:
@@ -100,6 +101,8 @@ class LeaseManager:
             raise InvalidArgumentError(f"node {node!r}: GPU indexes repeat: {sorted(indexes)}")
         spec = []
         for g in gpus:
+            if not 0 <= g.index <= _MAX_GPU_INDEX:  # the best-fit index keys it as 10 digits
+                raise InvalidArgumentError(f"node {node!r}: GPU index {g.index} is not a uint32")
             if g.total_mb <= 0:
                 raise InvalidArgumentError(f"node {node!r} GPU {g.index}: total_mb must be > 0")
             reserve = g.reserve_mb or self._default_reserve_mb

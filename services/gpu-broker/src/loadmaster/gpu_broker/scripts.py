@@ -21,8 +21,16 @@ Cluster needs a hash-tagged prefix such as `{loadmaster:gpu}` to keep them in on
     <prefix>:waiter_expiry          sorted set: waiting Acquire id -> when its record lapses (ms)
     <prefix>:waiter_scope           hash: waiting Acquire id -> its node scope ('' = any node)
     <prefix>:waiter_seq             arrival counter of waiting Acquires (INCR)
+    <prefix>:free                   sorted set: "<node> <index:%010d>" -> free MB (best-fit index)
+    <prefix>:free:<node>            sorted set: "<index:%010d>" -> free MB (the node's best-fit index)
 
 Invariant kept by ACQUIRE, per GPU: leased_mb + used_outside_mb <= total_mb - reserve_mb.
+The fit is always checked against the GPU hash; the two `free` sorted sets only find the best
+fit in O(log n) (equal free memory sorts by member: node, then zero-padded index, the order of
+`leases.best_fit`). Every script that changes a hash's total/reserve/outside/leased updates
+its index entries in step (a grant and REGISTER write them from the hash; a release adds
+its MB back), and REGISTER rebuilds a node's entries; a GPU missing from the index is only
+not picked by best fit (the caller then plans from a full snapshot).
 Waiting Acquires (wait_s > 0) queue in <prefix>:waiters: an Acquire is granted only when no
 waiter ahead of it (higher priority, or equal priority and earlier) has an overlapping node
 scope, so waiting requests are served in priority then FIFO order by every replica. A waiter
@@ -75,6 +83,31 @@ local waiters_key = prefix .. ':waiters'
 local waiter_expiry_key = prefix .. ':waiter_expiry'
 local waiter_scope_key = prefix .. ':waiter_scope'
 local waiter_seq_key = prefix .. ':waiter_seq'
+local free_key = prefix .. ':free'
+local function node_free_key(node) return prefix .. ':free:' .. node end
+local function slot(index) return string.format('%010d', tonumber(index)) end
+
+-- Free MB of a GPU from HMGET total_mb reserve_mb used_outside_mb leased_mb; nil if unknown.
+local function free_of(g)
+  if not g[1] then return nil end
+  return tonumber(g[1]) - tonumber(g[2]) - tonumber(g[3]) - tonumber(g[4] or '0')
+end
+
+local function index_free(node, index, free)
+  redis.call('ZADD', free_key, free, node .. ' ' .. slot(index))
+  redis.call('ZADD', node_free_key(node), free, slot(index))
+end
+
+-- `mb` more free on an indexed GPU (XX: a GPU missing from the index stays missing).
+local function add_free(node, index, mb)
+  redis.call('ZADD', free_key, 'XX', 'INCR', mb, node .. ' ' .. slot(index))
+  redis.call('ZADD', node_free_key(node), 'XX', 'INCR', mb, slot(index))
+end
+
+local function unindex(node, index)
+  redis.call('ZREM', free_key, node .. ' ' .. slot(index))
+  redis.call('ZREM', node_free_key(node), slot(index))
+end
 
 local function forget_waiter(id)
   redis.call('ZREM', waiters_key, id)
@@ -104,19 +137,25 @@ local function publish(kind, lease)
   redis.call('PUBLISH', channel, cjson.encode({kind = kind, ts = int(now), lease = lease}))
 end
 
--- Free a lease's memory, forget it and announce `kind`. Returns its fields (flat), or {}.
-local function drop_lease(id, kind)
-  local flat = redis.call('HGETALL', lease_key(id))
+-- Free a lease's memory, forget it and announce `kind`. `lease` = its fields as a table
+-- when the caller already read them. Returns true if the lease existed.
+local function drop_lease(id, kind, lease)
+  if not lease then
+    local flat = redis.call('HGETALL', lease_key(id))
+    if #flat > 0 then lease = to_table(flat) end
+  end
   redis.call('ZREM', expiry_key, id)
-  if #flat == 0 then return flat end
-  local lease = to_table(flat)
+  if not lease then return false end
   for _, part in ipairs(parse_alloc(lease.alloc)) do
     local key = gpu_key(lease.node, part[1])
-    if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'leased_mb', -part[2]) end
+    if redis.call('EXISTS', key) == 1 then
+      redis.call('HINCRBY', key, 'leased_mb', -part[2])
+      add_free(lease.node, part[1], part[2])
+    end
   end
   redis.call('DEL', lease_key(id))
   publish(kind, lease)
-  return flat
+  return true
 end
 
 local function reap(limit)
@@ -151,11 +190,12 @@ ACQUIRE_SCRIPT = (
 -- ARGV[6] idempotency record TTL (ms)         ARGV[7] scope node for the state report ('' = all)
 -- ARGV[8] new lease id   ARGV[9] holder   ARGV[10] node   ARGV[11] alloc ('' = only report state,
 --   '*' = best fit of ARGV[16] MB on one GPU in scope: the least free memory that fits, ties by
---   node then index, as `leases.best_fit`)
+--   node then index, as `leases.best_fit`, found in the `free` index)
 -- ARGV[12] lease TTL (ms)   ARGV[13] labels (JSON)
 -- ARGV[14] priority (0..999)   ARGV[15] waiter record TTL (ms; 0 = do not queue when not granted)
 -- ARGV[16] MB wanted (for '*')   ARGV[17] GPU indexes allowed for '*' (",0,2," style; '' = any)
--- returns {'granted', reaped, lease fields}  a new lease (published 'acquired')
+-- returns {'granted', reaped, node, alloc, created_ms, expires_ms, token}
+--                                    a new lease (published 'acquired'; the caller knows the rest)
 --         {'replayed', reaped, lease fields} the live lease this request already got
 --         {'gone', reaped, lease id}         this request's lease was released or expired
 --         {'mismatch', reaped, lease id}     the request id was used with other parameters
@@ -180,8 +220,19 @@ end
 local id = ARGV[8]
 local scope = ARGV[7]
 local queue_ttl = tonumber(ARGV[15])
-prune_waiters()
-local my_score = redis.call('ZSCORE', waiters_key, id)
+local my_score = nil
+local ahead = 0
+-- An empty queue has no lapsed records either (a waiter's entries come and go together).
+if redis.call('ZCARD', waiters_key) > 0 then
+  prune_waiters()
+  my_score = redis.call('ZSCORE', waiters_key, id)
+  local bound = my_score and ('(' .. my_score)
+    or string.format('%d', (999 - tonumber(ARGV[14])) * 1e12 + 1e12 - 1)
+  for _, other in ipairs(redis.call('ZRANGEBYSCORE', waiters_key, '-inf', bound)) do
+    local other_scope = redis.call('HGET', waiter_scope_key, other) or ''
+    if other ~= id and (scope == '' or other_scope == '' or other_scope == scope) then ahead = ahead + 1 end
+  end
+end
 local function enqueue()
   if queue_ttl <= 0 then return end
   if not my_score then
@@ -190,15 +241,6 @@ local function enqueue()
     redis.call('HSET', waiter_scope_key, id, scope)
   end
   redis.call('ZADD', waiter_expiry_key, now + queue_ttl, id)
-end
-local ahead = 0
-if redis.call('ZCARD', waiters_key) > 0 then
-  local bound = my_score and ('(' .. my_score)
-    or string.format('%d', (999 - tonumber(ARGV[14])) * 1e12 + 1e12 - 1)
-  for _, other in ipairs(redis.call('ZRANGEBYSCORE', waiters_key, '-inf', bound)) do
-    local other_scope = redis.call('HGET', waiter_scope_key, other) or ''
-    if other ~= id and (scope == '' or other_scope == '' or other_scope == scope) then ahead = ahead + 1 end
-  end
 end
 if ahead > 0 then
   enqueue()
@@ -211,53 +253,68 @@ if alloc_text == '' then
 end
 
 local node = ARGV[10]
+local need = {}
 if alloc_text == '*' then
   local want = tonumber(ARGV[16])
   local allowed = ARGV[17]
-  local rows = read_gpus(scope)
-  local best = nil
-  for _, r in ipairs(rows) do
-    local free = tonumber(r[3]) - tonumber(r[4]) - tonumber(r[5]) - tonumber(r[6])
-    if free >= want and (allowed == '' or string.find(allowed, ',' .. r[2] .. ',', 1, true)) then
-      if best == nil or free < best[1] or (free == best[1] and (r[1] < best[2]
-          or (r[1] == best[2] and tonumber(r[2]) < tonumber(best[3])))) then
-        best = {free, r[1], r[2]}
+  local pick = nil
+  if scope == '' then
+    local limit = allowed == '' and 1 or -1
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', free_key, want, '+inf', 'LIMIT', 0, limit)) do
+      local n, index = string.match(member, '^(.*) (%d+)$')
+      if allowed == '' or string.find(allowed, ',' .. tonumber(index) .. ',', 1, true) then
+        pick = {n, tonumber(index)}
+        break
+      end
+    end
+  else
+    local limit = allowed == '' and 1 or -1
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', node_free_key(scope), want, '+inf', 'LIMIT', 0, limit)) do
+      if allowed == '' or string.find(allowed, ',' .. tonumber(member) .. ',', 1, true) then
+        pick = {scope, tonumber(member)}
+        break
       end
     end
   end
-  if best == nil then
+  if pick == nil then
     enqueue()
-    return {'state', reaped, rows}
+    return {'state', reaped, read_gpus(scope)}
   end
-  node = best[2]
-  alloc_text = best[3] .. '=' .. int(want)
+  node = pick[1]
+  need[int(pick[2])] = want
+  alloc_text = int(pick[2]) .. '=' .. int(want)
+else
+  for _, part in ipairs(parse_alloc(alloc_text)) do need[part[1]] = (need[part[1]] or 0) + part[2] end
 end
-local alloc = parse_alloc(alloc_text)
-local need = {}
-for _, part in ipairs(alloc) do need[part[1]] = (need[part[1]] or 0) + part[2] end
+local free_after = {}
 for index, mb in pairs(need) do
-  local g = redis.call('HMGET', gpu_key(node, index), 'total_mb', 'reserve_mb', 'used_outside_mb', 'leased_mb')
-  local free = g[1] and (tonumber(g[1]) - tonumber(g[2]) - tonumber(g[3]) - tonumber(g[4] or '0')) or -1
+  local free = free_of(redis.call('HMGET', gpu_key(node, index),
+    'total_mb', 'reserve_mb', 'used_outside_mb', 'leased_mb')) or -1
   if mb > free then
     enqueue()
     return {'state', reaped, read_gpus(scope)}
   end
+  free_after[index] = free - mb
 end
-forget_waiter(id)
+if my_score then forget_waiter(id) end
 
-for index, mb in pairs(need) do redis.call('HINCRBY', gpu_key(node, index), 'leased_mb', mb) end
-local token = redis.call('INCR', fence_key)
-local expires = now + tonumber(ARGV[12])
-local fields = {'id', id, 'holder', ARGV[9], 'node', node, 'alloc', alloc_text, 'labels', ARGV[13],
-  'created_ms', int(now), 'expires_ms', int(expires), 'token', int(token)}
-redis.call('HSET', lease_key(id), unpack(fields))
+for index, mb in pairs(need) do
+  redis.call('HINCRBY', gpu_key(node, index), 'leased_mb', mb)
+  index_free(node, index, free_after[index])
+end
+local token = int(redis.call('INCR', fence_key))
+local created = int(now)
+local expires = int(now + tonumber(ARGV[12]))
+redis.call('HSET', lease_key(id), 'id', id, 'holder', ARGV[9], 'node', node, 'alloc', alloc_text,
+  'labels', ARGV[13], 'created_ms', created, 'expires_ms', expires, 'token', token)
 redis.call('ZADD', expiry_key, expires, id)
 if request_key ~= '' then
   redis.call('HSET', request_key, 'lease', id, 'fingerprint', ARGV[5])
   redis.call('PEXPIRE', request_key, ARGV[6])
 end
-publish('acquired', to_table(fields))
-return {'granted', reaped, fields}
+publish('acquired', {id = id, holder = ARGV[9], node = node, alloc = alloc_text, labels = ARGV[13],
+  created_ms = created, expires_ms = expires, token = token})
+return {'granted', reaped, node, alloc_text, created, expires, token}
 """
 )
 
@@ -278,7 +335,7 @@ local flat = redis.call('HGETALL', lease_key(id))
 if #flat == 0 then return {'gone'} end
 local lease = to_table(flat)
 if tonumber(lease.expires_ms) <= now then
-  drop_lease(id, 'expired')
+  drop_lease(id, 'expired', lease)
   return {'expired', lease.expires_ms}
 end
 if lease.token ~= ARGV[5] then return {'stale', lease.token} end
@@ -287,7 +344,10 @@ lease.expires_ms = int(expires)
 redis.call('HSET', lease_key(id), 'expires_ms', lease.expires_ms)
 redis.call('ZADD', expiry_key, expires, id)
 publish('renewed', lease)
-return {'renewed', redis.call('HGETALL', lease_key(id))}
+for i = 1, #flat, 2 do
+  if flat[i] == 'expires_ms' then flat[i + 1] = lease.expires_ms end
+end
+return {'renewed', flat}
 """
 )
 
@@ -296,7 +356,7 @@ RELEASE_SCRIPT = (
 -- RELEASE: free a live lease whose fencing token matches.
 -- KEYS, ARGV[1..3]: see module docstring.
 -- ARGV[4] lease id   ARGV[5] fencing token
--- returns {'released', lease fields} (published 'released')
+-- returns {'released'}              (published 'released')
 --         {'expired'}               it had expired: reaped now (published 'expired')
 --         {'stale', current token}  the token does not match: nothing changed
 --         {'gone'}                  no such lease
@@ -308,11 +368,12 @@ local flat = redis.call('HGETALL', lease_key(id))
 if #flat == 0 then return {'gone'} end
 local lease = to_table(flat)
 if tonumber(lease.expires_ms) <= now then
-  drop_lease(id, 'expired')
+  drop_lease(id, 'expired', lease)
   return {'expired'}
 end
 if lease.token ~= ARGV[5] then return {'stale', lease.token} end
-return {'released', drop_lease(id, 'released')}
+drop_lease(id, 'released', lease)
+return {'released'}
 """
 )
 
@@ -332,7 +393,7 @@ return reap(tonumber(ARGV[4]))
 REGISTER_SCRIPT = (
     """
 -- REGISTER: set a node's GPUs (total, reserve, used outside leases, name, uuid), keeping
--- each GPU's leased_mb, so live leases survive re-registration.
+-- each GPU's leased_mb, so live leases survive re-registration; rebuilds their `free` index.
 -- KEYS, ARGV[1..3]: see module docstring.
 -- ARGV[4] node   ARGV[5] JSON list of {index, total_mb, reserve_mb, used_outside_mb, name, uuid}
 -- returns {'ok', gpu rows of the node}
@@ -356,6 +417,7 @@ for _, index in ipairs(existing) do
   if not keep[index] then
     redis.call('DEL', gpu_key(node, index))
     redis.call('SREM', node_key(node), index)
+    unindex(node, index)
   end
 end
 for _, g in ipairs(gpus) do
@@ -364,6 +426,8 @@ for _, g in ipairs(gpus) do
     'used_outside_mb', int(g.used_outside_mb), 'name', g.name, 'uuid', g.uuid)
   redis.call('HSETNX', key, 'leased_mb', '0')
   redis.call('SADD', node_key(node), int(g.index))
+  index_free(node, g.index, g.total_mb - g.reserve_mb - g.used_outside_mb
+    - tonumber(redis.call('HGET', key, 'leased_mb')))
 end
 if #gpus > 0 then redis.call('SADD', nodes_key, node) else redis.call('SREM', nodes_key, node) end
 return {'ok', read_gpus(node)}
@@ -431,8 +495,11 @@ SET_OUTSIDE_SCRIPT = (
 local updated = 0
 for _, part in ipairs(parse_alloc(ARGV[5])) do
   local key = gpu_key(ARGV[4], part[1])
-  if redis.call('EXISTS', key) == 1 then
+  local g = redis.call('HMGET', key, 'total_mb', 'reserve_mb', 'used_outside_mb', 'leased_mb')
+  if g[1] then
     redis.call('HSET', key, 'used_outside_mb', int(part[2]))
+    g[3] = part[2]
+    index_free(ARGV[4], part[1], free_of(g))
     updated = updated + 1
   end
 end

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
+from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError
 from loadmaster.gpu_broker.events import LeaseEventHub
 from loadmaster.gpu_broker.leases import (
     AcquireRequest,
@@ -20,6 +23,11 @@ from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
 
 __all__ = ["GpuBrokerServicer", "acquire_from_proto", "event_to_proto", "gpu_to_proto", "lease_to_proto"]
+
+log = logging.getLogger(__name__)
+
+# Unanswered ops per Leases stream; past this the broker stops reading the stream.
+MAX_STREAM_OPS = 64
 
 _KINDS = {
     LeaseEventKind.ACQUIRED: pb.LeaseEvent.KIND_ACQUIRED,
@@ -106,18 +114,75 @@ class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
     async def Acquire(  # noqa: N802
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
+        return await self._acquire(request)
+
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:  # noqa: N802
+        return await self._renew(request)
+
+    async def Release(  # noqa: N802
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        return await self._release(request)
+
+    async def Leases(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.LeaseOp], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LeaseOpResult]:
+        """Each op runs as its own task; results go out as they finish. A slot is freed only
+        once its result is handed to gRPC, so a client that stops reading stops being read."""
+        slots = asyncio.Semaphore(MAX_STREAM_OPS)
+        results: asyncio.Queue[pb.LeaseOpResult | None] = asyncio.Queue()
+        reader = asyncio.create_task(self._run_ops(request_iterator, slots, results))
+        try:
+            while (result := await results.get()) is not None:
+                yield result
+                slots.release()
+            await reader  # the request stream's own failure, if any
+        finally:
+            reader.cancel()
+
+    async def _run_ops(
+        self,
+        ops: AsyncIterator[pb.LeaseOp],
+        slots: asyncio.Semaphore,
+        results: asyncio.Queue[pb.LeaseOpResult | None],
+    ) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                async for op in ops:
+                    await slots.acquire()
+                    group.create_task(self._answer(op, results))
+        finally:
+            results.put_nowait(None)  # after every started op has put its result
+
+    async def _answer(self, op: pb.LeaseOp, results: asyncio.Queue[pb.LeaseOpResult | None]) -> None:
+        try:
+            kind = op.WhichOneof("op")
+            if kind == "acquire":
+                result = pb.LeaseOpResult(op_id=op.op_id, acquire=await self._acquire(op.acquire))
+            elif kind == "renew":
+                result = pb.LeaseOpResult(op_id=op.op_id, renew=await self._renew(op.renew))
+            elif kind == "release":
+                result = pb.LeaseOpResult(op_id=op.op_id, release=await self._release(op.release))
+            else:
+                raise InvalidArgumentError(f"op {op.op_id} names no operation")
+        except LoadmasterError as error:
+            result = _op_error(op.op_id, error)
+        except Exception:  # as the error interceptor does for a unary call
+            log.exception("unhandled error in Leases op %s", op.WhichOneof("op"))
+            result = _op_error(op.op_id, InternalError(f"op {op.op_id}: internal error"))
+        results.put_nowait(result)
+
+    async def _acquire(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
         lease = await self._manager.acquire(acquire_from_proto(request))
         return pb.AcquireResponse(lease=lease_to_proto(lease))
 
-    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:  # noqa: N802
+    async def _renew(self, request: pb.RenewRequest) -> pb.RenewResponse:
         lease = await self._manager.renew(
             request.lease_id, fencing_token=request.fencing_token, ttl_s=request.ttl_s
         )
         return pb.RenewResponse(lease=lease_to_proto(lease))
 
-    async def Release(  # noqa: N802
-        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReleaseResponse:
+    async def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         released = await self._manager.release(request.lease_id, fencing_token=request.fencing_token)
         return pb.ReleaseResponse(released=released)
 
@@ -145,3 +210,7 @@ class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
                 yield event_to_proto(event)
         finally:
             watcher.close()
+
+
+def _op_error(op_id: int, error: LoadmasterError) -> pb.LeaseOpResult:
+    return pb.LeaseOpResult(op_id=op_id, error=pb.LeaseOpError(code=error.code, message=error.message))
