@@ -236,6 +236,9 @@ class LeaseManager:
     async def waiting(self) -> int:
         return await self._store.waiting()
 
+    async def next_expiry_ms(self) -> int | None:
+        return await self._store.next_expiry_ms()
+
     async def set_outside(self, node: str, outside_mb: dict[int, int]) -> int:
         return await self._store.set_outside(node, outside_mb, now_ms=self.now_ms())
 

@@ -2,6 +2,13 @@
 memory used outside leases from NVML (when this host has GPUs), reap expired leases, and
 report per-GPU gauges and the number of waiting acquires. Every replica runs one; the reap script makes
 concurrent reaping safe. A step that fails is logged and the loop goes on.
+
+On a host with GPUs a step runs every `interval_s` (NVML is sampled each step). Without
+them it runs when the first lease expires, and at least every `idle_interval_s`: an idle
+broker wakes a few times a minute instead of every second. A lease granted meanwhile by
+another replica with an earlier expiry is reaped at this replica's next step; its memory is
+reclaimed before that anyway, lazily, by the next Acquire. Gauges are reported when they
+change.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ __all__ = ["LocalGpus", "Reaper"]
 
 log = logging.getLogger(__name__)
 
+_AFTER_EXPIRY_S = 0.01
+_MIN_DELAY_S = 0.05  # a lease that stays expired (Redis trouble) is not retried in a busy loop
+
 
 @dataclass(frozen=True, slots=True)
 class LocalGpus:
@@ -47,6 +57,7 @@ class Reaper:
         inventory: Mapping[str, Sequence[GpuState]],
         telemetry: TelemetryReporter | None = None,
         interval_s: float = 1.0,
+        idle_interval_s: float = 5.0,
         slow_step_s: float = 0.5,
         rng: random.Random | None = None,
         local_gpus: LocalGpus | None = None,
@@ -57,7 +68,9 @@ class Reaper:
         self._unregistered = dict(inventory)
         self._telemetry = telemetry
         self._interval_s = interval_s
+        self._idle_interval_s = idle_interval_s
         self._slow_step_s = slow_step_s
+        self._reported: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._rng = rng or random.Random()
         self._task: asyncio.Task[None] | None = None
 
@@ -87,11 +100,34 @@ class Reaper:
         if self._telemetry is not None:
             for gpu in await self._manager.inventory():
                 labels = {"node": gpu.node, "gpu": str(gpu.index)}
-                self._telemetry.record("lease_mb", gpu.leased_mb, labels)
-                self._telemetry.record("free_mb", gpu.free_mb, labels)
-                self._telemetry.record("outside_mb", gpu.used_outside_mb, labels)
-            self._telemetry.record("waiters", await self._manager.waiting())
+                self._gauge("lease_mb", gpu.leased_mb, labels)
+                self._gauge("free_mb", gpu.free_mb, labels)
+                self._gauge("outside_mb", gpu.used_outside_mb, labels)
+            self._gauge("waiters", await self._manager.waiting(), {})
         return reaped
+
+    def _gauge(self, name: str, value: float, labels: dict[str, str]) -> None:
+        """Record a gauge when its value changed since this reaper last recorded it."""
+        assert self._telemetry is not None
+        key = (name, tuple(sorted(labels.items())))
+        if self._reported.get(key) != value:
+            self._reported[key] = value
+            self._telemetry.record(name, value, labels or None)
+
+    async def _next_delay(self) -> float:
+        jitter = self._rng.uniform(0.8, 1.2)
+        if self._local_gpus is not None or self._unregistered:
+            return self._interval_s * jitter
+        delay = self._idle_interval_s * jitter
+        try:
+            first_ms = await self._manager.next_expiry_ms()
+        except Exception as error:  # the step after it reports the trouble; the loop goes on
+            log.debug("next lease expiry unknown: %s", error)
+            return self._interval_s * jitter
+        if first_ms is not None:  # just after it expires (reap frees a lease once expires_at < now)
+            until_s = (first_ms - self._manager.now_ms()) / 1000.0 + _AFTER_EXPIRY_S
+            delay = min(delay, max(_MIN_DELAY_S, until_s))
+        return delay
 
     async def _reconcile(self, local: LocalGpus) -> None:
         samples = await asyncio.to_thread(local.sampler.sample)
@@ -121,5 +157,5 @@ class Reaper:
 
     async def _run(self) -> None:
         while True:
-            await self._clock.sleep(self._interval_s * self._rng.uniform(0.8, 1.2))
+            await self._clock.sleep(await self._next_delay())
             await self._guarded_step()

@@ -363,6 +363,15 @@ class RedisLeaseStore:
         """Forget waiting request `waiter` (idempotent); returns how many requests still wait."""
         return int(await self._call(self._leave_queue, now_ms, waiter))
 
+    async def next_expiry_ms(self) -> int | None:
+        """When the lease that expires first expires (broker clock, ms); None without leases."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                first = await self._redis.zrange(f"{self._prefix}:expiry", 0, 0, withscores=True)
+        except _REDIS_DOWN as error:
+            raise UnavailableError(f"Redis unreachable: {error or 'no reply in time'}") from error
+        return int(first[0][1]) if first else None
+
     async def waiting(self) -> int:
         """How many requests wait for memory (records not yet pruned included)."""
         try:

@@ -1,0 +1,66 @@
+"""When the reaper runs on real Redis: at the first lease expiry, at least every
+`idle_interval_s` on a host without GPUs, every `interval_s` with them; gauges only on change."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Mapping
+
+import pytest
+
+from loadmaster.common.clock import FakeClock
+from loadmaster.gpu_broker.leases import AcquireRequest, GpuState, PlacementRequest
+from loadmaster.gpu_broker.manager import LeaseManager
+from loadmaster.gpu_broker.reaper import LocalGpus, Reaper
+from loadmaster.gpu_broker.store import RedisLeaseStore
+
+GPUS = {"n": [GpuState(node="n", index=0, total_mb=1_000, reserve_mb=0)]}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.samples: list[tuple[str, float]] = []
+
+    def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
+        self.samples.append((name, value))
+
+
+@pytest.fixture
+async def manager(redis_url: str) -> AsyncIterator[LeaseManager]:
+    store = RedisLeaseStore.connect(redis_url, key_prefix=f"sched-{uuid.uuid4().hex[:12]}")
+    yield LeaseManager(store, clock=FakeClock(), default_ttl_s=30, default_reserve_mb=0)
+    await store.close()
+
+
+def reaper(manager: LeaseManager, **options: object) -> Reaper:
+    clock = manager._clock  # type: ignore[attr-defined]
+    return Reaper(manager, clock=clock, inventory=GPUS, interval_s=1.0, idle_interval_s=5.0, **options)  # type: ignore[arg-type]
+
+
+async def test_an_idle_broker_steps_every_few_seconds_and_at_the_first_expiry(manager: LeaseManager) -> None:
+    r = reaper(manager)
+    await r.step()  # registers the node
+    assert 4.0 <= await r._next_delay() <= 6.0  # no lease: idle interval (with jitter)
+    await manager.acquire(AcquireRequest("r1", "w", PlacementRequest(mb=100), ttl_s=2))
+    assert await r._next_delay() == pytest.approx(2.01, abs=0.001)  # right after it expires
+    manager._clock.advance(2.5)  # type: ignore[attr-defined]
+    assert await r._next_delay() == pytest.approx(0.05)  # expired, not reaped yet: soon, not in a loop
+    assert await r.step() == 1
+
+
+async def test_a_host_with_gpus_steps_every_interval(manager: LeaseManager) -> None:
+    r = reaper(manager, local_gpus=LocalGpus("n", sampler=None, reserve_mb=0))  # type: ignore[arg-type]
+    assert 0.8 <= await r._next_delay() <= 1.2
+
+
+async def test_gauges_are_recorded_when_they_change(manager: LeaseManager) -> None:
+    telemetry = Recorder()
+    r = reaper(manager, telemetry=telemetry)
+    await r.step()
+    assert ("free_mb", 1_000) in telemetry.samples and ("waiters", 0) in telemetry.samples
+    telemetry.samples.clear()
+    await r.step()
+    assert telemetry.samples == []  # nothing changed
+    await manager.acquire(AcquireRequest("r1", "w", PlacementRequest(mb=100)))
+    await r.step()
+    assert sorted(telemetry.samples) == [("free_mb", 900), ("lease_mb", 100)]
