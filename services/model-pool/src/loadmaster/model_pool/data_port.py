@@ -20,7 +20,8 @@ from the loop is safe.
 
 Receiving is `loadmaster.common.framing.SocketReader` (shared with the gateway): ZMQ's
 descriptor is edge-triggered and a send may consume the signal of a message that arrived
-meanwhile, so after each reply the port tells the reader, which looks at the socket again.
+meanwhile, so after each reply the port tells the reader, which looks at the socket again
+(once per loop turn, however many replies went out in it).
 """
 
 from __future__ import annotations
