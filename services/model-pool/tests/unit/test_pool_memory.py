@@ -136,11 +136,8 @@ async def test_a_load_waits_for_a_busy_model_then_evicts_it(repo: Path, leases: 
     await pool.close()
 
 
-async def test_a_load_waits_for_a_model_still_loading_then_evicts_it(repo: Path, leases: Any) -> None:
-    # The race CI once hit: slow_load holds its lease but is not READY yet when c needs room.
-    # c must wait for it to settle (and then evict it), not fail with "only a (pinned)".
-    leases.capacity_mb = 1000
-    pool = make(repo, leases, wait_s=10.0)
+async def pinned_a_and_slow_load_mid_load(pool: ModelPool) -> asyncio.Task[Any]:
+    """`a` READY and pinned; `slow_load` holding its lease, still LOADING (its load task)."""
     await pool.load("a")
     pool.pin("a")
     loading = asyncio.create_task(pool.load("slow_load"))
@@ -149,6 +146,15 @@ async def test_a_load_waits_for_a_model_still_loading_then_evicts_it(repo: Path,
             break
         await asyncio.sleep(0.01)
     assert pool.status("slow_load").state is ModelState.LOADING
+    return loading
+
+
+async def test_a_load_waits_for_a_model_still_loading_then_evicts_it(repo: Path, leases: Any) -> None:
+    # The race CI once hit: slow_load holds its lease but is not READY yet when c needs room.
+    # c must wait for it to settle (and then evict it), not fail with "only a (pinned)".
+    leases.capacity_mb = 1000
+    pool = make(repo, leases, wait_s=10.0)
+    loading = await pinned_a_and_slow_load_mid_load(pool)
     await pool.load("c")
     await loading
     states = {s.model_id: s.state for s in pool.statuses()}
@@ -164,13 +170,7 @@ async def test_a_load_waits_for_a_model_still_loading_then_evicts_it(repo: Path,
 async def test_a_load_with_no_wait_fails_at_once_naming_the_loading_model(repo: Path, leases: Any) -> None:
     leases.capacity_mb = 1000
     pool = make(repo, leases, wait_s=0.0)
-    await pool.load("a")
-    pool.pin("a")
-    loading = asyncio.create_task(pool.load("slow_load"))
-    for _ in range(100):
-        if pool.status("slow_load").lease_id:
-            break
-        await asyncio.sleep(0.01)
+    loading = await pinned_a_and_slow_load_mid_load(pool)
     with pytest.raises(ResourceExhaustedError, match=r"a \(pinned\), slow_load \(loading\)"):
         await pool.load("c")
     await loading

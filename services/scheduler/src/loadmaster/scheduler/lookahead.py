@@ -63,6 +63,15 @@ class _Estimates:
             self.overhead_s = _ewma(self.overhead_s, max(0.0, cycle_s - inference_s))
 
     @property
+    def one_way_s(self) -> float:
+        """The send (or reply) path: half of grant-to-Complete minus inference; 0 unmeasured."""
+        return self.overhead_s / 2 if self.overhead_s is not None else 0.0
+
+    @property
+    def inference_or_0_s(self) -> float:
+        return self.inference_s if self.inference_s is not None else 0.0
+
+    @property
     def predictable(self) -> bool:
         return (
             self.inference_s is not None
@@ -108,10 +117,8 @@ class Lookahead:
         slot.max_inflight = max_inflight
         self._where[key] = (worker_id, model_id)
         if len(slot.running) < max_inflight:
-            estimates = self._estimates.get(model_id)
-            send_s = estimates.overhead_s / 2 if estimates and estimates.overhead_s is not None else 0.0
-            inference_s = estimates.inference_s if estimates and estimates.inference_s is not None else 0.0
-            slot.running[key] = now + send_s + inference_s
+            estimates = self._estimates.get(model_id) or _Estimates()
+            slot.running[key] = now + estimates.one_way_s + estimates.inference_or_0_s
             slot.granted_at[key] = now
         elif front:
             slot.staged.insert(0, key)
@@ -134,8 +141,7 @@ class Lookahead:
         if slot.running.pop(key, None) is None and key in slot.staged:
             slot.staged.remove(key)  # failed before it ran (expired, refused at the door)
             slot.staged_keys.pop(key, None)
-        reply_s = estimates.overhead_s / 2 if estimates.overhead_s is not None else 0.0
-        inference_s = estimates.inference_s if estimates.inference_s is not None else 0.0
+        reply_s, inference_s = estimates.one_way_s, estimates.inference_or_0_s
         while slot.staged and len(slot.running) < slot.max_inflight:
             # it started when the finished one ended, a reply path before this Complete
             started = slot.staged.pop(0)
@@ -177,7 +183,7 @@ class Lookahead:
         """How long after `now` a request granted to this slot now would start, as predicted:
         the send time, or (a staged request) until the first running request ends."""
         estimates = self._estimates.get(model_id)
-        send_s = estimates.overhead_s / 2 if estimates and estimates.overhead_s is not None else 0.0
+        send_s = estimates.one_way_s if estimates is not None else 0.0
         slot = self._slots.get((worker_id, model_id))
         if slot is None or len(slot.running) < slot.max_inflight or not slot.running:
             return send_s
@@ -244,8 +250,7 @@ class Lookahead:
         estimates = self._estimates.get(model_id)
         if estimates is None or not estimates.predictable:
             return None  # nothing measured yet, or too variable to predict
-        assert estimates.overhead_s is not None
-        lead = estimates.overhead_s / 2 + self._margin_s
+        lead = estimates.one_way_s + self._margin_s
         end = min(slot.running.values())
         return end - lead, end + lead
 
