@@ -1,5 +1,5 @@
 """When the reaper runs on real Redis: at the first lease expiry, at least every
-`idle_interval_s` on a host without GPUs, every `interval_s` with them; gauges only on change."""
+`idle_interval_s` on a host without GPUs, every `interval_s` with them; gauges every step."""
 
 from __future__ import annotations
 
@@ -53,14 +53,19 @@ async def test_a_host_with_gpus_steps_every_interval(manager: LeaseManager) -> N
     assert 0.8 <= await r._next_delay() <= 1.2
 
 
-async def test_gauges_are_recorded_when_they_change(manager: LeaseManager) -> None:
+async def test_gauges_are_recorded_every_step(manager: LeaseManager) -> None:
+    # Every step, not only on change: a reading the reporter could not deliver (the metrics
+    # service not up yet) is sent again at the next step.
     telemetry = Recorder()
     r = reaper(manager, telemetry=telemetry)
     await r.step()
     assert ("free_mb", 1_000) in telemetry.samples and ("waiters", 0) in telemetry.samples
     telemetry.samples.clear()
-    await r.step()
-    assert telemetry.samples == []  # nothing changed
     await manager.acquire(AcquireRequest("r1", "w", PlacementRequest(mb=100)))
     await r.step()
-    assert sorted(telemetry.samples) == [("free_mb", 900), ("lease_mb", 100)]
+    assert sorted(telemetry.samples) == [
+        ("free_mb", 900),
+        ("lease_mb", 100),
+        ("outside_mb", 0),
+        ("waiters", 0),
+    ]

@@ -7,8 +7,9 @@ On a host with GPUs a step runs every `interval_s` (NVML is sampled each step). 
 them it runs when the first lease expires, and at least every `idle_interval_s`: an idle
 broker wakes a few times a minute instead of every second. A lease granted meanwhile by
 another replica with an earlier expiry is reaped at this replica's next step; its memory is
-reclaimed before that anyway, lazily, by the next Acquire. Gauges are reported when they
-change.
+reclaimed before that anyway, lazily, by the next Acquire. Gauges are reported every step,
+not only when they change: the telemetry reporter drops what it cannot deliver (the metrics
+service may start after the broker), and a dashboard needs a recent reading.
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ class Reaper:
         self._interval_s = interval_s
         self._idle_interval_s = idle_interval_s
         self._slow_step_s = slow_step_s
-        self._reported: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._rng = rng or random.Random()
         self._task: asyncio.Task[None] | None = None
 
@@ -100,19 +100,11 @@ class Reaper:
         if self._telemetry is not None:
             for gpu in await self._manager.inventory():
                 labels = {"node": gpu.node, "gpu": str(gpu.index)}
-                self._gauge("lease_mb", gpu.leased_mb, labels)
-                self._gauge("free_mb", gpu.free_mb, labels)
-                self._gauge("outside_mb", gpu.used_outside_mb, labels)
-            self._gauge("waiters", await self._manager.waiting(), {})
+                self._telemetry.record("lease_mb", gpu.leased_mb, labels)
+                self._telemetry.record("free_mb", gpu.free_mb, labels)
+                self._telemetry.record("outside_mb", gpu.used_outside_mb, labels)
+            self._telemetry.record("waiters", await self._manager.waiting())
         return reaped
-
-    def _gauge(self, name: str, value: float, labels: dict[str, str]) -> None:
-        """Record a gauge when its value changed since this reaper last recorded it."""
-        assert self._telemetry is not None
-        key = (name, tuple(sorted(labels.items())))
-        if self._reported.get(key) != value:
-            self._reported[key] = value
-            self._telemetry.record(name, value, labels or None)
 
     async def _next_delay(self) -> float:
         jitter = self._rng.uniform(0.8, 1.2)
