@@ -96,7 +96,8 @@ class _Slot:
 class Lookahead:
     def __init__(self, *, margin_s: float = 0.0005) -> None:
         self._margin_s = margin_s
-        self._slots: dict[tuple[str, str], _Slot] = {}  # (worker, model)
+        # model -> worker -> slot: dispatch asks per model, so it never walks other models' slots
+        self._slots: dict[str, dict[str, _Slot]] = {}
         self._estimates: dict[str, _Estimates] = {}
         self._where: dict[RequestKey, tuple[str, str]] = {}
 
@@ -111,9 +112,10 @@ class Lookahead:
         sort_key: SortKey = (),
         front: bool = False,
     ) -> None:
-        slot = self._slots.get((worker_id, model_id))
+        slots = self._slots.setdefault(model_id, {})
+        slot = slots.get(worker_id)
         if slot is None:
-            slot = self._slots[(worker_id, model_id)] = _Slot(max_inflight)
+            slot = slots[worker_id] = _Slot(max_inflight)
         slot.max_inflight = max_inflight
         self._where[key] = (worker_id, model_id)
         if len(slot.running) < max_inflight:
@@ -133,7 +135,7 @@ class Lookahead:
         where = self._where.pop(key, None)
         if where is None:
             return None
-        slot = self._slots[where]
+        slot = self._slots[where[1]][where[0]]
         granted_at = slot.granted_at.pop(key, None)
         estimates = self._estimates.setdefault(where[1], _Estimates())
         if inference_ms > 0.0:
@@ -149,27 +151,37 @@ class Lookahead:
             slot.running[started] = now - reply_s + inference_s
         was_open, slot.open = slot.open, False
         slot.front_used = False
-        if not slot.running and not slot.staged:
-            del self._slots[where]
+        self._drop_if_idle(*where)
         return where if was_open else None
 
     def forget(self, key: RequestKey) -> None:
         """A granted request that will never Complete here (its session or worker is gone)."""
         where = self._where.pop(key, None)
-        slot = self._slots.get(where) if where is not None else None
-        if slot is None:
+        if where is None:
             return
+        slot = self._slots[where[1]][where[0]]
         slot.running.pop(key, None)
         slot.granted_at.pop(key, None)
         slot.staged_keys.pop(key, None)
         if key in slot.staged:
             slot.staged.remove(key)
+        self._drop_if_idle(*where)
 
     def forget_worker(self, worker_id: str) -> None:
-        for where in [w for w in self._slots if w[0] == worker_id]:
-            slot = self._slots.pop(where)
-            for key in (*slot.running, *slot.staged):
-                self._where.pop(key, None)
+        for model_id in list(self._slots):
+            slot = self._slots[model_id].pop(worker_id, None)
+            if slot is not None:
+                for key in (*slot.running, *slot.staged):
+                    self._where.pop(key, None)
+                self._drop_if_idle(worker_id, model_id)
+
+    def _drop_if_idle(self, worker_id: str, model_id: str) -> None:
+        slots = self._slots[model_id]
+        slot = slots.get(worker_id)
+        if slot is not None and not slot.running and not slot.staged:
+            del slots[worker_id]
+        if not slots:
+            del self._slots[model_id]
 
     @property
     def active(self) -> bool:
@@ -177,14 +189,14 @@ class Lookahead:
         return bool(self._slots)
 
     def open_models(self, worker_id: str) -> list[str]:
-        return [model_id for (w, model_id), slot in self._slots.items() if w == worker_id and slot.open]
+        return [m for m, slots in self._slots.items() if (slot := slots.get(worker_id)) and slot.open]
 
     def start_delay(self, worker_id: str, model_id: str, now: float) -> float:
         """How long after `now` a request granted to this slot now would start, as predicted:
         the send time, or (a staged request) until the first running request ends."""
         estimates = self._estimates.get(model_id)
         send_s = estimates.one_way_s if estimates is not None else 0.0
-        slot = self._slots.get((worker_id, model_id))
+        slot = self._slots.get(model_id, {}).get(worker_id)
         if slot is None or len(slot.running) < slot.max_inflight or not slot.running:
             return send_s
         return max(send_s, min(slot.running.values()) - now)
@@ -196,10 +208,9 @@ class Lookahead:
         estimates = self._estimates.get(model_id)
         if estimates is None or not estimates.predictable:
             return None
-        for (worker_id, m), slot in self._slots.items():
+        for worker_id, slot in self._slots.get(model_id, {}).items():
             if (
-                m == model_id
-                and slot.staged
+                slot.staged
                 and not slot.front_used
                 and slot.running
                 and min(slot.running.values()) > now
@@ -209,7 +220,7 @@ class Lookahead:
         return None
 
     def is_open(self, worker_id: str, model_id: str) -> bool:
-        slot = self._slots.get((worker_id, model_id))
+        slot = self._slots.get(model_id, {}).get(worker_id)
         return slot is not None and slot.open
 
     def next_open(self, models: Iterable[str], now: float) -> float | None:
@@ -217,10 +228,11 @@ class Lookahead:
         with waiters: a window nobody would use is not worth a wake-up). A window whose
         prediction has passed waits for the slot's Complete; an open one closes by time at
         the next dispatch (`update`), no wake-up needed."""
-        wanted = set(models)
         wake: float | None = None
-        for (_, model_id), slot in self._slots.items():
-            if model_id in wanted and not slot.open:
+        for model_id in models:
+            for slot in self._slots.get(model_id, {}).values():
+                if slot.open:
+                    continue
                 window = self._window(model_id, slot)
                 if window is not None and window[1] >= now and (wake is None or window[0] < wake):
                     wake = window[0]
@@ -231,9 +243,7 @@ class Lookahead:
         has passed; returns (workers opened, workers closed)."""
         opened: list[str] = []
         closed: list[str] = []
-        for (worker_id, m), slot in self._slots.items():
-            if m != model_id:
-                continue
+        for worker_id, slot in self._slots.get(model_id, {}).items():
             window = self._window(model_id, slot)
             due = window is not None and window[0] <= now <= window[1]
             if due and not slot.open:
