@@ -171,8 +171,10 @@ def summarize(results: dict[int, list[tuple[float, float | None, str]]], seconds
     }
 
 
-def _config(tmp: Path, lookahead: int) -> Path:
+def _config(tmp: Path, lookahead: int, margin_ms: float | None) -> Path:
     data = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    if margin_ms is not None:
+        data.setdefault("scheduler", {})["lookahead_margin_ms"] = margin_ms
     data["models"]["repository"] = str((EXAMPLE_CONFIG.parent / data["models"]["repository"]).resolve())
     data["models"]["known"]["sleep"] = {"max_inflight": 1, "vram_mb": 16, "lookahead": lookahead}
     data["model_pool"]["preload"] = ["sleep", "double"]
@@ -230,12 +232,15 @@ def main() -> None:
     parser.add_argument(
         "--lookahead", type=int, default=1, help="the sleep model's scheduler lookahead (0 = off)"
     )
+    parser.add_argument(
+        "--margin-ms", type=float, default=None, help="scheduler.lookahead_margin_ms (default: the config's)"
+    )
     args = parser.parse_args()
     runs: dict[str, Any] = {}
     from loadmaster.cli.launcher import Suite, free_port_overrides
 
     with tempfile.TemporaryDirectory(prefix="loadmaster-overload-") as tmp:
-        config = _config(Path(tmp), args.lookahead)
+        config = _config(Path(tmp), args.lookahead, args.margin_ms)
         suite = Suite(config, overrides=free_port_overrides(), log_dir=Path(tmp))
         print("starting the suite…", flush=True)
         suite.start(timeout_s=120)

@@ -114,9 +114,8 @@ class Dispatching:
             return
         opened, closed = self._lookahead.update(model_id, now)
         if opened:
-            depth = self._config.policy(model_id).lookahead
             for worker_id in opened:
-                self._set_ahead(worker_id, model_id, depth)
+                self._set_ahead(worker_id, model_id, self._window_depth(worker_id, model_id))
         for worker_id in closed:
             self._set_ahead(worker_id, model_id, 0)
 
@@ -130,13 +129,13 @@ class Dispatching:
         if candidate is not None:
             candidate.ahead = ahead
 
-    def _too_late(self, request: Request, worker_id: str, now: float) -> bool:
+    def _too_late(self, request: Request, worker_id: str, now: float, *, front: bool = False) -> bool:
         """With lookahead on, a head that would reach its worker (or, staged, its turn) only
         after its deadline is answered `expired` now, so it does not take the slot to be
         refused there: under overload, the slot would sit idle for a dispatch round trip."""
         if not self._lookahead.active or not self._config.policy(request.model_id).lookahead:
             return False
-        if request.deadline > now + self._lookahead.start_delay(worker_id, request.model_id, now):
+        if not self._lookahead.too_late(worker_id, request.model_id, request.deadline, now, front=front):
             return False
         self._queues.remove(request.key)
         self._expire(request)
@@ -145,7 +144,12 @@ class Dispatching:
     def _reopen_windows(self, worker_id: str) -> None:
         """A report rebuilt the worker's candidates: give the open windows back to them."""
         for model_id in self._lookahead.open_models(worker_id):
-            self._set_ahead(worker_id, model_id, self._config.policy(model_id).lookahead)
+            self._set_ahead(worker_id, model_id, self._window_depth(worker_id, model_id))
+
+    def _window_depth(self, worker_id: str, model_id: str) -> int:
+        """Grants an open window takes: the model's lookahead, plus one per staged request
+        that will be refused rather than run (Lookahead.doomed)."""
+        return self._config.policy(model_id).lookahead + self._lookahead.doomed(worker_id, model_id)
 
     def _dispatch_model(self, model_id: str, now: float) -> None:
         max_inflight = self._config.max_inflight(model_id)
@@ -163,7 +167,7 @@ class Dispatching:
                 if worker_id is None:
                     break
                 front = True
-            if self._too_late(entry[1], worker_id, now):
+            if self._too_late(entry[1], worker_id, now, front=front):
                 continue
             self._grant_head(entry, worker_id, now, front=front)
 
@@ -231,6 +235,7 @@ class Dispatching:
                 now,
                 max_inflight=self._config.max_inflight(model_id),
                 sort_key=key,
+                deadline=request.deadline,
                 front=front,
             )
         tracked.worker_id = worker_id

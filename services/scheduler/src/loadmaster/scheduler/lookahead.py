@@ -13,9 +13,11 @@ each the moment the one before it ends.
                   = Complete time - reply time      a staged request, once the one before ends
     send time = reply time = EWMA(grant-to-Complete - inference_ms) / 2, from requests that
                              started on arrival
-    window opens  = earliest predicted end of the running requests - send time - margin
+    jitter    = EWMA deviation of inference_ms + that of the send and reply paths (RTTVAR)
+    window opens  = earliest predicted end of the running requests - lead,
+                    lead = send time + margin + 2 x jitter
     and closes    = at the slot's next Complete (the staged request is running by then), or
-                    once that end is a send time + margin past (the prediction was wrong)
+                    once that end is a lead past (the prediction was wrong)
 
 Only a model whose inference time is predictable gets windows: the EWMA of its samples'
 distance from the mean (as TCP's RTTVAR) must stay within a quarter of the mean, or
@@ -25,7 +27,14 @@ The price: a staged request is committed up to `send time + margin` before its s
 frees. So that a more urgent request arriving in that window does not run a service time
 later, it may go to the front of the worker's queue (`front_target`, Grant.front_of_queue):
 once per slot and staged request, while the running one is predicted to run on (the staged
-one has not started), the worker runs it before the staged one.
+one has not started), the worker runs it before the staged one. A staged request that this
+pushes past its deadline is doomed: the worker will answer it `expired` without running it,
+so the slot's next window takes one more grant, or the slot would idle behind the refusal.
+
+A head is granted only if it is predicted to start before its deadline by more than the
+jitter (after the send time, and after the requests running and staged ahead of it);
+otherwise it is answered `expired` at once (`too_late`): under overload the oldest requests
+sit at the brink of their deadlines, and one refused at the worker costs the slot a turn.
 
 Plain bookkeeping on the core's clock. The core grants, and opens a window by setting the
 slot's `GrantCandidate.ahead`; this module only says when.
@@ -33,6 +42,8 @@ slot's `GrantCandidate.ahead`; this module only says when.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -52,6 +63,7 @@ class _Estimates:
     inference_s: float | None = None
     deviation_s: float = 0.0  # EWMA of |sample - inference_s|
     overhead_s: float | None = None  # grant-to-Complete minus inference: the send and reply paths
+    overhead_deviation_s: float = 0.0  # EWMA of |sample - overhead_s|
 
     def learn(self, inference_s: float, cycle_s: float | None) -> None:
         if self.inference_s is None:
@@ -60,12 +72,22 @@ class _Estimates:
             self.deviation_s += _BETA * (abs(inference_s - self.inference_s) - self.deviation_s)
             self.inference_s += _ALPHA * (inference_s - self.inference_s)
         if cycle_s is not None:
-            self.overhead_s = _ewma(self.overhead_s, max(0.0, cycle_s - inference_s))
+            overhead_s = max(0.0, cycle_s - inference_s)
+            if self.overhead_s is not None:
+                self.overhead_deviation_s += _BETA * (
+                    abs(overhead_s - self.overhead_s) - self.overhead_deviation_s
+                )
+            self.overhead_s = _ewma(self.overhead_s, overhead_s)
 
     @property
     def one_way_s(self) -> float:
         """The send (or reply) path: half of grant-to-Complete minus inference; 0 unmeasured."""
         return self.overhead_s / 2 if self.overhead_s is not None else 0.0
+
+    @property
+    def jitter_s(self) -> float:
+        """How far a predicted start may be off: the deviations of both of its parts."""
+        return self.deviation_s + self.overhead_deviation_s
 
     @property
     def inference_or_0_s(self) -> float:
@@ -88,6 +110,10 @@ class _Slot:
     running: dict[RequestKey, float] = field(default_factory=dict)  # request -> predicted end
     staged: list[RequestKey] = field(default_factory=list)  # granted beyond max_inflight, in order
     staged_keys: dict[RequestKey, SortKey] = field(default_factory=dict)  # their place in the queue
+    deadlines: dict[RequestKey, float] = field(default_factory=dict)  # of the staged ones
+    # Staged requests a front grant pushed past their deadline: the worker will answer them
+    # `expired` without running them, so they hold no place in the slot's queue.
+    doomed: set[RequestKey] = field(default_factory=set)
     granted_at: dict[RequestKey, float] = field(default_factory=dict)  # started on arrival
     open: bool = False
     front_used: bool = False  # a request went ahead of the staged ones since the last Complete
@@ -110,6 +136,7 @@ class Lookahead:
         *,
         max_inflight: int,
         sort_key: SortKey = (),
+        deadline: float = math.inf,
         front: bool = False,
     ) -> None:
         slots = self._slots.setdefault(model_id, {})
@@ -125,10 +152,22 @@ class Lookahead:
         elif front:
             slot.staged.insert(0, key)
             slot.staged_keys[key] = sort_key
+            slot.deadlines[key] = deadline
             slot.front_used = True
+            self._doom_late(model_id, slot, now)
         else:
             slot.staged.append(key)
             slot.staged_keys[key] = sort_key
+            slot.deadlines[key] = deadline
+
+    def _doom_late(self, model_id: str, slot: _Slot, now: float) -> None:
+        """After a front grant: the staged requests it pushes past their deadlines are doomed.
+        The worker will answer them `expired` the moment their turn comes, so the slot may
+        stage as many others behind them (`doomed`), or it would idle until their Completes."""
+        estimates = self._estimates.get(model_id) or _Estimates()
+        for key, start in self._starts(model_id, slot, now)[0].items():
+            if slot.deadlines.get(key, math.inf) < start + estimates.jitter_s:
+                slot.doomed.add(key)
 
     def completed(self, key: RequestKey, now: float, *, inference_ms: float) -> tuple[str, str] | None:
         """A granted request finished; returns its (worker, model) when that slot's window closed."""
@@ -136,19 +175,24 @@ class Lookahead:
         if where is None:
             return None
         slot = self._slots[where[1]][where[0]]
+        if key in slot.doomed:  # answered without running, as predicted: nothing to learn or close
+            slot.doomed.discard(key)
+            self._unstage(slot, key)
+            self._drop_if_idle(*where)
+            return None
         granted_at = slot.granted_at.pop(key, None)
         estimates = self._estimates.setdefault(where[1], _Estimates())
         if inference_ms > 0.0:
             estimates.learn(inference_ms / 1000.0, None if granted_at is None else now - granted_at)
-        if slot.running.pop(key, None) is None and key in slot.staged:
-            slot.staged.remove(key)  # failed before it ran (expired, refused at the door)
-            slot.staged_keys.pop(key, None)
+        if slot.running.pop(key, None) is None:
+            self._unstage(slot, key)  # failed before it ran (expired, refused at the door)
         reply_s, inference_s = estimates.one_way_s, estimates.inference_or_0_s
         while slot.staged and len(slot.running) < slot.max_inflight:
             # it started when the finished one ended, a reply path before this Complete
-            started = slot.staged.pop(0)
-            slot.staged_keys.pop(started, None)
-            slot.running[started] = now - reply_s + inference_s
+            started = slot.staged[0]
+            self._unstage(slot, started)
+            if started not in slot.doomed:
+                slot.running[started] = now - reply_s + inference_s
         was_open, slot.open = slot.open, False
         slot.front_used = False
         self._drop_if_idle(*where)
@@ -162,23 +206,29 @@ class Lookahead:
         slot = self._slots[where[1]][where[0]]
         slot.running.pop(key, None)
         slot.granted_at.pop(key, None)
-        slot.staged_keys.pop(key, None)
-        if key in slot.staged:
-            slot.staged.remove(key)
+        slot.doomed.discard(key)
+        self._unstage(slot, key)
         self._drop_if_idle(*where)
+
+    @staticmethod
+    def _unstage(slot: _Slot, key: RequestKey) -> None:
+        if key in slot.staged_keys:
+            slot.staged.remove(key)
+            del slot.staged_keys[key]
+            slot.deadlines.pop(key, None)
 
     def forget_worker(self, worker_id: str) -> None:
         for model_id in list(self._slots):
             slot = self._slots[model_id].pop(worker_id, None)
             if slot is not None:
-                for key in (*slot.running, *slot.staged):
+                for key in (*slot.running, *slot.staged, *slot.doomed):
                     self._where.pop(key, None)
                 self._drop_if_idle(worker_id, model_id)
 
     def _drop_if_idle(self, worker_id: str, model_id: str) -> None:
         slots = self._slots[model_id]
         slot = slots.get(worker_id)
-        if slot is not None and not slot.running and not slot.staged:
+        if slot is not None and not slot.running and not slot.staged and not slot.doomed:
             del slots[worker_id]
         if not slots:
             del self._slots[model_id]
@@ -191,15 +241,44 @@ class Lookahead:
     def open_models(self, worker_id: str) -> list[str]:
         return [m for m, slots in self._slots.items() if (slot := slots.get(worker_id)) and slot.open]
 
-    def start_delay(self, worker_id: str, model_id: str, now: float) -> float:
-        """How long after `now` a request granted to this slot now would start, as predicted:
-        the send time, or (a staged request) until the first running request ends."""
-        estimates = self._estimates.get(model_id)
-        send_s = estimates.one_way_s if estimates is not None else 0.0
+    def too_late(
+        self, worker_id: str, model_id: str, deadline: float, now: float, *, front: bool = False
+    ) -> bool:
+        """A request granted to this slot now would start only after `deadline` (within the
+        predictions' jitter): after the send time, and (staged) after the requests running and
+        staged before it; a `front` one goes before the staged ones."""
+        estimates = self._estimates.get(model_id) or _Estimates()
+        start = now + estimates.one_way_s
         slot = self._slots.get(model_id, {}).get(worker_id)
-        if slot is None or len(slot.running) < slot.max_inflight or not slot.running:
-            return send_s
-        return max(send_s, min(slot.running.values()) - now)
+        if slot is not None:
+            if not front:
+                following = self._starts(model_id, slot, now)[1]
+            elif len(slot.running) >= slot.max_inflight:
+                following = min(slot.running.values())
+            else:
+                following = now
+            start = max(start, following)
+        return deadline < start + estimates.jitter_s
+
+    def _starts(self, model_id: str, slot: _Slot, now: float) -> tuple[dict[RequestKey, float], float]:
+        """Predicted start of each staged request (the doomed never run) and of one more: each
+        takes the first of the slot's `max_inflight` places to free (a free place: `now`)."""
+        estimates = self._estimates.get(model_id)
+        inference_s = estimates.inference_or_0_s if estimates is not None else 0.0
+        places = sorted(slot.running.values())[: slot.max_inflight]
+        places += [now] * (slot.max_inflight - len(places))
+        heapq.heapify(places)
+        starts: dict[RequestKey, float] = {}
+        for key in slot.staged:
+            if key not in slot.doomed:
+                starts[key] = start = heapq.heappop(places)
+                heapq.heappush(places, start + inference_s)
+        return starts, places[0]
+
+    def doomed(self, worker_id: str, model_id: str) -> int:
+        """Staged requests of this slot that will be refused, not run (see `_doom_late`)."""
+        slot = self._slots.get(model_id, {}).get(worker_id)
+        return len(slot.doomed) if slot is not None else 0
 
     def front_target(self, model_id: str, sort_key: SortKey, now: float) -> str | None:
         """A worker where a request of `model_id` with `sort_key` may go to the front of the queue:
@@ -260,7 +339,9 @@ class Lookahead:
         estimates = self._estimates.get(model_id)
         if estimates is None or not estimates.predictable:
             return None  # nothing measured yet, or too variable to predict
-        lead = estimates.one_way_s + self._margin_s
+        # how early a grant must go to arrive before the end: the send time, the margin, and
+        # twice the predictions' jitter (the send path stalls by milliseconds under CPU contention)
+        lead = estimates.one_way_s + self._margin_s + 2.0 * estimates.jitter_s
         end = min(slot.running.values())
         return end - lead, end + lead
 
