@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -237,6 +238,29 @@ async def test_unbatched_models_run_one_at_a_time_in_order(engine: Doubler) -> N
     )
     assert engine.calls == [1] * 5
     assert [r[0]["y"].item() for r in results] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    await batcher.close()
+    executor.shutdown()
+
+
+async def test_an_instance_runs_the_next_ready_request_without_the_loop(engine: Doubler) -> None:
+    """A request queued behind a running one starts when that one ends even while the event
+    loop is busy: the instance's thread takes it (a loop round trip would idle the model)."""
+    clock, sizes = FakeClock(), []
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, sizes)
+    engine.gate.clear()
+    first = submit(batcher, x(1), received=clock.monotonic())
+    await asyncio.sleep(0.05)  # running, held at the gate
+    second = submit(batcher, x(2), received=clock.monotonic())
+    await asyncio.sleep(0.05)  # queued: no instance is free
+    engine.gate.set()
+    give_up = time.monotonic() + 5.0
+    while len(engine.calls) < 2 and time.monotonic() < give_up:  # the loop is blocked here
+        time.sleep(0.001)
+    assert engine.calls == [1, 1]
+    assert not first.done()  # its answer waits for the loop
+    outputs = await asyncio.gather(first, second)
+    assert [o["y"].ravel().tolist() for o, _ in outputs] == [[2.0], [4.0]]
+    assert sizes == [1, 1]
     await batcher.close()
     executor.shutdown()
 
