@@ -38,6 +38,7 @@ __all__ = [
     "SchedulerSettings",
     "ServiceEndpoint",
     "Settings",
+    "SharedMemorySettings",
     "load_settings",
 ]
 
@@ -102,6 +103,18 @@ class AuthSettings(_Section):
     curve: CurveSettings = CurveSettings()
 
 
+class SharedMemorySettings(_Section):
+    """Request payloads of at least `min_payload_bytes` go to workers on this host (ipc:// or
+    loopback data endpoints) through a shared memory region of `region_mb`, reserved on first
+    use, instead of a second socket transfer (loadmaster.common.shm). A slot whose worker
+    never answered is reused after `quarantine_s`; a full region sends payloads on the socket."""
+
+    enabled: bool = True
+    min_payload_bytes: int = Field(default=64 << 10, ge=1)
+    region_mb: int = Field(default=64, ge=1)
+    quarantine_s: float = Field(default=30.0, gt=0)
+
+
 class GatewaySettings(ServiceEndpoint):
     address: str = "127.0.0.1:8001"
     gateway_id: str = ""  # default: <hostname>-<pid>
@@ -112,6 +125,7 @@ class GatewaySettings(ServiceEndpoint):
     auth: AuthSettings = AuthSettings()
     # Gateway -> scheduler: Enqueue/Complete are batched on the stream while it is busy.
     max_stream_batch: int = Field(default=256, ge=1)
+    shm: SharedMemorySettings = SharedMemorySettings()
 
 
 class DeadlineSettings(_Section):

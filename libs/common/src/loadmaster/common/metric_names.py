@@ -51,6 +51,9 @@ METRICS: dict[str, MetricSpec] = {
             "dispatch_errors", _C, "Failed sends to a worker's data port, by error code", ("model", "code")
         ),
         MetricSpec("dispatch_retries", _C, "Requests re-queued after a retryable failure", ("model",)),
+        MetricSpec(
+            "shm_payloads", _C, "Request payloads handed to a local worker in shared memory", ("model",)
+        ),
         MetricSpec("active_clients", _G, "Clients seen recently", ()),
         MetricSpec("client_disconnected", _C, "Clients marked disconnected", ()),
         # scheduler

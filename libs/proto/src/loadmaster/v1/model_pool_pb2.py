@@ -26,7 +26,7 @@ from loadmaster.v1 import errors_pb2 as loadmaster_dot_v1_dot_errors__pb2
 from loadmaster.v1 import tensor_pb2 as loadmaster_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eloadmaster/v1/model_pool.proto\x12\rloadmaster.v1\x1a\x1aloadmaster/v1/errors.proto\x1a\x1aloadmaster/v1/tensor.proto\"\xa0\x02\n\x0cInferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12%\n\x06inputs\x18\x03 \x03(\x0b\x32\x15.loadmaster.v1.Tensor\x12;\n\x08metadata\x18\x04 \x03(\x0b\x32).loadmaster.v1.InferRequest.MetadataEntry\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x03\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x16\n\x0e\x66ront_of_queue\x18\x07 \x01(\x08\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xae\x02\n\nInferReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12&\n\x07outputs\x18\x03 \x03(\x0b\x32\x15.loadmaster.v1.Tensor\x12,\n\nerror_code\x18\x04 \x01(\x0e\x32\x18.loadmaster.v1.ErrorCode\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x11\n\tretryable\x18\x06 \x01(\x08\x12\x1c\n\x14inference_latency_ms\x18\x07 \x01(\x02\x12\x10\n\x08queue_ms\x18\x08 \x01(\x02\x12\x12\n\nbatch_size\x18\t \x01(\r\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x12\n\ngeneration\x18\x0b \x01(\x04\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"\x89\x04\n\x0fModelSlotStatus\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.loadmaster.v1.ModelState\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07vram_mb\x18\x07 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x19\n\x11last_used_unix_ms\x18\n \x01(\x03\x12\x16\n\x0eloaded_unix_ms\x18\x0b \x01(\x03\x12\x14\n\x0cload_time_ms\x18\x0c \x01(\x02\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x10\n\x08lease_id\x18\x0e \x01(\t\x12\x10\n\x08priority\x18\x0f \x01(\r\x12\x11\n\tinstances\x18\x10 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x11 \x01(\r\x12\x11\n\tevictions\x18\x12 \x01(\x04\x12\x0f\n\x07reloads\x18\x13 \x01(\x04\x12@\n\nmb_per_gpu\x18\x14 \x03(\x0b\x32,.loadmaster.v1.ModelSlotStatus.MbPerGpuEntry\x1a/\n\rMbPerGpuEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x1f\n\x0bLoadRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"=\n\x0cLoadResponse\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\"!\n\rUnloadRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"?\n\x0eUnloadResponse\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\"&\n\rStatusRequest\x12\x15\n\rsignatures_of\x18\x01 \x03(\t\"a\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.loadmaster.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tany_shape\x18\x04 \x01(\x08\"\x8a\x01\n\x0eModelSignature\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12)\n\x06inputs\x18\x03 \x03(\x0b\x32\x19.loadmaster.v1.TensorSpec\x12*\n\x07outputs\x18\x04 \x03(\x0b\x32\x19.loadmaster.v1.TensorSpec\"\xba\x03\n\x0eStatusResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rdata_endpoint\x18\x02 \x01(\t\x12.\n\x06models\x18\x03 \x03(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\x12\x12\n\nrepository\x18\x04 \x03(\t\x12\x0f\n\x07\x66ree_mb\x18\x05 \x01(\x04\x12?\n\tevictions\x18\x06 \x03(\x0b\x32,.loadmaster.v1.StatusResponse.EvictionsEntry\x12L\n\x11leased_mb_per_gpu\x18\x07 \x03(\x0b\x32\x31.loadmaster.v1.StatusResponse.LeasedMbPerGpuEntry\x12\x31\n\nsignatures\x18\x08 \x03(\x0b\x32\x1d.loadmaster.v1.ModelSignature\x1a\x30\n\x0e\x45victionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13LeasedMbPerGpuEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\".\n\nPinRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"<\n\x0bPinResponse\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus*\xa4\x01\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10MODEL_STATE_IDLE\x10\x01\x12\x17\n\x13MODEL_STATE_LOADING\x10\x02\x12\x15\n\x11MODEL_STATE_READY\x10\x03\x12\x18\n\x14MODEL_STATE_DRAINING\x10\x04\x12\x19\n\x15MODEL_STATE_UNLOADING\x10\x05\x32\xd9\x02\n\tModelPool\x12?\n\x05Infer\x12\x1b.loadmaster.v1.InferRequest\x1a\x19.loadmaster.v1.InferReply\x12?\n\x04Load\x12\x1a.loadmaster.v1.LoadRequest\x1a\x1b.loadmaster.v1.LoadResponse\x12\x45\n\x06Unload\x12\x1c.loadmaster.v1.UnloadRequest\x1a\x1d.loadmaster.v1.UnloadResponse\x12\x45\n\x06Status\x12\x1c.loadmaster.v1.StatusRequest\x1a\x1d.loadmaster.v1.StatusResponse\x12<\n\x03Pin\x12\x19.loadmaster.v1.PinRequest\x1a\x1a.loadmaster.v1.PinResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eloadmaster/v1/model_pool.proto\x12\rloadmaster.v1\x1a\x1aloadmaster/v1/errors.proto\x1a\x1aloadmaster/v1/tensor.proto\"\xc8\x02\n\x0cInferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12%\n\x06inputs\x18\x03 \x03(\x0b\x32\x15.loadmaster.v1.Tensor\x12;\n\x08metadata\x18\x04 \x03(\x0b\x32).loadmaster.v1.InferRequest.MetadataEntry\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x05 \x01(\x03\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\x16\n\x0e\x66ront_of_queue\x18\x07 \x01(\x08\x12&\n\x03shm\x18\x08 \x01(\x0b\x32\x19.loadmaster.v1.ShmPayload\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\nShmPayload\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\xc4\x02\n\nInferReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12&\n\x07outputs\x18\x03 \x03(\x0b\x32\x15.loadmaster.v1.Tensor\x12,\n\nerror_code\x18\x04 \x01(\x0e\x32\x18.loadmaster.v1.ErrorCode\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x11\n\tretryable\x18\x06 \x01(\x08\x12\x1c\n\x14inference_latency_ms\x18\x07 \x01(\x02\x12\x10\n\x08queue_ms\x18\x08 \x01(\x02\x12\x12\n\nbatch_size\x18\t \x01(\r\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x12\n\ngeneration\x18\x0b \x01(\x04\x12\x14\n\x0cshm_unusable\x18\x0c \x01(\x08\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"\x89\x04\n\x0fModelSlotStatus\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.loadmaster.v1.ModelState\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07vram_mb\x18\x07 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x19\n\x11last_used_unix_ms\x18\n \x01(\x03\x12\x16\n\x0eloaded_unix_ms\x18\x0b \x01(\x03\x12\x14\n\x0cload_time_ms\x18\x0c \x01(\x02\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x10\n\x08lease_id\x18\x0e \x01(\t\x12\x10\n\x08priority\x18\x0f \x01(\r\x12\x11\n\tinstances\x18\x10 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x11 \x01(\r\x12\x11\n\tevictions\x18\x12 \x01(\x04\x12\x0f\n\x07reloads\x18\x13 \x01(\x04\x12@\n\nmb_per_gpu\x18\x14 \x03(\x0b\x32,.loadmaster.v1.ModelSlotStatus.MbPerGpuEntry\x1a/\n\rMbPerGpuEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x1f\n\x0bLoadRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"=\n\x0cLoadResponse\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\"!\n\rUnloadRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"?\n\x0eUnloadResponse\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\"&\n\rStatusRequest\x12\x15\n\rsignatures_of\x18\x01 \x03(\t\"a\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.loadmaster.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tany_shape\x18\x04 \x01(\x08\"\x8a\x01\n\x0eModelSignature\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12)\n\x06inputs\x18\x03 \x03(\x0b\x32\x19.loadmaster.v1.TensorSpec\x12*\n\x07outputs\x18\x04 \x03(\x0b\x32\x19.loadmaster.v1.TensorSpec\"\xba\x03\n\x0eStatusResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rdata_endpoint\x18\x02 \x01(\t\x12.\n\x06models\x18\x03 \x03(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus\x12\x12\n\nrepository\x18\x04 \x03(\t\x12\x0f\n\x07\x66ree_mb\x18\x05 \x01(\x04\x12?\n\tevictions\x18\x06 \x03(\x0b\x32,.loadmaster.v1.StatusResponse.EvictionsEntry\x12L\n\x11leased_mb_per_gpu\x18\x07 \x03(\x0b\x32\x31.loadmaster.v1.StatusResponse.LeasedMbPerGpuEntry\x12\x31\n\nsignatures\x18\x08 \x03(\x0b\x32\x1d.loadmaster.v1.ModelSignature\x1a\x30\n\x0e\x45victionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13LeasedMbPerGpuEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\".\n\nPinRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"<\n\x0bPinResponse\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.loadmaster.v1.ModelSlotStatus*\xa4\x01\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10MODEL_STATE_IDLE\x10\x01\x12\x17\n\x13MODEL_STATE_LOADING\x10\x02\x12\x15\n\x11MODEL_STATE_READY\x10\x03\x12\x18\n\x14MODEL_STATE_DRAINING\x10\x04\x12\x19\n\x15MODEL_STATE_UNLOADING\x10\x05\x32\xd9\x02\n\tModelPool\x12?\n\x05Infer\x12\x1b.loadmaster.v1.InferRequest\x1a\x19.loadmaster.v1.InferReply\x12?\n\x04Load\x12\x1a.loadmaster.v1.LoadRequest\x1a\x1b.loadmaster.v1.LoadResponse\x12\x45\n\x06Unload\x12\x1c.loadmaster.v1.UnloadRequest\x1a\x1d.loadmaster.v1.UnloadResponse\x12\x45\n\x06Status\x12\x1c.loadmaster.v1.StatusRequest\x1a\x1d.loadmaster.v1.StatusResponse\x12<\n\x03Pin\x12\x19.loadmaster.v1.PinRequest\x1a\x1a.loadmaster.v1.PinResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,42 +41,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSRESPONSE_EVICTIONSENTRY']._serialized_options = b'8\001'
   _globals['_STATUSRESPONSE_LEASEDMBPERGPUENTRY']._loaded_options = None
   _globals['_STATUSRESPONSE_LEASEDMBPERGPUENTRY']._serialized_options = b'8\001'
-  _globals['_MODELSTATE']._serialized_start=2257
-  _globals['_MODELSTATE']._serialized_end=2421
+  _globals['_MODELSTATE']._serialized_start=2379
+  _globals['_MODELSTATE']._serialized_end=2543
   _globals['_INFERREQUEST']._serialized_start=106
-  _globals['_INFERREQUEST']._serialized_end=394
-  _globals['_INFERREQUEST_METADATAENTRY']._serialized_start=347
-  _globals['_INFERREQUEST_METADATAENTRY']._serialized_end=394
-  _globals['_INFERREPLY']._serialized_start=397
-  _globals['_INFERREPLY']._serialized_end=699
-  _globals['_MODELSLOTSTATUS']._serialized_start=702
-  _globals['_MODELSLOTSTATUS']._serialized_end=1223
-  _globals['_MODELSLOTSTATUS_MBPERGPUENTRY']._serialized_start=1176
-  _globals['_MODELSLOTSTATUS_MBPERGPUENTRY']._serialized_end=1223
-  _globals['_LOADREQUEST']._serialized_start=1225
-  _globals['_LOADREQUEST']._serialized_end=1256
-  _globals['_LOADRESPONSE']._serialized_start=1258
-  _globals['_LOADRESPONSE']._serialized_end=1319
-  _globals['_UNLOADREQUEST']._serialized_start=1321
-  _globals['_UNLOADREQUEST']._serialized_end=1354
-  _globals['_UNLOADRESPONSE']._serialized_start=1356
-  _globals['_UNLOADRESPONSE']._serialized_end=1419
-  _globals['_STATUSREQUEST']._serialized_start=1421
-  _globals['_STATUSREQUEST']._serialized_end=1459
-  _globals['_TENSORSPEC']._serialized_start=1461
-  _globals['_TENSORSPEC']._serialized_end=1558
-  _globals['_MODELSIGNATURE']._serialized_start=1561
-  _globals['_MODELSIGNATURE']._serialized_end=1699
-  _globals['_STATUSRESPONSE']._serialized_start=1702
-  _globals['_STATUSRESPONSE']._serialized_end=2144
-  _globals['_STATUSRESPONSE_EVICTIONSENTRY']._serialized_start=2041
-  _globals['_STATUSRESPONSE_EVICTIONSENTRY']._serialized_end=2089
-  _globals['_STATUSRESPONSE_LEASEDMBPERGPUENTRY']._serialized_start=2091
-  _globals['_STATUSRESPONSE_LEASEDMBPERGPUENTRY']._serialized_end=2144
-  _globals['_PINREQUEST']._serialized_start=2146
-  _globals['_PINREQUEST']._serialized_end=2192
-  _globals['_PINRESPONSE']._serialized_start=2194
-  _globals['_PINRESPONSE']._serialized_end=2254
-  _globals['_MODELPOOL']._serialized_start=2424
-  _globals['_MODELPOOL']._serialized_end=2769
+  _globals['_INFERREQUEST']._serialized_end=434
+  _globals['_INFERREQUEST_METADATAENTRY']._serialized_start=387
+  _globals['_INFERREQUEST_METADATAENTRY']._serialized_end=434
+  _globals['_SHMPAYLOAD']._serialized_start=436
+  _globals['_SHMPAYLOAD']._serialized_end=494
+  _globals['_INFERREPLY']._serialized_start=497
+  _globals['_INFERREPLY']._serialized_end=821
+  _globals['_MODELSLOTSTATUS']._serialized_start=824
+  _globals['_MODELSLOTSTATUS']._serialized_end=1345
+  _globals['_MODELSLOTSTATUS_MBPERGPUENTRY']._serialized_start=1298
+  _globals['_MODELSLOTSTATUS_MBPERGPUENTRY']._serialized_end=1345
+  _globals['_LOADREQUEST']._serialized_start=1347
+  _globals['_LOADREQUEST']._serialized_end=1378
+  _globals['_LOADRESPONSE']._serialized_start=1380
+  _globals['_LOADRESPONSE']._serialized_end=1441
+  _globals['_UNLOADREQUEST']._serialized_start=1443
+  _globals['_UNLOADREQUEST']._serialized_end=1476
+  _globals['_UNLOADRESPONSE']._serialized_start=1478
+  _globals['_UNLOADRESPONSE']._serialized_end=1541
+  _globals['_STATUSREQUEST']._serialized_start=1543
+  _globals['_STATUSREQUEST']._serialized_end=1581
+  _globals['_TENSORSPEC']._serialized_start=1583
+  _globals['_TENSORSPEC']._serialized_end=1680
+  _globals['_MODELSIGNATURE']._serialized_start=1683
+  _globals['_MODELSIGNATURE']._serialized_end=1821
+  _globals['_STATUSRESPONSE']._serialized_start=1824
+  _globals['_STATUSRESPONSE']._serialized_end=2266
+  _globals['_STATUSRESPONSE_EVICTIONSENTRY']._serialized_start=2163
+  _globals['_STATUSRESPONSE_EVICTIONSENTRY']._serialized_end=2211
+  _globals['_STATUSRESPONSE_LEASEDMBPERGPUENTRY']._serialized_start=2213
+  _globals['_STATUSRESPONSE_LEASEDMBPERGPUENTRY']._serialized_end=2266
+  _globals['_PINREQUEST']._serialized_start=2268
+  _globals['_PINREQUEST']._serialized_end=2314
+  _globals['_PINRESPONSE']._serialized_start=2316
+  _globals['_PINRESPONSE']._serialized_end=2376
+  _globals['_MODELPOOL']._serialized_start=2546
+  _globals['_MODELPOOL']._serialized_end=2891
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ MODEL_STATE_DRAINING: ModelState
 MODEL_STATE_UNLOADING: ModelState
 
 class InferRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "inputs", "metadata", "deadline_unix_ns", "generation", "front_of_queue", "payload")
+    __slots__ = ("request_id", "model_id", "inputs", "metadata", "deadline_unix_ns", "generation", "front_of_queue", "shm", "payload")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class InferRequest(_message.Message):
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FRONT_OF_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
@@ -48,11 +49,22 @@ class InferRequest(_message.Message):
     deadline_unix_ns: int
     generation: int
     front_of_queue: bool
+    shm: ShmPayload
     payload: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., front_of_queue: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., front_of_queue: _Optional[bool] = ..., shm: _Optional[_Union[ShmPayload, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ShmPayload(_message.Message):
+    __slots__ = ("region", "offset", "size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class InferReply(_message.Message):
-    __slots__ = ("request_id", "model_id", "outputs", "error_code", "error_message", "retryable", "inference_latency_ms", "queue_ms", "batch_size", "worker_id", "generation", "payload")
+    __slots__ = ("request_id", "model_id", "outputs", "error_code", "error_message", "retryable", "inference_latency_ms", "queue_ms", "batch_size", "worker_id", "generation", "shm_unusable", "payload")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +76,7 @@ class InferReply(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SHM_UNUSABLE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
@@ -76,8 +89,9 @@ class InferReply(_message.Message):
     batch_size: int
     worker_id: str
     generation: int
+    shm_unusable: bool
     payload: bytes
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., error_message: _Optional[str] = ..., retryable: _Optional[bool] = ..., inference_latency_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., error_message: _Optional[str] = ..., retryable: _Optional[bool] = ..., inference_latency_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ..., shm_unusable: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class ModelSlotStatus(_message.Message):
     __slots__ = ("model_id", "state", "generation", "inflight", "max_inflight", "device", "vram_mb", "backend", "pinned", "last_used_unix_ms", "loaded_unix_ms", "load_time_ms", "error", "lease_id", "priority", "instances", "max_batch_size", "evictions", "reloads", "mb_per_gpu")

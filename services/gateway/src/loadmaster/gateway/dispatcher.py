@@ -21,6 +21,11 @@ Session message per request instead of two (a stream message costs each side
 ~0.1 ms of CPU, as much as the rest of the gateway's work on a request). Held
 Completes go out before any credit is returned, so the scheduler never counts a
 finished run against a worker.
+
+A large payload for a worker on this host travels in a shared memory slot (see
+`ShmPayloads`). The slot belongs to one send: it is freed when that worker's reply
+arrives and quarantined when the send ends otherwise (watchdog, cancel, another grant),
+because the worker may still be reading it.
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ from loadmaster.common.errors import (
     edge_code_name,
     error_for_code,
 )
+from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback
 from loadmaster.gateway.scheduler_link import SchedulerLink
-from loadmaster.gateway.worker_link import WorkerLinks
+from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
 __all__ = ["Dispatcher"]
@@ -64,6 +70,8 @@ class _Pending:
     watchdog: asyncio.TimerHandle | None = None
     span: trace.Span = trace.INVALID_SPAN  # recording only while tracing is on
     credit: _Credit | None = None  # the dispatch credit it runs on
+    endpoint: str = ""  # the data endpoint of worker_id
+    shm: ShmSlot | None = None  # the payload's shared memory slot while a worker may read it
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +119,12 @@ class Dispatcher:
         self._idle_credits: dict[str, list[_Credit]] = {}
         self._scheduler: SchedulerLink | None = None
         self._workers: WorkerLinks | None = None
+        self._shm: ShmPayloads | None = None
 
-    def attach(self, scheduler: SchedulerLink, workers: WorkerLinks) -> None:
+    def attach(self, scheduler: SchedulerLink, workers: WorkerLinks, shm: ShmPayloads | None = None) -> None:
         self._scheduler = scheduler
         self._workers = workers
+        self._shm = shm
 
     @property
     def inflight(self) -> int:
@@ -165,6 +175,7 @@ class Dispatcher:
         if pending is None:
             return
         self._disarm(pending)
+        self._drop_shm(pending, answered=False)
         tracing.end_span(pending.span, error_code="cancelled")
         assert self._scheduler is not None
         if pending.worker_id:
@@ -247,7 +258,10 @@ class Dispatcher:
         pending = self._pending.get(reply.request_id)
         if pending is None or reply.worker_id != pending.worker_id:
             return  # a late reply to an earlier grant, or to a call already answered
+        self._drop_shm(pending, answered=True)
         code = reply.error_code
+        if reply.shm_unusable and self._shm is not None:
+            self._shm.refuse(pending.endpoint, reply.error_message)
         if code and reply.retryable:
             self._disarm(pending)
             pending.worker_id = ""
@@ -307,13 +321,24 @@ class Dispatcher:
         )
         if pending.span.is_recording():
             tracing.inject(request.metadata, span=pending.span)
+        self._drop_shm(pending, answered=False)  # an earlier grant's worker may still read it
+        payload, slot = call.payload, None
+        if self._shm is not None and (slot := self._shm.place(endpoint, payload)) is not None:
+            request.shm.region = self._shm.region
+            request.shm.offset = slot.offset
+            request.shm.size = slot.size
+            payload = b""
+            self._telemetry.record("shm_payloads", 1, {"model": call.model_id})
         pending.worker_id = worker_id
+        pending.endpoint = endpoint
+        pending.shm = slot
         try:
-            self._workers.send(endpoint, request.SerializeToString(), call.payload)
+            self._workers.send(endpoint, request.SerializeToString(), payload)
         except UnavailableError as error:
             log.warning("request %s: %s", call.request_id, error.message)
             self._telemetry.record("dispatch_errors", 1, {"model": call.model_id, "code": error.edge_code})
             pending.worker_id = ""
+            self._drop_shm(pending, answered=True)  # never sent: no worker reads it
             raise
         self._arm(pending, deadline_ns)
 
@@ -338,6 +363,17 @@ class Dispatcher:
         credit.running = call.request_id
         pending.credit = credit
         return True
+
+    def _drop_shm(self, pending: _Pending, *, answered: bool) -> None:
+        """Give back the call's shared memory slot: freed once its worker `answered`, else quarantined."""
+        slot = pending.shm
+        if slot is None or self._shm is None:
+            return
+        pending.shm = None
+        if answered:
+            self._shm.free(slot)
+        else:
+            self._shm.quarantine(slot)
 
     def _release_credit(self, pending: _Pending, *, give_back: bool = False) -> None:
         """The call on `pending`'s credit has ended: the credit is idle again, or returned
@@ -423,6 +459,7 @@ class Dispatcher:
         """Deliver the result, then account for it (the caller's reply does not wait for that)."""
         self._pending.pop(pending.call.request_id, None)
         self._disarm(pending)
+        self._drop_shm(pending, answered=False)  # (a reply freed its slot before)
         call = pending.call
         latency_ms = (time.monotonic() - call.received_monotonic) * 1e3
         try:

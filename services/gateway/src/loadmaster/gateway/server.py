@@ -19,7 +19,7 @@ from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
 from loadmaster.gateway.statistics import StatisticsSource
-from loadmaster.gateway.worker_link import WorkerLinks
+from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
 from loadmaster.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = ["Gateway", "GatewayServer", "build"]
@@ -49,7 +49,8 @@ class Gateway:
             max_batch=settings.gateway.max_stream_batch,
         )
         self.workers = WorkerLinks(self.context, self.dispatcher.on_worker_reply)
-        self.dispatcher.attach(self.scheduler, self.workers)
+        self.shm = ShmPayloads(settings.gateway.shm)
+        self.dispatcher.attach(self.scheduler, self.workers, self.shm)
         self.edge = EdgeFrontend(
             settings.gateway, self.dispatcher, self.telemetry, self.context, gateway_id=self.gateway_id
         )
@@ -95,6 +96,7 @@ class Gateway:
         await self.admin.close()
         await self.scheduler.close()
         await self.workers.close()
+        self.shm.close()
         await self.telemetry.close()
         self.context.term()
 

@@ -6,23 +6,35 @@ replies come back as `[b"", InferReply, payload]` and are handed to `on_reply`
 with the payload frame, again without a copy. The sockets are plain ZMQ sockets
 read straight from the event loop (`SocketReader`): no Future or task wake-up per
 message, because on this path they cost more than the message.
+
+A large payload for a worker on this host goes through shared memory instead of the
+socket (`ShmPayloads`; see loadmaster.common.shm): it is copied into a slot of the
+gateway's region, created on first use, and the request names the slot (its payload
+frame is empty). The dispatcher frees the slot when the worker answers, or quarantines
+it when the request ended otherwise. A worker that cannot map the region gets its
+payloads on the socket after `refuse`; a region that cannot be created turns shared
+memory off.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import zmq
 from google.protobuf.message import DecodeError
 
+from loadmaster.common.config import SharedMemorySettings
 from loadmaster.common.errors import UnavailableError
 from loadmaster.common.framing import SocketReader, send_frames
+from loadmaster.common.shm import SHM_DIRECTORY, ShmArena, ShmSlot, sweep_stale_regions
 from loadmaster.v1 import model_pool_pb2
 
-__all__ = ["WorkerLinks"]
+__all__ = ["ShmPayloads", "WorkerLinks", "is_local_endpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -74,3 +86,95 @@ class WorkerLinks:
             reader.stop()
             socket.close(linger=0)
         self._links.clear()
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether a data endpoint is surely on this host: ipc://, or tcp:// to a loopback address.
+    (A host name may resolve here or elsewhere, so it counts as remote.)"""
+    if endpoint.startswith("ipc://"):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ShmPayloads:
+    """Which payloads go to a worker through the gateway's shared memory region, and the region."""
+
+    def __init__(self, settings: SharedMemorySettings, *, directory: Path = SHM_DIRECTORY) -> None:
+        self._settings = settings if settings.enabled else None
+        self._directory = directory
+        self._arena: ShmArena | None = None
+        self._endpoints: dict[str, bool] = {}  # data endpoint -> its payloads may go by shm
+
+    @property
+    def region(self) -> str:
+        """The region's name ("" until it is created)."""
+        return self._arena.name if self._arena is not None else ""
+
+    @property
+    def arena(self) -> ShmArena | None:
+        return self._arena
+
+    def place(self, endpoint: str, payload: Any) -> ShmSlot | None:
+        """Copy `payload` into a slot when it is large and `endpoint`'s worker is on this host;
+        None: send it on the socket (also when the region is full)."""
+        settings = self._settings
+        if settings is None or len(payload) < settings.min_payload_bytes:
+            return None
+        usable = self._endpoints.get(endpoint)
+        if usable is None:
+            usable = self._endpoints[endpoint] = is_local_endpoint(endpoint)
+        if not usable:
+            return None
+        arena = self._arena or self._create(settings)
+        return arena.put(payload) if arena is not None else None
+
+    def free(self, slot: ShmSlot) -> None:
+        """The worker answered: it reads the slot no more."""
+        if self._arena is not None:
+            self._arena.free(slot)
+
+    def quarantine(self, slot: ShmSlot) -> None:
+        """The request ended without the worker's answer: it may still read the slot."""
+        if self._arena is not None:
+            self._arena.quarantine(slot)
+
+    def refuse(self, endpoint: str, reason: str) -> None:
+        """`endpoint`'s worker cannot map the region: its payloads go on the socket from now on."""
+        if self._endpoints.get(endpoint) is not False:
+            log.warning(
+                "worker %s cannot read shared memory (%s): payloads go on the socket", endpoint, reason
+            )
+        self._endpoints[endpoint] = False
+
+    def close(self) -> None:
+        """Unlink the region; nothing is placed after this."""
+        self._settings = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _create(self, settings: SharedMemorySettings) -> ShmArena | None:
+        for name in sweep_stale_regions(self._directory):
+            log.info("removed shared memory region %s of a gateway that is gone", name)
+        try:
+            self._arena = ShmArena(
+                settings.region_mb << 20, quarantine_s=settings.quarantine_s, directory=self._directory
+            )
+        except OSError as error:
+            log.warning("no shared memory for payloads (%s): they go on the socket", error)
+            self._settings = None
+            return None
+        log.info(
+            "payloads of >= %d bytes to workers on this host go through %s",
+            settings.min_payload_bytes,
+            self._arena.path,
+        )
+        return self._arena

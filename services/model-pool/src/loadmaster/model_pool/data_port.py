@@ -8,6 +8,13 @@ reply (invalid tensors, unknown model, model not ready, expired, engine errors);
 nothing a client sends stops the receive loop, and a slow model never holds up
 another model's replies (each model has its own batcher and threads).
 
+A request may instead name a slot of its gateway's shared memory (`InferRequest.shm`,
+payload frame empty; see loadmaster.common.shm); its tensors are then views of the slot.
+Regions are mapped read-only by name, only names a gateway gives its region are opened,
+and a slot must lie inside its region: a bad reference is answered `invalid_argument`.
+A region this worker cannot map (another host or user) is answered retryable with
+`shm_unusable`, and the gateway sends this worker's payloads on the socket from then on.
+
 The path costs per wake-up, not per message, because once batching removes most of
 the engine time per request this overhead is what limits throughput (see
 bench/model_pool_batching.py). The socket is a plain (blocking-API) ZMQ socket whose
@@ -39,6 +46,7 @@ from loadmaster.common import tracing
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError, edge_code_name
 from loadmaster.common.framing import SocketReader, split_router_frames
+from loadmaster.common.shm import ShmRegions, ShmUnavailableError
 from loadmaster.common.tensors import TensorLimits, decode_tensors
 from loadmaster.model_pool.pool import InferResult, ModelPool
 from loadmaster.model_pool.wire import error_reply, failure_reply, result_reply
@@ -100,6 +108,7 @@ class DataPort:
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._socket: zmq.Socket[bytes] | None = None
         self._reader: SocketReader | None = None
+        self._regions = ShmRegions()
         self._pending = 0  # admitted requests not yet answered
         self._settled = asyncio.Event()  # set while nothing is pending
         self._settled.set()
@@ -143,6 +152,7 @@ class DataPort:
         if self._context is not None:
             self._context.term()
             self._context = None
+        self._regions.close()
 
     # ---- receiving -----------------------------------------------------------
 
@@ -189,6 +199,8 @@ class DataPort:
         self._pending += 1
         self._settled.clear()
         try:
+            if request.HasField("shm"):
+                payload = self._shm_payload(request.shm, payload)
             inputs = decode_tensors(request.inputs, payload, self._limits)
             self._pool.submit(
                 model_id,
@@ -201,6 +213,11 @@ class DataPort:
         except Exception as error:  # refused at the door: answered now
             self._answered()
             self._answer(identity, request_id, model_id, error, span)
+
+    def _shm_payload(self, ref: model_pool_pb2.ShmPayload, frame: Any) -> memoryview:
+        if len(frame):
+            raise InvalidArgumentError("shm: the payload frame must be empty when the payload is in shm")
+        return self._regions.view(ref.region, ref.offset, ref.size)
 
     def _answered(self) -> None:
         self._pending -= 1
@@ -223,6 +240,7 @@ class DataPort:
         payload: Any = b""
         if isinstance(outcome, BaseException):
             reply = self._failed(outcome, request_id, model_id)
+            reply.shm_unusable = isinstance(outcome, ShmUnavailableError)
         else:
             try:
                 reply, payload = result_reply(
