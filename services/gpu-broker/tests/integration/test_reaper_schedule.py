@@ -1,8 +1,10 @@
-"""When the reaper runs on real Redis: at the first lease expiry, at least every
-`idle_interval_s` on a host without GPUs, every `interval_s` with them; gauges every step."""
+"""When the reaper runs on real Redis: at the first lease expiry (planned again when this
+replica grants a lease that expires sooner), at least every `idle_interval_s` on a host without
+GPUs, every `interval_s` with them; gauges every step."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Mapping
 
@@ -69,3 +71,20 @@ async def test_gauges_are_recorded_every_step(manager: LeaseManager) -> None:
         ("outside_mb", 0),
         ("waiters", 0),
     ]
+
+
+async def test_a_grant_expiring_before_the_next_step_wakes_the_reaper(manager: LeaseManager) -> None:
+    clock: FakeClock = manager._clock  # type: ignore[attr-defined]
+    r = Reaper(manager, clock=clock, inventory=GPUS, interval_s=1.0, idle_interval_s=60.0)
+    await r.start()  # registers the node; next step planned 48-72 s ahead
+    try:
+        await manager.acquire(AcquireRequest("r1", "w", PlacementRequest(mb=100), ttl_s=2))
+        for _ in range(200):  # 10 s of broker time, far before the planned step
+            clock.advance(0.05)
+            await asyncio.sleep(0.005)
+            if await manager.next_expiry_ms() is None:
+                break
+        assert await manager.next_expiry_ms() is None  # reaped just after its expiry
+        assert clock.monotonic() - 1000.0 < 5.0
+    finally:
+        await r.stop()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from loadmaster.v1 import errors_pb2 as loadmaster_dot_v1_dot_errors__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eloadmaster/v1/gpu_broker.proto\x12\rloadmaster.v1\x1a\x1aloadmaster/v1/errors.proto\"\xa1\x01\n\x03Gpu\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x10\n\x08total_mb\x18\x05 \x01(\x04\x12\x12\n\nreserve_mb\x18\x06 \x01(\x04\x12\x17\n\x0fused_outside_mb\x18\x07 \x01(\x04\x12\x11\n\tleased_mb\x18\x08 \x01(\x04\x12\x0f\n\x07\x66ree_mb\x18\t \x01(\x04\"\xca\x02\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x36\n\nmb_per_gpu\x18\x04 \x03(\x0b\x32\".loadmaster.v1.Lease.MbPerGpuEntry\x12\x30\n\x06labels\x18\x05 \x03(\x0b\x32 .loadmaster.v1.Lease.LabelsEntry\x12\x17\n\x0f\x63reated_unix_ms\x18\x06 \x01(\x03\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x03\x12\x15\n\rfencing_token\x18\x08 \x01(\x04\x1a/\n\rMbPerGpuEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"E\n\x13RegisterNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12 \n\x04gpus\x18\x02 \x03(\x0b\x32\x12.loadmaster.v1.Gpu\"8\n\x14RegisterNodeResponse\x12 \n\x04gpus\x18\x01 \x03(\x0b\x32\x12.loadmaster.v1.Gpu\"\x93\x02\n\x0e\x41\x63quireRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\n\n\x02mb\x18\x04 \x01(\x04\x12\x0c\n\x04gpus\x18\x05 \x03(\r\x12\x13\n\x0b\x61llow_split\x18\x06 \x01(\x08\x12\r\n\x05ttl_s\x18\x07 \x01(\x01\x12\x39\n\x06labels\x18\x08 \x03(\x0b\x32).loadmaster.v1.AcquireRequest.LabelsEntry\x12\x0e\n\x06wait_s\x18\t \x01(\x01\x12\x10\n\x08priority\x18\n \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"6\n\x0f\x41\x63quireResponse\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.loadmaster.v1.Lease\"F\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"4\n\rRenewResponse\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.loadmaster.v1.Lease\"9\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xb0\x01\n\x07LeaseOp\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\x30\n\x07\x61\x63quire\x18\x02 \x01(\x0b\x32\x1d.loadmaster.v1.AcquireRequestH\x00\x12,\n\x05renew\x18\x03 \x01(\x0b\x32\x1b.loadmaster.v1.RenewRequestH\x00\x12\x30\n\x07release\x18\x04 \x01(\x0b\x32\x1d.loadmaster.v1.ReleaseRequestH\x00\x42\x04\n\x02op\"\xeb\x01\n\rLeaseOpResult\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\x31\n\x07\x61\x63quire\x18\x02 \x01(\x0b\x32\x1e.loadmaster.v1.AcquireResponseH\x00\x12-\n\x05renew\x18\x03 \x01(\x0b\x32\x1c.loadmaster.v1.RenewResponseH\x00\x12\x31\n\x07release\x18\x04 \x01(\x0b\x32\x1e.loadmaster.v1.ReleaseResponseH\x00\x12,\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1b.loadmaster.v1.LeaseOpErrorH\x00\x42\x08\n\x06result\"G\n\x0cLeaseOpError\x12&\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x18.loadmaster.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"1\n\x11ListLeasesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\":\n\x12ListLeasesResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.loadmaster.v1.Lease\" \n\x10InventoryRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"5\n\x11InventoryResponse\x12 \n\x04gpus\x18\x01 \x03(\x0b\x32\x12.loadmaster.v1.Gpu\"\x0e\n\x0cWatchRequest\"\xe2\x01\n\nLeaseEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.loadmaster.v1.LeaseEvent.Kind\x12#\n\x05lease\x18\x02 \x01(\x0b\x32\x14.loadmaster.v1.Lease\x12\x19\n\x11timestamp_unix_ms\x18\x03 \x01(\x03\"f\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_ACQUIRED\x10\x01\x12\x10\n\x0cKIND_RENEWED\x10\x02\x12\x11\n\rKIND_RELEASED\x10\x03\x12\x10\n\x0cKIND_EXPIRED\x10\x04\x32\xe6\x04\n\tGpuBroker\x12W\n\x0cRegisterNode\x12\".loadmaster.v1.RegisterNodeRequest\x1a#.loadmaster.v1.RegisterNodeResponse\x12H\n\x07\x41\x63quire\x12\x1d.loadmaster.v1.AcquireRequest\x1a\x1e.loadmaster.v1.AcquireResponse\x12\x42\n\x05Renew\x12\x1b.loadmaster.v1.RenewRequest\x1a\x1c.loadmaster.v1.RenewResponse\x12H\n\x07Release\x12\x1d.loadmaster.v1.ReleaseRequest\x1a\x1e.loadmaster.v1.ReleaseResponse\x12\x42\n\x06Leases\x12\x16.loadmaster.v1.LeaseOp\x1a\x1c.loadmaster.v1.LeaseOpResult(\x01\x30\x01\x12Q\n\nListLeases\x12 .loadmaster.v1.ListLeasesRequest\x1a!.loadmaster.v1.ListLeasesResponse\x12N\n\tInventory\x12\x1f.loadmaster.v1.InventoryRequest\x1a .loadmaster.v1.InventoryResponse\x12\x41\n\x05Watch\x12\x1b.loadmaster.v1.WatchRequest\x1a\x19.loadmaster.v1.LeaseEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eloadmaster/v1/gpu_broker.proto\x12\rloadmaster.v1\x1a\x1aloadmaster/v1/errors.proto\"\xa1\x01\n\x03Gpu\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x10\n\x08total_mb\x18\x05 \x01(\x04\x12\x12\n\nreserve_mb\x18\x06 \x01(\x04\x12\x17\n\x0fused_outside_mb\x18\x07 \x01(\x04\x12\x11\n\tleased_mb\x18\x08 \x01(\x04\x12\x0f\n\x07\x66ree_mb\x18\t \x01(\x04\"\xca\x02\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x36\n\nmb_per_gpu\x18\x04 \x03(\x0b\x32\".loadmaster.v1.Lease.MbPerGpuEntry\x12\x30\n\x06labels\x18\x05 \x03(\x0b\x32 .loadmaster.v1.Lease.LabelsEntry\x12\x17\n\x0f\x63reated_unix_ms\x18\x06 \x01(\x03\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x03\x12\x15\n\rfencing_token\x18\x08 \x01(\x04\x1a/\n\rMbPerGpuEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"E\n\x13RegisterNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12 \n\x04gpus\x18\x02 \x03(\x0b\x32\x12.loadmaster.v1.Gpu\"8\n\x14RegisterNodeResponse\x12 \n\x04gpus\x18\x01 \x03(\x0b\x32\x12.loadmaster.v1.Gpu\"\x93\x02\n\x0e\x41\x63quireRequest\x12\x19\n\x11\x63lient_request_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\n\n\x02mb\x18\x04 \x01(\x04\x12\x0c\n\x04gpus\x18\x05 \x03(\r\x12\x13\n\x0b\x61llow_split\x18\x06 \x01(\x08\x12\r\n\x05ttl_s\x18\x07 \x01(\x01\x12\x39\n\x06labels\x18\x08 \x03(\x0b\x32).loadmaster.v1.AcquireRequest.LabelsEntry\x12\x0e\n\x06wait_s\x18\t \x01(\x01\x12\x10\n\x08priority\x18\n \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"6\n\x0f\x41\x63quireResponse\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.loadmaster.v1.Lease\"F\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"4\n\rRenewResponse\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.loadmaster.v1.Lease\"A\n\x10RenewManyRequest\x12-\n\x08renewals\x18\x01 \x03(\x0b\x32\x1b.loadmaster.v1.RenewRequest\"@\n\x11RenewManyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.loadmaster.v1.RenewResult\"l\n\x0bRenewResult\x12%\n\x05lease\x18\x01 \x01(\x0b\x32\x14.loadmaster.v1.LeaseH\x00\x12,\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1b.loadmaster.v1.LeaseOpErrorH\x00\x42\x08\n\x06result\"9\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xb0\x01\n\x07LeaseOp\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\x30\n\x07\x61\x63quire\x18\x02 \x01(\x0b\x32\x1d.loadmaster.v1.AcquireRequestH\x00\x12,\n\x05renew\x18\x03 \x01(\x0b\x32\x1b.loadmaster.v1.RenewRequestH\x00\x12\x30\n\x07release\x18\x04 \x01(\x0b\x32\x1d.loadmaster.v1.ReleaseRequestH\x00\x42\x04\n\x02op\"\xeb\x01\n\rLeaseOpResult\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\x31\n\x07\x61\x63quire\x18\x02 \x01(\x0b\x32\x1e.loadmaster.v1.AcquireResponseH\x00\x12-\n\x05renew\x18\x03 \x01(\x0b\x32\x1c.loadmaster.v1.RenewResponseH\x00\x12\x31\n\x07release\x18\x04 \x01(\x0b\x32\x1e.loadmaster.v1.ReleaseResponseH\x00\x12,\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1b.loadmaster.v1.LeaseOpErrorH\x00\x42\x08\n\x06result\"G\n\x0cLeaseOpError\x12&\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x18.loadmaster.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"1\n\x11ListLeasesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\":\n\x12ListLeasesResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.loadmaster.v1.Lease\" \n\x10InventoryRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"5\n\x11InventoryResponse\x12 \n\x04gpus\x18\x01 \x03(\x0b\x32\x12.loadmaster.v1.Gpu\"\x0e\n\x0cWatchRequest\"\xe2\x01\n\nLeaseEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.loadmaster.v1.LeaseEvent.Kind\x12#\n\x05lease\x18\x02 \x01(\x0b\x32\x14.loadmaster.v1.Lease\x12\x19\n\x11timestamp_unix_ms\x18\x03 \x01(\x03\"f\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_ACQUIRED\x10\x01\x12\x10\n\x0cKIND_RENEWED\x10\x02\x12\x11\n\rKIND_RELEASED\x10\x03\x12\x10\n\x0cKIND_EXPIRED\x10\x04\x32\xb6\x05\n\tGpuBroker\x12W\n\x0cRegisterNode\x12\".loadmaster.v1.RegisterNodeRequest\x1a#.loadmaster.v1.RegisterNodeResponse\x12H\n\x07\x41\x63quire\x12\x1d.loadmaster.v1.AcquireRequest\x1a\x1e.loadmaster.v1.AcquireResponse\x12\x42\n\x05Renew\x12\x1b.loadmaster.v1.RenewRequest\x1a\x1c.loadmaster.v1.RenewResponse\x12N\n\tRenewMany\x12\x1f.loadmaster.v1.RenewManyRequest\x1a .loadmaster.v1.RenewManyResponse\x12H\n\x07Release\x12\x1d.loadmaster.v1.ReleaseRequest\x1a\x1e.loadmaster.v1.ReleaseResponse\x12\x42\n\x06Leases\x12\x16.loadmaster.v1.LeaseOp\x1a\x1c.loadmaster.v1.LeaseOpResult(\x01\x30\x01\x12Q\n\nListLeases\x12 .loadmaster.v1.ListLeasesRequest\x1a!.loadmaster.v1.ListLeasesResponse\x12N\n\tInventory\x12\x1f.loadmaster.v1.InventoryRequest\x1a .loadmaster.v1.InventoryResponse\x12\x41\n\x05Watch\x12\x1b.loadmaster.v1.WatchRequest\x1a\x19.loadmaster.v1.LeaseEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -60,30 +60,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENEWREQUEST']._serialized_end=1107
   _globals['_RENEWRESPONSE']._serialized_start=1109
   _globals['_RENEWRESPONSE']._serialized_end=1161
-  _globals['_RELEASEREQUEST']._serialized_start=1163
-  _globals['_RELEASEREQUEST']._serialized_end=1220
-  _globals['_RELEASERESPONSE']._serialized_start=1222
-  _globals['_RELEASERESPONSE']._serialized_end=1257
-  _globals['_LEASEOP']._serialized_start=1260
-  _globals['_LEASEOP']._serialized_end=1436
-  _globals['_LEASEOPRESULT']._serialized_start=1439
-  _globals['_LEASEOPRESULT']._serialized_end=1674
-  _globals['_LEASEOPERROR']._serialized_start=1676
-  _globals['_LEASEOPERROR']._serialized_end=1747
-  _globals['_LISTLEASESREQUEST']._serialized_start=1749
-  _globals['_LISTLEASESREQUEST']._serialized_end=1798
-  _globals['_LISTLEASESRESPONSE']._serialized_start=1800
-  _globals['_LISTLEASESRESPONSE']._serialized_end=1858
-  _globals['_INVENTORYREQUEST']._serialized_start=1860
-  _globals['_INVENTORYREQUEST']._serialized_end=1892
-  _globals['_INVENTORYRESPONSE']._serialized_start=1894
-  _globals['_INVENTORYRESPONSE']._serialized_end=1947
-  _globals['_WATCHREQUEST']._serialized_start=1949
-  _globals['_WATCHREQUEST']._serialized_end=1963
-  _globals['_LEASEEVENT']._serialized_start=1966
-  _globals['_LEASEEVENT']._serialized_end=2192
-  _globals['_LEASEEVENT_KIND']._serialized_start=2090
-  _globals['_LEASEEVENT_KIND']._serialized_end=2192
-  _globals['_GPUBROKER']._serialized_start=2195
-  _globals['_GPUBROKER']._serialized_end=2809
+  _globals['_RENEWMANYREQUEST']._serialized_start=1163
+  _globals['_RENEWMANYREQUEST']._serialized_end=1228
+  _globals['_RENEWMANYRESPONSE']._serialized_start=1230
+  _globals['_RENEWMANYRESPONSE']._serialized_end=1294
+  _globals['_RENEWRESULT']._serialized_start=1296
+  _globals['_RENEWRESULT']._serialized_end=1404
+  _globals['_RELEASEREQUEST']._serialized_start=1406
+  _globals['_RELEASEREQUEST']._serialized_end=1463
+  _globals['_RELEASERESPONSE']._serialized_start=1465
+  _globals['_RELEASERESPONSE']._serialized_end=1500
+  _globals['_LEASEOP']._serialized_start=1503
+  _globals['_LEASEOP']._serialized_end=1679
+  _globals['_LEASEOPRESULT']._serialized_start=1682
+  _globals['_LEASEOPRESULT']._serialized_end=1917
+  _globals['_LEASEOPERROR']._serialized_start=1919
+  _globals['_LEASEOPERROR']._serialized_end=1990
+  _globals['_LISTLEASESREQUEST']._serialized_start=1992
+  _globals['_LISTLEASESREQUEST']._serialized_end=2041
+  _globals['_LISTLEASESRESPONSE']._serialized_start=2043
+  _globals['_LISTLEASESRESPONSE']._serialized_end=2101
+  _globals['_INVENTORYREQUEST']._serialized_start=2103
+  _globals['_INVENTORYREQUEST']._serialized_end=2135
+  _globals['_INVENTORYRESPONSE']._serialized_start=2137
+  _globals['_INVENTORYRESPONSE']._serialized_end=2190
+  _globals['_WATCHREQUEST']._serialized_start=2192
+  _globals['_WATCHREQUEST']._serialized_end=2206
+  _globals['_LEASEEVENT']._serialized_start=2209
+  _globals['_LEASEEVENT']._serialized_end=2435
+  _globals['_LEASEEVENT_KIND']._serialized_start=2333
+  _globals['_LEASEEVENT_KIND']._serialized_end=2435
+  _globals['_GPUBROKER']._serialized_start=2438
+  _globals['_GPUBROKER']._serialized_end=3132
 # @@protoc_insertion_point(module_scope)

@@ -131,6 +131,26 @@ class RenewResponse(_message.Message):
     lease: Lease
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
+class RenewManyRequest(_message.Message):
+    __slots__ = ("renewals",)
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    renewals: _containers.RepeatedCompositeFieldContainer[RenewRequest]
+    def __init__(self, renewals: _Optional[_Iterable[_Union[RenewRequest, _Mapping]]] = ...) -> None: ...
+
+class RenewManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RenewResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RenewResult, _Mapping]]] = ...) -> None: ...
+
+class RenewResult(_message.Message):
+    __slots__ = ("lease", "error")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    error: LeaseOpError
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., error: _Optional[_Union[LeaseOpError, _Mapping]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id", "fencing_token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

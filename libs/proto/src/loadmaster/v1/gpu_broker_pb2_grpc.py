@@ -49,6 +49,11 @@ class GpuBrokerStub:
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewResponse.FromString,
                 _registered_method=True)
+        self.RenewMany = channel.unary_unary(
+                '/loadmaster.v1.GpuBroker/RenewMany',
+                request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyRequest.SerializeToString,
+                response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/loadmaster.v1.GpuBroker/Release',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseRequest.SerializeToString,
@@ -93,6 +98,15 @@ class GpuBrokerServicer:
 
     def Renew(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewMany(self, request, context):
+        """Renew several leases in one call (a worker renews all it holds on one timer): each
+        renewal is answered, in order, with the lease or the error the unary Renew would have
+        failed with, so one lost lease never fails the others. At most 1024 per call.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -149,6 +163,11 @@ def add_GpuBrokerServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewRequest.FromString,
                     response_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewResponse.SerializeToString,
+            ),
+            'RenewMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewMany,
+                    request_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyRequest.FromString,
+                    response_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -257,6 +276,33 @@ class GpuBroker:
             '/loadmaster.v1.GpuBroker/Renew',
             loadmaster_dot_v1_dot_gpu__broker__pb2.RenewRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.RenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loadmaster.v1.GpuBroker/RenewMany',
+            loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyRequest.SerializeToString,
+            loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,12 @@ __all__ = ["LeaseEventHub", "Watcher"]
 
 log = logging.getLogger(__name__)
 
+# How long one read of the subscription waits before it is issued again. Nothing needs the
+# listener to wake without a message: a closed connection fails the read at once, and each
+# new read first pings Redis when the connection was quiet for its health-check interval.
+# (It was 1 s: an idle broker woke every second for nothing.)
+LISTEN_TIMEOUT_S = 30.0
+
 
 class Watcher:
     """One Watch stream's queue: an async iterator of events that may end with an error."""
@@ -146,7 +152,7 @@ class LeaseEventHub:
                     backoff_s = min(backoff_s * 2, 5.0)
                     continue
                 assert self._subscription is not None
-                data = await self._subscription.next_message(timeout_s=1.0)
+                data = await self._subscription.next_message(timeout_s=LISTEN_TIMEOUT_S)
                 backoff_s = 0.1
                 if data is not None:
                     event = decode_event(data) if self._watchers else None

@@ -11,7 +11,7 @@ import logging
 import math
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import (
@@ -89,6 +89,12 @@ class LeaseManager:
         self._default_ttl_s = default_ttl_s
         self._default_reserve_mb = default_reserve_mb
         self._telemetry = telemetry
+        self._on_grant: Callable[[int], None] | None = None
+
+    def on_grant(self, callback: Callable[[int], None]) -> None:
+        """Call `callback(expires_unix_ms)` for each lease this replica grants (the reaper
+        wakes for one that expires before its next step)."""
+        self._on_grant = callback
 
     def now_ms(self) -> int:
         return int(self._clock.time() * 1000)
@@ -213,6 +219,8 @@ class LeaseManager:
             )
 
     def _granted(self, request: AcquireRequest, outcome: Granted, started: float) -> None:
+        if self._on_grant is not None:
+            self._on_grant(outcome.lease.expires_unix_ms)
         if outcome.replayed:
             log.info("acquire %s replayed: lease %s", request.client_request_id, outcome.lease.lease_id)
         else:
@@ -260,6 +268,19 @@ class LeaseManager:
         raise FailedPreconditionError(
             f"lease {lease_id} is not live (released, expired, or never granted); acquire a new lease"
         )
+
+    async def renew_many(self, renewals: Sequence[tuple[str, int, float]]) -> list[Lease | LoadmasterError]:
+        """Renew each `(lease_id, fencing_token, ttl_s)`; per renewal the lease, or the error
+        `renew` raises for it. Their scripts leave Redis in one pipeline (the store coalesces
+        calls made together); each stays atomic on its own."""
+
+        async def one(lease_id: str, token: int, ttl_s: float) -> Lease | LoadmasterError:
+            try:
+                return await self.renew(lease_id, fencing_token=token, ttl_s=ttl_s)
+            except LoadmasterError as error:
+                return error
+
+        return list(await asyncio.gather(*(one(*renewal) for renewal in renewals)))
 
     async def release(self, lease_id: str, *, fencing_token: int) -> bool:
         """True when this call freed the lease; False when it was already gone (idempotent)."""

@@ -4,8 +4,11 @@ report per-GPU gauges and the number of waiting acquires. Every replica runs one
 concurrent reaping safe. A step that fails is logged and the loop goes on.
 
 On a host with GPUs a step runs every `interval_s` (NVML is sampled each step). Without
-them it runs when the first lease expires, and at least every `idle_interval_s`: an idle
-broker wakes a few times a minute instead of every second. A lease granted meanwhile by
+them it runs when the first lease expires, and at least every `idle_interval_s` (15 s): an
+idle broker wakes a few times a minute instead of every second. (At 5 s, the steps were a
+third of an idle broker's CPU: each costs a few ms of wake-ups and Redis round trips, while
+held leases, renewed every ttl/3, never come due.) A lease this replica grants that expires
+before the next step wakes the loop to plan again, so its expiry is not missed. A lease granted meanwhile by
 another replica with an earlier expiry is reaped at this replica's next step; its memory is
 reclaimed before that anyway, lazily, by the next Acquire. Gauges are reported every step,
 not only when they change: the telemetry reporter drops what it cannot deliver (the metrics
@@ -58,7 +61,7 @@ class Reaper:
         inventory: Mapping[str, Sequence[GpuState]],
         telemetry: TelemetryReporter | None = None,
         interval_s: float = 1.0,
-        idle_interval_s: float = 5.0,
+        idle_interval_s: float = 15.0,
         slow_step_s: float = 0.5,
         rng: random.Random | None = None,
         local_gpus: LocalGpus | None = None,
@@ -73,10 +76,13 @@ class Reaper:
         self._slow_step_s = slow_step_s
         self._rng = rng or random.Random()
         self._task: asyncio.Task[None] | None = None
+        self._replan = asyncio.Event()  # a grant expires before the next step
+        self._next_step_ms: int | None = None  # broker clock; None while planning it
 
     async def start(self) -> None:
         """Run one step now (so the inventory is registered before serving), then loop."""
         await self._guarded_step()
+        self._manager.on_grant(self._granted)
         self._task = asyncio.create_task(self._run(), name="gpu-broker-reaper")
 
     async def stop(self) -> None:
@@ -147,7 +153,29 @@ class Reaper:
         if elapsed > self._slow_step_s:
             log.warning("reaper step took %.2fs", elapsed)
 
+    def _granted(self, expires_unix_ms: int) -> None:
+        # While planning, any grant may have missed the read of the first expiry: plan again.
+        if self._next_step_ms is None or expires_unix_ms < self._next_step_ms:
+            self._replan.set()
+
     async def _run(self) -> None:
         while True:
-            await self._clock.sleep(await self._next_delay())
-            await self._guarded_step()
+            self._next_step_ms = None
+            self._replan.clear()
+            delay = await self._next_delay()
+            self._next_step_ms = self._manager.now_ms() + round(delay * 1000)
+            if await self._sleep_or_replan(delay):
+                await self._guarded_step()
+
+    async def _sleep_or_replan(self, delay_s: float) -> bool:
+        """True when `delay_s` passed; False when a grant asked to plan again first."""
+        if self._replan.is_set():
+            return False
+        sleep = asyncio.ensure_future(self._clock.sleep(delay_s))
+        replan = asyncio.ensure_future(self._replan.wait())
+        try:
+            await asyncio.wait((sleep, replan), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleep.cancel()
+            replan.cancel()
+        return not self._replan.is_set()

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # Unanswered ops per Leases stream; past this the broker stops reading the stream.
 MAX_STREAM_OPS = 64
+# Renewals in one RenewMany call (a worker holds one lease per resident model).
+MAX_RENEWALS = 1024
 
 _KINDS = {
     LeaseEventKind.ACQUIRED: pb.LeaseEvent.KIND_ACQUIRED,
@@ -118,6 +120,20 @@ class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:  # noqa: N802
         return await self._renew(request)
+
+    async def RenewMany(  # noqa: N802
+        self, request: pb.RenewManyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenewManyResponse:
+        """One call for a holder's periodic renewals: at idle, a worker's renewals cost the
+        broker (and the worker) one wake-up per tick instead of one per lease."""
+        if len(request.renewals) > MAX_RENEWALS:
+            raise InvalidArgumentError(
+                f"at most {MAX_RENEWALS} renewals per call, got {len(request.renewals)}"
+            )
+        outcomes = await self._manager.renew_many(
+            [(r.lease_id, r.fencing_token, r.ttl_s) for r in request.renewals]
+        )
+        return pb.RenewManyResponse(results=[_renew_result(outcome) for outcome in outcomes])
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -210,6 +226,12 @@ class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
                 yield event_to_proto(event)
         finally:
             watcher.close()
+
+
+def _renew_result(outcome: Lease | LoadmasterError) -> pb.RenewResult:
+    if isinstance(outcome, LoadmasterError):
+        return pb.RenewResult(error=pb.LeaseOpError(code=outcome.code, message=outcome.message))
+    return pb.RenewResult(lease=lease_to_proto(outcome))
 
 
 def _op_error(op_id: int, error: LoadmasterError) -> pb.LeaseOpResult:

