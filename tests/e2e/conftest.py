@@ -43,13 +43,14 @@ def client_id() -> str:
 
 @pytest.fixture()
 def metrics_count(suite: Suite) -> Callable[[str, dict[str, str]], int]:
-    """How many samples of a series the metrics service holds for these labels."""
+    """A counter's total for these labels in the metrics service (reporters sum a counter's
+    increments per batch, so its number of samples is not the number of events)."""
 
     def count(name: str, labels: dict[str, str]) -> int:
         with grpc.insecure_channel(suite.settings.metrics.address) as channel:
             stub = metrics_pb2_grpc.MetricsStub(channel)
             reply = stub.GetStats(metrics_pb2.GetStatsRequest(name=name, labels=labels), timeout=5)
-        return int(reply.stats.count)
+        return round(reply.stats.sum)
 
     return count
 

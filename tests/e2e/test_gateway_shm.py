@@ -59,7 +59,7 @@ def count(suite: Suite, name: str, labels: dict[str, str]) -> int:
     with grpc.insecure_channel(suite.settings.metrics.address) as channel:
         stub = metrics_pb2_grpc.MetricsStub(channel)
         reply = stub.GetStats(metrics_pb2.GetStatsRequest(name=name, labels=labels), timeout=5)
-    return int(reply.stats.count)
+    return round(reply.stats.sum)  # a counter: its increments, summed per report batch
 
 
 def wait_for_count(suite: Suite, name: str, labels: dict[str, str], at_least: int) -> int:

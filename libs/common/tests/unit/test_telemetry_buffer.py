@@ -31,3 +31,26 @@ def test_batches_are_capped_at_max_batch() -> None:
     while reporter._buffer:
         sizes.append(len(reporter._take_batch().samples))
     assert sizes == [4, 4, 2]
+
+
+def test_counters_are_summed_per_series_until_the_next_batch() -> None:
+    reporter = TelemetryReporter("gateway", "gw-1", "metrics:50054")
+    for _ in range(100):
+        reporter.record("requests", 1.0, {"model": "m", "code": "ok"})
+        reporter.record("e2e_latency_ms", 2.0, {"model": "m", "code": "ok"})  # a histogram: kept
+    for _ in range(3):
+        reporter.record("requests", 1.0, {"code": "expired", "model": "m"})  # label order is irrelevant
+    reporter.record("send_errors", 2.0)
+    batch = reporter._take_batch()
+    counters = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for s in batch.samples
+        if s.name != "e2e_latency_ms"
+    }
+    assert counters == {
+        ("requests", (("code", "ok"), ("model", "m"))): 100.0,
+        ("requests", (("code", "expired"), ("model", "m"))): 3.0,
+        ("send_errors", ()): 2.0,
+    }
+    assert sum(1 for s in batch.samples if s.name == "e2e_latency_ms") == 100
+    assert len(reporter._take_batch().samples) == 0  # nothing left over
