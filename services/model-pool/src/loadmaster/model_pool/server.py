@@ -1,7 +1,7 @@
 """Wiring of one model-pool worker: pool, gRPC servicer, data port, scheduler session.
 
     server = await build(settings)          # wired, not started
-    port = await server.start()             # gRPC port; then data port, session, preload
+    port = await server.start()             # gRPC port; then engines, data port, session, preload
     server.data_endpoint, server.worker_id  # what the scheduler and gateways are told
     await server.stop()                     # refuse new work, drain, unload, release, close
 
@@ -16,11 +16,13 @@ import socket
 
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
+from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.common.tensors import TensorLimits
 from loadmaster.model_pool.data_port import DataPort, advertised_endpoint
+from loadmaster.model_pool.engines import engine_class
 from loadmaster.model_pool.leases import GrpcLeaseClient, LeaseClient
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.repository import ModelRepository
@@ -113,6 +115,7 @@ class ModelPoolServer(GrpcServer):
     async def _started(self) -> None:
         pool_settings = self.settings.model_pool
         self.telemetry.start()
+        import_engines(self.pool.repository, pool_settings.preload)
         last_endpoint = await self.data_port.start()
         self.data_endpoint = advertised_endpoint(last_endpoint, configured=pool_settings.data_endpoint)
         assert self.port is not None
@@ -153,6 +156,27 @@ class ModelPoolServer(GrpcServer):
         if self._owns_lease_client:
             await self.lease_client.close()
         await self.telemetry.close()
+
+
+def import_engines(repository: ModelRepository, model_ids: list[str]) -> list[str]:
+    """Import the engines of `model_ids` now, before the worker serves: a first import holds
+    the GIL for a long time (torch's ~2 s), and once the data port is bound, every request of
+    the models already READY would wait for it. Returns the backends imported; a model or an
+    engine that cannot be had is left for its load to report."""
+    backends: set[str] = set()
+    for model_id in model_ids:
+        try:
+            backends.add(repository.spec(model_id).backend)
+        except LoadmasterError:
+            continue
+    imported = []
+    for backend in sorted(backends):
+        try:
+            engine_class(backend)
+        except LoadmasterError:
+            continue
+        imported.append(backend)
+    return imported
 
 
 async def build(
