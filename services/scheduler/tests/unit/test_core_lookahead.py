@@ -11,6 +11,7 @@ import pytest
 from loadmaster.scheduler.config import ModelPolicy
 from loadmaster.scheduler.domain import OverflowPolicy, SlotState
 from loadmaster.scheduler.lookahead import Lookahead
+from loadmaster.scheduler.strategies import BatchRule, make_ordering
 from loadmaster.v1 import errors_pb2
 
 if TYPE_CHECKING:
@@ -219,3 +220,30 @@ def test_a_staged_request_pushed_past_its_deadline_makes_room_for_another(h: Har
     h.complete("low", error=errors_pb2.ERROR_CODE_EXPIRED)
     h.complete("next", inference_ms=10.0)
     h.check(settled=True)
+
+
+def test_a_request_that_starts_on_arrival_is_late_only_by_the_send_path() -> None:
+    """The inference time's deviation says nothing about when a request reaches a free slot:
+    a model whose requests take 1 ms or 100 ms must not have its requests expired up front."""
+    look = Lookahead(margin_s=0.0)
+    for n in range(20):
+        key = (1, f"r{n}")
+        inference_s = 0.001 if n % 2 else 0.100
+        look.granted("w", "m", key, 0.0, max_inflight=1)
+        look.completed(key, inference_s + 0.002, inference_ms=inference_s * 1000)  # 1 ms each way
+    assert not look.active  # nothing granted: the slot is free
+    assert not look.too_late("w", "m", 0.0 + 0.001 + 0.0005, 0.0)
+    assert look.too_late("w", "m", 0.0 + 0.001 - 0.0005, 0.0)  # it cannot get there in time
+
+
+def test_batch_optimized_never_stages_nor_wakes_for_windows(h: Harness) -> None:
+    h.core.set_ordering(make_ordering("batch_optimized", batch=BatchRule(max_batch_size=2, max_wait_s=0.005)))
+    t0 = h.clock.monotonic()
+    h.enqueue("b", "c")  # a full group: b runs, c waits for the slot
+    assert h.granted_ids()[STEADY:] == ["b"]
+    h.advance(6 * MS)  # past c's group wait; the slot is still busy
+    assert h.core.next_deadline() == pytest.approx(t0 + 1.0)  # c's TTL: no lookahead window
+    h.advance(3.6 * MS)
+    assert h.granted_ids()[STEADY:] == ["b"]  # nothing staged behind b
+    h.complete("b", inference_ms=10.0)
+    assert h.granted_ids()[STEADY:] == ["b", "c"]

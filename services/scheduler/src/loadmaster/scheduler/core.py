@@ -206,7 +206,7 @@ class SchedulerCore(Dispatching):
         check = self._clients.next_check()
         if check is not None and (wake is None or check < wake):
             wake = check
-        if self._lookahead.active:
+        if self._lookahead.active and self._queues.ordering.batch is None:  # batches never stage
             opens = self._lookahead.next_open(self._queues.waiting_models(), self._clock.monotonic())
             if opens is not None and (wake is None or opens < wake):
                 wake = opens

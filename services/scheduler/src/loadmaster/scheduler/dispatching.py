@@ -227,7 +227,7 @@ class Dispatching:
         assert record is not None
         slot = record.slots[model_id]
         self._registry.acquire(worker_id, request.key, model_id)
-        if self._config.policy(model_id).lookahead:
+        if self._config.policy(model_id).lookahead and self._queues.ordering.batch is None:
             self._lookahead.granted(
                 worker_id,
                 model_id,

@@ -32,8 +32,9 @@ pushes past its deadline is doomed: the worker will answer it `expired` without 
 so the slot's next window takes one more grant, or the slot would idle behind the refusal.
 
 A head is granted only if it is predicted to start before its deadline by more than the
-jitter (after the send time, and after the requests running and staged ahead of it);
-otherwise it is answered `expired` at once (`too_late`): under overload the oldest requests
+send path's deviation (starting on arrival), or by more than the jitter when it has to wait
+for the requests running and staged ahead of it; otherwise it is answered `expired` at once
+(`too_late`): under overload the oldest requests
 sit at the brink of their deadlines, and one refused at the worker costs the slot a turn.
 
 Plain bookkeeping on the core's clock. The core grants, and opens a window by setting the
@@ -244,21 +245,22 @@ class Lookahead:
     def too_late(
         self, worker_id: str, model_id: str, deadline: float, now: float, *, front: bool = False
     ) -> bool:
-        """A request granted to this slot now would start only after `deadline` (within the
-        predictions' jitter): after the send time, and (staged) after the requests running and
-        staged before it; a `front` one goes before the staged ones."""
+        """A request granted to this slot now would start only after `deadline`, give or take:
+        after the send time (within its deviation), and, when it has to wait at the worker
+        (staged, or ahead of the staged ones when `front`), after the requests running and
+        staged before it (within the inference time's deviation too)."""
         estimates = self._estimates.get(model_id) or _Estimates()
-        start = now + estimates.one_way_s
+        arrival = now + estimates.one_way_s
         slot = self._slots.get(model_id, {}).get(worker_id)
+        following = now
         if slot is not None:
             if not front:
                 following = self._starts(model_id, slot, now)[1]
             elif len(slot.running) >= slot.max_inflight:
                 following = min(slot.running.values())
-            else:
-                following = now
-            start = max(start, following)
-        return deadline < start + estimates.jitter_s
+        if following <= arrival:  # starts on arrival: only the send path can make it late
+            return deadline < arrival + estimates.overhead_deviation_s
+        return deadline < following + estimates.jitter_s
 
     def _starts(self, model_id: str, slot: _Slot, now: float) -> tuple[dict[RequestKey, float], float]:
         """Predicted start of each staged request (the doomed never run) and of one more: each
