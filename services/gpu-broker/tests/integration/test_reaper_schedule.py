@@ -88,3 +88,16 @@ async def test_a_grant_expiring_before_the_next_step_wakes_the_reaper(manager: L
         assert clock.monotonic() - 1000.0 < 5.0
     finally:
         await r.stop()
+
+
+async def test_a_planned_step_is_not_pushed_back_by_time_passing_before_its_sleep_starts(
+    manager: LeaseManager,
+) -> None:
+    clock: FakeClock = manager._clock  # type: ignore[attr-defined]
+    r = reaper(manager)
+    waiting = asyncio.ensure_future(r._sleep_or_replan(5.0))
+    await asyncio.sleep(0)  # planned: its sleeping task is created but has not run yet
+    clock.advance(4.0)
+    await asyncio.sleep(0)
+    clock.advance(1.5)  # 5.5 s after planning: due
+    assert await asyncio.wait_for(waiting, 5.0) is True

@@ -167,11 +167,16 @@ class Reaper:
             if await self._sleep_or_replan(delay):
                 await self._guarded_step()
 
+    async def _sleep_until(self, wake_at: float) -> None:
+        await self._clock.sleep(wake_at - self._clock.monotonic())
+
     async def _sleep_or_replan(self, delay_s: float) -> bool:
         """True when `delay_s` passed; False when a grant asked to plan again first."""
         if self._replan.is_set():
             return False
-        sleep = asyncio.ensure_future(self._clock.sleep(delay_s))
+        # The end is fixed now: the sleeping task starts a loop turn later, and a clock that
+        # moved meanwhile must not push the step back (a test's FakeClock.advance did).
+        sleep = asyncio.ensure_future(self._sleep_until(self._clock.monotonic() + delay_s))
         replan = asyncio.ensure_future(self._replan.wait())
         try:
             await asyncio.wait((sleep, replan), return_when=asyncio.FIRST_COMPLETED)
