@@ -22,10 +22,10 @@ import uuid
 from typing import Any
 
 import numpy as np
-import psutil
 from _harness import RESULTS, percentiles_ms, running_suite_handle, write_result
 from _inferential import inferential_server
 from _load import run_load
+from idle_probe import cpu_seconds, process_tree
 from inferential import Connection
 
 SMALL = {"x": np.arange(7, dtype=np.float32)}
@@ -75,23 +75,11 @@ def head_of_line(edge: str, seconds: float) -> dict[str, Any]:
 
 
 def idle_cpu_percent(pids: list[int], seconds: float = 10.0) -> float:
-    processes = [psutil.Process(pid) for pid in pids]
-    for process in processes:  # include children (e.g. worker threads' processes)
-        processes += process.children(recursive=True)
-
-    def total() -> float:
-        cpu = 0.0
-        for process in processes:
-            try:
-                times = process.cpu_times()
-                cpu += times.user + times.system
-            except psutil.Error:
-                pass
-        return cpu
-
-    before = total()
+    """CPU of the processes (children included) over `seconds`, in % of one core."""
+    processes = [process for pid in pids for process in process_tree(pid)]
+    before = sum(cpu_seconds(p) for p in processes)
     time.sleep(seconds)
-    return (total() - before) / seconds * 100
+    return (sum(cpu_seconds(p) for p in processes) - before) / seconds * 100
 
 
 def measure(edge: str, pids: list[int], quick: bool) -> dict[str, Any]:

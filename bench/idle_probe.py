@@ -28,9 +28,18 @@ from _harness import running_suite_handle, write_result
 MAX_SECONDS = 300.0
 
 
-def _tree(pid: int) -> list[psutil.Process]:
+def process_tree(pid: int) -> list[psutil.Process]:
     process = psutil.Process(pid)
     return [process, *process.children(recursive=True)]
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU time; 0 for a process that has ended."""
+    try:
+        times = process.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(times.user + times.system)
 
 
 def _voluntary_switches(pid: int) -> int:
@@ -53,11 +62,7 @@ def _sample(trees: dict[str, list[psutil.Process]]) -> dict[str, tuple[float, in
     for name, processes in trees.items():
         cpu, switches = 0.0, 0
         for process in processes:
-            try:
-                times = process.cpu_times()
-                cpu += times.user + times.system
-            except psutil.Error:
-                continue
+            cpu += cpu_seconds(process)
             switches += _voluntary_switches(process.pid)
         out[name] = (cpu, switches)
     return out
@@ -68,7 +73,7 @@ def probe(suite: Any, *, seconds: float, settle_s: float) -> dict[str, Any]:
     if suite.redis is not None and suite.redis.process is not None:
         pids["redis"] = suite.redis.process.pid
     time.sleep(settle_s)
-    trees = {name: _tree(pid) for name, pid in pids.items()}
+    trees = {name: process_tree(pid) for name, pid in pids.items()}
     before = _sample(trees)
     started = time.monotonic()
     time.sleep(seconds)
