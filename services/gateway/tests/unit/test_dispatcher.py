@@ -22,14 +22,31 @@ class _SchedulerDouble:
         self.completed: list[tuple[str, int, bool]] = []
         self.cancelled: list[str] = []
         self.returned: list[str] = []
-        self.order: list[str] = []  # "enqueue r1", "complete r1", "return c1" as sent
+        self.deferred: list[str] = []  # request ids whose Complete may wait
+        self.order: list[str] = []  # "enqueue r1", "run r1", "complete r1", "return c1" as sent
 
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
+        assert not request.credit_id
         self.enqueued.append(request)
         self.order.append(f"enqueue {request.request_id}")
 
-    def complete(self, request_id: str, *, error_code: int = 0, retryable: bool = False, **_: Any) -> None:
+    def report_run(self, request: scheduler_pb2.RequestInfo) -> None:
+        assert request.credit_id
+        self.enqueued.append(request)
+        self.order.append(f"run {request.request_id}")
+
+    def complete(
+        self,
+        request_id: str,
+        *,
+        error_code: int = 0,
+        retryable: bool = False,
+        deferred: bool = False,
+        **_: Any,
+    ) -> None:
         self.completed.append((request_id, error_code, retryable))
+        if deferred:
+            self.deferred.append(request_id)
         self.order.append(f"complete {request_id}")
 
     def cancel(self, request_id: str) -> None:
@@ -53,9 +70,7 @@ class _WorkersDouble:
 
 @pytest.fixture()
 def parts() -> tuple[Dispatcher, _SchedulerDouble, _WorkersDouble, list[CallResult]]:
-    dispatcher = Dispatcher(
-        telemetry=TelemetryReporter("gateway", "test", None), reply_grace_s=0.05, report_delay_s=0.01
-    )
+    dispatcher = Dispatcher(telemetry=TelemetryReporter("gateway", "test", None), reply_grace_s=0.05)
     scheduler, workers = _SchedulerDouble(), _WorkersDouble()
     dispatcher.attach(scheduler, workers)  # type: ignore[arg-type]
     results: list[CallResult] = []
@@ -198,10 +213,10 @@ async def test_a_call_on_an_idle_credit_goes_straight_to_the_worker(parts) -> No
     dispatcher.submit(_call("r2"), results.append)  # the only credit is busy: asks the scheduler
     assert scheduler.enqueued[-1].credit_id == "" and len(workers.sent) == 1
     dispatcher.on_worker_reply(_ok("r1"), b"out")
-    assert results[0].ok and scheduler.completed == []  # held for the next Enqueue
+    assert results[0].ok and scheduler.completed == [("r1", 0, False)]
+    assert scheduler.deferred == ["r1"]  # the credit stays usable: nothing waits on it
     dispatcher.submit(_call("r3"), results.append)  # the credit is idle again
     assert scheduler.enqueued[-1].credit_id == "c1"
-    assert scheduler.completed == [("r1", 0, False)]
     assert scheduler.returned == []
 
 
@@ -215,35 +230,16 @@ async def test_idle_credits_take_turns(parts) -> None:
     assert [e.credit_id for e in scheduler.enqueued] == ["c1", "c2", "c1"]
 
 
-async def test_the_end_of_a_credit_run_is_reported_just_before_the_next_enqueue(parts) -> None:
+async def test_each_credit_run_is_reported_as_a_run_then_its_end(parts) -> None:
     dispatcher, scheduler, _workers, results = parts
     dispatcher.on_credit(_credit())
     dispatcher.submit(_call("r1"), results.append)
     dispatcher.on_worker_reply(_ok("r1"), b"")
     dispatcher.submit(_call("r2"), results.append)
     dispatcher.on_worker_reply(_ok("r2"), b"")
-    dispatcher.submit(_call("r3"), results.append)
-    assert scheduler.order == ["enqueue r1", "complete r1", "enqueue r2", "complete r2", "enqueue r3"]
-    assert [e.credit_id for e in scheduler.enqueued] == ["c1", "c1", "c1"]
-
-
-async def test_a_held_complete_goes_out_on_its_own_when_no_request_follows(parts) -> None:
-    dispatcher, scheduler, _workers, results = parts
-    dispatcher.on_credit(_credit())
-    dispatcher.submit(_call("r1"), results.append)
-    dispatcher.on_worker_reply(_ok("r1"), b"")
-    assert scheduler.completed == []
-    await asyncio.sleep(0.1)  # the fixture's report_delay_s is 0.01
-    assert scheduler.completed == [("r1", 0, False)]
-
-
-async def test_held_completes_go_out_before_a_credit_is_returned(parts) -> None:
-    dispatcher, scheduler, _workers, results = parts
-    dispatcher.on_credit(_credit())
-    dispatcher.submit(_call("r1"), results.append)
-    dispatcher.on_worker_reply(_ok("r1"), b"")
-    dispatcher.on_revoke("c1")
-    assert scheduler.order == ["enqueue r1", "complete r1", "return c1"]
+    assert scheduler.order == ["run r1", "complete r1", "run r2", "complete r2"]
+    assert [e.credit_id for e in scheduler.enqueued] == ["c1", "c1"]
+    assert scheduler.deferred == ["r1", "r2"]
 
 
 async def test_a_call_on_a_revoked_credit_reports_its_end_at_once(parts) -> None:
@@ -252,17 +248,8 @@ async def test_a_call_on_a_revoked_credit_reports_its_end_at_once(parts) -> None
     dispatcher.submit(_call("r1"), results.append)
     dispatcher.on_revoke("c1")
     dispatcher.on_worker_reply(_ok("r1"), b"")
-    assert scheduler.order == ["enqueue r1", "complete r1", "return c1"]
-
-
-async def test_losing_the_scheduler_drops_held_completes(parts) -> None:
-    dispatcher, scheduler, _workers, results = parts
-    dispatcher.on_credit(_credit())
-    dispatcher.submit(_call("r1"), results.append)
-    dispatcher.on_worker_reply(_ok("r1"), b"")
-    dispatcher.on_scheduler_lost()
-    await asyncio.sleep(0.1)
-    assert scheduler.completed == []  # the new session never heard of r1
+    assert scheduler.order == ["run r1", "complete r1", "return c1"]
+    assert scheduler.deferred == []  # the credit goes back: the scheduler must see the end first
 
 
 async def test_a_revoked_credit_is_returned_at_once_when_idle_else_when_its_call_ends(parts) -> None:

@@ -1,27 +1,123 @@
-"""The Session outbox: what goes into which message (no stream; the generator is driven by hand)."""
+"""The Session outbox: what goes into which message, and when (no stream; the generator
+is driven by hand)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
 from loadmaster.gateway.scheduler_link import SchedulerLink
-from loadmaster.v1 import scheduler_pb2
+from loadmaster.v1 import errors_pb2, scheduler_pb2
+
+_DELAY_S = 0.05
 
 
 def _run(request_id: str, credit_id: str) -> scheduler_pb2.RequestInfo:
     return scheduler_pb2.RequestInfo(request_id=request_id, model_id="double", credit_id=credit_id)
 
 
-async def test_a_second_run_on_a_credit_waits_for_the_message_after_its_predecessor() -> None:
-    link = SchedulerLink("127.0.0.1:1", "gw", on_grant=print, on_reject=print, on_lost=print)
+def _plain(request_id: str) -> scheduler_pb2.RequestInfo:
+    return scheduler_pb2.RequestInfo(request_id=request_id, model_id="double")
+
+
+@pytest.fixture()
+async def session() -> tuple[SchedulerLink, AsyncIterator[scheduler_pb2.SessionRequest]]:
+    link = SchedulerLink(
+        "127.0.0.1:1", "gw", on_grant=print, on_reject=print, on_lost=print, report_delay_s=_DELAY_S
+    )
     link._connected.set()  # as after the stream opened
     outgoing = link._outgoing(link._outbox)
     hello = await anext(outgoing)
     assert hello.HasField("hello")
-    # The writer was busy: r1's run, its Complete and r2's run on the same credit all wait.
-    link.enqueue(_run("r1", "c1"))
+    return link, outgoing
+
+
+def _ids(message: scheduler_pb2.SessionRequest) -> dict[str, list[str]]:
+    return {
+        "complete": [c.request_id for c in message.complete],
+        "finished": [f.request.request_id for f in message.finished_run],
+        "return": [r.credit_id for r in message.return_credit],
+        "enqueue": [e.request.request_id for e in message.enqueue],
+    }
+
+
+async def test_credit_runs_wait_for_the_report_delay_and_leave_together(session) -> None:
+    link, outgoing = session
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    link.report_run(_run("r1", "c1"))
+    link.complete("r1", worker_id="w1", inference_ms=0.5, deferred=True)
+    link.report_run(_run("r2", "c1"))
+    link.complete("r2", deferred=True)
+    link.report_run(_run("r3", "c1"))  # still running when the message leaves
+    message = await asyncio.wait_for(anext(outgoing), 2.0)
+    assert loop.time() - started >= _DELAY_S * 0.9
+    assert _ids(message) == {"complete": [], "finished": ["r1", "r2"], "return": [], "enqueue": ["r3"]}
+    first = message.finished_run[0]
+    assert (first.request.credit_id, first.complete.worker_id, first.complete.inference_ms) == (
+        "c1",
+        "w1",
+        0.5,
+    )
+    assert not link._outbox
+
+
+async def test_a_report_that_cannot_wait_takes_the_waiting_runs_along_at_once(session) -> None:
+    link, outgoing = session
+    link.report_run(_run("r1", "c1"))
+    link.complete("r1", deferred=True)
+    link.enqueue(_plain("r2"))  # needs a grant: no delay
+    message = await asyncio.wait_for(anext(outgoing), _DELAY_S / 2)
+    assert _ids(message) == {"complete": [], "finished": ["r1"], "return": [], "enqueue": ["r2"]}
+
+
+async def test_a_run_already_sent_is_completed_in_a_later_message(session) -> None:
+    link, outgoing = session
+    link.report_run(_run("r1", "c1"))
+    link.enqueue(_plain("r2"))
+    assert _ids(await anext(outgoing))["enqueue"] == ["r1", "r2"]
+    link.complete("r1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True)
+    message = await asyncio.wait_for(anext(outgoing), _DELAY_S / 2)
+    assert _ids(message)["complete"] == ["r1"] and message.complete[0].retryable
+
+
+async def test_a_finished_run_goes_before_its_credit_is_returned(session) -> None:
+    link, outgoing = session
+    link.report_run(_run("r1", "c1"))
+    link.complete("r1", deferred=True)
+    link.return_credit("c1")
+    message = await asyncio.wait_for(anext(outgoing), _DELAY_S / 2)
+    assert _ids(message) == {"complete": [], "finished": ["r1"], "return": ["c1"], "enqueue": []}
+
+
+async def test_a_credits_next_run_never_leaves_before_its_earlier_ends() -> None:
+    link = SchedulerLink("127.0.0.1:1", "gw", on_grant=print, on_reject=print, on_lost=print, max_batch=1)
+    link._connected.set()
+    outgoing = link._outgoing(link._outbox)
+    await anext(outgoing)
+    # r1 ran on c1 and r2 on c2; both runs were sent before they ended.
+    link.report_run(_run("r1", "c1"))
+    link.report_run(_run("r2", "c2"))
+    link.enqueue(_plain("x"))
+    assert _ids(await anext(outgoing))["enqueue"] == ["r1", "x"]  # one run, one enqueue
+    assert _ids(await anext(outgoing))["enqueue"] == ["r2"]
     link.complete("r1")
-    link.enqueue(_run("r2", "c1"))
-    link.enqueue(_run("r3", "c2"))
+    link.complete("r2")
+    link.report_run(_run("r3", "c1"))
     first, second = await anext(outgoing), await anext(outgoing)
-    assert [e.request.request_id for e in first.enqueue] == ["r1"] and not first.complete
-    assert [c.request_id for c in second.complete] == ["r1"]
-    assert [e.request.request_id for e in second.enqueue] == ["r2", "r3"]
+    # One Complete per message (max_batch 1): r3 waits until no earlier end is left behind.
+    assert _ids(first) == {"complete": ["r1"], "finished": [], "return": [], "enqueue": []}
+    assert _ids(second) == {"complete": ["r2"], "finished": [], "return": [], "enqueue": ["r3"]}
+
+
+async def test_losing_the_session_drops_what_waited_and_its_timer(session) -> None:
+    link, _outgoing = session
+    link.report_run(_run("r1", "c1"))
+    link.complete("r1", deferred=True)
+    timer = link._outbox.report_timer
+    assert timer is not None
+    link._mark_lost()
+    assert timer.cancelled()
+    assert not link._outbox  # the scheduler forgot the lost session's runs

@@ -11,7 +11,7 @@ import pytest
 
 from loadmaster.common.clock import FakeClock
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore
-from loadmaster.scheduler.credits import Credit, CreditRun
+from loadmaster.scheduler.credits import Credit, CreditRun, FinishedRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -168,6 +168,28 @@ class Harness:
         self.core.submit(
             session, runs=[CreditRun(credit_id, RequestInfo(request_id, model, client_id=client))]
         )
+
+    def finished(
+        self,
+        request_id: str,
+        credit_id: str,
+        *,
+        error: int = 0,
+        retryable: bool = False,
+        session: int = 1,
+        client: str = "",
+        received_unix_ns: int = 0,
+    ) -> None:
+        """The gateway reports a credit run only after it ended. Ended for good, it needs
+        nothing more; a retryable failure is queued again (the harness expects a grant)."""
+        life = self._lives.setdefault((session, request_id), _Life())
+        final = error == errors_pb2.ERROR_CODE_UNSPECIFIED or not retryable
+        entry = self.lent.get(credit_id)
+        on_credit = entry is not None and entry[0] == session and entry[1].running is None
+        life.state, life.attempts = ("done" if final else "queued"), 1 if on_credit else 0
+        info = RequestInfo(request_id, "m", client_id=client, received_unix_ns=received_unix_ns)
+        completion = Completion(request_id, error, retryable, entry[1].worker_id if entry else "")
+        self.core.submit(session, finished=[FinishedRun(CreditRun(credit_id, info), completion)])
 
     def return_credit(self, credit_id: str, *, session: int = 1) -> None:
         self.lent.pop(credit_id, None)

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from loadmaster.scheduler.domain import SlotState
+from loadmaster.scheduler.credits import CreditRun, FinishedRun
+from loadmaster.scheduler.domain import Completion, RequestInfo, SlotState
 from loadmaster.scheduler.strategies import make_ordering
 from loadmaster.v1 import errors_pb2
 
@@ -180,3 +181,71 @@ def test_switching_to_batch_optimized_revokes_every_credit(h: Harness) -> None:
     lent = sorted(h.idle_credits())
     h.core.set_ordering(make_ordering("batch_optimized"))
     assert sorted(h.revoked) == lent
+
+
+def test_a_run_reported_after_it_ended_counts_as_run_and_completed(h: Harness) -> None:
+    h.enqueue("a")
+    h.complete("a")
+    credit = h.idle_credits()[0]
+    h.finished("r1", credit, client="robot")
+    assert h.state("r1") == "done"
+    assert credit in h.idle_credits() and h.revoked == []  # still lent, idle, usable
+    [stats] = h.core.queue_stats()
+    assert (stats.granted, stats.inflight, stats.credits, stats.depth) == (2, 0, 2, 0)
+    assert h.core.active_clients == 1
+    h.run("r2", credit)
+    assert h.state("r2") == "granted"
+    h.complete("r2")
+    h.check(settled=True)
+
+
+def test_a_finished_run_on_a_credit_the_core_no_longer_holds_is_not_run_again(h: Harness) -> None:
+    h.enqueue("a")
+    h.complete("a")
+    credit = h.idle_credits()[0]
+    h.return_credit(credit)  # raced with its own return
+    h.finished("r1", credit)
+    assert "r1" not in h.granted_ids() and h.rejects() == []
+    assert h.revoked == []  # nothing waited in the queue
+    [stats] = h.core.queue_stats()
+    assert (stats.depth, stats.inflight, stats.credits) == (0, 0, 2)  # nothing queued or running
+    h.check(settled=True)
+
+
+def test_a_finished_run_that_failed_retryably_is_granted_again(h: Harness) -> None:
+    h.enqueue("a")
+    h.complete("a")
+    c1, c2 = sorted(h.idle_credits())
+    h.finished("r1", c1, error=UNAVAILABLE, retryable=True)
+    assert sorted(h.revoked) == [c1, c2]  # r1 waits in the queue again
+    h.return_credit(c1)  # as the gateway does after a retryable failure on a credit
+    [grant] = [g for g in h.grants() if g.request_id == "r1"]
+    assert (grant.worker_id, grant.attempt) == ("w1", 2)
+    h.complete("r1")
+    h.return_credit(c2)
+    h.check(settled=True)
+
+
+def test_a_message_applies_finished_runs_before_returning_their_credit(h: Harness) -> None:
+    h.enqueue("a")
+    h.complete("a")
+    credit = h.idle_credits()[0]
+    run = CreditRun(credit, RequestInfo("r1", "m"))
+    h.core.submit(1, finished=[FinishedRun(run, Completion("r1", worker_id="w1"))], returns=[credit])
+    assert "r1" not in h.granted_ids() and h.rejects() == []
+    [stats] = h.core.queue_stats()
+    assert (stats.depth, stats.granted) == (0, 2)  # run on the credit, not queued
+
+
+def test_a_late_reported_run_keeps_its_clients_cadence(h: Harness) -> None:
+    """Runs that reach the core together, reported after the gateway's report delay, still
+    give the client's cadence from when they reached the gateway."""
+    h.enqueue("a")
+    h.complete("a")
+    credit = h.idle_credits()[0]
+    now_ns = int(h.clock.time() * 1e9)
+    for n in range(4):  # arrived 30 ms apart; all reported now
+        sent_ns = now_ns - (3 - n) * 30_000_000
+        h.finished(f"r{n}", credit, client="robot", received_unix_ns=sent_ns)
+    cadence_ms = h.core._clients.cadence_ms("robot")
+    assert cadence_ms == pytest.approx(30.0, rel=0.01)

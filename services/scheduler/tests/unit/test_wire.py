@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadmaster.scheduler import wire
-from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun
+from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun, FinishedRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -44,8 +44,19 @@ def test_session_batch_translates_every_kind() -> None:
         ],
         cancel=[scheduler_pb2.Cancel(request_id="r9")],
         return_credit=[scheduler_pb2.ReturnCredit(credit_id="c5")],
+        finished_run=[
+            scheduler_pb2.FinishedRun(
+                request=scheduler_pb2.RequestInfo(request_id="r4", model_id="m", credit_id="c7"),
+                complete=scheduler_pb2.Complete(request_id="r4", worker_id="w", inference_ms=1.5),
+            )
+        ],
     )
     batch = wire.session_batch(pb)
+    assert batch.finished == [
+        FinishedRun(
+            CreditRun("c7", RequestInfo("r4", "m")), Completion("r4", worker_id="w", inference_ms=1.5)
+        )
+    ]
     enqueues, completes, cancels = batch.enqueues, batch.completes, batch.cancels
     assert batch.runs == [CreditRun("c7", RequestInfo("r3", "m"))]
     assert batch.returns == ["c5"]

@@ -83,19 +83,29 @@ class ReturnCredit(_message.Message):
     credit_id: str
     def __init__(self, credit_id: _Optional[str] = ...) -> None: ...
 
+class FinishedRun(_message.Message):
+    __slots__ = ("request", "complete")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    request: RequestInfo
+    complete: Complete
+    def __init__(self, request: _Optional[_Union[RequestInfo, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("hello", "enqueue", "complete", "cancel", "return_credit")
+    __slots__ = ("hello", "enqueue", "complete", "cancel", "return_credit", "finished_run")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ENQUEUE_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     RETURN_CREDIT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_RUN_FIELD_NUMBER: _ClassVar[int]
     hello: SessionHello
     enqueue: _containers.RepeatedCompositeFieldContainer[Enqueue]
     complete: _containers.RepeatedCompositeFieldContainer[Complete]
     cancel: _containers.RepeatedCompositeFieldContainer[Cancel]
     return_credit: _containers.RepeatedCompositeFieldContainer[ReturnCredit]
-    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ...) -> None: ...
+    finished_run: _containers.RepeatedCompositeFieldContainer[FinishedRun]
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ..., finished_run: _Optional[_Iterable[_Union[FinishedRun, _Mapping]]] = ...) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns", "attempt", "front_of_queue")

@@ -13,14 +13,8 @@ credit's worker and reports it to the scheduler as already running. A credit is
 idle again once its call has ended, unless it was revoked (then it is returned)
 or its worker failed the call retryably or never replied (returned as well).
 
-The end of a call run on a credit is reported late: its Complete waits (at most
-`report_delay_s`) for the next Enqueue and travels in the same Session message.
-The slot stays lent either way, so nothing waits on that Complete, and a client
-that sends its next observation within `report_delay_s` of its reply costs one
-Session message per request instead of two (a stream message costs each side
-~0.1 ms of CPU, as much as the rest of the gateway's work on a request). Held
-Completes go out before any credit is returned, so the scheduler never counts a
-finished run against a worker.
+Reports of calls run on a credit (the run, and its end while the credit stays
+usable) may wait a few milliseconds for other messages: see `SchedulerLink`.
 
 A large payload for a worker on this host travels in a shared memory slot (see
 `ShmPayloads`). The slot belongs to one send: it is freed when that worker's reply
@@ -74,16 +68,6 @@ class _Pending:
     shm: ShmSlot | None = None  # the payload's shared memory slot while a worker may read it
 
 
-@dataclass(frozen=True, slots=True)
-class _HeldComplete:
-    """The Complete of a call that ran on a credit, not yet told to the scheduler."""
-
-    request_id: str
-    error_code: int
-    worker_id: str
-    inference_ms: float
-
-
 @dataclass(slots=True)
 class _Credit:
     """A worker slot the scheduler lent this gateway (see scheduler.proto)."""
@@ -104,18 +88,12 @@ class Dispatcher:
         *,
         telemetry: TelemetryReporter,
         reply_grace_s: float = 10.0,
-        report_delay_s: float = 0.02,
     ) -> None:
         self._telemetry = telemetry
         self._reply_grace_s = reply_grace_s
-        self._report_delay_s = report_delay_s
-        self._held: list[_HeldComplete] = []
-        self._held_flush: asyncio.TimerHandle | None = None
         self._pending: dict[str, _Pending] = {}
         self._credits: dict[str, _Credit] = {}
-        # model -> idle credits, the longest idle first: a credit's next run must reach the
-        # scheduler after its previous run's Complete, and rotating gives the Session stream
-        # the most time to send that Complete.
+        # model -> idle credits, the longest idle first (rotating spreads calls over them)
         self._idle_credits: dict[str, list[_Credit]] = {}
         self._scheduler: SchedulerLink | None = None
         self._workers: WorkerLinks | None = None
@@ -166,8 +144,10 @@ class Dispatcher:
         )
         if span.is_recording():
             tracing.inject(info.trace_context, span=span)
-        self._flush_held()  # in the same Session message as this Enqueue, before it
-        self._scheduler.enqueue(info)
+        if credit_id:
+            self._scheduler.report_run(info)
+        else:
+            self._scheduler.enqueue(info)
 
     def cancel(self, request_id: str) -> None:
         """The caller went away: drop its queued request; no reply is sent."""
@@ -244,7 +224,6 @@ class Dispatcher:
         session's credits are void (calls running on them still get their replies)."""
         self._credits.clear()
         self._idle_credits.clear()
-        self._drop_held()  # the scheduler forgot the lost session's runs
         for pending in self._pending.values():
             pending.credit = None
         waiting = [p for p in self._pending.values() if not p.worker_id]
@@ -283,15 +262,13 @@ class Dispatcher:
                 worker_id=reply.worker_id,
             )
         self._finish(pending, result)
-        if pending.credit is not None and not pending.credit.revoked:
-            self._hold(_HeldComplete(reply.request_id, code, reply.worker_id, reply.inference_latency_ms))
-        else:
-            self._scheduler.complete(
-                reply.request_id,
-                error_code=code,
-                worker_id=reply.worker_id,
-                inference_ms=reply.inference_latency_ms,
-            )
+        self._scheduler.complete(
+            reply.request_id,
+            error_code=code,
+            worker_id=reply.worker_id,
+            inference_ms=reply.inference_latency_ms,
+            deferred=pending.credit is not None and not pending.credit.revoked,
+        )
         self._release_credit(pending)
 
     # -- internals -----------------------------------------------------------------------
@@ -391,36 +368,7 @@ class Dispatcher:
     def _give_back(self, credit: _Credit) -> None:
         if self._credits.pop(credit.credit_id, None) is not None:
             assert self._scheduler is not None
-            self._flush_held()  # the scheduler handles a message's Completes before its returns
             self._scheduler.return_credit(credit.credit_id)
-
-    def _hold(self, complete: _HeldComplete) -> None:
-        self._held.append(complete)
-        if self._held_flush is None:
-            self._held_flush = asyncio.get_running_loop().call_later(self._report_delay_s, self._flush_held)
-
-    def _flush_held(self) -> None:
-        if not self._held:
-            return
-        assert self._scheduler is not None
-        held, self._held = self._held, []
-        for complete in held:
-            self._scheduler.complete(
-                complete.request_id,
-                error_code=complete.error_code,
-                worker_id=complete.worker_id,
-                inference_ms=complete.inference_ms,
-            )
-        self._cancel_held_flush()
-
-    def _drop_held(self) -> None:
-        self._held = []
-        self._cancel_held_flush()
-
-    def _cancel_held_flush(self) -> None:
-        if self._held_flush is not None:
-            self._held_flush.cancel()
-            self._held_flush = None
 
     def _arm(self, pending: _Pending, deadline_unix_ns: int) -> None:
         """Answer `expired` if the worker never replies (hung or dead) by deadline + grace."""

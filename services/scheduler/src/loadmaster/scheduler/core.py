@@ -27,7 +27,7 @@ from loadmaster.common.clock import Clock
 from loadmaster.scheduler import placement
 from loadmaster.scheduler.clients import ClientTracker
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
-from loadmaster.scheduler.credits import Credit, CreditBook, CreditRun
+from loadmaster.scheduler.credits import Credit, CreditBook, CreditRun, FinishedRun
 from loadmaster.scheduler.dispatching import Dispatching
 from loadmaster.scheduler.domain import (
     Completion,
@@ -55,6 +55,7 @@ __all__ = ["CoreConfig", "ModelPolicy", "Outbound", "SchedulerCore", "Telemetry"
 log = logging.getLogger(__name__)
 
 _OK = errors_pb2.ERROR_CODE_UNSPECIFIED
+_MAX_REPORT_WAIT_S = 1.0  # the most a late credit-run report moves its arrival back
 _UNAVAILABLE = errors_pb2.ERROR_CODE_UNAVAILABLE
 _CANCELLED = errors_pb2.ERROR_CODE_CANCELLED
 
@@ -120,11 +121,15 @@ class SchedulerCore(Dispatching):
         cancels: Sequence[str] = (),
         runs: Sequence[CreditRun] = (),
         returns: Sequence[str] = (),
+        finished: Sequence[FinishedRun] = (),
     ) -> None:
-        """One batch from a gateway session; dispatches once at the end."""
+        """One batch from a gateway session; dispatches once at the end. Its parts apply
+        in the order scheduler.proto gives for a SessionRequest."""
         touched: set[str] = set()
         for completion in completes:  # completions first: they free slots for this batch
             self._complete(session_id, completion, touched)
+        for done in finished:  # before returns: a credit's runs end before it is handed back
+            self._finished_run(session_id, done, touched)
         for credit_id in returns:
             credit = self._credits.give_back(session_id, credit_id)
             if credit is not None:
@@ -321,7 +326,8 @@ class SchedulerCore(Dispatching):
         cadence_ms: float | None = None
         backlog = 0
         if client_id:
-            if self._clients.observe(client_id, now):
+            arrived = now if credit_id is None else self._reached_gateway(info, now)
+            if self._clients.observe(client_id, arrived):
                 self._telemetry.record("active_clients", self._clients.active)
             cadence_ms = self._clients.cadence_ms(client_id)
             if policy.latest_only:
@@ -503,6 +509,30 @@ class SchedulerCore(Dispatching):
         self._reject_key(request.key, error_code, message)
 
     # ---- dispatch credits ----------------------------------------------------------
+
+    def _reached_gateway(self, info: RequestInfo, now: float) -> float:
+        """When a credit run reached its gateway, on the monotonic clock: its report waits
+        up to the gateway's report delay, which the client's cadence must not see. Bounded,
+        so a gateway whose clock is off cannot move it far."""
+        if not info.received_unix_ns:
+            return now
+        waited = self._clock.time() - info.received_unix_ns / 1e9
+        return now - min(max(waited, 0.0), _MAX_REPORT_WAIT_S)
+
+    def _finished_run(self, session_id: int, done: FinishedRun, touched: set[str]) -> None:
+        """A credit run and its outcome at once: admitted as run on the credit, then completed.
+        If the credit was gone by then, the request was queued instead: it stays queued only
+        when it failed retryably (the gateway then follows its grant); otherwise it needs no
+        further run and is withdrawn without an answer (the gateway has answered it)."""
+        run, completion = done.run, done.completion
+        self._enqueue(session_id, run.info, touched, credit_id=run.credit_id)
+        tracked = self._tracked.get((session_id, run.info.request_id))
+        if tracked is None:
+            return  # refused at admission; the gateway ignores a Reject for an answered call
+        if tracked.worker_id is not None:
+            self._complete(session_id, completion, touched)
+        elif completion.error_code == _OK or not completion.retryable:
+            self._cancel(tracked.request.key)
 
     def _start_on_credit(self, request: Request, credit: Credit, now: float) -> None:
         """Admit a request the gateway already sent to `credit`'s worker."""

@@ -22,11 +22,11 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from loadmaster.scheduler.domain import RequestInfo, RequestKey, SlotState, SlotStatus
+from loadmaster.scheduler.domain import Completion, RequestInfo, RequestKey, SlotState, SlotStatus
 from loadmaster.scheduler.ports import Outbound, Telemetry
 from loadmaster.scheduler.registry import WorkerRegistry
 
-__all__ = ["Credit", "CreditBook", "CreditRevoke", "CreditRun"]
+__all__ = ["Credit", "CreditBook", "CreditRevoke", "CreditRun", "FinishedRun"]
 
 # Registry keys of lent slots use session 0, which no gateway session has.
 _SLOT_SESSION = 0
@@ -65,6 +65,14 @@ class CreditRun:
 
     credit_id: str
     info: RequestInfo
+
+
+@dataclass(slots=True)
+class FinishedRun:
+    """A credit run the gateway reported only after it ended: the run and its outcome."""
+
+    run: CreditRun
+    completion: Completion
 
 
 class CreditBook:

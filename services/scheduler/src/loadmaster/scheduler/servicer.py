@@ -46,6 +46,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 cancels=batch.cancels,
                 runs=batch.runs,
                 returns=batch.returns,
+                finished=batch.finished,
             )
 
     async def WorkerSession(  # noqa: N802 - gRPC method name

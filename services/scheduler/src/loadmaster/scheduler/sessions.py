@@ -25,7 +25,7 @@ from loadmaster.common.errors import edge_code_name
 from loadmaster.scheduler import strategies
 from loadmaster.scheduler.config import StrategyFactory
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore, Telemetry
-from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun
+from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun, FinishedRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -218,10 +218,11 @@ class SchedulerHub:
         cancels: Sequence[str] = (),
         runs: Sequence[CreditRun] = (),
         returns: Sequence[str] = (),
+        finished: Sequence[FinishedRun] = (),
     ) -> None:
         if self._sessions.get(link.session_id) is not link:
             return
-        for run in runs:  # it never waits: its queue span is an instant
+        for run in itertools.chain(runs, (done.run for done in finished)):  # never waited: an instant
             if run.info.trace_context:
                 span = tracing.start_request_span(
                     "scheduler.queue",
@@ -248,6 +249,7 @@ class SchedulerHub:
             cancels=cancels,
             runs=runs,
             returns=returns,
+            finished=finished,
         )
         self._rearm()
 

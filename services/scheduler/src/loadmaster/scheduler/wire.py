@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun
+from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun, FinishedRun
 from loadmaster.scheduler.domain import (
     Completion,
     Grant,
@@ -59,9 +59,12 @@ class SessionBatch:
     cancels: list[str]
     runs: list[CreditRun]
     returns: list[str]
+    finished: list[FinishedRun]
 
     def __bool__(self) -> bool:
-        return bool(self.enqueues or self.completes or self.cancels or self.runs or self.returns)
+        return bool(
+            self.enqueues or self.completes or self.cancels or self.runs or self.returns or self.finished
+        )
 
 
 def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
@@ -89,19 +92,24 @@ def session_batch(pb: scheduler_pb2.SessionRequest) -> SessionBatch:
             runs.append(CreditRun(e.request.credit_id, info))
         else:
             enqueues.append(info)
-    completes = [
-        Completion(
-            request_id=c.request_id,
-            error_code=c.error_code,
-            retryable=c.retryable,
-            worker_id=c.worker_id,
-            inference_ms=c.inference_ms,
-        )
-        for c in pb.complete
-    ]
+    completes = [_completion(c) for c in pb.complete]
     cancels = [c.request_id for c in pb.cancel]
     returns = [r.credit_id for r in pb.return_credit]
-    return SessionBatch(enqueues, completes, cancels, runs, returns)
+    finished = [
+        FinishedRun(CreditRun(f.request.credit_id, _request_info(f.request)), _completion(f.complete))
+        for f in pb.finished_run
+    ]
+    return SessionBatch(enqueues, completes, cancels, runs, returns, finished)
+
+
+def _completion(pb: scheduler_pb2.Complete) -> Completion:
+    return Completion(
+        request_id=pb.request_id,
+        error_code=pb.error_code,
+        retryable=pb.retryable,
+        worker_id=pb.worker_id,
+        inference_ms=pb.inference_ms,
+    )
 
 
 def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.SessionResponse:
