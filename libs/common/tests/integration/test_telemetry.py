@@ -15,6 +15,22 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 
+def samples_of(batch: metrics_pb2.ReportBatch) -> list[metrics_pb2.Sample]:
+    """The batch's series, one `Sample` per value, timestamps decoded from their deltas."""
+    samples = []
+    for series in batch.series:
+        assert len(series.timestamp_deltas_ns) == len(series.values)
+        timestamp = 0
+        for value, delta in zip(series.values, series.timestamp_deltas_ns, strict=True):
+            timestamp += delta
+            samples.append(
+                metrics_pb2.Sample(
+                    name=series.name, value=value, labels=series.labels, timestamp_unix_ns=timestamp
+                )
+            )
+    return samples
+
+
 class CollectingMetrics(metrics_pb2_grpc.MetricsServicer):
     def __init__(self) -> None:
         self.batches: list[metrics_pb2.ReportBatch] = []
@@ -26,13 +42,13 @@ class CollectingMetrics(metrics_pb2_grpc.MetricsServicer):
         accepted = 0
         async for batch in request_iterator:
             self.batches.append(batch)
-            accepted += len(batch.samples)
+            accepted += len(samples_of(batch))
             self.changed.set()
         return metrics_pb2.ReportAck(accepted=accepted)
 
     @property
     def samples(self) -> list[metrics_pb2.Sample]:
-        return [s for b in self.batches for s in b.samples]
+        return [s for b in self.batches for s in samples_of(b)]
 
     async def wait_for(self, count: int, timeout_s: float = 5.0) -> None:
         async def wait() -> None:
@@ -70,7 +86,8 @@ async def test_samples_arrive_in_batches_with_their_labels(metrics: tuple[Collec
     for value in range(7):
         reporter.record("e2e_latency_ms", value, {"model": "policy", "code": "ok"})
     await servicer.wait_for(7)  # delivered while running, not only on close
-    assert [len(b.samples) for b in servicer.batches] == [3, 3, 1]
+    assert [len(samples_of(b)) for b in servicer.batches] == [3, 3, 1]
+    assert all(not b.samples and len(b.series) == 1 for b in servicer.batches)  # one series each
     assert {(b.service, b.instance) for b in servicer.batches} == {("gateway", "gw-1")}
     samples = servicer.samples
     assert [s.value for s in samples] == [float(v) for v in range(7)]
@@ -97,12 +114,12 @@ async def test_an_unreachable_address_never_blocks_record() -> None:
     started = time.perf_counter()
     for value in range(2000):
         reporter.record("requests", 1.0, {"value": str(value % 4)})
-    assert time.perf_counter() - started < 0.5  # a deque append each, no network wait
+    assert time.perf_counter() - started < 0.5  # a dict update each, no network wait
     for _ in range(500):
-        if reporter.dropped + reporter.sent >= 2000 and not reporter._buffer:
+        if reporter.dropped + reporter.sent >= 2000 and not reporter._counts:
             break
         await asyncio.sleep(0.01)
-    assert not reporter._buffer  # nothing piles up while the address is unreachable
+    assert not reporter._counts  # nothing piles up while the address is unreachable
     await reporter.close(timeout_s=1.0)
 
 
@@ -112,8 +129,29 @@ async def test_an_unreachable_address_counts_what_it_drops() -> None:
     for _ in range(100):
         reporter.record("e2e_latency_ms", 1.0)  # a histogram: one sample each
     for _ in range(500):
-        if reporter.dropped + reporter.sent >= 100 and not reporter._buffer:
+        if reporter.dropped + reporter.sent >= 100 and not reporter._series:
             break
         await asyncio.sleep(0.01)
     await reporter.close(timeout_s=1.0)
     assert (reporter.dropped, reporter.sent) == (100, 0)
+
+
+async def test_a_steady_stream_of_samples_is_sent_once_per_flush_interval(
+    metrics: tuple[CollectingMetrics, str],
+) -> None:
+    """Samples recorded while a batch is being written wait for the next flush: a steady
+    stream must not turn into one tiny batch per write (that cost every service a stream
+    write per request)."""
+    servicer, address = metrics
+    interval_s = 0.2
+    reporter = TelemetryReporter("scheduler", "s-1", address, flush_interval_s=interval_s)
+    reporter.start()
+    started = time.perf_counter()
+    for value in range(150):
+        reporter.record("scheduling_wait_ms", value, {"model": "policy"})
+        await asyncio.sleep(0.005)
+    elapsed = time.perf_counter() - started
+    await servicer.wait_for(150)
+    assert len(servicer.batches) <= elapsed / interval_s + 2
+    assert [s.value for s in servicer.samples] == [float(v) for v in range(150)]
+    await reporter.close()

@@ -9,7 +9,7 @@ from loadmaster.metrics.dashboard import SlotRow, WorkerRow, snapshot
 from loadmaster.metrics.dashboard_routes import dashboard_routes
 from loadmaster.metrics.exposition import Exposition
 from loadmaster.metrics.http import create_app
-from loadmaster.metrics.windows import Sample, Windows, label_set
+from loadmaster.metrics.windows import Sample, Windows, label_set, observations_of
 
 
 def sample(name: str, value: float, service: str, **labels: str) -> Sample:
@@ -19,7 +19,7 @@ def sample(name: str, value: float, service: str, **labels: str) -> Sample:
 def loaded_windows() -> tuple[FakeClock, Windows]:
     clock = FakeClock()
     windows = Windows(ring_size=1000, clock=clock)
-    windows.ingest([sample("queue_depth", 3, "scheduler", model="double")])
+    windows.ingest(observations_of([sample("queue_depth", 3, "scheduler", model="double")]))
     for second in range(5):  # 5 s of traffic: 4 requests/s, latencies 1..4 ms, one expired each second
         batch = [sample("requests", 1, "gateway", model="double", code="ok") for _ in range(3)]
         batch.append(sample("requests", 1, "gateway", model="double", code="expired"))
@@ -31,11 +31,11 @@ def loaded_windows() -> tuple[FakeClock, Windows]:
                 sample("queue_depth", 7, "scheduler", model="double"),
                 sample("queue_depth", 2, "scheduler", model="double"),
             ]
-        windows.ingest(batch)
+        windows.ingest(observations_of(batch))
         clock.advance(1.0)
-    windows.ingest([sample("queue_depth", 0, "scheduler", model="double")])
-    windows.ingest([sample("slot_state", 1, "model-pool", model="double", state="ready")])
-    windows.ingest([sample("requests", 1, "gateway", model="(unknown)", code="not_found")])
+    windows.ingest(observations_of([sample("queue_depth", 0, "scheduler", model="double")]))
+    windows.ingest(observations_of([sample("slot_state", 1, "model-pool", model="double", state="ready")]))
+    windows.ingest(observations_of([sample("requests", 1, "gateway", model="(unknown)", code="not_found")]))
     return clock, windows
 
 
@@ -121,7 +121,7 @@ async def test_documents_are_cached_briefly() -> None:
             return (await client.get("/api/dashboard")).json()["models"]["double"]["summary"]["errors"]
 
         assert await errors() == 5
-        windows.ingest([sample("requests", 1, "gateway", model="double", code="internal")])
+        windows.ingest(observations_of([sample("requests", 1, "gateway", model="double", code="internal")]))
         assert await errors() == 5  # the cached document
         clock.advance(0.6)
         assert await errors() == 6

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadmaster.common.metric_names import METRICS, MetricKind, MetricSpec
@@ -14,7 +15,7 @@ from loadmaster.metrics.exposition import (
     Exposition,
     exposed,
 )
-from loadmaster.metrics.windows import Sample, label_set
+from loadmaster.metrics.windows import Sample, label_set, observations_of
 
 
 def sample(name: str, value: float, service: str = "gateway", **labels: str) -> Sample:
@@ -58,7 +59,9 @@ def test_names_units_and_kinds() -> None:
 def test_every_declared_series_can_be_exposed() -> None:
     exposition = Exposition(CollectorRegistry())
     for spec in METRICS.values():
-        exposition.observe([sample(spec.name, 1.0, service="svc", **dict.fromkeys(spec.labels, "v"))])
+        exposition.observe(
+            observations_of([sample(spec.name, 1.0, service="svc", **dict.fromkeys(spec.labels, "v"))])
+        )
     names = {name for name, _ in scrape(exposition)}
     for spec in METRICS.values():
         family = exposed("svc", spec).family
@@ -69,11 +72,13 @@ def test_every_declared_series_can_be_exposed() -> None:
 def test_histogram_converts_ms_to_seconds() -> None:
     exposition = Exposition(CollectorRegistry())
     exposition.observe(
-        [
-            sample("e2e_latency_ms", 0.8, model="m", code="ok"),
-            sample("e2e_latency_ms", 3.0, model="m", code="ok"),
-            sample("e2e_latency_ms", 40.0, model="m", code="expired"),
-        ]
+        observations_of(
+            [
+                sample("e2e_latency_ms", 0.8, model="m", code="ok"),
+                sample("e2e_latency_ms", 3.0, model="m", code="ok"),
+                sample("e2e_latency_ms", 40.0, model="m", code="expired"),
+            ]
+        )
     )
     seen = scrape(exposition)
     ok = (("code", "ok"), ("model", "m"))
@@ -86,20 +91,22 @@ def test_histogram_converts_ms_to_seconds() -> None:
 
 def test_bytes_stay_bytes() -> None:
     exposition = Exposition(CollectorRegistry())
-    exposition.observe([sample("payload_size_bytes", 4096.0, model="m")])
+    exposition.observe(observations_of([sample("payload_size_bytes", 4096.0, model="m")]))
     assert scrape(exposition)[("loadmaster_gateway_payload_size_bytes_sum", (("model", "m"),))] == 4096.0
 
 
 def test_counter_adds_increments_and_gauge_keeps_latest() -> None:
     exposition = Exposition(CollectorRegistry())
     exposition.observe(
-        [
-            sample("requests_expired", 1.0, service="scheduler", model="m"),
-            sample("requests_expired", 2.0, service="scheduler", model="m"),
-            sample("requests_expired", -5.0, service="scheduler", model="m"),  # ignored
-            sample("queue_depth", 9.0, service="scheduler", model="m"),
-            sample("queue_depth", 4.0, service="scheduler", model="m"),
-        ]
+        observations_of(
+            [
+                sample("requests_expired", 1.0, service="scheduler", model="m"),
+                sample("requests_expired", 2.0, service="scheduler", model="m"),
+                sample("requests_expired", -5.0, service="scheduler", model="m"),  # ignored
+                sample("queue_depth", 9.0, service="scheduler", model="m"),
+                sample("queue_depth", 4.0, service="scheduler", model="m"),
+            ]
+        )
     )
     seen = scrape(exposition)
     assert seen[("loadmaster_scheduler_requests_expired_total", (("model", "m"),))] == 3.0
@@ -109,11 +116,13 @@ def test_counter_adds_increments_and_gauge_keeps_latest() -> None:
 def test_only_declared_labels_are_exposed() -> None:
     exposition = Exposition(CollectorRegistry())
     exposition.observe(
-        [
-            sample("queue_depth", 1.0, service="scheduler", model="m", request_id="r1"),
-            sample("queue_depth", 2.0, service="scheduler", model="m", request_id="r2"),
-            sample("queue_depth", 3.0, service="scheduler"),  # missing label -> ""
-        ]
+        observations_of(
+            [
+                sample("queue_depth", 1.0, service="scheduler", model="m", request_id="r1"),
+                sample("queue_depth", 2.0, service="scheduler", model="m", request_id="r2"),
+                sample("queue_depth", 3.0, service="scheduler"),  # missing label -> ""
+            ]
+        )
     )
     seen = scrape(exposition)
     assert seen[("loadmaster_scheduler_queue_depth", (("model", "m"),))] == 2.0
@@ -124,15 +133,47 @@ def test_only_declared_labels_are_exposed() -> None:
 def test_unknown_names_are_not_exposed_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     exposition = Exposition(CollectorRegistry())
     with caplog.at_level(logging.WARNING, logger="loadmaster.metrics.exposition"):
-        exposition.observe([sample("made_up_ms", 1.0), sample("made_up_ms", 2.0, k="v")])
-        exposition.observe([sample("made_up_ms", 3.0)])
+        exposition.observe(observations_of([sample("made_up_ms", 1.0), sample("made_up_ms", 2.0, k="v")]))
+        exposition.observe(observations_of([sample("made_up_ms", 3.0)]))
     assert not any("made_up" in name for name, _ in scrape(exposition))
     assert sum("made_up_ms" in record.getMessage() for record in caplog.records) == 1
 
 
 def test_openmetrics_when_asked() -> None:
     exposition = Exposition(CollectorRegistry())
-    exposition.observe([sample("send_errors", 1.0)])
+    exposition.observe(observations_of([sample("send_errors", 1.0)]))
     body, content_type = exposition.render("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     assert body.rstrip().endswith(b"# EOF")
+
+
+@pytest.mark.parametrize("name", ["e2e_latency_ms", "payload_size_bytes", "batch_size"])
+def test_a_series_observed_at_once_renders_as_one_observe_per_value(name: str) -> None:
+    """The batched histogram update (which reaches into prometheus_client's histogram) against
+    the library's own `observe`, on values at, between and beyond the bucket bounds."""
+    rng = np.random.default_rng(5)
+    spec = METRICS[name]
+    form = exposed("gateway", spec)
+    bounds = [bound / form.scale for bound in form.buckets]
+    values = [*bounds, *(b * 1.000001 for b in bounds), *rng.lognormal(2.0, 3.0, 500).tolist(), 0.0, 1e12]
+    labels = dict.fromkeys(spec.labels, "v")
+
+    exposition = Exposition(CollectorRegistry())
+    for start in range(0, len(values), 97):
+        exposition.observe(observations_of([sample(name, v, **labels) for v in values[start : start + 97]]))
+    registry = CollectorRegistry()
+    reference = Histogram(form.family, form.help, form.labels, registry=registry, buckets=form.buckets)
+    for value in values:
+        reference.labels(*labels.values()).observe(value * form.scale)
+
+    def series(body: bytes) -> list[tuple[str, dict[str, str], float]]:
+        return [
+            (s.name, s.labels, s.value)
+            for family in text_string_to_metric_families(body.decode())
+            for s in family.samples
+            if not s.name.endswith("_created")
+        ]
+
+    observed = series(exposition.render()[0])
+    assert observed == series(generate_latest(registry))
+    assert (form.family + "_count", labels, float(len(values))) in observed

@@ -6,7 +6,7 @@ from starlette.applications import Starlette
 
 from loadmaster.metrics.exposition import Exposition
 from loadmaster.metrics.http import create_app
-from loadmaster.metrics.windows import Sample, label_set
+from loadmaster.metrics.windows import Sample, label_set, observations_of
 
 
 async def get(app: Starlette, path: str, **headers: str) -> httpx.Response:
@@ -17,7 +17,7 @@ async def get(app: Starlette, path: str, **headers: str) -> httpx.Response:
 
 async def test_metrics_and_healthz() -> None:
     exposition = Exposition(CollectorRegistry())
-    exposition.observe([Sample("send_errors", 2.0, label_set({"service": "gateway"}))])
+    exposition.observe(observations_of([Sample("send_errors", 2.0, label_set({"service": "gateway"}))]))
     serving = True
     app = create_app(exposition, serving=lambda: serving)
 

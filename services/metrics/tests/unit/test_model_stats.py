@@ -6,7 +6,7 @@ from loadmaster.common.clock import FakeClock
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.metrics.model_stats import BatchCount, DurationTotal, model_ids, model_statistics
 from loadmaster.metrics.servicer import model_statistics_to_proto
-from loadmaster.metrics.windows import Sample, Windows, label_set
+from loadmaster.metrics.windows import Sample, Windows, label_set, observations_of
 
 
 def sample(name: str, value: float, service: str, ts: int = 0, **labels: str) -> Sample:
@@ -33,8 +33,8 @@ def traffic(model: str) -> list[Sample]:
 def test_statistics_sum_each_series_of_the_model() -> None:
     clock = FakeClock()
     windows = Windows(ring_size=100, clock=clock)
-    windows.ingest(traffic("double") + traffic("other"))
-    windows.ingest([sample("requests", 1, "gateway", model="(unknown)", code="not_found")])
+    windows.ingest(observations_of(traffic("double") + traffic("other")))
+    windows.ingest(observations_of([sample("requests", 1, "gateway", model="(unknown)", code="not_found")]))
 
     stats = model_statistics(windows, "double")
 
@@ -59,11 +59,11 @@ def test_totals_outlive_the_ring_and_windows_cut_old_samples() -> None:
     clock = FakeClock()
     windows = Windows(ring_size=100, clock=clock)
     for _ in range(150):  # more than the ring holds
-        windows.ingest([sample("requests", 1, "gateway", model="m", code="ok")])
+        windows.ingest(observations_of([sample("requests", 1, "gateway", model="m", code="ok")]))
     assert model_statistics(windows, "m").success_count == 150
 
     clock.advance(60)
-    windows.ingest([sample("requests", 1, "gateway", model="m", code="ok")])
+    windows.ingest(observations_of([sample("requests", 1, "gateway", model="m", code="ok")]))
     assert model_statistics(windows, "m", window_s=10).success_count == 1
     assert model_statistics(windows, "m").success_count == 151
 
@@ -74,7 +74,7 @@ def test_unknown_model_is_all_zero_and_hub_validates_window() -> None:
     from loadmaster.metrics.hub import MetricsHub
 
     hub = MetricsHub(ring_size=100, clock=FakeClock(), registry=CollectorRegistry(), process_metrics=False)
-    hub.ingest(traffic("double"), service="gateway")
+    hub.ingest(observations_of(traffic("double")), service="gateway")
     [nothing] = hub.model_statistics("nope", window_s=0)
     assert nothing.success_count == 0 and nothing.execution_count == 0 and nothing.batch_stats == ()
     assert [m.model_id for m in hub.model_statistics("", window_s=0)] == ["double"]

@@ -25,15 +25,36 @@ class Sample(_message.Message):
     timestamp_unix_ns: int
     def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ..., timestamp_unix_ns: _Optional[int] = ...) -> None: ...
 
+class SampleSeries(_message.Message):
+    __slots__ = ("name", "labels", "values", "timestamp_deltas_ns")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_DELTAS_NS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    labels: _containers.ScalarMap[str, str]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    timestamp_deltas_ns: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., values: _Optional[_Iterable[float]] = ..., timestamp_deltas_ns: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ReportBatch(_message.Message):
-    __slots__ = ("service", "instance", "samples")
+    __slots__ = ("service", "instance", "samples", "series")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SERIES_FIELD_NUMBER: _ClassVar[int]
     service: str
     instance: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
-    def __init__(self, service: _Optional[str] = ..., instance: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+    series: _containers.RepeatedCompositeFieldContainer[SampleSeries]
+    def __init__(self, service: _Optional[str] = ..., instance: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., series: _Optional[_Iterable[_Union[SampleSeries, _Mapping]]] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("accepted",)

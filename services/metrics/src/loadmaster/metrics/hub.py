@@ -17,7 +17,7 @@ from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.metrics.exposition import Exposition, ServiceMetrics
 from loadmaster.metrics.model_stats import ModelStatistics, model_ids, model_statistics
 from loadmaster.metrics.subscriptions import Subscription, Subscriptions
-from loadmaster.metrics.windows import Sample, Windows, WindowStats, label_set
+from loadmaster.metrics.windows import Observations, Sample, Windows, WindowStats, label_set
 
 __all__ = ["MetricsHub"]
 
@@ -45,12 +45,13 @@ class MetricsHub:
         )
         self.closed = asyncio.Event()  # set when the service stops
 
-    def ingest(self, samples: Sequence[Sample], *, service: str = "") -> int:
-        """Keep `samples` (reported together by `service`); returns how many were accepted.
-        Samples without a name or with a non-finite value are refused, as are samples of new
-        series past the series limit."""
+    def ingest(self, observations: Sequence[Observations], *, service: str = "") -> int:
+        """Keep `observations` (reported together by `service`); returns how many samples
+        were accepted. Series without a name or with timestamps that do not pair up with
+        their values are refused whole, non-finite values one by one, as are the samples of
+        new series past the series limit."""
         started = self._clock.monotonic()
-        valid = [sample for sample in samples if sample.name and math.isfinite(sample.value)]
+        valid, invalid = _valid(observations)
         refused_before = self.windows.refused
         kept = self.windows.ingest(valid)
         self.exposition.observe(kept)
@@ -58,16 +59,17 @@ class MetricsHub:
         self.subscriptions.publish(kept)
 
         own = self.own
-        if kept:
-            own.samples_accepted.labels(service).inc(len(kept))
-        if len(valid) < len(samples):
-            own.samples_refused.labels("invalid").inc(len(samples) - len(valid))
+        accepted = sum(len(observed) for observed in kept)
+        if accepted:
+            own.samples_accepted.labels(service).inc(accepted)
+        if invalid:
+            own.samples_refused.labels("invalid").inc(invalid)
         if self.windows.refused > refused_before:
             own.samples_refused.labels("series_limit").inc(self.windows.refused - refused_before)
         if self.subscriptions.dropped > dropped_before:
             own.watch_dropped.inc(self.subscriptions.dropped - dropped_before)
         own.ingest_seconds.observe(max(0.0, self._clock.monotonic() - started))
-        return len(kept)
+        return accepted
 
     def stats(self, name: str, labels: Mapping[str, str], *, window_s: float) -> WindowStats:
         if not name:
@@ -98,3 +100,27 @@ class MetricsHub:
         """The service is stopping: end every watch and tell reporters to go away."""
         self.closed.set()
         self.subscriptions.close_all()
+
+
+def _valid(observations: Iterable[Observations]) -> tuple[list[Observations], int]:
+    """The valid part of `observations` and how many samples were left out."""
+    valid: list[Observations] = []
+    invalid = 0
+    for observed in observations:
+        count = len(observed)
+        if not observed.name or len(observed.timestamps_unix_ns) != count:
+            invalid += count
+            continue
+        if not all(map(math.isfinite, observed.values)):
+            finite = [
+                (value, timestamp)
+                for value, timestamp in zip(observed.values, observed.timestamps_unix_ns, strict=True)
+                if math.isfinite(value)
+            ]
+            observed = Observations(
+                observed.name, observed.labels, [v for v, _ in finite], [t for _, t in finite]
+            )
+            invalid += count - len(observed)
+        if len(observed):
+            valid.append(observed)
+    return valid, invalid

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -11,27 +12,46 @@ import grpc
 from loadmaster.common.errors import UnavailableError
 from loadmaster.metrics.hub import MetricsHub
 from loadmaster.metrics.model_stats import DurationTotal, ModelStatistics
-from loadmaster.metrics.windows import Sample, WindowStats, label_set
+from loadmaster.metrics.windows import Observations, Sample, WindowStats, label_set, observations_of
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 __all__ = [
     "MetricsServicer",
     "model_statistics_to_proto",
+    "observations_from_batch",
     "sample_to_proto",
-    "samples_from_batch",
     "stats_to_proto",
 ]
 
 _T = TypeVar("_T")
 
 
-def samples_from_batch(batch: metrics_pb2.ReportBatch) -> list[Sample]:
-    """The batch's samples, each labelled with the reporting `service`."""
+def observations_from_batch(batch: metrics_pb2.ReportBatch) -> list[Observations]:
+    """The batch's series, then its one-message-per-sample `samples` (older reporters)
+    grouped per series; every label set gets the reporting `service`."""
     service = batch.service
-    return [
-        Sample(s.name, s.value, label_set(s.labels, service=service), s.timestamp_unix_ns)
-        for s in batch.samples
+    found = [
+        Observations(
+            s.name,
+            label_set(s.labels, service=service),
+            list(s.values),
+            _timestamps(s),
+        )
+        for s in batch.series
     ]
+    if batch.samples:
+        found += observations_of(
+            Sample(s.name, s.value, label_set(s.labels, service=service), s.timestamp_unix_ns)
+            for s in batch.samples
+        )
+    return found
+
+
+def _timestamps(series: metrics_pb2.SampleSeries) -> list[int]:
+    """Absolute timestamps from the deltas; zeros (unknown) when there are none."""
+    if not series.timestamp_deltas_ns:
+        return [0] * len(series.values)
+    return list(itertools.accumulate(series.timestamp_deltas_ns))
 
 
 def sample_to_proto(sample: Sample) -> metrics_pb2.Sample:
@@ -89,7 +109,7 @@ class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
     ) -> metrics_pb2.ReportAck:
         accepted = 0
         async for batch in _until_set(self._hub.closed, request_iterator):
-            accepted += self._hub.ingest(samples_from_batch(batch), service=batch.service)
+            accepted += self._hub.ingest(observations_from_batch(batch), service=batch.service)
         if self._hub.closed.is_set():
             # Reporters hold this stream open for their lifetime: end it now rather than
             # hold up shutdown for the grace period; UNAVAILABLE makes them reconnect later.

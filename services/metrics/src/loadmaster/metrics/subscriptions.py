@@ -1,8 +1,10 @@
 """Fan-out of new samples to watchers (`Metrics.Watch`).
 
-Each watcher gets a bounded buffer. Publishing never waits: when a watcher reads
-more slowly than samples arrive, its oldest pending samples are dropped (and
-counted), so one slow watcher neither grows memory nor slows ingest.
+Samples arrive per series (`Observations`); a series' samples become `Sample` values
+only when some watcher wants them, once for all such watchers. Each watcher gets a
+bounded buffer. Publishing never waits: when a watcher reads more slowly than samples
+arrive, its oldest pending samples are dropped (and counted), so one slow watcher
+neither grows memory nor slows ingest.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import collections
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-from loadmaster.metrics.windows import LabelSet, Sample, matches_labels
+from loadmaster.metrics.windows import LabelSet, Observations, Sample, matches_labels
 
 __all__ = ["Subscription", "Subscriptions"]
 
@@ -25,31 +27,27 @@ class Subscription:
             raise ValueError("max_pending must be >= 1")
         self.names = names
         self.labels = labels
+        self._max_pending = max_pending
         self._pending: collections.deque[Sample] = collections.deque(maxlen=max_pending)
         self._ready = asyncio.Event()
         self._closed = False
         self.dropped = 0
 
-    def matches(self, sample: Sample) -> bool:
-        return (not self.names or sample.name in self.names) and matches_labels(sample.labels, self.labels)
+    def matches(self, name: str, labels: LabelSet) -> bool:
+        return (not self.names or name in self.names) and matches_labels(labels, self.labels)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    def offer(self, samples: Iterable[Sample]) -> int:
-        """Queue the matching samples, dropping the oldest pending ones when full; returns
-        how many were dropped."""
+    def offer(self, samples: Sequence[Sample]) -> int:
+        """Queue `samples` (the caller matched them), dropping the oldest pending ones when
+        full; returns how many were dropped."""
         if self._closed:
             return 0
         pending = self._pending
-        limit = pending.maxlen
-        dropped = 0
-        for sample in samples:
-            if self.matches(sample):
-                if len(pending) == limit:
-                    dropped += 1
-                pending.append(sample)
+        dropped = max(0, len(pending) + len(samples) - self._max_pending)
+        pending.extend(samples)
         if pending:
             self._ready.set()
         self.dropped += dropped
@@ -101,11 +99,16 @@ class Subscriptions:
             self._subscriptions.discard(subscription)
             subscription.close()
 
-    def publish(self, samples: Sequence[Sample]) -> None:
-        if not samples:
+    def publish(self, observations: Iterable[Observations]) -> None:
+        if not self._subscriptions:
             return
-        for subscription in self._subscriptions:
-            self.dropped += subscription.offer(samples)
+        for observed in observations:
+            samples: list[Sample] | None = None
+            for subscription in self._subscriptions:
+                if subscription.matches(observed.name, observed.labels):
+                    if samples is None:
+                        samples = observed.samples()
+                    self.dropped += subscription.offer(samples)
 
     def close_all(self) -> None:
         """End every watch, and any started later (server shutdown)."""

@@ -2,10 +2,11 @@
 
 A series is one metric name with one label set; the label set includes `service`,
 the service that reported it. Each series keeps its last `ring_size` samples in
-two preallocated numpy arrays (receive time, value), so memory per series is fixed
-and ingest is two array stores. Arrays start small and double up to `ring_size`,
-so the many series that only ever see a handful of samples (gauges, rare error
-codes) do not each hold a full ring.
+two preallocated numpy arrays (receive time, value), so memory per series is fixed.
+Samples arrive as `Observations`: the values of one series in a report batch, so ingest
+is a few slice stores per series rather than a `Sample` and two stores per sample.
+Arrays start small and double up to `ring_size`, so the many series that only ever
+see a handful of samples (gauges, rare error codes) do not each hold a full ring.
 
 Windows are measured on the injected clock's monotonic time at which a sample was
 ingested (reporters flush every few hundred ms), not on the reporter's wall clock,
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from loadmaster.common.clock import Clock
 
 __all__ = [
     "LabelSet",
+    "Observations",
     "Sample",
     "Series",
     "SeriesKey",
@@ -37,6 +39,7 @@ __all__ = [
     "Windows",
     "label_set",
     "matches_labels",
+    "observations_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,44 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class Observations:
+    """Samples of one series reported together, oldest first: `values[i]` was observed at
+    `timestamps_unix_ns[i]` (reporter wall clock; <= 0 unknown). `labels` include `service`.
+    Plain lists, not numpy arrays: at a few values per series, numpy's per-call cost would
+    be most of the ingest, and the rings take lists in one slice store each."""
+
+    name: str
+    labels: LabelSet
+    values: list[float]
+    timestamps_unix_ns: list[int]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def samples(self) -> list[Sample]:
+        """One `Sample` per value, for consumers that take them one at a time (watchers)."""
+        name, labels = self.name, self.labels
+        return [
+            Sample(name, value, labels, timestamp)
+            for value, timestamp in zip(self.values, self.timestamps_unix_ns, strict=True)
+        ]
+
+
+def observations_of(samples: Iterable[Sample]) -> list[Observations]:
+    """`samples` grouped per series, in the order each series first appears; each series'
+    samples keep their order."""
+    grouped: dict[SeriesKey, tuple[list[float], list[int]]] = {}
+    for sample in samples:
+        values, timestamps = grouped.setdefault(sample.key, ([], []))
+        values.append(sample.value)
+        timestamps.append(sample.timestamp_unix_ns)
+    return [
+        Observations(name, labels, values, timestamps)
+        for (name, labels), (values, timestamps) in grouped.items()
+    ]
+
+
+@dataclass(frozen=True, slots=True)
 class WindowStats:
     count: int = 0
     mean: float = 0.0
@@ -107,10 +148,10 @@ class WindowStats:
 
 
 class Series:
-    """The last `capacity` samples of one series, oldest overwritten first."""
+    """The last `capacity` samples of one series, oldest overwritten first: the n-th sample
+    ever appended lives at index n % capacity of the arrays."""
 
     __slots__ = (
-        "_next",
         "_received",
         "_size",
         "_values",
@@ -132,7 +173,6 @@ class Series:
         initial = min(capacity, _INITIAL_CAPACITY)
         self._received = np.empty(initial, dtype=np.float64)
         self._values = np.empty(initial, dtype=np.float64)
-        self._next = 0  # index of the next write
         self._size = 0  # samples held
         self.total = 0  # samples ever appended
         self.value_total = 0.0  # sum of the values ever appended
@@ -142,26 +182,43 @@ class Series:
     def __len__(self) -> int:
         return self._size
 
-    def append(self, received: float, value: float, timestamp_unix_ns: int) -> None:
-        index = self._next
-        if index == self._values.shape[0]:
-            if index < self.capacity:
-                self._grow()
-            else:
-                index = 0
-        self._received[index] = received
-        self._values[index] = value
-        self._next = index + 1
-        if self._size < self.capacity:
-            self._size += 1
-        self.total += 1
-        self.value_total += value
-        self.last_value = value
-        self.last_timestamp_unix_ns = timestamp_unix_ns
+    def extend(self, received: float, values: Sequence[float], last_timestamp_unix_ns: int) -> None:
+        """Append `values` (oldest first), all received at `received`; the last of them was
+        observed at `last_timestamp_unix_ns`."""
+        count = len(values)
+        if count == 0:
+            return
+        capacity = self.capacity
+        first = self.total  # the all-time index of the first new value
+        self.total += count
+        # Summed in order, one addition per value, so window_s=0 totals do not depend on
+        # how samples were batched (numpy's sum() adds pairwise).
+        total = self.value_total
+        for value in values:
+            total += value
+        self.value_total = total
+        self.last_value = float(values[-1])
+        self.last_timestamp_unix_ns = last_timestamp_unix_ns
+        if count > capacity:  # only the newest `capacity` stay
+            first += count - capacity
+            values = values[count - capacity :]
+            count = capacity
+        if first + count > self._values.shape[0] and self._values.shape[0] < capacity:
+            self._grow(first + count)
+        start = first % capacity
+        head = min(count, capacity - start)
+        self._received[start : start + head] = received
+        self._values[start : start + head] = values[:head]
+        if head < count:  # wrapped around
+            self._received[: count - head] = received
+            self._values[: count - head] = values[head:]
+        self._size = min(capacity, self._size + count)
 
-    def _grow(self) -> None:
+    def _grow(self, needed: int) -> None:
         # Only before the first wrap: the arrays are then filled from index 0 in order.
-        size = min(self.capacity, 2 * self._values.shape[0])
+        size = self._values.shape[0]
+        while size < needed and size < self.capacity:
+            size = min(self.capacity, 2 * size)
         received = np.empty(size, dtype=np.float64)
         values = np.empty(size, dtype=np.float64)
         held = self._size
@@ -220,41 +277,43 @@ class Windows:
         for by_labels in self._by_name.values():
             yield from by_labels.values()
 
-    def ingest(self, samples: Iterable[Sample]) -> list[Sample]:
-        """Append `samples`, all received now; returns those kept (refused ones are counted)."""
+    def ingest(self, observations: Iterable[Observations]) -> list[Observations]:
+        """Append `observations`, all received now; returns those kept (refused ones are counted)."""
         received = self._clock.monotonic()
         wall_ns = 0
-        kept: list[Sample] = []
+        kept: list[Observations] = []
         by_name = self._by_name
-        for sample in samples:
-            series = by_name.get(sample.name, _NO_SERIES).get(sample.labels)
+        for observed in observations:
+            if not len(observed):
+                continue
+            series = by_name.get(observed.name, _NO_SERIES).get(observed.labels)
             if series is None:
-                series = self._new_series(sample)
+                series = self._new_series(observed)
                 if series is None:
                     continue
-            timestamp = sample.timestamp_unix_ns
+            timestamp = observed.timestamps_unix_ns[-1]
             if timestamp <= 0:
                 if wall_ns == 0:
                     wall_ns = int(self._clock.time() * 1e9)
                 timestamp = wall_ns
-            series.append(received, sample.value, timestamp)
-            kept.append(sample)
+            series.extend(received, observed.values, timestamp)
+            kept.append(observed)
         return kept
 
-    def _new_series(self, sample: Sample) -> Series | None:
+    def _new_series(self, observed: Observations) -> Series | None:
         if self._series_count >= self.max_series:
-            self.refused += 1
+            self.refused += len(observed)
             if not self._warned_full:
                 self._warned_full = True
                 log.warning(
                     "series limit %d reached; refusing samples of new series (first: %s %s)",
                     self.max_series,
-                    sample.name,
-                    dict(sample.labels),
+                    observed.name,
+                    dict(observed.labels),
                 )
             return None
-        series = Series(sample.name, sample.labels, capacity=self.ring_size)
-        self._by_name.setdefault(sample.name, {})[sample.labels] = series
+        series = Series(observed.name, observed.labels, capacity=self.ring_size)
+        self._by_name.setdefault(observed.name, {})[observed.labels] = series
         self._series_count += 1
         return series
 
