@@ -155,3 +155,30 @@ async def test_a_steady_stream_of_samples_is_sent_once_per_flush_interval(
     assert len(servicer.batches) <= elapsed / interval_s + 2
     assert [s.value for s in servicer.samples] == [float(v) for v in range(150)]
     await reporter.close()
+
+
+async def test_a_metrics_service_that_starts_late_gets_every_later_sample() -> None:
+    """Failed Report calls must not leave readers behind that swallow later batches (the
+    gpu-broker starts before the metrics service and records a gauge only every 15 s)."""
+    address = unused_address()
+    reporter = TelemetryReporter("gpu-broker", "b-1", address, flush_interval_s=0.01)
+    reporter.start()
+    reporter.record("lease_mb", 1.0, {"gpu": "0"})  # dropped: nothing listens yet
+    for _ in range(200):  # a few failed attempts (backoff 0.1 s, doubling)
+        if reporter.dropped:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.4)
+    assert reporter.dropped == 1
+    servicer = CollectingMetrics()
+    server = GrpcServer("metrics-late", address, grace_s=0.2)
+    server.add_service("loadmaster.v1.Metrics", metrics_pb2_grpc.add_MetricsServicer_to_server, servicer)
+    await server.start()
+    try:
+        for value in range(2, 6):  # one at a time, each flushed on its own
+            reporter.record("lease_mb", float(value), {"gpu": "0"})
+            await servicer.wait_for(value - 1, timeout_s=10.0)
+        assert [s.value for s in servicer.samples] == [2.0, 3.0, 4.0, 5.0]
+    finally:
+        await reporter.close()
+        await server.stop()

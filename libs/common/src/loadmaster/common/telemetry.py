@@ -94,6 +94,7 @@ class TelemetryReporter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._stream: object | None = None  # the Report call being fed (see _batches)
         self.dropped = 0
         self.sent = 0  # samples in streams that ended cleanly
         self._unconfirmed = 0  # samples written to the current stream
@@ -197,11 +198,18 @@ class TelemetryReporter:
             )
         return batch
 
-    async def _batches(self) -> AsyncIterator[metrics_pb2.ReportBatch]:
+    async def _batches(self, stream: object) -> AsyncIterator[metrics_pb2.ReportBatch]:
         """A batch per flush interval: what was recorded while one was being written waits
         for the next interval too (a steady stream would otherwise cost a tiny batch and a
-        stream write per request). A backlog of full batches, and a close, go out at once."""
-        while True:
+        stream write per request). A backlog of full batches, and a close, go out at once.
+
+        `stream` is the Report call this feeds. gRPC keeps reading a failed call's iterator
+        in a task of its own, so once the call has ended (`self._stream` moved on) this one
+        stops instead of taking the next batch: its write would fail and the batch be lost.
+        (A service started before the metrics service left one such iterator per failed
+        attempt, and each swallowed a later batch: the gpu-broker's gauges, recorded every
+        15 s, went missing for a minute.)"""
+        while stream is self._stream:
             if not self._pending():
                 if self._closing:
                     return
@@ -210,6 +218,8 @@ class TelemetryReporter:
                 continue
             if not self._closing and self._held < self._max_batch:
                 await asyncio.sleep(self._flush_interval_s)  # gather a batch
+            if stream is not self._stream:
+                return
             batch = self._take_batch()
             self._unconfirmed += sum(len(series.values) for series in batch.series)
             yield batch
@@ -222,7 +232,11 @@ class TelemetryReporter:
                 async with aio_channel(self._address) as channel:
                     stub = metrics_pb2_grpc.MetricsStub(channel)
                     self._unconfirmed = 0
-                    await stub.Report(self._batches())
+                    stream = self._stream = object()
+                    try:
+                        await stub.Report(self._batches(stream))
+                    finally:
+                        self._stream = None
                 self.sent += self._unconfirmed
                 self._unconfirmed = 0
                 self._outage = False
