@@ -101,3 +101,27 @@ async def test_a_planned_step_is_not_pushed_back_by_time_passing_before_its_slee
     await asyncio.sleep(0)
     clock.advance(1.5)  # 5.5 s after planning: due
     assert await asyncio.wait_for(waiting, 5.0) is True
+
+
+async def test_gauges_are_reported_soon_after_a_burst_of_grants(manager: LeaseManager) -> None:
+    clock: FakeClock = manager._clock  # type: ignore[attr-defined]
+    telemetry = Recorder()
+    r = Reaper(manager, clock=clock, inventory=GPUS, idle_interval_s=60.0, telemetry=telemetry)
+    await r.start()  # one step now; the next is 48-72 s ahead
+    try:
+        telemetry.samples.clear()
+        for n in range(3):
+            await manager.acquire(AcquireRequest(f"r{n}", "w", PlacementRequest(mb=100)))
+        for _ in range(100):  # 1 s of broker time
+            if any(name == "waiters" for name, _ in telemetry.samples):  # the last one recorded
+                break
+            clock.advance(0.01)
+            await asyncio.sleep(0.005)
+        assert sorted(telemetry.samples) == [
+            ("free_mb", 700),
+            ("lease_mb", 300),
+            ("outside_mb", 0),
+            ("waiters", 0),
+        ]
+    finally:
+        await r.stop()

@@ -12,7 +12,9 @@ before the next step wakes the loop to plan again, so its expiry is not missed. 
 another replica with an earlier expiry is reaped at this replica's next step; its memory is
 reclaimed before that anyway, lazily, by the next Acquire. Gauges are reported every step,
 not only when they change: the telemetry reporter drops what it cannot deliver (the metrics
-service may start after the broker), and a dashboard needs a recent reading.
+service may start after the broker), and a dashboard needs a recent reading. They are also
+reported shortly after this replica grants leases (once per burst), so a model load shows on
+the dashboard at once rather than at the next step, up to 18 s later.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _AFTER_EXPIRY_S = 0.01
 _MIN_DELAY_S = 0.05  # a lease that stays expired (Redis trouble) is not retried in a busy loop
+_GAUGES_AFTER_GRANT_S = 0.5  # grants within this report the gauges once
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class Reaper:
         self._rng = rng or random.Random()
         self._task: asyncio.Task[None] | None = None
         self._replan = asyncio.Event()  # a grant expires before the next step
+        self._gauges_soon: asyncio.Task[None] | None = None  # after a grant
         self._next_step_ms: int | None = None  # broker clock; None while planning it
 
     async def start(self) -> None:
@@ -86,11 +90,12 @@ class Reaper:
         self._task = asyncio.create_task(self._run(), name="gpu-broker-reaper")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._gauges_soon):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._gauges_soon = None
 
     async def step(self) -> int:
         """Register what is still unregistered, reap, report gauges. Returns leases reaped."""
@@ -103,14 +108,27 @@ class Reaper:
         reaped = await self._manager.reap()
         if reaped:
             log.info("reaped %d expired lease(s)", reaped)
-        if self._telemetry is not None:
-            for gpu in await self._manager.inventory():
-                labels = {"node": gpu.node, "gpu": str(gpu.index)}
-                self._telemetry.record("lease_mb", gpu.leased_mb, labels)
-                self._telemetry.record("free_mb", gpu.free_mb, labels)
-                self._telemetry.record("outside_mb", gpu.used_outside_mb, labels)
-            self._telemetry.record("waiters", await self._manager.waiting())
+        await self._report_gauges()
         return reaped
+
+    async def _report_gauges(self) -> None:
+        if self._telemetry is None:
+            return
+        for gpu in await self._manager.inventory():
+            labels = {"node": gpu.node, "gpu": str(gpu.index)}
+            self._telemetry.record("lease_mb", gpu.leased_mb, labels)
+            self._telemetry.record("free_mb", gpu.free_mb, labels)
+            self._telemetry.record("outside_mb", gpu.used_outside_mb, labels)
+        self._telemetry.record("waiters", await self._manager.waiting())
+
+    async def _gauges_after_grant(self) -> None:
+        try:
+            await self._clock.sleep(_GAUGES_AFTER_GRANT_S)
+            await self._report_gauges()
+        except LoadmasterError as error:  # the next step reports them
+            log.debug("gauges after a grant not reported: %s", error.message)
+        finally:
+            self._gauges_soon = None
 
     async def _next_delay(self) -> float:
         jitter = self._rng.uniform(0.8, 1.2)
@@ -154,6 +172,8 @@ class Reaper:
             log.warning("reaper step took %.2fs", elapsed)
 
     def _granted(self, expires_unix_ms: int) -> None:
+        if self._telemetry is not None and self._gauges_soon is None:
+            self._gauges_soon = asyncio.create_task(self._gauges_after_grant(), name="gpu-broker-gauges")
         # While planning, any grant may have missed the read of the first expiry: plan again.
         if self._next_step_ms is None or expires_unix_ms < self._next_step_ms:
             self._replan.set()
