@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,6 @@ from loadmaster.model_pool.batcher import (
     stack,
     take_batch,
 )
-from loadmaster.model_pool.engine_thread import EngineThread
 from loadmaster.model_pool.engines.base import Engine, EngineContext
 from loadmaster.model_pool.repository import ModelSpec, parse_config
 
@@ -73,17 +73,17 @@ def engine() -> Doubler:
 
 def make(
     engine: Doubler, policy: BatchPolicy, clock: FakeClock, sizes: list[int]
-) -> tuple[Batcher, EngineThread]:
-    thread = EngineThread("test-engine")
+) -> tuple[Batcher, ThreadPoolExecutor]:
+    executor = ThreadPoolExecutor(max_workers=1)
     batcher = Batcher(
         "m",
         policy,
-        instances=[Instance(engine=engine, thread=thread)],
+        instances=[Instance(engine=engine, executor=executor)],
         clock=clock,
         on_batch=lambda size, ms: sizes.append(size),
     )
     batcher.start()
-    return batcher, thread
+    return batcher, executor
 
 
 def submit(
@@ -151,7 +151,7 @@ def test_policy_from_config_and_overrides() -> None:
 
 async def test_concurrent_requests_are_stacked_and_split_back(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
     engine.gate.clear()  # the first request holds the instance while the others queue
     first = submit(batcher, x(0), deadline_unix_ns=0, received=clock.monotonic())
     await asyncio.sleep(0.05)
@@ -166,12 +166,12 @@ async def test_concurrent_requests_are_stacked_and_split_back(engine: Doubler) -
         assert outputs["y"].ravel().tolist() == [2 * i, 2 * i + 1]
         assert timing.batch_size == 3
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_queue_delay_waits_for_company_on_the_clock(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=4, max_queue_delay_ms=50), clock, sizes)
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=4, max_queue_delay_ms=50), clock, sizes)
     one = submit(batcher, x(1), deadline_unix_ns=0, received=clock.monotonic())
     await asyncio.sleep(0.05)
     assert engine.calls == []  # waiting for the delay to pass
@@ -186,23 +186,23 @@ async def test_queue_delay_waits_for_company_on_the_clock(engine: Doubler) -> No
     await asyncio.gather(*full)
     assert engine.calls == [2, 4]
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_preferred_size_goes_without_waiting(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
     policy = BatchPolicy(max_batch_size=8, max_queue_delay_ms=1000, preferred_batch_sizes=(2,))
-    batcher, thread = make(engine, policy, clock, sizes)
+    batcher, executor = make(engine, policy, clock, sizes)
     pair = [submit(batcher, x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(2)]
     await asyncio.gather(*pair)  # never advanced the clock
     assert engine.calls == [2]
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_errors_stay_per_request(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
     engine.gate.clear()
     blocker = submit(batcher, x(0), deadline_unix_ns=0, received=clock.monotonic())
     await asyncio.sleep(0.05)
@@ -218,35 +218,35 @@ async def test_errors_stay_per_request(engine: Doubler) -> None:
         await expired
     assert engine.calls == [1, 2, 1, 1]  # the failed pair ran again one by one
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_unstackable_requests_are_refused_by_name(engine: Doubler) -> None:
     clock = FakeClock()
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=2), clock, [])
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=2), clock, [])
     with pytest.raises(InvalidArgumentError, match=r"1\.\.2"):
         submit(batcher, x(1, 2, 3), deadline_unix_ns=0, received=clock.monotonic())
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_unbatched_models_run_one_at_a_time_in_order(engine: Doubler) -> None:
     clock = FakeClock()
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=1), clock, [])
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, [])
     results = await asyncio.gather(
         *(submit(batcher, x(i), deadline_unix_ns=0, received=clock.monotonic()) for i in range(5))
     )
     assert engine.calls == [1] * 5
     assert [r[0]["y"].item() for r in results] == [0.0, 2.0, 4.0, 6.0, 8.0]
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_an_instance_runs_the_next_ready_request_without_the_loop(engine: Doubler) -> None:
     """A request queued behind a running one starts when that one ends even while the event
     loop is busy: the instance's thread takes it (a loop round trip would idle the model)."""
     clock, sizes = FakeClock(), []
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=1), clock, sizes)
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, sizes)
     engine.gate.clear()
     first = submit(batcher, x(1), received=clock.monotonic())
     await asyncio.sleep(0.05)  # running, held at the gate
@@ -262,12 +262,12 @@ async def test_an_instance_runs_the_next_ready_request_without_the_loop(engine: 
     assert [o["y"].ravel().tolist() for o, _ in outputs] == [[2.0], [4.0]]
     assert sizes == [1, 1]
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_a_front_of_queue_request_runs_before_those_waiting(engine: Doubler) -> None:
     clock, order = FakeClock(), []
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=1), clock, [])
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, [])
     futures = []
     for value, front in ((0, False), (1, False), (2, True)):  # one loop turn: all wait together
         future = submit(batcher, x(value), received=clock.monotonic(), front=front)
@@ -276,23 +276,23 @@ async def test_a_front_of_queue_request_runs_before_those_waiting(engine: Double
     await asyncio.gather(*futures)
     assert order == [2, 0, 1]
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_a_burst_submitted_at_once_runs_as_one_batch(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)
     burst = [submit(batcher, x(i), received=clock.monotonic()) for i in range(5)]  # no await between
     results = await asyncio.gather(*burst)
     assert engine.calls == [5] and sizes == [5]
     assert [r[0]["y"].item() for r in results] == [0.0, 2.0, 4.0, 6.0, 8.0]
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_close_answers_queued_requests_and_refuses_new_ones(engine: Doubler) -> None:
     clock = FakeClock()
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=1), clock, [])
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, [])
     engine.gate.clear()
     running = submit(batcher, x(1), received=clock.monotonic())
     await asyncio.sleep(0.05)
@@ -308,12 +308,12 @@ async def test_close_answers_queued_requests_and_refuses_new_ones(engine: Double
     with pytest.raises(InternalError, match="stopped"):
         submit(batcher, x(3), received=clock.monotonic())
     assert engine.calls == [1]
-    thread.shutdown()
+    executor.shutdown()
 
 
 async def test_a_failing_callback_does_not_cost_the_others_their_answer(engine: Doubler) -> None:
     clock = FakeClock()
-    batcher, thread = make(engine, BatchPolicy(max_batch_size=4), clock, [])
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=4), clock, [])
 
     def broken(outcome: BatchOutcome) -> None:
         raise RuntimeError("caller bug")
@@ -323,4 +323,4 @@ async def test_a_failing_callback_does_not_cost_the_others_their_answer(engine: 
     assert (await other)[0]["y"].item() == 4.0
     assert engine.calls == [2]
     await batcher.close()
-    thread.shutdown()
+    executor.shutdown()

@@ -19,10 +19,9 @@ request of that batch runs again on its own, so only the request at fault fails.
 
 The hot path costs per batch, not per request: submissions only append to the queue
 and schedule one look at it for the next loop iteration (so a burst received in one
-go is batched whole), a batch reaches its instance's thread with one post and comes
-back with one loop wake-up (engine_thread.py: a pipe write each way), and every
-request of it is answered by a plain callback in that same wake-up (no Future or Task
-per request). Only a partial batch
+go is batched whole), a batch reaches its instance's thread with one executor submit
+and comes back with one loop wake-up, and every request of it is answered by a plain
+callback in that same wake-up (no Future or Task per request). Only a partial batch
 waiting for company holds a timer task. An instance that finishes a batch while the
 next one is ready in the queue runs it straight away on its thread: going back to the
 loop for it would leave the model idle for a wake-up of each thread (0.3-0.5 ms on a
@@ -41,6 +40,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +49,6 @@ from loadmaster.common.clock import Clock
 from loadmaster.common.config import ModelSettings
 from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumentError, LoadmasterError
 from loadmaster.common.tensors import wire_dtype
-from loadmaster.model_pool.engine_thread import EngineThread, LoopInbox
 from loadmaster.model_pool.engines.base import Engine
 
 __all__ = [
@@ -68,10 +67,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Arrays = Mapping[str, np.ndarray]
-
-# The placeholder of a live request's outcome while its batch runs: one shared instance,
-# not an exception built per request on the engine's thread.
-_NOT_RUN = InternalError("not run")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +108,7 @@ class Instance:
     """One engine copy with its own thread."""
 
     engine: Engine
-    thread: EngineThread
+    executor: ThreadPoolExecutor
 
 
 # What a request comes to: its outputs and timing, or the error that answers it.
@@ -234,7 +229,6 @@ class Batcher:
         self._idle = asyncio.Event()  # set while no batch is running
         self._idle.set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: LoopInbox | None = None  # batches' results, from the instances' threads
         self._pump_scheduled = False
         self._timer: asyncio.Task[None] | None = None  # wakes a partial batch at its queue deadline
         self._timer_at = math.inf
@@ -244,7 +238,6 @@ class Batcher:
         """Start taking batches (requests submitted before wait until then)."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._inbox = LoopInbox(self._loop)
             self._schedule()
 
     async def close(self) -> None:
@@ -256,8 +249,6 @@ class Batcher:
             await asyncio.gather(self._timer, return_exceptions=True)
             self._timer = None
         await self._idle.wait()
-        if self._inbox is not None:
-            self._inbox.close()  # no batch is out: nothing posts to it any more
         with self._lock:
             left, self._queue = list(self._queue), deque()
         for item in left:
@@ -355,10 +346,10 @@ class Batcher:
         self._pump()
 
     def _launch(self, instance: Instance, batch: list[_Item]) -> None:
-        """One post to the instance's thread; each batch's results come back in one loop wake-up."""
+        """One executor submit; each batch's results come back in one loop wake-up."""
         try:
-            instance.thread.post(self._run_chain, instance, batch)
-        except BaseException as error:  # the thread is shut down: every request hears it
+            instance.executor.submit(self._run_chain, instance, batch)
+        except BaseException as error:  # the executor itself failed: every request hears it
             self._free.append(instance)
             self._answer(batch, [error] * len(batch), [])
             return
@@ -405,8 +396,8 @@ class Batcher:
     def _run_chain(self, instance: Instance, batch: list[_Item]) -> None:
         """Run `batch`, then each next batch that is ready when this one ends, posting every
         batch's results to the loop as it ends; the last post frees the instance."""
-        inbox = self._inbox
-        assert inbox is not None
+        loop = self._loop
+        assert loop is not None
         while True:
             calls: list[tuple[int, float]] = []
             try:
@@ -415,7 +406,11 @@ class Batcher:
                 results = [error] * len(batch)
             with self._lock:
                 following = self._take(on_loop=False)
-            inbox.post(self._finish, instance, batch, calls, results, following is None)
+            try:
+                loop.call_soon_threadsafe(self._finish, instance, batch, calls, results, following is None)
+            except RuntimeError:  # the loop is closed: nobody is left to answer
+                log.warning("model %s finished a batch after its event loop closed", self.model_id)
+                return
             if following is None:
                 return
             batch = following
@@ -436,7 +431,7 @@ class Batcher:
                     )
                 )
             else:
-                results.append(_NOT_RUN)  # replaced below by its outcome
+                results.append(InternalError("not run"))
                 live.append(index)
         if not live:
             return results

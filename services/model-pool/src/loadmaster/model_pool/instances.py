@@ -1,4 +1,4 @@
-"""Engine instances: copies of one model's engine, each on its own thread (`EngineThread`).
+"""Engine instances: copies of one model's engine, each on its own single-thread executor.
 
 An engine's methods run on its instance's thread only, never on the event loop (see
 engines/base.py), so a slow load or model never stalls the worker and engines may keep
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from loadmaster.model_pool.batcher import Instance
-from loadmaster.model_pool.engine_thread import EngineThread
 from loadmaster.model_pool.engines import Engine, EngineContext
 from loadmaster.model_pool.repository import ModelSpec
 
@@ -31,10 +31,10 @@ async def load_instance(
 ) -> None:
     """Add one instance to `built`, then load it and run its warm-up (config inputs, or zeros from
     the declared inputs) on its thread. It joins `built` first, so a failed load frees it too."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
     engine = cls(spec, context)
-    thread = EngineThread(name)
-    built.append(Instance(engine=engine, thread=thread))
-    await asyncio.get_running_loop().run_in_executor(thread, _load_and_warm, engine)
+    built.append(Instance(engine=engine, executor=executor))
+    await asyncio.get_running_loop().run_in_executor(executor, _load_and_warm, engine)
 
 
 async def free_instances(model_id: str, instances: list[Instance]) -> None:
@@ -42,8 +42,8 @@ async def free_instances(model_id: str, instances: list[Instance]) -> None:
     for instance in instances:
         try:
             # Queued behind a load still running on that thread, so it frees what it built.
-            await asyncio.wrap_future(instance.thread.submit(instance.engine.unload))
+            await asyncio.wrap_future(instance.executor.submit(instance.engine.unload))
         except Exception:
             log.exception("unloading an instance of %s failed", model_id)
         finally:
-            instance.thread.shutdown(wait=False)
+            instance.executor.shutdown(wait=False)

@@ -1,4 +1,4 @@
-"""The worker's core: model slots, their engines, engine threads and leases.
+"""The worker's core: model slots, their engines, executors and leases.
 
 `ModelPool` decides; the front doors (gRPC servicer, ZMQ data port, worker session)
 only translate into its calls:
@@ -11,9 +11,9 @@ only translate into its calls:
     submit(model_id, inputs, done=callback, ...)   the same, answered by a callback (data port)
     pin(model_id, pinned)   never evicted while pinned
 
-Each loaded model has `instances` engine copies, each on its own `EngineThread`, fed
-by one `Batcher` (dynamic batching when `max_batch_size` > 1): a slow model never
-blocks another model's requests. Lifecycle operations on one model are
+Each loaded model has `instances` engine copies, each on its own single-thread
+executor, fed by one `Batcher` (dynamic batching when `max_batch_size` > 1): a slow
+model never blocks another model's requests. Lifecycle operations on one model are
 serialised (a second `load` waits for the first and shares its result) and run as
 tasks shielded from their callers, so a cancelled RPC never leaves a model half-loaded.
 Which model to evict is decided in `eviction.py`; this module only acts on it.

@@ -1,7 +1,7 @@
 """The engine interface every backend implements.
 
 An engine owns one loaded copy of one model. The pool calls every method on the
-model's own thread (`EngineThread`), never on the event loop, so engines may block
+model's own single-thread executor, never on the event loop, so engines may block
 and may keep thread-affine state (CUDA streams, interpreter handles):
 
     estimate_mb(spec)  class method, before anything is loaded: the memory to lease
