@@ -11,33 +11,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadmaster.common.config import MetricsSettings, Settings
+from loadmaster.common.config import Settings
 from loadmaster.common.grpc_client import aio_channel, check_health
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.metrics.server import SERVICE_NAME, MetricsServer, build
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
-
-
-def settings() -> Settings:
-    return Settings(
-        metrics=MetricsSettings(address="127.0.0.1:0", http_host="127.0.0.1", http_port=0, ring_size=1000)
-    )
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[MetricsServer]:
-    server = await build(settings())
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-@pytest.fixture
-async def stub(server: MetricsServer) -> AsyncIterator[metrics_pb2_grpc.MetricsStub]:
-    async with aio_channel(f"127.0.0.1:{server.port}") as channel:
-        yield metrics_pb2_grpc.MetricsStub(channel)
 
 
 async def report(
@@ -156,8 +134,8 @@ async def test_health_over_grpc_and_http(server: MetricsServer) -> None:
     assert (response.status_code, response.json()) == (200, {"status": "SERVING"})
 
 
-async def test_stop_ends_watch_and_report_streams_and_http() -> None:
-    server = await build(settings())
+async def test_stop_ends_watch_and_report_streams_and_http(metrics_settings: Settings) -> None:
+    server = await build(metrics_settings)
     await server.start()
     http_port = server.http_port
     assert http_port

@@ -7,33 +7,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import pytest
-
-from loadmaster.common.config import MetricsSettings, Settings
-from loadmaster.common.grpc_client import aio_channel
 from loadmaster.common.telemetry import TelemetryReporter
-from loadmaster.metrics.server import MetricsServer, build
+from loadmaster.metrics.server import MetricsServer
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[MetricsServer]:
-    server = await build(
-        Settings(
-            metrics=MetricsSettings(address="127.0.0.1:0", http_host="127.0.0.1", http_port=0, ring_size=1000)
-        )
-    )
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-@pytest.fixture
-async def stub(server: MetricsServer) -> AsyncIterator[metrics_pb2_grpc.MetricsStub]:
-    async with aio_channel(f"127.0.0.1:{server.port}") as channel:
-        yield metrics_pb2_grpc.MetricsStub(channel)
 
 
 async def test_a_series_with_several_values_arrives_with_values_timestamps_and_labels(
