@@ -180,3 +180,24 @@ def test_latest_only_in_one_batch_runs_the_older_when_a_worker_is_free(make_harn
     assert h.granted_ids() == ["r1", "r2"]  # one per free worker, as if they came one by one
     assert _rejects(h, errors_pb2.ERROR_CODE_SUPERSEDED) == ["r3"]  # r4 waits, r3 gave way
     h.check()
+
+
+def test_a_due_batch_a_worker_has_room_for_keeps_the_timer_armed(make_harness: MakeHarness) -> None:
+    """The dispatch that found a group not yet due may have read the clock just before its
+    release (timers fire up to 1 ms early): the next wake-up must still release it."""
+    h = make_harness(max_inflight=lambda m: 1)
+    h.core.set_ordering(make_ordering("batch_optimized", batch=BatchRule(max_batch_size=3, max_wait_s=0.01)))
+    h.worker("w1", ["m"], ready=["m"])
+    h.enqueue("r1")
+    release = h.clock.monotonic() + 0.01
+    h.clock.advance(0.0105)  # due, but no dispatch has looked since
+    assert h.core.next_deadline() == release  # in the past: the timer fires at once
+    h.core.expire_due()
+    assert h.granted_ids() == ["r1"]
+    h.enqueue("r2")
+    h.clock.advance(0.0105)  # due again, but w1's only slot is busy: no wake-up loop
+    assert h.core.next_deadline() > h.clock.monotonic()  # r2's TTL, or a client check
+    h.complete("r1")  # the completion releases it
+    assert h.granted_ids() == ["r1", "r2"]
+    h.complete("r2")
+    h.check(settled=True)

@@ -225,7 +225,11 @@ class SchedulerCore(Dispatching):
                 if oldest is None:
                     continue
                 release = oldest.enqueued_at + rule.max_wait_s
-                if release > now and (wake is None or release < wake):
+                # A group already due is waiting for room (a completion releases it), unless
+                # a worker has room now: then the dispatch that found it not yet due read the
+                # clock a moment before `release` (a timer fires up to 1 ms early), and
+                # without a wake-up here it would wait for its TTL.
+                if (release > now or self._batch_room(model_id)) and (wake is None or release < wake):
                     wake = release
         return wake
 

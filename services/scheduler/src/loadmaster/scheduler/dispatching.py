@@ -191,6 +191,14 @@ class Dispatching:
                 continue
             self._grant_head((best[0], best[1]), best[2], now)
 
+    def _batch_room(self, model_id: str) -> bool:
+        """Some worker holding `model_id` READY has a free slot for a group."""
+        max_inflight = self._config.max_inflight(model_id)
+        return (
+            placement.pick_batch_worker(self._registry.grant_candidates(model_id), max_inflight=max_inflight)
+            is not None
+        )
+
     def _dispatch_batch(self, model_id: str, now: float) -> None:
         """Release groups of up to max_batch_size, each to one worker, once full or old enough."""
         rule = self._queues.ordering.batch
