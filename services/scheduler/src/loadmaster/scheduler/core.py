@@ -24,14 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loadmaster.common.clock import Clock
-from loadmaster.scheduler import placement
 from loadmaster.scheduler.clients import ClientTracker
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
 from loadmaster.scheduler.credits import Credit, CreditBook, CreditRun, FinishedRun
 from loadmaster.scheduler.dispatching import Dispatching
 from loadmaster.scheduler.domain import (
     Completion,
-    LoadModel,
     OverflowPolicy,
     QueueStats,
     Reject,
@@ -553,31 +551,6 @@ class SchedulerCore(Dispatching):
         self._telemetry.record("scheduling_wait_ms", 0.0, {"model": model_id})
         self._telemetry.record(
             "placement_decisions", 1, {"model": model_id, "worker": credit.worker_id, "kind": "credit"}
-        )
-
-    # ---- cold starts -------------------------------------------------------------
-
-    def _maybe_load(self, model_id: str) -> None:
-        if (
-            self._queues.depth(model_id)
-            and model_id not in self._loads
-            and not self._registry.holds(model_id)
-        ):
-            self._command_load(model_id)
-
-    def _command_load(self, model_id: str) -> None:
-        candidates = self._registry.load_candidates(model_id, busy=lambda m: self._queues.depth(m) > 0)
-        worker_id = placement.pick_load_worker(candidates, vram_mb=self._config.policy(model_id).vram_mb)
-        if worker_id is None:
-            return  # nobody can load it now; waiters expire unless a worker turns up
-        record = self._registry.get(worker_id)
-        assert record is not None
-        self._loads.commanded(model_id, worker_id, record.slots.get(model_id))
-        log.info("commanding worker %s to load model %s", worker_id, model_id)
-        self._out.command(worker_id, LoadModel(model_id))
-        self._telemetry.record("loads_commanded", 1, {"model": model_id, "worker": worker_id})
-        self._telemetry.record(
-            "placement_decisions", 1, {"model": model_id, "worker": worker_id, "kind": "load"}
         )
 
     def _reject_waiters(self, model_id: str, message: str) -> None:

@@ -1,20 +1,21 @@
 """The dispatch half of `SchedulerCore`: after each event, hand queued requests to workers.
 
-Split out of core.py by responsibility: admission, completion, clients, credits and cold
-starts stay in the core; this base class only decides, per strategy scope, which queued
-head goes to which worker next, and grants it. It works on the core's own state (declared
+Split out of core.py by responsibility: admission, completion, clients and credits stay in
+the core; this base class decides, per strategy scope, which queued head goes to which
+worker next, and grants it, and which worker loads a model that requests wait for. It works on the core's own state (declared
 below), so `SchedulerCore(Dispatching)` is the only class meant to use it.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from loadmaster.scheduler import placement
 from loadmaster.scheduler.config import CoreConfig
-from loadmaster.scheduler.domain import Grant, Request, RequestKey
+from loadmaster.scheduler.domain import Grant, LoadModel, Request, RequestKey
 from loadmaster.scheduler.ports import Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
@@ -23,9 +24,12 @@ from loadmaster.scheduler.strategies import Scope
 if TYPE_CHECKING:
     from loadmaster.common.clock import Clock
     from loadmaster.scheduler.credits import CreditBook
+    from loadmaster.scheduler.loads import LoadTracker
     from loadmaster.scheduler.lookahead import Lookahead
 
 __all__ = ["Dispatching"]
+
+log = logging.getLogger(__name__)
 
 
 class Dispatching:
@@ -42,10 +46,9 @@ class Dispatching:
     _placed: dict[tuple[str, str], int]
     _credits: CreditBook
     _lookahead: Lookahead
+    _loads: LoadTracker
 
     if TYPE_CHECKING:  # provided by SchedulerCore
-
-        def _maybe_load(self, model_id: str) -> None: ...
 
         def _expire(self, request: Request) -> None: ...
 
@@ -264,3 +267,28 @@ class Dispatching:
         )
         placed = (model_id, worker_id)
         self._placed[placed] = self._placed.get(placed, 0) + 1  # recorded once per dispatch
+
+    # ---- cold starts: which worker loads a model that requests wait for ------------
+
+    def _maybe_load(self, model_id: str) -> None:
+        if (
+            self._queues.depth(model_id)
+            and model_id not in self._loads
+            and not self._registry.holds(model_id)
+        ):
+            self._command_load(model_id)
+
+    def _command_load(self, model_id: str) -> None:
+        candidates = self._registry.load_candidates(model_id, busy=lambda m: self._queues.depth(m) > 0)
+        worker_id = placement.pick_load_worker(candidates, vram_mb=self._config.policy(model_id).vram_mb)
+        if worker_id is None:
+            return  # nobody can load it now; waiters expire unless a worker turns up
+        record = self._registry.get(worker_id)
+        assert record is not None
+        self._loads.commanded(model_id, worker_id, record.slots.get(model_id))
+        log.info("commanding worker %s to load model %s", worker_id, model_id)
+        self._out.command(worker_id, LoadModel(model_id))
+        self._telemetry.record("loads_commanded", 1, {"model": model_id, "worker": worker_id})
+        self._telemetry.record(
+            "placement_decisions", 1, {"model": model_id, "worker": worker_id, "kind": "load"}
+        )
