@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import zmq.asyncio
 
 from loadmaster.common.config import (
     GpuBrokerSettings,
+    GpuSpec,
     MetricsSettings,
     ModelPoolSettings,
     ModelsSettings,
@@ -25,7 +27,7 @@ from loadmaster.common.config import (
 )
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.model_pool.server import ModelPoolServer, build
-from loadmaster.v1 import model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
+from loadmaster.v1 import gpu_broker_pb2_grpc, model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
@@ -94,6 +96,42 @@ async def fake_scheduler(address: str = "127.0.0.1:0") -> AsyncIterator[tuple[Fa
         yield servicer, f"127.0.0.1:{port}"
     finally:
         await server.stop(0)
+
+
+BrokerAt = Callable[
+    ..., contextlib.AbstractAsyncContextManager[tuple[str, gpu_broker_pb2_grpc.GpuBrokerStub]]
+]
+
+
+@pytest.fixture
+def real_broker(redis_url: str) -> BrokerAt:
+    """`async with real_broker(total_mb=1_000) as (address, stub)`: the real gpu-broker
+    (services/gpu-broker) on 127.0.0.1:0 over the session's Redis, one GPU declared."""
+    server_module = pytest.importorskip("loadmaster.gpu_broker.server")
+
+    @contextlib.asynccontextmanager
+    async def start(*, total_mb: int = 1_000) -> AsyncIterator[tuple[str, gpu_broker_pb2_grpc.GpuBrokerStub]]:
+        settings = Settings(
+            redis_url=redis_url,
+            gpu_broker=GpuBrokerSettings(
+                listen="127.0.0.1:0",
+                key_prefix=f"model-pool-test-{uuid.uuid4().hex[:12]}",
+                use_nvml=False,
+                reserve_mb=0,
+                declared={"local": [GpuSpec(index=0, total_mb=total_mb)]},
+            ),
+            metrics=MetricsSettings(enabled=False),
+        )
+        server = await server_module.build(settings)
+        port = await server.start()
+        address = f"127.0.0.1:{port}"
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                yield address, gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+        finally:
+            await server.stop()
+
+    return start
 
 
 @pytest.fixture

@@ -6,41 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import pytest
 
-from loadmaster.common.config import GpuBrokerSettings, GpuSpec, MetricsSettings, Settings
 from loadmaster.common.errors import UnavailableError
 from loadmaster.model_pool.leases import GrpcLeaseClient, Lease, LeaseKeeper, LeaseLostError
 from loadmaster.v1 import errors_pb2, gpu_broker_pb2, gpu_broker_pb2_grpc
 
-gpu_broker_server = pytest.importorskip("loadmaster.gpu_broker.server")
-
-
-@contextlib.asynccontextmanager
-async def real_broker(redis_url: str) -> AsyncIterator[tuple[str, gpu_broker_pb2_grpc.GpuBrokerStub]]:
-    settings = Settings(
-        redis_url=redis_url,
-        gpu_broker=GpuBrokerSettings(
-            listen="127.0.0.1:0",
-            key_prefix=f"renewal-test-{uuid.uuid4().hex[:12]}",
-            use_nvml=False,
-            reserve_mb=0,
-            declared={"local": [GpuSpec(index=0, total_mb=1_000)]},
-        ),
-        metrics=MetricsSettings(enabled=False),
-    )
-    server = await gpu_broker_server.build(settings)
-    port = await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield f"127.0.0.1:{port}", gpu_broker_pb2_grpc.GpuBrokerStub(channel)
-    finally:
-        await server.stop()
+if TYPE_CHECKING:
+    from conftest import BrokerAt
 
 
 class RecordingBroker(gpu_broker_pb2_grpc.GpuBrokerServicer):
@@ -128,9 +104,9 @@ async def test_a_broker_without_renew_many_is_renewed_one_lease_per_call() -> No
 
 
 async def test_a_lost_lease_among_several_is_reported_alone_and_the_others_stay_renewed(
-    redis_url: str,
+    real_broker: BrokerAt,
 ) -> None:
-    async with real_broker(redis_url) as (address, stub):
+    async with real_broker() as (address, stub):
         client = GrpcLeaseClient(address, holder="w", node="local")
         lost: list[str] = []
         reported = asyncio.Event()

@@ -3,51 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 import pytest
 
-from loadmaster.common.config import GpuBrokerSettings, GpuSpec, MetricsSettings, Settings
 from loadmaster.common.errors import UnavailableError
 from loadmaster.model_pool.slots import ModelState
-from loadmaster.v1 import errors_pb2, gpu_broker_pb2, gpu_broker_pb2_grpc
+from loadmaster.v1 import errors_pb2, gpu_broker_pb2
 
-gpu_broker_server = pytest.importorskip("loadmaster.gpu_broker.server")
-
-
-@contextlib.asynccontextmanager
-async def broker(redis_url: str, *, total_mb: int = 1_000) -> AsyncIterator[tuple[str, Any]]:
-    settings = Settings(
-        redis_url=redis_url,
-        gpu_broker=GpuBrokerSettings(
-            listen="127.0.0.1:0",
-            key_prefix=f"model-pool-test-{uuid.uuid4().hex[:12]}",
-            use_nvml=False,
-            reserve_mb=0,
-            declared={"local": [GpuSpec(index=0, total_mb=total_mb)]},
-        ),
-        metrics=MetricsSettings(enabled=False),
-    )
-    server = await gpu_broker_server.build(settings)
-    port = await server.start()
-    address = f"127.0.0.1:{port}"
-    try:
-        async with grpc.aio.insecure_channel(address) as channel:
-            yield address, gpu_broker_pb2_grpc.GpuBrokerStub(channel)
-    finally:
-        await server.stop()
+if TYPE_CHECKING:
+    from conftest import BrokerAt
 
 
 async def test_leases_follow_the_models(
-    redis_url: str, example_repo: Path, start_worker: Any, make_client: Any
+    real_broker: BrokerAt, example_repo: Path, start_worker: Any, make_client: Any
 ) -> None:
-    async with broker(redis_url) as (address, stub):
+    async with real_broker() as (address, stub):
         async with start_worker(
             example_repo, preload=["double", "policy"], broker_address=address, lease_ttl_s=1.5
         ) as worker:
@@ -89,10 +62,10 @@ async def test_leases_follow_the_models(
 
 
 async def test_a_model_that_does_not_fit_stays_idle(
-    redis_url: str, example_repo: Path, start_worker: Any
+    real_broker: BrokerAt, example_repo: Path, start_worker: Any
 ) -> None:
     async with (
-        broker(redis_url, total_mb=50) as (address, _),
+        real_broker(total_mb=50) as (address, _),
         start_worker(example_repo, preload=["policy"], broker_address=address) as worker,
     ):
         status = worker.pool.status("policy")  # 64 MB on a 50 MB card
