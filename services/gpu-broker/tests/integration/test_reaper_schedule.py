@@ -125,3 +125,29 @@ async def test_gauges_are_reported_soon_after_a_burst_of_grants(manager: LeaseMa
         ]
     finally:
         await r.stop()
+
+
+async def test_gauges_are_reported_soon_after_a_release(manager: LeaseManager) -> None:
+    clock: FakeClock = manager._clock  # type: ignore[attr-defined]
+    telemetry = Recorder()
+    r = Reaper(manager, clock=clock, inventory=GPUS, idle_interval_s=60.0, telemetry=telemetry)
+
+    async def reported() -> list[tuple[str, float]]:
+        for _ in range(100):  # 1 s of broker time
+            if any(name == "waiters" for name, _ in telemetry.samples):  # the last one recorded
+                break
+            clock.advance(0.01)
+            await asyncio.sleep(0.005)
+        samples = sorted(telemetry.samples)
+        telemetry.samples.clear()
+        return samples
+
+    await r.start()  # one step now; the next is 48-72 s ahead
+    try:
+        telemetry.samples.clear()
+        lease = await manager.acquire(AcquireRequest("r0", "w", PlacementRequest(mb=100)))
+        assert ("lease_mb", 100) in await reported()
+        assert await manager.release(lease.lease_id, fencing_token=lease.fencing_token)
+        assert await reported() == [("free_mb", 1000), ("lease_mb", 0), ("outside_mb", 0), ("waiters", 0)]
+    finally:
+        await r.stop()

@@ -90,11 +90,17 @@ class LeaseManager:
         self._default_reserve_mb = default_reserve_mb
         self._telemetry = telemetry
         self._on_grant: Callable[[int], None] | None = None
+        self._on_release: Callable[[], None] | None = None
 
     def on_grant(self, callback: Callable[[int], None]) -> None:
         """Call `callback(expires_unix_ms)` for each lease this replica grants (the reaper
         wakes for one that expires before its next step)."""
         self._on_grant = callback
+
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` each time this replica frees a lease's memory (a release, or an
+        expired lease found by a release)."""
+        self._on_release = callback
 
     def now_ms(self) -> int:
         return int(self._clock.time() * 1000)
@@ -290,6 +296,9 @@ class LeaseManager:
             raise self._stale(lease_id, fencing_token, change.detail)
         if change.status is ChangeStatus.EXPIRED:
             self._count_expirations(1)
+        freed = change.status in (ChangeStatus.DONE, ChangeStatus.EXPIRED)
+        if freed and self._on_release is not None:
+            self._on_release()
         return change.status is ChangeStatus.DONE
 
     async def leases(self, *, node: str = "", holder: str = "") -> list[Lease]:

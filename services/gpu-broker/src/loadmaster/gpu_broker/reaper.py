@@ -13,8 +13,8 @@ another replica with an earlier expiry is reaped at this replica's next step; it
 reclaimed before that anyway, lazily, by the next Acquire. Gauges are reported every step,
 not only when they change: the telemetry reporter drops what it cannot deliver (the metrics
 service may start after the broker), and a dashboard needs a recent reading. They are also
-reported shortly after this replica grants leases (once per burst), so a model load shows on
-the dashboard at once rather than at the next step, up to 18 s later.
+reported shortly after this replica grants or releases leases (once per burst), so a model
+load or unload shows on the dashboard at once rather than at the next step, up to 18 s later.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 _AFTER_EXPIRY_S = 0.01
 _MIN_DELAY_S = 0.05  # a lease that stays expired (Redis trouble) is not retried in a busy loop
-_GAUGES_AFTER_GRANT_S = 0.5  # grants within this report the gauges once
+_GAUGES_AFTER_CHANGE_S = 0.5  # grants and releases within this report the gauges once
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +80,14 @@ class Reaper:
         self._rng = rng or random.Random()
         self._task: asyncio.Task[None] | None = None
         self._replan = asyncio.Event()  # a grant expires before the next step
-        self._gauges_soon: asyncio.Task[None] | None = None  # after a grant
+        self._gauges_soon: asyncio.Task[None] | None = None  # after a grant or release
         self._next_step_ms: int | None = None  # broker clock; None while planning it
 
     async def start(self) -> None:
         """Run one step now (so the inventory is registered before serving), then loop."""
         await self._guarded_step()
         self._manager.on_grant(self._granted)
+        self._manager.on_release(self._gauges_after_change)
         self._task = asyncio.create_task(self._run(), name="gpu-broker-reaper")
 
     async def stop(self) -> None:
@@ -121,12 +122,17 @@ class Reaper:
             self._telemetry.record("outside_mb", gpu.used_outside_mb, labels)
         self._telemetry.record("waiters", await self._manager.waiting())
 
-    async def _gauges_after_grant(self) -> None:
+    def _gauges_after_change(self) -> None:
+        """Report the gauges `_GAUGES_AFTER_CHANGE_S` from now, unless already due by then."""
+        if self._telemetry is not None and self._gauges_soon is None:
+            self._gauges_soon = asyncio.create_task(self._gauges_soon_task(), name="gpu-broker-gauges")
+
+    async def _gauges_soon_task(self) -> None:
         try:
-            await self._clock.sleep(_GAUGES_AFTER_GRANT_S)
+            await self._clock.sleep(_GAUGES_AFTER_CHANGE_S)
             await self._report_gauges()
         except LoadmasterError as error:  # the next step reports them
-            log.debug("gauges after a grant not reported: %s", error.message)
+            log.debug("gauges after a lease change not reported: %s", error.message)
         finally:
             self._gauges_soon = None
 
@@ -172,8 +178,7 @@ class Reaper:
             log.warning("reaper step took %.2fs", elapsed)
 
     def _granted(self, expires_unix_ms: int) -> None:
-        if self._telemetry is not None and self._gauges_soon is None:
-            self._gauges_soon = asyncio.create_task(self._gauges_after_grant(), name="gpu-broker-gauges")
+        self._gauges_after_change()
         # While planning, any grant may have missed the read of the first expiry: plan again.
         if self._next_step_ms is None or expires_unix_ms < self._next_step_ms:
             self._replan.set()
