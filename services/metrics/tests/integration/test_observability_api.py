@@ -4,6 +4,7 @@ JSON, fed through the real `TelemetryReporter`."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import AsyncIterator
 
@@ -158,3 +159,32 @@ async def test_dashboard_page_and_json_over_http(server: MetricsServer) -> None:
             "slots": [{"model": "double", "state": "READY", "inflight": 0, "vram_mb": 0}],
         }
     ]
+
+
+async def test_on_metric_gives_up_a_connection_whose_handshake_hangs() -> None:
+    # A listener that accepts and then never answers (as a server stopping mid-accept can):
+    # the watch must give the connection up and reach the real service on the same port
+    # within seconds, not after gRPC's default 20 s connect timeout.
+    hung = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    hung.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    port = hung.getsockname()[1]
+    subscription = on_metric(lambda s: None, address=f"127.0.0.1:{port}")
+    accepted: list[socket.socket] = []
+    try:
+        conn, _ = await asyncio.to_thread(hung.accept)  # the watch's connection, left unanswered
+        accepted.append(conn)
+        hung.close()
+        settings = Settings(metrics=MetricsSettings(address=f"127.0.0.1:{port}", http_port=0))
+        server = await build(settings)
+        await server.start()
+        try:
+            assert await asyncio.to_thread(subscription.wait_ready, 8)
+        finally:
+            await server.stop()
+    finally:
+        await asyncio.to_thread(subscription.close)
+        for conn in accepted:
+            conn.close()
+        hung.close()
