@@ -39,6 +39,7 @@ from loadmaster.common.errors import (
     UnavailableError,
     from_grpc_error,
 )
+from loadmaster.common.grpc_client import CLIENT_OPTIONS  # reconnects within 2 s of a broker restart
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
 
@@ -210,7 +211,7 @@ class GpuLease(_LeaseView):
         If interrupted (e.g. KeyboardInterrupt), releases what the call may have been granted
         (see the module docstring), then re-raises."""
         request = self.spec.acquire_request(uuid.uuid4().hex)
-        self._channel = grpc.insecure_channel(self._address)
+        self._channel = grpc.insecure_channel(self._address, options=CLIENT_OPTIONS)
         self._stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
         try:
             reply = self._acquire_with_retries(self._stub, request)
@@ -340,7 +341,7 @@ class AsyncGpuLease(_LeaseView):
 
     async def __aenter__(self) -> AsyncGpuLease:
         request = self.spec.acquire_request(uuid.uuid4().hex)
-        self._channel = grpc.aio.insecure_channel(self._address)
+        self._channel = grpc.aio.insecure_channel(self._address, options=CLIENT_OPTIONS)
         stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
         try:
             reply = await self._acquire_with_retries(stub, request)
