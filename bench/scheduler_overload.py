@@ -3,7 +3,9 @@
 8 client processes with the stock Inferential client, open loop (each sends on its own
 schedule, whatever the replies): 2 clients priority 0 with a 30 ms latency budget, 6
 clients priority 2 (50 ms budget, and metadata timeout_ms 200: an observation older than
-that is useless to them). Each client sends 25/s, 200/s in all. Per class: on-time rate
+that is useless to them). Each client sends 25/s, 200/s in all, at its own phase: the
+clients' first sends are 5 ms apart (client i at i x 5 ms; `--p0-gap-ms` moves the second
+priority-0 client), after every process has connected. Per class: on-time rate
 (a result within the client's budget), p50/p99 latency of results, errors by code; and
 goodput (results/s) against capacity.
 
@@ -59,7 +61,17 @@ def _klass(i: int) -> dict[str, Any]:
     return HIGH if i < 2 else LOW
 
 
-def client_main(address: str, index: int, seconds: float, start_at: float, out: Any) -> None:
+def phase_s(index: int, p0_gap_ms: float | None) -> float:
+    """When client `index` sends first, after the common start: the clients' phases spread
+    over one period (5 ms apart), or the second priority-0 client `p0_gap_ms` after the first."""
+    if index == 1 and p0_gap_ms is not None:
+        return p0_gap_ms / 1000.0
+    return (index / CLIENTS) / RATE_PER_CLIENT
+
+
+def client_main(
+    address: str, index: int, seconds: float, phase: float, ready: Any, go: Any, start: Any, out: Any
+) -> None:
     """One client process: send on schedule for warmup + seconds, then drain; report samples."""
     from inferential import Connection
 
@@ -72,9 +84,17 @@ def client_main(address: str, index: int, seconds: float, start_at: float, out: 
     sent: dict[int, float] = {}
     order: list[int] = []  # outstanding seqs, oldest first (error replies carry no seq)
     samples: list[tuple[float, float | None, str]] = []  # (sent_at, latency_s or None, code)
-    while time.time() < start_at:
-        time.sleep(0.001)
-    t0 = time.monotonic() + (index / CLIENTS) * period  # spread the clients' phases
+    ready.put(index)
+    if not go.wait(60):
+        return
+    # Every process is up before the common start, so the phases are the ones asked for
+    # (a process that started late used to begin at once, at a phase left to chance).
+    first = start.value + phase
+    while (left := first - time.time()) > 0.002:
+        time.sleep(left - 0.002)
+    while time.time() < first:
+        pass
+    t0 = time.monotonic()
     end = t0 + WARMUP_S + seconds
     seq = 0
     next_send = t0
@@ -117,18 +137,25 @@ def client_main(address: str, index: int, seconds: float, start_at: float, out: 
     out.put((index, samples))
 
 
-def run_clients(address: str, seconds: float) -> dict[str, Any]:
+def run_clients(address: str, seconds: float, *, p0_gap_ms: float | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    start_at = time.time() + 1.5  # all processes up before the first send
+    out, ready, go, start = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     procs = [
-        ctx.Process(target=client_main, args=(address, i, seconds, start_at, out)) for i in range(CLIENTS)
+        ctx.Process(
+            target=client_main,
+            args=(address, i, seconds, phase_s(i, p0_gap_ms), ready, go, start, out),
+        )
+        for i in range(CLIENTS)
     ]
     for p in procs:
         p.start()
     results: dict[int, list[tuple[float, float | None, str]]] = {}
-    deadline = time.monotonic() + seconds + WARMUP_S + DRAIN_S + 30
     try:
+        for _ in range(CLIENTS):  # each process connected and waiting
+            ready.get(timeout=60)
+        start.value = time.time() + 0.2
+        go.set()
+        deadline = time.monotonic() + seconds + WARMUP_S + DRAIN_S + 30
         while len(results) < CLIENTS and time.monotonic() < deadline:
             index, samples = out.get(timeout=max(0.1, deadline - time.monotonic()))
             results[index] = samples
@@ -235,6 +262,12 @@ def main() -> None:
     parser.add_argument(
         "--margin-ms", type=float, default=None, help="scheduler.lookahead_margin_ms (default: the config's)"
     )
+    parser.add_argument(
+        "--p0-gap-ms",
+        type=float,
+        default=None,
+        help="the second priority-0 client sends this long after the first (default: 5, the spread)",
+    )
     args = parser.parse_args()
     runs: dict[str, Any] = {}
     from loadmaster.cli.launcher import Suite, free_port_overrides
@@ -249,11 +282,11 @@ def main() -> None:
             edge, scheduler = suite.settings.gateway.edge.bind, suite.settings.scheduler.address
             # One unmeasured pass first, so no strategy's numbers include the suite's first seconds.
             print("warm-up pass (not measured)…", flush=True)
-            run_clients(edge, min(args.seconds, 4.0))
+            run_clients(edge, min(args.seconds, 4.0), p0_gap_ms=args.p0_gap_ms)
             _drain_queues(scheduler)
             for strategy in args.strategies.split(","):
                 _use(scheduler, strategy)
-                result = run_clients(edge, args.seconds)
+                result = run_clients(edge, args.seconds, p0_gap_ms=args.p0_gap_ms)
                 runs[f"loadmaster:{strategy}"] = result
                 print(_line(f"loadmaster {strategy}", result), flush=True)
                 _drain_queues(scheduler)
@@ -266,7 +299,7 @@ def main() -> None:
             with inferential_server(
                 "model_deadline", max_inflight={"sleep": 1}, budgets_ms=budgets
             ) as address:
-                result = run_clients(address, args.seconds)
+                result = run_clients(address, args.seconds, p0_gap_ms=args.p0_gap_ms)
             runs["inferential:model_deadline"] = result
             print(_line("inferential model_deadline", result), flush=True)
     md = runs.get("loadmaster:model_deadline")
@@ -303,6 +336,7 @@ def main() -> None:
                 "priority0": HIGH,
                 "priority2": LOW,
                 "seconds": args.seconds,
+                "phases_ms": [round(phase_s(i, args.p0_gap_ms) * 1000, 2) for i in range(CLIENTS)],
             },
             "targets": targets,
             "runs": runs,
