@@ -74,12 +74,16 @@ class LimitsSettings(_Section):
     max_metadata_bytes: int = Field(default=16 << 10, ge=0)
 
 
+def _infer_only() -> list[Literal["infer", "admin"]]:
+    return ["infer"]
+
+
 class ApiKeySettings(_Section):
     """One API key, stored hashed: `sha256` is the hex SHA-256 of the key (`loadmaster keys api`)."""
 
     name: str
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    scopes: list[Literal["infer", "admin"]] = Field(default_factory=lambda: ["infer"])
+    scopes: list[Literal["infer", "admin"]] = Field(default_factory=_infer_only)
     rate_per_s: float = Field(default=0.0, ge=0)  # token-bucket refill; 0 = unlimited
     burst: int = Field(default=0, ge=0)  # bucket size; 0 = max(1, rate_per_s)
 

@@ -9,7 +9,8 @@ import contextlib
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.logging import setup_logging
@@ -32,7 +33,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def run_service(
-    name: str, main: Callable[[Settings], Awaitable[None]], argv: list[str] | None = None
+    name: str, main: Callable[[Settings], Coroutine[Any, Any, None]], argv: list[str] | None = None
 ) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m loadmaster.{name.replace('-', '_')}")
     parser.add_argument("--config", help="path to loadmaster.yaml (default: built-in defaults)")

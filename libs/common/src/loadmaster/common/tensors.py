@@ -205,7 +205,7 @@ def encode_tensors(
         if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-d array into 1-d)
             array = array.copy(order="C")
         wire = wire_dtype(array.dtype)
-        view = memoryview(array).cast("B") if array.nbytes else memoryview(b"")
+        view = array.data.cast("B") if array.nbytes else memoryview(b"")
         descriptors.append(
             tensor_pb2.Tensor(
                 key=key,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun, FinishedRun
@@ -47,7 +48,7 @@ _STATE_TO_PB: dict[SlotState, model_pool_pb2.ModelState.ValueType] = {
     state: value for value, state in _STATE_FROM_PB.items()
 }
 
-SessionOutcome = Outcome | Credit | CreditRevoke
+SessionOutcome: TypeAlias = Outcome | Credit | CreditRevoke
 
 
 @dataclass(slots=True)
