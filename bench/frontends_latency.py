@@ -52,9 +52,12 @@ def edge_samples(edge: str, x: np.ndarray, *, requests: int, warmup: int) -> lis
         conn.close()
 
 
-def grpc_samples(address: str, x: np.ndarray, *, requests: int, warmup: int) -> list[float]:
-    import tritonclient.grpc as triton
+def kserve_samples(protocol: str, address: str, x: np.ndarray, *, requests: int, warmup: int) -> list[float]:
+    """`double` through the KServe v2 front end with the stock `tritonclient` of `protocol`
+    (`grpc` or `http`)."""
+    import importlib
 
+    triton = importlib.import_module(f"tritonclient.{protocol}")
     client = triton.InferenceServerClient(address)
     tensor = triton.InferInput("x", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
@@ -62,28 +65,10 @@ def grpc_samples(address: str, x: np.ndarray, *, requests: int, warmup: int) -> 
     def call() -> None:
         out = client.infer("double", [tensor]).as_numpy("x")
         if out is None or out[1] != x[1] * 2:
-            raise RuntimeError("gRPC request returned a wrong result")
+            raise RuntimeError(f"{protocol} request returned a wrong result")
 
     try:
-        return _timed("grpc", call, requests=requests, warmup=warmup)
-    finally:
-        client.close()
-
-
-def http_samples(address: str, x: np.ndarray, *, requests: int, warmup: int) -> list[float]:
-    import tritonclient.http as triton
-
-    client = triton.InferenceServerClient(address)
-    tensor = triton.InferInput("x", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
-
-    def call() -> None:
-        out = client.infer("double", [tensor]).as_numpy("x")
-        if out is None or out[1] != x[1] * 2:
-            raise RuntimeError("HTTP request returned a wrong result")
-
-    try:
-        return _timed("http", call, requests=requests, warmup=warmup)
+        return _timed(protocol, call, requests=requests, warmup=warmup)
     finally:
         client.close()
 
@@ -100,9 +85,9 @@ def main() -> int:
         gateway = suite.settings.gateway
         kwargs = {"requests": args.requests, "warmup": args.warmup}
         results["edge"] = percentiles_ms(edge_samples(gateway.edge.bind, x, **kwargs))
-        results["grpc"] = percentiles_ms(grpc_samples(gateway.address, x, **kwargs))
+        results["grpc"] = percentiles_ms(kserve_samples("grpc", gateway.address, x, **kwargs))
         results["http"] = percentiles_ms(
-            http_samples(f"{gateway.http_host}:{gateway.http_port}", x, **kwargs)
+            kserve_samples("http", f"{gateway.http_host}:{gateway.http_port}", x, **kwargs)
         )
     path = write_result(
         "frontends_latency_double",

@@ -96,6 +96,31 @@ class EdgeClient:
     def _next_id(self) -> str:
         return f"{self.client_id}-{next(self._ids)}"
 
+    def _observation(
+        self,
+        model_id: str,
+        *,
+        urgency: float,
+        priority: int,
+        steps_remaining: int | None,
+        timeout_ms: float | None,
+        tensors: Mapping[str, np.ndarray],
+    ) -> tuple[str, edge_pb2.Observation, Any]:
+        """A new request id and the observation (and payload) that carries it."""
+        request_id = self._next_id()
+        observation, payload = build_observation(
+            client_id=self.client_id,
+            client_type=self.client_type,
+            model_id=model_id,
+            request_id=request_id,
+            urgency=urgency,
+            priority=priority,
+            steps_remaining=steps_remaining,
+            timeout_ms=timeout_ms,
+            tensors=tensors,
+        )
+        return request_id, observation, payload
+
 
 def build_observation(
     *,

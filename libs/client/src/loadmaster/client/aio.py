@@ -25,7 +25,6 @@ from loadmaster.client._protocol import (
     CurveKeys,
     EdgeClient,
     NoReplyError,
-    build_observation,
     read_reply,
     reply_id,
     tensors_of,
@@ -156,12 +155,8 @@ class AsyncModel:
         timeout_ms: float | None,
         tensors: dict[str, np.ndarray],
     ) -> tuple[str, asyncio.Future[_Reply]]:
-        request_id = self._conn._next_id()
-        observation, payload = build_observation(
-            client_id=self._conn.client_id,
-            client_type=self._conn.client_type,
-            model_id=self.model_id,
-            request_id=request_id,
+        request_id, observation, payload = self._conn._observation(
+            self.model_id,
             urgency=urgency,
             priority=self.priority if priority is None else priority,
             steps_remaining=steps_remaining,

@@ -24,7 +24,6 @@ from loadmaster.client._protocol import (
     CurveKeys,
     EdgeClient,
     NoReplyError,
-    build_observation,
     raise_for_error,
     read_reply,
     reply_id,
@@ -117,12 +116,8 @@ class Model:
         timeout_ms: float | None,
         tensors: dict[str, np.ndarray],
     ) -> str:
-        request_id = self._conn._next_id()
-        observation, payload = build_observation(
-            client_id=self._conn.client_id,
-            client_type=self._conn.client_type,
-            model_id=self.model_id,
-            request_id=request_id,
+        request_id, observation, payload = self._conn._observation(
+            self.model_id,
             urgency=urgency,
             priority=self.priority if priority is None else priority,
             steps_remaining=steps_remaining,
