@@ -188,3 +188,34 @@ async def test_on_metric_gives_up_a_connection_whose_handshake_hangs() -> None:
         for conn in accepted:
             conn.close()
         hung.close()
+
+
+async def test_on_metric_gives_up_a_watch_the_service_never_confirms() -> None:
+    # A service that takes the Watch and never sends its headers (as one shutting down was
+    # seen to do): the subscription must give it up and try again, not wait forever.
+    calls = 0
+
+    class Silent(metrics_pb2_grpc.MetricsServicer):
+        async def Watch(  # noqa: N802
+            self, request: metrics_pb2.WatchMetricsRequest, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[metrics_pb2.Sample]:
+            nonlocal calls
+            calls += 1
+            await asyncio.Event().wait()
+            yield metrics_pb2.Sample()  # never reached
+
+    server = grpc.aio.server()
+    metrics_pb2_grpc.add_MetricsServicer_to_server(Silent(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    subscription = on_metric(lambda s: None, address=f"127.0.0.1:{port}", ready_timeout_s=0.3)
+    try:
+        for _ in range(50):  # 5 s at most
+            if calls >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert calls >= 2
+        assert not subscription.wait_ready(0)
+    finally:
+        await asyncio.to_thread(subscription.close)
+        await server.stop(None)

@@ -10,8 +10,9 @@
 The callback runs on the subscription's own thread, one sample at a time in arrival
 order; an exception in it is logged and the stream goes on. When the metrics service
 goes away the subscription reconnects with backoff (samples reported meanwhile are
-not replayed) until `close()`; keepalive pings notice a peer that vanished without closing
-its connection.
+not replayed) until `close()`. Keepalive pings notice a peer that vanished without closing
+its connection, and a watch the service does not confirm within `ready_timeout_s` is tried
+again on a fresh connection.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -42,6 +44,13 @@ class MetricSample:
 MetricCallback = Callable[[MetricSample], object]
 
 
+# The suite's options (keepalive pings find a dead peer within ~15 s; a hung connection
+# handshake is given up after 0.2-2 s, not gRPC's default 20 s), and a connection of the
+# subscription's own: by default channels to one address share one from a process-wide pool,
+# so a reconnect could land on the connection to the service instance that just went away.
+_CHANNEL_OPTIONS = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+
+
 class MetricSubscription:
     """A running Watch; close it (or leave its `with` block) to stop."""
 
@@ -53,11 +62,13 @@ class MetricSubscription:
         names: Iterable[str] = (),
         labels: Mapping[str, str] | None = None,
         max_backoff_s: float = 2.0,
+        ready_timeout_s: float = 5.0,
     ) -> None:
         self._callback = callback
         self._address = address
         self._request = metrics_pb2.WatchMetricsRequest(names=list(names), labels=dict(labels or {}))
         self._max_backoff_s = max_backoff_s
+        self._ready_timeout_s = ready_timeout_s
         self._closed = threading.Event()
         self._ready = threading.Event()
         self._lock = threading.Lock()
@@ -89,20 +100,26 @@ class MetricSubscription:
         backoff = 0.1
         while not self._closed.is_set():
             try:
-                # The suite's options: keepalive pings find a dead peer within ~15 s, and a
-                # connection whose handshake hangs is given up after 0.2-2 s instead of gRPC's
-                # default 20 s, so the watch moves on to the restarted service.
-                with grpc.insecure_channel(self._address, options=CLIENT_OPTIONS) as channel:
+                with grpc.insecure_channel(self._address, options=_CHANNEL_OPTIONS) as channel:
                     call = metrics_pb2_grpc.MetricsStub(channel).Watch(self._request)
                     with self._lock:
                         self._call = call
                     if self._closed.is_set():
                         call.cancel()
-                    call.initial_metadata()  # sent once the watch is registered
-                    self._ready.set()
-                    backoff = 0.1
-                    for sample in call:
-                        self._deliver(sample)
+                    confirmed = _headers_within(call, self._ready_timeout_s)
+                    if confirmed is None:
+                        if not self._closed.is_set():
+                            log.warning(
+                                "metrics watch on %s not confirmed within %g s; reconnecting",
+                                self._address,
+                                self._ready_timeout_s,
+                            )
+                    else:
+                        if confirmed:
+                            self._ready.set()
+                            backoff = 0.1
+                        for sample in call:  # a call that ended unconfirmed raises its error here
+                            self._deliver(sample)
             except grpc.RpcError as error:
                 if self._closed.is_set():
                     return
@@ -128,13 +145,40 @@ class MetricSubscription:
         self.received += 1
 
 
+def _headers_within(call: Any, timeout_s: float) -> bool | None:
+    """Wait for the Watch's headers, which the service sends once the watch is registered:
+    True when they came, False when the call ended first, None when none came within
+    `timeout_s` (the call is then cancelled). A watch the service never confirms (seen on a
+    connection to a service that was shutting down) is so given up, not waited on forever."""
+    fired = threading.Event()
+
+    def give_up() -> None:
+        fired.set()
+        call.cancel()
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        headers = call.initial_metadata()
+    finally:
+        timer.cancel()
+    if headers is not None:
+        return True
+    return None if fired.is_set() else False
+
+
 def on_metric(
     callback: MetricCallback,
     *,
     address: str = "127.0.0.1:50054",
     names: Iterable[str] = (),
     labels: Mapping[str, str] | None = None,
+    ready_timeout_s: float = 5.0,
 ) -> MetricSubscription:
     """Call `callback` with every new sample of `names` (every name when empty) whose labels
-    include `labels`, as the metrics service at `address` receives it."""
-    return MetricSubscription(callback, address=address, names=names, labels=labels)
+    include `labels`, as the metrics service at `address` receives it. A watch the service
+    has not confirmed within `ready_timeout_s` is given up and tried again."""
+    return MetricSubscription(
+        callback, address=address, names=names, labels=labels, ready_timeout_s=ready_timeout_s
+    )
