@@ -106,8 +106,7 @@ class MetricSubscription:
                         self._call = call
                     if self._closed.is_set():
                         call.cancel()
-                    confirmed = _headers_within(call, self._ready_timeout_s)
-                    if confirmed is None:
+                    if not _headers_within(call, self._ready_timeout_s):
                         if not self._closed.is_set():
                             log.warning(
                                 "metrics watch on %s not confirmed within %g s; reconnecting",
@@ -115,9 +114,8 @@ class MetricSubscription:
                                 self._ready_timeout_s,
                             )
                     else:
-                        if confirmed:
-                            self._ready.set()
-                            backoff = 0.1
+                        self._ready.set()
+                        backoff = 0.1
                         for sample in call:  # a call that ended unconfirmed raises its error here
                             self._deliver(sample)
             except grpc.RpcError as error:
@@ -145,27 +143,26 @@ class MetricSubscription:
         self.received += 1
 
 
-def _headers_within(call: Any, timeout_s: float) -> bool | None:
-    """Wait for the Watch's headers, which the service sends once the watch is registered:
-    True when they came, False when the call ended first, None when none came within
-    `timeout_s` (the call is then cancelled). A watch the service never confirms (seen on a
-    connection to a service that was shutting down) is so given up, not waited on forever."""
-    fired = threading.Event()
+def _headers_within(call: Any, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the Watch's headers, which the service sends once the watch
+    is registered; True when they came (or the call ended: iterating it then raises its
+    error). On False the call is cancelled and should be dropped.
 
-    def give_up() -> None:
-        fired.set()
-        call.cancel()
+    The wait runs on a helper thread: gRPC's sync client was seen to block forever here, on
+    a call sent to a service that was shutting down, even after the call was cancelled. Such
+    a helper stays blocked (a daemon thread, one per such call) while the subscription goes on.
+    """
+    arrived = threading.Event()
 
-    timer = threading.Timer(timeout_s, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        headers = call.initial_metadata()
-    finally:
-        timer.cancel()
-    if headers is not None:
+    def wait() -> None:
+        call.initial_metadata()
+        arrived.set()
+
+    threading.Thread(target=wait, name="on_metric-headers", daemon=True).start()
+    if arrived.wait(timeout_s):
         return True
-    return None if fired.is_set() else False
+    call.cancel()
+    return False
 
 
 def on_metric(
