@@ -21,17 +21,12 @@ from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 
 @pytest.fixture
-async def server() -> AsyncIterator[MetricsServer]:
-    settings = Settings(
+def metrics_settings() -> Settings:
+    """For the conftest's `server`: no scheduler there, so states come from samples."""
+    return Settings(
         metrics=MetricsSettings(address="127.0.0.1:0", http_host="127.0.0.1", http_port=0),
-        scheduler=SchedulerSettings(address="127.0.0.1:1"),  # nothing there: states from samples
+        scheduler=SchedulerSettings(address="127.0.0.1:1"),
     )
-    server = await build(settings)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 async def report(
