@@ -192,6 +192,22 @@ def test_no_front_once_the_staged_request_has_started(h: Harness) -> None:
     assert "urgent" not in h.granted_ids()
 
 
+def test_no_front_when_it_would_reach_the_worker_after_the_staged_request_started(h: Harness) -> None:
+    """A front grant that arrives once "low" runs would queue ahead of anything waiting there,
+    an earlier front grant too, which would then run a service time late."""
+    t0 = h.clock.monotonic()
+    h.enqueue("b")  # running, predicted to end at t0 + 11 ms
+    h.enqueue("low", priority=2)
+    h.advance(9.6 * MS)
+    h.clock.advance((10.5 - 9.6) * MS)  # b ends in 0.5 ms; a grant takes 1 ms to reach the worker
+    assert h.clock.monotonic() < t0 + 11 * MS
+    h.enqueue("urgent", priority=0)
+    assert "urgent" not in h.granted_ids()
+    h.complete("b", inference_ms=10.0)
+    h.complete("low", inference_ms=10.0)
+    assert h.granted_ids()[-1] == "urgent"  # the next free place is its
+
+
 def test_a_request_staged_behind_another_starts_after_it() -> None:
     look, start = taught()  # the running request ends at start + 11 ms
     look.granted("w", "m", (1, "s1"), start, max_inflight=1)  # staged: runs 11..21 ms

@@ -177,6 +177,10 @@ class SchedulerSettings(ServiceEndpoint):
     # dispatch round trip later. 0 = a slot gets its next request only after its Complete.
     lookahead: int = Field(default=1, ge=0)
     lookahead_margin_ms: float = Field(default=0.5, ge=0)
+    # Reservations (scheduler reservations.py): before a request goes to a slot, predict the next
+    # request of each more urgent client with a steady cadence; if this one would make it late,
+    # keep the slot free for it until it arrives (at most one service time). Needs lookahead >= 1.
+    reservation: bool = True
 
 
 class ModelPoolSettings(ServiceEndpoint):
@@ -240,6 +244,7 @@ class ModelSettings(_Section):
     overflow_policy: Literal["drop_oldest", "reject_newest"] | None = None
     dispatch_credits: int | None = Field(default=None, ge=0)
     lookahead: int | None = Field(default=None, ge=0)
+    reservation: bool | None = None
     # Anti-thrash: a model loaded less than this long ago is not evicted to make room.
     min_resident_s: float = Field(default=1.0, ge=0)
     # Overrides of the model's config.yaml (None = what config.yaml says).

@@ -64,6 +64,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("queue_full_drops", _C, "Requests answered `overflow`", ("model",)),
         MetricSpec("loads_commanded", _C, "Load commands sent to workers", ("model", "worker")),
         MetricSpec(
+            "slot_holds", _C, "Slots kept free for a more urgent client's predicted request", ("model",)
+        ),
+        MetricSpec(
             "requests_dropped", _C, "Queued requests answered without running, by reason", ("model", "reason")
         ),
         MetricSpec(

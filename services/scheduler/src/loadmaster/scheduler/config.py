@@ -24,6 +24,7 @@ class ModelPolicy:
     vram_mb: int | None = None
     dispatch_credits: int = 0  # worker slots a sole gateway may borrow while the queue is empty
     lookahead: int = 0  # requests staged on a busy slot just before it frees (lookahead.py)
+    reservation: bool = False  # hold a slot for a more urgent client about to send (reservations.py)
 
 
 def _memo(fn: Callable[[str], object]) -> Callable[[str], object]:
@@ -56,6 +57,8 @@ class CoreConfig:
     # Timed lookahead (see lookahead.py); 0 = off, the default for a bare CoreConfig.
     lookahead: int = 0
     lookahead_margin_ms: float = 0.5
+    # Reservations (see reservations.py; they need the lookahead's estimates); off for a bare CoreConfig.
+    reservation: bool = False
     _policies: dict[str, ModelPolicy] = field(default_factory=dict, compare=False, repr=False)
 
     def policy(self, model_id: str) -> ModelPolicy:
@@ -70,6 +73,7 @@ class CoreConfig:
                     self.overflow_policy,
                     dispatch_credits=self.dispatch_credits,
                     lookahead=self.lookahead,
+                    reservation=self.reservation,
                 )
             self._policies[model_id] = policy
         return policy
@@ -89,6 +93,7 @@ class CoreConfig:
                 vram_mb=m.vram_mb,
                 dispatch_credits=_dispatch_credits(m, s.dispatch_credits),
                 lookahead=s.lookahead if m.lookahead is None else m.lookahead,
+                reservation=s.reservation if m.reservation is None else m.reservation,
             )
 
         max_inflight = _memo(lambda model_id: models.for_model(model_id).max_inflight)
@@ -107,6 +112,7 @@ class CoreConfig:
             credit_window_s=s.credit_window_s,
             lookahead=s.lookahead,
             lookahead_margin_ms=s.lookahead_margin_ms,
+            reservation=s.reservation,
         )
 
 

@@ -45,6 +45,7 @@ from loadmaster.scheduler.lookahead import Lookahead
 from loadmaster.scheduler.ports import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
+from loadmaster.scheduler.reservations import Reservations
 from loadmaster.scheduler.strategies import Ordering, make_ordering
 from loadmaster.v1 import errors_pb2
 
@@ -107,6 +108,8 @@ class SchedulerCore(Dispatching):
             config.credit_window_s, registry=self._registry, outbound=outbound, telemetry=self._telemetry
         )
         self._lookahead = Lookahead(margin_s=config.lookahead_margin_ms / 1000.0)
+        self._reservations = Reservations(margin_s=config.lookahead_margin_ms / 1000.0)
+        self._held: dict[str, float] = {}  # model -> when its slot held for an arrival lapses
 
     # ---- gateway side ------------------------------------------------------------
 
@@ -213,6 +216,10 @@ class SchedulerCore(Dispatching):
             opens = self._lookahead.next_open(self._queues.waiting_models(), self._clock.monotonic())
             if opens is not None and (wake is None or opens < wake):
                 wake = opens
+        if self._held:
+            lapses = min(self._held.values())
+            if wake is None or lapses < wake:
+                wake = lapses
         rule = self._queues.ordering.batch
         if rule is not None:
             now = self._clock.monotonic()
@@ -238,8 +245,9 @@ class SchedulerCore(Dispatching):
             self._expire(request)
         for client_id in self._clients.due_disconnects(now):
             self._disconnect_client(client_id)
-        if self._queues.ordering.batch is not None or self._lookahead.active:
-            self._dispatch(self._queues.waiting_models())  # due batches, due lookahead windows
+        if self._queues.ordering.batch is not None or self._lookahead.active or self._held:
+            # due batches, due lookahead windows, lapsed holds
+            self._dispatch(self._queues.waiting_models())
 
     # ---- admin -------------------------------------------------------------------
 
@@ -356,6 +364,8 @@ class SchedulerCore(Dispatching):
             cadence_ms,
             backlog,
         )
+        if policy.reservation and client_id:
+            self._reservations.arrived(request, arrived)
         stats = self._stats_for(model_id)
         if credit_id is not None:
             credit = self._credits.get(credit_id)
@@ -419,6 +429,7 @@ class SchedulerCore(Dispatching):
         log.info("client %s disconnected (silent for %.1f s)", client_id, self._config.disconnect_timeout_s)
         self._telemetry.record("client_disconnected", 1)
         self._queues.ordering.forget_client(client_id)
+        self._reservations.forget_client(client_id)
         self._telemetry.record("active_clients", self._clients.active)
         queued = [
             request

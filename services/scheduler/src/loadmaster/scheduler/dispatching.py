@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from loadmaster.scheduler.credits import CreditBook
     from loadmaster.scheduler.loads import LoadTracker
     from loadmaster.scheduler.lookahead import Lookahead
+    from loadmaster.scheduler.reservations import Reservations
 
 __all__ = ["Dispatching"]
 
@@ -46,6 +47,9 @@ class Dispatching:
     _placed: dict[tuple[str, str], int]
     _credits: CreditBook
     _lookahead: Lookahead
+    _reservations: Reservations
+    _held: dict[str, float]
+    _outstanding: dict[str, dict[str, set[RequestKey]]]
     _loads: LoadTracker
 
     if TYPE_CHECKING:  # provided by SchedulerCore
@@ -154,9 +158,45 @@ class Dispatching:
         that will be refused rather than run (Lookahead.doomed)."""
         return self._config.policy(model_id).lookahead + self._lookahead.doomed(worker_id, model_id)
 
+    # ---- reservations (reservations.py) ---------------------------------------------
+
+    def _hold_for_urgent(self, entry: tuple[tuple[float, ...], Request], now: float) -> bool:
+        """Granting the head now would make a more urgent client's next request late: keep the
+        model's slot free for it (until `_held[model]`, when the next dispatch looks again)."""
+        key, request = entry
+        model_id = request.model_id
+        if not self._reservations.may_hold(model_id, request.info.priority):
+            return False
+        if not self._config.policy(model_id).reservation:
+            return False
+        timing = self._lookahead.timing(model_id)
+        if timing is None:
+            return False
+        max_inflight = self._config.max_inflight(model_id)
+        workers = [(c.worker_id, max_inflight) for c in self._registry.grant_candidates(model_id)]
+        hold = self._reservations.hold_until(
+            request,
+            key,
+            places=self._lookahead.places(model_id, workers, now),
+            timing=timing,
+            now=now,
+            predicted_key=self._queues.ordering.predicted_key,
+            queued=lambda client_id: self._queued(client_id, model_id),
+        )
+        if hold is None:
+            return False
+        self._held[model_id] = hold.until
+        self._telemetry.record("slot_holds", 1, {"model": model_id})
+        return True
+
+    def _queued(self, client_id: str, model_id: str) -> bool:
+        keys = self._outstanding.get(client_id, {}).get(model_id, ())
+        return any(key in self._queues for key in keys)
+
     def _dispatch_model(self, model_id: str, now: float) -> None:
         max_inflight = self._config.max_inflight(model_id)
         self._open_windows(model_id, now)
+        self._held.pop(model_id, None)
         while (entry := self._head(model_id, now)) is not None:
             worker_id = placement.pick_grant_worker(
                 self._registry.grant_candidates(model_id), max_inflight=max_inflight, rng=self._rng
@@ -172,6 +212,8 @@ class Dispatching:
                 front = True
             if self._too_late(entry[1], worker_id, now, front=front):
                 continue
+            if self._hold_for_urgent(entry, now):
+                break
             self._grant_head(entry, worker_id, now, front=front)
 
     def _dispatch_global(self, models: list[str], now: float) -> None:
@@ -179,6 +221,7 @@ class Dispatching:
         active = set(models)
         for model_id in models:
             self._open_windows(model_id, now)
+            self._held.pop(model_id, None)
         while active:
             best: tuple[tuple[float, ...], Request, str] | None = None
             for model_id in list(active):
@@ -191,6 +234,9 @@ class Dispatching:
             if best is None:
                 return
             if self._too_late(best[1], best[2], now):
+                continue
+            if self._hold_for_urgent((best[0], best[1]), now):
+                active.discard(best[1].model_id)
                 continue
             self._grant_head((best[0], best[1]), best[2], now)
 

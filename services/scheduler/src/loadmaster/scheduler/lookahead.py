@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from loadmaster.scheduler.domain import RequestKey
 from loadmaster.scheduler.strategies import SortKey
 
-__all__ = ["Lookahead"]
+__all__ = ["Lookahead", "Timing"]
 
 _ALPHA = 0.2  # weight of the newest sample in the EWMAs
 _BETA = 0.25  # weight of the newest sample in the deviation (RFC 6298's)
@@ -101,6 +101,15 @@ class _Estimates:
             and self.overhead_s is not None
             and self.deviation_s <= max(_STEADY_FLOOR_S, _STEADY * self.inference_s)
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """A predictable model's measured times (see `Lookahead.timing`)."""
+
+    inference_s: float
+    one_way_s: float  # the send path, and the reply path
+    jitter_s: float  # how far a predicted start may be off
 
 
 @dataclass(slots=True)
@@ -277,6 +286,35 @@ class Lookahead:
                 heapq.heappush(places, start + inference_s)
         return starts, places[0]
 
+    def timing(self, model_id: str) -> Timing | None:
+        """The model's inference time, one-way path and jitter, once they are predictable."""
+        estimates = self._estimates.get(model_id)
+        if estimates is None or not estimates.predictable:
+            return None
+        return Timing(estimates.inference_or_0_s, estimates.one_way_s, estimates.jitter_s)
+
+    def places(self, model_id: str, workers: Iterable[tuple[str, int]], now: float) -> list[float]:
+        """When each place of `model_id` on `workers` ((worker, max_inflight) pairs) is predicted
+        to take its next request: a free place now, a busy one when its running request ends,
+        or, with requests staged on the slot, once they have run too."""
+        slots = self._slots.get(model_id, {})
+        frees: list[float] = []
+        for worker_id, max_inflight in workers:
+            slot = slots.get(worker_id)
+            if slot is None:
+                frees += [now] * max_inflight
+                continue
+            places = sorted(max(end, now) for end in slot.running.values())[:max_inflight]
+            places += [now] * (max_inflight - len(places))
+            heapq.heapify(places)
+            estimates = self._estimates.get(model_id)
+            inference_s = estimates.inference_or_0_s if estimates is not None else 0.0
+            for key in slot.staged:
+                if key not in slot.doomed:
+                    heapq.heapreplace(places, places[0] + inference_s)
+            frees += places
+        return frees
+
     def doomed(self, worker_id: str, model_id: str) -> int:
         """Staged requests of this slot that will be refused, not run (see `_doom_late`)."""
         slot = self._slots.get(model_id, {}).get(worker_id)
@@ -289,12 +327,16 @@ class Lookahead:
         estimates = self._estimates.get(model_id)
         if estimates is None or not estimates.predictable:
             return None
+        # The front grant must reach the worker before the staged request starts: one that
+        # arrives after it queues ahead of whatever waits there then, possibly an earlier
+        # front grant, which then runs a service time late.
+        arrives = now + estimates.one_way_s + estimates.jitter_s
         for worker_id, slot in self._slots.get(model_id, {}).items():
             if (
                 slot.staged
                 and not slot.front_used
                 and slot.running
-                and min(slot.running.values()) > now
+                and min(slot.running.values()) > arrives
                 and slot.staged_keys.get(slot.staged[0], ()) > sort_key
             ):
                 return worker_id

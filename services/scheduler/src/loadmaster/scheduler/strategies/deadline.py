@@ -138,6 +138,20 @@ class DeadlineOrdering:
             return (vd, request.arrival)
         return (self.tier(request.info.priority), vd, request.arrival)
 
+    def predicted_key(self, request: Request) -> SortKey | None:
+        """`key` without recording the client's latest virtual deadline."""
+        if self._policy is not None:
+            slack = float(self._policy(policy_view(request)))
+        else:
+            slack = slack_ms(request, self.terms)
+        vd = request.enqueued_at + slack / 1000.0
+        previous = self._last.get((request.info.client_id, request.model_id))
+        if previous is not None and previous > vd:
+            vd = previous
+        if self._tiers is None:
+            return (vd, request.arrival)
+        return (self.tier(request.info.priority), vd, request.arrival)
+
     def granted(self, request: Request, key: SortKey) -> None:
         pass
 
