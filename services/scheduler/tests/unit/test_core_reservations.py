@@ -48,6 +48,7 @@ class Overload:
     service_s: float = 10.3 * MS
     path_s: float = PATH_S
     stall: float = 0.0  # chance that a hop stalls 3 ms (CPU contention)
+    jitter_s: float = 0.3 * MS  # each hop takes up to this much longer
     rng: random.Random = field(default_factory=lambda: random.Random(7))
     events: list[tuple[float, int, str, object]] = field(default_factory=list)
     sent: dict[str, tuple[str, float]] = field(default_factory=dict)  # request -> (client, sent at)
@@ -61,9 +62,9 @@ class Overload:
         heapq.heappush(self.events, (t, next(self.seq), kind, data))
 
     def hop(self) -> float:
-        """One hop's time: the path, up to 0.3 ms of jitter, and now and then a stall."""
+        """One hop's time: the path, its jitter, and now and then a stall."""
         stall = 3 * MS if self.stall and self.rng.random() < self.stall else 0.0
-        return self.path_s + self.rng.uniform(0.0, 0.3 * MS) + stall
+        return self.path_s + self.rng.uniform(0.0, self.jitter_s) + stall
 
     def client(
         self, client_id: str, phase_s: float, priority: int, timeout_ms: float, seconds: float
@@ -165,6 +166,7 @@ def overload(
     seconds: float,
     path_s: float = PATH_S,
     stall: float = 0.0,
+    jitter_s: float = 0.3 * MS,
     seed: int = 7,
 ) -> Overload:
     budgets = {"p0-0": P0_BUDGET_MS, "p0-1": P0_BUDGET_MS}
@@ -174,7 +176,7 @@ def overload(
         lookahead_margin_ms=0.5,
     )
     h.worker("w1", ["m"], ready=["m"])
-    sim = Overload(h, path_s=path_s, stall=stall, rng=random.Random(seed))
+    sim = Overload(h, path_s=path_s, stall=stall, jitter_s=jitter_s, rng=random.Random(seed))
     for i in range(8):
         urgent = i < 2
         client_id = f"p0-{i}" if urgent else f"p2-{i}"
