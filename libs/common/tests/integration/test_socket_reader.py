@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import zmq
 
-from loadmaster.common.framing import SocketReader, receive_frames, send_frames
+from loadmaster.common.framing import SocketReader, receive_frames, receive_routed, send_frames
 
 
 @pytest.fixture()
@@ -94,6 +94,35 @@ async def test_a_relay_sending_from_each_sockets_handler_strands_no_message(pair
         echo.close(linger=0)
         context.term()
     assert sorted(int(r) for r in replies) == list(range(rounds))
+
+
+async def test_a_burst_larger_than_burst_is_read_over_several_turns_with_routed_frames(pair) -> None:
+    """`receive_routed`: the identity as bytes, the sender's frames as Frames, however many; a
+    burst past `burst` messages is finished after other callbacks had their turn."""
+    router, dealer = pair
+    received: list[list[Any]] = []
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    for index in range(30):
+        send_frames(dealer, [b"", str(index).encode(), *([b"x"] if index % 2 else [])])
+    assert router.poll(5000)
+    await asyncio.sleep(0.05)  # all 30 have arrived
+    reader = SocketReader(router, received.append, name="test", burst=8, receive=receive_routed)
+    counter = asyncio.create_task(count_turns())
+    reader.start()
+    await _until(lambda: len(received) == 30)
+    reader.stop()
+    counter.cancel()
+    assert turns >= 3  # 30 messages at 8 per turn
+    assert all(isinstance(r[0], bytes) and r[0] == received[0][0] for r in received)
+    assert [r[2].bytes for r in received] == [str(i).encode() for i in range(30)]
+    assert [len(r) for r in received] == [3 + i % 2 for i in range(30)]
 
 
 async def test_a_failing_handler_does_not_stop_the_reader(pair) -> None:

@@ -324,3 +324,27 @@ async def test_a_failing_callback_does_not_cost_the_others_their_answer(engine: 
     assert engine.calls == [2]
     await batcher.close()
     executor.shutdown()
+
+
+async def test_a_waiting_batch_goes_once_a_request_cannot_join_it(engine: Doubler) -> None:
+    """While a batch waits for company, a queued request it cannot stack with (another trailing
+    shape) sends it off at once, and the rows counted while waiting start afresh after it."""
+    clock, sizes = FakeClock(), []
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=4, max_queue_delay_ms=50), clock, sizes)
+    first = [submit(batcher, x(i), received=clock.monotonic()) for i in range(2)]
+    await asyncio.sleep(0.05)
+    assert engine.calls == []  # two rows of four: waiting
+    wide = submit(batcher, {"x": np.ones((1, 2), dtype=np.float32)}, received=clock.monotonic())
+    results = await asyncio.gather(*first)
+    assert engine.calls == [2]  # went without the clock moving
+    assert results[0][1].batch_id == results[1][1].batch_id
+    await asyncio.sleep(0.05)
+    assert engine.calls == [2]  # the wide one waits for company of its own
+    pair = [submit(batcher, {"x": np.ones((1, 2), dtype=np.float32)}, received=clock.monotonic())]
+    pair.append(submit(batcher, {"x": np.ones((2, 2), dtype=np.float32)}, received=clock.monotonic()))
+    wide_timing = (await wide)[1]
+    assert engine.calls == [2, 4]  # 1 + 1 + 2 rows fill the batch: no wait
+    assert [(await f)[1].batch_id for f in pair] == [wide_timing.batch_id] * 2
+    assert wide_timing.batch_id != results[0][1].batch_id
+    await batcher.close()
+    executor.shutdown()

@@ -101,6 +101,7 @@ class BatchTiming:
     queue_ms: float  # receipt to engine start
     inference_ms: float  # the engine call (the whole batch)
     batch_size: int  # requests in the engine call
+    batch_id: int = 0  # the engine call's number in its batcher: requests with the same one ran together
 
 
 @dataclass(slots=True)
@@ -126,6 +127,9 @@ class _Item:
     signature: Signature = ()
 
 
+# Stands for a result in the list being filled while its batch runs; never delivered.
+_NOT_RUN = InternalError("not run")
+
 # ---- pure helpers ------------------------------------------------------------
 
 
@@ -143,10 +147,10 @@ def rows(inputs: Arrays) -> int | None:
 
 def signature(inputs: Arrays) -> Signature:
     """What must match for requests to be stacked: names, dtypes, shapes after dim 0."""
-    entries = [(name, array.dtype.str, array.shape[1:]) for name, array in inputs.items()]
-    if len(entries) > 1:
-        entries.sort()
-    return tuple(entries)
+    if len(inputs) == 1:  # the usual case, without a list to sort
+        ((name, array),) = inputs.items()
+        return ((name, array.dtype.str, array.shape[1:]),)
+    return tuple(sorted((name, array.dtype.str, array.shape[1:]) for name, array in inputs.items()))
 
 
 def stack(requests: Sequence[Arrays]) -> dict[str, np.ndarray]:
@@ -233,6 +237,12 @@ class Batcher:
         self._timer: asyncio.Task[None] | None = None  # wakes a partial batch at its queue deadline
         self._timer_at = math.inf
         self._closed = False
+        self._batch_ids = itertools.count(1)  # next() is atomic: instances' threads share it
+        # Under the lock, while batching: the rows queued, and whether any two queued requests
+        # cannot be stacked (False guarantees they all can; True may be stale, which only costs
+        # `_take` a full look).
+        self._rows = 0
+        self._mixed = False
 
     def start(self) -> None:
         """Start taking batches (requests submitted before wait until then)."""
@@ -251,6 +261,7 @@ class Batcher:
         await self._idle.wait()
         with self._lock:
             left, self._queue = list(self._queue), deque()
+            self._rows, self._mixed = 0, False
         for item in left:
             self._deliver(item, InternalError(f"model '{self.model_id}' stopped"))
 
@@ -279,10 +290,15 @@ class Batcher:
             item.rows = count
             item.signature = signature(inputs)
         with self._lock:
+            queue = self._queue
+            if self.policy.batching:
+                if queue and (queue[0] if front else queue[-1]).signature != item.signature:
+                    self._mixed = True
+                self._rows += item.rows
             if front:
-                self._queue.appendleft(item)
+                queue.appendleft(item)
             else:
-                self._queue.append(item)
+                queue.append(item)
         self._schedule()
 
     # ---- scheduling, on the event loop -------------------------------------------
@@ -313,23 +329,37 @@ class Batcher:
         queue = self._queue
         if not queue or self._closed:
             return None
-        if not self.policy.batching:
+        policy = self.policy
+        if not policy.batching:
             return [queue.popleft()]
-        head = list(itertools.islice(queue, self.policy.max_batch_size))
-        taken = take_batch(
-            [item.rows for item in head],
-            [item.signature for item in head],
-            max_rows=self.policy.max_batch_size,
-        )
-        blocked = taken < len(queue)  # the next request cannot join this batch
-        if not blocked and not _complete(self.policy, sum(item.rows for item in head[:taken])):
-            deadline = head[0].received + self.policy.max_queue_delay_ms / 1000.0
+        if not self._mixed and not _complete(policy, self._rows):
+            # The usual look while a batch fills up: every queued request stacks with the head and
+            # together they are short of a batch, so they all go at the head's queue deadline.
+            taken = len(queue)
+            deadline = queue[0].received
+        else:
+            head = list(itertools.islice(queue, policy.max_batch_size))
+            taken = take_batch(
+                [item.rows for item in head],
+                [item.signature for item in head],
+                max_rows=policy.max_batch_size,
+            )
+            blocked = taken < len(queue)  # the next request cannot join this batch
+            complete = blocked or _complete(policy, sum(item.rows for item in head[:taken]))
+            deadline = -math.inf if complete else head[0].received
+        if deadline > -math.inf:
+            deadline += policy.max_queue_delay_ms / 1000.0
             now = self._clock.monotonic()
             if now < deadline:
                 if on_loop:
                     self._wake_at(deadline, now)
                 return None
-        return [queue.popleft() for _ in range(taken)]
+        batch = [queue.popleft() for _ in range(taken)]
+        if queue:
+            self._rows -= sum(item.rows for item in batch)
+        else:
+            self._rows, self._mixed = 0, False
+        return batch
 
     def _wake_at(self, deadline: float, now: float) -> None:
         if self._timer is not None:
@@ -418,24 +448,24 @@ class Batcher:
     def _run_batch(
         self, engine: Engine, batch: list[_Item], calls: list[tuple[int, float]]
     ) -> list[BatchOutcome]:
-        now_ns = self._clock.time() * 1e9
-        results: list[BatchOutcome] = []
-        live: list[int] = []
         started = self._clock.monotonic()
-        for index, item in enumerate(batch):
-            if item.deadline_unix_ns and now_ns >= item.deadline_unix_ns:
-                queue_ms = (started - item.received) * 1000.0
-                results.append(
-                    ExpiredError(
+        results: list[BatchOutcome] = [_NOT_RUN] * len(batch)  # each replaced below
+        if any(item.deadline_unix_ns for item in batch):
+            now_ns = self._clock.time() * 1e9
+            live: list[int] = []
+            for index, item in enumerate(batch):
+                if item.deadline_unix_ns and now_ns >= item.deadline_unix_ns:
+                    queue_ms = (started - item.received) * 1000.0
+                    results[index] = ExpiredError(
                         f"request for '{self.model_id}' expired after {queue_ms:.1f} ms in the model's queue"
                     )
-                )
-            else:
-                results.append(InternalError("not run"))
-                live.append(index)
-        if not live:
-            return results
-        items = [batch[i] for i in live]
+                else:
+                    live.append(index)
+            if not live:
+                return results
+            items = [batch[i] for i in live]
+        else:
+            live, items = list(range(len(batch))), batch
         try:
             outputs = engine.infer(stack([item.inputs for item in items]))
             _check_outputs(self.model_id, outputs)  # once for the batch: its parts share the dtypes
@@ -457,11 +487,12 @@ class Batcher:
         inference_ms = (self._clock.monotonic() - started) * 1000.0
         size = len(items)
         calls.append((size, inference_ms))
+        batch_id = next(self._batch_ids)
         for index, item, part in zip(live, items, parts, strict=True):
-            timing = BatchTiming(
-                queue_ms=(started - item.received) * 1000.0, inference_ms=inference_ms, batch_size=size
+            results[index] = (
+                part,
+                BatchTiming((started - item.received) * 1000.0, inference_ms, size, batch_id),
             )
-            results[index] = (part, timing)
         return results
 
     def _run_single(self, engine: Engine, item: _Item, calls: list[tuple[int, float]]) -> BatchOutcome:
@@ -474,7 +505,7 @@ class Batcher:
         inference_ms = (self._clock.monotonic() - started) * 1000.0
         calls.append((1, inference_ms))
         return outputs, BatchTiming(
-            queue_ms=(started - item.received) * 1000.0, inference_ms=inference_ms, batch_size=1
+            (started - item.received) * 1000.0, inference_ms, 1, next(self._batch_ids)
         )
 
     def _engine_error(self, error: Exception) -> BaseException:

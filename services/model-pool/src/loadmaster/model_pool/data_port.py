@@ -20,20 +20,25 @@ the engine time per request this overhead is what limits throughput (see
 bench/model_pool_batching.py). The socket is a plain (blocking-API) ZMQ socket whose
 file descriptor the event loop watches: each wake-up receives every waiting message
 with NOBLOCK, decodes and admits each one straight into the pool (so a burst reaches
-the batcher whole and runs as one batch), and replies are encoded and sent from the
-batch's completion callback, one send per reply, without a Task, Future or await per
-request. ROUTER sends never block (a reply to a vanished peer is dropped), so sending
-from the loop is safe.
+the batcher whole and runs as one batch), and replies are encoded from the batch's
+completion callback without a Task, Future or await per request. The replies of one
+engine call share one encoded envelope (`wire.ResultEncoder`: only the request id and
+queue time differ) and are queued, then sent back to back once the callbacks of the
+batch are over (`_flush`, the next loop turn), so ZMQ's I/O thread is woken once for
+them instead of once per reply. A request counts as pending until its reply is sent.
+ROUTER sends never block (a reply to a vanished peer is dropped), so sending from the
+loop is safe.
 
 Receiving is `loadmaster.common.framing.SocketReader` (shared with the gateway): ZMQ's
 descriptor is edge-triggered and a send may consume the signal of a message that arrived
-meanwhile, so after each reply the port tells the reader, which looks at the socket again
+meanwhile, so after each flush the port tells the reader, which looks at the socket again
 (once per loop turn, however many replies went out in it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from typing import Any
@@ -45,11 +50,11 @@ from opentelemetry.trace import SpanKind
 from loadmaster.common import tracing
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError, edge_code_name
-from loadmaster.common.framing import SocketReader, split_router_frames
+from loadmaster.common.framing import SocketReader, receive_routed, split_router_frames
 from loadmaster.common.shm import ShmRegions, ShmUnavailableError
 from loadmaster.common.tensors import TensorLimits, decode_tensors
 from loadmaster.model_pool.pool import InferResult, ModelPool
-from loadmaster.model_pool.wire import error_reply, failure_reply, result_reply
+from loadmaster.model_pool.wire import ResultEncoder, error_reply, failure_reply
 from loadmaster.v1 import model_pool_pb2
 
 __all__ = ["DataPort", "advertised_endpoint"]
@@ -62,6 +67,7 @@ _ZERO_COPY_BYTES = 64 << 10
 # Plain ints: pyzmq's flag enums cost microseconds per `|` on this path.
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_send_frame = zmq.backend.Socket.send
 # Messages taken per wake-up before yielding to the loop (replies, timers, gRPC), so a
 # flood of requests cannot starve the rest of the worker.
 _BURST = 256
@@ -105,17 +111,23 @@ class DataPort:
         self._clock = clock or SystemClock()
         self._max_pending = max_pending
         self._hwm = hwm
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._socket: zmq.Socket[bytes] | None = None
         self._reader: SocketReader | None = None
         self._regions = ShmRegions()
-        self._pending = 0  # admitted requests not yet answered
+        self._pending = 0  # admitted requests whose reply is not sent yet
+        # Replies waiting to be sent: (identity, envelope, payload, whether it answers an admitted request).
+        self._outbox: list[tuple[bytes, bytes, Any, bool]] = []
+        self._flush_scheduled = False
+        self._encoder = ResultEncoder(worker_id)
         self._settled = asyncio.Event()  # set while nothing is pending
         self._settled.set()
         self.last_endpoint = ""
 
     async def start(self) -> str:
         """Bind and start answering; returns ZMQ's LAST_ENDPOINT (the real port of a `:*` bind)."""
+        self._loop = asyncio.get_running_loop()
         self._context = zmq.Context()
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.RCVHWM, self._hwm)
@@ -131,7 +143,11 @@ class DataPort:
         self._socket = sock
         self.last_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._reader = SocketReader(
-            sock, lambda frames: self._handle(frames, self._clock.monotonic()), name="data port", burst=_BURST
+            sock,
+            self._handle,
+            name="data port",
+            burst=_BURST,
+            receive=receive_routed,
         )
         self._reader.start()
         log.info("data port bound on %s", self.last_endpoint)
@@ -156,27 +172,33 @@ class DataPort:
 
     # ---- receiving -----------------------------------------------------------
 
-    def _handle(self, frames: list[Any], received: float) -> None:
-        try:
-            split = split_router_frames(frames)
-        except InvalidArgumentError as error:
-            if frames:
-                self._send(frames[0].bytes, error_reply(error, worker_id=self._worker_id), b"")
-            return
-        identity = split.identity
+    def _handle(self, frames: list[Any]) -> None:
+        received = self._clock.monotonic()
+        if len(frames) == 4 and not len(frames[1]):  # the usual shape, without building a RouterFrames
+            identity = frames[0]  # bytes (receive_routed)
+            envelope, payload = frames[2].buffer, frames[3].buffer
+        else:
+            try:
+                split = split_router_frames(frames)
+            except InvalidArgumentError as error:
+                if frames:
+                    self._reply(frames[0], error_reply(error, worker_id=self._worker_id))
+                return
+            identity, envelope = split.identity, split.envelope.buffer
+            payload = split.payload.buffer if isinstance(split.payload, zmq.Frame) else split.payload
         request = model_pool_pb2.InferRequest()
         try:
-            request.ParseFromString(split.envelope.buffer)
+            request.ParseFromString(envelope)
         except (DecodeError, TypeError, ValueError) as error:
             reply = error_reply(
                 InvalidArgumentError(f"envelope is not an InferRequest: {error}"), worker_id=self._worker_id
             )
-            self._send(identity, reply, b"")
+            self._reply(identity, reply)
             return
         request_id, model_id = request.request_id, request.model_id
         if self._pending >= self._max_pending:
             overloaded = UnavailableError("worker overloaded: too many pending requests")
-            self._send(identity, self._failed(overloaded, request_id, model_id), b"")
+            self._reply(identity, self._failed(overloaded, request_id, model_id))
             return
         # The worker's span of this request, parented on the gateway's (context in the metadata).
         span = (
@@ -191,13 +213,10 @@ class DataPort:
             else None
         )
 
-        def done(outcome: InferResult | BaseException) -> None:
-            self._answered()
-            self._answer(identity, request_id, model_id, outcome, span)
-
-        payload = split.payload.buffer if isinstance(split.payload, zmq.Frame) else split.payload
+        done = functools.partial(self._answer, identity, request_id, model_id, span)
+        if not self._pending:
+            self._settled.clear()
         self._pending += 1
-        self._settled.clear()
         try:
             if request.HasField("shm"):
                 payload = self._shm_payload(request.shm, payload)
@@ -211,18 +230,12 @@ class DataPort:
                 front=request.front_of_queue,
             )
         except Exception as error:  # refused at the door: answered now
-            self._answered()
-            self._answer(identity, request_id, model_id, error, span)
+            self._answer(identity, request_id, model_id, span, error)
 
     def _shm_payload(self, ref: model_pool_pb2.ShmPayload, frame: Any) -> memoryview:
         if len(frame):
             raise InvalidArgumentError("shm: the payload frame must be empty when the payload is in shm")
         return self._regions.view(ref.region, ref.offset, ref.size)
-
-    def _answered(self) -> None:
-        self._pending -= 1
-        if not self._pending:
-            self._settled.set()
 
     # ---- answering -----------------------------------------------------------
 
@@ -234,40 +247,67 @@ class DataPort:
         identity: bytes,
         request_id: str,
         model_id: str,
-        outcome: InferResult | BaseException,
         span: Any,
+        outcome: InferResult | BaseException,
     ) -> None:
+        """Queue the reply of an admitted request (it counts as pending until it is sent)."""
         payload: Any = b""
+        error_code = 0
         if isinstance(outcome, BaseException):
             reply = self._failed(outcome, request_id, model_id)
             reply.shm_unusable = isinstance(outcome, ShmUnavailableError)
+            error_code = reply.error_code
+            envelope = reply.SerializeToString()
         else:
             try:
-                reply, payload = result_reply(
-                    outcome, request_id=request_id, model_id=model_id, worker_id=self._worker_id
-                )
+                envelope, payload = self._encoder.encode(outcome, request_id=request_id, model_id=model_id)
             except Exception as error:  # outputs that cannot be encoded
                 reply = self._failed(error, request_id, model_id)
+                error_code = reply.error_code
+                envelope = reply.SerializeToString()
         if span is not None:
-            tracing.end_span(span, error_code=edge_code_name(reply.error_code) if reply.error_code else "")
-        self._send(identity, reply, payload)
+            tracing.end_span(span, error_code=edge_code_name(error_code) if error_code else "")
+        self._queue(identity, envelope, payload, admitted=True)
 
-    def _send(self, identity: bytes, reply: model_pool_pb2.InferReply, payload: Any) -> None:
-        if self._socket is None:
-            return
+    def _reply(self, identity: bytes, reply: model_pool_pb2.InferReply) -> None:
+        """Queue the reply to a message that was never admitted (malformed, overloaded)."""
+        self._queue(identity, reply.SerializeToString(), b"", admitted=False)
+
+    def _queue(self, identity: bytes, envelope: bytes, payload: Any, *, admitted: bool) -> None:
+        self._outbox.append((identity, envelope, payload, admitted))
+        if not self._flush_scheduled:
+            assert self._loop is not None  # set by start(), before any message
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send every queued reply back to back: the replies of a batch leave in one go, so
+        ZMQ's I/O thread is woken once for them rather than once per reply."""
+        self._flush_scheduled = False
+        outbox, self._outbox = self._outbox, []
         sock = self._socket
+        for identity, envelope, payload, admitted in outbox:
+            if sock is not None:
+                self._send(sock, identity, envelope, payload)
+            if admitted:
+                self._pending -= 1
+        if not self._pending:
+            self._settled.set()
+        if self._reader is not None:
+            self._reader.sent()  # a send may have taken the descriptor's signal of a new message
+
+    def _send(self, sock: zmq.Socket[bytes], identity: bytes, envelope: bytes, payload: Any) -> None:
         try:
-            envelope = reply.SerializeToString()
             # Zero-copy only pays for large payloads: below it pyzmq's Frame bookkeeping costs more
             # than the copy (measured: ~80 us per frame on the small-tensor path). Sized before the
             # first frame goes, so a bad payload cannot leave half a message on the socket.
             copy = memoryview(payload).nbytes < _ZERO_COPY_BYTES
-            # Frame by frame with int flags: a third of what send_multipart costs per reply.
-            sock.send(identity, _MORE_NOBLOCK)
-            sock.send(b"", _MORE_NOBLOCK)
-            sock.send(envelope, _MORE_NOBLOCK)
-            sock.send(payload, _NOBLOCK, copy=copy)
+            # Frame by frame with int flags: a third of what send_multipart costs per reply, and
+            # through the compiled send, without the Python wrapper zmq.Socket puts around it
+            # (for routing_id and group, which a ROUTER never uses).
+            _send_frame(sock, identity, _MORE_NOBLOCK)
+            _send_frame(sock, b"", _MORE_NOBLOCK)
+            _send_frame(sock, envelope, _MORE_NOBLOCK)
+            _send_frame(sock, payload, _NOBLOCK, copy=copy)
         except (zmq.ZMQError, TypeError, ValueError) as error:
-            log.warning("data port could not send reply %s: %s", reply.request_id, error)
-        if self._reader is not None:
-            self._reader.sent()  # the send may have taken the descriptor's signal of a new message
+            log.warning("data port could not send a reply: %s", error)

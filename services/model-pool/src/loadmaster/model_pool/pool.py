@@ -73,6 +73,7 @@ class InferResult:
     inference_ms: float
     queue_ms: float
     batch_size: int = 1
+    batch_id: int = 0  # requests of one model generation with the same batch_id ran in one engine call
 
 
 @dataclass(slots=True)
@@ -513,7 +514,14 @@ class ModelPool:
                     return
                 outputs, timing = outcome
                 done(
-                    InferResult(outputs, generation, timing.inference_ms, timing.queue_ms, timing.batch_size)
+                    InferResult(
+                        outputs,
+                        generation,
+                        timing.inference_ms,
+                        timing.queue_ms,
+                        timing.batch_size,
+                        timing.batch_id,
+                    )
                 )
 
             loaded.batcher.submit(

@@ -187,8 +187,9 @@ class Slot:
         if self.state is not ModelState.READY:
             detail = f" (last error: {self.error})" if self.error else ""
             raise UnavailableError(f"model '{self.model_id}' is {self.state.value}, not ready{detail}")
+        if not self.inflight:
+            self._drained.clear()
         self.inflight += 1
-        self._drained.clear()
         return self.generation
 
     def release(self) -> None:

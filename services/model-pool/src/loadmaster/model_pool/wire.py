@@ -18,6 +18,7 @@ from loadmaster.v1 import model_pool_pb2, tensor_pb2
 
 __all__ = [
     "STATE_TO_PB",
+    "ResultEncoder",
     "error_reply",
     "failure_reply",
     "handle_infer",
@@ -101,6 +102,79 @@ def result_reply(
         generation=result.generation,
     )
     return reply, payload
+
+
+class ResultEncoder:
+    """`result_reply` for a stream of results, where the requests of a batch share the work.
+
+    The replies of one engine call differ only in `request_id` and `queue_ms` (same model,
+    generation, batch size, latency and output descriptors: each request's slice of the
+    batch's outputs has the same dtypes, shapes and offsets when their rows match), so one
+    reply is kept as a template and each next one sets those two fields on it and
+    serializes it, with its own payload. The next batch of the same model, size and output
+    layout reuses the template too, with its own latency and output timestamps. Anything
+    else (another layout or row count, string outputs, a non-contiguous slice) is encoded
+    from scratch by `result_reply`, which makes a new template when it can be shared.
+    """
+
+    def __init__(self, worker_id: str) -> None:
+        self._worker_id = worker_id
+        self._template = model_pool_pb2.InferReply()
+        self._key: tuple[str, int, int, list[tuple[int, ...]]] | None = None  # the batch it serves
+        self._layout: tuple[str, int, int, list[tuple[str, Any, tuple[int, ...]]]] | None = None
+
+    def encode(self, result: InferResult, *, request_id: str, model_id: str) -> tuple[bytes, Any]:
+        """(serialized reply envelope, output payload); raises when the outputs cannot be encoded."""
+        outputs = result.outputs
+        key = (model_id, result.generation, result.batch_id, [array.shape for array in outputs.values()])
+        if key == self._key or self._adopt(result, key):
+            payload = _payload(outputs)
+            if payload is not None:
+                template = self._template
+                template.request_id = request_id
+                template.queue_ms = result.queue_ms
+                return template.SerializeToString(), payload
+        reply, payload = result_reply(
+            result, request_id=request_id, model_id=model_id, worker_id=self._worker_id
+        )
+        # Only a batch's results can share it; string tensors have their own lengths and offsets.
+        shareable = result.batch_size > 1 and tensor_pb2.BYTES not in [t.dtype for t in reply.outputs]
+        self._key = key if shareable else None
+        self._layout = _layout(result, model_id) if shareable else None
+        if shareable:
+            self._template = reply
+        return reply.SerializeToString(), payload
+
+    def _adopt(self, result: InferResult, key: tuple[str, int, int, list[tuple[int, ...]]]) -> bool:
+        """Make the template serve the batch of `result` if only its latency and time differ."""
+        if self._layout is None or self._layout != _layout(result, key[0]):
+            return False
+        template = self._template
+        template.inference_latency_ms = result.inference_ms
+        stamp = time.time_ns()
+        for tensor in template.outputs:
+            tensor.timestamp_ns = stamp
+        self._key = key
+        return True
+
+
+def _layout(
+    result: InferResult, model_id: str
+) -> tuple[str, int, int, list[tuple[str, Any, tuple[int, ...]]]]:
+    """What the replies of two batches must share to share a template (besides the worker)."""
+    outputs = [(name, array.dtype, array.shape) for name, array in result.outputs.items()]
+    return (model_id, result.generation, result.batch_size, outputs)
+
+
+def _payload(outputs: dict[str, Any]) -> Any:
+    """The payload `encode_tensors` would build for these outputs, or None when it would have
+    to copy or convert one (then the caller encodes them in full)."""
+    parts = []
+    for array in outputs.values():
+        if not array.flags.c_contiguous or array.dtype.kind in "OSU":
+            return None
+        parts.append(array.data.cast("B") if array.nbytes else b"")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def handle_infer(
