@@ -1,6 +1,8 @@
-"""Script calls that overlap leave in shared pipelines (`_coalesce.py`) on a real Redis: each
-caller still gets its own reply, a lost script cache is repaired, a caller cancelled before
-its batch left never runs, and a Redis that stops answering fails calls within the timeout."""
+"""Script ops made together leave in one EVALSHA of `OPS_SCRIPT` (`_coalesce.py`) on a real
+Redis: each caller still gets its own reply, an op that fails fails alone, long batches are
+split, a lost script cache is repaired, a caller cancelled before its op left never runs, a
+Redis that stops answering fails calls within the timeout, and the event subscription
+notices a lost connection."""
 
 from __future__ import annotations
 
@@ -10,9 +12,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from loadmaster.common.clock import FakeClock
 from loadmaster.common.errors import UnavailableError
+from loadmaster.gpu_broker import scripts
+from loadmaster.gpu_broker._coalesce import ScriptCoalescer
 from loadmaster.gpu_broker.leases import AcquireRequest, GpuState, PlacementRequest
 from loadmaster.gpu_broker.manager import LeaseManager
 from loadmaster.gpu_broker.store import RedisLeaseStore
@@ -27,7 +34,7 @@ def prefix() -> str:
 
 @pytest.fixture
 async def manager(redis_url: str, prefix: str) -> AsyncIterator[LeaseManager]:
-    store = RedisLeaseStore.connect(redis_url, key_prefix=prefix, max_batches_in_flight=1)
+    store = RedisLeaseStore.connect(redis_url, key_prefix=prefix)
     manager = LeaseManager(store, clock=FakeClock(), default_ttl_s=30, default_reserve_mb=0)
     await manager.register_node("n", [GpuState("n", i, total_mb=10_000, reserve_mb=0) for i in range(2)])
     yield manager
@@ -47,6 +54,28 @@ def reads(admin: redis.Redis) -> int:
     return int(admin.info("stats")["total_reads_processed"])
 
 
+def script_calls(admin: redis.Redis) -> int:
+    return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+@pytest.fixture
+async def coalescer(redis_url: str, prefix: str) -> AsyncIterator[ScriptCoalescer]:
+    """A coalescer of its own (the store's keeps MAX_OPS_PER_CALL), 4 ops per call at most."""
+    pool = aioredis.ConnectionPool.from_url(redis_url, decode_responses=True)
+    coalescer = ScriptCoalescer(
+        pool,
+        script=scripts.OPS_SCRIPT,
+        keys=[f"{prefix}:nodes", f"{prefix}:expiry", f"{prefix}:fence"],
+        prefix=prefix,
+        channel=f"{prefix}:events",
+        timeout_s=5,
+        max_ops_per_call=4,
+    )
+    yield coalescer
+    await coalescer.close()
+    await pool.aclose()
+
+
 async def test_concurrent_calls_share_round_trips_and_get_their_own_replies(
     manager: LeaseManager, admin: redis.Redis
 ) -> None:
@@ -63,6 +92,49 @@ async def test_concurrent_calls_share_round_trips_and_get_their_own_replies(
     )
     assert released == [True] * CALLS
     assert sum(g.leased_mb for g in await manager.inventory()) == 0
+
+
+async def test_ops_made_together_leave_in_one_script_call(manager: LeaseManager, admin: redis.Redis) -> None:
+    before = script_calls(admin)
+    leases = await asyncio.gather(*(manager.acquire(request(f"r{n}")) for n in range(CALLS)))
+    assert script_calls(admin) - before == 1
+    before = script_calls(admin)
+    await asyncio.gather(
+        *(manager.release(lease.lease_id, fencing_token=lease.fencing_token) for lease in leases)
+    )
+    assert script_calls(admin) - before == 1
+    assert sum(g.leased_mb for g in await manager.inventory()) == 0
+
+
+async def test_long_batches_are_split_and_an_op_that_fails_fails_alone(
+    coalescer: ScriptCoalescer, admin: redis.Redis, prefix: str
+) -> None:
+    before = script_calls(admin)
+    replies = await asyncio.gather(
+        coalescer.call("reap", 1_000, [100]),
+        coalescer.call("no_such_op", 1_000, []),
+        coalescer.call("reap", 1_000, ["not a number"]),  # its redis.call raises inside the op
+        *(coalescer.call("leave_queue", 1_000, [f"w{n}"]) for n in range(7)),
+        return_exceptions=True,
+    )
+    assert script_calls(admin) - before == 3  # 10 ops, at most 4 per call
+    assert replies[0] == 0
+    assert isinstance(replies[1], ResponseError) and "unknown op no_such_op" in str(replies[1])
+    assert isinstance(replies[2], ResponseError)
+    assert replies[3:] == [0] * 7  # the ops after the failed ones ran
+    admin.set(f"{prefix}:probe", "1")  # the connection is still usable after error replies
+    assert await coalescer.call("leave_queue", 1_000, ["w"]) == 0
+
+
+async def test_closing_fails_the_ops_not_yet_answered(coalescer: ScriptCoalescer) -> None:
+    assert await coalescer.call("reap", 1_000, [100]) == 0  # connected
+    queued = asyncio.ensure_future(coalescer.call("reap", 1_000, [100]))
+    await asyncio.sleep(0)  # queued; it would leave at the end of this turn
+    await coalescer.close()
+    with pytest.raises(RedisConnectionError, match="closed"):
+        await asyncio.wait_for(queued, 2)  # not left waiting forever
+    with pytest.raises(RedisConnectionError, match="closed"):
+        await coalescer.call("reap", 1_000, [100])
 
 
 async def test_a_flushed_script_cache_is_reloaded_and_each_call_runs_once(
@@ -109,3 +181,25 @@ async def test_a_redis_that_stops_answering_fails_calls_within_the_timeout(
     finally:
         await quick.close()
         await patient.close()
+
+
+async def test_the_event_subscription_survives_quiet_and_notices_a_lost_connection(
+    manager: LeaseManager, admin: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    store = RedisLeaseStore.connect(redis_url, key_prefix=prefix)
+    subscription = await store.subscribe()
+    try:
+        # Quiet: the first timeout sends a PING, whose answer keeps the subscription alive.
+        assert await subscription.next_message(0.05) is None
+        assert await subscription.next_message(5.0) is None  # returns with the PONG
+        assert await subscription.next_message(0.05) is None
+        lease = await manager.acquire(request("seen"))
+        message = await subscription.next_message(1.0)
+        assert message is not None and lease.lease_id in message and '"acquired"' in message
+        admin.client_kill_filter(_type="pubsub")
+        with pytest.raises(UnavailableError, match="lost the Redis event stream"):
+            for _ in range(3):  # at most a quiet timeout or two before the closed socket shows
+                await subscription.next_message(1.0)
+    finally:
+        await subscription.close()
+        await store.close()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import hiredis
 import pytest
+from redis.exceptions import NoScriptError, ResponseError
 
+from loadmaster.gpu_broker._coalesce import _pack_in_python, new_reader, reply_value
 from loadmaster.gpu_broker.leases import GpuState, LeaseEventKind
 from loadmaster.gpu_broker.servicer import acquire_from_proto, event_to_proto, gpu_to_proto
 from loadmaster.gpu_broker.store import (
@@ -69,3 +72,26 @@ def test_acquire_from_proto_dedupes_gpus() -> None:
     request = acquire_from_proto(pb.AcquireRequest(holder="h", node="n", mb=5, gpus=[2, 0, 2], ttl_s=3))
     assert request.placement.gpus == (0, 2)
     assert request.ttl_s == 3
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("EVALSHA", "0" * 40, 3, "k1", "k2", "k3", "prefix", 1_700_000_000_000, "ch"),
+        ("SCRIPT", "LOAD", "return 'é'"),  # byte lengths, not character counts
+        ("PING",),
+        ("SET", "", -1),
+    ],
+)
+def test_commands_packed_in_python_match_hiredis(args: tuple[str | int, ...]) -> None:
+    """The fallback packer (hiredis older than 2.1) writes exactly what hiredis writes."""
+    assert hiredis.pack_command(args) == _pack_in_python(args)
+
+
+def test_error_replies_become_redis_py_exceptions() -> None:
+    reader = new_reader()
+    reader.feed(b"*3\r\n-NOSCRIPT No matching script\r\n:5\r\n-ERR boom\r\n")
+    noscript, five, error = reader.gets()
+    assert isinstance(reply_value(noscript), NoScriptError)
+    assert reply_value(five) == 5
+    assert isinstance(reply_value(error), ResponseError) and "boom" in str(reply_value(error))

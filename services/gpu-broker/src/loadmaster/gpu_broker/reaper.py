@@ -39,7 +39,7 @@ __all__ = ["LocalGpus", "Reaper"]
 log = logging.getLogger(__name__)
 
 _AFTER_EXPIRY_S = 0.01
-_MIN_DELAY_S = 0.05  # a lease that stays expired (Redis trouble) is not retried in a busy loop
+_MIN_DELAY_S = 0.05  # a lease that stays expired after a step (Redis trouble): no busy loop
 _GAUGES_AFTER_CHANGE_S = 0.5  # grants and releases within this report the gauges once
 
 
@@ -82,6 +82,7 @@ class Reaper:
         self._replan = asyncio.Event()  # a grant expires before the next step
         self._gauges_soon: asyncio.Task[None] | None = None  # after a grant or release
         self._next_step_ms: int | None = None  # broker clock; None while planning it
+        self._stepped_at_once = False  # the last step ran at once, for a lease already expired
 
     async def start(self) -> None:
         """Run one step now (so the inventory is registered before serving), then loop."""
@@ -148,7 +149,10 @@ class Reaper:
             return self._interval_s * jitter
         if first_ms is not None:  # just after it expires (reap frees a lease once expires_at < now)
             until_s = (first_ms - self._manager.now_ms()) / 1000.0 + _AFTER_EXPIRY_S
-            delay = min(delay, max(_MIN_DELAY_S, until_s))
+            # Already expired (time passed while planning): step at once, unless the last step
+            # ran at once too and left it there. (Waiting _MIN_DELAY_S here stalled a test
+            # whose FakeClock moved past the expiry while the plan was made, then stopped.)
+            delay = min(delay, max(_MIN_DELAY_S if self._stepped_at_once else 0.0, until_s))
         return delay
 
     async def _reconcile(self, local: LocalGpus) -> None:
@@ -189,7 +193,9 @@ class Reaper:
             self._replan.clear()
             delay = await self._next_delay()
             self._next_step_ms = self._manager.now_ms() + round(delay * 1000)
-            if await self._sleep_or_replan(delay):
+            at_once = delay <= 0  # no grant can expire before it: no replanning either
+            if at_once or await self._sleep_or_replan(delay):
+                self._stepped_at_once = at_once
                 await self._guarded_step()
 
     async def _sleep_until(self, wake_at: float) -> None:

@@ -1,6 +1,13 @@
-"""The broker's Redis scripts. Every change to inventory or leases is one of these.
+"""The broker's Redis script. Every change to inventory or leases is one of its ops.
 
-All scripts take the same three KEYS and first three ARGV, then their own ARGV:
+Each op (ACQUIRE, RELEASE, ...) is a Lua function that runs atomically, as a script of its
+own would. They run through one script, `OPS_SCRIPT`, which takes a list of ops and runs
+them one after the other: ops made together leave in one EVALSHA, which costs Redis far
+less per op than one EVALSHA each (measured: about 11 us of each call was the call itself
+and this file's preamble). Each op is isolated from the others of its list (an error in one
+is that op's reply, the next ones still run) and none depends on another.
+
+Every op sees the same three KEYS and first three ARGV, then its own ARGV:
 
     KEYS[1] <prefix>:nodes    set of registered node names
     KEYS[2] <prefix>:expiry   sorted set: lease id -> expires_unix_ms
@@ -46,24 +53,43 @@ between a change and its announcement.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
-    "ACQUIRE_SCRIPT",
-    "INVENTORY_SCRIPT",
-    "LEAVE_QUEUE_SCRIPT",
-    "LIST_LEASES_SCRIPT",
+    "ACQUIRE",
+    "INVENTORY",
+    "LEAVE_QUEUE",
+    "LIST_LEASES",
+    "MAX_OPS_PER_CALL",
     "MAX_PRIORITY",
+    "OPS",
+    "OPS_SCRIPT",
+    "REAP",
     "REAP_BATCH",
-    "REAP_SCRIPT",
-    "REGISTER_SCRIPT",
-    "RELEASE_SCRIPT",
-    "RENEW_SCRIPT",
-    "SET_OUTSIDE_SCRIPT",
+    "REGISTER",
+    "RELEASE",
+    "RENEW",
+    "SET_OUTSIDE",
+    "LuaOp",
 ]
 
 # How many expired leases a script reclaims per call (bounds the time one script holds Redis).
 REAP_BATCH = 500
 # Priorities are 0..MAX_PRIORITY (higher first); see the waiter score in the docstring.
 MAX_PRIORITY = 999
+# Ops in one OPS_SCRIPT call (bounds the time one call holds Redis; ~50-100 us per op).
+MAX_OPS_PER_CALL = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LuaOp:
+    """One op of OPS_SCRIPT: `name` (how a call names it), `header` (its KEYS, ARGV and
+    replies), `body` (Lua, run as a function of its own ARGV)."""
+
+    name: str
+    header: str
+    body: str
+
 
 _COMMON = (
     f"\nlocal reap_batch = {REAP_BATCH}"
@@ -182,7 +208,8 @@ end
 """
 )
 
-ACQUIRE_SCRIPT = (
+ACQUIRE = LuaOp(
+    "acquire",
     """
 -- ACQUIRE: reap expired leases, replay an idempotent request, or grant `alloc` if it still fits.
 -- KEYS, ARGV[1..3]: see module docstring.
@@ -203,9 +230,8 @@ ACQUIRE_SCRIPT = (
 --         {'blocked', reaped, ahead}         `ahead` waiters with an overlapping scope come first
 -- With ARGV[15] > 0, any answer but a grant leaves the request queued as waiter ARGV[8]
 -- (the new lease id), its record refreshed to lapse ARGV[15] ms from now.
-"""
-    + _COMMON
-    + """
+""",
+    """
 local reaped = reap(reap_batch)
 local request_key = ARGV[4]
 if request_key ~= '' then
@@ -315,10 +341,11 @@ end
 publish('acquired', {id = id, holder = ARGV[9], node = node, alloc = alloc_text, labels = ARGV[13],
   created_ms = created, expires_ms = expires, token = token})
 return {'granted', reaped, node, alloc_text, created, expires, token}
-"""
+""",
 )
 
-RENEW_SCRIPT = (
+RENEW = LuaOp(
+    "renew",
     """
 -- RENEW: extend a live lease whose fencing token matches.
 -- KEYS, ARGV[1..3]: see module docstring.
@@ -327,9 +354,8 @@ RENEW_SCRIPT = (
 --         {'expired', expires_ms}   it had expired: reaped now (published 'expired')
 --         {'stale', current token}  the token does not match the lease's
 --         {'gone'}                  no such lease (released, reaped, or never granted)
-"""
-    + _COMMON
-    + """
+""",
+    """
 local id = ARGV[4]
 local flat = redis.call('HGETALL', lease_key(id))
 if #flat == 0 then return {'gone'} end
@@ -348,10 +374,11 @@ for i = 1, #flat, 2 do
   if flat[i] == 'expires_ms' then flat[i + 1] = lease.expires_ms end
 end
 return {'renewed', flat}
-"""
+""",
 )
 
-RELEASE_SCRIPT = (
+RELEASE = LuaOp(
+    "release",
     """
 -- RELEASE: free a live lease whose fencing token matches.
 -- KEYS, ARGV[1..3]: see module docstring.
@@ -360,9 +387,8 @@ RELEASE_SCRIPT = (
 --         {'expired'}               it had expired: reaped now (published 'expired')
 --         {'stale', current token}  the token does not match: nothing changed
 --         {'gone'}                  no such lease
-"""
-    + _COMMON
-    + """
+""",
+    """
 local id = ARGV[4]
 local flat = redis.call('HGETALL', lease_key(id))
 if #flat == 0 then return {'gone'} end
@@ -374,23 +400,24 @@ end
 if lease.token ~= ARGV[5] then return {'stale', lease.token} end
 drop_lease(id, 'released', lease)
 return {'released'}
-"""
+""",
 )
 
-REAP_SCRIPT = (
+REAP = LuaOp(
+    "reap",
     """
 -- REAP: free up to ARGV[4] leases whose expires_ms <= now. Safe from many replicas at once:
 -- a lease is reaped by exactly one call.
 -- KEYS, ARGV[1..3]: see module docstring.   ARGV[4] limit
 -- returns the number of leases reaped (each published 'expired')
-"""
-    + _COMMON
-    + """
+""",
+    """
 return reap(tonumber(ARGV[4]))
-"""
+""",
 )
 
-REGISTER_SCRIPT = (
+REGISTER = LuaOp(
+    "register",
     """
 -- REGISTER: set a node's GPUs (total, reserve, used outside leases, name, uuid), keeping
 -- each GPU's leased_mb, so live leases survive re-registration; rebuilds their `free` index.
@@ -398,9 +425,8 @@ REGISTER_SCRIPT = (
 -- ARGV[4] node   ARGV[5] JSON list of {index, total_mb, reserve_mb, used_outside_mb, name, uuid}
 -- returns {'ok', gpu rows of the node}
 --         {'busy', index, leased_mb}  the list drops a GPU that still holds leases: nothing changed
-"""
-    + _COMMON
-    + """
+""",
+    """
 reap(reap_batch)
 local node = ARGV[4]
 local gpus = cjson.decode(ARGV[5])
@@ -431,29 +457,29 @@ for _, g in ipairs(gpus) do
 end
 if #gpus > 0 then redis.call('SADD', nodes_key, node) else redis.call('SREM', nodes_key, node) end
 return {'ok', read_gpus(node)}
-"""
+""",
 )
 
-INVENTORY_SCRIPT = (
+INVENTORY = LuaOp(
+    "inventory",
     """
 -- INVENTORY (read only): one consistent snapshot of the GPUs of a node or of all nodes.
 -- KEYS, ARGV[1..3]: see module docstring.   ARGV[4] node ('' = all)
 -- returns gpu rows {node, index, total, reserve, used_outside, leased, name, uuid}
-"""
-    + _COMMON
-    + """
+""",
+    """
 return read_gpus(ARGV[4])
-"""
+""",
 )
 
-LIST_LEASES_SCRIPT = (
+LIST_LEASES = LuaOp(
+    "list_leases",
     """
 -- LIST_LEASES (read only): live leases (expires_ms > now), optionally of one node / holder.
 -- KEYS, ARGV[1..3]: see module docstring.   ARGV[4] node ('' = all)   ARGV[5] holder ('' = all)
 -- returns a list of lease fields (flat), soonest expiry first
-"""
-    + _COMMON
-    + """
+""",
+    """
 local out = {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', expiry_key, '(' .. int(now), '+inf')) do
   local flat = redis.call('HGETALL', lease_key(id))
@@ -465,33 +491,33 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', expiry_key, '(' .. int(now), '+i
   end
 end
 return out
-"""
+""",
 )
 
-LEAVE_QUEUE_SCRIPT = (
+LEAVE_QUEUE = LuaOp(
+    "leave_queue",
     """
 -- LEAVE_QUEUE: forget a waiting Acquire (it was granted elsewhere, gave up, or was cancelled).
 -- KEYS, ARGV[1..3]: see module docstring.   ARGV[4] waiter id
 -- returns the number of waiters left after pruning lapsed records
-"""
-    + _COMMON
-    + """
+""",
+    """
 forget_waiter(ARGV[4])
 prune_waiters()
 return redis.call('ZCARD', waiters_key)
-"""
+""",
 )
 
-SET_OUTSIDE_SCRIPT = (
+SET_OUTSIDE = LuaOp(
+    "set_outside",
     """
 -- SET_OUTSIDE: record GPU memory in use outside any live lease (sampled from NVML).
 -- KEYS, ARGV[1..3]: see module docstring.   ARGV[4] node   ARGV[5] "index=mb,index=mb"
 -- Unknown GPUs are skipped. Leases are not touched: when outside use grows past what is
 -- free, the GPU grants nothing until it shrinks again.
 -- returns the number of GPUs updated
-"""
-    + _COMMON
-    + """
+""",
+    """
 local updated = 0
 for _, part in ipairs(parse_alloc(ARGV[5])) do
   local key = gpu_key(ARGV[4], part[1])
@@ -504,5 +530,48 @@ for _, part in ipairs(parse_alloc(ARGV[5])) do
   end
 end
 return updated
-"""
+""",
 )
+
+
+OPS = (ACQUIRE, RENEW, RELEASE, REAP, REGISTER, INVENTORY, LIST_LEASES, LEAVE_QUEUE, SET_OUTSIDE)
+
+
+def _ops_script(ops: tuple[LuaOp, ...]) -> str:
+    functions = "".join(
+        f"{op.header}local function op_{op.name}(ARGV)\nnow = tonumber(ARGV[2])\n{op.body}end\n" for op in ops
+    )
+    table = ", ".join(f"{op.name} = op_{op.name}" for op in ops)
+    return (
+        """
+-- OPS: run a list of ops, each atomic on its own (the list as a whole runs atomically too).
+-- KEYS, ARGV[1..3]: see module docstring (ARGV[2]: the first op's now_ms).
+-- ARGV[4..]: per op: its name, its now_ms, n, then its n own ARGV (ARGV[4..3+n] of the op).
+-- returns one reply per op, in order: what the op returns, or an error reply when the op
+-- raised (its name unknown, a failed redis.call) -- a Lua error does not undo the writes the
+-- op made before it, exactly as for a script of its own.
+"""
+        + _COMMON
+        + functions
+        + f"local ops = {{{table}}}\n"
+        + """
+local replies = {}
+local i = 4
+while i <= #ARGV do
+  local op, n = ops[ARGV[i]], tonumber(ARGV[i + 2])
+  local args = {prefix, ARGV[i + 1], channel}
+  for k = 1, n do args[3 + k] = ARGV[i + 2 + k] end
+  local ok, reply = pcall(op or error, op and args or ('unknown op ' .. ARGV[i]))
+  if not ok then
+    if type(reply) == 'table' and reply.err then reply = reply.err end
+    reply = {err = tostring(reply)}
+  end
+  replies[#replies + 1] = reply
+  i = i + 3 + n
+end
+return replies
+"""
+    )
+
+
+OPS_SCRIPT = _ops_script(OPS)

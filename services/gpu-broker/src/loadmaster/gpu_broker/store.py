@@ -1,7 +1,7 @@
 """`RedisLeaseStore`: every Redis call the broker makes, and the storage encoding.
 
-Each method is one script call (see `scripts.py`) plus the translation of its reply
-into domain values; calls that overlap share round trips (`_coalesce.py`). Connection
+Each method is one script op (see `scripts.py`) plus the translation of its reply into
+domain values; ops are batched and pipelined on one connection (`_coalesce.py`). Connection
 trouble becomes `UnavailableError` within about `timeout_s`; calls are never retried
 automatically (a retried acquire could grant twice), so callers retry with the same
 client_request_id instead. The exception is a NOSCRIPT reply: that script did not run.
@@ -10,6 +10,7 @@ client_request_id instead. The exception is a NOSCRIPT reply: that script did no
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -17,10 +18,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.client import PubSub
 from redis.backoff import NoBackoff
-from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -28,7 +28,13 @@ from redis.retry import Retry
 
 from loadmaster.common.errors import FailedPreconditionError, UnavailableError
 from loadmaster.gpu_broker import scripts
-from loadmaster.gpu_broker._coalesce import ScriptCoalescer
+from loadmaster.gpu_broker._coalesce import (
+    ScriptCoalescer,
+    new_reader,
+    open_stream,
+    pack_command,
+    reply_value,
+)
 from loadmaster.gpu_broker.leases import (
     AcquireRequest,
     GpuState,
@@ -182,10 +188,47 @@ def decode_event(data: str) -> LeaseEvent | None:
 
 
 class EventSubscription:
-    """One pub/sub connection on the events channel."""
+    """One connection subscribed to the events channel, read in bulk: each read of the socket
+    parses every message it holds (redis-py's pub/sub layer read and checked one message per
+    call, a large part of a busy broker's CPU). A connection quiet for a whole read timeout
+    is sent a PING; quiet for another, it counts as lost."""
 
-    def __init__(self, pubsub: PubSub) -> None:
-        self._pubsub = pubsub
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._parser = new_reader()
+        self._messages: collections.deque[str] = collections.deque()
+        self._replies: collections.deque[Any] = collections.deque()  # anything but a message
+        self._pinged = False
+
+    @classmethod
+    async def open(
+        cls, pool: aioredis.ConnectionPool, channel: str, *, timeout_s: float
+    ) -> EventSubscription:
+        """Subscribe on a new connection; returns once Redis confirmed the subscription."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await open_stream(pool)
+        except (*_REDIS_DOWN, TimeoutError) as error:
+            raise UnavailableError(f"Redis unreachable: {error or 'no connection in time'}") from error
+        subscription = cls(reader, writer)
+        try:
+            writer.write(pack_command("SUBSCRIBE", channel))
+            async with asyncio.timeout(timeout_s):
+                while not subscription._replies:
+                    await subscription._read()
+            confirmation = reply_value(subscription._replies.popleft())
+            if not isinstance(confirmation, list) or confirmation[:2] != ["subscribe", channel]:
+                raise UnavailableError(
+                    f"Redis did not confirm the subscription to {channel}: {confirmation!r}"
+                )
+        except TimeoutError as error:
+            await subscription.close()
+            raise UnavailableError(f"Redis did not confirm the subscription to {channel}") from error
+        except BaseException:
+            await subscription.close()
+            raise
+        return subscription
 
     async def next(self, timeout_s: float) -> LeaseEvent | None:
         """The next event, or None after `timeout_s` without one (or for a malformed message)."""
@@ -195,40 +238,62 @@ class EventSubscription:
     async def next_message(self, timeout_s: float) -> str | None:
         """The next event still encoded (see `decode_event`), or None after `timeout_s`
         without one: a listener with nobody to tell skips the decoding."""
+        if not self._messages:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._read()
+            except TimeoutError:
+                if self._pinged:
+                    raise UnavailableError("lost the Redis event stream: no answer to a PING") from None
+                self._pinged = True
+                self._writer.write(pack_command("PING"))
+            self._replies.clear()  # PONGs
+            if not self._messages:
+                return None
+        return self._messages.popleft()
+
+    async def _read(self) -> None:
         try:
-            message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
-        except _REDIS_DOWN as error:
+            data = await self._reader.read(1 << 16)
+        except OSError as error:
             raise UnavailableError(f"lost the Redis event stream: {error}") from error
-        if message is None or message.get("type") != "message":
-            return None
-        return str(message["data"])
+        if not data:
+            raise UnavailableError("lost the Redis event stream: the connection was closed")
+        self._pinged = False  # any data shows the connection lives
+        self._parser.feed(data)
+        try:
+            while (reply := self._parser.gets()) is not False:
+                if isinstance(reply, list) and len(reply) == 3 and reply[0] == "message":
+                    self._messages.append(reply[2])
+                else:
+                    self._replies.append(reply)
+        except hiredis.ProtocolError as error:
+            raise UnavailableError(f"lost the Redis event stream: {error}") from error
 
     async def close(self) -> None:
         try:
-            await self._pubsub.aclose()
+            self._writer.close()
+            await self._writer.wait_closed()
         except Exception:
             log.debug("closing the event subscription failed", exc_info=True)
 
 
 class RedisLeaseStore:
-    def __init__(
-        self, client: aioredis.Redis, *, key_prefix: str, timeout_s: float, max_batches_in_flight: int = 2
-    ) -> None:
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str, timeout_s: float) -> None:
         self._redis = client
         self._timeout_s = timeout_s
         self._prefix = key_prefix
         self.channel = f"{key_prefix}:events"
         self._keys = [f"{key_prefix}:nodes", f"{key_prefix}:expiry", f"{key_prefix}:fence"]
-        self._acquire = client.register_script(scripts.ACQUIRE_SCRIPT)
-        self._renew = client.register_script(scripts.RENEW_SCRIPT)
-        self._release = client.register_script(scripts.RELEASE_SCRIPT)
-        self._reap = client.register_script(scripts.REAP_SCRIPT)
-        self._register = client.register_script(scripts.REGISTER_SCRIPT)
-        self._inventory = client.register_script(scripts.INVENTORY_SCRIPT)
-        self._list = client.register_script(scripts.LIST_LEASES_SCRIPT)
-        self._leave_queue = client.register_script(scripts.LEAVE_QUEUE_SCRIPT)
-        self._set_outside = client.register_script(scripts.SET_OUTSIDE_SCRIPT)
-        self._coalescer = ScriptCoalescer(client, timeout_s=timeout_s, max_in_flight=max_batches_in_flight)
+        self._coalescer = ScriptCoalescer(
+            client.connection_pool,
+            script=scripts.OPS_SCRIPT,
+            keys=self._keys,
+            prefix=key_prefix,
+            channel=self.channel,
+            timeout_s=timeout_s,
+            max_ops_per_call=scripts.MAX_OPS_PER_CALL,
+        )
 
     @classmethod
     def connect(
@@ -238,12 +303,10 @@ class RedisLeaseStore:
         key_prefix: str,
         timeout_s: float = 1.0,
         max_connections: int = 64,
-        max_batches_in_flight: int = 2,
     ) -> RedisLeaseStore:
-        """A store on `url`. Opens no connection until the first call. Script calls leave in
-        batches (`_coalesce.py`), at most `max_batches_in_flight` at a time; each call, or
-        batch, fails after `timeout_s` as a whole (one deadline instead of redis-py's
-        socket timeout on every reply read: measured, those cost ~15 % of the broker's CPU)."""
+        """A store on `url`. Opens no connection until the first call. Script ops are
+        batched and pipelined on one connection of their own (`_coalesce.py`); each fails
+        after `timeout_s` without a reply. The pool serves the few other commands."""
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             decode_responses=True,
@@ -252,26 +315,25 @@ class RedisLeaseStore:
             timeout=timeout_s,  # waiting for a free pooled connection
             max_connections=max_connections,
             retry=Retry(NoBackoff(), 0),
-            # A PING before using a connection quiet this long. Not for Redis restarts (the
-            # pool reconnects a connection the server closed before handing it out, and with no
-            # retries a failed PING fails the call just as the call itself would): for the
-            # event subscription, whose reads may wait LISTEN_TIMEOUT_S. At 5 s nearly every
-            # call of an idle broker (reaper steps, renewals) paid a PING round trip first.
+            # A PING before using a pooled connection quiet this long (the few commands that
+            # are not script ops; the ops and the event subscription have connections of
+            # their own, which the pool only opens). At 5 s nearly every call of an idle
+            # broker paid a PING round trip first.
             health_check_interval=HEALTH_CHECK_S,
         )
         return cls(
             aioredis.Redis.from_pool(pool),
             key_prefix=key_prefix,
             timeout_s=timeout_s,
-            max_batches_in_flight=max_batches_in_flight,
         )
 
     async def close(self) -> None:
+        await self._coalescer.close()
         await self._redis.aclose()
 
-    async def _call(self, script: AsyncScript, now_ms: int, *args: str | int) -> Any:
+    async def _call(self, op: scripts.LuaOp, now_ms: int, *args: str | int) -> Any:
         try:
-            return await self._coalescer.call(script, self._keys, (self._prefix, now_ms, self.channel, *args))
+            return await self._coalescer.call(op.name, now_ms, args)
         except _REDIS_DOWN as error:
             await self._drop_idle_connections()
             raise UnavailableError(f"Redis unreachable: {error}") from error
@@ -312,7 +374,7 @@ class RedisLeaseStore:
         fingerprint = f"{wanted.node}|{wanted.mb}|{sorted(set(wanted.gpus))}|{int(wanted.allow_split)}"
         labels = dict(request.labels)
         reply = await self._call(
-            self._acquire,
+            scripts.ACQUIRE,
             now_ms,
             request_key,
             fingerprint,
@@ -354,20 +416,20 @@ class RedisLeaseStore:
         raise RuntimeError(f"unexpected acquire script reply {status!r}")
 
     async def renew(self, lease_id: str, *, now_ms: int, fencing_token: int, ttl_ms: int) -> LeaseChange:
-        reply = await self._call(self._renew, now_ms, lease_id, fencing_token, ttl_ms)
+        reply = await self._call(scripts.RENEW, now_ms, lease_id, fencing_token, ttl_ms)
         return _change(reply, done="renewed")
 
     async def release(self, lease_id: str, *, now_ms: int, fencing_token: int) -> LeaseChange:
-        reply = await self._call(self._release, now_ms, lease_id, fencing_token)
+        reply = await self._call(scripts.RELEASE, now_ms, lease_id, fencing_token)
         return _change(reply, done="released")
 
     async def reap(self, *, now_ms: int, limit: int = scripts.REAP_BATCH) -> int:
         """Reclaim up to `limit` expired leases; returns how many."""
-        return int(await self._call(self._reap, now_ms, limit))
+        return int(await self._call(scripts.REAP, now_ms, limit))
 
     async def leave_queue(self, waiter: str, *, now_ms: int) -> int:
         """Forget waiting request `waiter` (idempotent); returns how many requests still wait."""
-        return int(await self._call(self._leave_queue, now_ms, waiter))
+        return int(await self._call(scripts.LEAVE_QUEUE, now_ms, waiter))
 
     async def next_expiry_ms(self) -> int | None:
         """When the lease that expires first expires (broker clock, ms); None without leases."""
@@ -388,7 +450,7 @@ class RedisLeaseStore:
 
     async def set_outside(self, node: str, outside_mb: Mapping[int, int], *, now_ms: int) -> int:
         """Record each GPU's memory in use outside live leases; returns GPUs updated."""
-        return int(await self._call(self._set_outside, now_ms, node, encode_alloc(outside_mb)))
+        return int(await self._call(scripts.SET_OUTSIDE, now_ms, node, encode_alloc(outside_mb)))
 
     async def register_node(self, node: str, gpus: Sequence[GpuState], *, now_ms: int) -> list[GpuState]:
         """Set `node`'s GPUs, keeping leased memory; refuses to drop a GPU that holds leases."""
@@ -403,7 +465,7 @@ class RedisLeaseStore:
             }
             for g in gpus
         ]
-        reply = await self._call(self._register, now_ms, node, json.dumps(spec))
+        reply = await self._call(scripts.REGISTER, now_ms, node, json.dumps(spec))
         if reply[0] == "busy":
             raise FailedPreconditionError(
                 f"node {node!r}: GPU {reply[1]} still holds {reply[2]} MB of live leases; "
@@ -412,26 +474,14 @@ class RedisLeaseStore:
         return _gpus(reply[1])
 
     async def inventory(self, node: str = "", *, now_ms: int) -> list[GpuState]:
-        return _gpus(await self._call(self._inventory, now_ms, node))
+        return _gpus(await self._call(scripts.INVENTORY, now_ms, node))
 
     async def leases(self, *, now_ms: int, node: str = "", holder: str = "") -> list[Lease]:
-        return [_lease(flat) for flat in await self._call(self._list, now_ms, node, holder)]
+        return [_lease(flat) for flat in await self._call(scripts.LIST_LEASES, now_ms, node, holder)]
 
     async def subscribe(self, *, timeout_s: float = 1.0) -> EventSubscription:
         """Subscribe to the events channel; returns once Redis confirmed the subscription."""
-        pubsub = self._redis.pubsub()
-        try:
-            await pubsub.subscribe(self.channel)
-            confirmation = await pubsub.get_message(timeout=timeout_s)
-            if confirmation is None or confirmation.get("type") != "subscribe":
-                raise UnavailableError(f"Redis did not confirm the subscription to {self.channel}")
-        except _REDIS_DOWN as error:
-            await pubsub.aclose()
-            raise UnavailableError(f"Redis unreachable: {error}") from error
-        except BaseException:
-            await pubsub.aclose()
-            raise
-        return EventSubscription(pubsub)
+        return await EventSubscription.open(self._redis.connection_pool, self.channel, timeout_s=timeout_s)
 
 
 def _change(reply: Sequence[Any], *, done: str) -> LeaseChange:
