@@ -279,6 +279,20 @@ async def test_a_front_of_queue_request_runs_before_those_waiting(engine: Double
     executor.shutdown()
 
 
+async def test_front_of_queue_requests_keep_their_order_among_themselves(engine: Doubler) -> None:
+    clock, order = FakeClock(), []
+    batcher, executor = make(engine, BatchPolicy(max_batch_size=1), clock, [])
+    futures = []
+    for value, front in ((0, False), (1, True), (2, False), (3, True)):
+        future = submit(batcher, x(value), received=clock.monotonic(), front=front)
+        future.add_done_callback(lambda f, v=value: order.append(v))
+        futures.append(future)
+    await asyncio.gather(*futures)
+    assert order == [1, 3, 0, 2]
+    await batcher.close()
+    executor.shutdown()
+
+
 async def test_a_burst_submitted_at_once_runs_as_one_batch(engine: Doubler) -> None:
     clock, sizes = FakeClock(), []
     batcher, executor = make(engine, BatchPolicy(max_batch_size=8), clock, sizes)

@@ -125,6 +125,7 @@ class _Item:
     done: Callable[[BatchOutcome], None]
     rows: int = 1
     signature: Signature = ()
+    front: bool = False  # queued ahead of the others (Grant.front_of_queue)
 
 
 # Stands for a result in the list being filled while its batch runs; never delivered.
@@ -296,7 +297,12 @@ class Batcher:
                     self._mixed = True
                 self._rows += item.rows
             if front:
-                queue.appendleft(item)
+                # ahead of those waiting, behind earlier front-of-queue requests (as urgent, and first)
+                item.front = True
+                at = 0
+                while at < len(queue) and queue[at].front:
+                    at += 1
+                queue.insert(at, item)
             else:
                 queue.append(item)
         self._schedule()
