@@ -24,8 +24,8 @@ If the head makes a predicted request late that would not be late without it, th
 not granted: the slot stays free until that request's arrival (plus its arrival jitter),
 and the arrival's own dispatch grants it the slot. A client that does not come by then is
 not waited for again until it sends (its predicted arrival has passed), so a hold lasts at
-most one prediction and never longer than the head's own service time (only arrivals
-before the head would end can make it late).
+most one prediction, and never past the time the head would have ended had it been granted:
+a place idles at most one service time for it.
 
 Only a request that would be ordered before the head if it were already queued is waited
 for (the ordering's `predicted_key`): a head that aged past the priority-0 requests (the
