@@ -264,19 +264,23 @@ class Lookahead:
         following = now
         if slot is not None:
             if not front:
-                following = self._starts(model_id, slot, now)[1]
+                following = self._starts(model_id, slot, now)[1][0]
             elif len(slot.running) >= slot.max_inflight:
                 following = min(slot.running.values())
         if following <= arrival:  # starts on arrival: only the send path can make it late
             return deadline < arrival + estimates.overhead_deviation_s
         return deadline < following + estimates.jitter_s
 
-    def _starts(self, model_id: str, slot: _Slot, now: float) -> tuple[dict[RequestKey, float], float]:
-        """Predicted start of each staged request (the doomed never run) and of one more: each
-        takes the first of the slot's `max_inflight` places to free (a free place: `now`)."""
+    def _starts(
+        self, model_id: str, slot: _Slot, now: float, *, floor: float = -math.inf
+    ) -> tuple[dict[RequestKey, float], list[float]]:
+        """Predicted start of each staged request (the doomed never run), and the slot's places
+        after them (a heap: the first is when one more would start): each staged request takes
+        the first of the slot's `max_inflight` places to free (a free place: `now`; a running
+        request predicted to end before `floor`: `floor`)."""
         estimates = self._estimates.get(model_id)
         inference_s = estimates.inference_or_0_s if estimates is not None else 0.0
-        places = sorted(slot.running.values())[: slot.max_inflight]
+        places = sorted(max(end, floor) for end in slot.running.values())[: slot.max_inflight]
         places += [now] * (slot.max_inflight - len(places))
         heapq.heapify(places)
         starts: dict[RequestKey, float] = {}
@@ -284,7 +288,7 @@ class Lookahead:
             if key not in slot.doomed:
                 starts[key] = start = heapq.heappop(places)
                 heapq.heappush(places, start + inference_s)
-        return starts, places[0]
+        return starts, places
 
     def timing(self, model_id: str) -> Timing | None:
         """The model's inference time, one-way path and jitter, once they are predictable."""
@@ -301,18 +305,7 @@ class Lookahead:
         frees: list[float] = []
         for worker_id, max_inflight in workers:
             slot = slots.get(worker_id)
-            if slot is None:
-                frees += [now] * max_inflight
-                continue
-            places = sorted(max(end, now) for end in slot.running.values())[:max_inflight]
-            places += [now] * (max_inflight - len(places))
-            heapq.heapify(places)
-            estimates = self._estimates.get(model_id)
-            inference_s = estimates.inference_or_0_s if estimates is not None else 0.0
-            for key in slot.staged:
-                if key not in slot.doomed:
-                    heapq.heapreplace(places, places[0] + inference_s)
-            frees += places
+            frees += [now] * max_inflight if slot is None else self._starts(model_id, slot, now, floor=now)[1]
         return frees
 
     def doomed(self, worker_id: str, model_id: str) -> int:
