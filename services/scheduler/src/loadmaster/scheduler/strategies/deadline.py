@@ -122,6 +122,17 @@ class DeadlineOrdering:
         earlier than the same client's previous request for the same model (a client's
         requests keep their order: a burst's 2nd request, whose cadence is already known,
         must not pass its 1st)."""
+        vd = self._virtual_deadline(request)
+        client_id = request.info.client_id
+        if client_id:
+            self._last[(client_id, request.model_id)] = vd
+        return self._sort_key(request, vd)
+
+    def predicted_key(self, request: Request) -> SortKey | None:
+        """`key` without recording the client's latest virtual deadline."""
+        return self._sort_key(request, self._virtual_deadline(request))
+
+    def _virtual_deadline(self, request: Request) -> float:
         if self._policy is not None:
             slack = float(self._policy(policy_view(request)))
         else:
@@ -129,25 +140,12 @@ class DeadlineOrdering:
         vd = request.enqueued_at + slack / 1000.0
         client_id = request.info.client_id
         if client_id:
-            stream = (client_id, request.model_id)
-            previous = self._last.get(stream)
+            previous = self._last.get((client_id, request.model_id))
             if previous is not None and previous > vd:
                 vd = previous
-            self._last[stream] = vd
-        if self._tiers is None:
-            return (vd, request.arrival)
-        return (self.tier(request.info.priority), vd, request.arrival)
+        return vd
 
-    def predicted_key(self, request: Request) -> SortKey | None:
-        """`key` without recording the client's latest virtual deadline."""
-        if self._policy is not None:
-            slack = float(self._policy(policy_view(request)))
-        else:
-            slack = slack_ms(request, self.terms)
-        vd = request.enqueued_at + slack / 1000.0
-        previous = self._last.get((request.info.client_id, request.model_id))
-        if previous is not None and previous > vd:
-            vd = previous
+    def _sort_key(self, request: Request, vd: float) -> SortKey:
         if self._tiers is None:
             return (vd, request.arrival)
         return (self.tier(request.info.priority), vd, request.arrival)

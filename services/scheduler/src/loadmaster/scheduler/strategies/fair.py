@@ -61,7 +61,7 @@ class BatchOrdering:
         return (request.arrival,)
 
     def predicted_key(self, request: Request) -> SortKey | None:
-        return None  # fairness between clients, not priority: never holds a slot
+        return None  # groups in arrival order, not priority: never holds a slot
 
     def granted(self, request: Request, key: SortKey) -> None:
         pass
