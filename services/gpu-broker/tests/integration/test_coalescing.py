@@ -1,5 +1,6 @@
 """Script ops made together leave in one EVALSHA of `OPS_SCRIPT` (`_coalesce.py`) on a real
-Redis: each caller still gets its own reply, an op that fails fails alone, long batches are
+Redis: each caller still gets its own reply, callers that keep ops going back to back are
+split over two calls in flight, an op that fails fails alone, long batches are
 split, a lost script cache is repaired, a caller cancelled before its op left never runs, a
 Redis that stops answering fails calls within the timeout, and the event subscription
 notices a lost connection."""
@@ -104,6 +105,41 @@ async def test_ops_made_together_leave_in_one_script_call(manager: LeaseManager,
     )
     assert script_calls(admin) - before == 1
     assert sum(g.leased_mb for g in await manager.inventory()) == 0
+
+
+async def test_callers_in_step_travel_as_two_calls_so_redis_and_the_broker_overlap(
+    redis_url: str, prefix: str, admin: redis.Redis
+) -> None:
+    pool = aioredis.ConnectionPool.from_url(redis_url, decode_responses=True)
+    coalescer = ScriptCoalescer(
+        pool,
+        script=scripts.OPS_SCRIPT,
+        keys=[f"{prefix}:nodes", f"{prefix}:expiry", f"{prefix}:fence"],
+        prefix=prefix,
+        channel=f"{prefix}:events",
+        timeout_s=5,
+        max_ops_per_call=scripts.MAX_OPS_PER_CALL,
+    )
+    callers, rounds = 8, 60
+
+    async def caller(n: int, replies: list[int]) -> None:
+        for step in range(rounds):
+            replies.append(await coalescer.call("leave_queue", 1_000, [f"w{n}-{step}"]))
+
+    try:
+        await asyncio.gather(*(caller(n, []) for n in range(callers)))  # learns how many are outstanding
+        before = script_calls(admin)
+        replies: list[int] = []
+        await asyncio.gather(*(caller(n, replies) for n in range(callers)))
+        calls = script_calls(admin) - before
+    finally:
+        await coalescer.close()
+        await pool.aclose()
+    assert replies == [0] * (callers * rounds)
+    ops_per_call = callers * rounds / calls
+    # Half the callers per call (a round's two calls), never one call per turn of all eight,
+    # nor one call per op.
+    assert 2 <= ops_per_call <= callers / 2 + 0.5, f"{ops_per_call:.1f} ops per call"
 
 
 async def test_long_batches_are_split_and_an_op_that_fails_fails_alone(

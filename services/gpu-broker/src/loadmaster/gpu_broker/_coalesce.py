@@ -5,7 +5,17 @@ of its own. The ops made during one turn of the event loop leave together at the
 as one EVALSHA that runs them all (up to `MAX_OPS_PER_CALL` each), in one socket write; the
 replies, which Redis sends in order, are matched to their callers as they arrive. Nothing
 waits for an earlier call to come back, so Redis works on one batch while this process
-prepares the next. Commands are packed and replies parsed by hiredis (the C parser redis-py
+prepares the next.
+
+Callers that keep ops going back to back (a busy broker) fall into step: one reply wakes
+them all, their next ops are made in the same turn, and with one call per turn Redis and
+this process would only ever take turns, each idle while the other works. So a call leaves
+early, before the turn ends, once it holds half the ops usually outstanding (queued or in
+flight, a moving average taken at each write; at least `_MIN_EARLY` ops): the callers then
+travel as two calls, and Redis runs one while this process works through the replies of
+the other. (Measured with 8 clients on 2 cores: 6.2k -> 9.9k acquire + release pairs/s,
+grant p50 0.72 -> 0.42 ms.) Until it has seen how many ops are outstanding, the coalescer
+sends each turn's ops as one call. Commands are packed and replies parsed by hiredis (the C parser redis-py
 uses), not by redis-py's pipeline machinery: measured, that machinery (a pooled connection,
 a health check, a timeout and a reply read per batch, packing in Python) was more than half
 of the broker's CPU per op; one EVALSHA per op cost Redis ~11 us more per op than a batch.
@@ -40,6 +50,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 __all__ = ["ScriptCoalescer", "new_reader", "open_stream", "pack_command", "reply_value"]
 
 _READ_BYTES = 1 << 16
+# A call leaves before its turn ends once it holds at least this many ops (and half the usual
+# outstanding ones); a single op always waits for the turn's end, where others may join it.
+_MIN_EARLY = 2
+# Weight of each new sample in the moving average of outstanding ops.
+_SMOOTHING = 0.1
 
 
 class _ReplyError(Exception):
@@ -107,6 +122,7 @@ class _Sent:
 class _Connection:
     writer: asyncio.StreamWriter
     waiting: collections.deque[_Sent] = field(default_factory=collections.deque)
+    in_flight: int = 0  # ops written whose reply has not come back
     reader_task: asyncio.Task[None] | None = None
     closed: bool = False
 
@@ -138,14 +154,27 @@ class ScriptCoalescer:
         self._flush_scheduled = False
         self._watchdog: asyncio.TimerHandle | None = None
         self._closed = False
+        # Moving average of the ops outstanding (queued + in flight) at each write; it starts
+        # high, so a turn's ops leave as one call until the real number is known.
+        self._outstanding = float(2 * max_ops_per_call)
 
     async def call(self, op: str, now_ms: int, args: Sequence[str | int]) -> Any:
         """The reply of `op` (see `scripts.py`); raises what redis-py raises for a script call."""
         if self._closed:
             raise RedisConnectionError("the lease store was closed")
         reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Call(op, now_ms, args, reply))
-        self._schedule_flush()
+        queue = self._queue
+        queue.append(_Call(op, now_ms, args, reply))
+        connection = self._connection
+        if (
+            len(queue) >= _MIN_EARLY
+            and 2 * len(queue) >= self._outstanding
+            and connection is not None
+            and not connection.closed
+        ):
+            self._flush()  # half of the usual outstanding ops: Redis can start on these now
+        else:
+            self._schedule_flush()
         return await reply
 
     def _schedule_flush(self) -> None:
@@ -183,6 +212,9 @@ class ScriptCoalescer:
             self._close(connection, RedisConnectionError(f"Redis connection failed: {error!r}"))
             return
         connection.waiting.extend(sent)
+        written = sum(len(batch.calls) for batch in sent)
+        connection.in_flight += written
+        self._outstanding += (connection.in_flight - self._outstanding) * _SMOOTHING
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().call_at(deadline, self._check_deadlines)
 
@@ -225,7 +257,9 @@ class ScriptCoalescer:
             while data := await reader.read(_READ_BYTES):
                 parser.feed(data)
                 while (reply := parser.gets()) is not False:
-                    self._deliver(connection.waiting.popleft(), reply)
+                    sent = connection.waiting.popleft()
+                    connection.in_flight -= len(sent.calls)
+                    self._deliver(sent, reply)
         # IndexError, ValueError: replies that match no command, or not its number of ops
         except (OSError, hiredis.ProtocolError, IndexError, ValueError, TypeError) as failure:
             error = RedisConnectionError(f"Redis connection failed: {failure!r}")
