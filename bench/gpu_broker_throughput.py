@@ -14,7 +14,11 @@ Modes:
   model-pool worker sees it), once per `--api`: `unary`, each client a blocking loop of
   `Acquire` + `Release` RPCs (result `grpc`); `stream`, each client an asyncio loop of the
   same two ops on one `Leases` stream (result `grpc_stream`). Several `--replicas` values run
-  one after the other (`grpc`, then `grpc_x2`, ...).
+  one after the other (`grpc`, then `grpc_x2`, ...). Each api is also run once against an
+  echo server (the same proto and client processes, a grpc.aio server on uvloop that
+  answers every op at once, no broker and no Redis): its rate (`transport_floor`) is what
+  gRPC in Python sustains on this machine with nothing behind it, and `share_of_floor` says
+  how close the broker comes to it.
 
 Each pair acquires 100 MB (best fit, any GPU) and releases it at once. Grant latency is the
 Acquire call as the client sees it. `cpu_us_per_pair` says where the CPU went during the
@@ -41,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psutil
 import redis
 from _harness import percentiles_ms, write_result
@@ -187,6 +192,44 @@ asyncio.run(main())
 """
 _CLIENTS = {"unary": _GRPC_CLIENT, "stream": _GRPC_STREAM_CLIENT}
 
+# The transport floor: the broker's proto served by a grpc.aio server (uvloop, as the broker
+# runs) that answers each op at once from the request alone.
+_ECHO_SERVER = r"""
+import asyncio, sys
+import grpc, uvloop
+from loadmaster.v1 import gpu_broker_pb2 as pb, gpu_broker_pb2_grpc
+
+def lease(request, token):
+    return pb.Lease(lease_id="%032x" % token, holder=request.holder, node="bench", fencing_token=token,
+                    mb_per_gpu={0: request.mb}, created_unix_ms=1, expires_unix_ms=30_001)
+
+class Echo(gpu_broker_pb2_grpc.GpuBrokerServicer):
+    tokens = 0
+    async def Inventory(self, request, context):
+        return pb.InventoryResponse()
+    async def Acquire(self, request, context):
+        Echo.tokens += 1
+        return pb.AcquireResponse(lease=lease(request, Echo.tokens))
+    async def Release(self, request, context):
+        return pb.ReleaseResponse(released=True)
+    async def Leases(self, request_iterator, context):
+        async for op in request_iterator:
+            if op.WhichOneof("op") == "acquire":
+                Echo.tokens += 1
+                yield pb.LeaseOpResult(op_id=op.op_id, acquire=pb.AcquireResponse(lease=lease(op.acquire, Echo.tokens)))
+            else:
+                yield pb.LeaseOpResult(op_id=op.op_id, release=pb.ReleaseResponse(released=True))
+
+async def main():
+    server = grpc.aio.server()
+    gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server(Echo(), server)
+    server.add_insecure_port(sys.argv[1])
+    await server.start()
+    await server.wait_for_termination()
+
+uvloop.run(main())
+"""
+
 
 @contextlib.contextmanager
 def _brokers(redis_url: str, replicas: int, logs: Path) -> Iterator[dict[str, psutil.Process]]:
@@ -228,33 +271,36 @@ def _brokers(redis_url: str, replicas: int, logs: Path) -> Iterator[dict[str, ps
             process.wait(10)
 
 
+def _drive(
+    addresses: list[str], servers: list[psutil.Process], *, clients: int, seconds: float, api: str
+) -> tuple[list[dict[str, Any]], float]:
+    """Run `clients` client processes of `api` against `addresses`: (their outputs, the CPU
+    seconds `servers` used while they ran)."""
+    start = time.time() + 5.0
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CLIENTS[api], addresses[n % len(addresses)], str(start), str(seconds)],
+            stdout=subprocess.PIPE,
+        )
+        for n in range(clients)
+    ]
+    time.sleep(max(0.0, start - time.time()))
+    server_cpu = -sum(sum(s.cpu_times()[:2]) for s in servers)
+    outputs = [json.loads(p.communicate(timeout=seconds + 60)[0]) for p in procs]
+    server_cpu += sum(sum(s.cpu_times()[:2]) for s in servers)
+    return outputs, server_cpu
+
+
 def _grpc(redis_url: str, *, clients: int, seconds: float, replicas: int, api: str) -> dict[str, Any]:
     admin = redis.Redis.from_url(redis_url)
     with (
         tempfile.TemporaryDirectory(prefix="gpu-bench-") as logs,
         _brokers(redis_url, replicas, Path(logs)) as brokers,
     ):
-        addresses = list(brokers)
-        start = time.time() + 5.0
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    _CLIENTS[api],
-                    addresses[n % len(addresses)],
-                    str(start),
-                    str(seconds),
-                ],
-                stdout=subprocess.PIPE,
-            )
-            for n in range(clients)
-        ]
-        time.sleep(max(0.0, start - time.time()))
-        broker_cpu = -sum(sum(b.cpu_times()[:2]) for b in brokers.values())
         redis_cpu = -_redis_cpu_s(admin)
-        outputs = [json.loads(p.communicate(timeout=seconds + 60)[0]) for p in procs]
-        broker_cpu += sum(sum(b.cpu_times()[:2]) for b in brokers.values())
+        outputs, broker_cpu = _drive(
+            list(brokers), list(brokers.values()), clients=clients, seconds=seconds, api=api
+        )
         redis_cpu += _redis_cpu_s(admin)
     admin.close()
     pairs = sum(o["pairs"] for o in outputs)
@@ -269,6 +315,34 @@ def _grpc(redis_url: str, *, clients: int, seconds: float, replicas: int, api: s
         "cpu_us_per_pair": _per_pair_us(
             pairs, clients=sum(o["cpu_s"] for o in outputs), brokers=broker_cpu, redis=redis_cpu
         ),
+    }
+
+
+def wait_for_grpc(address: str, *, timeout_s: float) -> None:
+    """Until a gRPC server accepts connections at `address` (the echo server has no health service)."""
+    with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+
+
+def _transport_floor(*, clients: int, seconds: float, api: str) -> dict[str, Any]:
+    """The same client processes against the echo server: gRPC's own cost, nothing behind it."""
+    address = f"127.0.0.1:{free_port()}"
+    server = subprocess.Popen(
+        [sys.executable, "-c", _ECHO_SERVER, address], stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        wait_for_grpc(address, timeout_s=30)
+        outputs, server_cpu = _drive(
+            [address], [psutil.Process(server.pid)], clients=clients, seconds=seconds, api=api
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        server.wait(10)
+    pairs = sum(o["pairs"] for o in outputs)
+    return {
+        "pairs_per_s": round(pairs / seconds, 1),
+        "cpu_us_per_pair": _per_pair_us(pairs, clients=sum(o["cpu_s"] for o in outputs), server=server_cpu),
     }
 
 
@@ -319,6 +393,14 @@ def main() -> int:
                         redis_url, clients=args.clients, seconds=args.seconds, replicas=replicas, api=api
                     )
                     print(json.dumps(results[key]), flush=True)
+            for api in args.api:
+                print(f"grpc {api} transport floor (echo server, no broker): …", flush=True)
+                floor = _transport_floor(clients=args.clients, seconds=args.seconds, api=api)
+                print(json.dumps(floor), flush=True)
+                for key, result in results.items():
+                    if key.startswith("grpc") and result.get("api") == api:
+                        result["transport_floor"] = floor
+                        result["share_of_floor"] = round(result["pairs_per_s"] / floor["pairs_per_s"], 3)
     results["targets"] = [
         {
             "name": f"Acquire+Release pairs/s, {args.clients} clients ({key}, {_setup(results[key])})",
