@@ -8,6 +8,7 @@ notices a lost connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -59,9 +60,11 @@ def script_calls(admin: redis.Redis) -> int:
     return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
-@pytest.fixture
-async def coalescer(redis_url: str, prefix: str) -> AsyncIterator[ScriptCoalescer]:
-    """A coalescer of its own (the store's keeps MAX_OPS_PER_CALL), 4 ops per call at most."""
+@contextlib.asynccontextmanager
+async def own_coalescer(
+    redis_url: str, prefix: str, *, max_ops_per_call: int
+) -> AsyncIterator[ScriptCoalescer]:
+    """A coalescer on a pool of its own, closed (with its pool) on the way out."""
     pool = aioredis.ConnectionPool.from_url(redis_url, decode_responses=True)
     coalescer = ScriptCoalescer(
         pool,
@@ -70,11 +73,20 @@ async def coalescer(redis_url: str, prefix: str) -> AsyncIterator[ScriptCoalesce
         prefix=prefix,
         channel=f"{prefix}:events",
         timeout_s=5,
-        max_ops_per_call=4,
+        max_ops_per_call=max_ops_per_call,
     )
-    yield coalescer
-    await coalescer.close()
-    await pool.aclose()
+    try:
+        yield coalescer
+    finally:
+        await coalescer.close()
+        await pool.aclose()
+
+
+@pytest.fixture
+async def coalescer(redis_url: str, prefix: str) -> AsyncIterator[ScriptCoalescer]:
+    """A coalescer of its own (the store's keeps MAX_OPS_PER_CALL), 4 ops per call at most."""
+    async with own_coalescer(redis_url, prefix, max_ops_per_call=4) as coalescer:
+        yield coalescer
 
 
 async def test_concurrent_calls_share_round_trips_and_get_their_own_replies(
@@ -110,31 +122,18 @@ async def test_ops_made_together_leave_in_one_script_call(manager: LeaseManager,
 async def test_callers_in_step_travel_as_two_calls_so_redis_and_the_broker_overlap(
     redis_url: str, prefix: str, admin: redis.Redis
 ) -> None:
-    pool = aioredis.ConnectionPool.from_url(redis_url, decode_responses=True)
-    coalescer = ScriptCoalescer(
-        pool,
-        script=scripts.OPS_SCRIPT,
-        keys=[f"{prefix}:nodes", f"{prefix}:expiry", f"{prefix}:fence"],
-        prefix=prefix,
-        channel=f"{prefix}:events",
-        timeout_s=5,
-        max_ops_per_call=scripts.MAX_OPS_PER_CALL,
-    )
     callers, rounds = 8, 60
+    async with own_coalescer(redis_url, prefix, max_ops_per_call=scripts.MAX_OPS_PER_CALL) as coalescer:
 
-    async def caller(n: int, replies: list[int]) -> None:
-        for step in range(rounds):
-            replies.append(await coalescer.call("leave_queue", 1_000, [f"w{n}-{step}"]))
+        async def caller(n: int, replies: list[int]) -> None:
+            for step in range(rounds):
+                replies.append(await coalescer.call("leave_queue", 1_000, [f"w{n}-{step}"]))
 
-    try:
         await asyncio.gather(*(caller(n, []) for n in range(callers)))  # learns how many are outstanding
         before = script_calls(admin)
         replies: list[int] = []
         await asyncio.gather(*(caller(n, replies) for n in range(callers)))
         calls = script_calls(admin) - before
-    finally:
-        await coalescer.close()
-        await pool.aclose()
     assert replies == [0] * (callers * rounds)
     ops_per_call = callers * rounds / calls
     # Half the callers per call (a round's two calls), never one call per turn of all eight,
