@@ -13,12 +13,14 @@ this process would only ever take turns, each idle while the other works. So a c
 early, before the turn ends, once it holds half the ops usually outstanding (queued or in
 flight, a moving average taken at each write; at least `_MIN_EARLY` ops): the callers then
 travel as two calls, and Redis runs one while this process works through the replies of
-the other. (Measured with 8 clients on 2 cores: 6.2k -> 9.9k acquire + release pairs/s,
-grant p50 0.72 -> 0.42 ms.) Until it has seen how many ops are outstanding, the coalescer
-sends each turn's ops as one call. Commands are packed and replies parsed by hiredis (the C parser redis-py
-uses), not by redis-py's pipeline machinery: measured, that machinery (a pooled connection,
-a health check, a timeout and a reply read per batch, packing in Python) was more than half
-of the broker's CPU per op; one EVALSHA per op cost Redis ~11 us more per op than a batch.
+the other. (Measured with 8 clients on 2 cores: 5.9-6.3k -> 9.9k acquire + release pairs/s,
+grant p50 0.69-0.72 -> 0.45 ms.) Until it has seen how many ops are outstanding, the
+coalescer sends each turn's ops as one call.
+
+Commands are packed and replies parsed by hiredis (the C parser redis-py uses), not by
+redis-py's pipeline machinery: measured, that machinery (a pooled connection, a health
+check, a timeout and a reply read per batch, packing in Python) was more than half of the
+broker's CPU per op; one EVALSHA per op cost Redis ~11 us more per op than a batch.
 
 Semantics per op are those of a script call of its own: each op stays atomic and apart from
 the others (an error in one is its own reply); a NOSCRIPT reply means nothing ran, so the
