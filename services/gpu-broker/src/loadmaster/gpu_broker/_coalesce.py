@@ -124,7 +124,6 @@ class _Sent:
 class _Connection:
     writer: asyncio.StreamWriter
     waiting: collections.deque[_Sent] = field(default_factory=collections.deque)
-    in_flight: int = 0  # ops written whose reply has not come back
     reader_task: asyncio.Task[None] | None = None
     closed: bool = False
 
@@ -214,9 +213,8 @@ class ScriptCoalescer:
             self._close(connection, RedisConnectionError(f"Redis connection failed: {error!r}"))
             return
         connection.waiting.extend(sent)
-        written = sum(len(batch.calls) for batch in sent)
-        connection.in_flight += written
-        self._outstanding += (connection.in_flight - self._outstanding) * _SMOOTHING
+        in_flight = sum(len(batch.calls) for batch in connection.waiting)  # a few calls at most
+        self._outstanding += (in_flight - self._outstanding) * _SMOOTHING
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().call_at(deadline, self._check_deadlines)
 
@@ -259,9 +257,7 @@ class ScriptCoalescer:
             while data := await reader.read(_READ_BYTES):
                 parser.feed(data)
                 while (reply := parser.gets()) is not False:
-                    sent = connection.waiting.popleft()
-                    connection.in_flight -= len(sent.calls)
-                    self._deliver(sent, reply)
+                    self._deliver(connection.waiting.popleft(), reply)
         # IndexError, ValueError: replies that match no command, or not its number of ops
         except (OSError, hiredis.ProtocolError, IndexError, ValueError, TypeError) as failure:
             error = RedisConnectionError(f"Redis connection failed: {failure!r}")
