@@ -13,8 +13,16 @@ requests/s, latency percentiles, the mean batch size the worker reported and the
 worker process's CPU time per request (which moves much less than throughput when
 other work shares the machine), then the same closed loops straight into
 `ModelPool.infer` in this process (the pool core: batcher + engine threads, no
-sockets; an unbatched and a batched pool, alternating the same way), and writes bench/results/model_pool_batching.json (with the machine's load
-average). Target: batched >= 3x unbatched through the data port.
+sockets; an unbatched and a batched pool, alternating the same way), and writes
+bench/results/model_pool_batching.json (with the machine's load average). Target: batched
+>= 3x unbatched through the data port.
+
+A lean reference worker runs in the same alternating windows (for a TorchScript model with
+one input and one output, like `policy`): one thread, one ROUTER socket, the worker's own
+codec and artifact, batches formed the same way, the forward run inline, and nothing else.
+Its two modes show what the socket, the codec and the model cost on their own: how much of
+the worker's throughput its event loop, engine threads and bookkeeping take, and how much
+batching can gain for this model once those are gone (`lean_reference_gain`).
 
 The load generator is one thread polling all the blocking DEALER sockets: each client
 still builds, sends, receives, parses and decodes every request and reply, but without
@@ -29,6 +37,9 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -41,12 +52,64 @@ import psutil
 import zmq
 from _harness import EXAMPLE_CONFIG, percentiles_ms, write_result
 
+from loadmaster.cli.redis_server import free_port
 from loadmaster.common.framing import receive_frames
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.v1 import model_pool_pb2
 
 _REPLY_TIMEOUT_MS = 10_000
 _SNDMORE = int(zmq.SNDMORE)  # a plain int: pyzmq's flag enums cost microseconds per send
+
+
+# The lean reference: one thread, one ROUTER, the same codec and artifact as the worker,
+# batches formed the same way (up to `size` requests, waiting at most `delay_ms` after the
+# first), the forward run inline. No event loop, no engine thread, no slots, no metrics: what
+# the socket, the codec and the model cost on their own, to set the worker's gains against.
+_LEAN_WORKER = r"""
+import sys, time
+import numpy as np, torch, zmq
+from loadmaster.common.tensors import decode_tensors, encode_tensors
+from loadmaster.v1 import model_pool_pb2 as pb
+
+endpoint, artifact, input_name, output_name = sys.argv[1:5]
+size, delay_s = int(sys.argv[5]), float(sys.argv[6]) / 1000
+torch.set_num_threads(1)
+model = torch.jit.load(artifact, map_location="cpu").eval()
+socket = zmq.Context().socket(zmq.ROUTER)
+socket.bind(endpoint)
+more = int(zmq.SNDMORE)
+
+def run(batch):
+    stacked = np.concatenate([rows for _, _, rows in batch])
+    with torch.inference_mode():
+        outputs = model(torch.from_numpy(stacked)).numpy()
+    start = 0
+    for identity, request, rows in batch:
+        descriptors, payload = encode_tensors({output_name: outputs[start : start + len(rows)]})
+        start += len(rows)
+        reply = pb.InferReply(request_id=request.request_id, model_id=request.model_id,
+                              outputs=descriptors, batch_size=len(batch))
+        socket.send(identity, more); socket.send(b"", more)
+        socket.send(reply.SerializeToString(), more); socket.send(payload)
+
+print("ready", flush=True)
+pending, due = [], None
+while True:
+    wait_ms = 1000 if due is None else max(0.0, (due - time.perf_counter()) * 1000)
+    if socket.poll(wait_ms):
+        while len(pending) < size:
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            request = pb.InferRequest.FromString(frames[2].buffer)
+            rows = np.array(decode_tensors(request.inputs, frames[3].buffer)[input_name])
+            pending.append((frames[0].bytes, request, rows))
+            due = due or time.perf_counter() + delay_s
+    if pending and (len(pending) >= size or time.perf_counter() >= due):
+        run(pending)
+        pending, due = [], None
+"""
 
 
 @dataclass
@@ -179,6 +242,41 @@ def _worker_suite(
             suite.stop()
 
 
+def _lean_signature(model: str) -> tuple[str, str, str] | None:
+    """(artifact, input, output) when `model` is a TorchScript model with one input and one
+    output, which the lean reference can serve; otherwise None."""
+    from loadmaster.common.config import load_settings
+    from loadmaster.model_pool.repository import ModelRepository
+
+    spec = ModelRepository(load_settings(EXAMPLE_CONFIG).repository_path).spec(model)
+    config = spec.config
+    if spec.backend != "torch" or len(config.inputs) != 1 or len(config.outputs) != 1:
+        return None
+    artifact = spec.path(config.artifact)
+    if artifact.suffix != ".pt":
+        return None
+    return str(artifact), config.inputs[0].name, config.outputs[0].name
+
+
+@contextlib.contextmanager
+def _lean_worker(
+    signature: tuple[str, str, str], max_batch_size: int, *, delay_ms: float
+) -> Iterator[tuple[str, psutil.Process]]:
+    """The lean reference worker (`_LEAN_WORKER`) in its own process: (endpoint, process)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    command = [sys.executable, "-c", _LEAN_WORKER, endpoint, *signature, str(max_batch_size), str(delay_ms)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":  # EOF when it failed to start
+            raise RuntimeError(f"the lean reference worker exited with {process.wait(10)}")
+        yield endpoint, psutil.Process(process.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(10)
+
+
 def _measure(
     context: zmq.Context[zmq.Socket[bytes]],
     targets: dict[str, tuple[str, psutil.Process]],
@@ -289,15 +387,24 @@ def main() -> None:
         flush=True,
     )
     threads, delay = args.threads, args.max_queue_delay_ms
+    signature = _lean_signature(args.model)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        with (
-            _worker_suite(args.model, 1, threads=threads, delay_ms=0.0) as unbatched,
-            _worker_suite(args.model, args.max_batch_size, threads=threads, delay_ms=delay) as batched,
-        ):
-            results = _measure(
+        with contextlib.ExitStack() as stack:
+            targets = {
+                "unbatched": stack.enter_context(_worker_suite(args.model, 1, threads=threads, delay_ms=0.0)),
+                "batched": stack.enter_context(
+                    _worker_suite(args.model, args.max_batch_size, threads=threads, delay_ms=delay)
+                ),
+            }
+            if signature is not None:
+                targets["lean unbatched"] = stack.enter_context(_lean_worker(signature, 1, delay_ms=0.0))
+                targets["lean batched"] = stack.enter_context(
+                    _lean_worker(signature, args.max_batch_size, delay_ms=delay)
+                )
+            measured = _measure(
                 context,
-                {"unbatched": unbatched, "batched": batched},
+                targets,
                 model=args.model,
                 clients=args.clients,
                 seconds=args.seconds,
@@ -305,7 +412,9 @@ def main() -> None:
             )
     finally:
         context.destroy(linger=0)
-    for label, r in results.items():
+    results = {label: measured[label] for label in ("unbatched", "batched")}
+    lean = {label.removeprefix("lean "): r for label, r in measured.items() if label.startswith("lean ")}
+    for label, r in measured.items():
         print(
             f"  {label}: {r['throughput_rps']:.0f} req/s, mean batch {r['mean_batch_size']}, "
             f"p50 {r['latency']['p50_ms']} ms, p99 {r['latency']['p99_ms']} ms, "
@@ -315,6 +424,11 @@ def main() -> None:
         )
     gain = results["batched"]["throughput_rps"] / results["unbatched"]["throughput_rps"]
     print(f"batching gain through the data port: {gain:.2f}x (target >= 3x)")
+    lean_gain = lean["batched"]["throughput_rps"] / lean["unbatched"]["throughput_rps"] if lean else None
+    if lean_gain is not None:
+        print(f"batching gain of the lean reference (one thread, no hand-offs): {lean_gain:.2f}x")
+    else:
+        print(f"no lean reference: {args.model} is not a TorchScript model with one input and one output")
     core = asyncio.run(
         _pool_core(
             args.model,
@@ -340,6 +454,8 @@ def main() -> None:
             "gain": round(gain, 2),
             "pool_core": core,
             "pool_core_gain": round(core_gain, 2),
+            "lean_reference": lean,
+            "lean_reference_gain": round(lean_gain, 2) if lean_gain is not None else None,
             "load_average_1m": round(os.getloadavg()[0], 2),
             "target_gain": 3.0,
             "targets": [
