@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -58,6 +59,7 @@ from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.v1 import model_pool_pb2
 
 _REPLY_TIMEOUT_MS = 10_000
+_LEAN_START_TIMEOUT_S = 60.0
 _SNDMORE = int(zmq.SNDMORE)  # a plain int: pyzmq's flag enums cost microseconds per send
 
 
@@ -268,8 +270,17 @@ def _lean_worker(
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert process.stdout is not None
-        if process.stdout.readline().strip() != "ready":  # EOF when it failed to start
-            raise RuntimeError(f"the lean reference worker exited with {process.wait(10)}")
+        started, _, _ = select.select([process.stdout], [], [], _LEAN_START_TIMEOUT_S)
+        if not started or process.stdout.readline().strip() != "ready":  # EOF when it failed
+            try:
+                code: int | None = process.wait(5)  # it closed its stdout: it is on its way out
+            except subprocess.TimeoutExpired:
+                code = None
+            raise RuntimeError(
+                f"the lean reference worker was not ready within {_LEAN_START_TIMEOUT_S:.0f} s"
+                if code is None
+                else f"the lean reference worker exited with code {code} (its error is above)"
+            )
         yield endpoint, psutil.Process(process.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
