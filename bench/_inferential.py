@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,17 +32,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from loadmaster.common.ports import free_port
+
 __all__ = ["inferential_server"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
 _READY_TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -56,7 +51,7 @@ def inferential_server(
     log_path: Path | None = None,
 ) -> Iterator[str]:
     """Yield the address of a running Inferential server (see the module docstring)."""
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     spec = {
         "bind": address,
         "strategy": strategy,

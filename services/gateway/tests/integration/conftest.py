@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -23,12 +22,7 @@ import pytest
 import yaml
 
 from loadmaster.common.grpc_client import wait_for_health_sync
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from loadmaster.common.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from loadmaster.common.ports import free_port
 from loadmaster.model_pool.engines import engine_class
 from loadmaster.model_pool.engines.base import EngineContext
 from loadmaster.model_pool.engines.ray_serve import decode_json_tensors, encode_json_tensors
@@ -21,12 +21,6 @@ ray = pytest.importorskip(
 serve = pytest.importorskip("ray.serve")
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @serve.deployment
@@ -41,7 +35,7 @@ class Doubler:
 
 @pytest.fixture(scope="module")
 def local_serve() -> Iterator[int]:
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from loadmaster.cli._process import die_with_parent
+from loadmaster.common.ports import free_port
 
 __all__ = ["EmbeddedRedis", "free_port", "redis_server_binary"]
 
@@ -24,12 +25,6 @@ __all__ = ["EmbeddedRedis", "free_port", "redis_server_binary"]
 # Redis's own key expiry (idempotency records) is also done on access; a SIGTERM is acted on
 # within 1/hz s instead of 0.1 s.
 HZ = 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def redis_server_binary() -> str:
