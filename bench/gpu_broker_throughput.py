@@ -50,9 +50,10 @@ import psutil
 import redis
 from _harness import percentiles_ms, write_result
 
-from loadmaster.cli.redis_server import EmbeddedRedis, free_port
+from loadmaster.cli.redis_server import EmbeddedRedis
 from loadmaster.common.clock import SystemClock
 from loadmaster.common.grpc_client import wait_for_health_sync
+from loadmaster.common.ports import free_port
 from loadmaster.gpu_broker.leases import AcquireRequest, GpuState, PlacementRequest
 from loadmaster.gpu_broker.manager import LeaseManager
 from loadmaster.gpu_broker.store import RedisLeaseStore

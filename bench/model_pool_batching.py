@@ -53,8 +53,8 @@ import psutil
 import zmq
 from _harness import EXAMPLE_CONFIG, percentiles_ms, write_result
 
-from loadmaster.cli.redis_server import free_port
 from loadmaster.common.framing import receive_frames
+from loadmaster.common.ports import free_port
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.v1 import model_pool_pb2
 

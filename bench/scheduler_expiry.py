@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import percentiles_ms, write_result
 
-from loadmaster.cli.launcher import free_port
 from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.ports import free_port
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 TARGET_P99_MS = 10.0

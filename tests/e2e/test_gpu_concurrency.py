@@ -23,8 +23,8 @@ import grpc
 import pytest
 import redis
 
-from loadmaster.cli.redis_server import free_port
 from loadmaster.common.grpc_client import wait_for_health_sync
+from loadmaster.common.ports import free_port
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from loadmaster.cli.redis_server import free_port
 from loadmaster.client import AsyncGpuLease, GpuLease, LeaseLostError
 from loadmaster.common.errors import ResourceExhaustedError
 from loadmaster.common.grpc_client import wait_for_health_sync
+from loadmaster.common.ports import free_port
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
 

@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from loadmaster.cli.launcher import Suite, free_port_overrides
-from loadmaster.cli.redis_server import EmbeddedRedis, free_port
+from loadmaster.cli.redis_server import EmbeddedRedis
+from loadmaster.common.ports import free_port
 from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc
 
 pytestmark = pytest.mark.slow

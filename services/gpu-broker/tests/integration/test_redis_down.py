@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 import pytest
 
-from loadmaster.cli.redis_server import free_port
 from loadmaster.common.config import Settings
+from loadmaster.common.ports import free_port
 from loadmaster.v1 import gpu_broker_pb2 as pb
 
 MakeSettings = Callable[..., Settings]

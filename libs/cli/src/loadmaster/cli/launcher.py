@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from loadmaster.cli._process import die_with_parent, signal_group
-from loadmaster.cli.redis_server import EmbeddedRedis, free_port
+from loadmaster.cli.redis_server import EmbeddedRedis
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.grpc_client import wait_for_health_sync
+from loadmaster.common.ports import free_port
 
 __all__ = ["SERVICES", "ServiceProcess", "Suite", "free_port_overrides", "to_env"]
 

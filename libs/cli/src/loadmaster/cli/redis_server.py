@@ -17,7 +17,7 @@ from pathlib import Path
 from loadmaster.cli._process import die_with_parent
 from loadmaster.common.ports import free_port
 
-__all__ = ["EmbeddedRedis", "free_port", "redis_server_binary"]
+__all__ = ["EmbeddedRedis", "redis_server_binary"]
 
 # redis-server's timer rate (`hz`, default 10). At 10 an idle server wakes ten times a second,
 # half of its idle CPU in the suite. What its timer does here can be slower: the broker keeps
