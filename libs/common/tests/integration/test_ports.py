@@ -34,7 +34,7 @@ def test_a_port_in_use_is_skipped(fresh_cycle: None, monkeypatch: pytest.MonkeyP
         range_file = tmp_path / "ip_local_port_range"
         range_file.write_text(f"{taken + 3}\t{taken + 100}\n")
         monkeypatch.setattr(ports, "_EPHEMERAL_RANGE", range_file)
-        monkeypatch.setattr(ports.random, "SystemRandom", lambda: _First())
+        monkeypatch.setattr(ports, "_random", _First())
         port = free_port()
     assert port != taken
     assert taken < port < taken + 3
@@ -50,7 +50,7 @@ def test_without_a_known_range_the_kernel_picks(
 
 
 class _First:
-    """A stand-in for random.SystemRandom that always starts the cycle at the range's start."""
+    """A stand-in for the module's random source: the cycle starts at the range's start."""
 
     def randrange(self, start: int, stop: int) -> int:
         return start

@@ -26,6 +26,7 @@ _LOWEST = 10_000  # below this, well-known and registered services are common
 _MIN_PORTS = 1_000  # a smaller range than this below the ephemeral one: let the kernel pick
 _ATTEMPTS = 200
 
+_random = random.SystemRandom()  # not the generator tests seed
 _lock = threading.Lock()
 _candidates: Iterator[int] | None = None
 
@@ -54,7 +55,7 @@ def _ports() -> Iterator[int] | None:
             return None
         if low - _LOWEST < _MIN_PORTS:
             return None
-        start = random.SystemRandom().randrange(_LOWEST, low)  # not the seeded generator
+        start = _random.randrange(_LOWEST, low)
         _candidates = itertools.cycle(itertools.chain(range(start, low), range(_LOWEST, start)))
     return _candidates
 
