@@ -316,6 +316,8 @@ class Settings(BaseSettings):
     )
 
     log_level: str = "INFO"
+    # One line per record: "logfmt" (key=value, quoted and escaped) or "json" (one object per line).
+    log_format: Literal["logfmt", "json"] = "logfmt"
     redis_url: str | None = None  # also read from REDIS_URL (see _RedisUrlSource)
     gateway: GatewaySettings = GatewaySettings()
     scheduler: SchedulerSettings = SchedulerSettings()
