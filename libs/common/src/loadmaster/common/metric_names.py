@@ -81,6 +81,9 @@ _GATEWAY = _of(
     ),
     MetricSpec("dispatch_retries", _C, "Requests re-queued after a retryable failure", ("model",)),
     MetricSpec("shm_payloads", _C, "Request payloads handed to a local worker in shared memory", ("model",)),
+    # generative models, as the client sees them
+    MetricSpec("time_to_first_token_ms", _H, "Time from a generation request to its first token", ("model",)),
+    MetricSpec("inter_token_latency_ms", _H, "Time between two streamed chunks of a generation", ("model",)),
 )
 _SCHEDULER = _of(
     "scheduler",
@@ -123,6 +126,15 @@ _MODEL_POOL = _of(
     MetricSpec("slot_state", _G, "Model slot state (1 = in this state)", ("model", "state")),
     MetricSpec("reloads", _C, "Loads of a model this worker had evicted before", ("model",)),
     MetricSpec("worker_leased_mb", _G, "GPU memory a worker holds under its leases", ("gpu",)),
+    # generative models, in the engine
+    MetricSpec("prompt_tokens", _C, "Prompt tokens of the generations run", ("model",)),
+    MetricSpec("output_tokens", _C, "Tokens generated", ("model",)),
+    MetricSpec("sequences_running", _G, "Sequences being generated", ("model",)),
+    MetricSpec("sequences_waiting", _G, "Sequences waiting in the engine for a slot", ("model",)),
+    MetricSpec("preemptions", _C, "Sequences paused for a more urgent one", ("model",)),
+    MetricSpec("resumptions", _C, "Paused sequences resumed", ("model",)),
+    MetricSpec("kv_cache_blocks_used", _G, "KV-cache blocks in use", ("model",)),
+    MetricSpec("kv_cache_blocks_total", _G, "KV-cache blocks the engine holds", ("model",)),
 )
 _GPU_BROKER = _of(
     "gpu-broker",
