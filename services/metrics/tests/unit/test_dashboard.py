@@ -78,7 +78,7 @@ def test_snapshot_buckets_latency_throughput_misses_queue_and_gpu() -> None:
 def test_generative_models_get_tokens_per_second_and_time_to_first_token() -> None:
     clock = FakeClock()
     windows = Windows(ring_size=1000, clock=clock)
-    for second in range(4):  # 50 tokens/s; first tokens after 10 and 30 ms
+    for _ in range(4):  # 50 tokens/s; first tokens after 10 and 30 ms
         windows.ingest(
             observations_of(
                 [
