@@ -7,7 +7,8 @@ passed on. Fails when an upgrade changes one of them:
   nothing: the gRPC server owns SIGTERM/SIGINT) and runs `main_loop()` between `startup` and
   `shutdown` (overridden to tick once a second);
 - `on_tick(counter)` refreshes the Date header when `counter % 10 == 0` and answers
-  `should_exit`; other ticks only answer.
+  `should_exit`; other ticks only answer;
+- `startup()` and `shutdown()` can run without `serve()` once `lifespan` is set (the gateway).
 """
 
 from __future__ import annotations
@@ -34,8 +35,22 @@ def test_serve_wraps_its_run_in_capture_signals_and_runs_main_loop_between_start
     serve = inspect.getsource(uvicorn.Server.serve)
     assert "with self.capture_signals():" in serve
     run = inspect.getsource(uvicorn.Server._serve)
-    assert run.index("await self.startup(") < run.index("await self.main_loop()") < run.index("await self.shutdown(")
+    assert (
+        run.index("await self.startup(")
+        < run.index("await self.main_loop()")
+        < run.index("await self.shutdown(")
+    )
     assert isinstance(uvicorn.Server.capture_signals(_server()), contextlib.AbstractContextManager)
+
+
+def test_startup_and_shutdown_run_alone_once_lifespan_is_set_as_serve_sets_it() -> None:
+    """The gateway's HTTP front end calls `startup()` and `shutdown()` itself, after setting
+    `server.lifespan` the way `_serve` does."""
+    run = inspect.getsource(uvicorn.Server._serve)
+    assert "self.lifespan = config.lifespan_class(config)" in run
+    assert "self.lifespan.startup()" in inspect.getsource(uvicorn.Server.startup)
+    assert "sockets" in inspect.signature(uvicorn.Server.startup).parameters
+    assert {"should_exit", "force_exit", "started"} <= vars(_server()).keys()
 
 
 def test_the_embedded_server_leaves_signal_handlers_alone() -> None:
