@@ -131,6 +131,10 @@ class Reaper:
                 else:
                     log.info("registered node %s: %d GPU(s)", node, len(registered))
                 self._registered.add(node)
+            if self._local_gpus is not None and self._local_gpus.node in missing:
+                # Before anything is granted on them: memory in use there (by holders whose
+                # leases went with the data, too) counts as used outside leases.
+                await self._reconcile(self._local_gpus)
             self._check_failed = False
             return missing
 
