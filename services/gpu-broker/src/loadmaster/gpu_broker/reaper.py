@@ -144,7 +144,9 @@ class Reaper:
             return bool(await self.ensure_registered())
         except LoadmasterError as error:  # the request reports what it found; the next step retries
             log.warning("re-registering the inventory failed: %s", error.message)
-            return False
+        except Exception:
+            log.exception("re-registering the inventory failed")
+        return False
 
     async def step(self) -> int:
         """Register what Redis lacks, reap, report gauges. Returns leases reaped."""
