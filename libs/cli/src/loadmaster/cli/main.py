@@ -15,6 +15,7 @@ from rich.table import Table
 from loadmaster.cli import chat_cmd, gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
 from loadmaster.cli.launcher import Suite
 from loadmaster.cli.status import collect_status
+from loadmaster.cli.supervisor import RestartPolicy, supervise
 from loadmaster.common.config import load_settings
 
 app = typer.Typer(help="Loadmaster: the inference control plane.", no_args_is_help=True)
@@ -35,8 +36,15 @@ ConfigOption = Annotated[
 def up(
     config: ConfigOption = None,
     workers: Annotated[int, typer.Option(min=1, help="model-pool worker processes")] = 1,
+    max_restarts: Annotated[
+        int, typer.Option(min=0, help="restarts allowed per process within --restart-window")
+    ] = 5,
+    restart_window_s: Annotated[
+        float, typer.Option("--restart-window", min=1, help="seconds the restart budget covers")
+    ] = 60.0,
 ) -> None:
-    """Start Redis, gpu-broker, metrics, scheduler, model-pool worker(s) and the gateway; Ctrl-C stops all."""
+    """Start Redis, gpu-broker, metrics, scheduler, model-pool worker(s) and the gateway; restart any
+    that crashes (within a budget, else stop all and exit 1); Ctrl-C stops all."""
     config_path = config or Path("loadmaster.yaml")
     if not config_path.exists():
         raise typer.BadParameter(f"{config_path} does not exist", param_hint="--config")
@@ -55,16 +63,10 @@ def up(
     console.print(table)
     _print_status(suite.settings)
     console.print("Ctrl-C stops everything.")
+    policy = RestartPolicy(max_restarts=max_restarts, window_s=restart_window_s)
     try:
-        while not stop.wait(0.5):
-            dead = suite.exited()
-            if dead:
-                for service in dead:
-                    console.print(
-                        f"[red]{service.name} exited with code {service.process.returncode}[/red]\n"
-                        f"{service.log_tail()}"
-                    )
-                raise typer.Exit(1)
+        if supervise(suite, stop, console.print, policy=policy) != 0:
+            raise typer.Exit(1)
     finally:
         console.print("stopping…")
         suite.stop()
