@@ -3,6 +3,7 @@ turn; each is restarted and the suite serves a stock client's request again with
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,14 +59,16 @@ def _process(up: subprocess.Popen[bytes], marker: str) -> psutil.Process:
 
 
 @pytest.fixture()
-def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, dict[str, str]]]:
     overrides = free_port_overrides()
     overrides["model_pool"]["preload"] = ["double"]
     log = tmp_path / "up.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "LOADMASTER_REDIS_URL")}
+    env.update(to_env(overrides))
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "loadmaster.cli.main", "up", "--config", str(CONFIG)],
-            env={**os.environ, **to_env(overrides), "COLUMNS": "200"},
+            env={**env, "COLUMNS": "200"},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -73,7 +76,7 @@ def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
         )
     http = f"127.0.0.1:{overrides['gateway']['http_port']}"
     try:
-        yield process, http, log
+        yield process, http, log, env
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -85,8 +88,10 @@ def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
         print("---- loadmaster up (tail) ----\n" + "\n".join(log.read_text().splitlines()[-60:]))
 
 
-def test_up_restarts_killed_processes(up: tuple[subprocess.Popen[bytes], str, Path]) -> None:
-    process, http, log = up
+def test_up_restarts_killed_processes(
+    up: tuple[subprocess.Popen[bytes], str, Path, dict[str, str]],
+) -> None:
+    process, http, log, env = up
     _until_serving(http, 180)
     recovered: dict[str, float] = {}
     for label, marker in (
@@ -111,5 +116,15 @@ def test_up_restarts_killed_processes(up: tuple[subprocess.Popen[bytes], str, Pa
             time.sleep(0.1)
         assert f"{label} killed by SIGKILL; restart 1/5" in log.read_text()
     print(f"serving again after kill -9 (s): {recovered}")
+    # `status` finds the embedded Redis (and its password) through the running `up`.
+    status = subprocess.run(
+        [sys.executable, "-m", "loadmaster.cli.main", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert json.loads(status.stdout)["redis"]["reachable"]
     os.killpg(process.pid, signal.SIGTERM)
     assert process.wait(30) == 0
