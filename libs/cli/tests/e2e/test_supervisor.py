@@ -63,15 +63,16 @@ def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, dic
     overrides = free_port_overrides()
     overrides["model_pool"]["preload"] = ["double"]
     log = tmp_path / "up.log"
+    stdout = tmp_path / "up.json"
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "LOADMASTER_REDIS_URL")}
     env.update(to_env(overrides))
-    with log.open("wb") as out:
+    with log.open("wb") as err, stdout.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "loadmaster.cli.main", "up", "--config", str(CONFIG)],
+            [sys.executable, "-m", "loadmaster.cli.main", "up", "--config", str(CONFIG), "--json"],
             env={**env, "COLUMNS": "200"},
             stdin=subprocess.DEVNULL,
             stdout=out,
-            stderr=subprocess.STDOUT,
+            stderr=err,
             start_new_session=True,
         )
     http = f"127.0.0.1:{overrides['gateway']['http_port']}"
@@ -93,6 +94,14 @@ def test_up_restarts_killed_processes(
 ) -> None:
     process, http, log, env = up
     _until_serving(http, 180)
+    printed = log.parent / "up.json"  # `up --json` prints once its status is taken
+    deadline = time.monotonic() + 30
+    while not printed.read_text().endswith("\n"):
+        assert time.monotonic() < deadline, "loadmaster up --json printed nothing"
+        time.sleep(0.1)
+    started = json.loads(printed.read_text().splitlines()[0])
+    assert started["endpoints"]["gateway HTTP"] == f"http://{http}"
+    assert started["endpoints"]["redis"].startswith("redis://:***@127.0.0.1:")
     recovered: dict[str, float] = {}
     for label, marker in (
         ("model-pool", "loadmaster.model_pool"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import redis
@@ -45,6 +46,12 @@ def test_data_survives_a_killed_server(tmp_path: Path) -> None:
         client.hset("lease:1", mapping={"holder": "w", "mb": "1000"})
         client.incr("fencing")
         client.close()
+        # appendfsync everysec: the write itself may wait while an fsync runs (Redis's own rule,
+        # up to ~2 s); what is in the file must survive a kill -9.
+        deadline = time.monotonic() + 5
+        while not any(b"fencing" in f.read_bytes() for f in tmp_path.rglob("*.aof*") if f.is_file()):
+            assert time.monotonic() < deadline, "nothing reached the append-only file"
+            time.sleep(0.05)
         assert server.pid is not None
         os.killpg(server.pid, signal.SIGKILL)  # no shutdown: only the AOF can bring the data back
         server.process.wait()  # type: ignore[union-attr]

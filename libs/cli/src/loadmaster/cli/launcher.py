@@ -134,7 +134,8 @@ class Suite:
         try:
             if not self.settings.redis_url:
                 say("starting embedded redis-server")
-                self.redis = EmbeddedRedis().start()
+                self.redis = EmbeddedRedis()  # assigned first: stop() cleans up a failed start
+                self.redis.start()
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
             for spec in SERVICES:
                 if spec.name not in self.services:

@@ -122,7 +122,11 @@ class EmbeddedRedis:
                         return self
             except OSError:
                 time.sleep(0.02)
-        self.stop()
+        # Killed, not stopped: the data folder (AOF, password) stays for the next try, and
+        # `exited()` reports the failure to a supervisor.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
         raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
 
     def restart(self, timeout_s: float = 10.0) -> EmbeddedRedis:
