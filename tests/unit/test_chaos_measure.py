@@ -51,7 +51,7 @@ def test_targets_and_report_table() -> None:
     skipped = {"scenario": "flushall", "kind": "-", "skipped": "run budget spent"}
     targets = {t["name"]: t for t in chaos._targets([row, skipped], payload_limit_mb=64)}
     assert targets["requests without a reply, all scenarios"]["met"] is True
-    assert targets["serving again after each fault (worst)"]["measured"] == "0.6 (kill-worker)"
+    assert targets["serving again after each fault (worst)"]["measured"] == "0.6 s (kill-worker)"
     lines = report._scenario_table([row, skipped])
     assert lines[0].startswith("| scenario | sent | no reply | serving again (s)")
     assert lines[2].startswith("| kill-worker | 1 | 0 | 0.6 |")
