@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: run test test-all install models protos check-protos bench soak lint typecheck clean chromium kubectl
+.PHONY: run test test-all install models protos check-protos bench soak chaos lint typecheck clean chromium kubectl
 
 run: install models
 	$(VENV)/bin/loadmaster up --config $(CONFIG)
@@ -77,6 +77,12 @@ bench: install models
 
 soak: install models
 	$(PY) bench/soak.py
+
+# Kill each process, flush and restart Redis, send a maximum-size request, a non-reading client,
+# a fake worker and an impostor identity under 200 req/s of background traffic (about 5 minutes):
+# writes bench/results/chaos.json and its table in bench/RESULTS.md.
+chaos: install models
+	$(PY) bench/chaos.py
 
 lint: install
 	$(VENV)/bin/ruff check .
