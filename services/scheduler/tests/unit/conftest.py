@@ -3,7 +3,8 @@ exactly-one-outcome invariant checked over everything that happened."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,8 @@ class Harness:
         self._cursor = 0
         self._lives: dict[RequestKey, _Life] = {}
         self.violations: list[str] = []
-        self.core = SchedulerCore(config, clock=self.clock, outbound=self)
+        self.recorded: Counter[str] = Counter()  # telemetry: samples by name (and name:kind)
+        self.core = SchedulerCore(config, clock=self.clock, outbound=self, telemetry=self)
 
     # ---- Outbound ----------------------------------------------------------------
 
@@ -81,6 +83,13 @@ class Harness:
     def revoke_credit(self, session_id: int, credit_id: str) -> None:
         self.revoked.append(credit_id)
 
+    # ---- Telemetry ---------------------------------------------------------------
+
+    def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
+        self.recorded[name] += 1
+        if labels and "kind" in labels:
+            self.recorded[f"{name}:{labels['kind']}"] += 1
+
     # ---- driving -----------------------------------------------------------------
 
     def worker(
@@ -94,6 +103,7 @@ class Harness:
         for life in self._lives.values():  # a hello under a known id replaces that worker
             if life.state == "granted" and life.worker_id == worker_id:
                 life.state = "queued"
+        self.lent = {cid: entry for cid, entry in self.lent.items() if entry[1].worker_id != worker_id}
         self.core.add_worker(WorkerHello(worker_id, f"tcp://{worker_id}:5556", repository=repository))
         ready = tuple(ready)
         if ready:
@@ -120,13 +130,16 @@ class Harness:
         *request_ids: str,
         model: str = "m",
         session: int = 1,
+        client: str = "",
         priority: int = 0,
         urgency: float = 0.0,
         timeout_ms: float = 0.0,
     ) -> None:
         self.enqueue_batch(
             [
-                RequestInfo(r, model, priority=priority, urgency=urgency, timeout_ms=timeout_ms)
+                RequestInfo(
+                    r, model, client_id=client, priority=priority, urgency=urgency, timeout_ms=timeout_ms
+                )
                 for r in request_ids
             ],
             session=session,
@@ -157,7 +170,14 @@ class Harness:
         self.core.submit(session, completes=[completion])
 
     def run(
-        self, request_id: str, credit_id: str, *, model: str = "m", session: int = 1, client: str = ""
+        self,
+        request_id: str,
+        credit_id: str,
+        *,
+        model: str = "m",
+        session: int = 1,
+        client: str = "",
+        priority: int = 0,
     ) -> None:
         """The gateway sent `request_id` on a credit; if the core does not hold that credit
         for this session, it queues the request instead (the harness expects a grant then)."""
@@ -166,7 +186,8 @@ class Harness:
         if entry is not None and entry[0] == session and entry[1].running is None:
             life.state, life.attempts, life.worker_id = "granted", 1, entry[1].worker_id
         self.core.submit(
-            session, runs=[CreditRun(credit_id, RequestInfo(request_id, model, client_id=client))]
+            session,
+            runs=[CreditRun(credit_id, RequestInfo(request_id, model, client_id=client, priority=priority))],
         )
 
     def finished(
@@ -177,8 +198,11 @@ class Harness:
         error: int = 0,
         retryable: bool = False,
         session: int = 1,
+        model: str = "m",
         client: str = "",
+        priority: int = 0,
         received_unix_ns: int = 0,
+        inference_ms: float = 0.0,
     ) -> None:
         """The gateway reports a credit run only after it ended. Ended for good, it needs
         nothing more; a retryable failure is queued again (the harness expects a grant)."""
@@ -187,8 +211,11 @@ class Harness:
         entry = self.lent.get(credit_id)
         on_credit = entry is not None and entry[0] == session and entry[1].running is None
         life.state, life.attempts = ("done" if final else "queued"), 1 if on_credit else 0
-        info = RequestInfo(request_id, "m", client_id=client, received_unix_ns=received_unix_ns)
-        completion = Completion(request_id, error, retryable, entry[1].worker_id if entry else "")
+        info = RequestInfo(
+            request_id, model, client_id=client, priority=priority, received_unix_ns=received_unix_ns
+        )
+        worker_id = entry[1].worker_id if entry else ""
+        completion = Completion(request_id, error, retryable, worker_id, inference_ms)
         self.core.submit(session, finished=[FinishedRun(CreditRun(credit_id, info), completion)])
 
     def return_credit(self, credit_id: str, *, session: int = 1) -> None:

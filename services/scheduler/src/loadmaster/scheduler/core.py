@@ -245,7 +245,11 @@ class SchedulerCore(Dispatching):
             self._expire(request)
         for client_id in self._clients.due_disconnects(now):
             self._disconnect_client(client_id)
-        if self._queues.ordering.batch is not None or self._lookahead.active or self._held:
+        lapsed = False
+        if self._held:  # dropped here: a lapsed hold whose model has no waiters is dispatched by nobody
+            held = {model_id: until for model_id, until in self._held.items() if until > now}
+            lapsed, self._held = len(held) < len(self._held), held
+        if self._queues.ordering.batch is not None or self._lookahead.active or self._held or lapsed:
             # due batches, due lookahead windows, lapsed holds
             self._dispatch(self._queues.waiting_models())
 
