@@ -12,9 +12,11 @@ import pytest
 
 from loadmaster.common.clock import FakeClock
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore
-from loadmaster.scheduler.credits import Credit, CreditRun, FinishedRun
 from loadmaster.scheduler.domain import (
     Completion,
+    Credit,
+    CreditRun,
+    FinishedRun,
     Grant,
     Outcome,
     OverflowPolicy,
@@ -23,6 +25,7 @@ from loadmaster.scheduler.domain import (
     RequestKey,
     SlotState,
     SlotStatus,
+    Submission,
     WorkerCommand,
     WorkerHello,
 )
@@ -148,7 +151,7 @@ class Harness:
     def enqueue_batch(self, infos: list[RequestInfo], *, session: int = 1) -> None:
         for info in infos:
             self._lives.setdefault((session, info.request_id), _Life())
-        self.core.submit(session, enqueues=infos)
+        self.core.submit(session, Submission(enqueues=infos))
 
     def complete(
         self,
@@ -167,7 +170,7 @@ class Harness:
         if life.state == "granted" and completion.worker_id == life.worker_id:
             final = error == errors_pb2.ERROR_CODE_UNSPECIFIED or not retryable
             life.state = "done" if final else "queued"
-        self.core.submit(session, completes=[completion])
+        self.core.submit(session, Submission(completes=[completion]))
 
     def run(
         self,
@@ -185,10 +188,8 @@ class Harness:
         life = self._lives.setdefault((session, request_id), _Life())
         if entry is not None and entry[0] == session and entry[1].running is None:
             life.state, life.attempts, life.worker_id = "granted", 1, entry[1].worker_id
-        self.core.submit(
-            session,
-            runs=[CreditRun(credit_id, RequestInfo(request_id, model, client_id=client, priority=priority))],
-        )
+        info = RequestInfo(request_id, model, client_id=client, priority=priority)
+        self.core.submit(session, Submission(runs=[CreditRun(credit_id, info)]))
 
     def finished(
         self,
@@ -216,11 +217,11 @@ class Harness:
         )
         worker_id = entry[1].worker_id if entry else ""
         completion = Completion(request_id, error, retryable, worker_id, inference_ms)
-        self.core.submit(session, finished=[FinishedRun(CreditRun(credit_id, info), completion)])
+        self.core.submit(session, Submission(finished=[FinishedRun(CreditRun(credit_id, info), completion)]))
 
     def return_credit(self, credit_id: str, *, session: int = 1) -> None:
         self.lent.pop(credit_id, None)
-        self.core.submit(session, returns=[credit_id])
+        self.core.submit(session, Submission(returns=[credit_id]))
 
     def idle_credits(self, model: str = "m") -> list[str]:
         """Credits lent for `model`, not revoked, with nothing running on them."""
@@ -234,7 +235,7 @@ class Harness:
         life = self._lives[(session, request_id)]
         if life.state == "queued":
             life.state = "dropped"
-        self.core.submit(session, cancels=[request_id])
+        self.core.submit(session, Submission(cancels=[request_id]))
 
     def close_session(self, session: int) -> None:
         self.lent = {cid: entry for cid, entry in self.lent.items() if entry[0] != session}
