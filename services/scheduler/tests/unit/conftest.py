@@ -3,6 +3,7 @@ exactly-one-outcome invariant checked over everything that happened."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -53,7 +54,10 @@ class Harness:
         self._lives: dict[RequestKey, _Life] = {}
         self.violations: list[str] = []
         self.recorded: Counter[str] = Counter()  # telemetry: samples by name (and name:kind)
-        self.core = SchedulerCore(config, clock=self.clock, outbound=self, telemetry=self)
+        # A seeded tie-break between equal workers: a sequence of operations replays exactly.
+        self.core = SchedulerCore(
+            config, clock=self.clock, outbound=self, telemetry=self, rng=random.Random(0)
+        )
 
     # ---- Outbound ----------------------------------------------------------------
 
