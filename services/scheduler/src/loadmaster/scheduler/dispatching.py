@@ -88,6 +88,8 @@ class GrantDispatcher:
         return True
 
     def dispatch(self, models: Iterable[str]) -> None:
+        """Grant what `models`' queues and workers allow now, then lend or revoke their
+        credits and command the loads their waiters need."""
         models = list(models)
         if not models:
             return
