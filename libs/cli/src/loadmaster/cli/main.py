@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loadmaster.cli import gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
+from loadmaster.cli import chat_cmd, gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
 from loadmaster.cli.launcher import Suite
 from loadmaster.cli.status import collect_status
 from loadmaster.common.config import load_settings
@@ -23,6 +23,7 @@ app.add_typer(scheduler_cmd.app, name="scheduler")
 app.add_typer(keys_cmd.app, name="keys")
 app.add_typer(models_cmd.app, name="models")
 app.command("top")(top_cmd.top)
+app.command("chat")(chat_cmd.chat)
 console = Console(stderr=True)
 
 ConfigOption = Annotated[
