@@ -101,12 +101,19 @@ class SchedulerLink:
         self._report_delay_s = report_delay_s
         self._outbox = _Outbox()
         self._connected = asyncio.Event()
+        self._session = 0
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def session(self) -> int:
+        """Which session is (or was last) open; each new session gets the next number. A
+        request enqueued on an earlier session is unknown to the scheduler of a later one."""
+        return self._session
 
     async def wait_connected(self, timeout_s: float) -> bool:
         try:
@@ -218,6 +225,7 @@ class SchedulerLink:
                     stub = scheduler_pb2_grpc.SchedulerStub(channel)
                     self._outbox = _Outbox()
                     call = stub.Session(self._outgoing(self._outbox))
+                    self._session += 1
                     self._connected.set()
                     log.info("session to scheduler %s open", self._address)
                     backoff = 0.05
