@@ -64,7 +64,9 @@ class EdgeSettings(_Section):
     send_hwm: int = Field(default=10_000, ge=1)
     # Reply bytes one peer may have queued and unread; past it its replies are dropped and
     # counted (one reply always goes out when nothing is queued). send_hwm counts messages.
-    max_queued_reply_bytes: int = Field(default=32 << 20, ge=1)
+    # 16 MiB keeps a gateway under 2x the payload limit above idle with a non-reading client
+    # (tests/e2e/faults/test_reply_budget.py: +89 MiB, of which ~70 MiB is not replies).
+    max_queued_reply_bytes: int = Field(default=16 << 20, ge=1)
     # ZMTP heartbeats: a peer that answers no PING within the timeout is disconnected, so a
     # client that restarts with its own identity gets it back (no handover of live ones).
     heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
