@@ -71,6 +71,7 @@ class _WorkersDouble:
 
 
 GRACE_S = 10.0
+LOST_GRACE_S = 2.0
 
 
 @pytest.fixture()
@@ -89,6 +90,7 @@ async def parts(
         telemetry=TelemetryReporter("gateway", "test", None),
         clock=clock,
         reply_grace_s=GRACE_S,
+        lost_grace_s=LOST_GRACE_S,
     )
     dispatcher.start()
     results: list[CallResult] = []
@@ -335,13 +337,28 @@ async def test_losing_the_scheduler_voids_credits_but_running_calls_still_finish
     assert scheduler.enqueued[-1].credit_id == ""  # the old session's credit is gone
 
 
-async def test_a_lost_worker_hands_its_calls_back_to_the_scheduler_that_knows_them(parts) -> None:
+async def test_a_lost_worker_s_calls_wait_for_the_scheduler_s_regrant(parts, clock) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.on_grant(_grant("r1", worker="w1"))
+    dispatcher.on_worker_lost("tcp://w1")
+    await _advance(clock, LOST_GRACE_S / 2)
+    dispatcher.on_grant(_grant("r1", worker="w2", attempt=2))  # it saw the worker's stream end
+    await _advance(clock, LOST_GRACE_S)
+    assert scheduler.completed == [] and results == []  # no retry spent on the dead worker
+    dispatcher.on_worker_reply(_ok("r1", worker="w2"), b"ok")
+    assert results[0].ok and workers.sent[-1][0] == "tcp://w2"
+
+
+async def test_a_lost_worker_hands_its_calls_back_to_the_scheduler_that_knows_them(parts, clock) -> None:
     dispatcher, scheduler, workers, results = parts
     dispatcher.submit(_call("r1"), results.append)
     dispatcher.submit(_call("r2"), results.append)
     dispatcher.on_grant(_grant("r1", worker="w1"))
     dispatcher.on_grant(_grant("r2", worker="w2"))
     dispatcher.on_worker_lost("tcp://w1")
+    assert scheduler.completed == []  # the scheduler may re-grant it on its own first
+    await _advance(clock, LOST_GRACE_S + 0.5)
     assert results == []  # retryable: the scheduler queues it again (or answers it)
     assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
     dispatcher.on_grant(_grant("r1", worker="w2", attempt=2))
@@ -351,7 +368,9 @@ async def test_a_lost_worker_hands_its_calls_back_to_the_scheduler_that_knows_th
     assert [r.ok for r in results] == [True, True]
 
 
-async def test_a_lost_worker_s_calls_of_an_earlier_scheduler_session_are_answered_at_once(parts) -> None:
+async def test_a_lost_worker_s_calls_of_an_earlier_scheduler_session_are_answered_at_once(
+    parts, clock
+) -> None:
     dispatcher, scheduler, _workers, results = parts
     dispatcher.submit(_call("old"), results.append)
     dispatcher.on_grant(_grant("old"))
@@ -360,6 +379,7 @@ async def test_a_lost_worker_s_calls_of_an_earlier_scheduler_session_are_answere
     dispatcher.on_grant(_grant("new"))
     dispatcher.on_worker_lost("tcp://w1")
     assert [(r.request_id, r.error.edge_code) for r in results if r.error] == [("old", "unavailable")]
+    await _advance(clock, LOST_GRACE_S + 0.5)
     assert scheduler.completed == [("new", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
     assert dispatcher.inflight == 1  # "new" waits for the scheduler's answer
 

@@ -17,10 +17,13 @@ Reports of calls run on a credit (the run, and its end while the credit stays
 usable) may wait a few milliseconds for other messages: see `SchedulerLink`.
 
 A worker that goes away (its data link disconnects: the process died, or ZMTP heartbeats
-found it silent) fails the calls it held as `unavailable`: retryable, so the scheduler
-queues them again or answers them, when the scheduler session that knows them is still
-up; answered at once when it is not (a new session never heard of them). A worker that
-never replies is caught by the reply watchdog: `expired` at the deadline + `reply_grace_s`.
+found it silent) fails the calls it held as `unavailable`. When the scheduler session that
+knows them is up, it hears of the worker's end on its own stream and re-grants them (a
+retry reported before then could be granted to the dead worker again and spend the last
+attempt there), so they get `lost_grace_s` for that, then go to it as retryable failures.
+With no such session (a new session never heard of them) they are answered at once. A
+worker that never replies is caught by the reply watchdog: `expired` at the deadline +
+`reply_grace_s`.
 
 A large payload for a worker on this host travels in a shared memory slot (see
 `ShmPayloads`). The slot belongs to one send: it is freed when that worker's reply
@@ -113,6 +116,7 @@ class _Pending:
     shm: ShmSlot | None = None  # the payload's shared memory slot while a worker may read it
     session: int = 0  # the scheduler session that knows the call
     reply_deadline: float = 0.0  # clock.monotonic() by which its worker must reply (0: none)
+    lost: bool = False  # its worker's data link dropped: the watchdog fails it retryably
 
 
 @dataclass(slots=True)
@@ -143,10 +147,12 @@ class Dispatcher:
         shm: ShmPayloads | None = None,
         clock: Clock | None = None,
         reply_grace_s: float = 10.0,
+        lost_grace_s: float = 2.0,
     ) -> None:
         self._telemetry = telemetry
         self._clock: Clock = clock or SystemClock()
         self._reply_grace_s = reply_grace_s
+        self._lost_grace_s = lost_grace_s
         self._shm = shm
         self._pending: dict[str, _Pending] = {}
         self._credits: dict[str, _Credit] = {}
@@ -334,11 +340,19 @@ class Dispatcher:
         lost = [p for p in self._pending.values() if p.worker_id and p.endpoint == endpoint]
         if lost:
             log.warning("worker data port %s went away with %d requests in flight", endpoint, len(lost))
+        scheduler = self._scheduler
         for pending in lost:
-            error = UnavailableError(f"worker {pending.worker_id} went away while running the request")
-            self._worker_failed(pending, error)
+            if scheduler.connected and scheduler.session == pending.session:
+                pending.lost = True  # the scheduler re-grants it meanwhile, or the watchdog fails it
+                self._arm_at(pending, self._clock.monotonic() + self._lost_grace_s)
+            else:
+                self._worker_failed(pending, self._lost_error(pending))
 
     # -- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _lost_error(pending: _Pending) -> UnavailableError:
+        return UnavailableError(f"worker {pending.worker_id} went away while running the request")
 
     def _worker_failed(self, pending: _Pending, error: LoadmasterError) -> None:
         """The call's worker failed it retryably: the scheduler that knows the call queues it
@@ -393,6 +407,7 @@ class Dispatcher:
         pending.worker_id = worker_id
         pending.endpoint = endpoint
         pending.shm = slot
+        pending.lost = False
         try:
             self._workers.send(endpoint, request.SerializeToString(), payload)
         except UnavailableError as error:
@@ -458,7 +473,10 @@ class Dispatcher:
         delay = self._reply_grace_s
         if deadline_unix_ns:
             delay += max(0.0, deadline_unix_ns / 1e9 - self._clock.time())
-        pending.reply_deadline = self._clock.monotonic() + delay
+        self._arm_at(pending, self._clock.monotonic() + delay)
+
+    def _arm_at(self, pending: _Pending, reply_deadline: float) -> None:
+        pending.reply_deadline = reply_deadline
         deadlines = self._reply_deadlines
         heapq.heappush(deadlines, (pending.reply_deadline, pending.call.request_id, pending.attempt))
         if len(deadlines) > 2 * len(self._pending) + 64:  # mostly answered calls: compact
@@ -492,6 +510,9 @@ class Dispatcher:
 
     def _watchdog_fired(self, pending: _Pending) -> None:
         if not pending.worker_id:
+            return
+        if pending.lost:
+            self._worker_failed(pending, self._lost_error(pending))
             return
         request_id = pending.call.request_id
         worker_id = pending.worker_id

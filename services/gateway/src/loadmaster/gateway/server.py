@@ -74,6 +74,7 @@ class Gateway:
             shm=self.shm,
             clock=clock,
             reply_grace_s=gateway.reply_grace_s,
+            lost_grace_s=gateway.worker_lost_grace_s,
         )
         self.edge = EdgeFrontend(
             gateway, self.dispatcher, self.telemetry, self.context, gateway_id=self.gateway_id, clock=clock
