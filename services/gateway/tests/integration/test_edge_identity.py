@@ -93,8 +93,8 @@ time.sleep(120)
 """
 
 
-HEARTBEAT = {"heartbeat_ivl_ms": 500, "heartbeat_timeout_ms": 1500, "heartbeat_ttl_ms": 1500}
-RESTART_S = 2.5  # the client's restart takes longer than the heartbeat timeout
+HEARTBEAT = {"heartbeat_ivl_ms": 300, "heartbeat_timeout_ms": 1000, "heartbeat_ttl_ms": 1000}
+RESTART_S = 3.0  # the client's restart takes longer than the heartbeat timeout
 
 
 def test_a_client_back_under_its_own_id_is_served_within_seconds(

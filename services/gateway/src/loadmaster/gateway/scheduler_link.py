@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.grpc_client import aio_channel
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -88,8 +89,10 @@ class SchedulerLink:
         max_batch: int = 256,
         connect_timeout_s: float = 1.0,
         report_delay_s: float = 0.02,
+        clock: Clock | None = None,
     ) -> None:
         self._address = address
+        self._clock: Clock = clock or SystemClock()
         self._gateway_id = gateway_id
         self._on_grant = on_grant
         self._on_reject = on_reject
@@ -253,7 +256,7 @@ class SchedulerLink:
             self._mark_lost()
             if self._closing:
                 return
-            await asyncio.sleep(backoff)
+            await self._clock.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
     def _mark_lost(self) -> None:

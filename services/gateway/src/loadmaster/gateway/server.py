@@ -53,6 +53,7 @@ class Gateway:
                 max_batch=gateway.max_stream_batch,
                 connect_timeout_s=gateway.scheduler_connect_timeout_s,
                 report_delay_s=gateway.report_delay_s,
+                clock=clock,
             )
             return self.scheduler
 
