@@ -215,8 +215,8 @@ class EdgeFrontend:
             key = str(frame.get(_USER_ID) or "") if isinstance(frame, zmq.Frame) else ""
         except zmq.ZMQError:  # no such property
             key = ""
-        if not key:
-            return True  # no ZAP user id: nothing to bind to
+        if not key or identity[:1] == b"\x00":
+            return True  # no ZAP user id, or an identity ZMQ made up for this one connection
         bound = self._bound_keys.setdefault(identity, key)
         if bound == key:
             return True
