@@ -1,4 +1,10 @@
-"""Per-request seeds for transformers' continuous batching.
+"""Per-request sampling and seeds for transformers' continuous batching.
+
+Two processors of ours replace transformers' per-request temperature/top-k/top-p
+warpers (which sort the vocabulary twice per row per step and cost the tiny model more
+than half its throughput here): `SamplingWarper` (temperature, top_p and greedy, from one
+packed int32 per request; it sorts only when some row has top_p < 1), then
+`SeededGumbelSampler`.
 
 The manager seeds torch once (`ContinuousBatchingConfig.seed`) and draws every sampled
 token of every sequence from that one generator with `torch.multinomial`, so what a
@@ -27,9 +33,21 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
 )
 
-__all__ = ["SEED_KWARG", "SeededGumbelSampler", "install", "mix32", "sample_key"]
+__all__ = [
+    "SEED_KWARG",
+    "WARP_KWARG",
+    "SamplingWarper",
+    "SeededGumbelSampler",
+    "install",
+    "mix32",
+    "pack_warp",
+    "sample_key",
+]
 
-SEED_KWARG = "loadmaster_seed"  # the per-request kwarg the manager passes through
+SEED_KWARG = "loadmaster_seed"  # the per-request kwargs the manager passes through
+WARP_KWARG = "loadmaster_warp"
+_TEMPERATURE_SCALE = 1000  # temperature in thousandths (low 16 bits), 0 = greedy
+_TOP_P_SCALE = 32767  # top_p in 1/32767ths (bits 16..30)
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1
 _C1 = 0x85EBCA6B
@@ -75,6 +93,44 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform))
 
 
+def pack_warp(temperature: float, top_p: float) -> int:
+    """temperature (0..2, 0 = greedy) and top_p (0..1] in one non-negative int32."""
+    return round(temperature * _TEMPERATURE_SCALE) | (round(top_p * _TOP_P_SCALE) << 16)
+
+
+class SamplingWarper(ContinuousBatchingLogitsProcessor):
+    """Temperature, nucleus (top_p) filtering and greedy rows, per request."""
+
+    supported_kwargs: dict[str, type] = {WARP_KWARG: int}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(pack_warp(1.0, 1.0))
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        default = pack_warp(1.0, 1.0)
+        packed = [r.state.logit_processor_kwargs.get(WARP_KWARG, default) for r in requests_with_new_token]
+        return torch.tensor(packed, dtype=torch.int32, device="cpu")
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        packed = tensor_arg[: scores.size(0)].to(torch.int64)
+        temperature = (packed & 0xFFFF).to(torch.float32) / _TEMPERATURE_SCALE
+        top_p = (packed >> 16).to(torch.float32) / _TOP_P_SCALE
+        greedy = temperature == 0
+        scores = scores.float() / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+        if bool((top_p < 1.0).any()):
+            ordered, order = torch.sort(scores, descending=False, dim=-1)
+            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+            drop = cumulative <= (1 - top_p).unsqueeze(-1)
+            drop[..., -1:] = False  # always keep the most likely token
+            scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        if bool(greedy.any()):
+            best = scores.argmax(dim=-1, keepdim=True)
+            others = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, best, False)
+            scores = scores.masked_fill(others & greedy.unsqueeze(-1), float("-inf"))
+        return scores
+
+
 class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
     """Keeps one token per row: argmax(scores + noise(key)). Key 0 is a valid key."""
 
@@ -102,8 +158,10 @@ class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
 
 
 def install(processors: Any) -> None:
-    """Append the sampler to a manager's `ContinuousBatchingLogitsProcessorList` (before start)."""
+    """Append warper and sampler to a manager's `ContinuousBatchingLogitsProcessorList`
+    (before start; build the manager with no sampling warpers of its own)."""
+    processors.logits_processor.append(SamplingWarper())
     processors.logits_processor.append(SeededGumbelSampler())
-    processors.tensors_required += 1
+    processors.tensors_required += 2
     processors._retrieve_processors_kwargs()
     processors.do_processing = True

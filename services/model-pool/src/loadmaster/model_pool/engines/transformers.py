@@ -17,9 +17,8 @@ What the engine adds to the manager (docs/generative.md has the reasons):
 - stop strings (the manager only knows eos): matched across chunks on the text, the
   sequence is then cancelled in the manager;
 - a terminal event on cancel (the manager delivers none);
-- per-request temperature / top_p (its per-request processors) and greedy decoding as
-  top_k = 1, which is exactly `argmax`;
-- per-request seeds (`_seeded_sampling.py`), independent of batch mates.
+- per-request temperature / top_p and greedy decoding (exactly `argmax`), and per-request
+  seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`).
 
 The pool's lifecycle applies unchanged: `estimate_mb` sizes the lease from the weights plus
 the KV budget (num_blocks x block_size x per-token KV bytes) when the config has no
@@ -165,13 +164,12 @@ class TransformersEngine(Engine):
         num_blocks = _num_blocks(self.spec, hf)
         self._context_tokens = _context_tokens(self.spec, hf)
         self._cache_tokens = num_blocks * config.block_size
-        # Non-default temperature/top_k/top_p make the manager build its per-request
-        # processors; every request then passes its own values (see _sampling_kwargs).
+        # No warpers of the manager's own: ours (`_seeded_sampling`) read every request's values.
         generation = GenerationConfig(
             do_sample=True,
-            temperature=0.7,
-            top_k=50,
-            top_p=0.95,
+            temperature=1.0,
+            top_k=None,
+            top_p=1.0,
             eos_token_id=sorted(self._eos_ids) or -1,
             pad_token_id=self._tokenizer.pad_token_id,
             max_new_tokens=16,
@@ -352,11 +350,7 @@ class TransformersEngine(Engine):
 
     def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        if params.greedy:  # top_k = 1 keeps only the argmax: exactly greedy decoding
-            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0, _seeded_sampling.SEED_KWARG: 0}
         return {
-            "temperature": float(params.temperature),
-            "top_k": self._vocab_size,
-            "top_p": float(params.top_p),
+            _seeded_sampling.WARP_KWARG: _seeded_sampling.pack_warp(params.temperature, params.top_p),
             _seeded_sampling.SEED_KWARG: int(seed),
         }
