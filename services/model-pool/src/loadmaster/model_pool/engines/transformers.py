@@ -261,7 +261,7 @@ class TransformersEngine(Engine):
         self._streams[request.request_id] = state
         manager.register_result_handler(internal_id, state.on_output)
         try:
-            manager.add_request(
+            accepted = manager.add_request(
                 prompt,
                 request_id=internal_id,
                 max_new_tokens=request.params.max_tokens,
@@ -271,6 +271,9 @@ class TransformersEngine(Engine):
         except Exception:
             self._forget(state)
             raise
+        if accepted is None:  # the manager is stopping: it drops the request with a log line
+            self._forget(state)
+            raise UnavailableError(f"model '{self.spec.model_id}' is stopping; try another worker")
         return GenerationStream(state, self.cancel)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Any]:
