@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 import torch
 
@@ -14,7 +18,14 @@ from loadmaster.model_pool.engines._seeded_sampling import (
     pack_warp,
     sample_key,
 )
-from loadmaster.model_pool.generation import SamplingParams, StopMatcher
+from loadmaster.model_pool.engines._token_streams import StreamState
+from loadmaster.model_pool.generation import (
+    FinishReason,
+    GenerationEnd,
+    SamplingParams,
+    StopMatcher,
+    TokenChunk,
+)
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -99,3 +110,84 @@ def test_warper_applies_greedy_top_p_and_temperature_per_row() -> None:
     assert torch.isfinite(out[0]).tolist() == [False, False, True]  # greedy: the argmax only
     assert torch.isfinite(out[1]).tolist() == [False, False, True]  # top_p 0.5: the 0.7 token covers it
     assert torch.allclose(out[2], logits[2] / 2.0)  # temperature 2, nothing filtered
+
+
+# ---- StreamState: the manager's cumulative outputs -> chunks + one terminal ------------
+
+
+class ByteTokenizer:
+    """Token i (1..255) is byte i; token 0 is eos (special, skipped)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i != 0).decode("utf-8", errors="replace")
+
+
+@dataclass
+class Output:
+    generated_tokens: list[int]
+    finished: bool = False
+    error: str | None = None
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+def stream_state(stop: tuple[str, ...] = (), max_tokens: int = 16) -> tuple[StreamState, list[str]]:
+    cancelled: list[str] = []
+    state = StreamState(
+        request_id="r",
+        internal_id="r#1",
+        prompt_tokens=3,
+        params=SamplingParams(max_tokens=max_tokens, stop=stop),
+        tokenizer=ByteTokenizer(),
+        eos_ids=frozenset({0}),
+        on_done=lambda s: None,
+        cancel_in_manager=cancelled.append,
+        loop=asyncio.new_event_loop(),
+    )
+    return state, cancelled
+
+
+def drain(state: StreamState) -> list[Any]:
+    events = []
+    while not state.events.empty():
+        events.append(state.events.get_nowait())
+    state.loop.close()
+    return events
+
+
+def test_eos_ends_with_stop_and_a_split_character_is_emitted_whole() -> None:
+    state, _ = stream_state()
+    euro = list("€".encode())  # three bytes, three tokens
+    state.on_output(Output([ord("a"), euro[0]]))
+    state.on_output(Output([ord("a"), *euro[:2]]))
+    state.on_output(Output([ord("a"), *euro, 0], finished=True))
+    events = drain(state)
+    assert [e.text for e in events if isinstance(e, TokenChunk) and e.text] == ["a", "€"]  # never "\ufffd"
+    assert [e.sequence for e in events] == list(range(len(events)))
+    end = events[-1]
+    assert isinstance(end, GenerationEnd) and end.finish_reason is FinishReason.STOP
+    assert end.usage.completion_tokens == 5 and end.usage.prompt_tokens == 3
+
+
+def test_stop_string_cancels_the_sequence_and_nothing_follows_the_terminal() -> None:
+    state, cancelled = stream_state(stop=("cd",))
+    state.on_output(Output([ord(c) for c in "abc"]))
+    state.on_output(Output([ord(c) for c in "abcde"]))
+    state.on_output(Output([ord(c) for c in "abcdef"], finished=True))  # ignored: already ended
+    state.cancel()  # ignored too
+    events = drain(state)
+    assert "".join(e.text for e in events if isinstance(e, TokenChunk)) == "ab"
+    assert [type(e).__name__ for e in events].count("GenerationEnd") == 1
+    assert events[-1].finish_reason is FinishReason.STOP
+    assert cancelled == ["r#1"]
+
+
+def test_length_and_error_terminals() -> None:
+    state, _ = stream_state(max_tokens=2)
+    state.on_output(Output([ord("x"), ord("y")], finished=True))
+    assert drain(state)[-1].finish_reason is FinishReason.LENGTH
+    state, _ = stream_state()
+    state.on_output(Output([], finished=True, error="cache allocation failed"))
+    (end,) = drain(state)
+    assert end.finish_reason is FinishReason.ERROR and "cache allocation" in end.error

@@ -197,6 +197,9 @@ async def test_cancel_ends_the_stream_and_frees_the_sequence(engine: Transformer
     stream = await engine.submit(request("long", max_tokens=2000))
     first = await asyncio.wait_for(stream.__anext__(), 30)
     assert isinstance(first, TokenChunk)
+    busy = engine.stats()
+    assert (busy.running, busy.streams_open) == (1, 1)
+    assert 0 < busy.kv_blocks_used <= busy.kv_blocks_total == 64
     assert engine.cancel("long") is True
     rest = [event async for event in stream]
     assert isinstance(rest[-1], GenerationEnd)

@@ -299,11 +299,11 @@ class TransformersEngine(Engine):
         scheduler = processor.scheduler
         cache = processor.cache
         total = int(getattr(cache, "num_blocks", 0))
-        free = int(cache.get_num_free_blocks()) if hasattr(cache, "get_num_free_blocks") else total
+        free_fraction = float(cache.compute_free_capacity(relative=True))
         return GenerationStats(
             running=len(scheduler.active_requests),
             waiting=len(scheduler.waiting_requests) + manager.input_queue.qsize(),
-            kv_blocks_used=max(0, total - free),
+            kv_blocks_used=max(0, round((1.0 - free_fraction) * total)),
             kv_blocks_total=total,
             streams_open=len(self._streams),
         )
