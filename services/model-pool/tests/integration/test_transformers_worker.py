@@ -45,30 +45,32 @@ async def test_worker_leases_serves_and_unloads_tiny_chat(
     real_broker: BrokerAt, chat_repo: Path, start_worker: Any, make_client: Any
 ) -> None:
     expected_mb = TransformersEngine.estimate_mb(ModelRepository(chat_repo).spec("tiny-chat"))
-    async with real_broker() as (address, stub):
-        async with start_worker(chat_repo, preload=["tiny-chat"], broker_address=address) as worker:
-            leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
-            assert [(lease.labels["model"], dict(lease.mb_per_gpu)) for lease in leases] == [
-                ("tiny-chat", {0: expected_mb})
-            ]
-            assert worker.pool.status("tiny-chat").backend == "transformers"
+    async with (
+        real_broker() as (address, stub),
+        start_worker(chat_repo, preload=["tiny-chat"], broker_address=address) as worker,
+    ):
+        leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
+        assert [(lease.labels["model"], dict(lease.mb_per_gpu)) for lease in leases] == [
+            ("tiny-chat", {0: expected_mb})
+        ]
+        assert worker.pool.status("tiny-chat").backend == "transformers"
 
-            client = make_client(worker.data_endpoint)
-            reply, _ = await client.call("tiny-chat", {"x": np.ones(2, np.float32)})
-            assert reply.error_code == errors_pb2.ERROR_CODE_INVALID_ARGUMENT
-            assert "generative" in reply.error_message
+        client = make_client(worker.data_endpoint)
+        reply, _ = await client.call("tiny-chat", {"x": np.ones(2, np.float32)})
+        assert reply.error_code == errors_pb2.ERROR_CODE_INVALID_ARGUMENT
+        assert "generative" in reply.error_message
 
-            engine = worker.pool._loaded["tiny-chat"].instances[0].engine
-            assert isinstance(engine, TransformersEngine)
-            request = GenerationRequest("w1", SamplingParams(max_tokens=4, temperature=0.0), prompt="hi")
-            events = [event async for event in await engine.submit(request)]
-            assert isinstance(events[-1], GenerationEnd) and events[-1].finish_reason is FinishReason.LENGTH
+        engine = worker.pool._loaded["tiny-chat"].instances[0].engine
+        assert isinstance(engine, TransformersEngine)
+        request = GenerationRequest("w1", SamplingParams(max_tokens=4, temperature=0.0), prompt="hi")
+        events = [event async for event in await engine.submit(request)]
+        assert isinstance(events[-1], GenerationEnd) and events[-1].finish_reason is FinishReason.LENGTH
 
-            open_stream = await engine.submit(
-                GenerationRequest("w2", SamplingParams(max_tokens=2000), prompt="hi")
-            )
-            await worker.pool.unload("tiny-chat")
-            events = [event async for event in open_stream]
-            assert events[-1].finish_reason is FinishReason.ERROR and "unloaded" in events[-1].error
-            leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
-            assert list(leases) == []
+        open_stream = await engine.submit(
+            GenerationRequest("w2", SamplingParams(max_tokens=2000), prompt="hi")
+        )
+        await worker.pool.unload("tiny-chat")
+        events = [event async for event in open_stream]
+        assert events[-1].finish_reason is FinishReason.ERROR and "unloaded" in events[-1].error
+        leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
+        assert list(leases) == []
