@@ -42,6 +42,7 @@ __all__ = [
     "mix32",
     "pack_warp",
     "sample_key",
+    "warp",
 ]
 
 SEED_KWARG = "loadmaster_seed"  # the per-request kwargs the manager passes through
@@ -113,22 +114,29 @@ class SamplingWarper(ContinuousBatchingLogitsProcessor):
         return torch.tensor(packed, dtype=torch.int32, device="cpu")
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        packed = tensor_arg[: scores.size(0)].to(torch.int64)
-        temperature = (packed & 0xFFFF).to(torch.float32) / _TEMPERATURE_SCALE
-        top_p = (packed >> 16).to(torch.float32) / _TOP_P_SCALE
-        greedy = temperature == 0
-        scores = scores.float() / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
-        if bool((top_p < 1.0).any()):
-            ordered, order = torch.sort(scores, descending=False, dim=-1)
-            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-            drop = cumulative <= (1 - top_p).unsqueeze(-1)
-            drop[..., -1:] = False  # always keep the most likely token
-            scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        if bool(greedy.any()):
-            best = scores.argmax(dim=-1, keepdim=True)
-            others = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, best, False)
-            scores = scores.masked_fill(others & greedy.unsqueeze(-1), float("-inf"))
-        return scores
+        # On an accelerator the manager may capture this in a CUDA graph: no data-dependent
+        # branches there (a captured branch would be replayed for every batch).
+        return warp(scores, tensor_arg[: scores.size(0)], branch=scores.device.type == "cpu")
+
+
+def warp(scores: torch.Tensor, packed_args: torch.Tensor, *, branch: bool) -> torch.Tensor:
+    """Temperature, top_p and greedy rows; `branch` skips the unused steps (CPU only)."""
+    packed = packed_args.to(torch.int64)
+    temperature = (packed & 0xFFFF).to(torch.float32) / _TEMPERATURE_SCALE
+    top_p = (packed >> 16).to(torch.float32) / _TOP_P_SCALE
+    greedy = temperature == 0
+    scores = scores.float() / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    if not branch or bool((top_p < 1.0).any()):
+        ordered, order = torch.sort(scores, descending=False, dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p).unsqueeze(-1)
+        drop[..., -1:] = False  # always keep the most likely token
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if not branch or bool(greedy.any()):
+        best = scores.argmax(dim=-1, keepdim=True)
+        others = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, best, False)
+        scores = scores.masked_fill(others & greedy.unsqueeze(-1), float("-inf"))
+    return scores
 
 
 class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
