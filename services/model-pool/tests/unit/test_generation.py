@@ -128,6 +128,7 @@ class Output:
     generated_tokens: list[int]
     finished: bool = False
     error: str | None = None
+    request_id: str = "r#1"
 
     def is_finished(self) -> bool:
         return self.finished
@@ -176,6 +177,7 @@ def test_stop_string_cancels_the_sequence_and_nothing_follows_the_terminal() -> 
     state.on_output(Output([ord(c) for c in "abc"]))
     state.on_output(Output([ord(c) for c in "abcde"]))
     state.on_output(Output([ord(c) for c in "abcdef"], finished=True))  # ignored: already ended
+    state.on_output(Output([ord(c) for c in "xyz"], request_id="r#0"))  # ignored: an older submission
     state.cancel()  # ignored too
     events = drain(state)
     assert "".join(e.text for e in events if isinstance(e, TokenChunk)) == "ab"

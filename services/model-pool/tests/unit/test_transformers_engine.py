@@ -229,6 +229,38 @@ async def test_seed_reproduces_a_sampled_reply_whatever_its_batch_mates(engine: 
     assert token_ids(other) != token_ids(alone)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_preempt_and_resume_neither_lose_nor_repeat_a_token(
+    engine: TransformersEngine, temperature: float
+) -> None:
+    whole, _ = await collect(engine, request("whole", temperature=temperature, seed=42, max_tokens=24))
+    stream = await engine.submit(request("pre", temperature=temperature, seed=42, max_tokens=24))
+    events: list[Any] = [await asyncio.wait_for(stream.__anext__(), 30)]
+    before = engine.stats().preemptions
+    assert engine.preempt("pre") is True
+    assert engine.preempt("pre") is False  # already out
+    await wait_until_no_sequence(engine)  # its slot is free while it is preempted
+    events += stream.ready()
+    assert engine.resume("pre") is True
+    async with asyncio.timeout(30):
+        events += [event async for event in stream]
+    chunks = [e for e in events if isinstance(e, TokenChunk)]
+    end = events[-1]
+    assert [e.sequence for e in events] == list(range(len(events)))
+    assert token_ids(chunks) == token_ids(whole)
+    assert isinstance(end, GenerationEnd) and end.finish_reason is FinishReason.LENGTH
+    assert (end.preemptions, end.usage.completion_tokens) == (1, 24)
+    assert engine.stats().preemptions == before + 1
+
+
+async def wait_until_no_sequence(engine: TransformersEngine) -> None:
+    for _ in range(300):  # bounded: 3 s
+        if engine.stats().running == 0 and engine.stats().waiting == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the preempted sequence still holds a slot: {engine.stats()}")
+
+
 async def test_chat_messages_use_the_chat_template(engine: TransformersEngine) -> None:
     messages = (ChatMessage("system", "be brief"), ChatMessage("user", "hello"))
     stream = await engine.submit(

@@ -170,6 +170,7 @@ class GenerationEnd:
     finish_reason: FinishReason
     usage: Usage
     error: str = ""
+    preemptions: int = 0  # times the sequence was paused for other work and resumed
 
 
 GenerationEvent = TokenChunk | GenerationEnd

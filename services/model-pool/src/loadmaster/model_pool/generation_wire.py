@@ -95,6 +95,7 @@ def reply_to_proto(
     else:
         reply.result.finish_reason = _FINISH[event.finish_reason]
         reply.result.usage.CopyFrom(usage)
+        reply.result.preemptions = event.preemptions
     return reply
 
 

@@ -6,7 +6,8 @@
 multi-byte character split over tokens is emitted whole), looks for stop strings and
 queues `TokenChunk`s, then exactly one `GenerationEnd`. Every path that ends a stream —
 eos, max_tokens, a stop string, cancel, a failed request, unload — goes through `_end`,
-which runs once.
+which runs once. A preempted stream stays open (`paused`); on resume the manager counts its
+generated tokens from zero again, so `resumed_at` says where the new ones start.
 
 `GenerationStream` is what a caller iterates; closing it early cancels the generation.
 """
@@ -45,9 +46,14 @@ class StreamState:
     on_done: Callable[[StreamState], None]
     cancel_in_manager: Callable[[str], None]
     loop: asyncio.AbstractEventLoop
+    prompt_ids: tuple[int, ...] = ()
+    sampling_kwargs: dict[str, Any] = field(default_factory=dict)  # the same on every resume
     events: asyncio.Queue[GenerationEvent] = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    paused: bool = False  # preempted: not in the manager, stream still open
+    preemptions: int = 0
+    resumed_at: int = 0  # len(tokens) when the current submission started
     _sequence: int = 0
     _prefix_offset: int = 0
     _read_offset: int = 0
@@ -59,15 +65,15 @@ class StreamState:
     # ---- from the manager (on the loop) ----------------------------------
 
     def on_output(self, output: Any) -> None:
-        if self.done:
-            return
+        if self.done or self.paused or output.request_id != self.internal_id:
+            return  # late output of a cancelled or preempted submission
         if output.error:
             self._end(FinishReason.ERROR, str(output.error))
             return
         generated = output.generated_tokens
         chunk_ids: list[int] = []
         chunk_text: list[str] = []
-        for token in generated[len(self.tokens) :]:
+        for token in generated[len(self.tokens) - self.resumed_at :]:
             self.tokens.append(token)
             chunk_ids.append(token)
             text, stopped = self._stops.feed(self._text_delta())
@@ -89,8 +95,14 @@ class StreamState:
 
     def cancel(self) -> None:
         if not self.done:
-            self.cancel_in_manager(self.internal_id)
+            if not self.paused:
+                self.cancel_in_manager(self.internal_id)
             self._end(FinishReason.CANCELLED)
+
+    def finish_length(self) -> None:
+        """End a resumed stream that has nothing left to generate."""
+        self._chunk([], self._stops.flush())
+        self._end(FinishReason.LENGTH)
 
     def fail_threadsafe(self, message: str) -> None:
         """End the stream with an error from any thread (unload runs on the executor)."""
@@ -119,7 +131,8 @@ class StreamState:
             return
         self.done = True
         usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.tokens))
-        self.events.put_nowait(GenerationEnd(self.request_id, self._sequence, reason, usage, error))
+        end = GenerationEnd(self.request_id, self._sequence, reason, usage, error, self.preemptions)
+        self.events.put_nowait(end)
         self.on_done(self)
 
 

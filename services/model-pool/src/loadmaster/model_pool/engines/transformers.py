@@ -116,6 +116,7 @@ class TransformersEngine(Engine):
         self._manager: Any = None
         self._streams: dict[str, StreamState] = {}
         self._submitted = 0
+        self._preemptions = 0
         self._vocab_size = 0
         self._eos_ids: frozenset[int] = frozenset()
         self._context_tokens = 0
@@ -257,6 +258,8 @@ class TransformersEngine(Engine):
             on_done=self._forget,
             cancel_in_manager=manager.cancel_request,
             loop=asyncio.get_running_loop(),
+            prompt_ids=tuple(prompt),
+            sampling_kwargs=self._sampling_kwargs(request.params),
         )
         self._streams[request.request_id] = state
         manager.register_result_handler(internal_id, state.on_output)
@@ -266,7 +269,7 @@ class TransformersEngine(Engine):
                 request_id=internal_id,
                 max_new_tokens=request.params.max_tokens,
                 streaming=True,
-                **self._sampling_kwargs(request.params),
+                **state.sampling_kwargs,
             )
         except Exception:
             self._forget(state)
@@ -290,6 +293,47 @@ class TransformersEngine(Engine):
         state.cancel()
         return True
 
+    def preempt(self, request_id: str) -> bool:
+        """Take a running sequence out of the manager (its slot and KV pages are freed at the
+        next step) and keep its stream open; `resume` puts it back. False when not running."""
+        state = self._streams.get(request_id)
+        manager = self._manager
+        if state is None or state.paused or manager is None:
+            return False
+        manager.cancel_request(state.internal_id)
+        self._drop_handler(state.internal_id)
+        state.paused = True
+        state.preemptions += 1
+        self._preemptions += 1
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Re-submit a preempted sequence with prompt + its generated tokens as the prompt
+        (full KV pages come back from the prefix cache, the rest is recomputed). Its stream
+        goes on with the next sequence number, neither losing nor repeating a token; with
+        a seed it draws what it would have drawn uninterrupted. False when not preempted."""
+        state = self._streams.get(request_id)
+        if state is None or not state.paused:
+            return False
+        manager = self._running_manager()
+        state.paused = False
+        remaining = state.params.max_tokens - len(state.tokens)
+        if remaining <= 0:
+            state.finish_length()
+            return True
+        self._submitted += 1
+        state.internal_id = f"{request_id}#{self._submitted}"
+        state.resumed_at = len(state.tokens)
+        manager.register_result_handler(state.internal_id, state.on_output)
+        manager.add_request(
+            [*state.prompt_ids, *state.tokens],
+            request_id=state.internal_id,
+            max_new_tokens=remaining,
+            streaming=True,
+            **state.sampling_kwargs,
+        )
+        return True
+
     def stats(self) -> GenerationStats:
         """Sequences and KV blocks right now (read without a lock: a snapshot for metrics)."""
         manager = self._manager
@@ -306,6 +350,7 @@ class TransformersEngine(Engine):
             kv_blocks_used=max(0, round((1.0 - free_fraction) * total)),
             kv_blocks_total=total,
             streams_open=len(self._streams),
+            preemptions=self._preemptions,
         )
 
     # ---- helpers --------------------------------------------------------
@@ -322,10 +367,13 @@ class TransformersEngine(Engine):
         key = state.request_id
         if self._streams.get(key) is state:
             del self._streams[key]
+        self._drop_handler(state.internal_id)
+
+    def _drop_handler(self, internal_id: str) -> None:
         manager = self._manager
         if manager is not None:  # the manager drops its handler only on a finished output
             with manager.output_router._lock:
-                manager.output_router.result_handlers.pop(state.internal_id, None)
+                manager.output_router.result_handlers.pop(internal_id, None)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         tokenizer = self._tokenizer
