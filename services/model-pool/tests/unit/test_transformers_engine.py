@@ -314,6 +314,17 @@ async def test_duplicate_request_id_is_refused(engine: TransformersEngine) -> No
         await engine.submit(request("dup"))
     await stream.aclose()
     await wait_idle(engine)
+    # Two at once (both pass the first check while their prompts are tokenised): one wins.
+    outcomes = await asyncio.gather(
+        engine.submit(request("twin", max_tokens=2000)),
+        engine.submit(request("twin", max_tokens=2000)),
+        return_exceptions=True,
+    )
+    streams = [o for o in outcomes if not isinstance(o, BaseException)]
+    errors = [o for o in outcomes if isinstance(o, InvalidArgumentError)]
+    assert (len(streams), len(errors)) == (1, 1)
+    await streams[0].aclose()
+    await wait_idle(engine)
 
 
 def test_tensor_requests_are_refused(engine: TransformersEngine) -> None:

@@ -236,10 +236,11 @@ class TransformersEngine(Engine):
     async def submit(self, request: GenerationRequest) -> GenerationStream:
         """Validate, tokenise (in a thread) and queue one generation; its events follow on the stream."""
         request.check()
-        manager = self._running_manager()
-        if request.request_id in self._streams:
-            raise InvalidArgumentError(f"request_id: {request.request_id!r} is already generating")
+        self._running_manager()
+        self._check_new_id(request.request_id)
         prompt = await asyncio.to_thread(self._prompt_ids, request)
+        manager = self._running_manager()  # again: the model may have unloaded meanwhile
+        self._check_new_id(request.request_id)  # and the same id may have arrived meanwhile
         limit = self.context_tokens
         if len(prompt) + request.params.max_tokens > limit:
             raise InvalidArgumentError(
@@ -362,6 +363,10 @@ class TransformersEngine(Engine):
                 f"model '{self.spec.model_id}' is not loaded (or its batching thread died)"
             )
         return manager
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise InvalidArgumentError(f"request_id: {request_id!r} is already generating")
 
     def _forget(self, state: StreamState) -> None:
         key = state.request_id
