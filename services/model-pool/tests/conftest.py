@@ -11,7 +11,8 @@ import asyncio
 import importlib.util
 import itertools
 import shutil
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -58,8 +59,9 @@ class FakeLeaseClient:
         mb: int,
         ttl_s: float,
         labels: Mapping[str, str],
-        gpus: list[int] | None = None,
+        gpus: Sequence[int] | None = None,
         allow_split: bool = False,
+        node: str | None = None,
     ) -> Lease:
         await asyncio.sleep(0)
         if self.fail_acquire is not None:
@@ -68,7 +70,13 @@ class FakeLeaseClient:
             held = sum(int(a["mb"]) for a in self.acquired if a["lease_id"] in self.held)
             if held + mb > self.capacity_mb:
                 raise ResourceExhaustedError(f"{mb} MB do not fit: {self.capacity_mb - held} MB free")
-        lease = Lease(lease_id=f"lease-{next(self._ids)}", fencing_token=1, mb_per_gpu={0: mb})
+        lease = Lease(
+            lease_id=f"lease-{next(self._ids)}",
+            fencing_token=1,
+            mb_per_gpu={0: mb},
+            labels=dict(labels),
+            sent_monotonic=time.monotonic(),
+        )
         self.acquired.append(
             {
                 "lease_id": lease.lease_id,
@@ -85,7 +93,13 @@ class FakeLeaseClient:
         self.renewed.append(lease.lease_id)
         if lease.lease_id in self.lost:
             raise LeaseLostError(f"lease {lease.lease_id} expired")
-        return Lease(lease.lease_id, lease.fencing_token + 1, lease.mb_per_gpu)
+        return Lease(
+            lease.lease_id,
+            lease.fencing_token + 1,
+            lease.mb_per_gpu,
+            labels=lease.labels,
+            sent_monotonic=time.monotonic(),
+        )
 
     async def release(self, lease: Lease) -> None:
         self.released.append(lease.lease_id)
