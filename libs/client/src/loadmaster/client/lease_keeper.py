@@ -98,6 +98,7 @@ class LeaseKeeper:
         on_lost: Callable[[str, Lease, LoadmasterError], None],
         on_replaced: Callable[[str, Lease, Lease], None] | None = None,
         reacquire: bool = True,
+        owns_client: bool = True,
         clock: Clock | None = None,
         timing: Callable[[float], LeaseTiming] = LeaseTiming.for_ttl,
         name: str = "lease-keeper",
@@ -106,6 +107,7 @@ class LeaseKeeper:
         self._on_lost = on_lost
         self._on_replaced = on_replaced
         self._reacquire = reacquire
+        self._owns_client = owns_client  # closed with the keeper (False: shared, the caller's)
         self._clock = clock or SystemClock()
         self._timing = timing
         self._name = name
@@ -224,7 +226,8 @@ class LeaseKeeper:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self._client.close()
+            if self._owns_client:
+                await self._client.close()
 
     def _step(self) -> float:
         """Send the renewals that are due, drop the leases past their deadline; returns when

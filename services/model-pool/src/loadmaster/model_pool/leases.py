@@ -60,6 +60,7 @@ class WorkerLeases:
         ttl_s: float,
         on_lost: Callable[[str, Lease, LoadmasterError], None],
         on_replaced: Callable[[str, Lease, Lease], None],
+        owns_client: bool,
     ) -> None:
         self.ttl_s = ttl_s
         self._on_lost = on_lost
@@ -69,7 +70,8 @@ class WorkerLeases:
             client,
             on_lost=lambda key, lease, error: self._hand_over(self._on_lost, key, lease, error),
             on_replaced=lambda key, old, new: self._hand_over(self._on_replaced, key, old, new),
-            reacquire=True,  # its thread keeps real time: a test's fake clock cannot drive it
+            reacquire=True,
+            owns_client=owns_client,  # its thread keeps real time: a test's fake clock cannot drive it
             name="worker-lease-keeper",
         )
 

@@ -156,6 +156,7 @@ class ModelPool:
             ttl_s=lease_ttl_s,
             on_lost=self._on_lease_lost,
             on_replaced=self._on_lease_replaced,
+            owns_client=renewal_client is not None,
         )
         self._load_retry_s = load_retry_s
         self._load_backoff: dict[str, tuple[float, float]] = {}  # model -> (next attempt at, delay)
