@@ -10,6 +10,11 @@ Used by the model pool, by `GpuLease` / `AsyncGpuLease` (the SDK's context manag
 through them, by `loadmaster gpu lease`. What to do with a lease over time (renewing it on a
 thread of its own, stopping use of it at the holder's deadline) is `lease_keeper.LeaseKeeper`.
 
+The grace is asked for here: a lease of TTL `ttl_s` is requested from the broker for
+`LeaseTiming.for_ttl(ttl_s).regrant_after_s` (TTL + grace), so the broker keeps the memory
+promised that long after it got the Acquire/Renew, while the holder (`LeaseKeeper`) stops using
+it `margin_s` before the TTL ends, counted from the send.
+
 Every `Lease` carries `sent_monotonic`: when the call that granted or renewed it was SENT, on
 this process's monotonic clock. The holder's deadline counts from there (see `LeaseTiming`).
 
@@ -38,6 +43,7 @@ from typing import Protocol
 import grpc
 
 from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.config import LeaseTiming
 from loadmaster.common.errors import (
     CancelledError_,
     ExpiredError,
@@ -138,6 +144,11 @@ class LeaseClient(Protocol):
     async def close(self) -> None: ...
 
 
+def _broker_ttl_s(ttl_s: float) -> float:
+    """What the broker is asked to keep a lease of TTL `ttl_s` for: TTL + grace."""
+    return LeaseTiming.for_ttl(ttl_s).regrant_after_s
+
+
 def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -231,7 +242,7 @@ class AsyncLeaseClient:
             mb=mb,
             gpus=list(gpus or ()),
             allow_split=allow_split,
-            ttl_s=ttl_s,
+            ttl_s=_broker_ttl_s(ttl_s),
             # `pid` lets the broker's NVML reconciliation tell this process's GPU memory
             # (covered by the lease) from memory used outside any lease.
             labels={"pid": str(os.getpid()), "host": socket.gethostname(), **(labels or {})},
@@ -315,7 +326,11 @@ class AsyncLeaseClient:
     async def _renew_chunk(self, chunk: list[_Renewal]) -> None:
         request = pb.RenewManyRequest(
             renewals=[
-                pb.RenewRequest(lease_id=r.lease.lease_id, fencing_token=r.lease.fencing_token, ttl_s=r.ttl_s)
+                pb.RenewRequest(
+                    lease_id=r.lease.lease_id,
+                    fencing_token=r.lease.fencing_token,
+                    ttl_s=_broker_ttl_s(r.ttl_s),
+                )
                 for r in chunk
             ]
         )
@@ -344,7 +359,9 @@ class AsyncLeaseClient:
 
     async def _renew_one(self, renewal: _Renewal) -> None:
         request = pb.RenewRequest(
-            lease_id=renewal.lease.lease_id, fencing_token=renewal.lease.fencing_token, ttl_s=renewal.ttl_s
+            lease_id=renewal.lease.lease_id,
+            fencing_token=renewal.lease.fencing_token,
+            ttl_s=_broker_ttl_s(renewal.ttl_s),
         )
         sent = time.monotonic()  # the keeper counts the deadline on this clock
         try:

@@ -389,7 +389,8 @@ class LeaseTiming:
 
         holder:  renews every `renew_every_s`; uses the lease only until
                  sent + `holder_deadline_s` (= ttl - margin) unless a renewal succeeded
-        broker:  re-grants the memory only after received + `regrant_after_s` (= ttl + grace)
+        broker:  re-grants the memory only after received + `regrant_after_s` (= ttl + grace):
+                 the holder's lease client asks it to keep the lease that long
     """
 
     ttl_s: float
