@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from loadmaster.common.errors import UnavailableError
 from loadmaster.client.lease_keeper import LeaseKeeper
-from loadmaster.common.errors import LoadmasterError
+from loadmaster.common.errors import LoadmasterError, UnavailableError
 from loadmaster.model_pool.leases import AsyncLeaseClient, Lease, LeaseLostError
 from loadmaster.v1 import errors_pb2, gpu_broker_pb2, gpu_broker_pb2_grpc
 

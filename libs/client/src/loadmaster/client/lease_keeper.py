@@ -19,7 +19,9 @@ late) the lease is dropped and `on_lost(key, lease, error)` is called: stop usin
 When the broker answers that the lease is gone (released, fenced, or its Redis lost its data)
 while the holder's deadline has not passed, the lease is not live until it is settled: with
 `reacquire` the same memory on the same GPUs is acquired again (a new lease, a new fencing
-token) and `on_replaced(key, old, new)` is called; if that fails, `on_lost` is.
+token; tried again, backing off, until the old lease's deadline, so a broker that is still
+registering its node again has time to) and `on_replaced(key, old, new)` is called; if that
+fails, `on_lost` is.
 
 Callbacks run on the keeper's thread: a holder with an event loop hands them over with
 `loop.call_soon_threadsafe`. Nothing the keeper does waits for the holder.
@@ -310,21 +312,33 @@ class LeaseKeeper:
         on the same GPUs again, under a new lease, or `on_lost`."""
         assert self._client is not None
         old = held.lease
-        try:
-            new = await self._client.acquire(
-                mb=old.mb,
-                ttl_s=held.timing.ttl_s,
-                labels=old.labels,
-                gpus=old.gpus,
-                allow_split=len(old.gpus) > 1,
-                node=old.node or None,
-            )
-        except Exception as failure:
-            with self._lock:
-                if self._held.get(key) is held:
-                    del self._held[key]
-            self._lost(key, old, LeaseLostError(f"{error.message}; acquiring it again failed: {failure}"))
-            return
+        delay = max(0.02, held.timing.renew_every_s / 4)
+        while True:
+            try:
+                new = await self._client.acquire(
+                    mb=old.mb,
+                    ttl_s=held.timing.ttl_s,
+                    labels=old.labels,
+                    gpus=old.gpus,
+                    allow_split=len(old.gpus) > 1,
+                    node=old.node or None,
+                )
+                break
+            except Exception as failure:
+                # Say the broker has not registered its node again yet: try until the old
+                # lease's deadline, backing off.
+                if self._held.get(key) is not held:
+                    return  # forgotten meanwhile
+                if self._clock.monotonic() + delay < held.deadline:
+                    log.info("acquiring the lease of %s again failed (%s); retrying", key, failure)
+                    await self._clock.sleep(delay)
+                    delay = min(delay * 2, held.timing.renew_every_s)
+                    continue
+                with self._lock:
+                    if self._held.get(key) is held:
+                        del self._held[key]
+                self._lost(key, old, LeaseLostError(f"{error.message}; acquiring it again failed: {failure}"))
+                return
         with self._lock:
             current = self._held.get(key) is held
             if current and dict(new.mb_per_gpu) == dict(old.mb_per_gpu):

@@ -1,0 +1,85 @@
+"""A Redis that loses its data under a running worker (issue 25, Found 3): FLUSHALL, then the
+node's inventory registered again, here by the test (the gpu-broker's own re-registration is
+another change). The worker's renewals find their leases gone; it takes the same memory again
+under new leases and new fencing tokens, keeps the models that fit, and unloads the one that
+no longer does. Loads that keep failing back off instead of retrying at once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import redis
+
+from loadmaster.common.errors import UnavailableError
+from loadmaster.model_pool.slots import ModelState
+from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc
+
+WORKER = "worker-test"
+
+
+def register_again(address: str, *, total_mb: int) -> None:
+    with grpc.insecure_channel(address) as channel:
+        gpu_broker_pb2_grpc.GpuBrokerStub(channel).RegisterNode(
+            gpu_broker_pb2.RegisterNodeRequest(
+                node="local", gpus=[gpu_broker_pb2.Gpu(index=0, total_mb=total_mb, name="declared")]
+            ),
+            timeout=5,
+        )
+
+
+def worker_leases(address: str) -> dict[str, gpu_broker_pb2.Lease]:
+    with grpc.insecure_channel(address) as channel:
+        leases = gpu_broker_pb2_grpc.GpuBrokerStub(channel).ListLeases(
+            gpu_broker_pb2.ListLeasesRequest(holder=WORKER), timeout=5
+        )
+    return {lease.labels["model"]: lease for lease in leases.leases}
+
+
+async def test_after_flushall_the_worker_leases_again_and_keeps_what_fits(
+    redis_url: str, broker_thread: Any, example_repo: Path, start_worker: Any, make_client: Any
+) -> None:
+    with broker_thread(total_mb=1_000) as address:
+        async with start_worker(
+            example_repo, preload=["double", "policy"], broker_address=address, lease_ttl_s=3.0
+        ) as worker:
+            before = await asyncio.to_thread(worker_leases, address)
+            assert sorted(before) == ["double", "policy"]
+            double_mb = sum(before["double"].mb_per_gpu.values())
+            assert double_mb < 64 == sum(before["policy"].mb_per_gpu.values())
+
+            # Redis loses everything; the node comes back with room for double only.
+            await asyncio.to_thread(redis.Redis.from_url(redis_url).flushall)
+            await asyncio.to_thread(register_again, address, total_mb=double_mb + 10)
+
+            for _ in range(200):  # renewals every 0.6 s: settled within a few
+                statuses = {s.model_id: s for s in worker.pool.statuses()}
+                if statuses["double"].lease_id != before["double"].lease_id and (
+                    statuses["policy"].state is ModelState.IDLE
+                ):
+                    break
+                await asyncio.sleep(0.05)
+            after = await asyncio.to_thread(worker_leases, address)
+            assert sorted(after) == ["double"], after
+            renewed = after["double"]
+            assert renewed.lease_id == statuses["double"].lease_id != before["double"].lease_id
+            assert statuses["double"].state is ModelState.READY
+            assert statuses["policy"].state is ModelState.IDLE and "lost" in statuses["policy"].error
+
+            client = make_client(worker.data_endpoint)
+            reply, outputs = await client.call("double", {"x": np.ones(2, np.float32)})
+            assert reply.error_code == 0 and outputs["x"].tolist() == [2.0, 2.0]
+
+            # The new lease is renewed like the old one was (it outlives its 3 s TTL).
+            await asyncio.sleep(4.0)
+            assert (await asyncio.to_thread(worker_leases, address))["double"].lease_id == renewed.lease_id
+
+            # policy cannot be had now: the first load fails, the next ones back off.
+            with pytest.raises(Exception, match="no GPU memory|do not fit|free"):
+                await worker.pool.load("policy")
+            with pytest.raises(UnavailableError, match="next attempt in"):
+                await worker.pool.load("policy")
