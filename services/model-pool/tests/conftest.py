@@ -42,6 +42,7 @@ class FakeLeaseClient:
 
     fail_acquire: LoadmasterError | None = None
     capacity_mb: int | None = None  # one GPU of this size: acquires beyond it are exhausted
+    outside_mb: int = 0  # of capacity_mb, held by another holder
     lost: set[str] = field(default_factory=set)  # lease ids the broker no longer honours
     acquired: list[dict[str, object]] = field(default_factory=list)
     renewed: list[str] = field(default_factory=list)
@@ -68,8 +69,9 @@ class FakeLeaseClient:
             raise self.fail_acquire
         if self.capacity_mb is not None:
             held = sum(int(a["mb"]) for a in self.acquired if a["lease_id"] in self.held)
-            if held + mb > self.capacity_mb:
-                raise ResourceExhaustedError(f"{mb} MB do not fit: {self.capacity_mb - held} MB free")
+            if held + self.outside_mb + mb > self.capacity_mb:
+                free = self.capacity_mb - self.outside_mb - held
+                raise ResourceExhaustedError(f"{mb} MB do not fit: {free} MB free")
         lease = Lease(
             lease_id=f"lease-{next(self._ids)}",
             fencing_token=1,
@@ -103,6 +105,13 @@ class FakeLeaseClient:
 
     async def release(self, lease: Lease) -> None:
         self.released.append(lease.lease_id)
+
+    async def free_mb(self) -> dict[int, int]:
+        """GPU 0: `capacity_mb` less what is held (`outside_mb` of it held by someone else)."""
+        if self.capacity_mb is None:
+            return {}
+        held = sum(int(a["mb"]) for a in self.acquired if a["lease_id"] in self.held)
+        return {0: self.capacity_mb - self.outside_mb - held}
 
     async def close(self) -> None:
         self.closed = True

@@ -141,6 +141,9 @@ class LeaseClient(Protocol):
     async def release(self, lease: Lease) -> None:
         """Give back; idempotent, never raises for a lease that is already gone."""
 
+    async def free_mb(self) -> dict[int, int]:
+        """The broker's free MB per GPU of this client's node."""
+
     async def close(self) -> None: ...
 
 
@@ -390,6 +393,17 @@ class AsyncLeaseClient:
             if error.code() in _TRANSIENT:
                 raise self._unreachable(error) from None
             raise from_grpc_error(error) from None
+
+    async def free_mb(self) -> dict[int, int]:
+        try:
+            reply = await self._broker().Inventory(
+                pb.InventoryRequest(node=self._node), timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() in _TRANSIENT:
+                raise self._unreachable(error) from None
+            raise from_grpc_error(error) from None
+        return {gpu.index: gpu.free_mb for gpu in reply.gpus if not self._node or gpu.node == self._node}
 
     async def close(self) -> None:
         for sender in list(self._senders):

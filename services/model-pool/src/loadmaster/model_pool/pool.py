@@ -222,6 +222,7 @@ class ModelPool:
                     last_used=slot.last_used_monotonic,
                     loaded_at=slot.loaded_monotonic,
                     gpus=tuple(gpu for gpu, _ in slot.mb_per_gpu),
+                    mb_per_gpu=tuple(slot.mb_per_gpu),
                     min_resident_s=model.min_resident_s,
                     keep_alive_s=model.keep_alive_s,
                     state=state,
