@@ -173,3 +173,16 @@ def test_a_split_lease_frees_its_own_share_per_gpu() -> None:
     assert (split.frees_on(0), split.frees_on(1), split.frees_on(2)) == (200, 400, 0)
     plan = plan_evictions([split], incoming=Incoming("x", 1), mb=300, free_mb={0: 0, 1: 0}, now=1000.0)
     assert plan.victims == ("s",) and plan.gpu == 1
+
+
+def test_a_load_that_may_split_evicts_for_room_over_all_gpus_together() -> None:
+    residents = [resident("a", vram_mb=300, gpus=(0,)), resident("b", vram_mb=300, gpus=(1,))]
+    free = {0: 200, 1: 200}
+    # 900 MB fits no single GPU even with every eviction; spread over both, evicting a suffices.
+    assert (
+        plan_evictions(residents, incoming=Incoming("x", 1), mb=900, free_mb=free, now=1000.0).victims == ()
+    )
+    plan = plan_evictions(residents, incoming=Incoming("x", 1), mb=700, free_mb=free, now=1000.0, split=True)
+    assert len(plan.victims) == 1 and plan.gpu is None
+    plan = plan_evictions(residents, incoming=Incoming("x", 1), mb=1100, free_mb=free, now=1000.0, split=True)
+    assert plan.victims == () and not plan.worth_waiting  # 1000 MB at most: evict nothing

@@ -139,9 +139,11 @@ def plan_evictions(
     mb: int,
     free_mb: Mapping[int, int],
     now: float,
+    split: bool = False,
 ) -> EvictionPlan:
     """The fewest victims (in `choose_victim`'s order) that make room for `mb` on one GPU,
-    given the broker's `free_mb` per GPU; no victims when no set of evictions could."""
+    given the broker's `free_mb` per GPU; with `split` (the load may spread over the GPUs),
+    else those that make room over all GPUs together; no victims when no set of evictions could."""
     choice = choose_victim(residents, incoming=incoming, now=now)
     by_id = {r.model_id: r for r in residents}
     blocked = set(choice.waiting) | set(choice.refused) | {incoming.model_id}
@@ -168,6 +170,19 @@ def plan_evictions(
             could_wait = True
     if best is not None:
         return EvictionPlan(victims=best[2], choice=choice, gpu=gpus[best[1]])
+    if split and not incoming.gpus:
+        total, spread = sum(free_mb.values()), []
+        for r in eligible:
+            if total >= mb:
+                break
+            freed = sum(r.frees_on(gpu) for gpu in free_mb)
+            if freed:
+                total += freed
+                spread.append(r.model_id)
+        if total >= mb:  # no victims: it fits split as it is (the caller tries that)
+            return EvictionPlan(victims=tuple(spread), choice=choice)
+        waiting_mb = sum(by_id[m].frees_on(gpu) for m in choice.waiting if m in by_id for gpu in free_mb)
+        could_wait = could_wait or total + waiting_mb >= mb
     return EvictionPlan(victims=(), choice=choice, could_fit_after_waiting=could_wait)
 
 

@@ -79,7 +79,9 @@ class Room:
                 residents = self._residents()
                 now = self._clock.monotonic()
                 incoming = Incoming(model_id, priority, tuple(gpus))
-                plan = await self._plan(residents, incoming, mb=mb, now=now)
+                plan = await self._plan(
+                    residents, incoming, mb=mb, now=now, split=self._allow_split and not gpus
+                )
                 choice = (
                     plan.choice if plan is not None else choose_victim(residents, incoming=incoming, now=now)
                 )
@@ -112,7 +114,7 @@ class Room:
                 )
 
     async def _plan(
-        self, residents: list[Resident], incoming: Incoming, *, mb: int, now: float
+        self, residents: list[Resident], incoming: Incoming, *, mb: int, now: float, split: bool
     ) -> EvictionPlan | None:
         """The evictions that make room, from the broker's free memory; None without it."""
         try:
@@ -120,7 +122,7 @@ class Room:
         except LoadmasterError as error:
             log.warning("no GPU inventory from the broker (%s); evicting one model at a time", error)
             return None
-        return plan_evictions(residents, incoming=incoming, mb=mb, free_mb=free, now=now)
+        return plan_evictions(residents, incoming=incoming, mb=mb, free_mb=free, now=now, split=split)
 
     async def _wait(self, residents: list[Resident], *, deadline: float, now: float) -> None:
         """Until `changed()`, a young model comes of age, or `deadline`."""
