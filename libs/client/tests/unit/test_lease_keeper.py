@@ -21,14 +21,15 @@ def test_the_deadline_counts_from_the_send_and_only_moves_forward() -> None:
     timing = LeaseTiming.for_ttl(10.0)  # renew every 2 s, deadline 8 s after the send
     held = Held.granted(Lease("l", 1, {0: 100}, sent_monotonic=100.0), timing)
     assert (held.deadline, held.next_renew) == (108.0, 102.0)
-    assert not held.due(100.5) and held.due(101.0)  # up to half a period early
+    assert not held.due(101.9) and held.due(102.0)
+    assert not held.due(100.9, early=True) and held.due(101.0, early=True)  # with another's renewal
     assert held.live(107.9) and not held.live(108.0) and held.lapsed(108.0)
     held.renewed(Lease("l", 1, {0: 100}, sent_monotonic=103.0))
     assert held.deadline == 111.0
     held.renewed(Lease("l", 1, {0: 100}, sent_monotonic=99.0))  # a late answer to an older send
     assert held.deadline == 111.0
     held.settling = True
-    assert not held.live(104.0) and not held.lapsed(200.0) and not held.due(200.0)
+    assert not held.live(104.0) and not held.lapsed(200.0) and not held.due(200.0, early=True)
 
 
 class FakeBroker:
@@ -121,8 +122,8 @@ def test_renewals_keep_a_lease_live_past_its_ttl(keeper_of: object) -> None:
     broker = FakeBroker()
     keeper, events = keeper_of(broker)  # type: ignore[operator]
     keeper.keep("m", broker.grant(), ttl_s=0.5)
-    time.sleep(1.0)  # two TTLs
-    assert keeper.live("m") and events == [] and len(broker.renewals) >= 4
+    time.sleep(1.0)  # two TTLs: renewals every 0.1 s
+    assert keeper.live("m") and events == [] and 4 <= len(broker.renewals) <= 11
 
 
 def test_a_lease_no_renewal_reaches_lapses_before_its_ttl(keeper_of: object) -> None:

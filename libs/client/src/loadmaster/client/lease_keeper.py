@@ -78,12 +78,11 @@ class Held:
         """A renewal that failed without an answer (unreachable, too slow): next period."""
         self.next_renew += self.timing.renew_every_s
 
-    def due(self, now: float) -> bool:
-        """Whether to send a renewal now (up to half a period early, so renewals of leases
-        granted at about the same time leave together)."""
-        return (
-            not (self.in_flight or self.settling) and now >= self.next_renew - self.timing.renew_every_s / 2
-        )
+    def due(self, now: float, *, early: bool = False) -> bool:
+        """Whether to send a renewal now; with `early`, up to half a period before its time
+        (when another lease's renewal leaves anyway, so they travel together)."""
+        ahead = self.timing.renew_every_s / 2 if early else 0.0
+        return not (self.in_flight or self.settling) and now >= self.next_renew - ahead
 
     def lapsed(self, now: float) -> bool:
         return not self.settling and now >= self.deadline
@@ -243,14 +242,15 @@ class LeaseKeeper:
                 if held.lapsed(now):
                     del self._held[key]
                     lapsed.append((key, held))
-                    continue
-                if held.due(now):
+            early = any(held.due(now) for held in self._held.values())
+            for key, held in self._held.items():
+                if held.due(now, early=early):
                     held.in_flight = True
                     due.append((key, held))
                 if not held.settling:
                     wake_at = min(wake_at, held.deadline)
                     if not held.in_flight:
-                        wake_at = min(wake_at, held.next_renew - held.timing.renew_every_s / 2)
+                        wake_at = min(wake_at, held.next_renew)
         for key, held in lapsed:
             self._lost(
                 key,
