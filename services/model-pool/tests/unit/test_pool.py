@@ -47,6 +47,15 @@ class Broken:
     def infer(self, inputs):
         return {}
 """
+SLOW_LOAD = """
+import time
+import numpy as np
+class SlowLoad:
+    def load(self):
+        time.sleep(0.8)
+    def infer(self, inputs):
+        return {"x": np.array([1.0], dtype=np.float32)}
+"""
 BAD_OUTPUT = """
 import numpy as np
 class BadOutput:
@@ -72,6 +81,7 @@ def repo(example_repo: Path, tmp_path: Path) -> Path:
         ("boom", "Boom", BOOM),
         ("broken", "Broken", FAILS_TO_LOAD),
         ("bad_output", "BadOutput", BAD_OUTPUT),
+        ("slow_load", "SlowLoad", SLOW_LOAD),
     ]:
         (root / model_id).mkdir()
         (root / model_id / "config.yaml").write_text(f"backend: python\nclass: {cls}\n")
@@ -330,6 +340,21 @@ async def test_a_lease_the_broker_lost_is_acquired_again_and_the_model_stays(rep
     await _until(lambda: "lease-2" in leases.renewed)
     await pool.close()
     assert leases.released == ["lease-2"]
+
+
+async def test_a_lease_lost_while_its_model_loads_fails_the_load(repo: Path, leases: Any) -> None:
+    """The lease is kept from its grant on: lost during a 0.8 s load (and not to be had again),
+    the load fails instead of serving a model whose memory is not leased."""
+    pool = short_lease_pool(repo, leases)
+    loading = asyncio.create_task(pool.load("slow_load"))
+    await _until(lambda: leases.acquired)
+    leases.fail_acquire = ResourceExhaustedError("taken meanwhile")
+    leases.lost.add("lease-1")
+    with pytest.raises(UnavailableError, match="lost while it loaded"):
+        await loading
+    assert pool.status("slow_load").state is ModelState.IDLE
+    assert leases.released == ["lease-1"]
+    await pool.close()
 
 
 async def test_a_lease_past_the_holders_deadline_is_not_used(repo: Path, leases: Any) -> None:
