@@ -229,6 +229,9 @@ class MetricsSettings(ServiceEndpoint):
     ring_size: int = Field(default=10_000, ge=100)
     report_interval_ms: float = Field(default=250.0, gt=0)
     enabled: bool = True
+    # Prometheus series of a replica (a reporting process) that reported nothing for this long
+    # are removed; every reporter sends its process metrics every few seconds.
+    replica_ttl_s: float = Field(default=300.0, gt=0)
 
 
 class ModelSettings(_Section):
@@ -318,6 +321,8 @@ class Settings(BaseSettings):
     )
 
     log_level: str = "INFO"
+    # One line per record: "logfmt" (key=value, quoted and escaped) or "json" (one object per line).
+    log_format: Literal["logfmt", "json"] = "logfmt"
     redis_url: str | None = None  # also read from REDIS_URL (see _RedisUrlSource)
     gateway: GatewaySettings = GatewaySettings()
     scheduler: SchedulerSettings = SchedulerSettings()
