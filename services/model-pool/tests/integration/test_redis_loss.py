@@ -1,6 +1,6 @@
 """A Redis that loses its data under a running worker (issue 25, Found 3): FLUSHALL, then the
-node's inventory registered again, here by the test (the gpu-broker's own re-registration is
-another change). The worker's renewals find their leases gone; it takes the same memory again
+node's inventory registered again, here by the test with a smaller GPU (the gpu-broker would
+register its declared inventory again by itself). The worker's renewals find their leases gone; it takes the same memory again
 under new leases and new fencing tokens, keeps the models that fit, and unloads the one that
 no longer does. Loads that keep failing back off instead of retrying at once."""
 
@@ -52,7 +52,14 @@ async def test_after_flushall_the_worker_leases_again_and_keeps_what_fits(
             double_mb = sum(before["double"].mb_per_gpu.values())
             assert double_mb < 64 == sum(before["policy"].mb_per_gpu.values())
 
-            # Redis loses everything; the node comes back with room for double only.
+            # Right after a renewal (the next is 0.6 s away, so it cannot come between the two
+            # steps below) Redis loses everything, and the node comes back with room for double
+            # only (registered by the test before the broker would register it again itself).
+            for _ in range(100):
+                now = await asyncio.to_thread(worker_leases, address)
+                if now["double"].expires_unix_ms != before["double"].expires_unix_ms:
+                    break
+                await asyncio.sleep(0.01)
             await asyncio.to_thread(redis.Redis.from_url(redis_url).flushall)
             await asyncio.to_thread(register_again, address, total_mb=double_mb + 10)
 
@@ -83,3 +90,29 @@ async def test_after_flushall_the_worker_leases_again_and_keeps_what_fits(
                 await worker.pool.load("policy")
             with pytest.raises(UnavailableError, match="next attempt in"):
                 await worker.pool.load("policy")
+
+
+async def test_after_flushall_the_broker_registers_again_and_the_worker_keeps_both_models(
+    redis_url: str, broker_thread: Any, example_repo: Path, start_worker: Any
+) -> None:
+    """No help from the test: the broker registers its inventory again when the worker's
+    re-acquire finds no GPU (or at its next step), and both models stay under new leases."""
+    with broker_thread(total_mb=1_000) as address:
+        async with start_worker(
+            example_repo, preload=["double", "policy"], broker_address=address, lease_ttl_s=3.0
+        ) as worker:
+            before = await asyncio.to_thread(worker_leases, address)
+            await asyncio.to_thread(redis.Redis.from_url(redis_url).flushall)
+            after: dict[str, gpu_broker_pb2.Lease] = {}
+            for _ in range(200):
+                after = await asyncio.to_thread(worker_leases, address)
+                if sorted(after) == ["double", "policy"] and all(
+                    after[m].lease_id != before[m].lease_id for m in after
+                ):
+                    break
+                await asyncio.sleep(0.05)
+            assert sorted(after) == ["double", "policy"], after
+            for model in ("double", "policy"):
+                status = worker.pool.status(model)
+                assert status.state is ModelState.READY
+                assert status.lease_id == after[model].lease_id != before[model].lease_id
