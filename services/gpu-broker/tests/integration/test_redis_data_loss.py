@@ -20,12 +20,10 @@ from loadmaster.v1 import gpu_broker_pb2 as pb
 
 MakeSettings = Callable[..., Settings]
 StartBroker = Callable[..., Awaitable[Any]]  # conftest.start_broker -> Broker(server, stub)
-PASSWORD = "s3cret-for-tests"
-
-
 def _require_password(server: EmbeddedRedis) -> str:
-    redis.Redis(port=server.port).config_set("requirepass", PASSWORD)
-    return f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0"
+    """The server's URL: the embedded Redis always asks for its password (carried in the URL)."""
+    assert server.password
+    return server.url
 
 
 @pytest.fixture
@@ -38,7 +36,7 @@ def own_redis() -> Iterator[EmbeddedRedis]:
 
 
 def _admin(server: EmbeddedRedis) -> redis.Redis:
-    return redis.Redis(port=server.port, password=PASSWORD, decode_responses=True)
+    return redis.Redis(port=server.port, password=server.password, decode_responses=True)
 
 
 async def _acquire_within(stub: Any, seconds: float, **fields: Any) -> tuple[pb.Lease, int]:
@@ -123,7 +121,7 @@ async def test_a_redis_restarted_empty_is_served_within_5_s_and_tokens_do_not_re
     broker = await start_broker(make_settings(redis=_require_password(own_redis)))
     before = await _hold_some(broker.stub)
     own_redis.stop()
-    restarted = EmbeddedRedis(port=own_redis.port).start()
+    restarted = EmbeddedRedis(port=own_redis.port, password=own_redis.password).start()  # empty: a new folder
     try:
         _require_password(restarted)
         started = time.monotonic()
