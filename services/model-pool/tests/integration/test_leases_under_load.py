@@ -1,7 +1,7 @@
 """Leases that hold under load (issue 25, Found 2): a 60 MB BYTES observation sent to a worker
-that holds short leases. Decoding it takes seconds (7 s here; on old main it ran on the
-worker's event loop, where the renewals ran too); the worker's leases must be renewed all
-along, its models stay loaded, and no moment promises the GPU's memory twice.
+that holds 3 s leases. Decoding it takes seconds (2-7 s here, with the machine's load; on old
+main it ran on the worker's event loop, where the renewals ran too). The worker's leases must
+be renewed all along, its models stay loaded, and no moment promises the memory twice.
 
 The observation goes to `policy`, which declares a float32 `state`: it is decoded, then
 refused naming the tensor, so the seconds spent are the decode's (an engine that held the GIL
@@ -30,7 +30,7 @@ from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.slots import ModelState
 from loadmaster.v1 import errors_pb2, gpu_broker_pb2, gpu_broker_pb2_grpc, model_pool_pb2, tensor_pb2
 
-pytestmark = pytest.mark.slow  # the 60 MB decode alone takes ~7 s here
+pytestmark = pytest.mark.slow  # the 60 MB decode alone takes 2-7 s here
 
 TOTAL_MB = 1_000
 WORKER = "worker-test"
@@ -79,11 +79,10 @@ def audit(address: str, pool: ModelPool, worker_leases: set[str], stop: threadin
 
 
 def bytes_observation(size: int) -> tuple[model_pool_pb2.InferRequest, bytes]:
-    """One BYTES tensor of `size` bytes: 4-byte elements behind their 4-byte length prefixes."""
-    count = size // 8
-    rows = np.empty((count, 2), np.uint32)
-    rows[:, 0], rows[:, 1] = 4, 0x61616161
-    payload = rows.tobytes()
+    """One BYTES tensor of `size` bytes, as costly to check as BYTES gets: empty elements,
+    each only its 4-byte length prefix (15 M elements in 60 MB: 2-6 s to decode here)."""
+    count = size // 4
+    payload = np.zeros(count, np.uint32).tobytes()
     tensor = tensor_pb2.Tensor(
         key="state", dtype=tensor_pb2.BYTES, shape=[count], byte_offset=0, byte_length=len(payload)
     )
@@ -95,7 +94,7 @@ async def test_a_60_mb_bytes_request_keeps_the_leases_and_the_models(
 ) -> None:
     with broker_thread(total_mb=TOTAL_MB) as address:
         async with start_worker(
-            example_repo, preload=["double", "policy"], broker_address=address, lease_ttl_s=4.0
+            example_repo, preload=["double", "policy"], broker_address=address, lease_ttl_s=3.0
         ) as worker:
             before = {s.model_id: s.lease_id for s in worker.pool.statuses() if s.state is ModelState.READY}
             assert sorted(before) == ["double", "policy"]
