@@ -26,6 +26,8 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ __all__ = [
     "AUTH_HEADER",
     "ENVELOPE_KEY",
     "IDENTITY_HEADER",
+    "RUN_DIR",
     "Credentials",
     "Identity",
     "InsecureBindError",
@@ -59,9 +62,12 @@ __all__ = [
     "client_interceptors",
     "credentials_from_settings",
     "current",
+    "ensure_run_secrets",
     "insecure_allowed",
+    "log_refusal",
     "server_interceptors",
     "setup",
+    "setup_client",
     "sync_channel",
 ]
 
@@ -262,10 +268,44 @@ def credentials_from_settings(settings: Settings, identity: Identity) -> Credent
     )
 
 
+RUN_DIR = ".loadmaster"  # next to the config file: what `loadmaster up` generates
+
+
+def ensure_run_secrets(config_dir: Path) -> tuple[Path, Path]:
+    """The suite secret and admin token files `loadmaster up` uses, made (random, mode 0600)
+    under `config_dir/.loadmaster/` when absent and kept across runs, so CLI commands run
+    with the same config find them."""
+    run_dir = config_dir / RUN_DIR
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    paths = (run_dir / "internal.secret", run_dir / "admin.token")
+    for path in paths:
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32) + "\n")
+    return paths
+
+
 def setup(credentials: Credentials | None, *, insecure: bool = False) -> None:
     """Make `credentials` this process's (None: no internal auth); `insecure` allows wide binds."""
     global _process
     _process = _Process(credentials, insecure)
+
+
+def setup_client(settings: Settings, identity: Identity) -> None:
+    """`setup` for a command-line client: the credentials `settings` names, else the ones
+    `loadmaster up` made next to the same config file (`ensure_run_secrets`), if any."""
+    credentials = credentials_from_settings(settings, identity)
+    run_dir = settings.config_dir / RUN_DIR
+    if credentials is None and (run_dir / "internal.secret").exists():
+        admin_file = run_dir / "admin.token"
+        credentials = Credentials(
+            (run_dir / "internal.secret").read_text().strip().encode(),
+            identity,
+            admin_token=admin_file.read_text().strip() if admin_file.exists() else "",
+            max_clock_skew_s=settings.internal_auth.max_clock_skew_s,
+        )
+    setup(credentials, insecure=settings.internal_auth.insecure)
 
 
 def current() -> Credentials | None:
