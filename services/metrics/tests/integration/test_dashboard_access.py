@@ -4,8 +4,10 @@ dashboard, its data and /metrics need one (Bearer, or as the Basic password a br
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import urllib.error
 from collections.abc import AsyncIterator
 
 import httpx
@@ -63,3 +65,13 @@ async def test_a_gateway_key_opens_the_dashboard_as_bearer_or_basic_password(gua
             assert bearer.status_code == 200, (path, bearer.text)
             basic = await http.get(path, auth=("anyone", KEY))
             assert basic.status_code == 200, (path, basic.text)
+
+
+async def test_loadmaster_top_sends_its_api_key(guarded: MetricsServer) -> None:
+    top_cmd = pytest.importorskip("loadmaster.cli.top_cmd")
+    url = f"http://127.0.0.1:{guarded.http_port}/api/dashboard?window_s=10&step_s=1&summary_s=5"
+    doc = await asyncio.to_thread(top_cmd.fetch_dashboard, url, api_key=KEY)
+    assert isinstance(doc, dict)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        await asyncio.to_thread(top_cmd.fetch_dashboard, url)
+    assert refused.value.code == 401
