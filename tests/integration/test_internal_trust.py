@@ -249,8 +249,9 @@ async def test_c_another_holders_lease_cannot_be_released_with_its_listed_token(
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     _assert_logged(caplog, "/loadmaster.v1.GpuBroker/Release")
 
-    # With the suite secret but another identity: the token is not enough either.
-    other = internal_auth.auth_interceptors(fleet.credentials.with_identity(Identity("trainer", "job-7")))
+    # A training job with its own identity key (`loadmaster keys internal`): the token is not enough.
+    job = Credentials.from_identity_key(fleet.credentials.identity_key(Identity("trainer", "job-7")))
+    other = internal_auth.auth_interceptors(job)
     async with grpc.aio.insecure_channel(fleet.broker, interceptors=other) as channel:
         stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as denied:

@@ -146,3 +146,35 @@ def test_settings_read_the_secret_and_admin_token_files(tmp_path: Path) -> None:
     assert metadata[internal_auth.ADMIN_HEADER] == "admin-1"
     assert made.verify_call(metadata, SET_STRATEGY) == Identity("cli", "c1")
     assert internal_auth.credentials_from_settings(load_settings(None), Identity("cli", "c1")) is None
+
+
+def test_an_identity_key_speaks_for_its_identity_only(clock: Clock) -> None:
+    suite = creds(clock, "scheduler/s1")
+    line = suite.identity_key(Identity("trainer", "job-7"))
+    job = Credentials.from_identity_key(line, now_ns=clock)
+    assert job.identity == Identity("trainer", "job-7")
+    assert suite.verify_call(dict(job.call_metadata(LIST_WORKERS)), LIST_WORKERS) == Identity(
+        "trainer", "job-7"
+    )
+    forged = dict(job.call_metadata(LIST_WORKERS))
+    forged[internal_auth.IDENTITY_HEADER] = "model-pool/w1"  # the key cannot claim another identity
+    with pytest.raises(UnauthenticatedError):
+        suite.verify_call(forged, LIST_WORKERS)
+    assert not job.can_verify
+    with pytest.raises(RuntimeError, match="identity key"):
+        job.with_identity(Identity("model-pool", "w1"))
+    with pytest.raises(ValueError, match="not an identity key"):
+        Credentials.from_identity_key("lmid1:trainer/job-7:abc")
+
+
+def test_an_identity_key_in_the_secret_file_makes_identity_bound_credentials(
+    tmp_path: Path, clock: Clock
+) -> None:
+    (tmp_path / "job.key").write_text(creds(clock).identity_key(Identity("trainer", "job-9")) + "\n")
+    config = tmp_path / "loadmaster.yaml"
+    config.write_text("internal_auth:\n  secret_file: job.key\n")
+    made = internal_auth.credentials_from_settings(load_settings(config), Identity("cli", "ignored"))
+    assert made is not None and made.identity == Identity("trainer", "job-9")
+    internal_auth.setup(made)
+    with pytest.raises(RuntimeError, match="needs the suite secret"):
+        internal_auth.server_interceptors()

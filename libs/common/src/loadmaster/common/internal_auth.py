@@ -50,6 +50,7 @@ __all__ = [
     "AUTH_HEADER",
     "ENVELOPE_KEY",
     "IDENTITY_HEADER",
+    "IDENTITY_KEY_PREFIX",
     "RUN_DIR",
     "Credentials",
     "Identity",
@@ -59,6 +60,7 @@ __all__ = [
     "auth_interceptors",
     "caller",
     "check_listen",
+    "client_credentials",
     "client_interceptors",
     "credentials_from_settings",
     "current",
@@ -121,8 +123,20 @@ def _mac(key: bytes, *parts: str) -> str:
     return hmac.new(key, "\n".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
+IDENTITY_KEY_PREFIX = "lmid1:"  # an identity key: `lmid1:<service>/<instance>:<hex key>`
+
+
+def _identity_key(master: bytes, identity_text: str) -> bytes:
+    return hmac.digest(master, b"identity\n" + identity_text.encode(), "sha256")
+
+
 class Credentials:
-    """One process's identity and the suite secret: signs what it sends, verifies what it gets."""
+    """One process's identity and its key: signs what it sends, verifies what it gets.
+
+    Built from the suite secret, it can sign as any identity and verify everyone. Built from an
+    identity key (`from_identity_key`, what `loadmaster keys internal` issues to a training job
+    or a script), it can sign only as that identity and verifies nothing: every MAC is made with
+    the sender's own key, HMAC(suite key, identity), which receivers derive from the secret."""
 
     def __init__(
         self,
@@ -136,24 +150,80 @@ class Credentials:
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the internal secret must be at least 16 bytes")
+        master = hashlib.sha256(b"loadmaster-internal-v1\n" + secret).digest()
+        self._init(master, identity, _identity_key(master, str(identity)), admin_token, admin_sha256)
+        self._skew_ns = int(max_clock_skew_s * _NS)
+        self._now_ns = now_ns
+
+    def _init(
+        self, master: bytes | None, identity: Identity, key: bytes, admin_token: str, admin_sha256: str
+    ) -> None:
         self.identity = identity
         self._identity_text = str(identity)
-        self._key = hashlib.sha256(b"loadmaster-internal-v1\n" + secret).digest()
+        self._master = master
+        self._key = key
+        self._keys: dict[str, bytes] = {}  # verified identities' keys (bounded)
         self._admin_token = admin_token
         if not admin_sha256 and admin_token:
             admin_sha256 = hashlib.sha256(admin_token.encode()).hexdigest()
         self._admin_digest = bytes.fromhex(admin_sha256) if admin_sha256 else b""
-        self._skew_ns = int(max_clock_skew_s * _NS)
-        self._now_ns = now_ns
         self._seen: dict[str, int] = {}  # data-port MAC -> when it may be forgotten (ns)
+
+    @classmethod
+    def from_identity_key(
+        cls,
+        text: str,
+        *,
+        admin_token: str = "",
+        max_clock_skew_s: float = 30.0,
+        now_ns: Callable[[], int] = time.time_ns,
+    ) -> Credentials:
+        """Credentials that can only speak for the identity `text` (`lmid1:<identity>:<hex>`) names."""
+        body = text.strip().removeprefix(IDENTITY_KEY_PREFIX)
+        claimed, _, key_hex = body.rpartition(":")
+        try:
+            key = bytes.fromhex(key_hex)
+        except ValueError:
+            key = b""
+        if not text.strip().startswith(IDENTITY_KEY_PREFIX) or len(key) != 32:
+            raise ValueError("not an identity key (expected lmid1:<service>/<instance>:<64 hex digits>)")
+        made = cls.__new__(cls)
+        made._init(None, Identity.parse(claimed), key, admin_token, "")
+        made._skew_ns = int(max_clock_skew_s * _NS)
+        made._now_ns = now_ns
+        return made
+
+    @property
+    def can_verify(self) -> bool:
+        return self._master is not None
+
+    def identity_key(self, identity: Identity) -> str:
+        """The key that lets its holder speak for `identity`, and only for it."""
+        return f"{IDENTITY_KEY_PREFIX}{identity}:{_identity_key(self._require_master(), str(identity)).hex()}"
 
     def with_identity(self, identity: Identity) -> Credentials:
         """The same secrets speaking for another identity (a process with several roles, tests)."""
+        master = self._require_master()
         other = Credentials.__new__(Credentials)
-        other.identity, other._identity_text = identity, str(identity)
-        other._key, other._admin_token, other._admin_digest = self._key, self._admin_token, self._admin_digest
-        other._skew_ns, other._now_ns, other._seen = self._skew_ns, self._now_ns, {}
+        other._init(master, identity, _identity_key(master, str(identity)), self._admin_token, "")
+        other._admin_digest = self._admin_digest
+        other._skew_ns, other._now_ns = self._skew_ns, self._now_ns
         return other
+
+    def _require_master(self) -> bytes:
+        if self._master is None:
+            raise RuntimeError(f"{self.identity} holds an identity key, not the suite secret")
+        return self._master
+
+    def _key_of(self, claimed: str) -> bytes:
+        key = self._keys.get(claimed)
+        if key is None:
+            key = _identity_key(self._require_master(), claimed)
+        return key
+
+    def _remember(self, claimed: str, key: bytes) -> None:
+        if len(self._keys) < 1024:  # only verified identities are remembered
+            self._keys[claimed] = key
 
     # ---- gRPC ----------------------------------------------------------------
 
@@ -176,8 +246,10 @@ class Credentials:
         identity = Identity.parse(claimed)
         stamp, _, mac = token.partition(".")
         self._check_time(stamp)
-        if not hmac.compare_digest(mac, _mac(self._key, "grpc", claimed, method, stamp)):
+        key = self._key_of(claimed)
+        if not hmac.compare_digest(mac, _mac(key, "grpc", claimed, method, stamp)):
             raise UnauthenticatedError("internal credential does not verify")
+        self._remember(claimed, key)
         if method in ADMIN_METHODS and self._admin_digest and not self.admin_verified(metadata):
             raise PermissionDeniedError(f"{method} needs the admin credential")
         return identity
@@ -206,8 +278,10 @@ class Credentials:
         stamp, _, mac = rest.partition(" ")
         identity = Identity.parse(claimed)
         now = self._check_time(stamp)
-        if not hmac.compare_digest(mac, _mac(self._key, "data", claimed, request_id, stamp)):
+        key = self._key_of(claimed)
+        if not hmac.compare_digest(mac, _mac(key, "data", claimed, request_id, stamp)):
             raise UnauthenticatedError("data-port credential does not verify")
+        self._remember(claimed, key)
         seen = self._seen
         while seen:  # forget MACs whose time window has passed (oldest first)
             first = next(iter(seen))
@@ -259,6 +333,10 @@ def credentials_from_settings(settings: Settings, identity: Identity) -> Credent
     admin_token = config.admin_token.get_secret_value() if config.admin_token is not None else ""
     if not admin_token and config.admin_token_file is not None:
         admin_token = _read(config.admin_token_file, settings.config_dir)
+    if secret.startswith(IDENTITY_KEY_PREFIX):  # speaks for the identity the key names
+        return Credentials.from_identity_key(
+            secret, admin_token=admin_token, max_clock_skew_s=config.max_clock_skew_s
+        )
     return Credentials(
         secret.encode(),
         identity,
@@ -292,8 +370,8 @@ def setup(credentials: Credentials | None, *, insecure: bool = False) -> None:
     _process = _Process(credentials, insecure)
 
 
-def setup_client(settings: Settings, identity: Identity) -> None:
-    """`setup` for a command-line client: the credentials `settings` names, else the ones
+def client_credentials(settings: Settings, identity: Identity) -> Credentials | None:
+    """The credentials a command-line client uses: those `settings` names, else the ones
     `loadmaster up` made next to the same config file (`ensure_run_secrets`), if any."""
     credentials = credentials_from_settings(settings, identity)
     run_dir = settings.config_dir / RUN_DIR
@@ -305,7 +383,12 @@ def setup_client(settings: Settings, identity: Identity) -> None:
             admin_token=admin_file.read_text().strip() if admin_file.exists() else "",
             max_clock_skew_s=settings.internal_auth.max_clock_skew_s,
         )
-    setup(credentials, insecure=settings.internal_auth.insecure)
+    return credentials
+
+
+def setup_client(settings: Settings, identity: Identity) -> None:
+    """`setup` for a command-line client, with `client_credentials`."""
+    setup(client_credentials(settings, identity), insecure=settings.internal_auth.insecure)
 
 
 def current() -> Credentials | None:
@@ -442,6 +525,8 @@ class ServerAuthInterceptor(grpc.aio.ServerInterceptor):
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     credentials = _process.credentials
+    if credentials is not None and not credentials.can_verify:
+        raise RuntimeError(f"{credentials.identity}: a server needs the suite secret, not an identity key")
     return [ServerAuthInterceptor(credentials)] if credentials is not None else []
 
 
