@@ -178,3 +178,20 @@ def test_an_identity_key_in_the_secret_file_makes_identity_bound_credentials(
     internal_auth.setup(made)
     with pytest.raises(RuntimeError, match="needs the suite secret"):
         internal_auth.server_interceptors()
+
+
+def test_refusals_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture) -> None:
+    limit = internal_auth._RefusalLog(per_s=3, monotonic=lambda: 100.0)  # all within one second
+    with caplog.at_level("WARNING", logger=internal_auth.__name__):
+        for index in range(20):
+            limit(
+                "/loadmaster.v1.Scheduler/SetStrategy",
+                f"ipv4:127.0.0.1:{index}",
+                "",
+                "no internal credential",
+            )
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert lines[0] == (
+        "refused /loadmaster.v1.Scheduler/SetStrategy from ipv4:127.0.0.1:0 (identity: none): no internal credential"
+    )

@@ -435,14 +435,15 @@ def check_listen(name: str, address: str) -> None:
 
 
 class _RefusalLog:
-    def __init__(self, per_s: float = 10.0) -> None:
+    def __init__(self, per_s: float = 10.0, *, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._per_s = per_s
+        self._monotonic = monotonic
         self._window = 0.0
         self._count = 0
         self._suppressed = 0
 
     def __call__(self, what: str, peer: str, claimed: str, reason: str) -> None:
-        now = time.monotonic()
+        now = self._monotonic()
         if now - self._window >= 1.0:
             if self._suppressed:
                 log.warning("%d more internal-auth refusal(s) not logged", self._suppressed)
