@@ -79,7 +79,9 @@ async def _eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 3
 
 
 @pytest.fixture
-async def fleet(redis_url: str, tmp_path: Path) -> AsyncIterator[Fleet]:
+async def fleet(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Fleet]:
+    # Each test's refusals are logged whatever the tests before it logged within the second.
+    monkeypatch.setattr(internal_auth, "log_refusal", internal_auth._RefusalLog())
     secret = secrets.token_bytes(32)
     credentials = Credentials(secret, Identity("model-pool", "trusted"), admin_token=ADMIN_TOKEN)
     internal_auth.setup(credentials)
@@ -163,10 +165,9 @@ def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def _assert_logged(caplog: pytest.LogCaptureFixture, what: str, *, identity: str = "none") -> None:
-    lines = [line for line in _refusals(caplog) if what in line]
-    assert lines, f"no refusal logged for {what!r}: {_refusals(caplog)}"
+    lines = [line for line in _refusals(caplog) if what in line and f"(identity: {identity})" in line]
+    assert lines, f"no refusal logged for {what!r} from {identity}: {_refusals(caplog)}"
     assert "127.0.0.1" in lines[-1], lines[-1]  # the caller's address
-    assert f"(identity: {identity})" in lines[-1], lines[-1]
 
 
 async def _workers(fleet: Fleet) -> list[str]:
@@ -195,11 +196,16 @@ async def test_a_fake_worker_cannot_register_with_the_scheduler(
         )
     )
     async with grpc.aio.insecure_channel(fleet.scheduler) as channel:  # no credentials
-        call = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession()
-        with contextlib.suppress(grpc.aio.AioRpcError):  # a write after the refusal fails too
-            await call.write(hello)
-            await call.write(report)
+        call = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession(iter([hello, report]))
         assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.UNAUTHENTICATED
+    # A training job's identity key authenticates it, but only model-pool identities register workers.
+    job = Credentials.from_identity_key(fleet.credentials.identity_key(Identity("trainer", "job-7")))
+    async with grpc.aio.insecure_channel(
+        fleet.scheduler, interceptors=internal_auth.auth_interceptors(job)
+    ) as channel:
+        call = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession(iter([hello, report]))
+        assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.PERMISSION_DENIED
+    _assert_logged(caplog, "/loadmaster.v1.Scheduler/WorkerSession", identity="trainer/job-7")
     assert "impostor" not in await _workers(fleet)
     assert "worker-real" in await _workers(fleet)
     _assert_logged(caplog, "/loadmaster.v1.Scheduler/WorkerSession")
@@ -349,3 +355,10 @@ async def test_f_inference_cannot_go_straight_to_the_data_port(
         replayed = await _infer(socket, signed, bytes(payload))
         assert edge_code_name(replayed.error_code) == "unauthenticated", replayed
         _assert_logged(caplog, "data-port request 'signed-1'", identity="gateway/g1")
+
+        # Only gateways send on the data port: a training job's identity key is refused there.
+        job = Credentials.from_identity_key(fleet.credentials.identity_key(Identity("trainer", "job-7")))
+        theirs = model_pool_pb2.InferRequest(request_id="job-1", model_id="double", inputs=descriptors)
+        job.sign_envelope(theirs.metadata, "job-1")
+        refused = await _infer(socket, theirs, bytes(payload))
+        assert edge_code_name(refused.error_code) == "unauthenticated", refused

@@ -195,3 +195,18 @@ def test_refusals_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture)
     assert lines[0] == (
         "refused /loadmaster.v1.Scheduler/SetStrategy from ipv4:127.0.0.1:0 (identity: none): no internal credential"
     )
+
+
+def test_identity_keys_are_not_issued_for_suite_services_and_reserved_calls_check_the_service(
+    clock: Clock,
+) -> None:
+    suite = creds(clock, "scheduler/s1")
+    for service in internal_auth.SUITE_SERVICES:
+        with pytest.raises(ValueError, match="outside the suite"):
+            suite.identity_key(Identity(service, "x"))
+    register = "/loadmaster.v1.Scheduler/WorkerSession"
+    worker = dict(creds(clock, "model-pool/w1").call_metadata(register))
+    assert suite.verify_call(worker, register) == Identity("model-pool", "w1")
+    job = Credentials.from_identity_key(suite.identity_key(Identity("trainer", "job-7")), now_ns=clock)
+    with pytest.raises(PermissionDeniedError, match="only model-pool may call"):
+        suite.verify_call(dict(job.call_metadata(register)), register)

@@ -103,4 +103,7 @@ def internal(
         raise typer.BadParameter(
             "the config names no suite secret (internal_auth.secret_file)", param_hint="--config"
         )
-    typer.echo(suite.identity_key(wanted))
+    try:
+        typer.echo(suite.identity_key(wanted))
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--identity") from None

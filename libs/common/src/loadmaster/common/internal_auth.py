@@ -48,10 +48,13 @@ __all__ = [
     "ADMIN_HEADER",
     "ADMIN_METHODS",
     "AUTH_HEADER",
+    "DATA_PORT_SENDER",
     "ENVELOPE_KEY",
     "IDENTITY_HEADER",
     "IDENTITY_KEY_PREFIX",
     "RUN_DIR",
+    "SERVICE_METHODS",
+    "SUITE_SERVICES",
     "Credentials",
     "Identity",
     "InsecureBindError",
@@ -91,6 +94,15 @@ ADMIN_METHODS: frozenset[str] = frozenset(
         "/loadmaster.v1.GpuBroker/RegisterNode",
     }
 )
+
+# The suite's own services: identity keys are never issued for them, so a process outside the
+# suite cannot pose as one; the calls only one of them makes are reserved to it.
+SUITE_SERVICES = frozenset({"gateway", "scheduler", "model-pool", "gpu-broker", "metrics"})
+SERVICE_METHODS: dict[str, str] = {
+    "/loadmaster.v1.Scheduler/WorkerSession": "model-pool",  # registering a worker
+    "/loadmaster.v1.Scheduler/Session": "gateway",  # receiving grants for client requests
+}
+DATA_PORT_SENDER = "gateway"
 
 _NS = 1_000_000_000
 _MAX_IDENTITY = 200
@@ -198,7 +210,9 @@ class Credentials:
         return self._master is not None
 
     def identity_key(self, identity: Identity) -> str:
-        """The key that lets its holder speak for `identity`, and only for it."""
+        """The key that lets its holder speak for `identity`, and only for it (never a suite service)."""
+        if identity.service in SUITE_SERVICES:
+            raise ValueError(f"identity keys are for processes outside the suite, not {identity.service!r}")
         return f"{IDENTITY_KEY_PREFIX}{identity}:{_identity_key(self._require_master(), str(identity)).hex()}"
 
     def with_identity(self, identity: Identity) -> Credentials:
@@ -250,6 +264,8 @@ class Credentials:
         if not hmac.compare_digest(mac, _mac(key, "grpc", claimed, method, stamp)):
             raise UnauthenticatedError("internal credential does not verify")
         self._remember(claimed, key)
+        if (only := SERVICE_METHODS.get(method)) is not None and identity.service != only:
+            raise PermissionDeniedError(f"only {only} may call {method}, not {identity}")
         if method in ADMIN_METHODS and self._admin_digest and not self.admin_verified(metadata):
             raise PermissionDeniedError(f"{method} needs the admin credential")
         return identity
@@ -282,6 +298,8 @@ class Credentials:
         if not hmac.compare_digest(mac, _mac(key, "data", claimed, request_id, stamp)):
             raise UnauthenticatedError("data-port credential does not verify")
         self._remember(claimed, key)
+        if identity.service != DATA_PORT_SENDER:
+            raise UnauthenticatedError(f"only a {DATA_PORT_SENDER} sends on the data port, not {identity}")
         seen = self._seen
         while seen:  # forget MACs whose time window has passed (oldest first)
             first = next(iter(seen))
