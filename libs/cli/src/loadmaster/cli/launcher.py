@@ -215,6 +215,16 @@ class Suite:
             stream.close()
         return ServiceProcess(label, address, process, log_path, extra_env)
 
+    @property
+    def credential_files(self) -> dict[str, str]:
+        """The secret and admin token files this suite made (empty when the config named its own)."""
+        if self._admin_token_file is None:
+            return {}
+        return {
+            "secret_file": str(self.settings.internal_auth.secret_file),
+            "admin_token_file": str(self._admin_token_file),
+        }
+
     def _admin_env(self, service: str) -> dict[str, str]:
         """The admin token goes only to the gateway (admin API keys act through it); the
         others get its SHA-256, enough to check it and not enough to use it."""

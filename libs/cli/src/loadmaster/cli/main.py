@@ -71,7 +71,10 @@ def up(
         raise typer.Exit(1) from None
     endpoints = {name: redact(endpoint) for name, endpoint in suite.endpoints().items()}
     state_path = run_state_path(suite.settings.gateway.address)
-    write_run_state(state_path, {"pid": os.getpid(), "redis_url": suite.settings.redis_url})
+    write_run_state(
+        state_path,
+        {"pid": os.getpid(), "redis_url": suite.settings.redis_url, "internal_auth": suite.credential_files},
+    )
     table = Table(title="Loadmaster is up", show_header=False)
     for name, endpoint in endpoints.items():
         table.add_row(name, endpoint)
