@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +32,9 @@ from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.frontends.grpc_wire import LARGE_MESSAGE_BYTES, LargeInferRequest, split_infer_request
 from loadmaster.gateway.frontends.kserve import (
     EXTENSIONS,
-    INLINE_RAW_BYTES,
     SERVER_NAME,
     SERVER_VERSION,
     KServeInput,
@@ -64,6 +64,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SERVICE_PREFIX = "/inference.GRPCInferenceService/"
+_INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
 MODEL_VERSION = "1"  # the one version each model is served at
 
 
@@ -98,9 +99,14 @@ class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
             return handler
         deserialize = handler.request_deserializer
         name = method.removeprefix(_SERVICE_PREFIX)
+        splits = name in _INFER_METHODS
 
         def tolerant(data: bytes) -> Any:
             try:
+                if splits and len(data) > LARGE_MESSAGE_BYTES:
+                    large = split_infer_request(data)
+                    if large is not None:
+                        return large
                 return deserialize(data)
             except Exception as error:
                 return Undecodable(f"{name} request is not a valid message: {error}")
@@ -162,8 +168,11 @@ def _contents_bytes(tensor: inference_pb2.ModelInferRequest.InferInputTensor) ->
     return np.asarray(values, dtype=dtype).tobytes()
 
 
-def request_inputs(request: inference_pb2.ModelInferRequest) -> list[KServeInput]:
-    raw = request.raw_input_contents
+def request_inputs(
+    request: inference_pb2.ModelInferRequest, raw_contents: Sequence[bytes | memoryview] | None = None
+) -> list[KServeInput]:
+    """The request's inputs; `raw_contents` stand for its `raw_input_contents` when given."""
+    raw = request.raw_input_contents if raw_contents is None else raw_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidArgumentError(
             f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs"
@@ -356,6 +365,8 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     @staticmethod
     def _stream_error(request: Any, message: str) -> inference_pb2.ModelStreamInferResponse:
+        if isinstance(request, LargeInferRequest):
+            request = request.message
         if isinstance(request, Undecodable):
             return inference_pb2.ModelStreamInferResponse(error_message=message)
         return inference_pb2.ModelStreamInferResponse(
@@ -363,7 +374,14 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             infer_response=inference_pb2.ModelInferResponse(model_name=request.model_name, id=request.id),
         )
 
-    def _call(self, request: Any, *, client: str, deadline_s: float | None) -> InferenceCall:
+    def _call(
+        self,
+        request: Any,
+        raw: Sequence[bytes | memoryview] | None,
+        *,
+        client: str,
+        deadline_s: float | None,
+    ) -> InferenceCall:
         """The request as one call: costs time in proportion to its inputs."""
         if len(request.inputs) > self._limits.max_tensors:  # before its data is copied out
             raise InvalidArgumentError(
@@ -371,7 +389,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             )
         check_parameters({k: _parameter(request.parameters, k) for k in request.parameters}, self._limits)
         return build_call(
-            request_inputs(request),
+            request_inputs(request, raw),
             model_id=request.model_name,
             request_id=next(self._ids),
             client_id=client or "grpc",
@@ -381,14 +399,19 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     async def _infer(self, request: Any, *, client: str, deadline_s: float | None) -> Any:
+        raw: list[memoryview] | None = None
+        if isinstance(request, LargeInferRequest):  # over 1 MiB: its data stays where it arrived
+            request, raw = request.message, request.raw_input_contents
         _check_version(request.model_name, request.model_version)
-        # Reading a raw_input_contents entry copies it: the message's size stands in for theirs.
-        raw = 1 if request.raw_input_contents else 0
-        shapes = [(tensor.datatype, tensor.shape, raw) for tensor in request.inputs]
-        if costly(shapes) or request.ByteSize() > INLINE_RAW_BYTES:
-            call = await off_loop(self._call, request, client=client, deadline_s=deadline_s)
+        # A small message (under LARGE_MESSAGE_BYTES) has little raw data: its shapes tell the cost.
+        shapes = [
+            (tensor.datatype, tensor.shape, 1 if request.raw_input_contents else 0)
+            for tensor in request.inputs
+        ]
+        if raw is not None or costly(shapes):
+            call = await off_loop(self._call, request, raw, client=client, deadline_s=deadline_s)
         else:
-            call = self._call(request, client=client, deadline_s=deadline_s)
+            call = self._call(request, raw, client=client, deadline_s=deadline_s)
         result = await dispatch(self._dispatcher, call)
         outputs = outputs_of(result, [output.name for output in request.outputs])
         Output = inference_pb2.ModelInferResponse.InferOutputTensor  # noqa: N806
