@@ -11,6 +11,7 @@ import queue
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -22,7 +23,7 @@ import tritonclient.grpc as triton_grpc
 import zmq
 from tritonclient.utils import InferenceServerException
 
-from loadmaster.v1 import edge_pb2, tensor_pb2
+from loadmaster.v1 import edge_pb2, scheduler_pb2_grpc, tensor_pb2
 
 LIMITED_KEY = "lm_stream-limited-0123456789abcdefghij"
 CONFIG = {
@@ -264,6 +265,70 @@ def test_each_stream_message_pays_one_rate_limit_token(start_gateway: Callable[.
         client.close()
     limited_out = [e for e in errors if e is not None and "rate limit" in str(e)]
     assert len(limited_out) >= 20, [str(e) for e in errors]  # 5 burst + 5/s refill over the run
+
+
+class _SilentScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """A scheduler that takes the gateway's Session and never grants: it only counts Enqueues."""
+
+    def __init__(self) -> None:
+        self.enqueued = 0
+
+    def Session(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802 - gRPC method name
+        for message in request_iterator:
+            self.enqueued += len(message.enqueue)
+        return iter(())
+
+
+def test_a_stream_has_at_most_max_stream_inflight_requests_in_flight(
+    start_gateway: Callable[..., Any],
+) -> None:
+    scheduler = _SilentScheduler()
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = None
+    try:
+        gateway = start_gateway({"limits": {"max_stream_inflight": 4}}, scheduler_address=f"127.0.0.1:{port}")
+        client = triton_grpc.InferenceServerClient(gateway.grpc_address)
+        client.start_stream(lambda result, error: None)
+        tensor = triton_grpc.InferInput("x", [1], "FP32")
+        tensor.set_data_from_numpy(np.ones(1, np.float32))
+        for index in range(40):
+            client.async_stream_infer("double", [tensor], request_id=str(index))
+        deadline = time.monotonic() + 10
+        while scheduler.enqueued < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # room for any further message the stream would wrongly read
+        assert scheduler.enqueued == 4
+    finally:
+        if client is not None:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+        server.stop(0)
+
+
+def test_large_grpc_requests_are_read_and_checked_like_small_ones(start_gateway: Callable[..., Any]) -> None:
+    """Over 1 MiB, a request's data stays in the received message (no copy); checks are the same."""
+    gateway = start_gateway({"limits": {"max_payload_bytes": 8 << 20}})
+    client = triton_grpc.InferenceServerClient(gateway.grpc_address)
+    try:
+        first = triton_grpc.InferInput("a", [300_000], "FP32")
+        first.set_data_from_numpy(np.ones(300_000, np.float32))
+        second = triton_grpc.InferInput("b", [3], "BYTES")
+        second.set_data_from_numpy(np.array([b"x" * 400_000, b"", b"yz"], dtype=object))
+        with pytest.raises(InferenceServerException) as raised:
+            client.infer("double", [first, second])
+        assert raised.value.status() == "StatusCode.UNAVAILABLE"  # every check passed
+        short = triton_grpc.InferInput("b", [4], "BYTES")
+        short.set_data_from_numpy(np.array([b"x" * 400_000, b"", b"yz", b"w"], dtype=object))
+        short._input.shape[:] = [5]  # claims one element more than its data holds
+        with pytest.raises(InferenceServerException) as raised:
+            client.infer("double", [first, short])
+        assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "tensor 'b': BYTES data ends inside element 4 of 5" in raised.value.message()
+    finally:
+        client.close()
 
 
 # --- refused requests are freed when answered ----------------------------------------------

@@ -126,12 +126,14 @@ def _json_bytes(tensor: InputBody, limits: LimitsSettings | None = None) -> byte
     return np.asarray(values, dtype=dtype).tobytes()
 
 
-def parse_infer(body: bytes, header_length: str | None, limits: LimitsSettings | None = None) -> ParsedInfer:
+def parse_infer(
+    body: bytes | bytearray, header_length: str | None, limits: LimitsSettings | None = None
+) -> ParsedInfer:
     """Split and check an infer request body; errors are `InvalidArgumentError` naming the problem.
 
     Costs time in proportion to the JSON part: callers run large bodies off the event loop."""
     binary = memoryview(b"")
-    json_part: bytes | memoryview = body
+    json_part: bytes | bytearray | memoryview = body
     if header_length is not None:
         try:
             length = int(header_length)
