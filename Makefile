@@ -15,15 +15,15 @@ STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: run test test-all install models protos check-protos bench soak lint typecheck clean chromium
+.PHONY: run test test-all install models protos check-protos bench soak chaos lint typecheck clean chromium kubectl
 
 run: install models
 	$(VENV)/bin/loadmaster up --config $(CONFIG)
 
-test: install models chromium lint typecheck
+test: install models chromium kubectl lint typecheck
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: install models chromium lint typecheck $(RAY_STAMP)
+test-all: install models chromium kubectl lint typecheck $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -51,6 +51,15 @@ chromium:
 			|| echo "chromium could not be installed: the dashboard browser test will skip"; \
 	fi
 
+# kubectl renders deploy/kubernetes (kustomize) in tests/integration/test_kubernetes_manifests.py;
+# the machine image has it, elsewhere Debian's kubernetes-client is installed (the test skips
+# with a reason where neither is there).
+kubectl:
+	@if ! command -v kubectl >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null) \
+			|| echo "kubectl could not be installed: the Kubernetes manifest test will skip"; \
+	fi
+
 models: install $(MODELS_STAMP)
 
 $(MODELS_STAMP): examples/make_models.py
@@ -68,6 +77,12 @@ bench: install models
 
 soak: install models
 	$(PY) bench/soak.py
+
+# Kill each process, flush and restart Redis, send a maximum-size request, a non-reading client,
+# a fake worker and an impostor identity under 200 req/s of background traffic (about 5 minutes):
+# writes bench/results/chaos.json and its table in bench/RESULTS.md.
+chaos: install models
+	$(PY) bench/chaos.py
 
 lint: install
 	$(VENV)/bin/ruff check .

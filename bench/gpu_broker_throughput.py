@@ -2,7 +2,6 @@
 
     python bench/gpu_broker_throughput.py                       # both modes, 8 clients, 5 s each
     python bench/gpu_broker_throughput.py --mode grpc --replicas 1 2 --seconds 10
-    python bench/gpu_broker_throughput.py --mode grpc --api stream   # only the Leases stream
     python bench/gpu_broker_throughput.py --mode core --processes 2   # two replicas, 4 clients each
     python bench/gpu_broker_throughput.py --redis-url redis://127.0.0.1:6379/0
 
@@ -11,14 +10,12 @@ Modes:
   (the broker's own logic and its Lua scripts on a real Redis, no gRPC): what one Redis
   sustains.
 - `grpc`: 8 client processes against `--replicas` gpu-broker processes (the whole path as a
-  model-pool worker sees it), once per `--api`: `unary`, each client a blocking loop of
-  `Acquire` + `Release` RPCs (result `grpc`); `stream`, each client an asyncio loop of the
-  same two ops on one `Leases` stream (result `grpc_stream`). Several `--replicas` values run
-  one after the other (`grpc`, then `grpc_x2`, ...). Each api is also run once against an
-  echo server (the same proto and client processes, a grpc.aio server on uvloop that
-  answers every op at once, no broker and no Redis): its rate (`transport_floor`) is what
-  gRPC in Python sustains on this machine with nothing behind it, and `share_of_floor` says
-  how close the broker comes to it.
+  model-pool worker sees it), each client a blocking loop of `Acquire` + `Release` RPCs.
+  Several `--replicas` values run one after the other (`grpc`, then `grpc_x2`, ...). The
+  clients are also run once against an echo server (the same proto and client processes, a
+  grpc.aio server on uvloop that answers every op at once, no broker and no Redis): its rate
+  (`transport_floor`) is what gRPC in Python sustains on this machine with nothing behind
+  it, and `share_of_floor` says how close the broker comes to it.
 
 Each pair acquires 100 MB (best fit, any GPU) and releases it at once. Grant latency is the
 Acquire call as the client sees it. `cpu_us_per_pair` says where the CPU went during the
@@ -159,40 +156,6 @@ print(json.dumps({"pairs": pairs, "cpu_s": time.process_time() - cpu, "latencies
 """
 
 
-_GRPC_STREAM_CLIENT = r"""
-import asyncio, json, sys, time, uuid
-import grpc
-from loadmaster.v1 import gpu_broker_pb2 as pb, gpu_broker_pb2_grpc
-address, start, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
-async def main():
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
-        await stub.Inventory(pb.InventoryRequest(), timeout=10)
-        call = stub.Leases(timeout=seconds + 30)
-        latencies, pairs = [], 0
-        await asyncio.sleep(max(0.0, start - time.time()))
-        end = start + seconds
-        holder = uuid.uuid4().hex[:8]
-        cpu = time.process_time()
-        while time.time() < end:
-            t0 = time.perf_counter()
-            request = pb.AcquireRequest(client_request_id=uuid.uuid4().hex, holder=holder, mb=100)
-            await call.write(pb.LeaseOp(op_id=2 * pairs + 1, acquire=request))
-            result = await call.read()
-            assert result.WhichOneof("result") == "acquire", result
-            lease = result.acquire.lease
-            latencies.append(time.perf_counter() - t0)
-            release = pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token)
-            await call.write(pb.LeaseOp(op_id=2 * pairs + 2, release=release))
-            assert (await call.read()).release.released
-            pairs += 1
-        cpu = time.process_time() - cpu
-        await call.done_writing()
-        print(json.dumps({"pairs": pairs, "cpu_s": cpu, "latencies": latencies}))
-asyncio.run(main())
-"""
-_CLIENTS = {"unary": _GRPC_CLIENT, "stream": _GRPC_STREAM_CLIENT}
-
 # The transport floor: the broker's proto served by a grpc.aio server (uvloop, as the broker
 # runs) that answers each op at once from the request alone.
 _ECHO_SERVER = r"""
@@ -213,13 +176,6 @@ class Echo(gpu_broker_pb2_grpc.GpuBrokerServicer):
         return pb.AcquireResponse(lease=lease(request, Echo.tokens))
     async def Release(self, request, context):
         return pb.ReleaseResponse(released=True)
-    async def Leases(self, request_iterator, context):
-        async for op in request_iterator:
-            if op.WhichOneof("op") == "acquire":
-                Echo.tokens += 1
-                yield pb.LeaseOpResult(op_id=op.op_id, acquire=pb.AcquireResponse(lease=lease(op.acquire, Echo.tokens)))
-            else:
-                yield pb.LeaseOpResult(op_id=op.op_id, release=pb.ReleaseResponse(released=True))
 
 async def main():
     server = grpc.aio.server()
@@ -273,14 +229,14 @@ def _brokers(redis_url: str, replicas: int, logs: Path) -> Iterator[dict[str, ps
 
 
 def _drive(
-    addresses: list[str], servers: list[psutil.Process], *, clients: int, seconds: float, api: str
+    addresses: list[str], servers: list[psutil.Process], *, clients: int, seconds: float
 ) -> tuple[list[dict[str, Any]], float]:
-    """Run `clients` client processes of `api` against `addresses`: (their outputs, the CPU
+    """Run `clients` client processes against `addresses`: (their outputs, the CPU
     seconds `servers` used while they ran)."""
     start = time.time() + 5.0
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _CLIENTS[api], addresses[n % len(addresses)], str(start), str(seconds)],
+            [sys.executable, "-c", _GRPC_CLIENT, addresses[n % len(addresses)], str(start), str(seconds)],
             stdout=subprocess.PIPE,
         )
         for n in range(clients)
@@ -292,22 +248,19 @@ def _drive(
     return outputs, server_cpu
 
 
-def _grpc(redis_url: str, *, clients: int, seconds: float, replicas: int, api: str) -> dict[str, Any]:
+def _grpc(redis_url: str, *, clients: int, seconds: float, replicas: int) -> dict[str, Any]:
     admin = redis.Redis.from_url(redis_url)
     with (
         tempfile.TemporaryDirectory(prefix="gpu-bench-") as logs,
         _brokers(redis_url, replicas, Path(logs)) as brokers,
     ):
         redis_cpu = -_redis_cpu_s(admin)
-        outputs, broker_cpu = _drive(
-            list(brokers), list(brokers.values()), clients=clients, seconds=seconds, api=api
-        )
+        outputs, broker_cpu = _drive(list(brokers), list(brokers.values()), clients=clients, seconds=seconds)
         redis_cpu += _redis_cpu_s(admin)
     admin.close()
     pairs = sum(o["pairs"] for o in outputs)
     latencies = [x for o in outputs for x in o["latencies"]]
     return {
-        "api": api,
         "replicas": replicas,
         "pairs": pairs,
         "seconds": seconds,
@@ -325,7 +278,7 @@ def wait_for_grpc(address: str, *, timeout_s: float) -> None:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
 
 
-def _transport_floor(*, clients: int, seconds: float, api: str) -> dict[str, Any]:
+def _transport_floor(*, clients: int, seconds: float) -> dict[str, Any]:
     """The same client processes against the echo server: gRPC's own cost, nothing behind it."""
     address = f"127.0.0.1:{free_port()}"
     server = subprocess.Popen(
@@ -334,7 +287,7 @@ def _transport_floor(*, clients: int, seconds: float, api: str) -> dict[str, Any
     try:
         wait_for_grpc(address, timeout_s=30)
         outputs, server_cpu = _drive(
-            [address], [psutil.Process(server.pid)], clients=clients, seconds=seconds, api=api
+            [address], [psutil.Process(server.pid)], clients=clients, seconds=seconds
         )
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -359,9 +312,6 @@ def main() -> int:
         default=[1],
         help="gpu-broker processes (grpc mode; several: one run each)",
     )
-    parser.add_argument(
-        "--api", choices=sorted(_CLIENTS), nargs="+", default=["unary", "stream"], help="grpc mode"
-    )
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the clients (core mode)")
     parser.add_argument("--redis-url", help="use this Redis (default: an embedded redis-server)")
     args = parser.parse_args()
@@ -382,26 +332,20 @@ def main() -> int:
             print(json.dumps(results["core"]), flush=True)
         if args.mode in ("grpc", "both"):
             for replicas in args.replicas:
-                for api in args.api:
-                    print(
-                        f"grpc {api}: {args.clients} client processes, {replicas} broker(s), "
-                        f"{args.seconds:g} s…",
-                        flush=True,
-                    )
-                    key = "grpc" if api == "unary" else f"grpc_{api}"
-                    key += "" if replicas == args.replicas[0] else f"_x{replicas}"
-                    results[key] = _grpc(
-                        redis_url, clients=args.clients, seconds=args.seconds, replicas=replicas, api=api
-                    )
-                    print(json.dumps(results[key]), flush=True)
-            for api in args.api:
-                print(f"grpc {api} transport floor (echo server, no broker): …", flush=True)
-                floor = _transport_floor(clients=args.clients, seconds=args.seconds, api=api)
-                print(json.dumps(floor), flush=True)
-                for key, result in results.items():
-                    if key.startswith("grpc") and result.get("api") == api:
-                        result["transport_floor"] = floor
-                        result["share_of_floor"] = round(result["pairs_per_s"] / floor["pairs_per_s"], 3)
+                print(
+                    f"grpc: {args.clients} client processes, {replicas} broker(s), {args.seconds:g} s…",
+                    flush=True,
+                )
+                key = "grpc" if replicas == args.replicas[0] else f"grpc_x{replicas}"
+                results[key] = _grpc(redis_url, clients=args.clients, seconds=args.seconds, replicas=replicas)
+                print(json.dumps(results[key]), flush=True)
+            print("grpc transport floor (echo server, no broker): …", flush=True)
+            floor = _transport_floor(clients=args.clients, seconds=args.seconds)
+            print(json.dumps(floor), flush=True)
+            for key, result in results.items():
+                if key.startswith("grpc"):
+                    result["transport_floor"] = floor
+                    result["share_of_floor"] = round(result["pairs_per_s"] / floor["pairs_per_s"], 3)
     results["targets"] = [
         {
             "name": f"Acquire+Release pairs/s, {args.clients} clients ({key}, {_setup(results[key])})",
@@ -420,7 +364,7 @@ def main() -> int:
 
 def _setup(result: dict[str, Any]) -> str:
     if "replicas" in result:
-        return f"{result['api']}, {result['replicas']} broker process(es)"
+        return f"{result['replicas']} broker process(es)"
     return f"{result['processes']} process(es)"
 
 

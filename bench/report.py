@@ -1,7 +1,8 @@
 """Render bench/RESULTS.md from bench/results/*.json.
 
 A result may carry `targets`: a list of {name, measured, target, unit, met}; those rows make
-the summary table. Everything else scalar at the top level is listed per benchmark.
+the summary table. A result with `scenarios` (a list of rows, `make chaos`) gets them as one
+table. Everything else scalar at the top level is listed per benchmark.
 """
 
 from __future__ import annotations
@@ -28,6 +29,43 @@ def _scalars(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return rows
 
 
+_SCENARIO_COLUMNS = (
+    ("scenario", "scenario"),
+    ("sent", "sent"),
+    ("unanswered", "no reply"),
+    ("recovered_s", "serving again (s)"),
+    ("worst_latency_ms", "worst latency (ms)"),
+    ("gateway_rss_growth_mb", "gateway RSS growth (MB)"),
+    ("promised_over_capacity", "promised > capacity"),
+    ("refused", "refused"),
+    ("detail", "what happened"),
+)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items()) or "-"
+    return str(value).replace("|", "\\|")
+
+
+def _scenario_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| " + " | ".join(title for _, title in _SCENARIO_COLUMNS) + " | error replies |",
+        "|" + "---|" * (len(_SCENARIO_COLUMNS) + 1),
+    ]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['scenario']} | skipped: {row['skipped']} |")
+            continue
+        cells = [_cell(row.get(key)) for key, _ in _SCENARIO_COLUMNS]
+        lines.append("| " + " | ".join(cells) + f" | {_cell(row.get('error_replies'))} |")
+    return lines
+
+
 def render() -> str:
     results = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
     lines = ["# Benchmark results", ""]
@@ -52,6 +90,8 @@ def render() -> str:
         lines.append("")
     for r in results:
         lines += [f"## {r['benchmark']}", "", f"Run {r.get('when', '?')}.", ""]
+        if isinstance(r.get("scenarios"), list):
+            lines += [*_scenario_table(r["scenarios"]), ""]
         rows = _scalars(r)
         if rows:
             lines += ["| value | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows[:40]]

@@ -12,6 +12,10 @@ full collection walks every queued request). `cpu_decisions_per_s` divides by th
 process's CPU time over the same calls instead: on a shared machine it leaves out the
 time the OS gave other processes, so it is the steadier number to compare runs with.
 
+The core runs with dispatch credits, lookahead and reservations off (no gateway takes
+credits here, and the other two add their own work per decision); `--shipped-mechanisms`
+runs it with CoreConfig's defaults, the shipped settings, instead.
+
     .venv/bin/python bench/scheduler_decisions.py [--seconds 2] [--strategies model_deadline,...]
 """
 
@@ -37,6 +41,7 @@ from loadmaster.scheduler.domain import (
     RequestInfo,
     SlotState,
     SlotStatus,
+    Submission,
     WorkerHello,
 )
 from loadmaster.scheduler.strategies import make_ordering
@@ -69,10 +74,16 @@ class _Sink:
         pass
 
 
-def run(strategy: str, depth: int, batch: int, seconds: float) -> dict[str, Any]:
+MECHANISMS_OFF: dict[str, Any] = {"dispatch_credits": 0, "lookahead": 0, "reservation": False}
+
+
+def run(strategy: str, depth: int, batch: int, seconds: float, *, shipped: bool = False) -> dict[str, Any]:
     sink = _Sink()
     config = CoreConfig(
-        max_queue_size=depth + 10 * batch, request_ttl_ms=600_000.0, max_inflight=lambda m: batch
+        max_queue_size=depth + 10 * batch,
+        request_ttl_ms=600_000.0,
+        max_inflight=lambda m: batch,
+        **({} if shipped else MECHANISMS_OFF),
     )
     core = SchedulerCore(config, clock=SystemClock(), outbound=sink, ordering=make_ordering(strategy))
     core.add_worker(WorkerHello("w", "tcp://127.0.0.1:1", repository=("m",)))
@@ -85,7 +96,7 @@ def run(strategy: str, depth: int, batch: int, seconds: float) -> dict[str, Any]
     chunk = 10_000
     while n < depth:  # fill, nothing READY yet
         size = min(chunk, depth - n)
-        core.submit(1, enqueues=[info(n + k) for k in range(size)])
+        core.submit(1, Submission(enqueues=[info(n + k) for k in range(size)]))
         n += size
     core.update_worker("w", [SlotStatus("m", SlotState.READY, generation=1)])
     # the first grants went out on READY; from here each step keeps the depth constant
@@ -100,8 +111,9 @@ def run(strategy: str, depth: int, batch: int, seconds: float) -> dict[str, Any]
         completes = [Completion(rid, worker_id="w") for rid in done]
         enqueues = [info(n + k) for k in range(len(done))]
         n += len(done)
+        submission = Submission(enqueues=enqueues, completes=completes)
         t, c = clock(), cpu_clock()
-        core.submit(1, enqueues=enqueues, completes=completes)
+        core.submit(1, submission)
         elapsed += clock() - t
         cpu += cpu_clock() - c
         decisions += len(done)
@@ -111,6 +123,7 @@ def run(strategy: str, depth: int, batch: int, seconds: float) -> dict[str, Any]
     rate = decisions / elapsed
     return {
         "strategy": strategy,
+        "mechanisms": "shipped" if shipped else "off",
         "depth": depth,
         "batch": batch,
         "decisions": decisions,
@@ -128,12 +141,15 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--strategies", default=",".join(ALL))
+    parser.add_argument(
+        "--shipped-mechanisms", action="store_true", help="credits, lookahead, reservations on"
+    )
     args = parser.parse_args()
     rows = []
     for strategy in args.strategies.split(","):
         for depth in (1_000, 100_000):
             for batch in (1, 64):
-                row = run(strategy, depth, batch, args.seconds)
+                row = run(strategy, depth, batch, args.seconds, shipped=args.shipped_mechanisms)
                 rows.append(row)
                 print(
                     f"{strategy:16} depth {depth:>7,} batch {batch:>2}: {row['decisions_per_s']:>9,}/s "
@@ -158,7 +174,8 @@ def main() -> None:
                     "met": best["meets_target"],
                 }
             )
-    path = write_result("scheduler_decisions", {"targets": targets, "runs": rows})
+    name = "scheduler_decisions_shipped" if args.shipped_mechanisms else "scheduler_decisions"
+    path = write_result(name, {"targets": targets, "runs": rows})
     print(f"wrote {path}")
 
 

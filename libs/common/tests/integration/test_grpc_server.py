@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -19,6 +20,7 @@ from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 METRICS_SERVICE = "loadmaster.v1.Metrics"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
+REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
 
 
 def all_subclasses(cls: type[LoadmasterError]) -> list[type[LoadmasterError]]:
@@ -219,7 +221,29 @@ async def test_reflection_lists_every_service(channel: grpc.aio.Channel) -> None
     )
     replies = [reply async for reply in call]
     names = {s.name for s in replies[0].list_services_response.service}
-    assert names == {METRICS_SERVICE, HEALTH_SERVICE, REFLECTION_SERVICE}
+    assert names == {METRICS_SERVICE, HEALTH_SERVICE, REFLECTION_SERVICE, REFLECTION_V1_SERVICE}
+
+
+async def test_reflection_v1_answers_as_v1alpha_does(channel: grpc.aio.Channel) -> None:
+    """A client of the v1 protocol (its messages are v1alpha's on the wire) lists the services
+    and gets the file that declares one, as grpcurl and grpc-js reflection ask."""
+    call = channel.stream_stream(
+        f"/{REFLECTION_V1_SERVICE}/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )(
+        iter(
+            [
+                reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol=METRICS_SERVICE),
+            ]
+        ),
+        timeout=5,
+    )
+    listing, file = [reply async for reply in call]
+    assert METRICS_SERVICE in {s.name for s in listing.list_services_response.service}
+    [proto] = file.file_descriptor_response.file_descriptor_proto
+    assert descriptor_pb2.FileDescriptorProto.FromString(proto).package == "loadmaster.v1"
 
 
 async def test_start_hooks_run_in_order_after_bind_and_stop_hooks_in_reverse() -> None:

@@ -80,7 +80,9 @@ def unused_address() -> str:
 
 async def test_samples_arrive_in_batches_with_their_labels(metrics: tuple[CollectingMetrics, str]) -> None:
     servicer, address = metrics
-    reporter = TelemetryReporter("gateway", "gw-1", address, flush_interval_s=0.01, max_batch=3)
+    reporter = TelemetryReporter(
+        "gateway", "gw-1", address, flush_interval_s=0.01, max_batch=3, process_interval_s=None
+    )
     reporter.start()
     before = time.time_ns()
     for value in range(7):
@@ -100,7 +102,7 @@ async def test_samples_arrive_in_batches_with_their_labels(metrics: tuple[Collec
 
 async def test_close_flushes_what_is_buffered(metrics: tuple[CollectingMetrics, str]) -> None:
     servicer, address = metrics
-    reporter = TelemetryReporter("scheduler", "s-1", address, flush_interval_s=10.0)
+    reporter = TelemetryReporter("scheduler", "s-1", address, flush_interval_s=10.0, process_interval_s=None)
     reporter.start()
     for value in range(5):
         reporter.record("queue_depth", value)
@@ -109,7 +111,9 @@ async def test_close_flushes_what_is_buffered(metrics: tuple[CollectingMetrics, 
 
 
 async def test_an_unreachable_address_never_blocks_record() -> None:
-    reporter = TelemetryReporter("gateway", "gw-1", unused_address(), flush_interval_s=0.01)
+    reporter = TelemetryReporter(
+        "gateway", "gw-1", unused_address(), flush_interval_s=0.01, process_interval_s=None
+    )
     reporter.start()
     started = time.perf_counter()
     for value in range(2000):
@@ -124,7 +128,9 @@ async def test_an_unreachable_address_never_blocks_record() -> None:
 
 
 async def test_an_unreachable_address_counts_what_it_drops() -> None:
-    reporter = TelemetryReporter("gateway", "gw-1", unused_address(), flush_interval_s=0.01)
+    reporter = TelemetryReporter(
+        "gateway", "gw-1", unused_address(), flush_interval_s=0.01, process_interval_s=None
+    )
     reporter.start()
     for _ in range(100):
         reporter.record("e2e_latency_ms", 1.0)  # a histogram: one sample each
@@ -144,7 +150,9 @@ async def test_a_steady_stream_of_samples_is_sent_once_per_flush_interval(
     write per request)."""
     servicer, address = metrics
     interval_s = 0.2
-    reporter = TelemetryReporter("scheduler", "s-1", address, flush_interval_s=interval_s)
+    reporter = TelemetryReporter(
+        "scheduler", "s-1", address, flush_interval_s=interval_s, process_interval_s=None
+    )
     reporter.start()
     started = time.perf_counter()
     for value in range(150):
@@ -161,7 +169,7 @@ async def test_a_metrics_service_that_starts_late_gets_every_later_sample() -> N
     """Failed Report calls must not leave readers behind that swallow later batches (the
     gpu-broker starts before the metrics service and records a gauge only every 15 s)."""
     address = unused_address()
-    reporter = TelemetryReporter("gpu-broker", "b-1", address, flush_interval_s=0.01)
+    reporter = TelemetryReporter("gpu-broker", "b-1", address, flush_interval_s=0.01, process_interval_s=None)
     reporter.start()
     reporter.record("lease_mb", 1.0, {"gpu": "0"})  # dropped: nothing listens yet
     for _ in range(200):  # a few failed attempts (backoff 0.1 s, doubling)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from loadmaster.common.clock import FakeClock
 from loadmaster.common.errors import UnavailableError
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall
@@ -18,6 +19,7 @@ from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 class _SchedulerDouble:
     def __init__(self) -> None:
         self.connected = True
+        self.session = 1
         self.enqueued: list[scheduler_pb2.RequestInfo] = []
         self.completed: list[tuple[str, int, bool]] = []
         self.cancelled: list[str] = []
@@ -68,13 +70,39 @@ class _WorkersDouble:
         self.sent.append((endpoint, model_pool_pb2.InferRequest.FromString(envelope)))
 
 
+GRACE_S = 10.0
+LOST_GRACE_S = 2.0
+
+
 @pytest.fixture()
-def parts() -> tuple[Dispatcher, _SchedulerDouble, _WorkersDouble, list[CallResult]]:
-    dispatcher = Dispatcher(telemetry=TelemetryReporter("gateway", "test", None), reply_grace_s=0.05)
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture()
+async def parts(
+    clock: FakeClock,
+) -> AsyncIterator[tuple[Dispatcher, _SchedulerDouble, _WorkersDouble, list[CallResult]]]:
     scheduler, workers = _SchedulerDouble(), _WorkersDouble()
-    dispatcher.attach(scheduler, workers)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        scheduler=lambda _: scheduler,
+        workers=lambda _: workers,
+        telemetry=TelemetryReporter("gateway", "test", None),
+        clock=clock,
+        reply_grace_s=GRACE_S,
+        lost_grace_s=LOST_GRACE_S,
+    )
+    dispatcher.start()
     results: list[CallResult] = []
-    return dispatcher, scheduler, workers, results
+    yield dispatcher, scheduler, workers, results
+    await dispatcher.close()
+
+
+async def _advance(clock: FakeClock, seconds: float) -> None:
+    """Move the fake clock and let the reply watchdog run."""
+    clock.advance(seconds)
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 def _call(request_id: str = "r1") -> InferenceCall:
@@ -168,11 +196,15 @@ async def test_a_worker_that_cannot_take_the_request_is_reported_retryable(parts
     assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
 
 
-async def test_a_worker_that_never_replies_is_answered_expired_by_the_watchdog(parts) -> None:
+async def test_a_worker_that_never_replies_is_answered_expired_by_the_watchdog(parts, clock) -> None:
     dispatcher, scheduler, _, results = parts
     dispatcher.submit(_call(), results.append)
-    dispatcher.on_grant(_grant())
-    await asyncio.sleep(0.15)
+    grant = _grant()
+    grant.deadline_unix_ns = int((clock.time() + 5.0) * 1e9)
+    dispatcher.on_grant(grant)
+    await _advance(clock, 5.0 + GRACE_S - 0.5)
+    assert results == []  # the deadline + grace has not passed yet
+    await _advance(clock, 1.0)
     assert results[0].error is not None and results[0].error.edge_code == "expired"
     assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_EXPIRED, False)]
 
@@ -202,13 +234,13 @@ def _ok(request_id: str, worker: str = "w1") -> model_pool_pb2.InferReply:
     return model_pool_pb2.InferReply(request_id=request_id, model_id="double", worker_id=worker)
 
 
-async def test_a_call_on_an_idle_credit_goes_straight_to_the_worker(parts) -> None:
+async def test_a_call_on_an_idle_credit_goes_straight_to_the_worker(parts, clock) -> None:
     dispatcher, scheduler, workers, results = parts
     dispatcher.on_credit(_credit())
     dispatcher.submit(_call("r1"), results.append)
     [(endpoint, request)] = workers.sent
     assert (endpoint, request.generation) == ("tcp://w1", 3)
-    assert abs(request.deadline_unix_ns - time.time_ns() - 500e6) < 200e6  # now + the credit's TTL
+    assert request.deadline_unix_ns == int((clock.time() + 0.5) * 1e9)  # now + the credit's TTL
     assert [(e.request_id, e.credit_id) for e in scheduler.enqueued] == [("r1", "c1")]
     dispatcher.submit(_call("r2"), results.append)  # the only credit is busy: asks the scheduler
     assert scheduler.enqueued[-1].credit_id == "" and len(workers.sent) == 1
@@ -303,3 +335,74 @@ async def test_losing_the_scheduler_voids_credits_but_running_calls_still_finish
     assert results[0].ok and scheduler.returned == []
     dispatcher.submit(_call("r2"), results.append)
     assert scheduler.enqueued[-1].credit_id == ""  # the old session's credit is gone
+
+
+async def test_a_lost_worker_s_calls_wait_for_the_scheduler_s_regrant(parts, clock) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.on_grant(_grant("r1", worker="w1"))
+    dispatcher.on_worker_lost("tcp://w1")
+    await _advance(clock, LOST_GRACE_S / 2)
+    dispatcher.on_grant(_grant("r1", worker="w2", attempt=2))  # it saw the worker's stream end
+    await _advance(clock, LOST_GRACE_S)
+    assert scheduler.completed == [] and results == []  # no retry spent on the dead worker
+    dispatcher.on_worker_reply(_ok("r1", worker="w2"), b"ok")
+    assert results[0].ok and workers.sent[-1][0] == "tcp://w2"
+
+
+async def test_a_lost_worker_hands_its_calls_back_to_the_scheduler_that_knows_them(parts, clock) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.submit(_call("r2"), results.append)
+    dispatcher.on_grant(_grant("r1", worker="w1"))
+    dispatcher.on_grant(_grant("r2", worker="w2"))
+    dispatcher.on_worker_lost("tcp://w1")
+    assert scheduler.completed == []  # the scheduler may re-grant it on its own first
+    await _advance(clock, LOST_GRACE_S + 0.5)
+    assert results == []  # retryable: the scheduler queues it again (or answers it)
+    assert scheduler.completed == [("r1", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
+    dispatcher.on_grant(_grant("r1", worker="w2", attempt=2))
+    assert workers.sent[-1][0] == "tcp://w2"
+    dispatcher.on_worker_reply(_ok("r1", worker="w2"), b"ok")
+    dispatcher.on_worker_reply(_ok("r2", worker="w2"), b"ok")
+    assert [r.ok for r in results] == [True, True]
+
+
+async def test_a_lost_worker_s_calls_of_an_earlier_scheduler_session_are_answered_at_once(
+    parts, clock
+) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.submit(_call("old"), results.append)
+    dispatcher.on_grant(_grant("old"))
+    scheduler.session = 2  # the scheduler restarted: its new session never heard of "old"
+    dispatcher.submit(_call("new"), results.append)
+    dispatcher.on_grant(_grant("new"))
+    dispatcher.on_worker_lost("tcp://w1")
+    assert [(r.request_id, r.error.edge_code) for r in results if r.error] == [("old", "unavailable")]
+    await _advance(clock, LOST_GRACE_S + 0.5)
+    assert scheduler.completed == [("new", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
+    assert dispatcher.inflight == 1  # "new" waits for the scheduler's answer
+
+
+async def test_a_lost_worker_s_calls_are_answered_at_once_while_the_scheduler_is_away(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit())
+    dispatcher.submit(_call("r1"), results.append)  # runs on the credit
+    dispatcher.on_scheduler_lost()
+    scheduler.connected = False
+    dispatcher.on_worker_lost("tcp://w1")
+    assert [(r.request_id, r.error.edge_code) for r in results if r.error] == [("r1", "unavailable")]
+    assert dispatcher.inflight == 0
+
+
+async def test_a_retryable_failure_of_an_earlier_session_s_call_is_answered(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.submit(_call(), results.append)
+    dispatcher.on_grant(_grant())
+    scheduler.session = 2
+    failure = model_pool_pb2.InferReply(
+        request_id="r1", worker_id="w1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
+    )
+    dispatcher.on_worker_reply(failure, b"")
+    assert results[0].error is not None and results[0].error.edge_code == "unavailable"
+    assert scheduler.completed == []

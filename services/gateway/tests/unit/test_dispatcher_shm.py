@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from loadmaster.common.clock import FakeClock
 from loadmaster.common.config import SharedMemorySettings
 from loadmaster.common.errors import UnavailableError
 from loadmaster.common.telemetry import TelemetryReporter
@@ -29,6 +30,7 @@ LARGE = bytes(range(256)) * 400  # 100 KiB
 
 class _Scheduler:
     connected = True
+    session = 1
 
     def __init__(self) -> None:
         self.completed: list[tuple[str, int, bool]] = []
@@ -61,6 +63,7 @@ class Parts:
     workers: _Workers
     shm: ShmPayloads
     results: list[CallResult]
+    clock: FakeClock
 
     def submit(self, request_id: str = "r1", payload: bytes = LARGE) -> None:
         call = InferenceCall(request_id=request_id, client_id="c", model_id="m", inputs=[], payload=payload)
@@ -89,17 +92,25 @@ class Parts:
 
 
 def make_parts(tmp_path: Path, **settings: Any) -> Parts:
-    dispatcher = Dispatcher(telemetry=TelemetryReporter("gateway", "test", None), reply_grace_s=0.05)
     shm = ShmPayloads(SharedMemorySettings(**settings), directory=tmp_path)
-    scheduler, workers = _Scheduler(), _Workers()
-    dispatcher.attach(scheduler, workers, shm)  # type: ignore[arg-type]
-    return Parts(dispatcher, scheduler, workers, shm, [])
+    scheduler, workers, clock = _Scheduler(), _Workers(), FakeClock()
+    dispatcher = Dispatcher(
+        scheduler=lambda _: scheduler,
+        workers=lambda _: workers,
+        telemetry=TelemetryReporter("gateway", "test", None),
+        shm=shm,
+        clock=clock,
+        reply_grace_s=10.0,
+    )
+    return Parts(dispatcher, scheduler, workers, shm, [], clock)
 
 
 @pytest.fixture
-def parts(tmp_path: Path) -> Iterator[Parts]:
+async def parts(tmp_path: Path) -> AsyncIterator[Parts]:
     made = make_parts(tmp_path)
+    made.dispatcher.start()
     yield made
+    await made.dispatcher.close()
     made.shm.close()
     assert list(tmp_path.iterdir()) == []  # the region is unlinked
 
@@ -172,7 +183,9 @@ async def test_a_full_region_sends_the_payload_on_the_socket(tmp_path: Path) -> 
 async def test_a_worker_that_never_replies_leaves_its_slot_in_quarantine(parts: Parts) -> None:
     parts.submit()
     parts.grant()
-    await asyncio.sleep(0.15)  # the watchdog (reply_grace_s=0.05) answers `expired`
+    parts.clock.advance(10.5)  # the watchdog (reply_grace_s=10) answers `expired`
+    for _ in range(3):
+        await asyncio.sleep(0)
     assert parts.results[0].error is not None and parts.results[0].error.edge_code == "expired"
     assert parts.quarantined == 1 and parts.allocated > 0
     parts.reply()  # too late: ignored, the slot stays in quarantine

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import redis
 
 from loadmaster.common.clock import FakeClock
 from loadmaster.common.errors import ResourceExhaustedError
@@ -64,3 +65,36 @@ async def test_a_dead_holders_memory_in_use_is_not_granted_again(redis_url: str)
         assert granted.mb_per_gpu == {0: 8_000}
     finally:
         await store.close()
+
+
+async def test_after_redis_lost_its_data_memory_still_in_use_is_not_granted(redis_url: str) -> None:
+    """The lease went with the data, but its holder's process still holds 5000 MB: the
+    re-registration that the next Acquire triggers records them before granting anything."""
+    clock = FakeClock()
+    prefix = f"rec-{uuid.uuid4().hex[:8]}"
+    store = RedisLeaseStore.connect(redis_url, key_prefix=prefix)
+    manager = LeaseManager(store, clock=clock, default_ttl_s=10, default_reserve_mb=500)
+    sampler = FakeSampler()
+    gpus = {"n": [GpuState("n", 0, total_mb=8_500, reserve_mb=500)]}
+    reaper = Reaper(
+        manager,
+        clock=clock,
+        inventory=gpus,
+        local_gpus=LocalGpus("n", sampler, reserve_mb=500),  # type: ignore[arg-type]
+    )
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        await reaper.start()
+        await manager.acquire(
+            AcquireRequest("r1", "job", PlacementRequest(mb=6_000), ttl_s=10, labels={"pid": "4242"})
+        )
+        sampler.processes = {4242: 5_000}
+        admin.delete(*admin.scan_iter(f"{prefix}:*"))  # this broker's share of a FLUSHALL
+
+        with pytest.raises(ResourceExhaustedError, match="free per GPU: n/0=3000 of 3000 MB"):
+            await manager.acquire(AcquireRequest("r2", "other", PlacementRequest(mb=4_000, node="n")))
+        assert (await manager.inventory())[0].used_outside_mb == 5_000
+    finally:
+        await reaper.stop()
+        await store.close()
+        admin.close()

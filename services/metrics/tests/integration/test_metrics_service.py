@@ -22,7 +22,9 @@ async def report(
     server: MetricsServer, service: str, samples: list[tuple[str, float, dict[str, str]]]
 ) -> None:
     """Send samples through the real reporter; returns once the server acknowledged them."""
-    reporter = TelemetryReporter(service, f"{service}-1", f"127.0.0.1:{server.port}", flush_interval_s=0.01)
+    reporter = TelemetryReporter(
+        service, f"{service}-1", f"127.0.0.1:{server.port}", flush_interval_s=0.01, process_interval_s=None
+    )
     reporter.start()
     for name, value, labels in samples:
         reporter.record(name, value, labels)
@@ -70,14 +72,20 @@ async def test_reported_samples_answer_stats_latest_and_prometheus(
         for family in text_string_to_metric_families(response.text)
         for s in family.samples
     }
-    ok = (("code", "ok"), ("model", "m1"))
+    ok = (("code", "ok"), ("model", "m1"), ("replica", "gateway-1"))
     assert seen[("loadmaster_gateway_e2e_latency_seconds_count", ok)] == 300
     assert seen[("loadmaster_gateway_e2e_latency_seconds_sum", ok)] == pytest.approx(latencies.sum() / 1000)
     assert (
-        seen[("loadmaster_gateway_e2e_latency_seconds_count", (("code", "expired"), ("model", "m2")))] == 20
+        seen[
+            (
+                "loadmaster_gateway_e2e_latency_seconds_count",
+                (("code", "expired"), ("model", "m2"), ("replica", "gateway-1")),
+            )
+        ]
+        == 20
     )
-    assert seen[("loadmaster_gateway_active_clients", ())] == 5.0
-    assert seen[("loadmaster_scheduler_queue_depth", (("model", "m1"),))] == 7.0
+    assert seen[("loadmaster_gateway_active_clients", (("replica", "gateway-1"),))] == 5.0
+    assert seen[("loadmaster_scheduler_queue_depth", (("model", "m1"), ("replica", "scheduler-1")))] == 7.0
     assert seen[("loadmaster_metrics_samples_accepted_total", (("service", "gateway"),))] == 322
 
 

@@ -32,7 +32,9 @@ def metrics_settings() -> Settings:
 async def report(
     server: MetricsServer, service: str, samples: list[tuple[str, float, dict[str, str]]]
 ) -> None:
-    reporter = TelemetryReporter(service, f"{service}-1", f"127.0.0.1:{server.port}", flush_interval_s=0.01)
+    reporter = TelemetryReporter(
+        service, f"{service}-1", f"127.0.0.1:{server.port}", flush_interval_s=0.01, process_interval_s=None
+    )
     reporter.start()
     for name, value, labels in samples:
         reporter.record(name, value, labels)

@@ -17,7 +17,9 @@ async def test_a_series_with_several_values_arrives_with_values_timestamps_and_l
 ) -> None:
     watch = stub.Watch(metrics_pb2.WatchMetricsRequest(names=["e2e_latency_ms"]))
     await asyncio.wait_for(watch.initial_metadata(), 5.0)  # subscribed from here on
-    reporter = TelemetryReporter("gateway", "gw-1", f"127.0.0.1:{server.port}", flush_interval_s=10.0)
+    reporter = TelemetryReporter(
+        "gateway", "gw-1", f"127.0.0.1:{server.port}", flush_interval_s=10.0, process_interval_s=None
+    )
     reporter.start()
     stamps = []
     for value in range(6):

@@ -75,6 +75,31 @@ def test_snapshot_buckets_latency_throughput_misses_queue_and_gpu() -> None:
     ]
 
 
+def test_generative_models_get_tokens_per_second_and_time_to_first_token() -> None:
+    clock = FakeClock()
+    windows = Windows(ring_size=1000, clock=clock)
+    for _ in range(4):  # 50 tokens/s; first tokens after 10 and 30 ms
+        windows.ingest(
+            observations_of(
+                [
+                    sample("output_tokens", 20, "model-pool", model="tiny-chat"),
+                    sample("output_tokens", 30, "model-pool", model="tiny-chat"),
+                    sample("time_to_first_token_ms", 10, "gateway", model="tiny-chat"),
+                    sample("time_to_first_token_ms", 30, "gateway", model="tiny-chat"),
+                ]
+            )
+        )
+        clock.advance(1.0)
+
+    doc = snapshot(windows, window_s=6, step_s=1, summary_s=4)
+
+    chat = doc["generative"]["tiny-chat"]
+    assert chat["tokens_per_s"][1:5] == [50.0] * 4 and chat["tokens_per_s"][0] == 0.0
+    assert chat["ttft_p50_ms"][1:5] == [20.0] * 4 and chat["ttft_p95_ms"][1] == pytest.approx(29.0)
+    assert chat["summary"] == {"tokens_per_s": 50.0, "ttft_p50_ms": 20.0}
+    assert doc["models"] == {}  # no tensor traffic
+
+
 def test_scheduler_workers_win_over_slot_samples_and_bad_windows_are_refused() -> None:
     _, windows = loaded_windows()
     rows = [WorkerRow("w1", (SlotRow("double", "LOADING", 1, 16),))]

@@ -17,14 +17,18 @@ async def get(app: Starlette, path: str, **headers: str) -> httpx.Response:
 
 async def test_metrics_and_healthz() -> None:
     exposition = Exposition(CollectorRegistry())
-    exposition.observe(observations_of([Sample("send_errors", 2.0, label_set({"service": "gateway"}))]))
+    exposition.observe(
+        observations_of([Sample("send_errors", 2.0, label_set({"service": "gateway"}))]),
+        service="gateway",
+        replica="gw-1",
+    )
     serving = True
     app = create_app(exposition, serving=lambda: serving)
 
     response = await get(app, "/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    assert "loadmaster_gateway_send_errors_total 2.0" in response.text
+    assert 'loadmaster_gateway_send_errors_total{replica="gw-1"} 2.0' in response.text
 
     openmetrics = await get(app, "/metrics", accept="application/openmetrics-text")
     assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")

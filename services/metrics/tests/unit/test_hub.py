@@ -63,7 +63,7 @@ async def test_ingest_feeds_windows_exposition_and_watchers() -> None:
         name="queue_depth", value=5, labels={"model": "m", "service": "spoofed"}, timestamp_unix_ns=7
     )
     with hub.watch(names=["queue_depth"], labels={"service": "scheduler"}) as watch:
-        assert hub.ingest(observations_from_batch(batch), service=batch.service) == 1
+        assert hub.ingest(observations_from_batch(batch), service=batch.service, instance=batch.instance) == 1
         watched = await anext(aiter(watch))
 
     [latest] = hub.latest("", {"model": "m"})
@@ -71,7 +71,7 @@ async def test_ingest_feeds_windows_exposition_and_watchers() -> None:
         name="queue_depth", value=5, labels={"model": "m", "service": "scheduler"}, timestamp_unix_ns=7
     )
     assert watched == [latest]
-    assert own(hub, "loadmaster_scheduler_queue_depth", model="m") == 5
+    assert own(hub, "loadmaster_scheduler_queue_depth", model="m", replica="s-1") == 5
     assert stats_to_proto(hub.stats("queue_depth", {}, window_s=0)).count == 1
 
 

@@ -116,13 +116,12 @@ def _message(request_id: str, model_id: str = "m") -> list[Any]:
 
 
 @pytest.fixture
-async def port(monkeypatch: pytest.MonkeyPatch) -> tuple[DataPort, _FakePool, _FakeSocket]:
+async def port() -> tuple[DataPort, _FakePool, _FakeSocket]:
     pool, sock = _FakePool(), _FakeSocket()
     data_port = DataPort(pool, bind="tcp://127.0.0.1:0", worker_id="w1")  # type: ignore[arg-type]
     # What start() sets up, minus the socket: replies go to the fake, sent through its send().
     data_port._socket = sock  # type: ignore[assignment]
     data_port._loop = asyncio.get_running_loop()
-    monkeypatch.setattr("loadmaster.model_pool.data_port._send_frame", type(sock).send)
     return data_port, pool, sock
 
 

@@ -3,7 +3,9 @@ exactly-one-outcome invariant checked over everything that happened."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,9 +13,11 @@ import pytest
 
 from loadmaster.common.clock import FakeClock
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore
-from loadmaster.scheduler.credits import Credit, CreditRun, FinishedRun
 from loadmaster.scheduler.domain import (
     Completion,
+    Credit,
+    CreditRun,
+    FinishedRun,
     Grant,
     Outcome,
     OverflowPolicy,
@@ -22,6 +26,7 @@ from loadmaster.scheduler.domain import (
     RequestKey,
     SlotState,
     SlotStatus,
+    Submission,
     WorkerCommand,
     WorkerHello,
 )
@@ -48,7 +53,11 @@ class Harness:
         self._cursor = 0
         self._lives: dict[RequestKey, _Life] = {}
         self.violations: list[str] = []
-        self.core = SchedulerCore(config, clock=self.clock, outbound=self)
+        self.recorded: Counter[str] = Counter()  # telemetry: samples by name (and name:kind)
+        # A seeded tie-break between equal workers: a sequence of operations replays exactly.
+        self.core = SchedulerCore(
+            config, clock=self.clock, outbound=self, telemetry=self, rng=random.Random(0)
+        )
 
     # ---- Outbound ----------------------------------------------------------------
 
@@ -81,6 +90,13 @@ class Harness:
     def revoke_credit(self, session_id: int, credit_id: str) -> None:
         self.revoked.append(credit_id)
 
+    # ---- Telemetry ---------------------------------------------------------------
+
+    def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
+        self.recorded[name] += 1
+        if labels and "kind" in labels:
+            self.recorded[f"{name}:{labels['kind']}"] += 1
+
     # ---- driving -----------------------------------------------------------------
 
     def worker(
@@ -94,6 +110,7 @@ class Harness:
         for life in self._lives.values():  # a hello under a known id replaces that worker
             if life.state == "granted" and life.worker_id == worker_id:
                 life.state = "queued"
+        self.lent = {cid: entry for cid, entry in self.lent.items() if entry[1].worker_id != worker_id}
         self.core.add_worker(WorkerHello(worker_id, f"tcp://{worker_id}:5556", repository=repository))
         ready = tuple(ready)
         if ready:
@@ -120,13 +137,16 @@ class Harness:
         *request_ids: str,
         model: str = "m",
         session: int = 1,
+        client: str = "",
         priority: int = 0,
         urgency: float = 0.0,
         timeout_ms: float = 0.0,
     ) -> None:
         self.enqueue_batch(
             [
-                RequestInfo(r, model, priority=priority, urgency=urgency, timeout_ms=timeout_ms)
+                RequestInfo(
+                    r, model, client_id=client, priority=priority, urgency=urgency, timeout_ms=timeout_ms
+                )
                 for r in request_ids
             ],
             session=session,
@@ -135,7 +155,7 @@ class Harness:
     def enqueue_batch(self, infos: list[RequestInfo], *, session: int = 1) -> None:
         for info in infos:
             self._lives.setdefault((session, info.request_id), _Life())
-        self.core.submit(session, enqueues=infos)
+        self.core.submit(session, Submission(enqueues=infos))
 
     def complete(
         self,
@@ -154,10 +174,17 @@ class Harness:
         if life.state == "granted" and completion.worker_id == life.worker_id:
             final = error == errors_pb2.ERROR_CODE_UNSPECIFIED or not retryable
             life.state = "done" if final else "queued"
-        self.core.submit(session, completes=[completion])
+        self.core.submit(session, Submission(completes=[completion]))
 
     def run(
-        self, request_id: str, credit_id: str, *, model: str = "m", session: int = 1, client: str = ""
+        self,
+        request_id: str,
+        credit_id: str,
+        *,
+        model: str = "m",
+        session: int = 1,
+        client: str = "",
+        priority: int = 0,
     ) -> None:
         """The gateway sent `request_id` on a credit; if the core does not hold that credit
         for this session, it queues the request instead (the harness expects a grant then)."""
@@ -165,9 +192,8 @@ class Harness:
         life = self._lives.setdefault((session, request_id), _Life())
         if entry is not None and entry[0] == session and entry[1].running is None:
             life.state, life.attempts, life.worker_id = "granted", 1, entry[1].worker_id
-        self.core.submit(
-            session, runs=[CreditRun(credit_id, RequestInfo(request_id, model, client_id=client))]
-        )
+        info = RequestInfo(request_id, model, client_id=client, priority=priority)
+        self.core.submit(session, Submission(runs=[CreditRun(credit_id, info)]))
 
     def finished(
         self,
@@ -177,8 +203,11 @@ class Harness:
         error: int = 0,
         retryable: bool = False,
         session: int = 1,
+        model: str = "m",
         client: str = "",
+        priority: int = 0,
         received_unix_ns: int = 0,
+        inference_ms: float = 0.0,
     ) -> None:
         """The gateway reports a credit run only after it ended. Ended for good, it needs
         nothing more; a retryable failure is queued again (the harness expects a grant)."""
@@ -187,13 +216,16 @@ class Harness:
         entry = self.lent.get(credit_id)
         on_credit = entry is not None and entry[0] == session and entry[1].running is None
         life.state, life.attempts = ("done" if final else "queued"), 1 if on_credit else 0
-        info = RequestInfo(request_id, "m", client_id=client, received_unix_ns=received_unix_ns)
-        completion = Completion(request_id, error, retryable, entry[1].worker_id if entry else "")
-        self.core.submit(session, finished=[FinishedRun(CreditRun(credit_id, info), completion)])
+        info = RequestInfo(
+            request_id, model, client_id=client, priority=priority, received_unix_ns=received_unix_ns
+        )
+        worker_id = entry[1].worker_id if entry else ""
+        completion = Completion(request_id, error, retryable, worker_id, inference_ms)
+        self.core.submit(session, Submission(finished=[FinishedRun(CreditRun(credit_id, info), completion)]))
 
     def return_credit(self, credit_id: str, *, session: int = 1) -> None:
         self.lent.pop(credit_id, None)
-        self.core.submit(session, returns=[credit_id])
+        self.core.submit(session, Submission(returns=[credit_id]))
 
     def idle_credits(self, model: str = "m") -> list[str]:
         """Credits lent for `model`, not revoked, with nothing running on them."""
@@ -207,7 +239,7 @@ class Harness:
         life = self._lives[(session, request_id)]
         if life.state == "queued":
             life.state = "dropped"
-        self.core.submit(session, cancels=[request_id])
+        self.core.submit(session, Submission(cancels=[request_id]))
 
     def close_session(self, session: int) -> None:
         self.lent = {cid: entry for cid, entry in self.lent.items() if entry[0] != session}

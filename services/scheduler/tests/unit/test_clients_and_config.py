@@ -105,3 +105,37 @@ def test_core_config_merges_per_model_and_per_client_settings() -> None:
 
 def test_default_strategy_is_model_deadline() -> None:
     assert load_settings(None).scheduler.strategy == "model_deadline"
+
+
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[4] / "examples" / "loadmaster.yaml"
+_SCALARS = (
+    "max_queue_size",
+    "request_ttl_ms",
+    "overflow_policy",
+    "max_retries",
+    "cadence_alpha",
+    "disconnect_timeout_s",
+    "dispatch_credits",
+    "credit_window_s",
+    "lookahead",
+    "lookahead_margin_ms",
+    "reservation",
+)
+
+
+@pytest.mark.parametrize(
+    "path", [None, EXAMPLE_CONFIG], ids=["settings_defaults", "examples_loadmaster_yaml"]
+)
+def test_a_bare_core_config_schedules_as_shipped(path: Path | None) -> None:
+    """CoreConfig's defaults are the shipped settings' (credits, lookahead and reservations
+    on), so a test that builds a bare CoreConfig runs what a deployed scheduler runs."""
+    shipped = CoreConfig.from_settings(load_settings(path))
+    bare = CoreConfig()
+    assert {name: getattr(bare, name) for name in _SCALARS} == {
+        name: getattr(shipped, name) for name in _SCALARS
+    }
+    assert (bare.dispatch_credits, bare.lookahead, bare.reservation) == (4, 1, True)
+    mechanisms = ("dispatch_credits", "lookahead", "reservation", "max_queue_size", "request_ttl_ms")
+    policy, shipped_policy = bare.policy("any"), shipped.policy("any")
+    assert {m: getattr(policy, m) for m in mechanisms} == {m: getattr(shipped_policy, m) for m in mechanisms}
+    assert bare.max_inflight("any") == shipped.max_inflight("any") == 2

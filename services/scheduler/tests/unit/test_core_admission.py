@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loadmaster.scheduler.domain import Grant, OverflowPolicy, Reject, RequestInfo, SlotState
+from loadmaster.scheduler.domain import Grant, OverflowPolicy, Reject, RequestInfo, SlotState, Submission
 from loadmaster.v1 import errors_pb2
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def test_cancel_removes_a_queued_request_silently_and_ignores_others(h: Harness)
     h.enqueue("busy", "waiting")
     h.cancel("waiting")
     h.cancel("busy")  # granted: ignored
-    h.core.submit(1, cancels=["never-seen"])
+    h.core.submit(1, Submission(cancels=["never-seen"]))
     h.complete("busy")
     assert h.granted_ids() == ["busy"]
     assert h.rejects() == []
@@ -163,7 +163,7 @@ def test_a_duplicate_request_id_is_refused_without_touching_the_first(h: Harness
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("r1")
     h.take()
-    h.core.submit(1, enqueues=[RequestInfo("r1", "m")])
+    h.core.submit(1, Submission(enqueues=[RequestInfo("r1", "m")]))
     [reject] = h.take()
     assert isinstance(reject, Reject)
     assert reject.error_code == errors_pb2.ERROR_CODE_INVALID_ARGUMENT

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from loadmaster.scheduler.credits import CreditRun, FinishedRun
-from loadmaster.scheduler.domain import Completion, RequestInfo, SlotState
+from loadmaster.scheduler.domain import Completion, CreditRun, FinishedRun, RequestInfo, SlotState, Submission
 from loadmaster.scheduler.strategies import make_ordering
 from loadmaster.v1 import errors_pb2
 
@@ -231,7 +230,9 @@ def test_a_message_applies_finished_runs_before_returning_their_credit(h: Harnes
     h.complete("a")
     credit = h.idle_credits()[0]
     run = CreditRun(credit, RequestInfo("r1", "m"))
-    h.core.submit(1, finished=[FinishedRun(run, Completion("r1", worker_id="w1"))], returns=[credit])
+    h.core.submit(
+        1, Submission(finished=[FinishedRun(run, Completion("r1", worker_id="w1"))], returns=[credit])
+    )
     assert "r1" not in h.granted_ids() and h.rejects() == []
     [stats] = h.core.queue_stats()
     assert (stats.depth, stats.granted) == (0, 2)  # run on the credit, not queued

@@ -66,7 +66,7 @@ def test_the_next_request_is_granted_just_before_the_slot_frees(h: Harness) -> N
 
 
 def test_without_lookahead_a_busy_slot_waits_for_its_complete(make_harness: MakeHarness) -> None:
-    h = make_harness()
+    h = make_harness(lookahead=0)
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("a")
     h.advance(12 * MS)

@@ -329,3 +329,16 @@ def request(
 def test_every_request_is_answered_under_holds(make_harness: MakeHarness) -> None:
     sim = overload(make_harness, reservation=True, seconds=2.0)
     assert sim.sent and set(sim.answers) == set(sim.sent)
+
+
+def test_a_hold_whose_head_is_cancelled_leaves_no_timer_behind(h: Harness) -> None:
+    """The held-for model's queue empties with no dispatch of it (the head is cancelled): the
+    hold must not keep `next_deadline` at its lapsed time, or the hub's timer would fire
+    at once, again and again."""
+    before_next(h, 5)
+    send(h, "low", "background", 2)
+    assert "low" not in h.granted_ids()  # held
+    h.cancel("low")
+    h.advance(10 * MS)  # past the hold
+    wake = h.core.next_deadline()
+    assert wake is None or wake > h.clock.monotonic()  # nothing due now: the timer rests

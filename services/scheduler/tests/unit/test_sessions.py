@@ -10,7 +10,15 @@ import pytest
 
 from loadmaster.common.clock import FakeClock, SystemClock
 from loadmaster.scheduler.core import CoreConfig
-from loadmaster.scheduler.domain import Grant, Reject, RequestInfo, SlotState, SlotStatus, WorkerHello
+from loadmaster.scheduler.domain import (
+    Grant,
+    Reject,
+    RequestInfo,
+    SlotState,
+    SlotStatus,
+    Submission,
+    WorkerHello,
+)
 from loadmaster.scheduler.sessions import DeadlineTimer, Outbox, SchedulerHub, pump
 from loadmaster.v1 import errors_pb2
 
@@ -98,7 +106,9 @@ async def test_hub_routes_outcomes_and_expires_on_time_without_polling() -> None
     assert len(worker.outbox) == 0  # nothing waits yet: no load commanded
     hub.report(worker, [SlotStatus("m", SlotState.READY, generation=3)])
     gateway = hub.open_session("g1")
-    hub.submit(gateway, enqueues=[RequestInfo("busy", "m"), RequestInfo("late", "m", timeout_ms=30)])
+    hub.submit(
+        gateway, Submission(enqueues=[RequestInfo("busy", "m"), RequestInfo("late", "m", timeout_ms=30)])
+    )
     [grant] = await gateway.outbox.take_all()
     assert isinstance(grant, Grant) and grant.generation == 3
     started = time.monotonic()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from loadmaster.scheduler import wire
-from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun, FinishedRun
 from loadmaster.scheduler.domain import (
     Completion,
+    Credit,
+    CreditRevoke,
+    CreditRun,
+    FinishedRun,
     Grant,
     LoadModel,
     QueueStats,
@@ -18,7 +21,7 @@ from loadmaster.scheduler.domain import (
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
 
-def test_session_batch_translates_every_kind() -> None:
+def test_submission_translates_every_kind() -> None:
     pb = scheduler_pb2.SessionRequest(
         enqueue=[
             scheduler_pb2.Enqueue(
@@ -51,7 +54,7 @@ def test_session_batch_translates_every_kind() -> None:
             )
         ],
     )
-    batch = wire.session_batch(pb)
+    batch = wire.submission(pb)
     assert batch.finished == [
         FinishedRun(
             CreditRun("c7", RequestInfo("r4", "m")), Completion("r4", worker_id="w", inference_ms=1.5)

@@ -30,6 +30,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loadmaster.cli._output import stdout_console
 from loadmaster.cli._process import die_with_parent
 from loadmaster.cli._process import signal_group as _signal_group
 from loadmaster.client.gpu_lease import GpuLease
@@ -112,7 +113,7 @@ def status(
             json.dumps({"gpus": [_gpu_json(g) for g in gpus], "leases": [_lease_json(x) for x in leases]})
         )
         return
-    out = Console()
+    out = stdout_console()
     table = Table(title=f"GPUs ({address})")
     for column in ("node", "gpu", "name", "total MB", "reserved MB", "leased MB", "outside MB", "free MB"):
         table.add_column(column, justify="right" if "MB" in column else "left")

@@ -134,7 +134,8 @@ class Suite:
         try:
             if not self.settings.redis_url:
                 say("starting embedded redis-server")
-                self.redis = EmbeddedRedis().start()
+                self.redis = EmbeddedRedis()  # assigned first: stop() cleans up a failed start
+                self.redis.start()
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
             for spec in SERVICES:
                 if spec.name not in self.services:
@@ -243,6 +244,39 @@ class Suite:
 
     def exited(self) -> list[ServiceProcess]:
         return [p for p in self.processes if p.process.poll() is not None]
+
+    # The supervisor's view (loadmaster.cli.supervisor.SupervisedSuite): processes by name,
+    # the embedded redis-server as "redis".
+
+    def crashed(self) -> list[tuple[str, int]]:
+        """(name, exit status) of every process that has exited, Redis included."""
+        dead = [(p.name, p.process.returncode) for p in self.exited()]
+        if self.redis is not None and (code := self.redis.exited()) is not None:
+            dead.insert(0, ("redis", code))
+        return dead
+
+    def restart(self, name: str, *, timeout_s: float = 60.0) -> None:
+        """Start `name` again on its address (Redis: its port, password and AOF) and wait until
+        it is healthy; one that does not get there is killed, so it shows up in `crashed()`."""
+        if name == "redis":
+            if self.redis is None:
+                raise RuntimeError("no embedded redis-server to restart")
+            self.redis.restart(timeout_s)
+            return
+        kind, _, suffix = name.partition("-pool-")
+        spec_name, index = ("model-pool", int(suffix)) if kind == "model" and suffix else (name, 0)
+        try:
+            self.start_service(spec_name, index=index, timeout_s=timeout_s)
+        except (RuntimeError, TimeoutError):
+            service = self.service(name)
+            if service is not None:
+                signal_group(service.process, signal.SIGKILL)
+                service.process.wait()
+            raise
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        service = self.service(name)
+        return service.log_tail(lines) if service is not None else ""
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         """SIGTERM every service group (gateway first), SIGKILL what is left, then stop Redis."""

@@ -1,8 +1,14 @@
-"""The `loadmaster` command."""
+"""The `loadmaster` command.
+
+Exit codes (every sub-command): 0 done / healthy; 1 a failure (a service or Redis down, no
+model READY, a refused request); 2 a usage error or something not found (a missing config
+file, no worker answering). `gpu lease` adds its own (see its help).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import threading
 from pathlib import Path
@@ -12,10 +18,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loadmaster.cli import gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
+from loadmaster.cli import chat_cmd, gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
+from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.cli.launcher import Suite
-from loadmaster.cli.status import collect_status
-from loadmaster.common.config import load_settings
+from loadmaster.cli.run_state import read_run_state, remove_run_state, run_state_path, write_run_state
+from loadmaster.cli.status import SuiteStatus, collect_status, redact
+from loadmaster.cli.supervisor import RestartPolicy, supervise
+from loadmaster.common.config import Settings, load_settings
 
 app = typer.Typer(help="Loadmaster: the inference control plane.", no_args_is_help=True)
 app.add_typer(gpu_cmd.app, name="gpu")
@@ -23,6 +32,7 @@ app.add_typer(scheduler_cmd.app, name="scheduler")
 app.add_typer(keys_cmd.app, name="keys")
 app.add_typer(models_cmd.app, name="models")
 app.command("top")(top_cmd.top)
+app.command("chat")(chat_cmd.chat)
 console = Console(stderr=True)
 
 ConfigOption = Annotated[
@@ -34,8 +44,18 @@ ConfigOption = Annotated[
 def up(
     config: ConfigOption = None,
     workers: Annotated[int, typer.Option(min=1, help="model-pool worker processes")] = 1,
+    max_restarts: Annotated[
+        int, typer.Option(min=0, help="restarts allowed per process within --restart-window")
+    ] = 5,
+    restart_window_s: Annotated[
+        float, typer.Option("--restart-window", min=1, help="seconds the restart budget covers")
+    ] = 60.0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="once up, print the endpoints and status as JSON on stdout")
+    ] = False,
 ) -> None:
-    """Start Redis, gpu-broker, metrics, scheduler, model-pool worker(s) and the gateway; Ctrl-C stops all."""
+    """Start Redis, gpu-broker, metrics, scheduler, model-pool worker(s) and the gateway; restart any
+    that crashes (within a budget, else stop all and exit 1); Ctrl-C stops all."""
     config_path = config or Path("loadmaster.yaml")
     if not config_path.exists():
         raise typer.BadParameter(f"{config_path} does not exist", param_hint="--config")
@@ -48,38 +68,60 @@ def up(
     except (RuntimeError, TimeoutError) as error:
         console.print(f"[red]start failed:[/red] {error}")
         raise typer.Exit(1) from None
+    endpoints = {name: redact(endpoint) for name, endpoint in suite.endpoints().items()}
+    state_path = run_state_path(suite.settings.gateway.address)
+    write_run_state(state_path, {"pid": os.getpid(), "redis_url": suite.settings.redis_url})
     table = Table(title="Loadmaster is up", show_header=False)
-    for name, endpoint in suite.endpoints().items():
+    for name, endpoint in endpoints.items():
         table.add_row(name, endpoint)
     console.print(table)
-    _print_status(suite.settings)
+    result = _print_status(suite.settings, console)
+    if as_json:
+        print_json({"endpoints": endpoints, "status": result.to_json()})
     console.print("Ctrl-C stops everything.")
+    policy = RestartPolicy(max_restarts=max_restarts, window_s=restart_window_s)
     try:
-        while not stop.wait(0.5):
-            dead = suite.exited()
-            if dead:
-                for service in dead:
-                    console.print(
-                        f"[red]{service.name} exited with code {service.process.returncode}[/red]\n"
-                        f"{service.log_tail()}"
-                    )
-                raise typer.Exit(1)
+        if supervise(suite, stop, console.print, policy=policy) != 0:
+            raise typer.Exit(1)
     finally:
         console.print("stopping…")
         suite.stop()
+        remove_run_state(state_path)
         console.print("stopped.")
 
 
 @app.command()
-def status(config: ConfigOption = None) -> None:
-    """Health of every service and the state of each model on each worker."""
+def status(
+    config: ConfigOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON for scripts")] = False,
+) -> None:
+    """Redis, the health of every service and the state of each model on each worker.
+
+    Exit codes: 0 healthy (Redis answers, every service SERVING, a model READY); 1 not;
+    2 usage (e.g. the config file does not exist). Redis is found through REDIS_URL (or the
+    config's redis_url), else through the running `loadmaster up` of this gateway address.
+    """
+    if config is not None and not config.exists():
+        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
     settings = load_settings(config)
-    if not _print_status(settings):
+    if not settings.redis_url:
+        known = read_run_state(run_state_path(settings.gateway.address)).get("redis_url")
+        if isinstance(known, str) and known:
+            settings = settings.model_copy(update={"redis_url": known})
+    if as_json:
+        result = asyncio.run(collect_status(settings, check_redis=True))
+        print_json(result.to_json())
+    else:
+        result = _print_status(settings, stdout_console())
+    if not result.ok:
         raise typer.Exit(1)
 
 
-def _print_status(settings: object) -> bool:
-    result = asyncio.run(collect_status(settings))  # type: ignore[arg-type]
+def _print_status(settings: Settings, out: Console) -> SuiteStatus:
+    result = asyncio.run(collect_status(settings, check_redis=True))
+    if result.redis is not None:
+        health = "[green]UP[/green]" if result.redis.reachable else f"[red]DOWN[/red] {result.redis.error}"
+        out.print(f"redis {result.redis.url}: {health}")
     services = Table(title="services")
     for column in ("service", "address", "health"):
         services.add_column(column)
@@ -87,14 +129,16 @@ def _print_status(settings: object) -> bool:
         services.add_row(
             row.name, row.address, "[green]SERVING[/green]" if row.serving else "[red]DOWN[/red]"
         )
-    console.print(services)
+    out.print(services)
     models = Table(title="models")
     for column in ("worker", "model", "state", "inflight", "device", "vram MB", "error"):
         models.add_column(column)
     for m in result.models:
         models.add_row(m.worker_id, m.model_id, m.state, str(m.inflight), m.device, str(m.vram_mb), m.error)
-    console.print(models)
-    return result.healthy
+    out.print(models)
+    for problem in result.problems:
+        out.print(f"[red]problem:[/red] {problem}")
+    return result
 
 
 if __name__ == "__main__":

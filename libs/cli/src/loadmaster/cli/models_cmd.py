@@ -8,6 +8,9 @@ go to the worker that holds the model (load: the one given, else the first that 
 it in its repository). Each change reaches the scheduler's placement through the
 worker's next report.
 
+`list --json` prints `{"workers": [{"endpoint", "worker_id", "free_mb", "evictions",
+"models": [{"model_id", "state", ...}]}]}` for scripts.
+
 Exit codes: 0 done, 1 the worker refused (the message says why), 2 no worker found.
 """
 
@@ -22,6 +25,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.errors import LoadmasterError, from_grpc_error
 from loadmaster.v1 import model_pool_pb2 as pb
@@ -30,7 +34,7 @@ from loadmaster.v1 import model_pool_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 __all__ = ["app", "worker_endpoints"]
 
 app = typer.Typer(help="Models on the model-pool workers: list, load, unload, pin.", no_args_is_help=True)
-console = Console()
+console = stdout_console()
 errors = Console(stderr=True)
 
 ConfigOption = Annotated[
@@ -90,17 +94,57 @@ def _state(value: int) -> str:
     return pb.ModelState.Name(value).removeprefix("MODEL_STATE_")
 
 
+def _slot_json(m: pb.ModelSlotStatus) -> dict[str, object]:
+    return {
+        "model_id": m.model_id,
+        "state": _state(m.state),
+        "generation": m.generation,
+        "device": m.device,
+        "vram_mb": m.vram_mb,
+        "max_batch_size": m.max_batch_size or 1,
+        "instances": m.instances or 1,
+        "inflight": m.inflight,
+        "max_inflight": m.max_inflight,
+        "last_used_unix_ms": m.last_used_unix_ms,
+        "pinned": m.pinned,
+        "priority": m.priority,
+        "evictions": m.evictions,
+        "error": m.error,
+    }
+
+
 @app.command("list")
-def list_models(config: ConfigOption = None, worker: WorkerOption = None) -> None:
+def list_models(
+    config: ConfigOption = None,
+    worker: WorkerOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON for scripts")] = False,
+) -> None:
     """Every model slot on every worker."""
     settings = load_settings(config)
+    found = _statuses(worker_endpoints(settings, worker))
+    if as_json:
+        print_json(
+            {
+                "workers": [
+                    {
+                        "endpoint": endpoint,
+                        "worker_id": status.worker_id,
+                        "free_mb": status.free_mb,
+                        "evictions": dict(sorted(status.evictions.items())),
+                        "models": [_slot_json(m) for m in status.models],
+                    }
+                    for endpoint, status in found
+                ]
+            }
+        )
+        return
     table = Table(title="models")
     for column in (
         "worker", "model", "state", "gen", "device", "MB", "batch", "inst", "in flight", "last use",
         "pinned", "prio", "evicted", "error",
     ):  # fmt: skip
         table.add_column(column)
-    for endpoint, status in _statuses(worker_endpoints(settings, worker)):
+    for endpoint, status in found:
         for m in status.models:
             table.add_row(
                 status.worker_id or endpoint,

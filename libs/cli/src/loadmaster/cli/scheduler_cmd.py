@@ -2,7 +2,8 @@
 
 `use` switches the running scheduler's ordering strategy (the `SetStrategy` admin RPC):
 waiting requests move to the new queues, none is lost. `queues` prints each model's
-queue (depth, in flight, granted, expired, overflowed, superseded, dropped).
+queue (depth, in flight, granted, expired, overflowed, superseded, dropped); `--json`
+prints `{"strategy", "policy", "active_clients", "queues": [{"model_id", "depth", ...}]}`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.common.config import load_settings
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -77,7 +79,11 @@ def use(
 
 
 @app.command()
-def queues(config: ConfigOption = None, address: AddressOption = None) -> None:
+def queues(
+    config: ConfigOption = None,
+    address: AddressOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON for scripts")] = False,
+) -> None:
     """Print the scheduler's strategy and per-model queues."""
     target = _address(config, address)
     with grpc.insecure_channel(target) as channel:
@@ -86,6 +92,29 @@ def queues(config: ConfigOption = None, address: AddressOption = None) -> None:
             reply = stub.GetQueues(scheduler_pb2.GetQueuesRequest(), timeout=_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise _fail(exc, target) from None
+    if as_json:
+        print_json(
+            {
+                "strategy": reply.strategy,
+                "policy": reply.policy,
+                "active_clients": reply.active_clients,
+                "queues": [
+                    {
+                        "model_id": q.model_id,
+                        "depth": q.depth,
+                        "inflight": q.inflight,
+                        "credits": q.credits,
+                        "granted": q.granted,
+                        "expired": q.expired,
+                        "overflowed": q.overflowed,
+                        "superseded": q.superseded,
+                        "dropped": q.dropped,
+                    }
+                    for q in reply.queues
+                ],
+            }
+        )
+        return
     policy = f", policy {reply.policy}" if reply.policy else ""
     table = Table(title=f"strategy {reply.strategy}{policy}; {reply.active_clients} active clients")
     columns = (
@@ -118,4 +147,4 @@ def queues(config: ConfigOption = None, address: AddressOption = None) -> None:
                 )
             ),
         )
-    Console().print(table)
+    stdout_console().print(table)

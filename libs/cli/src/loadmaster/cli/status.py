@@ -1,17 +1,26 @@
-"""What `loadmaster status` shows: each service's health and each model's state per worker."""
+"""What `loadmaster status` shows: Redis, each service's health and each model's state per worker.
+
+The suite is healthy when Redis answers, every service is SERVING and at least one model is
+READY on some worker; `problems` says what is not.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_client import aio_channel, check_health
 from loadmaster.v1 import model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["ModelRow", "ServiceRow", "SuiteStatus", "collect_status"]
+__all__ = ["ModelRow", "RedisRow", "ServiceRow", "SuiteStatus", "collect_status", "redact"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,13 +42,60 @@ class ModelRow:
 
 
 @dataclass(frozen=True, slots=True)
+class RedisRow:
+    url: str  # password redacted
+    reachable: bool
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class SuiteStatus:
     services: list[ServiceRow]
     models: list[ModelRow]
+    redis: RedisRow | None = None  # None: not checked
+    problems: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
         return all(row.serving for row in self.services)
+
+    @property
+    def ok(self) -> bool:
+        """Redis up (when checked), every service SERVING, at least one model READY."""
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "problems": list(self.problems),
+            "redis": asdict(self.redis) if self.redis is not None else None,
+            "services": [asdict(row) for row in self.services],
+            "models": [asdict(row) for row in self.models],
+        }
+
+
+def redact(url: str) -> str:
+    """The URL with its password replaced by `***`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _ping_redis(url: str, timeout_s: float) -> RedisRow:
+    client = redis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        client.ping()
+        return RedisRow(redact(url), True)
+    except redis.RedisError as error:
+        return RedisRow(redact(url), False, f"{type(error).__name__}: {error}")
+    finally:
+        client.close()
 
 
 def _state_name(state: int) -> str:
@@ -73,7 +129,11 @@ async def _models(address: str, timeout_s: float) -> list[ModelRow]:
     ]
 
 
-async def collect_status(settings: Settings, *, timeout_s: float = 1.0) -> SuiteStatus:
+async def collect_status(
+    settings: Settings, *, timeout_s: float = 1.0, check_redis: bool = False
+) -> SuiteStatus:
+    """Health of every service and the models per worker; with `check_redis`, Redis too
+    (`settings.redis_url`; a missing URL is a problem)."""
     checks = [
         ("gpu-broker", settings.gpu_broker.address),
         ("metrics", settings.metrics.address),
@@ -83,4 +143,15 @@ async def collect_status(settings: Settings, *, timeout_s: float = 1.0) -> Suite
     ]
     rows = await asyncio.gather(*(_health(name, address, timeout_s) for name, address in checks))
     models = await _models(settings.scheduler.address, timeout_s)
-    return SuiteStatus(list(rows), models)
+    problems = [f"{row.name} at {row.address} is not serving" for row in rows if not row.serving]
+    redis_row: RedisRow | None = None
+    if check_redis:
+        if settings.redis_url:
+            redis_row = await asyncio.to_thread(_ping_redis, settings.redis_url, timeout_s)
+            if not redis_row.reachable:
+                problems.insert(0, f"redis at {redis_row.url} is down: {redis_row.error}")
+        else:
+            problems.insert(0, "redis: no URL known (set REDIS_URL, or start the suite with `loadmaster up`)")
+    if not any(m.state == "READY" for m in models):
+        problems.append("no model is READY on any worker")
+    return SuiteStatus(list(rows), models, redis_row, problems)

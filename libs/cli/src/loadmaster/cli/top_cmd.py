@@ -8,6 +8,9 @@ GPU; the state of each model on each worker.
     loadmaster top -c loadmaster.yaml                 # live until Ctrl-C
     loadmaster top -c loadmaster.yaml --once          # one frame, then exit (scripts, tests)
     loadmaster top -c loadmaster.yaml --iterations 5  # five refreshes, then exit
+    loadmaster top -c loadmaster.yaml --json          # the dashboard document once, as JSON
+
+Exit codes: 0 shown; 1 the metrics service could not be reached (`--once`, `--json`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.common.config import Settings, load_settings
 
 __all__ = ["fetch_dashboard", "render", "top"]
@@ -65,9 +69,9 @@ def _num(value: float | None, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
-def render(doc: dict[str, Any], *, source: str = "") -> Group:
-    """One frame of `top` from the dashboard document."""
-    models = Table(title=f"models (last {_num(doc.get('summary_s'))} s)", expand=True)
+def render(doc: dict[str, Any], *, source: str = "", expand: bool = True) -> Group:
+    """One frame of `top` from the dashboard document (`expand`: tables fill the width)."""
+    models = Table(title=f"models (last {_num(doc.get('summary_s'))} s)", expand=expand)
     for column in ("model", "p50 ms", "p95 ms", "p99 ms", "req/s", "queue", "deadline misses", "errors"):
         models.add_column(column, justify="left" if column == "model" else "right")
     models.add_column(f"req/s, last {min(30, len(doc.get('t', [])))} s")
@@ -86,7 +90,7 @@ def render(doc: dict[str, Any], *, source: str = "") -> Group:
             Text(sparkline(model.get("throughput_rps", [])), style="cyan"),
         )
 
-    gpus = Table(title="GPU memory", expand=True)
+    gpus = Table(title="GPU memory", expand=expand)
     for column in ("gpu", "leased MB", "free MB", "leased, trend"):
         gpus.add_column(column, justify="left" if column in ("gpu", "leased, trend") else "right")
     for name, gpu in doc.get("gpus", {}).items():
@@ -97,7 +101,7 @@ def render(doc: dict[str, Any], *, source: str = "") -> Group:
             Text(sparkline(gpu.get("lease_mb", [])), style="magenta"),
         )
 
-    workers = Table(title="model states per worker", expand=True)
+    workers = Table(title="model states per worker", expand=expand)
     for column in ("worker", "model", "state", "inflight", "VRAM MB"):
         workers.add_column(column, justify="right" if column in ("inflight", "VRAM MB") else "left")
     for worker in doc.get("workers", []):
@@ -114,9 +118,9 @@ def render(doc: dict[str, Any], *, source: str = "") -> Group:
     return Group(header, models, gpus, workers)
 
 
-def _frame(url: str) -> Group | Text:
+def _frame(url: str, *, expand: bool = True) -> Group | Text:
     try:
-        return render(fetch_dashboard(url), source=url.split("/api/", 1)[0])
+        return render(fetch_dashboard(url), source=url.split("/api/", 1)[0], expand=expand)
     except (urllib.error.URLError, OSError, ValueError) as error:
         return Text(f"metrics service unreachable at {url}: {error}", style="red")
 
@@ -135,13 +139,25 @@ def top(
         float, typer.Option("--window", min=1, help="seconds of history in the trends")
     ] = 60.0,
     summary_s: Annotated[float, typer.Option("--summary", min=1, help="seconds the figures cover")] = 10.0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the dashboard document once, as JSON")
+    ] = False,
 ) -> None:
     """Latency, throughput, queues, deadline misses, GPU memory and model states, refreshed live."""
     settings = load_settings(config)
     url = dashboard_url(settings, window_s=window_s, summary_s=summary_s)
-    console = Console()
+    if as_json:
+        try:
+            document = fetch_dashboard(url)
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            Console(stderr=True).print(f"[red]metrics service unreachable at {url}: {error}[/red]")
+            raise typer.Exit(1) from None
+        print_json(document)
+        return
+    console = stdout_console()
+    expand = console.is_terminal  # piped: tables as wide as their content, not PIPE_WIDTH
     if once:
-        frame = _frame(url)
+        frame = _frame(url, expand=expand)
         console.print(frame)
         if isinstance(frame, Text):
             raise typer.Exit(1)
@@ -149,10 +165,10 @@ def top(
     stop = threading.Event()
     count = 0
     try:
-        with Live(_frame(url), console=console, refresh_per_second=4, screen=False) as live:
+        with Live(_frame(url, expand=expand), console=console, refresh_per_second=4, screen=False) as live:
             count = 1
             while not (iterations and count >= iterations) and not stop.wait(interval_s):
-                live.update(_frame(url))
+                live.update(_frame(url, expand=expand))
                 count += 1
     except KeyboardInterrupt:
         pass

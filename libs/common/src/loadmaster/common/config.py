@@ -62,6 +62,16 @@ class EdgeSettings(_Section):
     bind: str = "tcp://127.0.0.1:5555"
     recv_hwm: int = Field(default=10_000, ge=1)
     send_hwm: int = Field(default=10_000, ge=1)
+    # Reply bytes one peer may have queued and unread; past it its replies are dropped and
+    # counted (one reply always goes out when nothing is queued). send_hwm counts messages.
+    # 16 MiB keeps a gateway under 2x the payload limit above idle with a non-reading client
+    # (tests/e2e/faults/test_reply_budget.py: +89 MiB, of which ~70 MiB is not replies).
+    max_queued_reply_bytes: int = Field(default=16 << 20, ge=1)
+    # ZMTP heartbeats: a peer that answers no PING within the timeout is disconnected, so a
+    # client that restarts with its own identity gets it back (no handover of live ones).
+    heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
+    heartbeat_timeout_ms: int = Field(default=3000, ge=0)
+    heartbeat_ttl_ms: int = Field(default=3000, ge=0)
 
 
 class LimitsSettings(_Section):
@@ -143,6 +153,17 @@ class GatewaySettings(ServiceEndpoint):
     # Gateway -> scheduler: Enqueue/Complete are batched on the stream while it is busy.
     max_stream_batch: int = Field(default=256, ge=1)
     shm: SharedMemorySettings = SharedMemorySettings()
+    # Reports of dispatch-credit runs wait up to this long to share a stream message.
+    report_delay_s: float = Field(default=0.02, ge=0)
+    scheduler_connect_timeout_s: float = Field(default=1.0, gt=0)
+    # A request sent to a worker is answered `expired` when no reply came by its deadline + this.
+    reply_grace_s: float = Field(default=10.0, gt=0)
+    # Calls on a worker whose data link dropped wait this long for the scheduler (which sees
+    # the worker's stream end) to re-grant them, then fail as retryable `unavailable`.
+    worker_lost_grace_s: float = Field(default=2.0, ge=0)
+    # Gateway -> worker data links: ZMTP heartbeats find a worker that died without closing.
+    worker_heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
+    worker_heartbeat_timeout_ms: int = Field(default=3000, ge=0)
 
 
 class DeadlineSettings(_Section):
@@ -240,6 +261,9 @@ class MetricsSettings(ServiceEndpoint):
     ring_size: int = Field(default=10_000, ge=100)
     report_interval_ms: float = Field(default=250.0, gt=0)
     enabled: bool = True
+    # Prometheus series of a replica (a reporting process) that reported nothing for this long
+    # are removed; every reporter sends its process metrics every few seconds.
+    replica_ttl_s: float = Field(default=300.0, gt=0)
 
 
 class ModelSettings(_Section):
@@ -329,6 +353,8 @@ class Settings(BaseSettings):
     )
 
     log_level: str = "INFO"
+    # One line per record: "logfmt" (key=value, quoted and escaped) or "json" (one object per line).
+    log_format: Literal["logfmt", "json"] = "logfmt"
     redis_url: str | None = None  # also read from REDIS_URL (see _RedisUrlSource)
     gateway: GatewaySettings = GatewaySettings()
     scheduler: SchedulerSettings = SchedulerSettings()

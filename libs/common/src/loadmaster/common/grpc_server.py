@@ -24,10 +24,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from loadmaster.common import tracing
 from loadmaster.common.errors import ERROR_CODE_TRAILER, InternalError, LoadmasterError
+from loadmaster.common.reflection import enable_reflection
 
 __all__ = ["GRPC_OPTIONS", "ErrorInterceptor", "GrpcServer"]
 
@@ -211,7 +211,7 @@ class GrpcServer:
         self._stop_hooks.append(hook)
 
     async def start(self) -> int:
-        reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME], self.server)
+        enable_reflection(self._service_names, self.server)
         # Probes must not see SERVING (grpc_health's default for "") before the hooks have run.
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self.server.add_insecure_port(self._listen)

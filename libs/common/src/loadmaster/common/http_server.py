@@ -10,7 +10,8 @@ once a second) and to check `should_exit`; with two such servers that showed up 
 idle suite's CPU. This one ticks once a second and ends when `stop` is set.
 
 uvicorn is imported for type checking only: services without an HTTP server do not
-install it.
+install it. `on_tick` is undocumented uvicorn: the services that serve HTTP pin uvicorn, and
+services/metrics/tests/unit/test_uvicorn_internals.py checks what this loop assumes of it.
 """
 
 from __future__ import annotations

@@ -2,17 +2,23 @@
 
 Reporters send `Sample(name, value, labels)`; the metrics service keeps every
 sample in ring buffers and exposes each known name to Prometheus as
-`loadmaster_<service>_<name>` with the kind and unit given here (`_ms` series
-become `_seconds` histograms). Label values must come from bounded sets:
-client ids, model ids, worker ids, GPU indexes, error *codes* (never messages).
+`loadmaster_<service>_<name>` (or `loadmaster_<name>{service=...}` for the series every
+service reports) with the kind given here, in base units (`_ms` series become `_seconds`,
+`_mb` ones `_bytes`), and the reporting replica as the `replica` label. Label values must
+come from bounded sets: client ids, model ids, worker ids, GPU indexes, error *codes*
+(never messages).
+
+`service` names the service that reports a series; with `known`, the values a label can
+take, it lets the metrics service create a counter at 0 as soon as a replica (or, for a
+`model` label, a model) is first seen, so alerts see 0 rather than "no data".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
-__all__ = ["METRICS", "MetricKind", "MetricSpec", "spec_for"]
+__all__ = ["EDGE_CODES", "METRICS", "MetricKind", "MetricSpec", "spec_for"]
 
 
 class MetricKind(StrEnum):
@@ -27,79 +33,130 @@ class MetricSpec:
     kind: MetricKind
     help: str
     labels: tuple[str, ...] = ()
+    service: str = ""  # the reporting service; "" = every service (exposed once, `service` label)
+    known: tuple[tuple[str, tuple[str, ...]], ...] = ()  # label -> the values it can take
+
+    def known_values(self, label: str) -> tuple[str, ...] | None:
+        return next((values for name, values in self.known if name == label), None)
+
+
+# Edge error codes (`loadmaster.v1.ErrorCode` names, lower case), as the `code` labels carry them.
+EDGE_CODES: tuple[str, ...] = (
+    "invalid_argument",
+    "not_found",
+    "expired",
+    "overflow",
+    "superseded",
+    "unavailable",
+    "internal",
+    "resource_exhausted",
+    "cancelled",
+    "unauthenticated",
+    "permission_denied",
+    "failed_precondition",
+)
+_CODE = (("code", EDGE_CODES),)
+_RESULT = (("code", ("ok", *EDGE_CODES)),)
 
 
 _H, _C, _G = MetricKind.HISTOGRAM, MetricKind.COUNTER, MetricKind.GAUGE
 
+
+def _of(service: str, *specs: MetricSpec) -> tuple[MetricSpec, ...]:
+    return tuple(replace(spec, service=service) for spec in specs)
+
+
+_GATEWAY = _of(
+    "gateway",
+    MetricSpec("e2e_latency_ms", _H, "Time from receiving a request to sending its reply", ("model", "code")),
+    MetricSpec("observation_staleness_ms", _H, "Age of an observation when it reached the gateway", ("model",)),
+    MetricSpec("payload_size_bytes", _H, "Payload bytes per request", ("model",)),
+    MetricSpec(
+        "requests", _C, "Requests answered, by result code (ok or an error code)", ("model", "code"), known=_RESULT
+    ),
+    MetricSpec("observation_errors", _C, "Requests refused before queueing, by error code", ("code",), known=_CODE),
+    MetricSpec("send_errors", _C, "Replies that could not be sent to a client"),
+    MetricSpec(
+        "dispatch_errors", _C, "Failed sends to a worker's data port, by error code", ("model", "code"), known=_CODE
+    ),
+    MetricSpec("dispatch_retries", _C, "Requests re-queued after a retryable failure", ("model",)),
+    MetricSpec("shm_payloads", _C, "Request payloads handed to a local worker in shared memory", ("model",)),
+    # generative models, as the client sees them
+    MetricSpec("time_to_first_token_ms", _H, "Time from a generation request to its first token", ("model",)),
+    MetricSpec("inter_token_latency_ms", _H, "Time between two streamed chunks of a generation", ("model",)),
+)
+_SCHEDULER = _of(
+    "scheduler",
+    MetricSpec("active_clients", _G, "Clients seen recently"),
+    MetricSpec("client_disconnected", _C, "Clients marked disconnected"),
+    MetricSpec("scheduling_wait_ms", _H, "Time a request waited in the scheduler's queue", ("model",)),
+    MetricSpec("queue_depth", _G, "Requests waiting per model", ("model",)),
+    MetricSpec("grants", _C, "Requests granted to a worker", ("model", "worker")),
+    MetricSpec("requests_expired", _C, "Requests answered `expired`", ("model",)),
+    MetricSpec("queue_full_drops", _C, "Requests answered `overflow`", ("model",)),
+    MetricSpec("loads_commanded", _C, "Load commands sent to workers", ("model", "worker")),
+    MetricSpec("slot_holds", _C, "Slots kept free for a more urgent client's predicted request", ("model",)),
+    MetricSpec(
+        "requests_dropped",
+        _C,
+        "Queued requests answered without running, by reason",
+        ("model", "reason"),
+        known=(("reason", ("overflow", "expired", "superseded", "client_disconnected")),),
+    ),
+    MetricSpec("request_retries", _C, "Granted requests queued again after a retryable failure", ("model",)),
+    MetricSpec(
+        "placement_decisions", _C, "Placement choices, by kind (grant, load, credit)", ("model", "worker", "kind")
+    ),
+    MetricSpec("credits_lent", _C, "Worker slots lent to a gateway as dispatch credits", ("model",)),
+    MetricSpec("credits_revoked", _C, "Dispatch credits revoked (a request had to wait)", ("model",)),
+    MetricSpec("strategy_switches", _C, "Strategy changes through SetStrategy", ("strategy",)),
+)
+_MODEL_POOL = _of(
+    "model-pool",
+    MetricSpec("inference_latency_ms", _H, "Engine time per batch", ("model",)),
+    MetricSpec("batch_size", _H, "Requests per engine call", ("model",)),
+    MetricSpec("model_load_ms", _H, "Time to load and warm a model", ("model",)),
+    MetricSpec(
+        "evictions",
+        _C,
+        "Models unloaded to make room or when idle, by reason",
+        ("model", "reason"),
+        known=(("reason", ("capacity", "idle", "lease_lost")),),
+    ),
+    MetricSpec("slot_state", _G, "Model slot state (1 = in this state)", ("model", "state")),
+    MetricSpec("reloads", _C, "Loads of a model this worker had evicted before", ("model",)),
+    MetricSpec("worker_leased_mb", _G, "GPU memory a worker holds under its leases", ("gpu",)),
+    # generative models, in the engine
+    MetricSpec("prompt_tokens", _C, "Prompt tokens of the generations run", ("model",)),
+    MetricSpec("output_tokens", _C, "Tokens generated", ("model",)),
+    MetricSpec("sequences_running", _G, "Sequences being generated", ("model",)),
+    MetricSpec("sequences_waiting", _G, "Sequences waiting in the engine for a slot", ("model",)),
+    MetricSpec("preemptions", _C, "Sequences paused for a more urgent one", ("model",)),
+    MetricSpec("resumptions", _C, "Paused sequences resumed", ("model",)),
+    MetricSpec("kv_cache_blocks_used", _G, "KV-cache blocks in use", ("model",)),
+    MetricSpec("kv_cache_blocks_total", _G, "KV-cache blocks the engine holds", ("model",)),
+)
+_GPU_BROKER = _of(
+    "gpu-broker",
+    MetricSpec("lease_mb", _G, "GPU memory under live leases", ("node", "gpu")),
+    MetricSpec("free_mb", _G, "GPU memory free for leases", ("node", "gpu")),
+    MetricSpec("outside_mb", _G, "GPU memory in use outside any lease (NVML)", ("node", "gpu")),
+    MetricSpec("waiters", _G, "Acquire requests waiting for memory"),
+    MetricSpec("grant_latency_ms", _H, "Time to grant an Acquire"),
+    MetricSpec("lease_expirations", _C, "Leases reclaimed after their TTL passed"),
+    MetricSpec("fencing_rejections", _C, "Renew/Release refused for a stale token"),
+)
+# Reported by every service's TelemetryReporter about its own process.
+_EVERY_SERVICE = (
+    MetricSpec("build_info", _G, "1, labelled with the version of the reporting service", ("version", "python")),
+    MetricSpec("process_cpu_seconds", _C, "CPU time (user + system) of the reporting process"),
+    MetricSpec("process_resident_memory_bytes", _G, "Resident memory of the reporting process"),
+    MetricSpec("process_open_fds", _G, "Open file descriptors of the reporting process"),
+    MetricSpec("process_start_time_seconds", _G, "Start time of the reporting process (UNIX seconds)"),
+)
+
 METRICS: dict[str, MetricSpec] = {
-    spec.name: spec
-    for spec in (
-        # gateway
-        MetricSpec(
-            "e2e_latency_ms", _H, "Time from receiving a request to sending its reply", ("model", "code")
-        ),
-        MetricSpec(
-            "observation_staleness_ms", _H, "Age of an observation when it reached the gateway", ("model",)
-        ),
-        MetricSpec("payload_size_bytes", _H, "Payload bytes per request", ("model",)),
-        MetricSpec(
-            "requests", _C, "Requests answered, by result code (ok or an error code)", ("model", "code")
-        ),
-        MetricSpec("observation_errors", _C, "Requests refused before queueing, by error code", ("code",)),
-        MetricSpec("send_errors", _C, "Replies that could not be sent to a client", ()),
-        MetricSpec(
-            "dispatch_errors", _C, "Failed sends to a worker's data port, by error code", ("model", "code")
-        ),
-        MetricSpec("dispatch_retries", _C, "Requests re-queued after a retryable failure", ("model",)),
-        MetricSpec(
-            "shm_payloads", _C, "Request payloads handed to a local worker in shared memory", ("model",)
-        ),
-        MetricSpec("active_clients", _G, "Clients seen recently", ()),
-        MetricSpec("client_disconnected", _C, "Clients marked disconnected", ()),
-        # scheduler
-        MetricSpec("scheduling_wait_ms", _H, "Time a request waited in the scheduler's queue", ("model",)),
-        MetricSpec("queue_depth", _G, "Requests waiting per model", ("model",)),
-        MetricSpec("grants", _C, "Requests granted to a worker", ("model", "worker")),
-        MetricSpec("requests_expired", _C, "Requests answered `expired`", ("model",)),
-        MetricSpec("queue_full_drops", _C, "Requests answered `overflow`", ("model",)),
-        MetricSpec("loads_commanded", _C, "Load commands sent to workers", ("model", "worker")),
-        MetricSpec(
-            "slot_holds", _C, "Slots kept free for a more urgent client's predicted request", ("model",)
-        ),
-        MetricSpec(
-            "requests_dropped", _C, "Queued requests answered without running, by reason", ("model", "reason")
-        ),
-        MetricSpec(
-            "request_retries", _C, "Granted requests queued again after a retryable failure", ("model",)
-        ),
-        MetricSpec(
-            "placement_decisions",
-            _C,
-            "Placement choices, by kind (grant, load, credit)",
-            ("model", "worker", "kind"),
-        ),
-        MetricSpec("credits_lent", _C, "Worker slots lent to a gateway as dispatch credits", ("model",)),
-        MetricSpec("credits_revoked", _C, "Dispatch credits revoked (a request had to wait)", ("model",)),
-        MetricSpec("strategy_switches", _C, "Strategy changes through SetStrategy", ("strategy",)),
-        # model-pool
-        MetricSpec("inference_latency_ms", _H, "Engine time per batch", ("model",)),
-        MetricSpec("batch_size", _H, "Requests per engine call", ("model",)),
-        MetricSpec("model_load_ms", _H, "Time to load and warm a model", ("model",)),
-        MetricSpec(
-            "evictions", _C, "Models unloaded to make room or when idle, by reason", ("model", "reason")
-        ),
-        MetricSpec("slot_state", _G, "Model slot state (1 = in this state)", ("model", "state")),
-        MetricSpec("reloads", _C, "Loads of a model this worker had evicted before", ("model",)),
-        MetricSpec("worker_leased_mb", _G, "GPU memory a worker holds under its leases", ("gpu",)),
-        # gpu-broker
-        MetricSpec("lease_mb", _G, "GPU memory under live leases", ("node", "gpu")),
-        MetricSpec("free_mb", _G, "GPU memory free for leases", ("node", "gpu")),
-        MetricSpec("outside_mb", _G, "GPU memory in use outside any lease (NVML)", ("node", "gpu")),
-        MetricSpec("waiters", _G, "Acquire requests waiting for memory", ()),
-        MetricSpec("grant_latency_ms", _H, "Time to grant an Acquire", ()),
-        MetricSpec("lease_expirations", _C, "Leases reclaimed after their TTL passed", ()),
-        MetricSpec("fencing_rejections", _C, "Renew/Release refused for a stale token", ()),
-    )
+    spec.name: spec for spec in (*_GATEWAY, *_SCHEDULER, *_MODEL_POOL, *_GPU_BROKER, *_EVERY_SERVICE)
 }
 
 

@@ -39,7 +39,7 @@ def run_service(
     parser.add_argument("--config", help="path to loadmaster.yaml (default: built-in defaults)")
     args = parser.parse_args(argv)
     settings = load_settings(args.config)
-    setup_logging(name, settings.log_level)
+    setup_logging(name, settings.log_level, settings.log_format)
     setup_tracing(name)  # on only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as runner:

@@ -1,9 +1,10 @@
 """OpenTelemetry tracing for every service: one trace per request, gateway -> scheduler -> worker.
 
 - `setup_tracing(service)` is called once per process by `service.run_service`: it installs an
-  SDK tracer provider exporting over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (the
-  standard OpenTelemetry variable; the exporter also honours the other `OTEL_EXPORTER_OTLP_*`
-  ones). Without it tracing stays off and costs nothing: no interceptors are installed and
+  SDK tracer provider exporting over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (the
+  standard OpenTelemetry variable): over gRPC, or HTTP/protobuf when
+  `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL` says `http/protobuf`; the
+  exporter honours the other `OTEL_EXPORTER_OTLP_*` variables itself). Without it tracing stays off and costs nothing: no interceptors are installed and
   `start_span` returns non-recording spans. Tests pass their own exporter
   (`InMemorySpanExporter`) instead.
 - gRPC hops: `GrpcServer` and `aio_channel` add `server_interceptors()` /
@@ -42,6 +43,7 @@ __all__ = [
     "extract",
     "get_tracer",
     "inject",
+    "otlp_exporter",
     "request_attributes",
     "server_interceptors",
     "setup_tracing",
@@ -52,6 +54,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+# The standard variables that choose the OTLP transport (the first one set wins).
+OTLP_PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 REQUEST_ID = "loadmaster.request_id"
 MODEL_ID = "loadmaster.model_id"
 ERROR_CODE = "loadmaster.error_code"
@@ -88,16 +92,31 @@ def setup_tracing(
         endpoint = env.get(OTLP_ENDPOINT_ENV, "").strip()
         if not endpoint:
             return None
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter()  # reads the OTEL_EXPORTER_OTLP_* variables itself
+        protocol = next((env[name].strip() for name in OTLP_PROTOCOL_ENVS if env.get(name)), "grpc")
+        exporter = otlp_exporter(protocol)
         batch = True if batch is None else batch
-        log.info("tracing: exporting spans over OTLP to %s", endpoint)
+        log.info("tracing: exporting spans over OTLP (%s) to %s", protocol, endpoint)
     shutdown_tracing()
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
     _provider = provider
     return provider
+
+
+def otlp_exporter(protocol: str) -> SpanExporter:
+    """The OTLP span exporter for a standard protocol value; each reads the
+    `OTEL_EXPORTER_OTLP_*` variables (endpoint, headers, timeout, ...) itself."""
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter()
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        return HttpExporter()
+    raise ValueError(
+        f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: use grpc or http/protobuf"
+    )
 
 
 def shutdown_tracing() -> None:

@@ -165,32 +165,6 @@ class ReleaseResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
-class LeaseOp(_message.Message):
-    __slots__ = ("op_id", "acquire", "renew", "release")
-    OP_ID_FIELD_NUMBER: _ClassVar[int]
-    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
-    RENEW_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    op_id: int
-    acquire: AcquireRequest
-    renew: RenewRequest
-    release: ReleaseRequest
-    def __init__(self, op_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., renew: _Optional[_Union[RenewRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
-
-class LeaseOpResult(_message.Message):
-    __slots__ = ("op_id", "acquire", "renew", "release", "error")
-    OP_ID_FIELD_NUMBER: _ClassVar[int]
-    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
-    RENEW_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    op_id: int
-    acquire: AcquireResponse
-    renew: RenewResponse
-    release: ReleaseResponse
-    error: LeaseOpError
-    def __init__(self, op_id: _Optional[int] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., renew: _Optional[_Union[RenewResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., error: _Optional[_Union[LeaseOpError, _Mapping]] = ...) -> None: ...
-
 class LeaseOpError(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -59,11 +59,6 @@ class GpuBrokerStub:
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
-        self.Leases = channel.stream_stream(
-                '/loadmaster.v1.GpuBroker/Leases',
-                request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseOp.SerializeToString,
-                response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseOpResult.FromString,
-                _registered_method=True)
         self.ListLeases = channel.unary_unary(
                 '/loadmaster.v1.GpuBroker/ListLeases',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ListLeasesRequest.SerializeToString,
@@ -117,17 +112,6 @@ class GpuBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Leases(self, request_iterator, context):
-        """Acquire, Renew and Release on one stream, for holders that make many of them: each
-        LeaseOp is answered by one LeaseOpResult with its op_id and the semantics of the unary
-        call; a failed op is an `error` result and the stream goes on. Ops run concurrently
-        (up to 64 unanswered per stream; the broker stops reading past that), so results may
-        come back out of order: a waiting Acquire never holds up a Renew.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ListLeases(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -173,11 +157,6 @@ def add_GpuBrokerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseRequest.FromString,
                     response_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseResponse.SerializeToString,
-            ),
-            'Leases': grpc.stream_stream_rpc_method_handler(
-                    servicer.Leases,
-                    request_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseOp.FromString,
-                    response_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseOpResult.SerializeToString,
             ),
             'ListLeases': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLeases,
@@ -330,33 +309,6 @@ class GpuBroker:
             '/loadmaster.v1.GpuBroker/Release',
             loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Leases(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/loadmaster.v1.GpuBroker/Leases',
-            loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseOp.SerializeToString,
-            loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseOpResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,15 @@ or its worker failed the call retryably or never replied (returned as well).
 Reports of calls run on a credit (the run, and its end while the credit stays
 usable) may wait a few milliseconds for other messages: see `SchedulerLink`.
 
+A worker that goes away (its data link disconnects: the process died, or ZMTP heartbeats
+found it silent) fails the calls it held as `unavailable`. When the scheduler session that
+knows them is up, it hears of the worker's end on its own stream and re-grants them (a
+retry reported before then could be granted to the dead worker again and spend the last
+attempt there), so they get `lost_grace_s` for that, then go to it as retryable failures.
+With no such session (a new session never heard of them) they are answered at once. A
+worker that never replies is caught by the reply watchdog: `expired` at the deadline +
+`reply_grace_s`.
+
 A large payload for a worker on this host travels in a shared memory slot (see
 `ShmPayloads`). The slot belongs to one send: it is freed when that worker's reply
 arrives and quarantined when the send ends otherwise (watchdog, cancel, another grant),
@@ -25,15 +34,19 @@ because the worker may still be reading it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from loadmaster.common import tracing
+from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     ExpiredError,
     LoadmasterError,
@@ -44,15 +57,51 @@ from loadmaster.common.errors import (
 from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback
-from loadmaster.gateway.scheduler_link import SchedulerLink
-from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
+from loadmaster.gateway.worker_link import ShmPayloads
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "SchedulerPort", "WorkerPort"]
 
 log = logging.getLogger(__name__)
 
 _NOT_FOUND = edge_code_name(errors_pb2.ERROR_CODE_NOT_FOUND)
+_WATCH_INTERVAL_S = 0.25  # how often the reply watchdog looks for overdue calls
+
+
+class SchedulerPort(Protocol):
+    """What the dispatcher sends on the scheduler session (`SchedulerLink`)."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def session(self) -> int:
+        """Which session is (or was last) open: it changes with every new session."""
+
+    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None: ...
+
+    def report_run(self, request: scheduler_pb2.RequestInfo) -> None: ...
+
+    def complete(
+        self,
+        request_id: str,
+        *,
+        error_code: int = 0,
+        retryable: bool = False,
+        worker_id: str = "",
+        inference_ms: float = 0.0,
+        deferred: bool = False,
+    ) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def return_credit(self, credit_id: str) -> None: ...
+
+
+class WorkerPort(Protocol):
+    """Where the dispatcher sends requests to workers (`WorkerLinks`)."""
+
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None: ...
 
 
 @dataclass(slots=True)
@@ -61,11 +110,13 @@ class _Pending:
     on_result: ResultCallback
     worker_id: str = ""
     attempt: int = 0
-    watchdog: asyncio.TimerHandle | None = None
     span: trace.Span = trace.INVALID_SPAN  # recording only while tracing is on
     credit: _Credit | None = None  # the dispatch credit it runs on
     endpoint: str = ""  # the data endpoint of worker_id
     shm: ShmSlot | None = None  # the payload's shared memory slot while a worker may read it
+    session: int = 0  # the scheduler session that knows the call
+    reply_deadline: float = 0.0  # clock.monotonic() by which its worker must reply (0: none)
+    lost: bool = False  # its worker's data link dropped: the watchdog fails it retryably
 
 
 @dataclass(slots=True)
@@ -83,36 +134,56 @@ class _Credit:
 
 
 class Dispatcher:
+    """Its links call back into it, so it builds them: `scheduler(self)` and `workers(self)`
+    return the scheduler session and the worker data links, wired to its callbacks
+    (`on_grant` ... `on_scheduler_lost`; `on_worker_reply`, `on_worker_lost`)."""
+
     def __init__(
         self,
         *,
+        scheduler: Callable[[Dispatcher], SchedulerPort],
+        workers: Callable[[Dispatcher], WorkerPort],
         telemetry: TelemetryReporter,
+        shm: ShmPayloads | None = None,
+        clock: Clock | None = None,
         reply_grace_s: float = 10.0,
+        lost_grace_s: float = 2.0,
     ) -> None:
         self._telemetry = telemetry
+        self._clock: Clock = clock or SystemClock()
         self._reply_grace_s = reply_grace_s
+        self._lost_grace_s = lost_grace_s
+        self._shm = shm
         self._pending: dict[str, _Pending] = {}
         self._credits: dict[str, _Credit] = {}
         # model -> idle credits, the longest idle first (rotating spreads calls over them)
         self._idle_credits: dict[str, list[_Credit]] = {}
-        self._scheduler: SchedulerLink | None = None
-        self._workers: WorkerLinks | None = None
-        self._shm: ShmPayloads | None = None
-
-    def attach(self, scheduler: SchedulerLink, workers: WorkerLinks, shm: ShmPayloads | None = None) -> None:
-        self._scheduler = scheduler
-        self._workers = workers
-        self._shm = shm
+        # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
+        self._reply_deadlines: list[tuple[float, str, int]] = []
+        self._watchdog: asyncio.Task[None] | None = None
+        self._scheduler = scheduler(self)
+        self._workers = workers(self)
 
     @property
     def inflight(self) -> int:
         return len(self._pending)
 
+    def start(self) -> None:
+        """Start the reply watchdog (on the running loop)."""
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch(), name="reply-watchdog")
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+
     # -- front-end API ------------------------------------------------------------------
 
     def submit(self, call: InferenceCall, on_result: ResultCallback) -> None:
         """Start `call`; `on_result` is called exactly once with its outcome."""
-        assert self._scheduler is not None
         if not self._scheduler.connected:
             on_result(self._failed(call, UnavailableError("scheduler unreachable; try again shortly")))
             return
@@ -122,7 +193,9 @@ class Dispatcher:
         span = tracing.start_request_span(
             "gateway.request", request_id=call.request_id, model_id=call.model_id, kind=SpanKind.SERVER
         )
-        pending = self._pending[call.request_id] = _Pending(call, on_result, span=span)
+        pending = self._pending[call.request_id] = _Pending(
+            call, on_result, span=span, session=self._scheduler.session
+        )
         credit_id = ""
         idle = self._idle_credits.get(call.model_id)
         if idle:  # the worker first; the scheduler hears of it after
@@ -157,7 +230,6 @@ class Dispatcher:
         self._disarm(pending)
         self._drop_shm(pending, answered=False)
         tracing.end_span(pending.span, error_code="cancelled")
-        assert self._scheduler is not None
         if pending.worker_id:
             self._scheduler.complete(request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
         else:
@@ -167,7 +239,6 @@ class Dispatcher:
     # -- scheduler callbacks -------------------------------------------------------------
 
     def on_grant(self, grant: scheduler_pb2.Grant) -> None:
-        assert self._scheduler is not None and self._workers is not None
         pending = self._pending.get(grant.request_id)
         if pending is None:  # cancelled or answered meanwhile: give the slot back
             self._scheduler.complete(grant.request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
@@ -233,7 +304,6 @@ class Dispatcher:
     # -- worker callback -----------------------------------------------------------------
 
     def on_worker_reply(self, reply: model_pool_pb2.InferReply, payload: Any) -> None:
-        assert self._scheduler is not None
         pending = self._pending.get(reply.request_id)
         if pending is None or reply.worker_id != pending.worker_id:
             return  # a late reply to an earlier grant, or to a call already answered
@@ -242,13 +312,7 @@ class Dispatcher:
         if reply.shm_unusable and self._shm is not None:
             self._shm.refuse(pending.endpoint, reply.error_message)
         if code and reply.retryable:
-            self._disarm(pending)
-            pending.worker_id = ""
-            self._telemetry.record("dispatch_retries", 1, {"model": reply.model_id})
-            self._scheduler.complete(
-                reply.request_id, error_code=code, retryable=True, worker_id=reply.worker_id
-            )
-            self._release_credit(pending, give_back=True)
+            self._worker_failed(pending, error_for_code(code, reply.error_message))
             return
         if code:
             result = self._failed(pending.call, error_for_code(code, reply.error_message))
@@ -271,7 +335,42 @@ class Dispatcher:
         )
         self._release_credit(pending)
 
+    def on_worker_lost(self, endpoint: str) -> None:
+        """The data link to `endpoint` disconnected: its worker will not answer what it holds."""
+        lost = [p for p in self._pending.values() if p.worker_id and p.endpoint == endpoint]
+        if lost:
+            log.warning("worker data port %s went away with %d requests in flight", endpoint, len(lost))
+        scheduler = self._scheduler
+        for pending in lost:
+            if scheduler.connected and scheduler.session == pending.session:
+                pending.lost = True  # the scheduler re-grants it meanwhile, or the watchdog fails it
+                self._arm_at(pending, self._clock.monotonic() + self._lost_grace_s)
+            else:
+                self._worker_failed(pending, self._lost_error(pending))
+
     # -- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _lost_error(pending: _Pending) -> UnavailableError:
+        return UnavailableError(f"worker {pending.worker_id} went away while running the request")
+
+    def _worker_failed(self, pending: _Pending, error: LoadmasterError) -> None:
+        """The call's worker failed it retryably: the scheduler that knows the call queues it
+        again or answers it; with no such scheduler the caller is answered now."""
+        worker_id = pending.worker_id
+        self._disarm(pending)
+        self._drop_shm(pending, answered=False)  # (a reply freed its slot before)
+        pending.worker_id = ""
+        scheduler = self._scheduler
+        if not scheduler.connected or scheduler.session != pending.session:
+            self._finish(pending, self._failed(pending.call, error))
+            self._release_credit(pending, give_back=True)
+            return
+        self._telemetry.record("dispatch_retries", 1, {"model": pending.call.model_id})
+        scheduler.complete(
+            pending.call.request_id, error_code=error.code, retryable=True, worker_id=worker_id
+        )
+        self._release_credit(pending, give_back=True)
 
     def _send(
         self,
@@ -285,7 +384,6 @@ class Dispatcher:
     ) -> None:
         """Send the call to a worker's data port and arm its reply watchdog; on
         `UnavailableError` the call is back to waiting (the caller tells the scheduler)."""
-        assert self._workers is not None
         call = pending.call
         request = model_pool_pb2.InferRequest(
             request_id=call.request_id,
@@ -309,6 +407,7 @@ class Dispatcher:
         pending.worker_id = worker_id
         pending.endpoint = endpoint
         pending.shm = slot
+        pending.lost = False
         try:
             self._workers.send(endpoint, request.SerializeToString(), payload)
         except UnavailableError as error:
@@ -332,7 +431,7 @@ class Dispatcher:
                 credit.worker_id,
                 credit.data_endpoint,
                 credit.generation,
-                time.time_ns() + int(ttl_ms * 1e6),
+                int((self._clock.time() + ttl_ms / 1e3) * 1e9),
             )
         except UnavailableError:
             self._give_back(credit)
@@ -367,30 +466,55 @@ class Dispatcher:
 
     def _give_back(self, credit: _Credit) -> None:
         if self._credits.pop(credit.credit_id, None) is not None:
-            assert self._scheduler is not None
             self._scheduler.return_credit(credit.credit_id)
 
     def _arm(self, pending: _Pending, deadline_unix_ns: int) -> None:
         """Answer `expired` if the worker never replies (hung or dead) by deadline + grace."""
-        self._disarm(pending)
         delay = self._reply_grace_s
         if deadline_unix_ns:
-            delay += max(0.0, deadline_unix_ns / 1e9 - time.time())
-        pending.watchdog = asyncio.get_running_loop().call_later(
-            delay, self._watchdog_fired, pending.call.request_id, pending.attempt
-        )
+            delay += max(0.0, deadline_unix_ns / 1e9 - self._clock.time())
+        self._arm_at(pending, self._clock.monotonic() + delay)
+
+    def _arm_at(self, pending: _Pending, reply_deadline: float) -> None:
+        pending.reply_deadline = reply_deadline
+        deadlines = self._reply_deadlines
+        heapq.heappush(deadlines, (pending.reply_deadline, pending.call.request_id, pending.attempt))
+        if len(deadlines) > 2 * len(self._pending) + 64:  # mostly answered calls: compact
+            self._reply_deadlines = [
+                (p.reply_deadline, p.call.request_id, p.attempt)
+                for p in self._pending.values()
+                if p.reply_deadline
+            ]
+            heapq.heapify(self._reply_deadlines)
 
     @staticmethod
     def _disarm(pending: _Pending) -> None:
-        if pending.watchdog is not None:
-            pending.watchdog.cancel()
-            pending.watchdog = None
+        pending.reply_deadline = 0.0
 
-    def _watchdog_fired(self, request_id: str, attempt: int) -> None:
-        pending = self._pending.get(request_id)
-        if pending is None or pending.attempt != attempt or not pending.worker_id:
+    async def _watch(self) -> None:
+        while True:
+            await self._clock.sleep(_WATCH_INTERVAL_S)
+            try:
+                self._expire_overdue()
+            except Exception:
+                log.exception("reply watchdog step failed")
+
+    def _expire_overdue(self) -> None:
+        now = self._clock.monotonic()
+        deadlines = self._reply_deadlines
+        while deadlines and deadlines[0][0] <= now:
+            due, request_id, attempt = heapq.heappop(deadlines)
+            pending = self._pending.get(request_id)
+            if pending is not None and pending.attempt == attempt and pending.reply_deadline == due:
+                self._watchdog_fired(pending)
+
+    def _watchdog_fired(self, pending: _Pending) -> None:
+        if not pending.worker_id:
             return
-        assert self._scheduler is not None
+        if pending.lost:
+            self._worker_failed(pending, self._lost_error(pending))
+            return
+        request_id = pending.call.request_id
         worker_id = pending.worker_id
         error = ExpiredError(
             f"worker {worker_id} did not reply within {self._reply_grace_s:.0f}s of the deadline"
@@ -409,7 +533,7 @@ class Dispatcher:
         self._disarm(pending)
         self._drop_shm(pending, answered=False)  # (a reply freed its slot before)
         call = pending.call
-        latency_ms = (time.monotonic() - call.received_monotonic) * 1e3
+        latency_ms = (time.monotonic() - call.received_monotonic) * 1e3  # as the front ends stamp it
         try:
             pending.on_result(result)
         except Exception:

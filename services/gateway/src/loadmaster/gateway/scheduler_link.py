@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.grpc_client import aio_channel
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -88,8 +89,10 @@ class SchedulerLink:
         max_batch: int = 256,
         connect_timeout_s: float = 1.0,
         report_delay_s: float = 0.02,
+        clock: Clock | None = None,
     ) -> None:
         self._address = address
+        self._clock: Clock = clock or SystemClock()
         self._gateway_id = gateway_id
         self._on_grant = on_grant
         self._on_reject = on_reject
@@ -101,12 +104,19 @@ class SchedulerLink:
         self._report_delay_s = report_delay_s
         self._outbox = _Outbox()
         self._connected = asyncio.Event()
+        self._session = 0
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def session(self) -> int:
+        """Which session is (or was last) open; each new session gets the next number. A
+        request enqueued on an earlier session is unknown to the scheduler of a later one."""
+        return self._session
 
     async def wait_connected(self, timeout_s: float) -> bool:
         try:
@@ -218,6 +228,7 @@ class SchedulerLink:
                     stub = scheduler_pb2_grpc.SchedulerStub(channel)
                     self._outbox = _Outbox()
                     call = stub.Session(self._outgoing(self._outbox))
+                    self._session += 1
                     self._connected.set()
                     log.info("session to scheduler %s open", self._address)
                     backoff = 0.05
@@ -245,7 +256,7 @@ class SchedulerLink:
             self._mark_lost()
             if self._closing:
                 return
-            await asyncio.sleep(backoff)
+            await self._clock.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
     def _mark_lost(self) -> None:

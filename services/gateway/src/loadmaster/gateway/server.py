@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zmq.asyncio
 
+from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
@@ -32,7 +33,8 @@ __all__ = ["Gateway", "GatewayServer", "build"]
 class Gateway:
     """The running parts, for tests and the server's hooks."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
+        clock = clock or SystemClock()
         self.gateway_id = settings.gateway.gateway_id or default_instance_id()
         self.telemetry = TelemetryReporter(
             "gateway",
@@ -41,22 +43,46 @@ class Gateway:
             flush_interval_s=settings.metrics.report_interval_ms / 1000,
         )
         self.context = zmq.asyncio.Context()
-        self.dispatcher = Dispatcher(telemetry=self.telemetry)
-        self.scheduler = SchedulerLink(
-            settings.scheduler.address,
-            self.gateway_id,
-            on_grant=self.dispatcher.on_grant,
-            on_reject=self.dispatcher.on_reject,
-            on_lost=self.dispatcher.on_scheduler_lost,
-            on_credit=self.dispatcher.on_credit,
-            on_revoke=self.dispatcher.on_revoke,
-            max_batch=settings.gateway.max_stream_batch,
+        gateway = settings.gateway
+
+        def scheduler_link(dispatcher: Dispatcher) -> SchedulerLink:
+            self.scheduler = SchedulerLink(
+                settings.scheduler.address,
+                self.gateway_id,
+                on_grant=dispatcher.on_grant,
+                on_reject=dispatcher.on_reject,
+                on_lost=dispatcher.on_scheduler_lost,
+                on_credit=dispatcher.on_credit,
+                on_revoke=dispatcher.on_revoke,
+                max_batch=gateway.max_stream_batch,
+                connect_timeout_s=gateway.scheduler_connect_timeout_s,
+                report_delay_s=gateway.report_delay_s,
+                clock=clock,
+            )
+            return self.scheduler
+
+        def worker_links(dispatcher: Dispatcher) -> WorkerLinks:
+            self.workers = WorkerLinks(
+                self.context,
+                dispatcher.on_worker_reply,
+                on_lost=dispatcher.on_worker_lost,
+                heartbeat_ivl_ms=gateway.worker_heartbeat_ivl_ms,
+                heartbeat_timeout_ms=gateway.worker_heartbeat_timeout_ms,
+            )
+            return self.workers
+
+        self.shm = ShmPayloads(gateway.shm)
+        self.dispatcher = Dispatcher(
+            scheduler=scheduler_link,
+            workers=worker_links,
+            telemetry=self.telemetry,
+            shm=self.shm,
+            clock=clock,
+            reply_grace_s=gateway.reply_grace_s,
+            lost_grace_s=gateway.worker_lost_grace_s,
         )
-        self.workers = WorkerLinks(self.context, self.dispatcher.on_worker_reply)
-        self.shm = ShmPayloads(settings.gateway.shm)
-        self.dispatcher.attach(self.scheduler, self.workers, self.shm)
         self.edge = EdgeFrontend(
-            settings.gateway, self.dispatcher, self.telemetry, self.context, gateway_id=self.gateway_id
+            gateway, self.dispatcher, self.telemetry, self.context, gateway_id=self.gateway_id, clock=clock
         )
         self.catalog = ModelCatalog(settings.scheduler.address)
         self.statistics = StatisticsSource(settings.metrics.address if settings.metrics.enabled else None)
@@ -94,6 +120,7 @@ class Gateway:
     async def start(self) -> None:
         warn_if_exposed(self._settings.gateway)
         self.telemetry.start()
+        self.dispatcher.start()
         self.scheduler.start()
         await self.edge.start()
         await self.http.start()
@@ -105,6 +132,7 @@ class Gateway:
         await self.statistics.close()
         await self.admin.close()
         await self.scheduler.close()
+        await self.dispatcher.close()
         await self.workers.close()
         self.shm.close()
         await self.telemetry.close()
@@ -114,14 +142,14 @@ class Gateway:
 class GatewayServer(GrpcServer):
     """The gateway's gRPC server (health, reflection, KServe v2) with its running parts."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
         super().__init__(
             "gateway",
             settings.gateway.listen_address,
             interceptors=[UndecodableRequestInterceptor()],
             options=receive_options(settings.gateway.limits),
         )
-        self.gateway = Gateway(settings)
+        self.gateway = Gateway(settings, clock=clock)
         self.add_service(
             inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
             inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
@@ -131,6 +159,6 @@ class GatewayServer(GrpcServer):
         self.on_stop(self.gateway.stop)
 
 
-async def build(settings: Settings) -> GatewayServer:
+async def build(settings: Settings, *, clock: Clock | None = None) -> GatewayServer:
     """The wired gateway, not yet started."""
-    return GatewayServer(settings)
+    return GatewayServer(settings, clock=clock)

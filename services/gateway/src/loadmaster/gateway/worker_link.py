@@ -3,7 +3,11 @@
 Requests go out as `[b"", InferRequest, payload]` with the payload frame passed
 through untouched (a received frame is forwarded without copying its data);
 replies come back as `[b"", InferReply, payload]` and are handed to `on_reply`
-with the payload frame, again without a copy. The sockets are plain ZMQ sockets
+with the payload frame, again without a copy.
+
+Each link is watched through a ZMQ socket monitor: when its connection drops (the
+worker's process died, or it answered no ZMTP heartbeat within the timeout),
+`on_lost(endpoint)` is called, so what that worker held is not left waiting. The sockets are plain ZMQ sockets
 read straight from the event loop (`SocketReader`): no Future or task wake-up per
 message, because on this path they cost more than the message.
 
@@ -19,6 +23,7 @@ memory off.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -27,6 +32,7 @@ from typing import Any
 
 import zmq
 from google.protobuf.message import DecodeError
+from zmq.utils.monitor import parse_monitor_message
 
 from loadmaster.common.config import SharedMemorySettings
 from loadmaster.common.errors import UnavailableError
@@ -39,14 +45,28 @@ __all__ = ["ShmPayloads", "WorkerLinks", "is_local_endpoint"]
 log = logging.getLogger(__name__)
 
 ReplyHandler = Callable[[model_pool_pb2.InferReply, Any], None]
+_monitor_ids = itertools.count(1)
 
 
 class WorkerLinks:
-    def __init__(self, context: zmq.Context[Any], on_reply: ReplyHandler, *, send_hwm: int = 10_000) -> None:
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        on_reply: ReplyHandler,
+        *,
+        on_lost: Callable[[str], None] | None = None,
+        send_hwm: int = 10_000,
+        heartbeat_ivl_ms: int = 0,
+        heartbeat_timeout_ms: int = 0,
+    ) -> None:
         self._context = context
         self._on_reply = on_reply
+        self._on_lost = on_lost
         self._send_hwm = send_hwm
+        self._heartbeat_ivl_ms = heartbeat_ivl_ms
+        self._heartbeat_timeout_ms = heartbeat_timeout_ms
         self._links: dict[str, tuple[zmq.Socket[Any], SocketReader]] = {}
+        self._monitors: dict[str, tuple[zmq.Socket[Any], SocketReader]] = {}
 
     def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
         """Queue one request for `endpoint`; raise `UnavailableError` when it cannot be queued."""
@@ -65,11 +85,32 @@ class WorkerLinks:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, self._send_hwm)
         socket.setsockopt(zmq.RCVHWM, 0)
+        if self._heartbeat_ivl_ms > 0:
+            socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ivl_ms)
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_timeout_ms or 3 * self._heartbeat_ivl_ms)
+        if self._on_lost is not None:
+            self._watch(endpoint, socket)
         socket.connect(endpoint)
         reader = SocketReader(socket, partial(self._on_frames, endpoint), name=f"data link to {endpoint}")
         reader.start()
         link = self._links[endpoint] = (socket, reader)
         return link
+
+    def _watch(self, endpoint: str, socket: zmq.Socket[Any]) -> None:
+        address = f"inproc://worker-link-monitor-{next(_monitor_ids)}"
+        socket.monitor(address, zmq.EVENT_DISCONNECTED)
+        monitor: zmq.Socket[Any] = zmq.Socket(self._context, zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
+        reader = SocketReader(monitor, partial(self._on_event, endpoint), name=f"monitor of {endpoint}")
+        reader.start()
+        self._monitors[endpoint] = (monitor, reader)
+
+    def _on_event(self, endpoint: str, frames: list[Any]) -> None:
+        event = parse_monitor_message([getattr(frame, "bytes", frame) for frame in frames])
+        if event["event"] == zmq.EVENT_DISCONNECTED and self._on_lost is not None:
+            log.warning("data link to worker %s disconnected", endpoint)
+            self._on_lost(endpoint)
 
     def _on_frames(self, endpoint: str, frames: list[zmq.Frame]) -> None:
         try:
@@ -82,10 +123,15 @@ class WorkerLinks:
         self._on_reply(reply, frames[2] if len(frames) > 2 else b"")
 
     async def close(self) -> None:
+        for _, reader in self._monitors.values():
+            reader.stop()  # closing a link is no loss
         for socket, reader in self._links.values():
             reader.stop()
             socket.close(linger=0)
         self._links.clear()
+        for monitor, _ in self._monitors.values():
+            monitor.close(linger=0)
+        self._monitors.clear()
 
 
 def is_local_endpoint(endpoint: str) -> bool:

@@ -11,7 +11,7 @@ import logging
 import math
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import (
@@ -91,6 +91,7 @@ class LeaseManager:
         self._telemetry = telemetry
         self._on_grant: Callable[[int], None] | None = None
         self._on_release: Callable[[], None] | None = None
+        self._on_no_gpus: Callable[[], Awaitable[bool]] | None = None
 
     def on_grant(self, callback: Callable[[int], None]) -> None:
         """Call `callback(expires_unix_ms)` for each lease this replica grants (the reaper
@@ -101,6 +102,15 @@ class LeaseManager:
         """Call `callback()` each time this replica frees a lease's memory (a release, or an
         expired lease found by a release)."""
         self._on_release = callback
+
+    def on_no_gpus(self, callback: Callable[[], Awaitable[bool]]) -> None:
+        """`await callback()` when an Acquire or Inventory finds no GPU where it looked: the
+        reaper registers this broker's nodes again when Redis lost them, and says whether it
+        did (then the call looks once more)."""
+        self._on_no_gpus = callback
+
+    async def _registered_again(self) -> bool:
+        return self._on_no_gpus is not None and await self._on_no_gpus()
 
     def now_ms(self) -> int:
         return int(self._clock.time() * 1000)
@@ -187,6 +197,16 @@ class LeaseManager:
             queue_ttl_ms=queue_ttl_ms,
             best_fit=True,  # the common case is granted in this one call
         )
+        if isinstance(outcome, Snapshot) and not outcome.gpus and await self._registered_again():
+            outcome = await self._store.acquire(
+                request,
+                now_ms=self.now_ms(),
+                lease_id=lease_id,
+                ttl_ms=ttl_ms,
+                placement=None,
+                queue_ttl_ms=queue_ttl_ms,
+                best_fit=True,
+            )
         attempts = 0
         while True:
             self._count_expirations(outcome.reaped)
@@ -305,7 +325,13 @@ class LeaseManager:
         return await self._store.leases(now_ms=self.now_ms(), node=node, holder=holder)
 
     async def inventory(self, node: str = "") -> list[GpuState]:
-        return await self._store.inventory(node, now_ms=self.now_ms())
+        gpus = await self._store.inventory(node, now_ms=self.now_ms())
+        if not gpus and await self._registered_again():
+            gpus = await self._store.inventory(node, now_ms=self.now_ms())
+        return gpus
+
+    async def registered_nodes(self) -> set[str]:
+        return await self._store.registered_nodes()
 
     async def reap(self) -> int:
         """Reclaim every expired lease (in batches); returns how many."""

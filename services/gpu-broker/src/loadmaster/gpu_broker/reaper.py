@@ -1,6 +1,6 @@
-"""The broker's background loop: register the local inventory (until it succeeds), record
-memory used outside leases from NVML (when this host has GPUs), reap expired leases, and
-report per-GPU gauges and the number of waiting acquires. Every replica runs one; the reap script makes
+"""The broker's background loop: register the local inventory (again whenever Redis lost it),
+record memory used outside leases from NVML (when this host has GPUs), reap expired leases,
+and report per-GPU gauges and the number of waiting acquires. Every replica runs one; the reap script makes
 concurrent reaping safe. A step that fails is logged and the loop goes on.
 
 On a host with GPUs a step runs every `interval_s` (NVML is sampled each step). Without
@@ -15,6 +15,13 @@ not only when they change: the telemetry reporter drops what it cannot deliver (
 service may start after the broker), and a dashboard needs a recent reading. They are also
 reported shortly after this replica grants or releases leases (once per burst), so a model
 load or unload shows on the dashboard at once rather than at the next step, up to 18 s later.
+
+Redis may lose its data (FLUSHALL, a restart without persistence). Each step checks that
+every node of the local inventory is still registered, and registers the missing ones again.
+So does an Acquire or Inventory call that finds no GPU where it looked (`ensure_registered`,
+through `LeaseManager.on_no_gpus`): the first request after the loss re-registers the
+inventory and is served, instead of failing until the next step. A check that finds every
+node in place costs one SMEMBERS.
 """
 
 from __future__ import annotations
@@ -72,7 +79,10 @@ class Reaper:
         self._local_gpus = local_gpus
         self._manager = manager
         self._clock = clock
-        self._unregistered = dict(inventory)
+        self._inventory = dict(inventory)
+        self._registered: set[str] = set()  # nodes this broker registered at least once
+        self._check_failed = True  # the last registration check did not complete: step often
+        self._registering = asyncio.Lock()  # one check at a time; callers that queue reuse it
         self._telemetry = telemetry
         self._interval_s = interval_s
         self._idle_interval_s = idle_interval_s
@@ -87,6 +97,7 @@ class Reaper:
     async def start(self) -> None:
         """Run one step now (so the inventory is registered before serving), then loop."""
         await self._guarded_step()
+        self._manager.on_no_gpus(self._ensure_registered_for_request)
         self._manager.on_grant(self._granted)
         self._manager.on_release(self._gauges_after_change)
         self._task = asyncio.create_task(self._run(), name="gpu-broker-reaper")
@@ -99,12 +110,47 @@ class Reaper:
                     await task
         self._task = self._gauges_soon = None
 
+    async def ensure_registered(self) -> list[str]:
+        """Register each node of the local inventory that Redis does not hold (never
+        registered yet, or lost with Redis's data); returns those nodes."""
+        if not self._inventory:
+            self._check_failed = False
+            return []
+        async with self._registering:
+            self._check_failed = True
+            present = await self._manager.registered_nodes()
+            missing = [node for node in self._inventory if node not in present]
+            for node in missing:
+                registered = await self._manager.register_node(node, self._inventory[node])
+                if node in self._registered:
+                    log.warning(
+                        "node %s was missing from Redis (its data was lost?): registered its %d GPU(s) again",
+                        node,
+                        len(registered),
+                    )
+                else:
+                    log.info("registered node %s: %d GPU(s)", node, len(registered))
+                self._registered.add(node)
+            if self._local_gpus is not None and self._local_gpus.node in missing:
+                # Before anything is granted on them: memory in use there (by holders whose
+                # leases went with the data, too) counts as used outside leases.
+                await self._reconcile(self._local_gpus)
+            self._check_failed = False
+            return missing
+
+    async def _ensure_registered_for_request(self) -> bool:
+        """For a request that found no GPU: True when nodes were registered again."""
+        try:
+            return bool(await self.ensure_registered())
+        except LoadmasterError as error:  # the request reports what it found; the next step retries
+            log.warning("re-registering the inventory failed: %s", error.message)
+        except Exception:
+            log.exception("re-registering the inventory failed")
+        return False
+
     async def step(self) -> int:
-        """Register what is still unregistered, reap, report gauges. Returns leases reaped."""
-        for node, gpus in list(self._unregistered.items()):
-            registered = await self._manager.register_node(node, gpus)
-            del self._unregistered[node]
-            log.info("registered node %s: %d GPU(s)", node, len(registered))
+        """Register what Redis lacks, reap, report gauges. Returns leases reaped."""
+        await self.ensure_registered()
         if self._local_gpus is not None:  # before reaping: a dead holder's bytes stay unavailable
             await self._reconcile(self._local_gpus)
         reaped = await self._manager.reap()
@@ -139,7 +185,7 @@ class Reaper:
 
     async def _next_delay(self) -> float:
         jitter = self._rng.uniform(0.8, 1.2)
-        if self._local_gpus is not None or self._unregistered:
+        if self._local_gpus is not None or self._check_failed:
             return self._interval_s * jitter
         delay = self._idle_interval_s * jitter
         try:

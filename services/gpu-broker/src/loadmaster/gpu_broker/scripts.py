@@ -11,7 +11,7 @@ Every op sees the same three KEYS and first three ARGV, then its own ARGV:
 
     KEYS[1] <prefix>:nodes    set of registered node names
     KEYS[2] <prefix>:expiry   sorted set: lease id -> expires_unix_ms
-    KEYS[3] <prefix>:fence    fencing-token counter (INCR, never reset)
+    KEYS[3] <prefix>:fence    fencing-token counter (INCR; see "Fencing tokens" below)
     ARGV[1] prefix            key prefix (`settings.gpu_broker.key_prefix`)
     ARGV[2] now_ms            the broker's clock, UNIX ms (injected, so tests drive time)
     ARGV[3] channel           pub/sub channel for lease events (<prefix>:events)
@@ -43,6 +43,13 @@ waiter ahead of it (higher priority, or equal priority and earlier) has an overl
 scope, so waiting requests are served in priority then FIFO order by every replica. A waiter
 record lapses unless the replica that waits for it refreshes it (a crashed replica's waiters
 vanish within seconds).
+
+Fencing tokens never repeat, even when Redis loses its data (FLUSHALL, a restart without
+persistence): a missing counter is seeded, by the ACQUIRE that finds it missing, with
+max(now_ms * 1000, ARGV[18] + 1), where ARGV[18] is the highest token the calling broker has
+seen. A counter seeded so has granted fewer than 1000 tokens per ms since, so a later seed is
+above every token it gave unless the seeding broker's clock runs behind by about as long as
+the counter lived; the high-water covers the tokens this broker saw itself.
 
 A lease is live while expires_ms > now; expired leases count as leased until a script
 reaps them (ACQUIRE and REGISTER reap first, RENEW/RELEASE reap the lease they touch,
@@ -221,6 +228,7 @@ ACQUIRE = LuaOp(
 -- ARGV[12] lease TTL (ms)   ARGV[13] labels (JSON)
 -- ARGV[14] priority (0..999)   ARGV[15] waiter record TTL (ms; 0 = do not queue when not granted)
 -- ARGV[16] MB wanted (for '*')   ARGV[17] GPU indexes allowed for '*' (",0,2," style; '' = any)
+-- ARGV[18] the highest fencing token the caller has seen (seeds a missing counter; module docstring)
 -- returns {'granted', reaped, node, alloc, created_ms, expires_ms, token}
 --                                    a new lease (published 'acquired'; the caller knows the rest)
 --         {'replayed', reaped, lease fields} the live lease this request already got
@@ -327,6 +335,9 @@ if my_score then forget_waiter(id) end
 for index, mb in pairs(need) do
   redis.call('HINCRBY', gpu_key(node, index), 'leased_mb', mb)
   index_free(node, index, free_after[index])
+end
+if redis.call('EXISTS', fence_key) == 0 then
+  redis.call('SET', fence_key, int(math.max(now * 1000, tonumber(ARGV[18]) + 1) - 1))
 end
 local token = int(redis.call('INCR', fence_key))
 local created = int(now)

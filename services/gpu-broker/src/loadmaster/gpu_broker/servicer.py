@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError
+from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
 from loadmaster.gpu_broker.events import LeaseEventHub
 from loadmaster.gpu_broker.leases import (
     AcquireRequest,
@@ -24,10 +22,6 @@ from loadmaster.v1 import gpu_broker_pb2_grpc
 
 __all__ = ["GpuBrokerServicer", "acquire_from_proto", "event_to_proto", "gpu_to_proto", "lease_to_proto"]
 
-log = logging.getLogger(__name__)
-
-# Unanswered ops per Leases stream; past this the broker stops reading the stream.
-MAX_STREAM_OPS = 64
 # Renewals in one RenewMany call (a worker holds one lease per resident model).
 MAX_RENEWALS = 1024
 
@@ -140,54 +134,6 @@ class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
     ) -> pb.ReleaseResponse:
         return await self._release(request)
 
-    async def Leases(  # noqa: N802
-        self, request_iterator: AsyncIterator[pb.LeaseOp], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.LeaseOpResult]:
-        """Each op runs as its own task; results go out as they finish. A slot is freed only
-        once its result is handed to gRPC, so a client that stops reading stops being read."""
-        slots = asyncio.Semaphore(MAX_STREAM_OPS)
-        results: asyncio.Queue[pb.LeaseOpResult | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._run_ops(request_iterator, slots, results))
-        try:
-            while (result := await results.get()) is not None:
-                yield result
-                slots.release()
-            await reader  # the request stream's own failure, if any
-        finally:
-            reader.cancel()
-
-    async def _run_ops(
-        self,
-        ops: AsyncIterator[pb.LeaseOp],
-        slots: asyncio.Semaphore,
-        results: asyncio.Queue[pb.LeaseOpResult | None],
-    ) -> None:
-        try:
-            async with asyncio.TaskGroup() as group:
-                async for op in ops:
-                    await slots.acquire()
-                    group.create_task(self._answer(op, results))
-        finally:
-            results.put_nowait(None)  # after every started op has put its result
-
-    async def _answer(self, op: pb.LeaseOp, results: asyncio.Queue[pb.LeaseOpResult | None]) -> None:
-        try:
-            kind = op.WhichOneof("op")
-            if kind == "acquire":
-                result = pb.LeaseOpResult(op_id=op.op_id, acquire=await self._acquire(op.acquire))
-            elif kind == "renew":
-                result = pb.LeaseOpResult(op_id=op.op_id, renew=await self._renew(op.renew))
-            elif kind == "release":
-                result = pb.LeaseOpResult(op_id=op.op_id, release=await self._release(op.release))
-            else:
-                raise InvalidArgumentError(f"op {op.op_id} names no operation")
-        except LoadmasterError as error:
-            result = _op_error(op.op_id, error)
-        except Exception:  # as the error interceptor does for a unary call
-            log.exception("unhandled error in Leases op %s", op.WhichOneof("op"))
-            result = _op_error(op.op_id, InternalError(f"op {op.op_id}: internal error"))
-        results.put_nowait(result)
-
     async def _acquire(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
         lease = await self._manager.acquire(acquire_from_proto(request))
         return pb.AcquireResponse(lease=lease_to_proto(lease))
@@ -232,7 +178,3 @@ def _renew_result(outcome: Lease | LoadmasterError) -> pb.RenewResult:
     if isinstance(outcome, LoadmasterError):
         return pb.RenewResult(error=pb.LeaseOpError(code=outcome.code, message=outcome.message))
     return pb.RenewResult(lease=lease_to_proto(outcome))
-
-
-def _op_error(op_id: int, error: LoadmasterError) -> pb.LeaseOpResult:
-    return pb.LeaseOpResult(op_id=op_id, error=pb.LeaseOpError(code=error.code, message=error.message))

@@ -285,6 +285,8 @@ class RedisLeaseStore:
         self._prefix = key_prefix
         self.channel = f"{key_prefix}:events"
         self._keys = [f"{key_prefix}:nodes", f"{key_prefix}:expiry", f"{key_prefix}:fence"]
+        # The highest fencing token this store has seen: seeds the counter should Redis lose it.
+        self._max_token = 0
         self._coalescer = ScriptCoalescer(
             client.connection_pool,
             script=scripts.OPS_SCRIPT,
@@ -390,6 +392,7 @@ class RedisLeaseStore:
             queue_ttl_ms,
             wanted.mb,
             f",{','.join(map(str, wanted.gpus))}," if wanted.gpus else "",
+            self._max_token,
         )
         status, reaped, body = reply[0], int(reply[1]), reply[2]
         if status == "granted":  # the script returns only what the caller does not know
@@ -404,9 +407,12 @@ class RedisLeaseStore:
                 expires_unix_ms=int(expires_ms),
                 fencing_token=int(token),
             )
+            self._max_token = max(self._max_token, lease.fencing_token)
             return Granted(lease=lease, replayed=False, reaped=reaped)
         if status == "replayed":
-            return Granted(lease=_lease(body), replayed=True, reaped=reaped)
+            lease = _lease(body)
+            self._max_token = max(self._max_token, lease.fencing_token)
+            return Granted(lease=lease, replayed=True, reaped=reaped)
         if status == "state":
             return Snapshot(gpus=_gpus(body), reaped=reaped)
         if status == "blocked":
@@ -439,6 +445,15 @@ class RedisLeaseStore:
         except _REDIS_DOWN as error:
             raise UnavailableError(f"Redis unreachable: {error or 'no reply in time'}") from error
         return int(first[0][1]) if first else None
+
+    async def registered_nodes(self) -> set[str]:
+        """The nodes registered in Redis (empty after Redis lost its data)."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                members = await self._redis.smembers(f"{self._prefix}:nodes")
+            return {str(node) for node in members}  # str already (decode_responses)
+        except _REDIS_DOWN as error:
+            raise UnavailableError(f"Redis unreachable: {error or 'no reply in time'}") from error
 
     async def waiting(self) -> int:
         """How many requests wait for memory (records not yet pruned included)."""

@@ -11,6 +11,8 @@ bucket, `null` where a bucket has nothing to show:
 | deadline misses | `requests{model, code="expired"}` (gateway) | expired answers per second |
 | queue depth | `queue_depth{model}` (scheduler gauge) | the highest reading in the bucket, else the last before |
 | GPU memory | `lease_mb{node, gpu}`, `free_mb{node, gpu}` (gpu-broker gauges) | the last reading |
+| tokens/s per model (generative) | `output_tokens{model}` (model-pool) | tokens generated per second |
+| time to first token per model | `time_to_first_token_ms{model}` (gateway) | p50 / p95 of its samples |
 
 `summary` holds the same per model over the last `summary_s` seconds. Model states per
 worker come from the scheduler's `ListWorkers` (the caller passes them in), else from the
@@ -223,6 +225,28 @@ def snapshot(
             "summary": _summary(windows, model, by_name, summary_s),
         }
 
+    generative: dict[str, Any] = {}
+    tokens_by_model: dict[str, list[Series]] = {}
+    for series in windows.series("output_tokens"):
+        tokens_by_model.setdefault(_label(series, "model"), []).append(series)
+    ttft_by_model: dict[str, list[Series]] = {}
+    for series in windows.series("time_to_first_token_ms"):
+        ttft_by_model.setdefault(_label(series, "model"), []).append(series)
+    for model in sorted(set(tokens_by_model) | set(ttft_by_model)):
+        ttft = _percentiles(*_gather(ttft_by_model.get(model, []), cutoff), buckets)
+        summary_cutoff = now - summary_s
+        tokens_now = sum(float(s.values_since(summary_cutoff).sum()) for s in tokens_by_model.get(model, []))
+        _, recent_ttft = _gather(ttft_by_model.get(model, []), summary_cutoff)
+        generative[model] = {
+            "tokens_per_s": _rate(*_gather(tokens_by_model.get(model, []), cutoff), buckets),
+            "ttft_p50_ms": ttft["p50"],
+            "ttft_p95_ms": ttft["p95"],
+            "summary": {
+                "tokens_per_s": round(tokens_now / summary_s, 3),
+                "ttft_p50_ms": _finite(float(np.percentile(recent_ttft, 50))) if recent_ttft.size else None,
+            },
+        }
+
     gpus: dict[str, Any] = {}
     for name in ("lease_mb", "free_mb"):
         for series in windows.series(name):
@@ -237,6 +261,7 @@ def snapshot(
         "summary_s": summary_s,
         "t": [round(float(end - now), 3) for end in buckets.ends],  # seconds relative to now
         "models": models,
+        "generative": generative,
         "gpus": dict(sorted(gpus.items())),
         "workers": [
             {"worker_id": row.worker_id, "slots": [asdict(slot) for slot in row.slots]} for row in rows

@@ -1,12 +1,22 @@
 """Prometheus exposition of the reported series.
 
 Every name declared in `loadmaster.common.metric_names.METRICS` is exposed per
-reporting service as `loadmaster_<service>_<name>`, fed as samples arrive:
+reporting service as `loadmaster_<service>_<name>` (the names every service reports,
+such as `build_info` and `process_*`, once as `loadmaster_<name>` with a `service` label),
+fed as samples arrive, in base units:
 
 - histogram: a `Histogram`; `_ms` names become `_seconds` (value / 1000), `_bytes`
   names stay bytes, other names (e.g. `batch_size`) are plain counts;
 - counter: a `Counter` (`..._total`), each sample's value is the increment;
-- gauge: a `Gauge` set to the latest value.
+- gauge: a `Gauge` set to the latest value; `_mb` names become `_bytes`.
+
+Replicas: every series carries the reporting process as its `replica` label (the
+`ReportBatch.instance`: a gateway's or worker's id, a broker's host and pid), so two
+workers' gauges never overwrite each other and two gateways' counters can be told apart.
+The series of a replica that has reported nothing for `replica_ttl_s` are removed (every
+reporter sends its process metrics every few seconds, so only a gone process goes quiet).
+Counters exist at 0 from the moment a replica (or, for a `model` label, a model) is first
+seen, for every label combination its spec declares `known`.
 
 Samples arrive per series (`Observations`), and a histogram takes a series' values in
 one step: each touched bucket incremented once, the sum added in order (so it equals
@@ -21,10 +31,12 @@ each is logged once.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
@@ -55,6 +67,8 @@ SIZE_BUCKETS_BYTES: tuple[float, ...] = tuple(float(1 << shift) for shift in ran
 COUNT_BUCKETS: tuple[float, ...] = tuple(float(1 << shift) for shift in range(11))
 
 _NOT_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
+MB = 1 << 20
+REPLICA_LABEL = "replica"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,24 +89,33 @@ def _service_part(service: str) -> str:
 
 
 def exposed(service: str, spec: MetricSpec) -> Exposed:
-    """The Prometheus form of `spec` reported by `service` (`model-pool` -> `model_pool`)."""
-    base = f"loadmaster_{_service_part(service)}_{spec.name}"
+    """The Prometheus form of `spec` reported by `service` (`model-pool` -> `model_pool`):
+    its family name, kind, labels (`replica` first, and `service` before it for the names
+    every service reports) and the scale to base units."""
+    if spec.service:
+        base = f"loadmaster_{_service_part(service)}_{spec.name}"
+        labels = (REPLICA_LABEL, *spec.labels)
+    else:
+        base = f"loadmaster_{spec.name}"
+        labels = ("service", REPLICA_LABEL, *spec.labels)
     if spec.kind is MetricKind.HISTOGRAM:
         if spec.name.endswith("_ms"):
             return Exposed(
                 base.removesuffix("_ms") + "_seconds",
                 spec.kind,
                 spec.help,
-                spec.labels,
+                labels,
                 scale=0.001,
                 buckets=LATENCY_BUCKETS_S,
             )
         if spec.name.endswith("_bytes"):
-            return Exposed(base, spec.kind, spec.help, spec.labels, buckets=SIZE_BUCKETS_BYTES)
-        return Exposed(base, spec.kind, spec.help, spec.labels, buckets=COUNT_BUCKETS)
+            return Exposed(base, spec.kind, spec.help, labels, buckets=SIZE_BUCKETS_BYTES)
+        return Exposed(base, spec.kind, spec.help, labels, buckets=COUNT_BUCKETS)
     if spec.kind is MetricKind.COUNTER:
-        return Exposed(base.removesuffix("_total"), spec.kind, spec.help, spec.labels)
-    return Exposed(base, spec.kind, spec.help, spec.labels)
+        return Exposed(base.removesuffix("_total"), spec.kind, spec.help, labels)
+    if spec.name.endswith("_mb"):
+        return Exposed(base.removesuffix("_mb") + "_bytes", spec.kind, spec.help, labels, scale=MB)
+    return Exposed(base, spec.kind, spec.help, labels)
 
 
 _Values = Sequence[float]
@@ -123,6 +146,19 @@ def _histogram_sink(histogram: Histogram, scale: float) -> _Sink:
     return observe
 
 
+_Family = Histogram | Counter | Gauge
+_Child = tuple[_Family, tuple[str, ...]]  # a family and one child's label values
+
+
+@dataclass(slots=True)
+class _Replica:
+    """What one reporting process has put into the registry, to remove when it is gone."""
+
+    last_seen: float
+    children: set[_Child] = field(default_factory=set)
+    models: set[str] = field(default_factory=set)
+
+
 class Exposition:
     """A registry fed with samples, rendered for `GET /metrics`."""
 
@@ -131,31 +167,88 @@ class Exposition:
         registry: CollectorRegistry | None = None,
         *,
         specs: Mapping[str, MetricSpec] = METRICS,
+        replica_ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._specs = specs
-        self._families: dict[tuple[str, str], Histogram | Counter | Gauge | None] = {}
-        self._sinks: dict[SeriesKey, _Sink | None] = {}
+        self._replica_ttl_s = replica_ttl_s
+        self._clock = clock
+        self._families: dict[tuple[str, str], _Family | None] = {}
+        self._sinks: dict[tuple[SeriesKey, str], _Sink | None] = {}
+        self._replicas: dict[tuple[str, str], _Replica] = {}
+        self._next_sweep = 0.0
         self._warned: set[str] = set()
 
-    def observe(self, observations: Iterable[Observations]) -> None:
-        """Feed series' values (labels include `service`) into their Prometheus series."""
+    def observe(self, observations: Iterable[Observations], *, service: str = "", replica: str = "") -> None:
+        """Feed series' values (labels include `service`) reported by one `replica` of
+        `service` into their Prometheus series."""
+        now = self._clock()
+        self._touch(service, replica, now)
         sinks = self._sinks
         for observed in observations:
-            key = (observed.name, observed.labels)
+            key = ((observed.name, observed.labels), replica)
             try:
                 sink = sinks[key]
             except KeyError:
-                sink = sinks[key] = self._sink_for(*key)
+                sink = sinks[key] = self._sink_for(observed.name, observed.labels, replica)
             if sink is not None:
                 sink(observed.values)
+        if now >= self._next_sweep:
+            self.sweep(now)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition body and its content type (OpenMetrics when `accept` asks for it)."""
+        self.sweep(self._clock())
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
 
-    def _sink_for(self, name: str, label_set: LabelSet) -> _Sink | None:
+    def sweep(self, now: float) -> None:
+        """Remove every series of the replicas silent for `replica_ttl_s`."""
+        self._next_sweep = now + 1.0
+        gone = [key for key, seen in self._replicas.items() if now - seen.last_seen > self._replica_ttl_s]
+        for service, replica in gone:
+            for family, values in self._replicas.pop((service, replica)).children:
+                try:
+                    family.remove(*values)
+                except KeyError:
+                    pass
+            for key in [key for key in self._sinks if key[1] == replica and dict(key[0][1]).get("service") == service]:
+                del self._sinks[key]
+            log.info("metrics of %s replica %s removed: nothing reported for %.0f s", service, replica, self._replica_ttl_s)
+
+    def _touch(self, service: str, replica: str, now: float) -> None:
+        record = self._replicas.get((service, replica))
+        if record is None:
+            record = self._replicas[(service, replica)] = _Replica(now)
+            self._zero_counters(service, replica, record, model=None)
+        record.last_seen = now
+
+    def _zero_counters(self, service: str, replica: str, record: _Replica, *, model: str | None) -> None:
+        """Create at 0 the counters of `service` whose label values are all known: those
+        without a `model` label when the replica is first seen, those with one for `model`."""
+        for spec in self._specs.values():
+            if spec.kind is not MetricKind.COUNTER or spec.service not in (service, ""):
+                continue
+            if ("model" in spec.labels) != (model is not None):
+                continue
+            choices: list[tuple[str, ...]] = []
+            for label in spec.labels:
+                known = (model,) if label == "model" and model is not None else spec.known_values(label)
+                if known is None:
+                    break
+                choices.append(known)
+            else:
+                family = self._family(service, spec)
+                if family is None:
+                    continue
+                head = (replica,) if spec.service else (service, replica)
+                for combo in itertools.product(*choices):
+                    values = (*head, *combo)
+                    family.labels(*values)
+                    record.children.add((family, values))
+
+    def _sink_for(self, name: str, label_set: LabelSet, replica: str) -> _Sink | None:
         spec = self._specs.get(name)
         if spec is None:
             self._warn_once(name, "not in METRICS; kept for queries, not exposed to Prometheus")
@@ -165,12 +258,21 @@ class Exposition:
         family = self._family(service, spec)
         if family is None:
             return None
-        if spec.labels:
-            family = family.labels(*(labels.get(name, "") for name in spec.labels))
-        if isinstance(family, Histogram):
-            return _histogram_sink(family, exposed(service, spec).scale)
-        if isinstance(family, Counter):
-            inc = family.inc
+        record = self._replicas.get((service, replica))
+        model = labels.get("model")
+        if record is not None and model and model not in record.models:
+            record.models.add(model)
+            self._zero_counters(service, replica, record, model=model)
+        head = (replica,) if spec.service else (service, replica)
+        values = (*head, *(labels.get(label, "") for label in spec.labels))
+        child = family.labels(*values)
+        if record is not None:
+            record.children.add((family, values))
+        scale = exposed(service, spec).scale
+        if isinstance(child, Histogram):
+            return _histogram_sink(child, scale)
+        if isinstance(child, Counter):
+            inc = child.inc
 
             def add(values: _Values) -> None:
                 for value in values:
@@ -180,19 +282,19 @@ class Exposition:
                         self._warn_once(name, "negative counter increment ignored")
 
             return add
-        gauge = family
+        gauge = child
 
         def set_latest(values: _Values) -> None:
-            gauge.set(values[-1])
+            gauge.set(values[-1] * scale)
 
         return set_latest
 
-    def _family(self, service: str, spec: MetricSpec) -> Histogram | Counter | Gauge | None:
-        key = (service, spec.name)
+    def _family(self, service: str, spec: MetricSpec) -> _Family | None:
+        key = (service if spec.service else "", spec.name)
         if key in self._families:
             return self._families[key]
         form = exposed(service, spec)
-        family: Histogram | Counter | Gauge | None
+        family: _Family | None
         try:
             if form.kind is MetricKind.HISTOGRAM:
                 family = Histogram(

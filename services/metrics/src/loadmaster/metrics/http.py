@@ -51,7 +51,8 @@ def create_app(
 
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handlers (the gRPC server owns SIGTERM/SIGINT), ticking once
-    a second (`loadmaster.common.http_server`)."""
+    a second (`loadmaster.common.http_server`). It overrides undocumented `uvicorn.Server`
+    methods: the pyproject pins uvicorn, tests/unit/test_uvicorn_internals.py checks them."""
 
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)

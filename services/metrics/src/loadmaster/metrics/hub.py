@@ -32,11 +32,12 @@ class MetricsHub:
         max_pending_per_watcher: int = 4096,
         registry: CollectorRegistry | None = None,
         process_metrics: bool = True,
+        replica_ttl_s: float = 300.0,
     ) -> None:
         self._clock = clock
         self.windows = Windows(ring_size=ring_size, clock=clock, max_series=max_series)
         self.subscriptions = Subscriptions(max_pending=max_pending_per_watcher)
-        self.exposition = Exposition(registry)
+        self.exposition = Exposition(registry, replica_ttl_s=replica_ttl_s, clock=clock.monotonic)
         self.own = ServiceMetrics(
             self.exposition.registry,
             series=lambda: self.windows.series_count,
@@ -45,8 +46,8 @@ class MetricsHub:
         )
         self.closed = asyncio.Event()  # set when the service stops
 
-    def ingest(self, observations: Sequence[Observations], *, service: str = "") -> int:
-        """Keep `observations` (reported together by `service`); returns how many samples
+    def ingest(self, observations: Sequence[Observations], *, service: str = "", instance: str = "") -> int:
+        """Keep `observations` (reported together by `instance` of `service`); returns how many samples
         were accepted. Series without a name or with timestamps that do not pair up with
         their values are refused whole, non-finite values one by one, as are the samples of
         new series past the series limit."""
@@ -54,7 +55,7 @@ class MetricsHub:
         valid, invalid = _valid(observations)
         refused_before = self.windows.refused
         kept = self.windows.ingest(valid)
-        self.exposition.observe(kept)
+        self.exposition.observe(kept, service=service, replica=instance)
         dropped_before = self.subscriptions.dropped
         self.subscriptions.publish(kept)
 

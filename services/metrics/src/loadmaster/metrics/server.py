@@ -35,7 +35,7 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsSer
     """A wired, not yet started metrics server; `start()` also starts the HTTP endpoint."""
     config = settings.metrics
     clock = clock or SystemClock()
-    hub = MetricsHub(ring_size=config.ring_size, clock=clock)
+    hub = MetricsHub(ring_size=config.ring_size, clock=clock, replica_ttl_s=config.replica_ttl_s)
     serving = False
     workers = SchedulerWorkers(settings.scheduler.address, clock=clock)
     app = create_app(

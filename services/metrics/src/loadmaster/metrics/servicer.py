@@ -109,7 +109,9 @@ class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
     ) -> metrics_pb2.ReportAck:
         accepted = 0
         async for batch in _until_set(self._hub.closed, request_iterator):
-            accepted += self._hub.ingest(observations_from_batch(batch), service=batch.service)
+            accepted += self._hub.ingest(
+                observations_from_batch(batch), service=batch.service, instance=batch.instance
+            )
         if self._hub.closed.is_set():
             # Reporters hold this stream open for their lifetime: end it now rather than
             # hold up shutdown for the grace period; UNAVAILABLE makes them reconnect later.

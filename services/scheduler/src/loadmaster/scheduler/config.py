@@ -22,9 +22,10 @@ class ModelPolicy:
     overflow_policy: OverflowPolicy
     latest_only: bool = False
     vram_mb: int | None = None
-    dispatch_credits: int = 0  # worker slots a sole gateway may borrow while the queue is empty
-    lookahead: int = 0  # requests staged on a busy slot just before it frees (lookahead.py)
-    reservation: bool = False  # hold a slot for a more urgent client about to send (reservations.py)
+    # The mechanisms default to the shipped settings, as CoreConfig's do.
+    dispatch_credits: int = 4  # worker slots a sole gateway may borrow while the queue is empty
+    lookahead: int = 1  # requests staged on a busy slot just before it frees (lookahead.py)
+    reservation: bool = True  # hold a slot for a more urgent client about to send (reservations.py)
 
 
 def _memo(fn: Callable[[str], object]) -> Callable[[str], object]:
@@ -51,14 +52,16 @@ class CoreConfig:
     latency_budget_ms: Callable[[str], float] = lambda client_id: 50.0
     cadence_alpha: float = 0.3
     disconnect_timeout_s: float = 10.0
-    # Dispatch credits (see credits.py); 0 = off, the default for a bare CoreConfig.
-    dispatch_credits: int = 0
+    # The mechanism defaults are the shipped settings' (`SchedulerSettings`): a bare
+    # CoreConfig schedules as a deployed scheduler does. Tests that need one off say so.
+    # Dispatch credits (see credits.py); 0 = off.
+    dispatch_credits: int = 4
     credit_window_s: float = 1.0
-    # Timed lookahead (see lookahead.py); 0 = off, the default for a bare CoreConfig.
-    lookahead: int = 0
+    # Timed lookahead (see lookahead.py); 0 = off.
+    lookahead: int = 1
     lookahead_margin_ms: float = 0.5
-    # Reservations (see reservations.py; they need the lookahead's estimates); off for a bare CoreConfig.
-    reservation: bool = False
+    # Reservations (see reservations.py; they need the lookahead's estimates).
+    reservation: bool = True
     _policies: dict[str, ModelPolicy] = field(default_factory=dict, compare=False, repr=False)
 
     def policy(self, model_id: str) -> ModelPolicy:

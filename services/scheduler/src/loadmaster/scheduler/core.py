@@ -13,6 +13,9 @@ request (same arrival, same deadline) while attempts <= max_retries.
 While a model's queue is empty the core may lend its free worker slots to the
 model's only gateway as dispatch credits (credits.py); a request run on a credit
 is admitted already started, and any request that has to wait revokes them.
+
+Which queued request goes to which worker is decided by the core's `GrantDispatcher`
+(dispatching.py), which shares the core's bookkeeping.
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ import itertools
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from loadmaster.common.clock import Clock
 from loadmaster.scheduler.clients import ClientTracker
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
-from loadmaster.scheduler.credits import Credit, CreditBook, CreditRun, FinishedRun
-from loadmaster.scheduler.dispatching import Dispatching
+from loadmaster.scheduler.credits import CreditBook
+from loadmaster.scheduler.dispatching import GrantDispatcher
 from loadmaster.scheduler.domain import (
     Completion,
+    Credit,
+    FinishedRun,
     OverflowPolicy,
     QueueStats,
     Reject,
@@ -37,16 +41,18 @@ from loadmaster.scheduler.domain import (
     RequestInfo,
     RequestKey,
     SlotStatus,
+    Submission,
     WorkerHello,
     WorkerView,
 )
 from loadmaster.scheduler.loads import LoadTracker
 from loadmaster.scheduler.lookahead import Lookahead
-from loadmaster.scheduler.ports import NoTelemetry, Outbound, Telemetry
+from loadmaster.scheduler.outbound import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
 from loadmaster.scheduler.reservations import Reservations
 from loadmaster.scheduler.strategies import Ordering, make_ordering
+from loadmaster.scheduler.tracking import ModelStats, Tracked
 from loadmaster.v1 import errors_pb2
 
 __all__ = ["CoreConfig", "ModelPolicy", "Outbound", "SchedulerCore", "Telemetry"]
@@ -59,24 +65,7 @@ _UNAVAILABLE = errors_pb2.ERROR_CODE_UNAVAILABLE
 _CANCELLED = errors_pb2.ERROR_CODE_CANCELLED
 
 
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    attempts: int = 0
-    worker_id: str | None = None  # set while granted
-    credit_id: str | None = None  # set while it runs on a dispatch credit's lent slot
-
-
-@dataclass(slots=True)
-class _ModelStats:
-    expired: int = 0
-    overflowed: int = 0
-    granted: int = 0
-    superseded: int = 0
-    dropped: int = 0  # client disconnected
-
-
-class SchedulerCore(Dispatching):
+class SchedulerCore:
     def __init__(
         self,
         config: CoreConfig,
@@ -96,54 +85,58 @@ class SchedulerCore(Dispatching):
         self._clients = ClientTracker(
             cadence_alpha=config.cadence_alpha, disconnect_timeout_s=config.disconnect_timeout_s
         )
-        self._rng = rng if rng is not None else random.Random()
-        self._tracked: dict[RequestKey, _Tracked] = {}
+        self._tracked: dict[RequestKey, Tracked] = {}
         # client -> model -> its admitted requests not ended yet (queued or granted)
         self._outstanding: dict[str, dict[str, set[RequestKey]]] = {}
-        self._stats: dict[str, _ModelStats] = {}
+        self._stats: dict[str, ModelStats] = {}
         self._loads = LoadTracker()
-        self._placed: dict[tuple[str, str], int] = {}  # (model, worker) -> grants this dispatch
         self._arrivals = itertools.count()
         self._credits = CreditBook(
             config.credit_window_s, registry=self._registry, outbound=outbound, telemetry=self._telemetry
         )
         self._lookahead = Lookahead(margin_s=config.lookahead_margin_ms / 1000.0)
         self._reservations = Reservations(margin_s=config.lookahead_margin_ms / 1000.0)
-        self._held: dict[str, float] = {}  # model -> when its slot held for an arrival lapses
+        self._dispatcher = GrantDispatcher(
+            config,
+            clock=clock,
+            outbound=outbound,
+            telemetry=self._telemetry,
+            queues=self._queues,
+            registry=self._registry,
+            credits=self._credits,
+            lookahead=self._lookahead,
+            reservations=self._reservations,
+            loads=self._loads,
+            tracked=self._tracked,
+            outstanding=self._outstanding,
+            stats=self._stats,
+            expire=self._expire,
+            rng=rng if rng is not None else random.Random(),
+        )
 
     # ---- gateway side ------------------------------------------------------------
 
-    def submit(
-        self,
-        session_id: int,
-        *,
-        enqueues: Sequence[RequestInfo] = (),
-        completes: Sequence[Completion] = (),
-        cancels: Sequence[str] = (),
-        runs: Sequence[CreditRun] = (),
-        returns: Sequence[str] = (),
-        finished: Sequence[FinishedRun] = (),
-    ) -> None:
+    def submit(self, session_id: int, batch: Submission) -> None:
         """One batch from a gateway session; dispatches once at the end. Its parts apply
         in the order scheduler.proto gives for a SessionRequest."""
         touched: set[str] = set()
-        for completion in completes:  # completions first: they free slots for this batch
+        for completion in batch.completes:  # completions first: they free slots for this batch
             self._complete(session_id, completion, touched)
-        for done in finished:  # before returns: a credit's runs end before it is handed back
+        for done in batch.finished:  # before returns: a credit's runs end before it is handed back
             self._finished_run(session_id, done, touched)
-        for credit_id in returns:
+        for credit_id in batch.returns:
             credit = self._credits.give_back(session_id, credit_id)
             if credit is not None:
                 touched.add(credit.model_id)
                 if credit.running is not None and (run := self._tracked.get(credit.running)) is not None:
                     run.credit_id = None  # returned mid-run: now an ordinary grant
-        for run in runs:
+        for run in batch.runs:
             self._enqueue(session_id, run.info, touched, credit_id=run.credit_id)
-        for info in enqueues:
+        for info in batch.enqueues:
             self._enqueue(session_id, info, touched)
-        for request_id in cancels:
+        for request_id in batch.cancels:
             self._cancel((session_id, request_id))
-        self._dispatch(touched)
+        self._dispatcher.dispatch(touched)
 
     def accept_credits(self, session_id: int) -> None:
         """The session's gateway understands dispatch credits."""
@@ -162,7 +155,7 @@ class SchedulerCore(Dispatching):
                 self._registry.release(tracked.worker_id, key)
                 self._lookahead.forget(key)
                 touched.add(tracked.request.model_id)
-        self._dispatch(touched)
+        self._dispatcher.dispatch(touched)
 
     # ---- worker side -------------------------------------------------------------
 
@@ -171,21 +164,21 @@ class SchedulerCore(Dispatching):
         if self._registry.get(hello.worker_id) is not None:
             self.remove_worker(hello.worker_id)
         self._registry.add(hello)
-        self._dispatch(self._queues.waiting_models())
+        self._dispatcher.dispatch(self._queues.waiting_models())
 
     def update_worker(self, worker_id: str, slots: Sequence[SlotStatus], *, free_mb: int = 0) -> None:
         """A worker's full slot report (`free_mb` 0 = not reported)."""
         if self._registry.get(worker_id) is None:
             return
         previous = self._registry.report(worker_id, slots, free_mb=free_mb)
-        self._reopen_windows(worker_id)  # the report rebuilt the worker's grant candidates
+        self._dispatcher.reopen_windows(worker_id)  # the report rebuilt the worker's grant candidates
         self._credits.revoke_stale(worker_id, slots)
         failures = self._loads.observe(worker_id, previous, {slot.model_id: slot for slot in slots})
         for model_id, error in failures.items():
             log.warning("model %s failed to load on worker %s: %s", model_id, worker_id, error)
             if not self._registry.holds(model_id):
                 self._reject_waiters(model_id, f"model {model_id!r} failed to load on {worker_id}: {error}")
-        self._dispatch(self._queues.waiting_models())
+        self._dispatcher.dispatch(self._queues.waiting_models())
 
     def remove_worker(self, worker_id: str) -> None:
         """A worker's stream ended: re-queue (or reject) what it was granted, load elsewhere."""
@@ -201,7 +194,7 @@ class SchedulerCore(Dispatching):
                 tracked.worker_id = None
                 tracked.credit_id = None
                 self._retry_or_reject(tracked, _UNAVAILABLE, f"worker {worker_id} disconnected", touched)
-        self._dispatch(set(self._queues.waiting_models()) | touched)
+        self._dispatcher.dispatch(set(self._queues.waiting_models()) | touched)
 
     # ---- time --------------------------------------------------------------------
 
@@ -216,10 +209,9 @@ class SchedulerCore(Dispatching):
             opens = self._lookahead.next_open(self._queues.waiting_models(), self._clock.monotonic())
             if opens is not None and (wake is None or opens < wake):
                 wake = opens
-        if self._held:
-            lapses = min(self._held.values())
-            if wake is None or lapses < wake:
-                wake = lapses
+        lapses = self._dispatcher.next_hold_lapse()
+        if lapses is not None and (wake is None or lapses < wake):
+            wake = lapses
         rule = self._queues.ordering.batch
         if rule is not None:
             now = self._clock.monotonic()
@@ -234,7 +226,9 @@ class SchedulerCore(Dispatching):
                 # a worker has room now: then the dispatch that found it not yet due read the
                 # clock a moment before `release` (a timer fires up to 1 ms early), and
                 # without a wake-up here it would wait for its TTL.
-                if (release > now or self._batch_room(model_id)) and (wake is None or release < wake):
+                if (release > now or self._dispatcher.batch_room(model_id)) and (
+                    wake is None or release < wake
+                ):
                     wake = release
         return wake
 
@@ -245,9 +239,10 @@ class SchedulerCore(Dispatching):
             self._expire(request)
         for client_id in self._clients.due_disconnects(now):
             self._disconnect_client(client_id)
-        if self._queues.ordering.batch is not None or self._lookahead.active or self._held:
+        held = self._dispatcher.drop_lapsed_holds(now)
+        if self._queues.ordering.batch is not None or self._lookahead.active or held:
             # due batches, due lookahead windows, lapsed holds
-            self._dispatch(self._queues.waiting_models())
+            self._dispatcher.dispatch(self._queues.waiting_models())
 
     # ---- admin -------------------------------------------------------------------
 
@@ -267,12 +262,12 @@ class SchedulerCore(Dispatching):
         """Switch strategy: every waiting request moves to the new queues (none is lost).
         Returns how many moved."""
         moved = len(self._queues)
-        self._queues = self._queues.reordered(ordering)
+        self._queues = self._dispatcher.queues = self._queues.reordered(ordering)
         if ordering.batch is not None:  # groups are formed centrally: no request may bypass them
             self._credits.revoke_all()
         log.info("strategy switched to %s; %d waiting requests moved", ordering.name, moved)
         self._telemetry.record("strategy_switches", 1, {"strategy": ordering.name})
-        self._dispatch(self._queues.waiting_models())
+        self._dispatcher.dispatch(self._queues.waiting_models())
         return moved
 
     def workers(self) -> list[WorkerView]:
@@ -389,7 +384,7 @@ class SchedulerCore(Dispatching):
             if oldest is not None:
                 self._forget(oldest)
                 self._reject_key(oldest.key, errors_pb2.ERROR_CODE_OVERFLOW, f"{full}; dropped the oldest")
-        self._tracked[key] = _Tracked(request)
+        self._tracked[key] = Tracked(request)
         if client_id:  # (not setdefault: its default would be built on every call)
             by_model = self._outstanding.get(client_id)
             if by_model is None:
@@ -410,7 +405,7 @@ class SchedulerCore(Dispatching):
         if not keys:
             return
         if any(key in self._queues for key in keys):
-            self._dispatch([model_id])
+            self._dispatcher.dispatch([model_id])
         for key in list(self._outstanding.get(client_id, {}).get(model_id, ())):
             request = self._queues.remove(key)
             if request is None:
@@ -485,7 +480,7 @@ class SchedulerCore(Dispatching):
         else:
             self._registry.release(tracked.worker_id, key)
             if self._lookahead.active:
-                self._close_window(
+                self._dispatcher.close_window(
                     self._lookahead.completed(
                         key, self._clock.monotonic(), inference_ms=completion.inference_ms
                     )
@@ -504,7 +499,7 @@ class SchedulerCore(Dispatching):
             self._forget(tracked.request)
             self._queues.remove(key)
 
-    def _retry_or_reject(self, tracked: _Tracked, error_code: int, reason: str, touched: set[str]) -> None:
+    def _retry_or_reject(self, tracked: Tracked, error_code: int, reason: str, touched: set[str]) -> None:
         """A granted attempt failed retryably: queue it again, or give the final answer."""
         request = tracked.request
         retries_left = tracked.attempts <= self._config.max_retries
@@ -552,7 +547,7 @@ class SchedulerCore(Dispatching):
         key = request.key
         credit.running = key
         model_id = request.model_id
-        self._tracked[key] = _Tracked(
+        self._tracked[key] = Tracked(
             request, attempts=1, worker_id=credit.worker_id, credit_id=credit.credit_id
         )
         client_id = request.info.client_id
@@ -585,8 +580,8 @@ class SchedulerCore(Dispatching):
     def _reject_key(self, key: RequestKey, error_code: int, message: str) -> None:
         self._out.reject(key[0], Reject(request_id=key[1], error_code=error_code, message=message))
 
-    def _stats_for(self, model_id: str) -> _ModelStats:
+    def _stats_for(self, model_id: str) -> ModelStats:
         stats = self._stats.get(model_id)
         if stats is None:
-            stats = self._stats[model_id] = _ModelStats()
+            stats = self._stats[model_id] = ModelStats()
         return stats

@@ -20,59 +20,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
-from loadmaster.scheduler.domain import Completion, RequestInfo, RequestKey, SlotState, SlotStatus
-from loadmaster.scheduler.ports import Outbound, Telemetry
+from loadmaster.scheduler.domain import Credit, RequestKey, SlotState, SlotStatus
+from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.registry import WorkerRegistry
 
-__all__ = ["Credit", "CreditBook", "CreditRevoke", "CreditRun", "FinishedRun"]
-
-# Registry keys of lent slots use session 0, which no gateway session has.
-_SLOT_SESSION = 0
-
-
-@dataclass(slots=True)
-class Credit:
-    """One worker slot for `model_id` lent to gateway session `session_id`."""
-
-    credit_id: str
-    session_id: int
-    model_id: str
-    worker_id: str
-    data_endpoint: str
-    generation: int
-    request_ttl_ms: float
-    running: RequestKey | None = None  # the request the gateway runs on it now
-    revoked: bool = False
-
-    @property
-    def slot_key(self) -> RequestKey:
-        """The key the lent slot is held under in the worker registry."""
-        return (_SLOT_SESSION, self.credit_id)
-
-
-@dataclass(slots=True)
-class CreditRevoke:
-    """Tell a gateway to stop using a credit and return it."""
-
-    credit_id: str
-
-
-@dataclass(slots=True)
-class CreditRun:
-    """A request the gateway already sent to a credit's worker."""
-
-    credit_id: str
-    info: RequestInfo
-
-
-@dataclass(slots=True)
-class FinishedRun:
-    """A credit run the gateway reported only after it ended: the run and its outcome."""
-
-    run: CreditRun
-    completion: Completion
+__all__ = ["CreditBook"]
 
 
 class CreditBook:

@@ -1,69 +1,100 @@
-"""The dispatch half of `SchedulerCore`: after each event, hand queued requests to workers.
+"""Which queued request goes to which worker next, and which worker loads a model that
+requests wait for.
 
-Split out of core.py by responsibility: admission, completion, clients and credits stay in
-the core; this base class decides, per strategy scope, which queued head goes to which
-worker next, and grants it, and which worker loads a model that requests wait for. It works on the core's own state (declared
-below), so `SchedulerCore(Dispatching)` is the only class meant to use it.
+`GrantDispatcher` is the core's collaborator for dispatch: admission, completion, clients
+and credits stay in `core.SchedulerCore`, which owns one and calls `dispatch` with the
+models whose queues or workers changed. Per strategy scope it grants queue heads (opening
+lookahead windows and holding slots for reservations on the way), lends the free slots of
+models with empty queues as dispatch credits, and commands loads. It shares the core's
+bookkeeping (passed in, never re-bound by either side) and owns what only dispatch keeps:
+the slots held for reservations and the grants placed in one dispatch.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
 
+from loadmaster.common.clock import Clock
 from loadmaster.scheduler import placement
 from loadmaster.scheduler.config import CoreConfig
+from loadmaster.scheduler.credits import CreditBook
 from loadmaster.scheduler.domain import Grant, LoadModel, Request, RequestKey
-from loadmaster.scheduler.ports import Outbound, Telemetry
+from loadmaster.scheduler.loads import LoadTracker
+from loadmaster.scheduler.lookahead import Lookahead
+from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
+from loadmaster.scheduler.reservations import Reservations
 from loadmaster.scheduler.strategies import Scope
+from loadmaster.scheduler.tracking import ModelStats, Tracked
 
-if TYPE_CHECKING:
-    from loadmaster.common.clock import Clock
-    from loadmaster.scheduler.credits import CreditBook
-    from loadmaster.scheduler.loads import LoadTracker
-    from loadmaster.scheduler.lookahead import Lookahead
-    from loadmaster.scheduler.reservations import Reservations
-
-__all__ = ["Dispatching"]
+__all__ = ["GrantDispatcher"]
 
 log = logging.getLogger(__name__)
 
 
-class Dispatching:
-    # The core's state this half reads and updates.
-    _config: CoreConfig
-    _clock: Clock
-    _out: Outbound
-    _telemetry: Telemetry
-    _queues: RequestQueues
-    _registry: WorkerRegistry
-    _rng: random.Random
-    _tracked: dict[RequestKey, Any]
-    _stats: dict[str, Any]
-    _placed: dict[tuple[str, str], int]
-    _credits: CreditBook
-    _lookahead: Lookahead
-    _reservations: Reservations
-    _held: dict[str, float]
-    _outstanding: dict[str, dict[str, set[RequestKey]]]
-    _loads: LoadTracker
+class GrantDispatcher:
+    def __init__(
+        self,
+        config: CoreConfig,
+        *,
+        clock: Clock,
+        outbound: Outbound,
+        telemetry: Telemetry,
+        queues: RequestQueues,
+        registry: WorkerRegistry,
+        credits: CreditBook,
+        lookahead: Lookahead,
+        reservations: Reservations,
+        loads: LoadTracker,
+        tracked: Mapping[RequestKey, Tracked],
+        outstanding: Mapping[str, Mapping[str, set[RequestKey]]],
+        stats: Mapping[str, ModelStats],
+        expire: Callable[[Request], None],
+        rng: random.Random,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._out = outbound
+        self._telemetry = telemetry
+        self.queues = queues  # the core replaces it when the strategy changes
+        self._registry = registry
+        self._credits = credits
+        self._lookahead = lookahead
+        self._reservations = reservations
+        self._loads = loads
+        self._tracked = tracked  # key -> its admitted, unfinished request (the core's)
+        self._outstanding = outstanding  # client -> model -> its unfinished requests (the core's)
+        self._stats = stats  # model -> counts (the core's; a queued request's model has one)
+        self._expire = expire  # answers a request whose deadline passed while it waited
+        self._rng = rng
+        self._held: dict[str, float] = {}  # model -> when its slot held for an arrival lapses
+        self._placed: dict[tuple[str, str], int] = {}  # (model, worker) -> grants this dispatch
 
-    if TYPE_CHECKING:  # provided by SchedulerCore
+    # ---- what the core asks -------------------------------------------------------
 
-        def _expire(self, request: Request) -> None: ...
+    def next_hold_lapse(self) -> float | None:
+        """When the earliest slot held for a predicted arrival lapses (None: none held)."""
+        return min(self._held.values()) if self._held else None
 
-        def _stats_for(self, model_id: str) -> Any: ...
+    def drop_lapsed_holds(self, now: float) -> bool:
+        """Forget the holds lapsed by `now` (a model whose waiters are gone is dispatched by
+        nobody, so its hold would stay due); True if any was held, lapsed or not."""
+        if not self._held:
+            return False
+        self._held = {model_id: until for model_id, until in self._held.items() if until > now}
+        return True
 
-    def _dispatch(self, models: Iterable[str]) -> None:
+    def dispatch(self, models: Iterable[str]) -> None:
+        """Grant what `models`' queues and workers allow now, then lend or revoke their
+        credits and command the loads their waiters need."""
         models = list(models)
         if not models:
             return
         now = self._clock.monotonic()
-        ordering = self._queues.ordering
+        ordering = self.queues.ordering
         if ordering.batch is not None:
             for model_id in models:
                 self._dispatch_batch(model_id, now)
@@ -74,7 +105,7 @@ class Dispatching:
                 self._dispatch_model(model_id, now)
         for model_id in models:
             self._maybe_load(model_id)
-            if self._queues.depth(model_id):
+            if self.queues.depth(model_id):
                 self._credits.revoke_model(model_id, now)
             elif (policy := self._config.policy(model_id)).dispatch_credits and ordering.batch is None:
                 self._credits.lend(
@@ -85,7 +116,7 @@ class Dispatching:
                     pick=lambda m=model_id: self._pick_worker(m, ahead=False),
                 )
             if model_id in self._stats:
-                self._telemetry.record("queue_depth", self._queues.depth(model_id), {"model": model_id})
+                self._telemetry.record("queue_depth", self.queues.depth(model_id), {"model": model_id})
         if self._placed:
             for (model_id, worker_id), count in self._placed.items():
                 labels = {"model": model_id, "worker": worker_id}
@@ -95,7 +126,7 @@ class Dispatching:
 
     def _head(self, model_id: str, now: float) -> tuple[tuple[float, ...], Request] | None:
         """The next request for `model_id`, expiring any whose deadline has passed."""
-        queues = self._queues
+        queues = self.queues
         while (entry := queues.peek_entry(model_id)) is not None:
             head = entry[1]
             if head.deadline > now:
@@ -126,7 +157,7 @@ class Dispatching:
         for worker_id in closed:
             self._set_ahead(worker_id, model_id, 0)
 
-    def _close_window(self, where: tuple[str, str] | None) -> None:
+    def close_window(self, where: tuple[str, str] | None) -> None:
         if where is not None:
             self._set_ahead(*where, 0)
 
@@ -144,11 +175,11 @@ class Dispatching:
             return False
         if not self._lookahead.too_late(worker_id, request.model_id, request.deadline, now, front=front):
             return False
-        self._queues.remove(request.key)
+        self.queues.remove(request.key)
         self._expire(request)
         return True
 
-    def _reopen_windows(self, worker_id: str) -> None:
+    def reopen_windows(self, worker_id: str) -> None:
         """A report rebuilt the worker's candidates: give the open windows back to them."""
         for model_id in self._lookahead.open_models(worker_id):
             self._set_ahead(worker_id, model_id, self._window_depth(worker_id, model_id))
@@ -180,7 +211,7 @@ class Dispatching:
             places=self._lookahead.places(model_id, workers, now),
             timing=timing,
             now=now,
-            predicted_key=self._queues.ordering.predicted_key,
+            predicted_key=self.queues.ordering.predicted_key,
             queued=lambda client_id: self._queued(client_id, model_id),
         )
         if hold is None:
@@ -191,7 +222,7 @@ class Dispatching:
 
     def _queued(self, client_id: str, model_id: str) -> bool:
         keys = self._outstanding.get(client_id, {}).get(model_id, ())
-        return any(key in self._queues for key in keys)
+        return any(key in self.queues for key in keys)
 
     def _dispatch_model(self, model_id: str, now: float) -> None:
         max_inflight = self._config.max_inflight(model_id)
@@ -240,7 +271,7 @@ class Dispatching:
                 continue
             self._grant_head((best[0], best[1]), best[2], now)
 
-    def _batch_room(self, model_id: str) -> bool:
+    def batch_room(self, model_id: str) -> bool:
         """Some worker holding `model_id` READY has a free slot for a group."""
         max_inflight = self._config.max_inflight(model_id)
         return (
@@ -250,12 +281,12 @@ class Dispatching:
 
     def _dispatch_batch(self, model_id: str, now: float) -> None:
         """Release groups of up to max_batch_size, each to one worker, once full or old enough."""
-        rule = self._queues.ordering.batch
+        rule = self.queues.ordering.batch
         assert rule is not None
         max_inflight = self._config.max_inflight(model_id)
         while True:
-            depth = self._queues.depth(model_id)
-            oldest = self._queues.peek_oldest(model_id)
+            depth = self.queues.depth(model_id)
+            oldest = self.queues.peek_oldest(model_id)
             if oldest is None:
                 return
             if depth < rule.max_batch_size and now < oldest.enqueued_at + rule.max_wait_s:
@@ -276,15 +307,15 @@ class Dispatching:
         self, entry: tuple[tuple[float, ...], Request], worker_id: str, now: float, *, front: bool = False
     ) -> None:
         key, request = entry
-        self._queues.remove(request.key)
-        self._queues.ordering.granted(request, key)
+        self.queues.remove(request.key)
+        self.queues.ordering.granted(request, key)
         tracked = self._tracked[request.key]
         model_id = request.model_id
         record = self._registry.get(worker_id)
         assert record is not None
         slot = record.slots[model_id]
         self._registry.acquire(worker_id, request.key, model_id)
-        if self._config.policy(model_id).lookahead and self._queues.ordering.batch is None:
+        if self._config.policy(model_id).lookahead and self.queues.ordering.batch is None:
             self._lookahead.granted(
                 worker_id,
                 model_id,
@@ -297,7 +328,7 @@ class Dispatching:
             )
         tracked.worker_id = worker_id
         tracked.attempts += 1
-        self._stats_for(model_id).granted += 1
+        self._stats[model_id].granted += 1
         grant = Grant(  # positional, in Grant's field order (see `Request(` in _enqueue)
             request.request_id,
             worker_id,
@@ -317,15 +348,11 @@ class Dispatching:
     # ---- cold starts: which worker loads a model that requests wait for ------------
 
     def _maybe_load(self, model_id: str) -> None:
-        if (
-            self._queues.depth(model_id)
-            and model_id not in self._loads
-            and not self._registry.holds(model_id)
-        ):
+        if self.queues.depth(model_id) and model_id not in self._loads and not self._registry.holds(model_id):
             self._command_load(model_id)
 
     def _command_load(self, model_id: str) -> None:
-        candidates = self._registry.load_candidates(model_id, busy=lambda m: self._queues.depth(m) > 0)
+        candidates = self._registry.load_candidates(model_id, busy=lambda m: self.queues.depth(m) > 0)
         worker_id = placement.pick_load_worker(candidates, vram_mb=self._config.policy(model_id).vram_mb)
         if worker_id is None:
             return  # nobody can load it now; waiters expire unless a worker turns up

@@ -37,17 +37,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._hub.close_session(link)
 
     def _submit(self, link: GatewayLink, message: scheduler_pb2.SessionRequest) -> None:
-        batch = wire.session_batch(message)
+        batch = wire.submission(message)
         if batch:
-            self._hub.submit(
-                link,
-                enqueues=batch.enqueues,
-                completes=batch.completes,
-                cancels=batch.cancels,
-                runs=batch.runs,
-                returns=batch.returns,
-                finished=batch.finished,
-            )
+            self._hub.submit(link, batch)
 
     async def WorkerSession(  # noqa: N802 - gRPC method name
         self,

@@ -24,18 +24,19 @@ from loadmaster.common.clock import Clock
 from loadmaster.common.errors import edge_code_name
 from loadmaster.scheduler import strategies
 from loadmaster.scheduler.config import StrategyFactory
-from loadmaster.scheduler.core import CoreConfig, SchedulerCore, Telemetry
-from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun, FinishedRun
+from loadmaster.scheduler.core import CoreConfig, SchedulerCore
 from loadmaster.scheduler.domain import (
-    Completion,
+    Credit,
+    CreditRevoke,
     Grant,
     Outcome,
     Reject,
-    RequestInfo,
     SlotStatus,
+    Submission,
     WorkerCommand,
     WorkerHello,
 )
+from loadmaster.scheduler.outbound import Telemetry
 from loadmaster.scheduler.strategies import Ordering
 
 __all__ = ["DeadlineTimer", "GatewayLink", "Outbox", "SchedulerHub", "WorkerLink", "pump"]
@@ -209,20 +210,11 @@ class SchedulerHub:
         log.info("gateway %s connected (session %d)", gateway_id, link.session_id)
         return link
 
-    def submit(
-        self,
-        link: GatewayLink,
-        *,
-        enqueues: Sequence[RequestInfo] = (),
-        completes: Sequence[Completion] = (),
-        cancels: Sequence[str] = (),
-        runs: Sequence[CreditRun] = (),
-        returns: Sequence[str] = (),
-        finished: Sequence[FinishedRun] = (),
-    ) -> None:
+    def submit(self, link: GatewayLink, batch: Submission) -> None:
         if self._sessions.get(link.session_id) is not link:
             return
-        for run in itertools.chain(runs, (done.run for done in finished)):  # never waited: an instant
+        # Credit runs never waited: their queue span is an instant.
+        for run in itertools.chain(batch.runs, (done.run for done in batch.finished)):
             if run.info.trace_context:
                 span = tracing.start_request_span(
                     "scheduler.queue",
@@ -232,7 +224,7 @@ class SchedulerHub:
                 )
                 span.set_attribute("loadmaster.credit_id", run.credit_id)
                 tracing.end_span(span, error_code="")
-        for info in enqueues:
+        for info in batch.enqueues:
             if info.trace_context:
                 self._spans[(link.session_id, info.request_id)] = tracing.start_request_span(
                     "scheduler.queue",
@@ -240,17 +232,9 @@ class SchedulerHub:
                     model_id=info.model_id,
                     carrier=info.trace_context,
                 )
-        for request_id in cancels:
+        for request_id in batch.cancels:
             self._end_span(link.session_id, request_id, "cancelled")
-        self.core.submit(
-            link.session_id,
-            enqueues=enqueues,
-            completes=completes,
-            cancels=cancels,
-            runs=runs,
-            returns=returns,
-            finished=finished,
-        )
+        self.core.submit(link.session_id, batch)
         self._rearm()
 
     def close_session(self, link: GatewayLink) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import TypeAlias
 
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.scheduler.credits import Credit, CreditRevoke, CreditRun, FinishedRun
 from loadmaster.scheduler.domain import (
     Completion,
+    Credit,
+    CreditRevoke,
+    CreditRun,
+    FinishedRun,
     Grant,
     LoadModel,
     Outcome,
@@ -17,6 +19,7 @@ from loadmaster.scheduler.domain import (
     RequestInfo,
     SlotState,
     SlotStatus,
+    Submission,
     UnloadModel,
     WorkerCommand,
     WorkerHello,
@@ -25,13 +28,12 @@ from loadmaster.scheduler.domain import (
 from loadmaster.v1 import model_pool_pb2, scheduler_pb2
 
 __all__ = [
-    "SessionBatch",
     "SessionOutcome",
     "get_queues_response",
     "list_workers_response",
-    "session_batch",
     "session_response",
     "slot_statuses",
+    "submission",
     "worker_command",
     "worker_hello",
 ]
@@ -51,23 +53,6 @@ _STATE_TO_PB: dict[SlotState, model_pool_pb2.ModelState.ValueType] = {
 SessionOutcome: TypeAlias = Outcome | Credit | CreditRevoke
 
 
-@dataclass(slots=True)
-class SessionBatch:
-    """What one SessionRequest carries, as core arguments."""
-
-    enqueues: list[RequestInfo]
-    completes: list[Completion]
-    cancels: list[str]
-    runs: list[CreditRun]
-    returns: list[str]
-    finished: list[FinishedRun]
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.enqueues or self.completes or self.cancels or self.runs or self.returns or self.finished
-        )
-
-
 def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
     return RequestInfo(
         request_id=pb.request_id,
@@ -84,7 +69,7 @@ def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
     )
 
 
-def session_batch(pb: scheduler_pb2.SessionRequest) -> SessionBatch:
+def submission(pb: scheduler_pb2.SessionRequest) -> Submission:
     enqueues: list[RequestInfo] = []
     runs: list[CreditRun] = []
     for e in pb.enqueue:
@@ -100,7 +85,7 @@ def session_batch(pb: scheduler_pb2.SessionRequest) -> SessionBatch:
         FinishedRun(CreditRun(f.request.credit_id, _request_info(f.request)), _completion(f.complete))
         for f in pb.finished_run
     ]
-    return SessionBatch(enqueues, completes, cancels, runs, returns, finished)
+    return Submission(enqueues, completes, cancels, runs, returns, finished)
 
 
 def _completion(pb: scheduler_pb2.Complete) -> Completion:

@@ -3,7 +3,16 @@
 A client DEALER sends `[b"", Observation, payload]`; the ROUTER answers
 `[identity, b"", ModelResponse, payload]`. Every observation gets exactly one
 reply, in order per (client connection, model). Replies are sent without
-blocking, so a client that stops reading never stalls replies to others.
+blocking, so a client that stops reading never stalls replies to others, and
+each peer has a byte budget (`ReplyBudget`): a client that does not take its
+replies loses the ones past it (counted as `replies_dropped`) instead of pinning
+the gateway's memory.
+
+Identities are not up for grabs: a second connection that presents an identity
+already connected does not take it over (no ROUTER handover), ZMTP heartbeats
+disconnect a peer that went silent so a restarted client gets its identity back
+within seconds, and under CURVE an identity stays bound to the public key that
+first used it (a message from another key under it is dropped and logged).
 
 The ROUTER is a plain ZMQ socket read straight from the event loop
 (`SocketReader`): an observation goes from the socket through validation to
@@ -13,15 +22,17 @@ iteration per message.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
-import time
 from functools import partial
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
 from loadmaster.common.framing import (
@@ -29,7 +40,6 @@ from loadmaster.common.framing import (
     SocketReader,
     edge_error_response,
     router_reply,
-    send_frames,
     split_router_frames,
 )
 from loadmaster.common.telemetry import TelemetryReporter
@@ -37,12 +47,16 @@ from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.curve import EdgeCurve
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.ordering import ReplyOrderer, Ticket
+from loadmaster.gateway.reply_budget import ReplyBudget
 from loadmaster.gateway.validation import observation_to_call, parse_observation
 from loadmaster.v1 import edge_pb2
 
 __all__ = ["EdgeFrontend"]
 
 log = logging.getLogger(__name__)
+
+_SWEEP_INTERVAL_S = 1.0  # how often peers' taken replies are forgotten
+_USER_ID = "User-Id"  # ZAP's user id of a CURVE peer: its public key (Z85)
 
 
 class EdgeFrontend:
@@ -54,8 +68,10 @@ class EdgeFrontend:
         context: zmq.asyncio.Context,
         *,
         gateway_id: str,
+        clock: Clock | None = None,
     ) -> None:
         self._settings = settings
+        self._clock: Clock = clock or SystemClock()
         self._dispatcher = dispatcher
         self._telemetry = telemetry
         self._context = context
@@ -64,23 +80,36 @@ class EdgeFrontend:
         self._socket: zmq.Socket[Any] | None = None
         self._reader: SocketReader | None = None
         self._curve = EdgeCurve(settings.auth.curve, context)
+        self._budget = ReplyBudget(settings.edge.max_queued_reply_bytes)
+        self._bound_keys: dict[bytes, str] = {}  # identity -> the CURVE key that first used it
+        self._sweeper: asyncio.Task[None] | None = None
         self.endpoint = ""
 
     async def start(self) -> None:
         socket: zmq.Socket[Any] = zmq.Socket(self._context, zmq.ROUTER)
+        edge = self._settings.edge
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        socket.setsockopt(zmq.RCVHWM, self._settings.edge.recv_hwm)
-        socket.setsockopt(zmq.SNDHWM, self._settings.edge.send_hwm)
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a live connection keeps its identity
+        socket.setsockopt(zmq.RCVHWM, edge.recv_hwm)
+        socket.setsockopt(zmq.SNDHWM, edge.send_hwm)
+        if edge.heartbeat_ivl_ms > 0:
+            socket.setsockopt(zmq.HEARTBEAT_IVL, edge.heartbeat_ivl_ms)
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, edge.heartbeat_timeout_ms)
+            socket.setsockopt(zmq.HEARTBEAT_TTL, edge.heartbeat_ttl_ms)
         self._curve.apply(socket)
         socket.bind(self._settings.edge.bind)
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = socket
         self._reader = SocketReader(socket, self._handle, name="edge")
         self._reader.start()
+        self._sweeper = asyncio.create_task(self._sweep(), name="edge-reply-budget")
         log.info("edge front end listening on %s%s", self.endpoint, " (CURVE)" if self._curve.enabled else "")
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self._reader is not None:
             self._reader.stop()
         if self._socket is not None:
@@ -98,6 +127,8 @@ class EdgeFrontend:
                 self._reply_error(ticket, identity, error, model_id="", client=None, request_id="")
             return
         identity = message.identity
+        if self._curve.enabled and not self._key_matches(identity, frames[-1]):
+            return
         request_id = next(self._ids)
         try:
             observation = parse_observation(message.envelope.bytes, self._settings.limits)
@@ -112,7 +143,7 @@ class EdgeFrontend:
         labels = {"model": model_id}
         self._telemetry.record("payload_size_bytes", len(message.payload), labels)
         if observation.timestamp_ns:
-            staleness_ms = (time.time_ns() - observation.timestamp_ns) / 1e6
+            staleness_ms = (self._clock.time() * 1e9 - observation.timestamp_ns) / 1e6
             self._telemetry.record("observation_staleness_ms", staleness_ms, labels)
         try:
             call = observation_to_call(
@@ -155,7 +186,7 @@ class EdgeFrontend:
         response = edge_pb2.ModelResponse(
             client=client,
             response_id=response_id,
-            timestamp_ns=time.time_ns(),
+            timestamp_ns=int(self._clock.time() * 1e9),
             tensors=result.outputs,
             inference_latency_ms=result.inference_latency_ms,
             model_id=result.model_id,
@@ -177,11 +208,55 @@ class EdgeFrontend:
         response = edge_error_response(error, model_id=model_id, client=client, request_id=request_id)
         self._orderer.complete(ticket, router_reply(identity, response.SerializeToString()))
 
+    def _key_matches(self, identity: bytes, frame: Any) -> bool:
+        """Under CURVE: whether the message's key is the one its identity is bound to (the
+        first key seen under it is). A mismatch is dropped: a reply would reach the owner."""
+        try:
+            key = str(frame.get(_USER_ID) or "") if isinstance(frame, zmq.Frame) else ""
+        except zmq.ZMQError:  # no such property
+            key = ""
+        if not key or identity[:1] == b"\x00":
+            return True  # no ZAP user id, or an identity ZMQ made up for this one connection
+        bound = self._bound_keys.setdefault(identity, key)
+        if bound == key:
+            return True
+        self._telemetry.record("identity_conflicts", 1)
+        log.warning(
+            "edge: dropped a message under identity %r from CURVE key %s; the identity belongs to key %s",
+            identity,
+            key,
+            bound,
+        )
+        return False
+
     def _send(self, frames: list[Any]) -> None:
         assert self._socket is not None and self._reader is not None
+        identity = frames[0]
+        nbytes = sum(len(frame) for frame in frames[1:])
+        if not self._budget.admit(identity, nbytes):  # the client is not taking its replies
+            self._telemetry.record("replies_dropped", 1, {"reason": "byte_budget"})
+            log.debug("reply to %r dropped: over the peer's byte budget", identity)
+            return
+        socket, last = self._socket, len(frames) - 1
+        tail = frames[last]
+        track = self._budget.should_track(identity, nbytes)
+        if track:  # a frame tracks only if made to (a received one never was): wrap its bytes
+            tail = zmq.Frame(tail.buffer if isinstance(tail, zmq.Frame) else tail, track=True, copy=False)
         try:
-            send_frames(self._socket, frames)
+            for frame in frames[:last]:
+                socket.send(frame, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
+            socket.send(tail, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as error:  # the client is gone or not reading: drop, never block
             self._telemetry.record("send_errors", 1)
-            log.debug("reply to %r dropped: %s", frames[0], error)
+            log.debug("reply to %r dropped: %s", identity, error)
+        else:
+            self._budget.queued(identity, nbytes, tail.tracker if track else None)
         self._reader.sent()
+
+    async def _sweep(self) -> None:
+        while True:
+            await self._clock.sleep(_SWEEP_INTERVAL_S)
+            try:
+                self._budget.sweep()
+            except Exception:
+                log.exception("edge: sweeping reply budgets failed")

@@ -144,6 +144,9 @@ function render(doc) {
   drawChart(document.getElementById("chart-gpu"), doc.t, Object.keys(doc.gpus).map((gpu, i) => ({
     name: `${gpu} (free ${format(doc.gpus[gpu].free_mb_now)})`, color: colorFor(i), values: doc.gpus[gpu].lease_mb || [],
   })));
+  const generative = doc.generative || {};
+  drawChart(document.getElementById("chart-tokens"), doc.t, perModel(generative, "tokens_per_s"));
+  drawChart(document.getElementById("chart-ttft"), doc.t, perModel(generative, "ttft_p50_ms"));
   latencyCharts(doc);
   workersTable(doc);
 }

@@ -8,12 +8,9 @@ The core calls these synchronously and does no I/O itself; the session layer
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from loadmaster.scheduler.domain import Grant, Reject, WorkerCommand
-
-if TYPE_CHECKING:
-    from loadmaster.scheduler.credits import Credit
+from loadmaster.scheduler.domain import Credit, Grant, Reject, WorkerCommand
 
 __all__ = ["NoTelemetry", "Outbound", "Telemetry"]
 

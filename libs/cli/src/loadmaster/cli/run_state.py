@@ -1,0 +1,41 @@
+"""What a running `loadmaster up` tells later commands: the embedded Redis's URL (with its
+generated password), in a file only this user can read, named after the gateway's address
+(one suite per address on a host), so `loadmaster status` finds the Redis of that suite."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["read_run_state", "remove_run_state", "run_state_path", "write_run_state"]
+
+
+def run_state_path(gateway_address: str) -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    key = hashlib.sha256(gateway_address.encode()).hexdigest()[:16]
+    return Path(base) / f"loadmaster-{os.getuid()}" / f"{key}.json"
+
+
+def write_run_state(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        json.dump(state, file)
+
+
+def read_run_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def remove_run_state(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()

@@ -1,0 +1,278 @@
+"""The OpenAI-compatible API on the gateway's HTTP port: translation only.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+`GET /v1/models/{model}`. A body becomes a `GenerationRequest` (openai_schema), which the
+`Generations` port runs: it yields text chunks and then exactly one `Finished`, or raises a
+`LoadmasterError`. Errors before the first chunk are HTTP statuses in OpenAI's error shape
+(400 naming the field, 401, 403, 404 for an unknown model, 429, 503, 504 for a request still
+queued when its deadline passed); an error after a stream began is a final `error` event.
+
+A client that disconnects cancels its generation: the chunk iterator is closed, and the
+port frees the sequence. The existing API keys, scopes and rate limits apply (`infer` scope).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from loadmaster.common.errors import InternalError, LoadmasterError
+from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
+from loadmaster.gateway.frontends.openai_schema import (
+    DONE_EVENT,
+    GenerationRequest,
+    OpenAIError,
+    Usage,
+    chat_chunk,
+    chat_completion,
+    completion,
+    completion_chunk,
+    error_from,
+    event,
+    model_card,
+    parse_chat,
+    parse_completion,
+)
+
+__all__ = ["Finished", "Generations", "TextChunk", "openai_routes"]
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20  # a chat body is text: far below the tensor payload limit
+
+
+@dataclass(frozen=True, slots=True)
+class TextChunk:
+    """Text decoded since the previous chunk (may be empty when a token completes no character)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The end of a generation: `stop`, `length` (or `cancelled`), with the token counts."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    model: str = ""  # the model that answered, when it differs from the one asked (an alias)
+
+
+GenerationEvent = TextChunk | Finished
+
+
+class Generations(Protocol):
+    """What the front end needs from the rest of the gateway."""
+
+    def generate(
+        self, request: GenerationRequest, *, request_id: str, client_id: str
+    ) -> AsyncIterator[GenerationEvent]:
+        """Chunks, then one `Finished`; raises `LoadmasterError`. Closing it early cancels."""
+        ...
+
+    async def models(self) -> dict[str, str]:
+        """The generative models served, by id, with their state (READY, LOADING, IDLE …)."""
+        ...
+
+
+def _error_response(error: Exception) -> Response:
+    if isinstance(error, OpenAIError):
+        return JSONResponse(error.body(), status_code=error.status)
+    if not isinstance(error, LoadmasterError):
+        log.error("unhandled error in the OpenAI API", exc_info=error)
+        error = InternalError(f"internal error: {type(error).__name__}")
+    mapped = error_from(error)
+    return JSONResponse(mapped.body(), status_code=mapped.status)
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise OpenAIError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def openai_routes(
+    generations: Generations, auth: Authenticator, *, gateway_id: str, clock: Callable[[], float] = time.time
+) -> list[Route]:
+    ids = (f"{gateway_id}-{n}" for n in itertools.count(1))
+
+    async def run(request: Request, parse: Callable[[bytes], GenerationRequest], *, chat: bool) -> Response:
+        key_name = auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
+        generation = parse(await _read_body(request))
+        request_id = ("chatcmpl-" if chat else "cmpl-") + next(ids)
+        client_id = generation.client_id or generation.user or key_name or "openai"
+        events = generations.generate(generation, request_id=request_id, client_id=client_id)
+        created = int(clock())
+        if generation.stream:
+            first = await anext(events)  # errors before the first chunk are HTTP statuses
+            return StreamingResponse(
+                _stream(events, first, generation, request_id=request_id, created=created, chat=chat),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        collect = asyncio.ensure_future(_collect(events))
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()  # the client left: closing the iterator cancels the generation
+        if collect.cancelled():
+            return Response(status_code=499)
+        text, finished = collect.result()
+        usage = Usage(finished.prompt_tokens, finished.completion_tokens)
+        model = finished.model or generation.model
+        build = chat_completion if chat else completion
+        body = build(
+            request_id=request_id,
+            model=model,
+            text=text,
+            finish_reason=finished.finish_reason,
+            usage=usage,
+            created=created,
+        )
+        return JSONResponse(body, headers={"X-Loadmaster-Model": model})
+
+    async def chat_completions(request: Request) -> Response:
+        return await run(request, parse_chat, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await run(request, parse_completion, chat=False)
+
+    async def list_models(request: Request) -> Response:
+        auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
+        served = await generations.models()
+        return JSONResponse(
+            {"object": "list", "data": [model_card(m, state=s) for m, s in sorted(served.items())]}
+        )
+
+    async def get_model(request: Request) -> Response:
+        auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
+        model_id = request.path_params["model"]
+        state = (await generations.models()).get(model_id)
+        if state is None:
+            raise OpenAIError(
+                404, f"The model '{model_id}' does not exist", param="model", code="model_not_found"
+            )
+        return JSONResponse(model_card(model_id, state=state))
+
+    def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as error:  # the one place this API's errors become statuses
+                return _error_response(error)
+
+        return Route(path, endpoint, methods=[method])
+
+    return [
+        route("/v1/chat/completions", chat_completions, "POST"),
+        route("/v1/completions", completions, "POST"),
+        route("/v1/models", list_models, "GET"),
+        route("/v1/models/{model:path}", get_model, "GET"),
+    ]
+
+
+async def _collect(events: AsyncIterator[GenerationEvent]) -> tuple[str, Finished]:
+    parts: list[str] = []
+    try:
+        async for item in events:
+            if isinstance(item, Finished):
+                return "".join(parts), item
+            parts.append(item.text)
+    finally:
+        await _close(events)
+    raise InternalError("the generation ended without a final result")
+
+
+async def _close(events: AsyncIterator[GenerationEvent]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def _stream(
+    events: AsyncIterator[GenerationEvent],
+    first: GenerationEvent,
+    generation: GenerationRequest,
+    *,
+    request_id: str,
+    created: int,
+    chat: bool,
+) -> AsyncIterator[bytes]:
+    """The SSE body: a chunk per text delta, the finish chunk, the usage chunk when asked for,
+    then `[DONE]`; an error after the first byte is an `error` event and the stream ends."""
+    model = generation.model
+
+    def text_event(text: str, *, role: bool = False) -> bytes:
+        if chat:
+            return event(
+                chat_chunk(request_id=request_id, model=model, created=created, text=text, role=role)
+            )
+        return event(completion_chunk(request_id=request_id, model=model, created=created, text=text))
+
+    try:
+        if chat:
+            yield text_event("", role=True)
+        item: GenerationEvent | None = first
+        while item is not None:
+            if isinstance(item, Finished):
+                model = item.model or model
+                if chat:
+                    yield event(
+                        chat_chunk(
+                            request_id=request_id,
+                            model=model,
+                            created=created,
+                            finish_reason=item.finish_reason,
+                        )
+                    )
+                else:
+                    yield event(
+                        completion_chunk(
+                            request_id=request_id,
+                            model=model,
+                            created=created,
+                            finish_reason=item.finish_reason,
+                        )
+                    )
+                if generation.include_usage:
+                    usage = Usage(item.prompt_tokens, item.completion_tokens)
+                    build: Any = chat_chunk if chat else completion_chunk
+                    yield event(build(request_id=request_id, model=model, created=created, usage=usage))
+                yield DONE_EVENT
+                return
+            if item.text:
+                yield text_event(item.text)
+            item = await anext(events, None)
+        raise InternalError("the generation ended without a final result")
+    except Exception as error:
+        if not isinstance(error, LoadmasterError):
+            log.error("generation %s failed mid-stream", request_id, exc_info=error)
+            error = InternalError(f"internal error: {type(error).__name__}")
+        yield event(error_from(error).body())
+    finally:
+        await _close(events)

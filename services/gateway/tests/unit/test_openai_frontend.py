@@ -1,0 +1,160 @@
+"""The OpenAI routes, driven in-process (ASGI, no sockets) by the official `openai` client, over a
+recording stand-in for the rest of the gateway (this module's one collaborator)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+
+from loadmaster.common.config import ApiKeySettings
+from loadmaster.common.errors import ExpiredError, LoadmasterError, NotFoundError, UnavailableError
+from loadmaster.gateway.auth import Authenticator
+from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, openai_routes
+from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+
+
+class Recorded:
+    """Answers every request with `pieces`, or fails as told; remembers what it was asked."""
+
+    def __init__(
+        self, pieces: list[str], *, fail_before: Exception | None = None, fail_after: int | None = None
+    ):
+        self.pieces = pieces
+        self.fail_before = fail_before
+        self.fail_after = fail_after
+        self.requests: list[tuple[GenerationRequest, str]] = []
+        self.closed: list[str] = []
+
+    async def generate(
+        self, request: GenerationRequest, *, request_id: str, client_id: str
+    ) -> AsyncIterator[GenerationEvent]:
+        self.requests.append((request, client_id))
+        try:
+            if self.fail_before is not None:
+                raise self.fail_before
+            for index, piece in enumerate(self.pieces):
+                if self.fail_after is not None and index == self.fail_after:
+                    raise UnavailableError("the worker died")
+                yield TextChunk(piece)
+            yield Finished("length", prompt_tokens=4, completion_tokens=len(self.pieces))
+        finally:
+            self.closed.append(request_id)
+
+    async def models(self) -> dict[str, str]:
+        return {"tiny-chat": "READY", "other": "IDLE"}
+
+
+def client_for(generations: Recorded, keys: list[ApiKeySettings] | None = None) -> openai.AsyncOpenAI:
+    app = Starlette(routes=openai_routes(generations, Authenticator(keys or []), gateway_id="gw"))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+    return openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="k", http_client=http, max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def test_a_chat_completion_carries_text_usage_and_the_model_header() -> None:
+    generations = Recorded(["he", "llo"])
+    raw = await client_for(generations).chat.completions.with_raw_response.create(
+        model="tiny-chat",
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_body={"x_priority": 0, "x_client_id": "arm-1"},
+    )
+    reply = raw.parse()
+    assert reply.choices[0].message.content == "hello"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (4, 2)
+    assert raw.headers["x-loadmaster-model"] == "tiny-chat"
+    [(request, client_id)] = generations.requests
+    assert (request.priority, request.max_tokens, client_id) == (0, 2, "arm-1")
+    assert generations.closed == [reply.id]
+
+
+async def test_a_chat_stream_delivers_every_chunk_then_usage_then_done() -> None:
+    client = client_for(Recorded(["a", "b", "", "c"]))
+    stream = await client.chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "abc"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert (
+        chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    )
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_text_completions_stream_and_not() -> None:
+    client = client_for(Recorded(["x", "y"]))
+    whole = await client.completions.create(model="tiny-chat", prompt="once upon", max_tokens=2)
+    assert whole.choices[0].text == "xy" and whole.object == "text_completion"
+    parts = [c async for c in await client.completions.create(model="tiny-chat", prompt="p", stream=True)]
+    assert "".join(c.choices[0].text for c in parts if c.choices) == "xy"
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (NotFoundError("model 'nope' is not served"), openai.NotFoundError),
+        (UnavailableError("no worker holds the model"), openai.InternalServerError),
+        (ExpiredError("deadline passed while queued"), openai.APIStatusError),
+    ],
+)
+async def test_errors_before_the_first_chunk_are_statuses(error: LoadmasterError, expected: type) -> None:
+    client = client_for(Recorded([], fail_before=error))
+    for stream in (False, True):
+        with pytest.raises(expected) as caught:
+            await client.chat.completions.create(model="tiny-chat", messages=MESSAGES, stream=stream)
+        assert caught.value.status_code == error.http_status
+        assert caught.value.body["message"] == error.message  # type: ignore[index]
+
+
+async def test_bad_bodies_are_400s_naming_the_field() -> None:
+    client = client_for(Recorded(["a"]))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model="tiny-chat", messages=[], max_tokens=1)
+    assert caught.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=0)
+    assert caught.value.param == "max_tokens"
+
+
+async def test_a_failure_mid_stream_is_an_error_event_the_client_raises() -> None:
+    generations = Recorded(["a", "b", "c"], fail_after=2)
+    stream = await client_for(generations).chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, stream=True
+    )
+    seen = []
+    with pytest.raises(openai.APIError, match="the worker died"):
+        async for chunk in stream:
+            seen.append(chunk)
+    assert "".join(c.choices[0].delta.content or "" for c in seen if c.choices) == "ab"
+    assert len(generations.closed) == 1
+
+
+async def test_api_keys_scopes_and_rate_limits_apply() -> None:
+    key = ApiKeySettings(name="team", sha256=hashlib.sha256(b"secret").hexdigest(), rate_per_s=1, burst=1)
+    app_client = client_for(Recorded(["a"]), keys=[key])
+    with pytest.raises(openai.AuthenticationError):
+        await app_client.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    good = app_client.with_options(api_key="secret")
+    assert (await good.chat.completions.create(model="tiny-chat", messages=MESSAGES)).choices
+    with pytest.raises(openai.RateLimitError):
+        await good.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+
+
+async def test_models_are_listed_with_their_state() -> None:
+    client = client_for(Recorded([]))
+    listed = await client.models.list()
+    assert [(m.id, m.x_state) for m in listed.data] == [("other", "IDLE"), ("tiny-chat", "READY")]  # type: ignore[attr-defined]
+    assert (await client.models.retrieve("tiny-chat")).id == "tiny-chat"
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("nope")

@@ -1,0 +1,152 @@
+"""The OpenAI API's shapes: bodies parse into GenerationRequests or name the bad field, and what
+we build validates as the official `openai` package's own types."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from loadmaster.common.errors import NotFoundError, UnavailableError
+from loadmaster.gateway.frontends.openai_schema import (
+    DONE_EVENT,
+    OpenAIError,
+    Usage,
+    chat_chunk,
+    chat_completion,
+    completion,
+    completion_chunk,
+    error_from,
+    event,
+    parse_chat,
+    parse_completion,
+)
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps(
+        {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], **fields}
+    ).encode()
+
+
+def test_a_chat_body_becomes_a_generation_request_without_extensions_or_unknown_fields() -> None:
+    request = parse_chat(
+        body(
+            messages=[
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}],
+                },
+            ],
+            max_completion_tokens=16,
+            max_tokens=99,
+            temperature=0.5,
+            top_p=0.9,
+            seed=7,
+            stop="\n",
+            n=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            x_client_id="arm-1",
+            x_priority=0,
+            x_urgency=0.8,
+            x_deadline_ms=250,
+            logit_bias={"1": 2},  # unknown to us: ignored, as OpenAI's server does
+        )
+    )
+    assert request.messages == (("system", "be brief"), ("user", "hello"))
+    assert request.max_tokens == 16  # max_completion_tokens wins over the legacy max_tokens
+    assert (request.temperature, request.top_p, request.seed, request.stop) == (0.5, 0.9, 7, ("\n",))
+    assert request.stream and request.include_usage
+    assert (request.client_id, request.priority, request.urgency, request.deadline_ms) == (
+        "arm-1",
+        0,
+        0.8,
+        250,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"messages": []}, "messages", "at least one message"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "role"),
+        ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"temperature": 3}, "temperature", "less than or equal to 2"),
+        ({"n": 2}, "n", "only n=1"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ({"x_priority": -1}, "x_priority", "greater than or equal to 0"),
+        ({"model": ""}, "model", "at least 1 character"),
+    ],
+)
+def test_bad_chat_bodies_are_400s_naming_the_field(fields: dict[str, object], param: str, words: str) -> None:
+    with pytest.raises(OpenAIError) as caught:
+        parse_chat(body(**fields))
+    assert (caught.value.status, caught.value.param) == (400, param)
+    assert words in caught.value.message
+    assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_missing_fields_and_broken_json_are_400s() -> None:
+    with pytest.raises(OpenAIError, match="'messages' is a required property") as caught:
+        parse_chat(b'{"model": "m"}')
+    assert caught.value.param == "messages"
+    with pytest.raises(OpenAIError, match="not valid JSON"):
+        parse_chat(b'{"model": ')
+
+
+def test_a_completion_body_takes_one_prompt() -> None:
+    assert parse_completion(b'{"model": "m", "prompt": ["once"]}').prompt == "once"
+    assert parse_completion(b'{"model": "m", "prompt": "twice"}').messages is None
+    with pytest.raises(OpenAIError, match="exactly one prompt"):
+        parse_completion(b'{"model": "m", "prompt": ["a", "b"]}')
+
+
+def test_replies_validate_as_the_openai_clients_types() -> None:
+    usage = Usage(prompt_tokens=5, completion_tokens=3)
+    chat = ChatCompletion.model_validate(
+        chat_completion(
+            request_id="chatcmpl-1", model="tiny-chat", text="abc", finish_reason="stop", usage=usage
+        )
+    )
+    assert chat.choices[0].message.content == "abc"
+    assert chat.usage is not None and chat.usage.total_tokens == 8
+    first = ChatCompletionChunk.model_validate(
+        chat_chunk(request_id="c", model="m", created=1, text="a", role=True)
+    )
+    assert (first.choices[0].delta.role, first.choices[0].delta.content) == ("assistant", "a")
+    last = ChatCompletionChunk.model_validate(
+        chat_chunk(request_id="c", model="m", created=1, finish_reason="length")
+    )
+    assert last.choices[0].finish_reason == "length"
+    tally = ChatCompletionChunk.model_validate(chat_chunk(request_id="c", model="m", created=1, usage=usage))
+    assert tally.choices == [] and tally.usage is not None and tally.usage.completion_tokens == 3
+    text = Completion.model_validate(
+        completion(request_id="cmpl-1", model="m", text="xyz", finish_reason="length", usage=usage)
+    )
+    assert text.choices[0].text == "xyz"
+    # The client reads stream chunks without validating them (OpenAI sends finish_reason null until
+    # the last one, which its `Completion` type does not allow): the last chunk validates.
+    final = Completion.model_validate(
+        completion_chunk(request_id="c", model="m", created=1, finish_reason="stop")
+    )
+    assert final.choices[0].finish_reason == "stop"
+    assert completion_chunk(request_id="c", model="m", created=1, text="x")["choices"][0]["text"] == "x"
+
+
+def test_events_are_server_sent_json_and_errors_keep_openais_shape() -> None:
+    raw = event({"a": 1})
+    assert raw == b'data: {"a":1}\n\n' and DONE_EVENT == b"data: [DONE]\n\n"
+    with pytest.raises(ValueError):
+        event({"a": float("nan")})  # never a bare NaN on the wire
+    missing = error_from(NotFoundError("model 'nope' is not served")).body()["error"]
+    assert missing == {
+        "message": "model 'nope' is not served",
+        "type": "not_found_error",
+        "param": None,
+        "code": "not_found",
+    }
+    assert error_from(UnavailableError("no worker")).status == 503
