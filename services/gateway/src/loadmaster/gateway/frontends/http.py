@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h11
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -81,16 +82,17 @@ async def _error_response(request: Request, error: Exception) -> Response:
     return JSONResponse({"error": mapped.message}, status_code=mapped.http_status)
 
 
-async def _read_body(request: Request, limit: int, *, timeout_s: float) -> bytes | bytearray:
+async def _read_body(request: Request, limit: int, *, timeout_s: float) -> bytes | memoryview:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise InvalidArgumentError(f"request body of {declared} bytes exceeds the limit of {limit}")
     if request.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
         raise InvalidArgumentError("Content-Encoding is not supported; send the body uncompressed")
     # A large body of known length is copied into place chunk by chunk as it arrives: joining
-    # 64 MiB at the end would be one copy holding the event loop for tens of milliseconds.
+    # 64 MiB at the end would be one copy holding the event loop for tens of milliseconds, and
+    # so would zero-filling a bytearray of that size (numpy's empty buffer is not touched).
     expected = int(declared) if declared is not None and declared.isdigit() else 0
-    into = bytearray(expected) if expected > INLINE_BODY_BYTES else None
+    into = np.empty(expected, np.uint8).data if expected > INLINE_BODY_BYTES else None
     chunks: list[bytes] = []
     size = 0
     try:
@@ -136,7 +138,7 @@ def build_app(
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
 
-    async def read_body(request: Request, limit: int) -> bytes | bytearray:
+    async def read_body(request: Request, limit: int) -> bytes | memoryview:
         return await _read_body(request, limit, timeout_s=limits.http_body_timeout_s)
 
     def authorize(request: Request, scope: str) -> str:
@@ -207,7 +209,7 @@ def build_app(
     async def repository_index(request: Request) -> Response:
         authorize(request, INFER)
         ready_only = False
-        raw = await read_body(request, limits.max_envelope_bytes)
+        raw = bytes(await read_body(request, limits.max_envelope_bytes))
         if raw.strip():
             parsed = parse_json_object(raw)
             ready_only = bool(parsed.get("ready", False))
@@ -243,7 +245,7 @@ def build_app(
         return JSONResponse(await admin.set_strategy(strategy, policy))
 
     def prepare(
-        body: bytes | bytearray, header_length: str | None, **call: Any
+        body: bytes | memoryview, header_length: str | None, **call: Any
     ) -> tuple[ParsedInfer, InferenceCall]:
         """Body -> parsed request and call: costs time in proportion to the body."""
         parsed = parse_infer(body, header_length, limits)
@@ -338,9 +340,9 @@ def build_app(
     return Starlette(routes=routes)
 
 
-def parse_json_object(raw: bytes | bytearray) -> dict[str, Any]:
+def parse_json_object(raw: bytes | memoryview) -> dict[str, Any]:
     try:
-        value = json.loads(raw)
+        value = json.loads(bytes(raw))
     except (ValueError, RecursionError):
         raise InvalidArgumentError("request body is not JSON") from None
     if not isinstance(value, dict):

@@ -127,13 +127,13 @@ def _json_bytes(tensor: InputBody, limits: LimitsSettings | None = None) -> byte
 
 
 def parse_infer(
-    body: bytes | bytearray, header_length: str | None, limits: LimitsSettings | None = None
+    body: bytes | memoryview, header_length: str | None, limits: LimitsSettings | None = None
 ) -> ParsedInfer:
     """Split and check an infer request body; errors are `InvalidArgumentError` naming the problem.
 
     Costs time in proportion to the JSON part: callers run large bodies off the event loop."""
     binary = memoryview(b"")
-    json_part: bytes | bytearray | memoryview = body
+    json_part: bytes | memoryview = body
     if header_length is not None:
         try:
             length = int(header_length)
