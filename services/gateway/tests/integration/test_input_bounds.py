@@ -7,6 +7,7 @@ answered `unavailable` (HTTP 503, gRPC UNAVAILABLE), so "not refused" reads as t
 from __future__ import annotations
 
 import hashlib
+import json
 import queue
 import socket
 import time
@@ -360,3 +361,32 @@ def test_refused_large_grpc_requests_do_not_stay_resident(start_gateway: Callabl
         client.close()
     grown = resident[1] - resident[0]
     assert grown < 96 << 20, f"the gateway grew by {grown >> 20} MiB over 8 refused 48 MiB requests"
+
+
+def test_failed_large_http_requests_are_freed_with_their_reply(start_gateway: Callable[..., Any]) -> None:
+    """Each 40 MiB request passes every check and is answered 503 (no scheduler). Its body must
+    go with the reply: kept in a reference cycle through the error's traceback, each one stayed
+    resident until a garbage collection (measured +65 MiB per 64 MiB request)."""
+    big = start_gateway({})
+    process = psutil.Process(big.process.pid)
+    size = 40 << 20
+    head = json.dumps(
+        {
+            "inputs": [
+                {"name": "x", "datatype": "UINT8", "shape": [size], "parameters": {"binary_data_size": size}}
+            ]
+        }
+    ).encode()
+    body = head + bytes(size)
+    resident = []
+    with httpx.Client(timeout=30) as http:
+        for _ in range(4):
+            reply = http.post(
+                f"{big.http_url}/v2/models/double/infer",
+                content=body,
+                headers={"Inference-Header-Content-Length": str(len(head))},
+            )
+            assert reply.status_code == 503, reply.text
+            resident.append(process.memory_info().rss)
+    grown = resident[-1] - resident[0]
+    assert grown < 32 << 20, f"the gateway grew by {grown >> 20} MiB over 3 answered 40 MiB requests"

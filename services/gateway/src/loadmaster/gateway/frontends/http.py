@@ -309,7 +309,12 @@ def build_app(
                     )
                 return await handler(request)
             except Exception as error:  # the one place errors become HTTP statuses
-                return await _error_response(request, error)
+                response = await _error_response(request, error)
+                # The error's traceback holds the failed handler's frames, and they hold it
+                # (and the request body) in a cycle: cut it, so the body goes with the reply
+                # instead of waiting for a garbage collection.
+                error.__traceback__ = error.__context__ = error.__cause__ = None
+                return response
 
         return Route(path, endpoint, methods=list(methods))
 
