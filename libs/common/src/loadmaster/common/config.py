@@ -75,6 +75,10 @@ class EdgeSettings(_Section):
     heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
     heartbeat_timeout_ms: int = Field(default=3000, ge=0)
     heartbeat_ttl_ms: int = Field(default=3000, ge=0)
+    # Observations whose check costs more than a loop turn are checked on threads, each holding
+    # its payload meanwhile; past this many at once the next is refused (`resource_exhausted`),
+    # so a flood of costly messages cannot hold unbounded memory.
+    max_offloop_checks: int = Field(default=4, ge=1)
 
 
 class LimitsSettings(_Section):
