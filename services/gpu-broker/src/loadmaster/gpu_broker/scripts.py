@@ -231,7 +231,8 @@ ACQUIRE = LuaOp(
 -- ARGV[18] the highest fencing token the caller has seen (seeds a missing counter; module docstring)
 -- returns {'granted', reaped, node, alloc, created_ms, expires_ms, token}
 --                                    a new lease (published 'acquired'; the caller knows the rest)
---         {'replayed', reaped, lease fields} the live lease this request already got
+--         {'replayed', reaped, lease fields} the live lease this request already got, its TTL
+--                                    counted again from now (published 'renewed')
 --         {'gone', reaped, lease id}         this request's lease was released or expired
 --         {'mismatch', reaped, lease id}     the request id was used with other parameters
 --         {'state', reaped, gpu rows}        no alloc given, or it no longer fits: plan again
@@ -248,6 +249,23 @@ if request_key ~= '' then
     if record[2] ~= ARGV[5] then return {'mismatch', reaped, record[1]} end
     local flat = redis.call('HGETALL', lease_key(record[1]))
     if #flat == 0 then return {'gone', reaped, record[1]} end
+    local lease = to_table(flat)
+    if tonumber(lease.expires_ms) <= now then
+      drop_lease(record[1], 'expired', lease)
+      return {'gone', reaped, record[1]}
+    end
+    -- A replay is the holder asking again (its first reply was lost): the TTL runs from now, as
+    -- a renewal's does, since the holder counts its own deadline from this later request.
+    local expires = now + tonumber(ARGV[12])
+    if expires > tonumber(lease.expires_ms) then
+      lease.expires_ms = int(expires)
+      redis.call('HSET', lease_key(record[1]), 'expires_ms', lease.expires_ms)
+      redis.call('ZADD', expiry_key, expires, record[1])
+      publish('renewed', lease)
+      for i = 1, #flat, 2 do
+        if flat[i] == 'expires_ms' then flat[i + 1] = lease.expires_ms end
+      end
+    end
     return {'replayed', reaped, flat}
   end
 end
