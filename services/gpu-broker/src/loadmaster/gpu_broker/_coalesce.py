@@ -41,6 +41,10 @@ the connection like a connection error: the next op connects to the current mast
 `replica_ack_timeout_ms` > 0, every write that carries an op of `acked_ops` ends with
 `WAIT 1 <timeout>`, and those ops are answered only once it returns: with their replies when
 at least one replica holds the writes, with `ReplicaAckError` when none acknowledged in time.
+Redis runs nothing after a WAIT on its connection until the WAIT returns, so ops made
+meanwhile stay queued and leave together when it does: one WAIT is in flight at a time, and
+without a replica each op waits at most about two WAIT timeouts (not one per write queued
+behind the first).
 """
 
 from __future__ import annotations
@@ -185,6 +189,7 @@ class _Connection:
     waiting: collections.deque[_Sent] = field(default_factory=collections.deque)
     reader_task: asyncio.Task[None] | None = None
     closed: bool = False
+    waits: int = 0  # WAITs sent and not yet answered
 
 
 class ScriptCoalescer:
@@ -256,6 +261,8 @@ class ScriptCoalescer:
             if self._connecting is None:
                 self._connecting = asyncio.get_running_loop().create_task(self._connect())
             return  # the connection task flushes once connected
+        if connection.waits:
+            return  # Redis runs nothing after a WAIT until it returns: the reply flushes
         deadline = asyncio.get_running_loop().time() + self._timeout_s + self._ack_ms / 1000
         sent: list[_Sent] = []
         commands: list[bytes] = []
@@ -278,6 +285,7 @@ class ScriptCoalescer:
             self._close(connection, RedisConnectionError(f"Redis connection failed: {error!r}"))
             return
         connection.waiting.extend(sent)
+        connection.waits += sum(1 for batch in sent if batch.wait is not None)
         in_flight = sum(len(batch.calls) for batch in connection.waiting)  # a few calls at most
         self._outstanding += (in_flight - self._outstanding) * _SMOOTHING
         if self._watchdog is None:
@@ -308,7 +316,10 @@ class ScriptCoalescer:
     def _deliver(self, connection: _Connection, sent: _Sent, raw: Any) -> None:
         reply = reply_value(raw)
         if sent.wait is not None:
+            connection.waits -= 1
             self._release(sent.wait, reply)
+            if self._queue or self._reload:
+                self._schedule_flush()
             return
         if not sent.calls:  # a SCRIPT LOAD: a failure shows in the NOSCRIPT of the batch after it
             return
