@@ -87,3 +87,13 @@ def test_redaction_of_both_forms() -> None:
     assert redact_redis_url("redis://:pw@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
     assert redact_redis_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert "pw" not in redact_redis_url("redis+sentinel://:pw@h:bad/svc")
+
+
+def test_settings_refuse_a_malformed_sentinel_url_naming_the_field_and_part() -> None:
+    from pydantic import ValidationError
+
+    from loadmaster.common.config import Settings
+
+    with pytest.raises(ValidationError, match=r"(?s)redis_url.*host 2 port"):
+        Settings(redis_url="redis+sentinel://:pw@h1:1,h2:x/svc")
+    assert Settings(redis_url="redis+sentinel://h1:1/svc").redis_url == "redis+sentinel://h1:1/svc"

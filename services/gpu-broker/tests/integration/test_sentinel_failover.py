@@ -29,6 +29,7 @@ import grpc
 import pytest
 import redis
 
+from loadmaster.cli.status import _ping_redis
 from loadmaster.common.config import Settings
 from loadmaster.common.ports import free_port
 from loadmaster.v1 import gpu_broker_pb2 as pb
@@ -311,6 +312,8 @@ async def test_the_broker_follows_sentinel_failovers_under_lease_traffic(
     cluster: SentinelCluster, make_settings: MakeSettings, start_broker: StartBroker
 ) -> None:
     started = time.monotonic()
+    row = await asyncio.to_thread(_ping_redis, cluster.url, 2.0)  # `loadmaster status` follows it too
+    assert row.reachable and PASSWORD not in row.url, row
     broker = await start_broker(make_settings(redis=cluster.url, lease_ttl_s=30.0))
     audit, stop = _Audit(), asyncio.Event()
     holders = [asyncio.create_task(_holder(broker.stub, audit, n, stop)) for n in range(HOLDERS)]
