@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from loadmaster.cli.redis_server import EmbeddedRedis
+from loadmaster.common.clock import FakeClock
 from loadmaster.common.config import Settings
 from loadmaster.v1 import gpu_broker_pb2 as pb
 
@@ -116,3 +117,32 @@ async def test_a_fence_counter_behind_granted_tokens_never_repeats_one(
     ]
     assert min(after) > max(tokens)
     assert after[1] > after[0]
+
+
+async def test_a_readonly_reply_drops_the_connection_so_the_next_op_reconnects(
+    pair: tuple[EmbeddedRedis, EmbeddedRedis], make_settings: MakeSettings, start_broker: StartBroker
+) -> None:
+    # The master is demoted without its clients being killed (Sentinel kills them when it
+    # reconfigures a server; a demotion by hand or another tool may not): the broker's script
+    # connection stays open and gets READONLY. It must drop it, so that its next connection
+    # asks again where the master is (through the Sentinels, with a redis+sentinel:// URL).
+    master, replica = pair
+    broker = await start_broker(make_settings(redis=master.url, replica_ack_timeout_ms=0), FakeClock())
+    await broker.stub.Acquire(pb.AcquireRequest(holder="w", mb=1_000))
+    assert _script_connections(master) == 1
+
+    _client(replica).replicaof("NO", "ONE")
+    _attach(master, replica)  # the old master now replicates the old replica
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await broker.stub.Acquire(pb.AcquireRequest(holder="w", mb=1_000))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "READONLY" in (caught.value.details() or "") or "read only" in (caught.value.details() or "")
+    deadline = time.monotonic() + 5
+    while _script_connections(master):
+        assert time.monotonic() < deadline, "the broker kept its connection to a replica"
+        time.sleep(0.05)
+
+
+def _script_connections(server: EmbeddedRedis) -> int:
+    """Connections whose last command was a script call (the broker's coalescer)."""
+    return sum(1 for client in _client(server).client_list() if client["cmd"] == "evalsha")

@@ -340,3 +340,35 @@ async def test_the_broker_follows_sentinel_failovers_under_lease_traffic(
     _tokens_rise(audit, killed)
     assert audit.answers["acquire:OK"] > 50 and audit.answers["release:OK"] > 50
     assert time.monotonic() - started < 60
+
+
+async def test_after_a_switch_over_the_broker_moves_to_the_demoted_masters_successor(
+    cluster: SentinelCluster, make_settings: MakeSettings, start_broker: StartBroker
+) -> None:
+    """SENTINEL FAILOVER demotes a live master (and closes its clients' connections; a
+    demotion that leaves them open is `test_replica_acks.py`'s READONLY test): the broker
+    reaches the new master at once, and the lease granted before is still there."""
+    broker = await start_broker(make_settings(redis=cluster.url))
+    held = (await broker.stub.Acquire(pb.AcquireRequest(holder="w", mb=1_000), timeout=5)).lease
+    master = cluster.master_port()
+    assert cluster.sentinel_client().sentinel_failover(SERVICE)
+    await asyncio.to_thread(cluster.wait_until, lambda: cluster.master_port() != master, 15, "no new master")
+    await asyncio.to_thread(cluster.wait_until, cluster.settled, 20, "the old master did not rejoin")
+    assert redis.Redis(port=master, password=PASSWORD).info("replication")["role"] == "slave"
+
+    deadline, answers = time.monotonic() + 5.0, []
+    while True:
+        try:
+            lease = (await broker.stub.Acquire(pb.AcquireRequest(holder="w", mb=1_000), timeout=5)).lease
+            break
+        except grpc.aio.AioRpcError as error:
+            answers.append(f"{error.code().name}: {error.details()}")
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, answers
+            assert time.monotonic() < deadline, f"still not served after 5 s: {answers[-3:]}"
+            await asyncio.sleep(0.1)
+    assert len(answers) <= 3, answers  # at most the connection lost to the old master
+    assert lease.fencing_token > held.fencing_token
+    renewed = await broker.stub.Renew(
+        pb.RenewRequest(lease_id=held.lease_id, fencing_token=held.fencing_token), timeout=5
+    )
+    assert renewed.lease.lease_id == held.lease_id  # acknowledged before the switch: still there

@@ -53,6 +53,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +107,9 @@ _ERRORS: dict[str, type[RedisError]] = {
 }
 
 
+_NESTED_ERROR = re.compile(r"-(" + "|".join(_ERRORS) + r") ")
+
+
 def _pack_in_python(args: tuple[Any, ...]) -> bytes:
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -135,6 +139,12 @@ def reply_value(reply: Any) -> Any:
     text = str(reply)
     code, _, message = text.partition(" ")
     error_class = _ERRORS.get(code)
+    if error_class is None:
+        # An error raised inside a script comes wrapped: "@user_script:1: -READONLY You can't
+        # write against a read only replica." (the op's own reply, from OPS_SCRIPT's pcall).
+        nested = _NESTED_ERROR.search(text)
+        if nested is not None:
+            return _ERRORS[nested.group(1)](text)
     return error_class(message) if error_class is not None else ResponseError(text)
 
 
