@@ -106,8 +106,11 @@ class SentinelCluster:
         self.wait_until(self.settled, timeout_s, "the Sentinels did not see the replica and each other")
 
     def _spawn(self, node: _Node, args: list[str]) -> None:
+        # setpriv --pdeathsig: the kernel kills the server should pytest itself die (a timeout
+        # that skips teardown), so none outlives the test.
+        setpriv = shutil.which("setpriv")
         node.process = subprocess.Popen(
-            args,
+            [setpriv, "--pdeathsig", "KILL", "--", *args] if setpriv else args,
             cwd=node.folder,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
