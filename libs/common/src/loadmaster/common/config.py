@@ -18,6 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
+
 __all__ = [
     "ApiKeySettings",
     "AuthSettings",
@@ -259,6 +261,10 @@ class GpuBrokerSettings(ServiceEndpoint):
         default_factory=lambda: {"local": [GpuSpec(index=0, total_mb=16_384)]}
     )
     use_nvml: bool = True
+    # Answer Acquire/Renew/Release/Register only once a Redis replica holds their writes
+    # (`WAIT 1 <ms>`; UNAVAILABLE when none acknowledges in time), so a grant survives a
+    # failover. 0 = off; unset = 200 ms with a redis+sentinel:// URL, else off.
+    replica_ack_timeout_ms: int | None = Field(default=None, ge=0)
 
 
 class MetricsSettings(ServiceEndpoint):
@@ -392,6 +398,13 @@ class Settings(BaseSettings):
     internal_auth: InternalAuthSettings = InternalAuthSettings()
     # The folder the YAML file was read from; relative paths in it resolve against this.
     config_dir: Path = Path(".")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _valid_sentinel_url(cls, value: str | None) -> str | None:
+        if value is not None and is_sentinel_url(value):
+            parse_sentinel_url(value)  # a malformed one fails here, naming the part
+        return value
 
     @field_validator("log_level")
     @classmethod
