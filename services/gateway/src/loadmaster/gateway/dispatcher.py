@@ -161,6 +161,7 @@ class Dispatcher:
         # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
+        self._draining = False
         self._scheduler = scheduler(self)
         self._workers = workers(self)
 
@@ -173,6 +174,15 @@ class Dispatcher:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="reply-watchdog")
 
+    async def drain(self, timeout_s: float, *, poll_s: float = 0.01) -> int:
+        """Refuse new calls (`unavailable`) from now on and wait, at most `timeout_s`, for the
+        calls in flight to be answered. Returns how many are still in flight."""
+        self._draining = True
+        deadline = self._clock.monotonic() + timeout_s
+        while self._pending and self._clock.monotonic() < deadline:
+            await self._clock.sleep(poll_s)
+        return len(self._pending)
+
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -184,6 +194,9 @@ class Dispatcher:
 
     def submit(self, call: InferenceCall, on_result: ResultCallback) -> None:
         """Start `call`; `on_result` is called exactly once with its outcome."""
+        if self._draining:
+            on_result(self._failed(call, UnavailableError("the gateway is shutting down; retry elsewhere")))
+            return
         if not self._scheduler.connected:
             on_result(self._failed(call, UnavailableError("scheduler unreachable; try again shortly")))
             return
