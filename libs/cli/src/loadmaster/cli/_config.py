@@ -10,12 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
+from rich.console import Console
+from rich.text import Text
 
 from loadmaster.common.config import ConfigError, Settings, load_settings
 
-__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "ConfigOption", "ConfigProblem", "settings_from"]
+__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "ConfigOption", "config_problem", "settings_from"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a service or Redis down, a refused request, a service that failed
@@ -32,10 +33,11 @@ ConfigOption = Annotated[
 ]
 
 
-class ConfigProblem(click.ClickException):
-    """A `ConfigError` as the command line reports it: its message, exit code 2."""
-
-    exit_code = EXIT_USAGE
+def config_problem(error: ConfigError) -> typer.Exit:
+    """Print `error` on stderr as one message (no traceback); the exit to raise (code 2)."""
+    message = Text.assemble(("error: ", "red"), error.message)  # not markup: it may hold "[...]"
+    Console(stderr=True, highlight=False).print(message, soft_wrap=True)
+    return typer.Exit(EXIT_USAGE)
 
 
 def settings_from(config: Path | None, **overrides: Any) -> Settings:
@@ -43,4 +45,4 @@ def settings_from(config: Path | None, **overrides: Any) -> Settings:
     try:
         return load_settings(config, **overrides)
     except ConfigError as error:
-        raise ConfigProblem(error.message) from None
+        raise config_problem(error) from None

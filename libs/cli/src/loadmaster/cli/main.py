@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadmaster.cli import chat_cmd, gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
-from loadmaster.cli._config import EXIT_FAILURE, ConfigOption, ConfigProblem, settings_from
+from loadmaster.cli._config import EXIT_FAILURE, ConfigOption, config_problem, settings_from
 from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.cli.launcher import Suite
 from loadmaster.cli.run_state import read_run_state, remove_run_state, run_state_path, write_run_state
@@ -85,7 +85,7 @@ def up(
     try:
         suite = Suite(config, workers=workers)
     except ConfigError as error:
-        raise ConfigProblem(error.message) from None
+        raise config_problem(error) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
