@@ -9,7 +9,7 @@ CONFIG ?= examples/loadmaster.yaml
 
 DISTS := libs/proto libs/common libs/client libs/cli \
          services/gpu-broker services/metrics services/scheduler services/gateway \
-         services/model-pool[torch,onnx]
+         services/model-pool[torch,onnx,transformers]
 PYPROJECTS := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
@@ -40,7 +40,7 @@ $(STAMP): $(PY) $(PYPROJECTS) requirements-dev.txt
 
 # ray[serve] is large: only `make test-all` (the slow Ray Serve engine test) installs it.
 $(RAY_STAMP): $(STAMP)
-	$(PIP) install --quiet -e "services/model-pool[torch,onnx,ray]"
+	$(PIP) install --quiet -e "services/model-pool[torch,onnx,transformers,ray]"
 	touch $(RAY_STAMP)
 
 # Debian's chromium, for the dashboard's headless-browser test; installed only when missing

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -330,10 +330,10 @@ async def _pool_core(
 
     class _NoBroker:  # leases are off the request path; this measures the request path only
         async def acquire(self, **request: Any) -> Lease:
-            return Lease("bench", 1, {0: int(request["mb"])})
+            return Lease("bench", 1, {0: int(request["mb"])}, sent_monotonic=time.monotonic())
 
         async def renew(self, lease: Lease, **_: Any) -> Lease:
-            return lease
+            return replace(lease, sent_monotonic=time.monotonic())
 
         async def release(self, lease: Lease) -> None:
             pass

@@ -13,6 +13,9 @@ order of float sums).
     policy-onnx the same MLP, same weights, exported with torch.onnx.export (dynamic batch)
     classifier  torch.export (.pt2)    image uint8 [480, 640, 3]    -> logits float32 [10]
                                         (normalises inside the model)
+    tiny-chat   a Hugging Face folder   random-weight Llama (2 layers, hidden 128) with a
+                                        byte-level BPE tokenizer trained on the repo's docs
+                                        and a chat template (backend: transformers)
 """
 
 from __future__ import annotations
@@ -145,10 +148,82 @@ def build_classifier(folder: Path) -> Path:
     return artifact
 
 
+# tiny-chat: the chat markers are special tokens; `</s>` is also what ends a turn.
+TINY_CHAT_SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+TINY_CHAT_VOCAB = 1024
+# The chat template, as transformers writes it to chat_template.jinja.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def _tokenizer_corpus() -> list[str]:
+    """Text in the repo, in a fixed order: the top README, docs/ and the service READMEs."""
+    repo = Path(__file__).resolve().parent.parent
+    paths = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    paths += sorted(repo.glob("services/*/README.md")) + sorted(repo.glob("libs/*/README.md"))
+    texts = [path.read_text(encoding="utf-8") for path in paths if path.is_file()]
+    return texts or [__doc__ or "loadmaster"]
+
+
+def build_tiny_chat(folder: Path) -> Path:
+    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    artifact = folder / "artifacts"
+    artifact.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_CHAT_VOCAB,
+        special_tokens=TINY_CHAT_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(artifact)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # larger than the default 0.02, so greedy output varies
+        dtype="float32",
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(artifact)
+    return artifact / "model.safetensors"
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "policy": build_policy,
     "policy-onnx": build_policy_onnx,
     "classifier": build_classifier,
+    "tiny-chat": build_tiny_chat,
 }
 
 

@@ -11,7 +11,8 @@ import asyncio
 import importlib.util
 import itertools
 import shutil
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -41,6 +42,7 @@ class FakeLeaseClient:
 
     fail_acquire: LoadmasterError | None = None
     capacity_mb: int | None = None  # one GPU of this size: acquires beyond it are exhausted
+    outside_mb: int = 0  # of capacity_mb, held by another holder
     lost: set[str] = field(default_factory=set)  # lease ids the broker no longer honours
     acquired: list[dict[str, object]] = field(default_factory=list)
     renewed: list[str] = field(default_factory=list)
@@ -58,17 +60,25 @@ class FakeLeaseClient:
         mb: int,
         ttl_s: float,
         labels: Mapping[str, str],
-        gpus: list[int] | None = None,
+        gpus: Sequence[int] | None = None,
         allow_split: bool = False,
+        node: str | None = None,
     ) -> Lease:
         await asyncio.sleep(0)
         if self.fail_acquire is not None:
             raise self.fail_acquire
         if self.capacity_mb is not None:
             held = sum(int(a["mb"]) for a in self.acquired if a["lease_id"] in self.held)
-            if held + mb > self.capacity_mb:
-                raise ResourceExhaustedError(f"{mb} MB do not fit: {self.capacity_mb - held} MB free")
-        lease = Lease(lease_id=f"lease-{next(self._ids)}", fencing_token=1, mb_per_gpu={0: mb})
+            if held + self.outside_mb + mb > self.capacity_mb:
+                free = self.capacity_mb - self.outside_mb - held
+                raise ResourceExhaustedError(f"{mb} MB do not fit: {free} MB free")
+        lease = Lease(
+            lease_id=f"lease-{next(self._ids)}",
+            fencing_token=1,
+            mb_per_gpu={0: mb},
+            labels=dict(labels),
+            sent_monotonic=time.monotonic(),
+        )
         self.acquired.append(
             {
                 "lease_id": lease.lease_id,
@@ -85,10 +95,23 @@ class FakeLeaseClient:
         self.renewed.append(lease.lease_id)
         if lease.lease_id in self.lost:
             raise LeaseLostError(f"lease {lease.lease_id} expired")
-        return Lease(lease.lease_id, lease.fencing_token + 1, lease.mb_per_gpu)
+        return Lease(
+            lease.lease_id,
+            lease.fencing_token + 1,
+            lease.mb_per_gpu,
+            labels=lease.labels,
+            sent_monotonic=time.monotonic(),
+        )
 
     async def release(self, lease: Lease) -> None:
         self.released.append(lease.lease_id)
+
+    async def free_mb(self) -> dict[int, int]:
+        """GPU 0: `capacity_mb` less what is held (`outside_mb` of it held by someone else)."""
+        if self.capacity_mb is None:
+            return {}
+        held = sum(int(a["mb"]) for a in self.acquired if a["lease_id"] in self.held)
+        return {0: self.capacity_mb - self.outside_mb - held}
 
     async def close(self) -> None:
         self.closed = True

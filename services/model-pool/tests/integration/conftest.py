@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -98,6 +99,21 @@ async def fake_scheduler(address: str = "127.0.0.1:0") -> AsyncIterator[tuple[Fa
         await server.stop(0)
 
 
+def broker_settings(redis_url: str, *, total_mb: int) -> Settings:
+    """The real gpu-broker on 127.0.0.1:0 over `redis_url`, its own key prefix, one GPU declared."""
+    return Settings(
+        redis_url=redis_url,
+        gpu_broker=GpuBrokerSettings(
+            listen="127.0.0.1:0",
+            key_prefix=f"model-pool-test-{uuid.uuid4().hex[:12]}",
+            use_nvml=False,
+            reserve_mb=0,
+            declared={"local": [GpuSpec(index=0, total_mb=total_mb)]},
+        ),
+        metrics=MetricsSettings(enabled=False),
+    )
+
+
 BrokerAt = Callable[
     ..., contextlib.AbstractAsyncContextManager[tuple[str, gpu_broker_pb2_grpc.GpuBrokerStub]]
 ]
@@ -111,17 +127,7 @@ def real_broker(redis_url: str) -> BrokerAt:
 
     @contextlib.asynccontextmanager
     async def start(*, total_mb: int = 1_000) -> AsyncIterator[tuple[str, gpu_broker_pb2_grpc.GpuBrokerStub]]:
-        settings = Settings(
-            redis_url=redis_url,
-            gpu_broker=GpuBrokerSettings(
-                listen="127.0.0.1:0",
-                key_prefix=f"model-pool-test-{uuid.uuid4().hex[:12]}",
-                use_nvml=False,
-                reserve_mb=0,
-                declared={"local": [GpuSpec(index=0, total_mb=total_mb)]},
-            ),
-            metrics=MetricsSettings(enabled=False),
-        )
+        settings = broker_settings(redis_url, total_mb=total_mb)
         server = await server_module.build(settings)
         port = await server.start()
         address = f"127.0.0.1:{port}"
@@ -257,6 +263,40 @@ def make_client() -> Iterator[Callable[[str], DataClient]]:
     yield make
     for data in clients:
         data.close()
+
+
+@contextlib.contextmanager
+def broker_on_its_own_thread(redis_url: str, *, total_mb: int) -> Iterator[str]:
+    """The real gpu-broker on 127.0.0.1:0, one GPU of `total_mb` on node "local", served from a
+    thread with its own event loop: it keeps time while the test's (and worker's) loop is busy."""
+    server_module = pytest.importorskip("loadmaster.gpu_broker.server")
+    settings = broker_settings(redis_url, total_mb=total_mb)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-broker", daemon=True)
+    thread.start()
+
+    async def start() -> tuple[Any, int]:
+        server = await server_module.build(settings)
+        return server, await server.start()
+
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.fixture
+def broker_thread(redis_url: str) -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """`with broker_thread(total_mb=1_000) as address`: see `broker_on_its_own_thread`."""
+
+    def start(*, total_mb: int) -> contextlib.AbstractContextManager[str]:
+        return broker_on_its_own_thread(redis_url, total_mb=total_mb)
+
+    return start
 
 
 StartWorker = Callable[..., contextlib.AbstractAsyncContextManager[ModelPoolServer]]

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from loadmaster.common.errors import UnavailableError
-from loadmaster.model_pool.leases import GrpcLeaseClient, Lease, LeaseKeeper, LeaseLostError
+from loadmaster.client.lease_keeper import LeaseKeeper
+from loadmaster.common.errors import LoadmasterError, UnavailableError
+from loadmaster.model_pool.leases import AsyncLeaseClient, Lease, LeaseLostError
 from loadmaster.v1 import errors_pb2, gpu_broker_pb2, gpu_broker_pb2_grpc
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ async def test_renewals_made_together_travel_in_one_call_each_with_its_own_answe
         answers={"gone": errors_pb2.ERROR_CODE_NOT_FOUND, "busy": errors_pb2.ERROR_CODE_UNAVAILABLE},
     )
     async with recording_broker(servicer) as address:
-        client = GrpcLeaseClient(address, holder="w", node="local")
+        client = AsyncLeaseClient(address, holder="w", node="local")
         outcomes = await asyncio.gather(
             *(client.renew(Lease(lease_id, 3), ttl_s=15) for lease_id in ("ok", "gone", "busy")),
             return_exceptions=True,
@@ -80,7 +81,8 @@ async def test_renewals_made_together_travel_in_one_call_each_with_its_own_answe
         await client.close()
     assert servicer.calls == [("RenewMany", ["ok", "gone", "busy"])]
     renewed, gone, busy = outcomes
-    assert renewed == Lease("ok", 3, expires_unix_ms=42)
+    assert isinstance(renewed, Lease)
+    assert (renewed.lease_id, renewed.fencing_token, renewed.expires_unix_ms) == ("ok", 3, 42)
     assert isinstance(gone, LeaseLostError) and "gone" in gone.message
     assert isinstance(busy, UnavailableError) and not isinstance(busy, LeaseLostError)
 
@@ -88,7 +90,7 @@ async def test_renewals_made_together_travel_in_one_call_each_with_its_own_answe
 async def test_a_broker_without_renew_many_is_renewed_one_lease_per_call() -> None:
     servicer = RecordingBroker(renew_many=False, answers={"old": errors_pb2.ERROR_CODE_FAILED_PRECONDITION})
     async with recording_broker(servicer) as address:
-        client = GrpcLeaseClient(address, holder="w", node="local")
+        client = AsyncLeaseClient(address, holder="w", node="local")
         first = await asyncio.gather(
             client.renew(Lease("a", 1), ttl_s=15),
             client.renew(Lease("old", 1), ttl_s=15),
@@ -96,8 +98,9 @@ async def test_a_broker_without_renew_many_is_renewed_one_lease_per_call() -> No
         )
         second = await client.renew(Lease("a", 1), ttl_s=15)
         await client.close()
-    assert first[0] == Lease("a", 1, expires_unix_ms=42) and isinstance(first[1], LeaseLostError)
-    assert second == Lease("a", 1, expires_unix_ms=42)
+    assert isinstance(first[0], Lease) and isinstance(first[1], LeaseLostError)
+    assert (first[0].lease_id, first[0].expires_unix_ms) == ("a", 42)
+    assert (second.lease_id, second.expires_unix_ms) == ("a", 42)
     assert sorted(servicer.calls) == sorted(
         [("RenewMany", ["a", "old"]), ("Renew", ["a"]), ("Renew", ["old"]), ("Renew", ["a"])]
     )
@@ -107,24 +110,28 @@ async def test_a_lost_lease_among_several_is_reported_alone_and_the_others_stay_
     real_broker: BrokerAt,
 ) -> None:
     async with real_broker() as (address, stub):
-        client = GrpcLeaseClient(address, holder="w", node="local")
+        client = AsyncLeaseClient(address, holder="w", node="local")
         lost: list[str] = []
         reported = asyncio.Event()
+        loop = asyncio.get_running_loop()
 
-        def on_lost(key: str, lease: Lease) -> None:
+        def on_lost(key: str, lease: Lease, error: LoadmasterError) -> None:  # on the keeper's thread
             lost.append(key)
-            reported.set()
+            loop.call_soon_threadsafe(reported.set)
 
-        keeper = LeaseKeeper(client, ttl_s=0.9, on_lost=on_lost)
+        keeper = LeaseKeeper(
+            lambda: AsyncLeaseClient(address, holder="w", node="local"), on_lost=on_lost, reacquire=False
+        )
+        keeper.start()
         granted = {m: await client.acquire(mb=10, ttl_s=0.9, labels={"model": m}) for m in ("a", "b", "c")}
         for model, lease in granted.items():
-            keeper.keep(model, lease)
+            keeper.keep(model, lease, ttl_s=0.9)
         b = granted["b"]
         await stub.Release(gpu_broker_pb2.ReleaseRequest(lease_id=b.lease_id, fencing_token=b.fencing_token))
         await asyncio.wait_for(reported.wait(), 5.0)
         await asyncio.sleep(1.2)  # longer than the TTL: only renewals keep "a" and "c"
         leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="w"))).leases
-        await keeper.close()
+        await asyncio.to_thread(keeper.close)
         await client.close()
     assert lost == ["b"]
     assert keeper.lease("b") is None

@@ -11,6 +11,7 @@ from loadmaster.model_pool.eviction import (
     idle_models,
     next_idle_deadline,
     no_room_message,
+    plan_evictions,
 )
 
 
@@ -130,3 +131,58 @@ def test_counters_count_evictions_by_reason_and_reloads() -> None:
     assert counters.of("a") == 2
     assert counters.by_reason() == {"capacity": 2, "idle": 1}
     assert counters.reloads == {"a": 1}
+
+
+def test_a_plan_evicts_nothing_when_every_eviction_together_would_not_make_room() -> None:
+    residents = [resident("a", vram_mb=200, gpus=(0,)), resident("b", vram_mb=100, gpus=(0,))]
+    # 100 free + 300 evictable = 400 < 500: no victims, nothing worth waiting for.
+    plan = plan_evictions(residents, incoming=Incoming("x", 1), mb=500, free_mb={0: 100}, now=1000.0)
+    assert plan.victims == () and not plan.worth_waiting and not plan.fits_now
+    # With 200 free it takes both (the fewest that fit), in the policy's order.
+    plan = plan_evictions(residents, incoming=Incoming("x", 1), mb=500, free_mb={0: 200}, now=1000.0)
+    assert set(plan.victims) == {"a", "b"} and plan.gpu == 0
+
+
+def test_a_plan_takes_the_fewest_victims_on_one_gpu() -> None:
+    residents = [
+        resident("a0", vram_mb=100, gpus=(0,), last_used=100.0),
+        resident("b0", vram_mb=100, gpus=(0,), last_used=200.0),
+        resident("c1", vram_mb=300, gpus=(1,), last_used=300.0),
+    ]
+    plan = plan_evictions(residents, incoming=Incoming("x", 1), mb=350, free_mb={0: 100, 1: 50}, now=1000.0)
+    assert plan.victims == ("c1",) and plan.gpu == 1
+    # The incoming model must go on GPU 0: both of its models, least recently used first.
+    pinned = Incoming("x", 1, gpus=(0,))
+    plan = plan_evictions(residents, incoming=pinned, mb=250, free_mb={0: 100, 1: 50}, now=1000.0)
+    assert plan.victims == ("a0", "b0") and plan.gpu == 0
+
+
+def test_a_plan_waits_only_when_the_busy_models_would_make_room() -> None:
+    busy = resident("busy", vram_mb=400, gpus=(0,), inflight=1)
+    plan = plan_evictions([busy], incoming=Incoming("x", 1), mb=300, free_mb={0: 0}, now=1000.0)
+    assert plan.victims == () and plan.worth_waiting and plan.choice.waiting == ("busy",)
+    plan = plan_evictions([busy], incoming=Incoming("x", 1), mb=500, free_mb={0: 0}, now=1000.0)
+    assert not plan.worth_waiting  # even once idle, 400 MB is not 500
+    pinned = resident("p", vram_mb=400, gpus=(0,), pinned=True)
+    plan = plan_evictions([pinned], incoming=Incoming("x", 1), mb=300, free_mb={0: 0}, now=1000.0)
+    assert plan.victims == () and not plan.worth_waiting and plan.choice.refused == {"p": "pinned"}
+
+
+def test_a_split_lease_frees_its_own_share_per_gpu() -> None:
+    split = resident("s", vram_mb=600, gpus=(0, 1), mb_per_gpu=((0, 200), (1, 400)))
+    assert (split.frees_on(0), split.frees_on(1), split.frees_on(2)) == (200, 400, 0)
+    plan = plan_evictions([split], incoming=Incoming("x", 1), mb=300, free_mb={0: 0, 1: 0}, now=1000.0)
+    assert plan.victims == ("s",) and plan.gpu == 1
+
+
+def test_a_load_that_may_split_evicts_for_room_over_all_gpus_together() -> None:
+    residents = [resident("a", vram_mb=300, gpus=(0,)), resident("b", vram_mb=300, gpus=(1,))]
+    free = {0: 200, 1: 200}
+    # 900 MB fits no single GPU even with every eviction; spread over both, evicting a suffices.
+    assert (
+        plan_evictions(residents, incoming=Incoming("x", 1), mb=900, free_mb=free, now=1000.0).victims == ()
+    )
+    plan = plan_evictions(residents, incoming=Incoming("x", 1), mb=700, free_mb=free, now=1000.0, split=True)
+    assert len(plan.victims) == 1 and plan.gpu is None
+    plan = plan_evictions(residents, incoming=Incoming("x", 1), mb=1100, free_mb=free, now=1000.0, split=True)
+    assert plan.victims == () and not plan.worth_waiting  # 1000 MB at most: evict nothing

@@ -17,6 +17,7 @@ from loadmaster.common.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     UnavailableError,
 )
 from loadmaster.model_pool.leases import Lease
@@ -46,6 +47,15 @@ class Broken:
     def infer(self, inputs):
         return {}
 """
+SLOW_LOAD = """
+import time
+import numpy as np
+class SlowLoad:
+    def load(self):
+        time.sleep(0.8)
+    def infer(self, inputs):
+        return {"x": np.array([1.0], dtype=np.float32)}
+"""
 BAD_OUTPUT = """
 import numpy as np
 class BadOutput:
@@ -71,6 +81,7 @@ def repo(example_repo: Path, tmp_path: Path) -> Path:
         ("boom", "Boom", BOOM),
         ("broken", "Broken", FAILS_TO_LOAD),
         ("bad_output", "BadOutput", BAD_OUTPUT),
+        ("slow_load", "SlowLoad", SLOW_LOAD),
     ]:
         (root / model_id).mkdir()
         (root / model_id / "config.yaml").write_text(f"backend: python\nclass: {cls}\n")
@@ -285,24 +296,81 @@ async def test_model_errors(repo: Path, leases: Any) -> None:
     await pool.close()
 
 
-async def test_leases_are_renewed_and_a_lost_lease_unloads(repo: Path, leases: Any) -> None:
-    clock = FakeClock()
-    pool = make_pool(repo, leases, clock=clock)
+async def _until(condition: Any, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def short_lease_pool(repo: Path, leases: Any) -> ModelPool:
+    """Leases of 0.5 s: the keeper's thread (real time) renews every 0.1 s."""
+    return ModelPool(ModelRepository(repo), models=ModelsSettings(), lease_client=leases, lease_ttl_s=0.5)
+
+
+async def test_leases_are_renewed_and_a_lost_lease_that_cannot_be_had_again_unloads(
+    repo: Path, leases: Any
+) -> None:
+    pool = short_lease_pool(repo, leases)
     await pool.load("double")
-    for _ in range(2):
-        clock.advance(1.0)  # ttl 3 s -> renew every second
-        for _ in range(5):
-            await asyncio.sleep(0)
-    assert leases.renewed == ["lease-1", "lease-1"]
-    leases.lost.add("lease-1")
+    await _until(lambda: leases.renewed.count("lease-1") >= 2)
     idle = asyncio.Event()
     pool.add_listener(lambda s: idle.set() if s.state is ModelState.IDLE else None)
-    clock.advance(1.0)
-    await asyncio.wait_for(idle.wait(), 2.0)
+    leases.fail_acquire = ResourceExhaustedError("taken meanwhile")
+    leases.lost.add("lease-1")
+    await asyncio.wait_for(idle.wait(), 5.0)
     status = pool.status("double")
-    assert status.state is ModelState.IDLE and "lease-1 lost" in status.error
+    assert status.state is ModelState.IDLE and "lease-1 lost" in status.error, status.error
     with pytest.raises(UnavailableError):
         await pool.infer("double", {"x": np.ones(1, np.float32)})
+    await pool.close()
+
+
+async def test_a_lease_the_broker_lost_is_acquired_again_and_the_model_stays(repo: Path, leases: Any) -> None:
+    pool = short_lease_pool(repo, leases)
+    await pool.load("double")
+    leases.lost.add("lease-1")  # e.g. its Redis lost its data
+    await _until(lambda: pool.status("double").lease_id == "lease-2")
+    assert pool.status("double").state is ModelState.READY
+    assert leases.acquired[1]["mb"] == leases.acquired[0]["mb"]
+    assert leases.acquired[1]["labels"]["model"] == "double"
+    result = await pool.infer("double", {"x": np.ones(1, np.float32)})
+    assert result.outputs["x"].tolist() == [2.0]
+    await _until(lambda: "lease-2" in leases.renewed)
+    await pool.close()
+    assert leases.released == ["lease-2"]
+
+
+async def test_a_lease_lost_while_its_model_loads_fails_the_load(repo: Path, leases: Any) -> None:
+    """The lease is kept from its grant on: lost during a 0.8 s load (and not to be had again),
+    the load fails instead of serving a model whose memory is not leased."""
+    pool = short_lease_pool(repo, leases)
+    loading = asyncio.create_task(pool.load("slow_load"))
+    await _until(lambda: leases.acquired)
+    leases.fail_acquire = ResourceExhaustedError("taken meanwhile")
+    leases.lost.add("lease-1")
+    with pytest.raises(UnavailableError, match="lost while it loaded"):
+        await loading
+    assert pool.status("slow_load").state is ModelState.IDLE
+    assert leases.released == ["lease-1"]
+    await pool.close()
+
+
+async def test_a_lease_past_the_holders_deadline_is_not_used(repo: Path, leases: Any) -> None:
+    """Renewals that never succeed: the model stops being served (and is unloaded) before
+    the broker could re-grant its memory."""
+    pool = short_lease_pool(repo, leases)
+    await pool.load("double")
+
+    async def unreachable(lease: Lease, *, ttl_s: float) -> Lease:
+        raise UnavailableError("gpu-broker unreachable")
+
+    leases.renew = unreachable
+    idle = asyncio.Event()
+    pool.add_listener(lambda s: idle.set() if s.state is ModelState.IDLE else None)
+    await asyncio.wait_for(idle.wait(), 5.0)
+    assert "no renewal succeeded" in pool.status("double").error
     await pool.close()
 
 

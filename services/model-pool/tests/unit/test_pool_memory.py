@@ -104,6 +104,37 @@ async def test_a_full_gpu_evicts_the_least_recently_used(repo: Path, leases: Any
     await pool.close()
 
 
+async def test_nothing_is_evicted_when_evictions_could_not_make_room(repo: Path, leases: Any) -> None:
+    """Another holder has 700 of the 1000 MB; a holds 200 of the 300 left. Evicting a would
+    free 300 in all, short of the 400 that c needs: a stays and the load fails at once."""
+    leases.capacity_mb, leases.outside_mb = 1000, 700
+    clock = FakeClock()
+    pool = make(repo, leases, clock=clock, a=ModelSettings(vram_mb=200))
+    await pool.load("a")
+    with pytest.raises(ResourceExhaustedError, match="evicting every evictable model would not make room"):
+        await pool.load("c")
+    assert pool.status("a").state is ModelState.READY and pool.status("a").evictions == 0
+    assert pool.counters.by_reason() == {}
+    leases.outside_mb = 500  # now evicting a (200) frees 500 of the 400 needed
+    clock.advance(1.0)  # past the failed load's backoff
+    await pool.load("c")
+    assert pool.status("a").state is ModelState.IDLE and pool.status("c").state is ModelState.READY
+    await pool.close()
+
+
+async def test_a_load_evicts_as_many_models_as_it_needs_at_once(repo: Path, leases: Any) -> None:
+    leases.capacity_mb = 1000
+    pool = make(
+        repo, leases, a=ModelSettings(vram_mb=300), b=ModelSettings(vram_mb=300), c=ModelSettings(vram_mb=900)
+    )
+    await pool.load("a")
+    await pool.load("b")
+    await pool.load("c")
+    states = {s.model_id: s.state for s in pool.statuses()}
+    assert (states["a"], states["b"], states["c"]) == (ModelState.IDLE, ModelState.IDLE, ModelState.READY)
+    await pool.close()
+
+
 async def test_pinned_and_busy_models_are_never_evicted(repo: Path, leases: Any) -> None:
     leases.capacity_mb = 1000
     pool = make(repo, leases)

@@ -1,9 +1,13 @@
 """GPU memory leases for training jobs and tools: `with GpuLease(mb=4096) as lease: ...`.
 
-The lease is acquired from the gpu-broker on entry, renewed in the background while the
-block runs (every third of its TTL), and released on exit, also when the block raises.
-If a renewal learns the lease was lost (it expired, or its fencing token went stale), the
-lease is marked `lost` and `on_lost` is called: the holder must stop using the memory.
+The lease is acquired from the gpu-broker on entry, renewed while the block runs, and
+released on exit, also when the block raises. Renewals run on a thread of their own
+(`LeaseKeeper`, with its own event loop and channel), so a busy caller never makes them late.
+The lease is `lost` once the broker says it is gone, or once no renewal succeeded before the
+holder's deadline (`LeaseTiming`: before the broker could give the memory to anyone else);
+`on_lost` is then called (on the keeper's thread): the holder must stop using the memory.
+With `reacquire=True` a lease the broker lost (say its Redis lost its data) is acquired again
+under a new id and fencing token instead (`lease_id` / `fencing_token` then change).
 
 An Acquire interrupted in flight (Ctrl-C, a task cancelled, its deadline) may have been granted
 by the broker without the reply ever arriving. Before the interruption propagates, the same
@@ -11,50 +15,39 @@ request (same client_request_id, no waiting) is sent again: the broker answers w
 if it was granted, which is then released at once, instead of leaking until its TTL.
 
 `AsyncGpuLease` is the same for asyncio code (`async with AsyncGpuLease(mb=...)`).
-`loadmaster gpu lease -- COMMAND` is built on `GpuLease`.
+`loadmaster gpu lease -- COMMAND` is built on `GpuLease`. All of them, and the model pool, talk
+to the broker through the one `AsyncLeaseClient` (lease_client.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import logging
-import os
-import socket
 import threading
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import grpc
-
-from loadmaster.common.errors import (
-    CancelledError_,
-    ExpiredError,
-    FailedPreconditionError,
-    LoadmasterError,
-    ResourceExhaustedError,
-    UnavailableError,
-    from_grpc_error,
+from loadmaster.client.lease_client import (
+    DEFAULT_BROKER,
+    AsyncLeaseClient,
+    Lease,
+    LeaseClient,
+    LeaseLostError,
+    default_holder,
 )
-from loadmaster.common.grpc_client import CLIENT_OPTIONS  # reconnects within 2 s of a broker restart
-from loadmaster.v1 import gpu_broker_pb2 as pb
-from loadmaster.v1 import gpu_broker_pb2_grpc
+from loadmaster.client.lease_keeper import LeaseKeeper
+from loadmaster.common.errors import LoadmasterError
 
 __all__ = ["DEFAULT_BROKER", "AsyncGpuLease", "GpuLease", "LeaseLostError", "LeaseSpec"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BROKER = "127.0.0.1:50053"
 _CALL_TIMEOUT_S = 10.0
-_ACQUIRE_ATTEMPTS = 3  # UNAVAILABLE is retried with the same client_request_id (idempotent)
-_CLEANUP_TIMEOUT_S = 5.0  # for the replay + release after an interrupted Acquire
-
-
-class LeaseLostError(FailedPreconditionError):
-    """The broker no longer holds this lease for us: stop using its memory."""
+_CLEANUP_TIMEOUT_S = 12.0  # for the replay + release after an interrupted Acquire
+_KEY = "lease"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,44 +64,57 @@ class LeaseSpec:
     holder: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
 
-    def acquire_request(self, client_request_id: str) -> pb.AcquireRequest:
+    def client(self, address: str) -> AsyncLeaseClient:
+        return AsyncLeaseClient(address, holder=self.holder or default_holder(), node=self.node)
+
+    async def acquire(self, client: LeaseClient) -> Lease:
         if self.mb <= 0:
             raise ValueError(f"mb must be > 0, got {self.mb}")
         if self.ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {self.ttl_s}")
-        labels = {"pid": str(os.getpid()), "host": socket.gethostname(), **self.labels}
-        return pb.AcquireRequest(
-            client_request_id=client_request_id,
-            holder=self.holder or f"{socket.gethostname()}:{os.getpid()}",
-            node=self.node,
+        assert isinstance(client, AsyncLeaseClient)
+        return await client.acquire(
             mb=self.mb,
+            ttl_s=self.ttl_s,
+            labels=dict(self.labels),
             gpus=list(self.gpus),
             allow_split=self.allow_split,
-            ttl_s=self.ttl_s,
-            labels=labels,
             wait_s=self.wait_s,
             priority=self.priority,
         )
 
+
+class _KeptLease:
+    """The lease of one `with` block, kept by a `LeaseKeeper`; shared by both context managers."""
+
+    def __init__(
+        self,
+        spec: LeaseSpec,
+        *,
+        address: str,
+        on_lost: Callable[[LoadmasterError], None] | None,
+        reacquire: bool,
+    ) -> None:
+        self.spec = spec
+        self._address = address
+        self._on_lost = on_lost
+        self._lease: Lease | None = None
+        self._lost = threading.Event()
+        self._keeper = LeaseKeeper(
+            lambda: spec.client(address),
+            on_lost=self._mark_lost,
+            reacquire=reacquire,
+            name="gpu-lease-keeper",
+        )
+
+    # ---- views -----------------------------------------------------------------
+
     @property
-    def renew_every_s(self) -> float:
-        return max(0.05, self.ttl_s / 3)
-
-    def call_timeout_s(self) -> float:
-        return self.wait_s + _CALL_TIMEOUT_S
-
-
-class _LeaseView:
-    """Read-only views of the granted lease, shared by both context managers."""
-
-    _lease: pb.Lease | None
-    _lost: threading.Event
-
-    @property
-    def lease(self) -> pb.Lease:
-        if self._lease is None:
+    def lease(self) -> Lease:
+        lease = self._keeper.lease(_KEY) or self._lease
+        if lease is None:
             raise RuntimeError("the lease is not held (enter the context manager first)")
-        return self._lease
+        return lease
 
     @property
     def lease_id(self) -> str:
@@ -128,7 +134,7 @@ class _LeaseView:
 
     @property
     def gpus(self) -> list[int]:
-        return sorted(self.lease.mb_per_gpu)
+        return self.lease.gpus
 
     @property
     def cuda_visible_devices(self) -> str:
@@ -139,37 +145,56 @@ class _LeaseView:
     def lost(self) -> bool:
         return self._lost.is_set()
 
+    @property
+    def live(self) -> bool:
+        """Whether the lease is certainly ours right now (renewed within the holder's deadline)."""
+        return self._keeper.live(_KEY)
 
-def _is_lost(error: LoadmasterError) -> bool:
-    return isinstance(error, FailedPreconditionError)
+    # ---- shared steps ------------------------------------------------------------
+
+    def _begin(self) -> tuple[concurrent.futures.Future[Lease], threading.Event]:
+        self._keeper.start()
+        finished = threading.Event()
+        spec = self.spec
+
+        async def work(client: LeaseClient) -> Lease:
+            try:
+                return await spec.acquire(client)
+            finally:
+                finished.set()
+
+        return self._keeper.run(work), finished
+
+    def _granted(self, lease: Lease) -> None:
+        self._lease = lease
+        self._keeper.keep(_KEY, lease, ttl_s=self.spec.ttl_s)
+
+    def _release_future(self) -> concurrent.futures.Future[bool] | None:
+        lease = self._keeper.forget(_KEY) or self._lease
+        if lease is None or self.lost:
+            return None
+
+        async def work(client: LeaseClient) -> bool:
+            try:
+                await client.release(lease)
+                return True
+            except LoadmasterError as error:
+                log.warning("release of lease %s failed (it expires by itself): %s", lease.lease_id, error)
+                return False
+
+        return self._keeper.run(work)
+
+    def _mark_lost(self, key: str, lease: Lease, error: LoadmasterError) -> None:
+        self._lost.set()
+        if self._on_lost is not None:
+            try:
+                self._on_lost(error if isinstance(error, LeaseLostError) else LeaseLostError(str(error)))
+            except Exception:
+                log.exception("on_lost callback failed")
 
 
-def _maybe_granted(error: BaseException) -> bool:
-    """Whether an Acquire that ended with `error` may have been granted without us seeing it:
-    interrupted (not a broker answer at all), cancelled, or past its deadline."""
-    return not isinstance(error, LoadmasterError) or isinstance(error, CancelledError_ | ExpiredError)
-
-
-def _replay(request: pb.AcquireRequest) -> pb.AcquireRequest:
-    """`request` again, not waiting: the lease it got if it was granted, else (at most) a new one."""
-    replay = pb.AcquireRequest()
-    replay.CopyFrom(request)
-    replay.wait_s = 0
-    return replay
-
-
-def _log_cleanup_failure(request: pb.AcquireRequest, error: LoadmasterError) -> None:
-    if not isinstance(error, ResourceExhaustedError | FailedPreconditionError):  # nothing is held
-        log.warning(
-            "could not release what interrupted acquire %s may have been granted "
-            "(it expires by itself after its TTL): %s",
-            request.client_request_id,
-            error,
-        )
-
-
-class GpuLease(_LeaseView):
-    """A lease held for the duration of a `with` block; renewed by a daemon thread."""
+class GpuLease(_KeptLease):
+    """A lease held for the duration of a `with` block; renewed by the keeper's thread."""
 
     def __init__(
         self,
@@ -185,8 +210,9 @@ class GpuLease(_LeaseView):
         holder: str = "",
         labels: Mapping[str, str] | None = None,
         on_lost: Callable[[LoadmasterError], None] | None = None,
+        reacquire: bool = False,
     ) -> None:
-        self.spec = LeaseSpec(
+        spec = LeaseSpec(
             mb=mb,
             gpus=tuple(gpus),
             node=node,
@@ -197,118 +223,34 @@ class GpuLease(_LeaseView):
             holder=holder,
             labels=dict(labels or {}),
         )
-        self._address = address
-        self._on_lost = on_lost
-        self._lease = None
-        self._lost = threading.Event()
-        self._stop = threading.Event()
-        self._channel: grpc.Channel | None = None
-        self._stub: gpu_broker_pb2_grpc.GpuBrokerStub | None = None
-        self._thread: threading.Thread | None = None
+        super().__init__(spec, address=address, on_lost=on_lost, reacquire=reacquire)
 
-    def acquire(self) -> pb.Lease:
+    def acquire(self) -> Lease:
         """Acquire (raises the broker's error as a `LoadmasterError`) and start renewing.
         If interrupted (e.g. KeyboardInterrupt), releases what the call may have been granted
         (see the module docstring), then re-raises."""
-        request = self.spec.acquire_request(uuid.uuid4().hex)
-        self._channel = grpc.insecure_channel(self._address, options=CLIENT_OPTIONS)
-        self._stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
+        future, finished = self._begin()
         try:
-            reply = self._acquire_with_retries(self._stub, request)
-        except BaseException as error:
-            if _maybe_granted(error):
-                self._release_unseen_grant(self._stub, request)
-            self._close_channel()
+            lease = future.result()
+        except BaseException:
+            if future.cancel():  # interrupted here: the keeper's task cleans up, then ends
+                finished.wait(_CLEANUP_TIMEOUT_S)
+            self._keeper.close()
             raise
-        self._lease = reply.lease
-        self._thread = threading.Thread(target=self._renew_loop, name="gpu-lease-renew", daemon=True)
-        self._thread.start()
-        return reply.lease
-
-    def _acquire_with_retries(
-        self, stub: gpu_broker_pb2_grpc.GpuBrokerStub, request: pb.AcquireRequest
-    ) -> pb.AcquireResponse:
-        attempt = 0
-        while True:
-            try:
-                return stub.Acquire(request, timeout=self.spec.call_timeout_s())
-            except grpc.RpcError as raw:
-                error = from_grpc_error(raw)
-                if not isinstance(error, UnavailableError) or attempt == _ACQUIRE_ATTEMPTS - 1:
-                    raise error from None
-                self._stop.wait(0.2 * 2**attempt)
-                attempt += 1
-
-    @staticmethod
-    def _release_unseen_grant(stub: gpu_broker_pb2_grpc.GpuBrokerStub, request: pb.AcquireRequest) -> None:
-        try:
-            lease = stub.Acquire(_replay(request), timeout=_CLEANUP_TIMEOUT_S).lease
-            stub.Release(
-                pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token),
-                timeout=_CLEANUP_TIMEOUT_S,
-            )
-        except grpc.RpcError as raw:
-            _log_cleanup_failure(request, from_grpc_error(raw))
+        self._granted(lease)
+        return lease
 
     def release(self) -> bool:
-        """Stop renewing and release; True when the broker freed it. Never raises."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=_CALL_TIMEOUT_S)
-            self._thread = None
+        """Stop renewing and release; True when the broker took it back. Never raises."""
         released = False
-        if self._lease is not None and self._stub is not None and not self.lost:
+        future = self._release_future()
+        if future is not None:
             try:
-                reply = self._stub.Release(
-                    pb.ReleaseRequest(lease_id=self._lease.lease_id, fencing_token=self._lease.fencing_token),
-                    timeout=_CALL_TIMEOUT_S,
-                )
-                released = reply.released
-            except grpc.RpcError as raw:
-                log.warning(
-                    "release of lease %s failed (it expires by itself): %s",
-                    self._lease.lease_id,
-                    from_grpc_error(raw),
-                )
-        self._close_channel()
+                released = future.result(_CALL_TIMEOUT_S)
+            except Exception as error:
+                log.warning("release of lease %s failed (it expires by itself): %s", self._lease, error)
+        self._keeper.close()
         return released
-
-    def _renew_loop(self) -> None:
-        assert self._stub is not None and self._lease is not None
-        while not self._stop.wait(self.spec.renew_every_s):
-            try:
-                reply = self._stub.Renew(
-                    pb.RenewRequest(
-                        lease_id=self._lease.lease_id,
-                        fencing_token=self._lease.fencing_token,
-                        ttl_s=self.spec.ttl_s,
-                    ),
-                    timeout=min(_CALL_TIMEOUT_S, self.spec.renew_every_s),
-                )
-                self._lease = reply.lease
-            except grpc.RpcError as raw:
-                error = from_grpc_error(raw)
-                if _is_lost(error):
-                    self._mark_lost(error)
-                    return
-                log.warning("renewing lease %s failed, will retry: %s", self._lease.lease_id, error)
-            except Exception:  # the loop never dies while the lease is held
-                log.exception("renewing lease %s failed", self._lease.lease_id)
-
-    def _mark_lost(self, error: LoadmasterError) -> None:
-        log.error("lease %s lost: %s", self.lease_id, error)
-        self._lost.set()
-        if self._on_lost is not None:
-            try:
-                self._on_lost(LeaseLostError(str(error)))
-            except Exception:
-                log.exception("on_lost callback failed")
-
-    def _close_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-            self._stub = None
 
     def __enter__(self) -> GpuLease:
         self.acquire()
@@ -320,8 +262,9 @@ class GpuLease(_LeaseView):
         self.release()
 
 
-class AsyncGpuLease(_LeaseView):
-    """`async with AsyncGpuLease(mb=...) as lease:` — renewed by a task on the running loop."""
+class AsyncGpuLease(_KeptLease):
+    """`async with AsyncGpuLease(mb=...) as lease:` — renewed by the keeper's thread, so a
+    blocked event loop never makes a renewal late."""
 
     def __init__(
         self,
@@ -329,101 +272,28 @@ class AsyncGpuLease(_LeaseView):
         *,
         address: str = DEFAULT_BROKER,
         on_lost: Callable[[LoadmasterError], None] | None = None,
+        reacquire: bool = False,
         **spec: Any,
     ) -> None:
-        self.spec = LeaseSpec(mb=mb, **spec)
-        self._address = address
-        self._on_lost = on_lost
-        self._lease = None
-        self._lost = threading.Event()
-        self._channel: grpc.aio.Channel | None = None
-        self._task: asyncio.Task[None] | None = None
+        super().__init__(LeaseSpec(mb=mb, **spec), address=address, on_lost=on_lost, reacquire=reacquire)
 
     async def __aenter__(self) -> AsyncGpuLease:
-        request = self.spec.acquire_request(uuid.uuid4().hex)
-        self._channel = grpc.aio.insecure_channel(self._address, options=CLIENT_OPTIONS)
-        stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
+        future, finished = await asyncio.to_thread(self._begin)
         try:
-            reply = await self._acquire_with_retries(stub, request)
-        except BaseException as error:  # asyncio.CancelledError included
-            if _maybe_granted(error):
-                await self._release_unseen_grant(stub, request)
-            await self._channel.close()
+            lease = await asyncio.wrap_future(future)
+        except BaseException:  # asyncio.CancelledError included: the keeper's task cleans up
+            future.cancel()
+            await asyncio.to_thread(finished.wait, _CLEANUP_TIMEOUT_S)
+            await asyncio.to_thread(self._keeper.close)
             raise
-        self._lease = reply.lease
-        self._task = asyncio.create_task(self._renew_loop(stub), name="gpu-lease-renew")
+        self._granted(lease)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        assert self._channel is not None
-        if self._lease is not None and not self.lost:
-            stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
+        future = self._release_future()
+        if future is not None:
             try:
-                await stub.Release(
-                    pb.ReleaseRequest(lease_id=self._lease.lease_id, fencing_token=self._lease.fencing_token),
-                    timeout=_CALL_TIMEOUT_S,
-                )
-            except grpc.aio.AioRpcError as raw:
-                log.warning(
-                    "release of lease %s failed (it expires by itself): %s",
-                    self._lease.lease_id,
-                    from_grpc_error(raw),
-                )
-        await self._channel.close()
-
-    async def _acquire_with_retries(
-        self, stub: gpu_broker_pb2_grpc.GpuBrokerStub, request: pb.AcquireRequest
-    ) -> pb.AcquireResponse:
-        attempt = 0
-        while True:
-            try:
-                return await stub.Acquire(request, timeout=self.spec.call_timeout_s())
-            except grpc.aio.AioRpcError as raw:
-                error = from_grpc_error(raw)
-                if not isinstance(error, UnavailableError) or attempt == _ACQUIRE_ATTEMPTS - 1:
-                    raise error from None
-                await asyncio.sleep(0.2 * 2**attempt)
-                attempt += 1
-
-    @staticmethod
-    async def _release_unseen_grant(
-        stub: gpu_broker_pb2_grpc.GpuBrokerStub, request: pb.AcquireRequest
-    ) -> None:
-        try:
-            lease = (await stub.Acquire(_replay(request), timeout=_CLEANUP_TIMEOUT_S)).lease
-            await stub.Release(
-                pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token),
-                timeout=_CLEANUP_TIMEOUT_S,
-            )
-        except grpc.aio.AioRpcError as raw:
-            _log_cleanup_failure(request, from_grpc_error(raw))
-
-    async def _renew_loop(self, stub: gpu_broker_pb2_grpc.GpuBrokerStub) -> None:
-        assert self._lease is not None
-        while True:
-            await asyncio.sleep(self.spec.renew_every_s)
-            try:
-                reply = await stub.Renew(
-                    pb.RenewRequest(
-                        lease_id=self._lease.lease_id,
-                        fencing_token=self._lease.fencing_token,
-                        ttl_s=self.spec.ttl_s,
-                    ),
-                    timeout=min(_CALL_TIMEOUT_S, self.spec.renew_every_s),
-                )
-                self._lease = reply.lease
-            except grpc.aio.AioRpcError as raw:
-                error = from_grpc_error(raw)
-                if _is_lost(error):
-                    log.error("lease %s lost: %s", self._lease.lease_id, error)
-                    self._lost.set()
-                    if self._on_lost is not None:
-                        self._on_lost(LeaseLostError(str(error)))
-                    return
-                log.warning("renewing lease %s failed, will retry: %s", self._lease.lease_id, error)
-            except Exception:
-                log.exception("renewing lease %s failed", self._lease.lease_id)
+                await asyncio.wait_for(asyncio.wrap_future(future), _CALL_TIMEOUT_S)
+            except Exception as error:
+                log.warning("release of lease %s failed (it expires by itself): %s", self._lease, error)
+        await asyncio.to_thread(self._keeper.close)

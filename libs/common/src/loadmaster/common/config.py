@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,7 @@ __all__ = [
     "GatewaySettings",
     "GpuBrokerSettings",
     "GpuSpec",
+    "LeaseTiming",
     "LimitsSettings",
     "MetricsSettings",
     "ModelPoolSettings",
@@ -444,3 +446,63 @@ def _describe(error: ValidationError, source: str) -> str:
             got = " (unknown key)"
         lines.append(f"  {key}: {item['msg']}{got}")
     return f"invalid configuration in {source}:\n" + "\n".join(lines)
+
+
+# ---- GPU lease timing: the one place the broker and every holder take it from ----------------
+# (see docs/leases.md). Fractions of the lease's TTL, so a lease of any TTL keeps the contract.
+_LEASE_RENEW_FRACTION = 0.2  # renew every TTL/5
+_LEASE_MARGIN_FRACTION = 0.2  # the holder stops using a lease TTL/5 before its TTL ends
+_LEASE_GRACE_FRACTION = 1 / 3  # the broker re-grants TTL/3 after the TTL ends ...
+_LEASE_GRACE_MIN_S = 1.0  # ... and never less than 1 s after it (time to unload on lapse)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseTiming:
+    """The lease timing contract between the gpu-broker and a lease's holder.
+
+    The holder counts from when it SENT the Acquire/Renew that the broker granted; the broker
+    counts from when it got it, which is later. So with `holder_deadline_s < regrant_after_s`
+    the holder has stopped using the memory before the broker may promise it to anyone else:
+
+        holder:  renews every `renew_every_s`; uses the lease only until
+                 sent + `holder_deadline_s` (= ttl - margin) unless a renewal succeeded
+        broker:  re-grants the memory only after received + `regrant_after_s` (= ttl + grace):
+                 the holder's lease client asks it to keep the lease that long
+    """
+
+    ttl_s: float
+    renew_every_s: float
+    margin_s: float
+    grace_s: float
+
+    @classmethod
+    def for_ttl(cls, ttl_s: float) -> LeaseTiming:
+        return cls(
+            ttl_s=ttl_s,
+            renew_every_s=ttl_s * _LEASE_RENEW_FRACTION,
+            margin_s=ttl_s * _LEASE_MARGIN_FRACTION,
+            grace_s=max(_LEASE_GRACE_MIN_S, ttl_s * _LEASE_GRACE_FRACTION),
+        )
+
+    @property
+    def holder_deadline_s(self) -> float:
+        """After sending a granted Acquire/Renew, how long the holder may use the lease."""
+        return self.ttl_s - self.margin_s
+
+    @property
+    def regrant_after_s(self) -> float:
+        """After receiving an Acquire/Renew, how long the broker keeps the memory promised."""
+        return self.ttl_s + self.grace_s
+
+    @property
+    def renew_timeout_s(self) -> float:
+        """One renewal attempt's deadline: it is over before the next one starts."""
+        return self.renew_every_s
+
+    @property
+    def attempts_before_deadline(self) -> int:
+        """Renewal attempts that start (and end) before the holder's deadline."""
+        count = 0
+        while (count + 1) * self.renew_every_s + self.renew_timeout_s <= self.holder_deadline_s + 1e-9:
+            count += 1
+        return count

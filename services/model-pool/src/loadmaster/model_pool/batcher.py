@@ -47,7 +47,13 @@ import numpy as np
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.config import ModelSettings
-from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumentError, LoadmasterError
+from loadmaster.common.errors import (
+    ExpiredError,
+    InternalError,
+    InvalidArgumentError,
+    LoadmasterError,
+    UnavailableError,
+)
 from loadmaster.common.tensors import wire_dtype
 from loadmaster.model_pool.engines.base import Engine
 
@@ -220,13 +226,17 @@ class Batcher:
         instances: Sequence[Instance],
         clock: Clock,
         on_batch: Callable[[int, float], None] | None = None,
+        usable: Callable[[], bool] | None = None,
     ) -> None:
+        """`usable`: asked on the instance's thread before every engine call (the model's GPU
+        lease is live); while it says no, requests are answered `unavailable` instead of run."""
         if not instances:
             raise ValueError("a batcher needs at least one instance")
         self.model_id = model_id
         self.policy = policy
         self._clock = clock
         self._on_batch = on_batch
+        self._usable = usable
         self._queue: deque[_Item] = deque()
         self._lock = threading.Lock()  # the queue, between the loop and the instances' threads
         self._free: list[Instance] = list(instances)
@@ -455,6 +465,9 @@ class Batcher:
         self, engine: Engine, batch: list[_Item], calls: list[tuple[int, float]]
     ) -> list[BatchOutcome]:
         started = self._clock.monotonic()
+        if self._usable is not None and not self._usable():
+            lapsed = UnavailableError(f"model '{self.model_id}' has no live GPU lease; not serving it")
+            return [lapsed] * len(batch)
         results: list[BatchOutcome] = [_NOT_RUN] * len(batch)  # each replaced below
         if any(item.deadline_unix_ns for item in batch):
             now_ns = self._clock.time() * 1e9

@@ -29,6 +29,12 @@ them instead of once per reply. A request counts as pending until its reply is s
 ROUTER sends never block (a reply to a vanished peer is dropped), so sending from the
 loop is safe.
 
+Large inputs (64 KiB and more) and BYTES tensors (checked element by element) are decoded on
+the port's one decoding thread, not on the loop: the loop also answers other requests, and a
+60 MB BYTES observation took seconds to check. Requests of a model whose earlier request is
+still being decoded there follow it through that thread, so a model's requests reach the
+pool in the order they arrived. The decoding queue is bounded by `max_pending` like the rest.
+
 Receiving is `loadmaster.common.framing.SocketReader` (shared with the gateway): ZMQ's
 descriptor is edge-triggered and a send may consume the signal of a message that arrived
 meanwhile, so after each flush the port tells the reader, which looks at the socket again
@@ -41,6 +47,7 @@ import asyncio
 import functools
 import logging
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -54,7 +61,7 @@ from loadmaster.common.framing import SocketReader, receive_routed, split_router
 from loadmaster.common.shm import ShmRegions, ShmUnavailableError
 from loadmaster.common.tensors import TensorLimits, decode_tensors
 from loadmaster.model_pool.pool import InferResult, ModelPool
-from loadmaster.model_pool.wire import ResultEncoder, error_reply, failure_reply
+from loadmaster.model_pool.wire import ResultEncoder, decode_off_loop, error_reply, failure_reply
 from loadmaster.v1 import model_pool_pb2
 
 __all__ = ["DataPort", "advertised_endpoint"]
@@ -122,6 +129,8 @@ class DataPort:
         self._encoder = ResultEncoder(worker_id)
         self._settled = asyncio.Event()  # set while nothing is pending
         self._settled.set()
+        self._decoder: ThreadPoolExecutor | None = None  # large inputs are decoded here
+        self._decoding: dict[str, int] = {}  # model -> its requests on the decoding thread
         self.last_endpoint = ""
 
     async def start(self) -> str:
@@ -167,6 +176,9 @@ class DataPort:
         if self._context is not None:
             self._context.term()
             self._context = None
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=False, cancel_futures=True)
+            self._decoder = None
         self._regions.close()
 
     # ---- receiving -----------------------------------------------------------
@@ -219,17 +231,62 @@ class DataPort:
         try:
             if request.HasField("shm"):
                 payload = self._shm_payload(request.shm, payload)
+            if model_id in self._decoding or decode_off_loop(request.inputs, payload):
+                self._decode_off_loop(request, payload, done, received)
+                return
             inputs = decode_tensors(request.inputs, payload, self._limits)
-            self._pool.submit(
-                model_id,
-                inputs,
-                done=done,
-                deadline_unix_ns=request.deadline_unix_ns,
-                received_monotonic=received,
-                front=request.front_of_queue,
-            )
+            self._admit(request, inputs, done, received)
         except Exception as error:  # refused at the door: answered now
-            self._answer(identity, request_id, model_id, span, error)
+            done(error)
+
+    def _admit(self, request: model_pool_pb2.InferRequest, inputs: Any, done: Any, received: float) -> None:
+        self._pool.submit(
+            request.model_id,
+            inputs,
+            done=done,
+            deadline_unix_ns=request.deadline_unix_ns,
+            received_monotonic=received,
+            front=request.front_of_queue,
+        )
+
+    def _decode_off_loop(
+        self, request: model_pool_pb2.InferRequest, payload: Any, done: Any, received: float
+    ) -> None:
+        if self._decoder is None:
+            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-port-decode")
+        model_id = request.model_id
+        self._decoding[model_id] = self._decoding.get(model_id, 0) + 1
+        loop = self._loop
+        assert loop is not None
+
+        def decode() -> None:  # on the decoding thread
+            try:
+                outcome: Any = decode_tensors(request.inputs, payload, self._limits)
+            except Exception as error:
+                outcome = error
+            try:
+                loop.call_soon_threadsafe(self._decoded, request, outcome, done, received)
+            except RuntimeError:
+                pass  # the loop closed: nobody is left to answer
+
+        self._decoder.submit(decode)
+
+    def _decoded(
+        self, request: model_pool_pb2.InferRequest, outcome: Any, done: Any, received: float
+    ) -> None:
+        """On the loop: a request decoded on the decoding thread goes to the pool (or is answered)."""
+        model_id = request.model_id
+        left = self._decoding.get(model_id, 1) - 1
+        if left:
+            self._decoding[model_id] = left
+        else:
+            self._decoding.pop(model_id, None)
+        try:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            self._admit(request, outcome, done, received)
+        except Exception as error:
+            done(error)
 
     def _shm_payload(self, ref: model_pool_pb2.ShmPayload, frame: Any) -> memoryview:
         if len(frame):

@@ -14,25 +14,32 @@ Among the rest: lowest priority first,
 then least recently used, then the larger model. The pool evicts one victim at a time
 and tries its lease again, until the lease fits.
 
+`plan_evictions` looks at the whole load first: with the broker's free memory per GPU it
+picks the victims that together make room on one GPU, and none at all when even every
+evictable model could not (say another holder has the rest of the card): a load that
+cannot fit then fails without unloading anything.
+
 `idle_models` / `next_idle_deadline` implement `keep_alive_s`. Pure functions, no clock
 of their own: `now` is the pool's monotonic time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
     "EvictionChoice",
     "EvictionCounters",
+    "EvictionPlan",
     "Incoming",
     "Resident",
     "choose_victim",
     "idle_models",
     "next_idle_deadline",
     "no_room_message",
+    "plan_evictions",
 ]
 
 
@@ -51,6 +58,16 @@ class Resident:
     min_resident_s: float = 0.0
     keep_alive_s: float | None = None
     state: Literal["ready", "loading", "unloading"] = "ready"
+    mb_per_gpu: tuple[tuple[int, int], ...] = ()  # its lease, per GPU (() = vram_mb on each of `gpus`)
+
+    def frees_on(self, gpu: int) -> int:
+        """MB its unload gives back on `gpu`."""
+        for index, mb in self.mb_per_gpu:
+            if index == gpu:
+                return mb
+        if self.mb_per_gpu:
+            return 0
+        return self.vram_mb if not self.gpus or gpu in self.gpus else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +110,80 @@ def choose_victim(residents: Iterable[Resident], *, incoming: Incoming, now: flo
     eligible.sort(key=lambda r: (r.priority, r.last_used, -r.vram_mb, r.model_id))
     victim = eligible[0].model_id if eligible else None
     return EvictionChoice(victim=victim, waiting=tuple(sorted(waiting)), refused=refused)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionPlan:
+    """What a load that does not fit should do: evict `victims` (in order: then it fits on
+    `gpu`), wait for `choice.waiting` (they would make room once settled), or neither."""
+
+    victims: tuple[str, ...]
+    choice: EvictionChoice
+    gpu: int | None = None
+    could_fit_after_waiting: bool = False
+
+    @property
+    def worth_waiting(self) -> bool:
+        return not self.victims and self.could_fit_after_waiting
+
+    @property
+    def fits_now(self) -> bool:
+        """The broker's free memory already fits the load (it changed since the refusal)."""
+        return not self.victims and self.gpu is not None
+
+
+def plan_evictions(
+    residents: Sequence[Resident],
+    *,
+    incoming: Incoming,
+    mb: int,
+    free_mb: Mapping[int, int],
+    now: float,
+    split: bool = False,
+) -> EvictionPlan:
+    """The fewest victims (in `choose_victim`'s order) that make room for `mb` on one GPU,
+    given the broker's `free_mb` per GPU; with `split` (the load may spread over the GPUs),
+    else those that make room over all GPUs together; no victims when no set of evictions could."""
+    choice = choose_victim(residents, incoming=incoming, now=now)
+    by_id = {r.model_id: r for r in residents}
+    blocked = set(choice.waiting) | set(choice.refused) | {incoming.model_id}
+    eligible = sorted(
+        (r for r in residents if r.model_id not in blocked and r.state == "ready"),
+        key=lambda r: (r.priority, r.last_used, -r.vram_mb, r.model_id),
+    )
+    gpus = incoming.gpus or tuple(sorted(free_mb))
+    best: tuple[int, int, tuple[str, ...]] | None = None  # (victims, gpu order, victims)
+    could_wait = False
+    for order, gpu in enumerate(gpus):
+        free = free_mb.get(gpu, 0)
+        victims: list[str] = []
+        for r in eligible:
+            if free >= mb:
+                break
+            if r.frees_on(gpu):
+                free += r.frees_on(gpu)
+                victims.append(r.model_id)
+        if free >= mb:
+            if best is None or len(victims) < best[0]:
+                best = (len(victims), order, tuple(victims))
+        elif free + sum(by_id[m].frees_on(gpu) for m in choice.waiting if m in by_id) >= mb:
+            could_wait = True
+    if best is not None:
+        return EvictionPlan(victims=best[2], choice=choice, gpu=gpus[best[1]])
+    if split and not incoming.gpus:
+        total, spread = sum(free_mb.values()), []
+        for r in eligible:
+            if total >= mb:
+                break
+            freed = sum(r.frees_on(gpu) for gpu in free_mb)
+            if freed:
+                total += freed
+                spread.append(r.model_id)
+        if total >= mb:  # no victims: it fits split as it is (the caller tries that)
+            return EvictionPlan(victims=tuple(spread), choice=choice)
+        waiting_mb = sum(by_id[m].frees_on(gpu) for m in choice.waiting if m in by_id for gpu in free_mb)
+        could_wait = could_wait or total + waiting_mb >= mb
+    return EvictionPlan(victims=(), choice=choice, could_fit_after_waiting=could_wait)
 
 
 def no_room_message(model_id: str, mb: int, choice: EvictionChoice, residents: Sequence[Resident]) -> str:

@@ -49,7 +49,7 @@ from loadmaster.model_pool.keep_alive import KeepAlive
 from loadmaster.model_pool.leases import (
     Lease,
     LeaseClient,
-    LeaseKeeper,
+    WorkerLeases,
     device_for_lease,
     gpus_for_device,
 )
@@ -117,7 +117,13 @@ class ModelPool:
         engines: Callable[[str], type[Engine]] = engine_class,
         eviction_wait_s: float = 10.0,
         allow_split: bool = True,
+        renewal_client: Callable[[], LeaseClient] | None = None,
+        load_retry_s: tuple[float, float] = (0.5, 30.0),
     ) -> None:
+        """`renewal_client` makes the client the lease keeper's thread renews with (a gRPC
+        client binds to one event loop: give it its own); default: `lease_client` itself.
+        `load_retry_s`: (first, most) seconds a failed load of a model waits before the next
+        attempt, doubling in between."""
         self.repository = repository
         self._models = models
         self._lease_client = lease_client
@@ -145,9 +151,15 @@ class ModelPool:
             clock=self._clock,
         )
         self._reported_gpus: set[int] = set()
-        self._keeper = LeaseKeeper(
-            lease_client, ttl_s=lease_ttl_s, on_lost=self._on_lease_lost, clock=self._clock
+        self._keeper = WorkerLeases(
+            renewal_client or (lambda: lease_client),
+            ttl_s=lease_ttl_s,
+            on_lost=self._on_lease_lost,
+            on_replaced=self._on_lease_replaced,
+            owns_client=renewal_client is not None,
         )
+        self._load_retry_s = load_retry_s
+        self._load_backoff: dict[str, tuple[float, float]] = {}  # model -> (next attempt at, delay)
         self._slots: dict[str, Slot] = {}
         self._loaded: dict[str, _Loaded] = {}
         self._ops: dict[str, _Operation] = {}
@@ -210,6 +222,7 @@ class ModelPool:
                     last_used=slot.last_used_monotonic,
                     loaded_at=slot.loaded_monotonic,
                     gpus=tuple(gpu for gpu, _ in slot.mb_per_gpu),
+                    mb_per_gpu=tuple(slot.mb_per_gpu),
                     min_resident_s=model.min_resident_s,
                     keep_alive_s=model.keep_alive_s,
                     state=state,
@@ -283,8 +296,20 @@ class ModelPool:
             return slot.status()
         if self._closing:
             raise UnavailableError("worker is shutting down")
+        backoff = self._load_backoff.get(model_id)
+        if backoff is not None and self._clock.monotonic() < backoff[0]:
+            raise UnavailableError(
+                f"loading model '{model_id}' failed ({slot.error}); "
+                f"next attempt in {backoff[0] - self._clock.monotonic():.1f}s"
+            )
         operation = self._start(model_id, "load", self._do_load(slot))
-        await asyncio.shield(operation.task)
+        try:
+            await asyncio.shield(operation.task)
+        except LoadmasterError:
+            delay = self._load_retry_s[0] if backoff is None else min(backoff[1] * 2, self._load_retry_s[1])
+            self._load_backoff[model_id] = (self._clock.monotonic() + delay, delay)
+            raise
+        self._load_backoff.pop(model_id, None)
         return slot.status()
 
     async def unload(self, model_id: str, *, reason: str = "") -> SlotStatus:
@@ -324,6 +349,7 @@ class ModelPool:
             slot.instances, slot.max_batch_size = count, policy.max_batch_size
             slot.keep_alive_s = model.keep_alive_s
             lease = await self._room.acquire(model_id, slot.priority, mb=mb, device=device)
+            self._keeper.keep(model_id, lease)  # renewed from now on, also while loading
             device = device_for_lease(device, lease)
             slot.set_lease(lease.lease_id, device=device, mb_per_gpu=dict(lease.mb_per_gpu))
             if device.startswith("cuda"):
@@ -331,6 +357,9 @@ class ModelPool:
             context = EngineContext(device=device, threads=self._threads)
             for index in range(count):  # each loaded and warmed up on its own thread before READY
                 await load_instance(built, cls, spec, context, name=f"model-{model_id}-{index}")
+            if self._keeper.lease(model_id) is None:
+                raise UnavailableError(f"the GPU lease of model '{model_id}' was lost while it loaded")
+            lease = self._keeper.lease(model_id) or lease  # a re-established one has a new id
         except BaseException as error:
             message = await self._abandon_load(model_id, error, instances=built, lease=lease)
             slot.load_failed(message)
@@ -345,12 +374,12 @@ class ModelPool:
             instances=built,
             clock=self._clock,
             on_batch=lambda size, ms: self._record_batch(model_id, size, ms),
+            usable=functools.partial(self._keeper.live, model_id),
         )
         batcher.start()
         self._loaded[model_id] = _Loaded(
             spec=spec, instances=built, batcher=batcher, lease=lease, memory_before=memory_before
         )
-        self._keeper.keep(model_id, lease)
         slot.loaded()
         self._room.changed()  # a load waiting for this one may now evict it (once of age)
         if self.counters.loaded(model_id):
@@ -399,8 +428,9 @@ class ModelPool:
             message = f"loading model '{model_id}' failed: {type(error).__name__}: {error}"
             log.error("loading model %s failed", model_id, exc_info=error)
         await free_instances(model_id, instances)
-        if lease is not None:
-            await self._release(model_id, lease)
+        held = self._keeper.forget(model_id) or lease
+        if held is not None:
+            await self._release(model_id, held)
         return message
 
     async def _memory_freed(self, model_id: str, loaded: _Loaded) -> None:
@@ -441,18 +471,31 @@ class ModelPool:
             self._room.changed()
         log.info("model %s unloaded%s", model_id, f" ({reason})" if reason else "")
 
-    def _on_lease_lost(self, model_id: str, lease: Lease) -> None:
+    def _on_lease_lost(self, model_id: str, lease: Lease, error: LoadmasterError) -> None:
+        """On the loop, after the keeper dropped the lease: the model is already not served
+        (the batcher checks `live` before each engine call); now unload it and say why."""
         loaded = self._loaded.get(model_id)
-        if loaded is None or loaded.lease.lease_id != lease.lease_id:
-            return
+        if loaded is None:
+            return  # still loading: the load sees the lease gone and fails
         self._record("evictions", 1.0, {"model": model_id, "reason": "lease_lost"})
         self.counters.evicted(model_id, "lease_lost")
         task = asyncio.create_task(
-            self.unload(model_id, reason=f"lease {lease.lease_id} lost; stopped serving"),
+            self.unload(model_id, reason=f"lease {lease.lease_id} lost; stopped serving ({error.message})"),
             name=f"lease-lost-{model_id}",
         )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _on_lease_replaced(self, model_id: str, old: Lease, new: Lease) -> None:
+        """On the loop: the broker lost `old` and granted the same memory again as `new`."""
+        self._record("leases_reestablished", 1.0, {"model": model_id})
+        loaded = self._loaded.get(model_id)
+        if loaded is not None:
+            loaded.lease = new
+        slot = self._slots[model_id]
+        if slot.lease_id == old.lease_id:
+            slot.lease_id = new.lease_id
+            self._changed(slot)
 
     async def close(self, *, timeout_s: float = 30.0) -> None:
         """Refuse new work, drain and unload every model, release every lease."""
@@ -502,6 +545,8 @@ class ModelPool:
         generation = slot.acquire()
         try:
             loaded = self._loaded[model_id]
+            if not self._keeper.live(model_id):
+                raise UnavailableError(f"model '{model_id}' has no live GPU lease; not serving it")
             check_inputs(loaded.spec, inputs)
             if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
                 raise ExpiredError(f"request for '{model_id}' expired before it started")

@@ -6,7 +6,7 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch | onnx | tensorrt | ray_serve (the engine registry)
+    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -49,6 +49,7 @@ __all__ = [
     "TensorRTModelConfig",
     "TensorSpec",
     "TorchModelConfig",
+    "TransformersModelConfig",
     "check_inputs",
     "parse_config",
     "zeros_for",
@@ -185,8 +186,31 @@ class RayServeModelConfig(_BaseModelConfig):
     timeout_s: float = Field(default=30.0, gt=0)
 
 
+class TransformersModelConfig(_BaseModelConfig):
+    """A Hugging Face causal-LM folder (config.json, safetensors, tokenizer, chat template),
+    served with transformers' continuous batching (docs/generative.md)."""
+
+    backend: Literal["transformers"]
+    path: str = Field(default=".", min_length=1)  # the HF folder, relative to the model folder
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    max_sequences: int = Field(default=32, ge=1, le=4096)  # concurrent sequences in a batch
+    block_size: int = Field(default=256, ge=4)  # tokens per KV-cache page
+    # KV-cache pages; the lease adds num_blocks x block_size x per-token KV bytes. Default:
+    # enough for max_sequences contexts of max_context_tokens, at most 4096 pages.
+    num_blocks: int | None = Field(default=None, ge=1)
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    max_context_tokens: int | None = Field(default=None, ge=1)  # default: the model's own
+    seed: int = 0  # the manager-wide seed (requests without one draw theirs at random)
+
+
 AnyModelConfig = (
-    PythonModelConfig | TorchModelConfig | OnnxModelConfig | TensorRTModelConfig | RayServeModelConfig
+    PythonModelConfig
+    | TorchModelConfig
+    | OnnxModelConfig
+    | TensorRTModelConfig
+    | RayServeModelConfig
+    | TransformersModelConfig
 )
 # One entry per engine; the `backend` field picks the class.
 ModelConfig = Annotated[AnyModelConfig, Field(discriminator="backend")]

@@ -5,10 +5,12 @@
     room.changed()   # a request finished, a model became READY or gave its lease back
 
 Loads take room one at a time (a lock), so two loads never evict for each other. When
-the broker says no, `eviction.choose_victim` picks the next model to unload; when
-nothing may go yet but something will (a busy or young model, one still loading, one
-unloading), the load waits for `changed()` or a young model's coming of age, up to
-`wait_s`; then it fails with an error that names what holds the memory and why.
+the broker says no, `eviction.plan_evictions` (given the broker's free memory per GPU)
+picks the models whose unloads together make room, and none when no evictions could (then
+the load fails at once, and nothing was unloaded for it). When nothing may go yet but
+waiting would make room (a busy or young model, one still loading, one unloading), the load
+waits for `changed()` or a young model's coming of age, up to `wait_s`; then it fails with
+an error that names what holds the memory and why.
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from loadmaster.common.clock import Clock
-from loadmaster.common.errors import ResourceExhaustedError
+from loadmaster.common.errors import LoadmasterError, ResourceExhaustedError
 from loadmaster.model_pool._waiting import event_or_timeout
-from loadmaster.model_pool.eviction import Incoming, Resident, choose_victim, no_room_message
+from loadmaster.model_pool.eviction import (
+    EvictionPlan,
+    Incoming,
+    Resident,
+    choose_victim,
+    no_room_message,
+    plan_evictions,
+)
 from loadmaster.model_pool.leases import Lease, LeaseClient, gpus_for_device
 
 __all__ = ["Room"]
@@ -59,6 +68,7 @@ class Room:
         labels = {"model": model_id}
         async with self._lock:
             deadline = self._clock.monotonic() + self._wait_s
+            raced = 0  # the broker refused what its inventory then showed free
             while True:
                 try:
                     return await self._lease_client.acquire(
@@ -68,11 +78,26 @@ class Room:
                     broker_says = exhausted.message
                 residents = self._residents()
                 now = self._clock.monotonic()
-                choice = choose_victim(residents, incoming=Incoming(model_id, priority, tuple(gpus)), now=now)
-                if choice.victim is not None:
+                incoming = Incoming(model_id, priority, tuple(gpus))
+                plan = await self._plan(
+                    residents, incoming, mb=mb, now=now, split=self._allow_split and not gpus
+                )
+                choice = (
+                    plan.choice if plan is not None else choose_victim(residents, incoming=incoming, now=now)
+                )
+                if plan is None and choice.victim is not None:  # no inventory: one victim at a time
                     await self._evict(choice.victim, model_id)
                     continue
-                if choice.worth_waiting and now < deadline:
+                if plan is not None and plan.victims:
+                    log.info("load of %s evicts %s", model_id, ", ".join(plan.victims))
+                    for victim in plan.victims:
+                        await self._evict(victim, model_id)
+                    continue
+                if plan is not None and plan.fits_now and raced < 3:
+                    raced += 1
+                    continue
+                waiting = choice.worth_waiting if plan is None else plan.worth_waiting
+                if waiting and now < deadline:
                     log.info("load of %s waits for %s", model_id, ", ".join(choice.waiting))
                     await self._wait(residents, deadline=deadline, now=now)
                     continue
@@ -83,9 +108,21 @@ class Room:
                         )
                     except ResourceExhaustedError:
                         pass
+                futile = "; evicting every evictable model would not make room" if plan is not None else ""
                 raise ResourceExhaustedError(
-                    f"{no_room_message(model_id, mb, choice, residents)} ({broker_says})"
+                    f"{no_room_message(model_id, mb, choice, residents)}{futile} ({broker_says})"
                 )
+
+    async def _plan(
+        self, residents: list[Resident], incoming: Incoming, *, mb: int, now: float, split: bool
+    ) -> EvictionPlan | None:
+        """The evictions that make room, from the broker's free memory; None without it."""
+        try:
+            free = await self._lease_client.free_mb()
+        except LoadmasterError as error:
+            log.warning("no GPU inventory from the broker (%s); evicting one model at a time", error)
+            return None
+        return plan_evictions(residents, incoming=incoming, mb=mb, free_mb=free, now=now, split=split)
 
     async def _wait(self, residents: list[Resident], *, deadline: float, now: float) -> None:
         """Until `changed()`, a young model comes of age, or `deadline`."""

@@ -24,7 +24,7 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.common.tensors import TensorLimits
 from loadmaster.model_pool.data_port import DataPort, advertised_endpoint
 from loadmaster.model_pool.engines import engine_class
-from loadmaster.model_pool.leases import GrpcLeaseClient, LeaseClient
+from loadmaster.model_pool.leases import AsyncLeaseClient, LeaseClient
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.repository import ModelRepository
 from loadmaster.model_pool.servicer import ModelPoolServicer
@@ -69,9 +69,13 @@ class ModelPoolServer(GrpcServer):
         self.grpc_endpoint = ""
         self._clock = clock
         self._owns_lease_client = lease_client is None
-        self.lease_client: LeaseClient = lease_client or GrpcLeaseClient(
-            settings.gpu_broker.address, holder=self.worker_id, node=pool_settings.node, clock=clock
-        )
+
+        def broker_client() -> LeaseClient:
+            return AsyncLeaseClient(
+                settings.gpu_broker.address, holder=self.worker_id, node=pool_settings.node, clock=clock
+            )
+
+        self.lease_client: LeaseClient = lease_client or broker_client()
         self.telemetry = TelemetryReporter(
             "model-pool", self.worker_id, settings.metrics.address if settings.metrics.enabled else None
         )
@@ -86,6 +90,8 @@ class ModelPoolServer(GrpcServer):
             metrics=self.telemetry,
             eviction_wait_s=pool_settings.eviction_wait_s,
             allow_split=pool_settings.allow_split,
+            # The keeper's thread renews over a channel of its own (None: an injected double).
+            renewal_client=broker_client if lease_client is None else None,
         )
         limits = settings.gateway.limits
         tensor_limits = TensorLimits(

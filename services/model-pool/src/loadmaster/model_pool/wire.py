@@ -5,8 +5,10 @@ modules only; the pool works on domain values.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from loadmaster.common.errors import InternalError, LoadmasterError
@@ -17,8 +19,10 @@ from loadmaster.model_pool.slots import ModelState, SlotStatus
 from loadmaster.v1 import model_pool_pb2, tensor_pb2
 
 __all__ = [
+    "DECODE_OFF_LOOP_BYTES",
     "STATE_TO_PB",
     "ResultEncoder",
+    "decode_off_loop",
     "error_reply",
     "failure_reply",
     "handle_infer",
@@ -177,6 +181,18 @@ def _payload(outputs: dict[str, Any]) -> Any:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+# Payloads from this size on, and every BYTES tensor (checked element by element), are
+# decoded off the event loop: the loop also answers other clients and reports to the scheduler.
+DECODE_OFF_LOOP_BYTES = 64 << 10
+
+
+def decode_off_loop(descriptors: Sequence[tensor_pb2.Tensor], payload: Any) -> bool:
+    """Whether decoding these inputs may take long enough to hold up an event loop."""
+    if len(payload) >= DECODE_OFF_LOOP_BYTES:
+        return True
+    return any(descriptor.dtype == tensor_pb2.BYTES for descriptor in descriptors)
+
+
 async def handle_infer(
     pool: ModelPool,
     request: model_pool_pb2.InferRequest,
@@ -188,7 +204,10 @@ async def handle_infer(
     """Answer one InferRequest: (reply envelope, output payload). Failures are replies, never raised."""
     request_id, model_id = request.request_id, request.model_id
     try:
-        inputs = decode_tensors(request.inputs, payload, limits)
+        if decode_off_loop(request.inputs, payload):
+            inputs = await asyncio.to_thread(decode_tensors, request.inputs, payload, limits)
+        else:
+            inputs = decode_tensors(request.inputs, payload, limits)
         result = await pool.infer(model_id, inputs, deadline_unix_ns=request.deadline_unix_ns)
         return result_reply(result, request_id=request_id, model_id=model_id, worker_id=worker_id)
     except Exception as error:

@@ -20,6 +20,7 @@ ENGINES: dict[str, str] = {
     "onnx": "loadmaster.model_pool.engines.onnx:OnnxEngine",
     "tensorrt": "loadmaster.model_pool.engines.tensorrt:TensorRTEngine",
     "ray_serve": "loadmaster.model_pool.engines.ray_serve:RayServeEngine",
+    "transformers": "loadmaster.model_pool.engines.transformers:TransformersEngine",
 }
 
 

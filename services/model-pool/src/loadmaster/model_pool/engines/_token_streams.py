@@ -1,0 +1,188 @@
+"""One generation's stream: the manager's cumulative outputs -> chunks, then one terminal.
+
+`StreamState` lives on the event loop. transformers' manager calls `on_output` there (via
+`call_soon_threadsafe`, one call per decode step for all the step's sequences) with the
+*cumulative* generated tokens; the state turns the new ones into text (incrementally, so a
+multi-byte character split over tokens is emitted whole), looks for stop strings and
+queues `TokenChunk`s, then exactly one `GenerationEnd`. Every path that ends a stream —
+eos, max_tokens, a stop string, cancel, a failed request, unload — goes through `_end`,
+which runs once. A preempted stream stays open (`paused`); on resume the manager counts its
+generated tokens from zero again, so `resumed_at` says where the new ones start.
+
+`GenerationStream` is what a caller iterates; closing it early cancels the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadmaster.model_pool.generation import (
+    FinishReason,
+    GenerationEnd,
+    GenerationEvent,
+    SamplingParams,
+    StopMatcher,
+    TokenChunk,
+    Usage,
+)
+
+__all__ = ["GenerationStream", "StreamState"]
+
+_REPLACEMENT = "\ufffd"  # what a decoder returns for an incomplete UTF-8 sequence
+
+
+@dataclass(slots=True, eq=False)
+class StreamState:
+    request_id: str
+    internal_id: str  # the manager's id (unique per submission)
+    prompt_tokens: int
+    params: SamplingParams
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    on_done: Callable[[StreamState], None]
+    cancel_in_manager: Callable[[str], None]
+    loop: asyncio.AbstractEventLoop
+    prompt_ids: tuple[int, ...] = ()
+    sampling_kwargs: dict[str, Any] = field(default_factory=dict)  # the same on every resume
+    events: asyncio.Queue[GenerationEvent] = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+    paused: bool = False  # preempted: not in the manager, stream still open
+    preemptions: int = 0
+    resumed_at: int = 0  # len(tokens) when the current submission started
+    _sequence: int = 0
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+    _stops: StopMatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._stops = StopMatcher(self.params.stop)
+
+    # ---- from the manager (on the loop) ----------------------------------
+
+    def on_output(self, output: Any) -> None:
+        if self.done or self.paused or output.request_id != self.internal_id:
+            return  # late output of a cancelled or preempted submission
+        if output.error:
+            self._end(FinishReason.ERROR, str(output.error))
+            return
+        generated = output.generated_tokens
+        chunk_ids: list[int] = []
+        chunk_text: list[str] = []
+        for token in generated[len(self.tokens) - self.resumed_at :]:
+            self.tokens.append(token)
+            chunk_ids.append(token)
+            text, stopped = self._stops.feed(self._text_delta())
+            chunk_text.append(text)
+            if stopped:
+                self.cancel_in_manager(self.internal_id)  # free the sequence: we have what we need
+                self._chunk(chunk_ids, "".join(chunk_text))
+                self._end(FinishReason.STOP)
+                return
+        if output.is_finished():
+            chunk_text.append(self._stops.feed(self._text_delta(final=True))[0] + self._stops.flush())
+            self._chunk(chunk_ids, "".join(chunk_text))
+            last = self.tokens[-1] if self.tokens else None
+            self._end(FinishReason.STOP if last in self.eos_ids else FinishReason.LENGTH)
+        else:
+            self._chunk(chunk_ids, "".join(chunk_text))
+
+    # ---- from the engine -------------------------------------------------
+
+    def cancel(self) -> None:
+        if not self.done:
+            if not self.paused:
+                self.cancel_in_manager(self.internal_id)
+            self._end(FinishReason.CANCELLED)
+
+    def finish_length(self) -> None:
+        """End a resumed stream that has nothing left to generate."""
+        self._chunk([], self._stops.flush())
+        self._end(FinishReason.LENGTH)
+
+    def fail_threadsafe(self, message: str) -> None:
+        """End the stream with an error from any thread (unload runs on the executor)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self.loop.call_soon_threadsafe(self._end, FinishReason.ERROR, message)
+
+    # ---- internals -------------------------------------------------------
+
+    def _text_delta(self, *, final: bool = False) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and (final or not full.endswith(_REPLACEMENT)):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
+            return full[len(prefix) :]
+        return ""
+
+    def _chunk(self, token_ids: list[int], text: str) -> None:
+        if not token_ids and not text:
+            return
+        self.events.put_nowait(TokenChunk(self.request_id, self._sequence, tuple(token_ids), text))
+        self._sequence += 1
+
+    def _end(self, reason: FinishReason, error: str = "") -> None:
+        if self.done:
+            return
+        self.done = True
+        usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.tokens))
+        end = GenerationEnd(self.request_id, self._sequence, reason, usage, error, self.preemptions)
+        self.events.put_nowait(end)
+        self.on_done(self)
+
+
+class GenerationStream:
+    """Async iterator over one generation's events; leaving it early cancels the generation.
+
+    stream = await engine.submit(request)
+    async with stream:
+        async for event in stream: ...
+    """
+
+    def __init__(self, state: StreamState, cancel: Callable[[str], bool]) -> None:
+        self._state = state
+        self._cancel = cancel
+        self._finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._state.prompt_tokens
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._finished:
+            raise StopAsyncIteration
+        event = await self._state.events.get()
+        if isinstance(event, GenerationEnd):
+            self._finished = True
+        return event
+
+    def ready(self) -> list[GenerationEvent]:
+        """Every event already queued, without waiting: chunks of one loop turn travel together."""
+        out: list[GenerationEvent] = []
+        while not self._finished and not self._state.events.empty():
+            event = self._state.events.get_nowait()
+            out.append(event)
+            self._finished = isinstance(event, GenerationEnd)
+        return out
+
+    async def aclose(self) -> None:
+        if not self._state.done:
+            self._state.cancel()
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,412 @@
+"""Transformers engine: a Hugging Face causal LM served with transformers' continuous batching.
+
+`backend: transformers` in a model's config.yaml; `path` names the HF folder (config.json,
+*.safetensors, tokenizer files, chat_template.jinja). It loads with `local_files_only`, so
+it never downloads, onto `cpu` or `cuda:N`, and runs transformers' own
+`ContinuousBatchingManager` (paged KV cache, FIFO scheduler) on the manager's background
+thread. Nothing here decodes on the event loop: tokenising a prompt runs in a thread, the
+model runs on the manager's thread, and the loop only turns new token ids into text.
+
+    await engine.submit(request)  -> GenerationStream   (validates first: bad input raises
+                                                          InvalidArgumentError, no stream)
+    async for event in stream     -> TokenChunk ..., then exactly one GenerationEnd
+    engine.cancel(request_id)     -> frees the sequence at the manager's next step and ends
+                                     the stream with finish_reason CANCELLED
+
+What the engine adds to the manager (docs/generative.md has the reasons):
+- stop strings (the manager only knows eos): matched across chunks on the text, the
+  sequence is then cancelled in the manager;
+- a terminal event on cancel (the manager delivers none);
+- per-request temperature / top_p and greedy decoding (exactly `argmax`), and per-request
+  seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`).
+
+The pool's lifecycle applies unchanged: `estimate_mb` sizes the lease from the weights plus
+the KV budget (num_blocks x block_size x per-token KV bytes) when the config has no
+`vram_mb`; load/warmup/unload run on the instance's executor; `infer` (tensors) is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import math
+import secrets
+from collections.abc import AsyncIterator, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from loadmaster.common.errors import InvalidArgumentError, UnavailableError
+from loadmaster.model_pool.engines import _seeded_sampling
+from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
+from loadmaster.model_pool.engines.base import Engine, EngineContext
+from loadmaster.model_pool.generation import GenerationRequest, GenerationStats, SamplingParams
+from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, TransformersModelConfig
+
+__all__ = ["TransformersEngine", "kv_bytes_per_token"]
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_MAX_DEFAULT_BLOCKS = 4096
+_WARMUP_TIMEOUT_S = 120.0
+_STOP_TIMEOUT_S = 30.0
+
+
+def _config(spec: ModelSpec) -> TransformersModelConfig:
+    assert isinstance(spec.config, TransformersModelConfig)
+    return spec.config
+
+
+def _folder(spec: ModelSpec) -> Path:
+    folder = spec.path(_config(spec).path)
+    if not (folder / "config.json").is_file():
+        raise ModelConfigError(
+            f"model '{spec.model_id}': no config.json in {folder} (example models: `make models`)"
+        )
+    return folder
+
+
+def _hf_config(spec: ModelSpec) -> dict[str, Any]:
+    path = _folder(spec) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelConfigError(f"model '{spec.model_id}': cannot read {path}: {error}") from None
+    text = data.get("text_config")
+    return {**data, **text} if isinstance(text, dict) else dict(data)
+
+
+def kv_bytes_per_token(hf: Mapping[str, Any], dtype: str) -> int:
+    """K and V for one token over all layers: 2 x layers x kv_heads x head_dim x dtype bytes."""
+    heads = int(hf.get("num_attention_heads") or 1)
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or int(hf.get("hidden_size", 0)) // heads)
+    if dtype == "auto":
+        dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    return 2 * int(hf.get("num_hidden_layers", 1)) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+
+
+def _context_tokens(spec: ModelSpec, hf: Mapping[str, Any]) -> int:
+    config = _config(spec)
+    model_limit = int(hf.get("max_position_embeddings") or 2048)
+    return min(config.max_context_tokens or model_limit, model_limit)
+
+
+def _num_blocks(spec: ModelSpec, hf: Mapping[str, Any]) -> int:
+    config = _config(spec)
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_sequence = math.ceil(_context_tokens(spec, hf) / config.block_size)
+    return min(_MAX_DEFAULT_BLOCKS, max(1, config.max_sequences * per_sequence))
+
+
+class TransformersEngine(Engine):
+    backend = "transformers"
+    estimate_factor = 1.2  # weights x this, plus the KV budget
+
+    def __init__(self, spec: ModelSpec, context: EngineContext) -> None:
+        super().__init__(spec, context)
+        self._device = torch.device(context.device)
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._manager: Any = None
+        self._streams: dict[str, StreamState] = {}
+        self._submitted = 0
+        self._preemptions = 0
+        self._vocab_size = 0
+        self._eos_ids: frozenset[int] = frozenset()
+        self._context_tokens = 0
+        self._cache_tokens = 0
+
+    # ---- memory ---------------------------------------------------------
+
+    @classmethod
+    def artifact_files(cls, spec: ModelSpec) -> Iterable[Path]:
+        weights = sorted(_folder(spec).glob("*.safetensors"))
+        if not weights:
+            raise ModelConfigError(f"model '{spec.model_id}': no *.safetensors in {_folder(spec)}")
+        return weights
+
+    @classmethod
+    def estimate_mb(cls, spec: ModelSpec) -> int:
+        """Weights x `estimate_factor` plus the KV cache: num_blocks x block_size x KV bytes/token."""
+        weights_mb = super().estimate_mb(spec)
+        hf = _hf_config(spec)
+        config = _config(spec)
+        kv = _num_blocks(spec, hf) * config.block_size * kv_bytes_per_token(hf, config.dtype)
+        return weights_mb + math.ceil(kv / (1 << 20))
+
+    # ---- lifecycle (on the instance's executor thread) -------------------
+
+    def load(self) -> None:
+        config = _config(self.spec)
+        folder = _folder(self.spec)
+        hf = _hf_config(self.spec)
+        if self.context.threads and torch.get_num_threads() != self.context.threads:
+            torch.set_num_threads(self.context.threads)
+        if self._device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {self._device} requested but CUDA is not available")
+            torch.cuda.set_device(self._device)
+        self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=config.dtype, attn_implementation=config.attn_implementation
+        )
+        self._model = model.to(self._device).eval()
+        self._vocab_size = int(self._model.config.get_text_config().vocab_size)
+        eos = self._model.generation_config.eos_token_id
+        if eos is None:
+            eos = self._tokenizer.eos_token_id
+        self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        num_blocks = _num_blocks(self.spec, hf)
+        self._context_tokens = _context_tokens(self.spec, hf)
+        self._cache_tokens = num_blocks * config.block_size
+        # No warpers of the manager's own: ours (`_seeded_sampling`) read every request's values.
+        generation = GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_k=None,
+            top_p=1.0,
+            eos_token_id=sorted(self._eos_ids) or -1,
+            pad_token_id=self._tokenizer.pad_token_id,
+            max_new_tokens=16,
+        )
+        batching = ContinuousBatchingConfig(
+            page_size=config.block_size,
+            num_blocks=num_blocks,
+            max_batch_tokens=config.max_batch_tokens,
+            max_requests_per_batch=config.max_sequences,
+            per_request_processors=True,
+            seed=config.seed,
+            auto_switch_to_flash=False,
+        )
+        manager = self._model.init_continuous_batching(
+            generation_config=generation, continuous_batching_config=batching
+        )
+        _seeded_sampling.install(manager.logit_processor)
+        manager.start()
+        self._manager = manager
+
+    def warmup(self) -> None:
+        """One short greedy generation, so the first request does not pay for the cache."""
+        if not self.spec.config.warmup:
+            return
+        manager = self._running_manager()
+        request_id = manager.add_request(
+            [int(self._tokenizer.bos_token_id or 0)],
+            request_id="loadmaster-warmup",
+            max_new_tokens=2,
+            **self._sampling_kwargs(SamplingParams(max_tokens=2, temperature=0.0)),
+        )
+        result = manager.get_result(request_id=request_id, timeout=_WARMUP_TIMEOUT_S)
+        if result is None or result.error:
+            raise RuntimeError(f"model '{self.spec.model_id}': warm-up generation failed: {result}")
+
+    def unload(self) -> None:
+        manager, self._manager = self._manager, None
+        for state in list(self._streams.values()):
+            state.fail_threadsafe("the model was unloaded")
+        self._streams.clear()
+        if manager is not None:
+            manager.stop(block=True, timeout=_STOP_TIMEOUT_S, hard_stop=True)  # fail the rest now
+        self._model = None
+        self._tokenizer = None
+        gc.collect()
+        if self._device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.synchronize(self._device)
+            torch.cuda.empty_cache()
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise InvalidArgumentError(
+            f"model '{self.spec.model_id}' is generative (backend transformers): send it a generation "
+            "request, not tensors"
+        )
+
+    # ---- generation (on the event loop) ---------------------------------
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest sequence (prompt + max_tokens) a request may ask for."""
+        return min(self._context_tokens, self._cache_tokens)
+
+    async def submit(self, request: GenerationRequest) -> GenerationStream:
+        """Validate, tokenise (in a thread) and queue one generation; its events follow on the stream."""
+        request.check()
+        self._running_manager()
+        self._check_new_id(request.request_id)
+        prompt = await asyncio.to_thread(self._prompt_ids, request)
+        manager = self._running_manager()  # again: the model may have unloaded meanwhile
+        self._check_new_id(request.request_id)  # and the same id may have arrived meanwhile
+        limit = self.context_tokens
+        if len(prompt) + request.params.max_tokens > limit:
+            raise InvalidArgumentError(
+                f"prompt of {len(prompt)} tokens + max_tokens {request.params.max_tokens} exceeds the "
+                f"context of model '{self.spec.model_id}' ({limit} tokens)"
+            )
+        self._submitted += 1
+        internal_id = f"{request.request_id}#{self._submitted}"
+        state = StreamState(
+            request_id=request.request_id,
+            internal_id=internal_id,
+            prompt_tokens=len(prompt),
+            params=request.params,
+            tokenizer=self._tokenizer,
+            eos_ids=self._eos_ids,
+            on_done=self._forget,
+            cancel_in_manager=manager.cancel_request,
+            loop=asyncio.get_running_loop(),
+            prompt_ids=tuple(prompt),
+            sampling_kwargs=self._sampling_kwargs(request.params),
+        )
+        self._streams[request.request_id] = state
+        manager.register_result_handler(internal_id, state.on_output)
+        try:
+            accepted = manager.add_request(
+                prompt,
+                request_id=internal_id,
+                max_new_tokens=request.params.max_tokens,
+                streaming=True,
+                **state.sampling_kwargs,
+            )
+        except Exception:
+            self._forget(state)
+            raise
+        if accepted is None:  # the manager is stopping: it drops the request with a log line
+            self._forget(state)
+            raise UnavailableError(f"model '{self.spec.model_id}' is stopping; try another worker")
+        return GenerationStream(state, self.cancel)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Any]:
+        """`submit` then iterate: events until the terminal one."""
+        stream = await self.submit(request)
+        async for event in stream:
+            yield event
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a generation; False when it is not running here (finished or unknown)."""
+        state = self._streams.get(request_id)
+        if state is None:
+            return False
+        state.cancel()
+        return True
+
+    def preempt(self, request_id: str) -> bool:
+        """Take a running sequence out of the manager (its slot and KV pages are freed at the
+        next step) and keep its stream open; `resume` puts it back. False when not running."""
+        state = self._streams.get(request_id)
+        manager = self._manager
+        if state is None or state.paused or manager is None:
+            return False
+        manager.cancel_request(state.internal_id)
+        self._drop_handler(state.internal_id)
+        state.paused = True
+        state.preemptions += 1
+        self._preemptions += 1
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Re-submit a preempted sequence with prompt + its generated tokens as the prompt
+        (full KV pages come back from the prefix cache, the rest is recomputed). Its stream
+        goes on with the next sequence number, neither losing nor repeating a token; with
+        a seed it draws what it would have drawn uninterrupted. False when not preempted."""
+        state = self._streams.get(request_id)
+        if state is None or not state.paused:
+            return False
+        manager = self._running_manager()
+        state.paused = False
+        remaining = state.params.max_tokens - len(state.tokens)
+        if remaining <= 0:
+            state.finish_length()
+            return True
+        self._submitted += 1
+        state.internal_id = f"{request_id}#{self._submitted}"
+        state.resumed_at = len(state.tokens)
+        manager.register_result_handler(state.internal_id, state.on_output)
+        manager.add_request(
+            [*state.prompt_ids, *state.tokens],
+            request_id=state.internal_id,
+            max_new_tokens=remaining,
+            streaming=True,
+            **state.sampling_kwargs,
+        )
+        return True
+
+    def stats(self) -> GenerationStats:
+        """Sequences and KV blocks right now (read without a lock: a snapshot for metrics)."""
+        manager = self._manager
+        processor = getattr(manager, "batch_processor", None)
+        if processor is None:
+            return GenerationStats(0, 0, 0, self._cache_tokens // max(1, _config(self.spec).block_size))
+        scheduler = processor.scheduler
+        cache = processor.cache
+        total = int(getattr(cache, "num_blocks", 0))
+        free_fraction = float(cache.compute_free_capacity(relative=True))
+        return GenerationStats(
+            running=len(scheduler.active_requests),
+            waiting=len(scheduler.waiting_requests) + manager.input_queue.qsize(),
+            kv_blocks_used=max(0, round((1.0 - free_fraction) * total)),
+            kv_blocks_total=total,
+            streams_open=len(self._streams),
+            preemptions=self._preemptions,
+        )
+
+    # ---- helpers --------------------------------------------------------
+
+    def _running_manager(self) -> Any:
+        manager = self._manager
+        if manager is None or not manager.is_running():
+            raise UnavailableError(
+                f"model '{self.spec.model_id}' is not loaded (or its batching thread died)"
+            )
+        return manager
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._streams:
+            raise InvalidArgumentError(f"request_id: {request_id!r} is already generating")
+
+    def _forget(self, state: StreamState) -> None:
+        key = state.request_id
+        if self._streams.get(key) is state:
+            del self._streams[key]
+        self._drop_handler(state.internal_id)
+
+    def _drop_handler(self, internal_id: str) -> None:
+        manager = self._manager
+        if manager is not None:  # the manager drops its handler only on a finished output
+            with manager.output_router._lock:
+                manager.output_router.result_handlers.pop(internal_id, None)
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        tokenizer = self._tokenizer
+        if request.prompt_token_ids is not None:
+            ids = [int(token) for token in request.prompt_token_ids]
+            for index, token in enumerate(ids):
+                if not 0 <= token < self._vocab_size:
+                    raise InvalidArgumentError(
+                        f"prompt_token_ids[{index}]: {token} is outside the vocabulary (0..{self._vocab_size - 1})"
+                    )
+            return ids
+        if request.messages is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                raise InvalidArgumentError(
+                    f"model '{self.spec.model_id}' has no chat template: send a prompt"
+                )
+            text = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        assert request.prompt is not None
+        return list(tokenizer.encode(request.prompt, add_special_tokens=True))
+
+    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return {
+            _seeded_sampling.WARP_KWARG: _seeded_sampling.pack_warp(params.temperature, params.top_p),
+            _seeded_sampling.SEED_KWARG: int(seed),
+        }

@@ -1,0 +1,124 @@
+"""Generation streams at the wire: protobuf <-> domain values, and the stream-order checker.
+
+    request_from_proto(GenerateRequest)         -> GenerationRequest (checked: fields named)
+    reply_to_proto(event, model_id=..., ...)    -> GenerateReply (chunk / result / error / cancelled)
+    StreamOrder().accept(reply)                 -> raises StreamOrderError on a gap, a repeat or
+                                                   anything after the terminal
+
+The data port and the gateway use these so both sides speak the contract written in
+model_pool.proto and docs/generative.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loadmaster.common.errors import InternalError, InvalidArgumentError
+from loadmaster.model_pool.generation import (
+    ChatMessage,
+    FinishReason,
+    GenerationEnd,
+    GenerationEvent,
+    GenerationRequest,
+    SamplingParams,
+)
+from loadmaster.v1 import errors_pb2, model_pool_pb2
+
+__all__ = ["StreamOrder", "StreamOrderError", "reply_to_proto", "request_from_proto"]
+
+_FINISH = {
+    FinishReason.STOP: model_pool_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: model_pool_pb2.FINISH_REASON_LENGTH,
+}
+
+
+class StreamOrderError(InternalError):
+    """A stream broke its contract: a gap, a repeat, or a reply after the terminal."""
+
+
+def request_from_proto(message: model_pool_pb2.GenerateRequest) -> GenerationRequest:
+    sampling = message.sampling
+    params = SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=tuple(sampling.stop),
+    )
+    kind = message.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgumentError("give one of prompt_token_ids, prompt_text or messages")
+    request = GenerationRequest(
+        request_id=message.request_id,
+        params=params,
+        prompt_token_ids=tuple(message.prompt_token_ids.ids) if kind == "prompt_token_ids" else None,
+        prompt=message.prompt_text if kind == "prompt_text" else None,
+        messages=tuple(ChatMessage(m.role, m.content) for m in message.messages.messages)
+        if kind == "messages"
+        else None,
+    )
+    request.check()
+    return request
+
+
+def reply_to_proto(
+    event: GenerationEvent,
+    *,
+    model_id: str,
+    worker_id: str = "",
+    generation: int = 0,
+    error_code: int = errors_pb2.ERROR_CODE_INTERNAL,
+    retryable: bool = False,
+) -> model_pool_pb2.GenerateReply:
+    reply = model_pool_pb2.GenerateReply(
+        request_id=event.request_id,
+        model_id=model_id,
+        sequence=event.sequence,
+        worker_id=worker_id,
+        generation=generation,
+    )
+    if not isinstance(event, GenerationEnd):
+        reply.chunk.token_ids.extend(event.token_ids)
+        reply.chunk.text = event.text
+        return reply
+    usage = model_pool_pb2.GenerationUsage(
+        prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens
+    )
+    if event.finish_reason is FinishReason.CANCELLED:
+        reply.cancelled.usage.CopyFrom(usage)
+        reply.cancelled.reason = event.error
+    elif event.finish_reason is FinishReason.ERROR:
+        reply.error.error_code = error_code  # type: ignore[assignment]
+        reply.error.error_message = event.error
+        reply.error.retryable = retryable and event.sequence == 0  # never once a chunk went out
+        reply.error.usage.CopyFrom(usage)
+    else:
+        reply.result.finish_reason = _FINISH[event.finish_reason]
+        reply.result.usage.CopyFrom(usage)
+        reply.result.preemptions = event.preemptions
+    return reply
+
+
+@dataclass(slots=True)
+class StreamOrder:
+    """Checks one request's replies: sequence 0, 1, 2, ... then one terminal, then nothing."""
+
+    expected: int = 0
+    finished: bool = False
+
+    def accept(self, reply: model_pool_pb2.GenerateReply) -> bool:
+        """True when `reply` is the terminal; raise `StreamOrderError` when the order is broken."""
+        if self.finished:
+            raise StreamOrderError(f"request {reply.request_id}: reply {reply.sequence} after the terminal")
+        if reply.sequence != self.expected:
+            what = "repeated" if reply.sequence < self.expected else "missing"
+            raise StreamOrderError(
+                f"request {reply.request_id}: got reply {reply.sequence}, expected {self.expected} "
+                f"({what} replies)"
+            )
+        kind = reply.WhichOneof("kind")
+        if kind is None:
+            raise StreamOrderError(f"request {reply.request_id}: reply {reply.sequence} carries nothing")
+        self.expected += 1
+        self.finished = kind != "chunk"
+        return self.finished

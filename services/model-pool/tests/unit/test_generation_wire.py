@@ -1,0 +1,101 @@
+"""Generation streams at the wire: proto <-> domain, and the order/exactly-once checker."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.model_pool.generation import FinishReason, GenerationEnd, TokenChunk, Usage
+from loadmaster.model_pool.generation_wire import (
+    StreamOrder,
+    StreamOrderError,
+    reply_to_proto,
+    request_from_proto,
+)
+from loadmaster.v1 import errors_pb2, model_pool_pb2
+
+
+def test_request_from_proto_defaults_and_fields() -> None:
+    message = model_pool_pb2.GenerateRequest(
+        request_id="r",
+        model_id="tiny-chat",
+        messages=model_pool_pb2.ChatMessages(
+            messages=[model_pool_pb2.ChatMessage(role="user", content="hi")]
+        ),
+        sampling=model_pool_pb2.SamplingParams(max_tokens=5, stop=["\n"]),
+    )
+    request = request_from_proto(message)
+    assert request.messages is not None and request.messages[0].content == "hi"
+    assert (request.params.temperature, request.params.top_p, request.params.seed) == (1.0, 1.0, None)
+    assert request.params.stop == ("\n",)
+    message.sampling.temperature = 0.0  # set to zero is greedy, not "unset"
+    message.sampling.seed = 7
+    assert request_from_proto(message).params.greedy
+    assert request_from_proto(message).params.seed == 7
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        (model_pool_pb2.GenerateRequest(request_id="r", prompt_text="x"), "max_tokens"),
+        (
+            model_pool_pb2.GenerateRequest(
+                request_id="r", sampling=model_pool_pb2.SamplingParams(max_tokens=1)
+            ),
+            "one of",
+        ),
+        (
+            model_pool_pb2.GenerateRequest(
+                request_id="r",
+                prompt_text="x",
+                sampling=model_pool_pb2.SamplingParams(max_tokens=1, top_p=0.0),
+            ),
+            "top_p",
+        ),
+    ],
+)
+def test_bad_requests_name_the_field(message: model_pool_pb2.GenerateRequest, field: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=field):
+        request_from_proto(message)
+
+
+def test_replies_in_order_then_one_terminal() -> None:
+    events = [
+        TokenChunk("r", 0, (5, 6), "ab"),
+        TokenChunk("r", 1, (7,), "c"),
+        GenerationEnd("r", 2, FinishReason.LENGTH, Usage(3, 3)),
+    ]
+    replies = [reply_to_proto(e, model_id="m", worker_id="w") for e in events]
+    assert [r.WhichOneof("kind") for r in replies] == ["chunk", "chunk", "result"]
+    assert replies[2].result.finish_reason == model_pool_pb2.FINISH_REASON_LENGTH
+    assert replies[2].result.usage.completion_tokens == 3
+    order = StreamOrder()
+    assert [order.accept(r) for r in replies] == [False, False, True]
+    with pytest.raises(StreamOrderError, match="after the terminal"):
+        order.accept(replies[2])
+
+
+@pytest.mark.parametrize(
+    ("sequences", "message"), [([0, 0], "repeated"), ([0, 2], "missing"), ([1], "missing")]
+)
+def test_gaps_and_repeats_are_caught(sequences: list[int], message: str) -> None:
+    order = StreamOrder()
+    with pytest.raises(StreamOrderError, match=message):
+        for sequence in sequences:
+            order.accept(reply_to_proto(TokenChunk("r", sequence, (1,), "x"), model_id="m"))
+
+
+def test_cancelled_and_error_terminals() -> None:
+    cancelled = reply_to_proto(GenerationEnd("r", 4, FinishReason.CANCELLED, Usage(2, 4)), model_id="m")
+    assert cancelled.WhichOneof("kind") == "cancelled" and cancelled.cancelled.usage.completion_tokens == 4
+    late = GenerationEnd("r", 3, FinishReason.ERROR, Usage(2, 3), error="the model was unloaded")
+    early = GenerationEnd("r", 0, FinishReason.ERROR, Usage(2, 0), error="the model was unloaded")
+    late_reply = reply_to_proto(
+        late, model_id="m", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
+    )
+    early_reply = reply_to_proto(
+        early, model_id="m", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
+    )
+    assert late_reply.error.error_code == errors_pb2.ERROR_CODE_UNAVAILABLE
+    assert "unloaded" in late_reply.error.error_message
+    assert (late_reply.error.retryable, early_reply.error.retryable) == (False, True)  # not after tokens

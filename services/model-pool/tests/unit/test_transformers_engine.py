@@ -1,0 +1,359 @@
+"""The transformers engine on CPU with `tiny-chat` built in a temp folder (examples/make_models.py).
+
+Real parts: the real tokenizer, the real model, transformers' own continuous-batching
+manager and its background thread. Few tokens each, so the module runs in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loadmaster.common.config import ModelsSettings
+from loadmaster.common.errors import InvalidArgumentError, UnavailableError
+from loadmaster.model_pool.engines import EngineContext, engine_class
+from loadmaster.model_pool.engines.transformers import TransformersEngine, kv_bytes_per_token
+from loadmaster.model_pool.generation import (
+    ChatMessage,
+    FinishReason,
+    GenerationEnd,
+    GenerationRequest,
+    SamplingParams,
+    TokenChunk,
+)
+from loadmaster.model_pool.pool import ModelPool
+from loadmaster.model_pool.repository import ModelRepository
+
+EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
+
+
+def load_make_models() -> Any:
+    spec = importlib.util.spec_from_file_location("_lm_make_models_llm", EXAMPLES / "make_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "again", "and", "again")
+PROMPTS = [f"request {i}: {word}" for i, word in enumerate(WORDS)]
+
+
+@pytest.fixture(scope="module")
+def tiny_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tiny") / "models"
+    (root / "tiny-chat").mkdir(parents=True)
+    shutil.copy(EXAMPLES / "models" / "tiny-chat" / "config.yaml", root / "tiny-chat" / "config.yaml")
+    load_make_models().build(["tiny-chat"], root=root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_repo: Path) -> Iterator[TransformersEngine]:
+    spec = ModelRepository(tiny_repo).spec("tiny-chat")
+    cls = engine_class("transformers")
+    assert cls is TransformersEngine
+    instance = TransformersEngine(spec, EngineContext(device="cpu", threads=1))
+    instance.load()
+    instance.warmup()
+    yield instance
+    instance.unload()
+
+
+def request(request_id: str, *, prompt: str = "hello", **params: Any) -> GenerationRequest:
+    params.setdefault("max_tokens", 8)
+    params.setdefault("temperature", 0.0)
+    return GenerationRequest(request_id, SamplingParams(**params), prompt=prompt)
+
+
+async def collect(
+    engine: TransformersEngine, req: GenerationRequest
+) -> tuple[list[TokenChunk], GenerationEnd]:
+    chunks: list[TokenChunk] = []
+    end: GenerationEnd | None = None
+    stream = await engine.submit(req)
+    async with asyncio.timeout(60):
+        async for event in stream:
+            assert end is None, "an event after the terminal"
+            if isinstance(event, GenerationEnd):
+                end = event
+            else:
+                chunks.append(event)
+    assert end is not None
+    assert [c.sequence for c in chunks] == list(range(len(chunks)))  # in order, each once
+    assert end.sequence == len(chunks)
+    return chunks, end
+
+
+def token_ids(chunks: list[TokenChunk]) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+def reference_greedy(engine: TransformersEngine, prompt: str, max_tokens: int) -> list[int]:
+    ids = engine._tokenizer.encode(prompt, add_special_tokens=True)
+    with torch.inference_mode():
+        out = engine._model.generate(
+            torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+async def wait_idle(engine: TransformersEngine) -> None:
+    for _ in range(300):  # bounded: 3 s
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0 and stats.streams_open == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"sequences still held: {engine.stats()}")
+
+
+# ---- the model folder -----------------------------------------------------------------
+
+
+def test_tiny_chat_is_a_normal_hf_folder_built_reproducibly(tiny_repo: Path, tmp_path: Path) -> None:
+    folder = tiny_repo / "tiny-chat" / "artifacts"
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
+        assert (folder / name).is_file(), name
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["model_type"]) == (2, 128, "llama")
+    again = tmp_path / "models"
+    load_make_models().build(["tiny-chat"], root=again)
+    for name in ("model.safetensors", "tokenizer.json"):
+        digest = [
+            hashlib.sha256((root / "tiny-chat" / "artifacts" / name).read_bytes()).hexdigest()
+            for root in (tiny_repo, again)
+        ]
+        assert digest[0] == digest[1], f"{name} differs between two builds"
+
+
+def test_lease_estimate_is_weights_plus_kv_budget(tiny_repo: Path) -> None:
+    spec = ModelRepository(tiny_repo).spec("tiny-chat")
+    hf = json.loads((tiny_repo / "tiny-chat" / "artifacts" / "config.json").read_text())
+    per_token = kv_bytes_per_token(hf, "auto")
+    assert per_token == 2 * 2 * 2 * 32 * 4  # K+V, 2 layers, 2 kv heads, head_dim 32, float32
+    weights = (tiny_repo / "tiny-chat" / "artifacts" / "model.safetensors").stat().st_size
+    kv_mb = -(-64 * 64 * per_token // (1 << 20))  # num_blocks x block_size from config.yaml
+    assert TransformersEngine.estimate_mb(spec) == -(-int(weights * 1.2) // (1 << 20)) + kv_mb
+
+
+# ---- generation -----------------------------------------------------------------------
+
+
+async def test_concurrent_streams_each_get_their_own_greedy_tokens(engine: TransformersEngine) -> None:
+    results = await asyncio.gather(
+        *(collect(engine, request(f"c{i}", prompt=p, max_tokens=6)) for i, p in enumerate(PROMPTS))
+    )
+    assert len(results) >= 8
+    for prompt, (chunks, end) in zip(PROMPTS, results, strict=True):
+        assert end.finish_reason is FinishReason.LENGTH
+        assert end.usage.completion_tokens == 6
+        assert token_ids(chunks) == reference_greedy(engine, prompt, 6), prompt
+        assert "".join(c.text for c in chunks) == engine._tokenizer.decode(
+            token_ids(chunks), skip_special_tokens=True
+        )
+    await wait_idle(engine)
+
+
+async def test_greedy_equals_model_generate(engine: TransformersEngine) -> None:
+    chunks, end = await collect(engine, request("g", prompt="Loadmaster serves", max_tokens=12))
+    assert token_ids(chunks) == reference_greedy(engine, "Loadmaster serves", 12)
+    assert end.usage.prompt_tokens == len(engine._tokenizer.encode("Loadmaster serves"))
+
+
+async def test_stop_string_ends_the_stream_before_it(engine: TransformersEngine) -> None:
+    chunks, _ = await collect(engine, request("full", prompt="a model", max_tokens=16))
+    text = "".join(c.text for c in chunks)
+    cut = next(
+        i
+        for i in range(len(text) // 3, len(text) - 3)
+        if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i
+    )
+    stop = text[cut : cut + 3]
+    chunks, end = await collect(
+        engine, request("stopped", prompt="a model", max_tokens=16, stop=(stop, "never-seen"))
+    )
+    assert end.finish_reason is FinishReason.STOP
+    assert "".join(c.text for c in chunks) == text[:cut]
+    assert end.usage.completion_tokens < 16
+    await wait_idle(engine)  # the sequence was cancelled in the manager
+
+
+async def test_cancel_ends_the_stream_and_frees_the_sequence(engine: TransformersEngine) -> None:
+    stream = await engine.submit(request("long", max_tokens=2000))
+    first = await asyncio.wait_for(stream.__anext__(), 30)
+    assert isinstance(first, TokenChunk)
+    busy = engine.stats()
+    assert (busy.running, busy.streams_open) == (1, 1)
+    assert 0 < busy.kv_blocks_used <= busy.kv_blocks_total == 64
+    assert engine.cancel("long") is True
+    rest = [event async for event in stream]
+    assert isinstance(rest[-1], GenerationEnd)
+    assert rest[-1].finish_reason is FinishReason.CANCELLED
+    assert rest[-1].usage.completion_tokens < 2000
+    await wait_idle(engine)
+    assert engine.cancel("long") is False
+
+
+async def test_closing_a_stream_early_cancels_it(engine: TransformersEngine) -> None:
+    async with await engine.submit(request("closed", max_tokens=2000)) as stream:
+        await asyncio.wait_for(stream.__anext__(), 30)
+    await wait_idle(engine)
+
+
+async def test_seed_reproduces_a_sampled_reply_whatever_its_batch_mates(engine: TransformersEngine) -> None:
+    alone, _ = await collect(engine, request("s1", temperature=1.0, seed=1234, max_tokens=10))
+    crowd = await asyncio.gather(
+        collect(engine, request("s2", temperature=1.0, seed=1234, max_tokens=10)),
+        *(
+            collect(engine, request(f"n{i}", prompt=p, temperature=1.0, max_tokens=10))
+            for i, p in enumerate(PROMPTS[:6])
+        ),
+    )
+    other, _ = await collect(engine, request("s3", temperature=1.0, seed=99, max_tokens=10))
+    assert token_ids(crowd[0][0]) == token_ids(alone)
+    assert token_ids(other) != token_ids(alone)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_preempt_and_resume_neither_lose_nor_repeat_a_token(
+    engine: TransformersEngine, temperature: float
+) -> None:
+    whole, _ = await collect(engine, request("whole", temperature=temperature, seed=42, max_tokens=24))
+    stream = await engine.submit(request("pre", temperature=temperature, seed=42, max_tokens=24))
+    events: list[Any] = [await asyncio.wait_for(stream.__anext__(), 30)]
+    before = engine.stats().preemptions
+    assert engine.preempt("pre") is True
+    assert engine.preempt("pre") is False  # already out
+    await wait_until_no_sequence(engine)  # its slot is free while it is preempted
+    events += stream.ready()
+    assert engine.resume("pre") is True
+    async with asyncio.timeout(30):
+        events += [event async for event in stream]
+    chunks = [e for e in events if isinstance(e, TokenChunk)]
+    end = events[-1]
+    assert [e.sequence for e in events] == list(range(len(events)))
+    assert token_ids(chunks) == token_ids(whole)
+    assert isinstance(end, GenerationEnd) and end.finish_reason is FinishReason.LENGTH
+    assert (end.preemptions, end.usage.completion_tokens) == (1, 24)
+    assert engine.stats().preemptions == before + 1
+
+
+async def wait_until_no_sequence(engine: TransformersEngine) -> None:
+    for _ in range(300):  # bounded: 3 s
+        if engine.stats().running == 0 and engine.stats().waiting == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the preempted sequence still holds a slot: {engine.stats()}")
+
+
+async def test_chat_messages_use_the_chat_template(engine: TransformersEngine) -> None:
+    messages = (ChatMessage("system", "be brief"), ChatMessage("user", "hello"))
+    stream = await engine.submit(
+        GenerationRequest("chat", SamplingParams(max_tokens=3, temperature=0.0), messages=messages)
+    )
+    expected = engine._tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+    )
+    assert expected.endswith("<|assistant|>")
+    assert stream.prompt_tokens == len(engine._tokenizer.encode(expected, add_special_tokens=False))
+    events = [event async for event in stream]
+    assert isinstance(events[-1], GenerationEnd) and events[-1].usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("req", "field"),
+    [
+        (request("b1", max_tokens=0), "max_tokens"),
+        (request("b2", temperature=2.5), "temperature"),
+        (request("b3", top_p=0.0), "top_p"),
+        (request("b4", stop=("a", "b", "c", "d", "e")), "stop"),
+        (request("b5", stop=("",)), "stop[0]"),
+        (request("b6", max_tokens=100_000), "context"),
+        (GenerationRequest("b7", SamplingParams(max_tokens=2), messages=()), "messages"),
+        (
+            GenerationRequest("b8", SamplingParams(max_tokens=2), messages=(ChatMessage("robot", "x"),)),
+            "messages[0].role",
+        ),
+        (
+            GenerationRequest("b9", SamplingParams(max_tokens=2), prompt_token_ids=(1, 99_999)),
+            "prompt_token_ids[1]",
+        ),
+        (
+            GenerationRequest("b10", SamplingParams(max_tokens=2), prompt="x", prompt_token_ids=(1,)),
+            "exactly one",
+        ),
+    ],
+)
+async def test_bad_input_is_refused_naming_the_field(
+    engine: TransformersEngine, req: GenerationRequest, field: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        await engine.submit(req)
+    _, end = await collect(engine, request("after-bad", max_tokens=2))  # still serving
+    assert end.finish_reason is FinishReason.LENGTH
+
+
+async def test_duplicate_request_id_is_refused(engine: TransformersEngine) -> None:
+    stream = await engine.submit(request("dup", max_tokens=2000))
+    with pytest.raises(InvalidArgumentError, match="already generating"):
+        await engine.submit(request("dup"))
+    await stream.aclose()
+    await wait_idle(engine)
+    # Two at once (both pass the first check while their prompts are tokenised): one wins.
+    outcomes = await asyncio.gather(
+        engine.submit(request("twin", max_tokens=2000)),
+        engine.submit(request("twin", max_tokens=2000)),
+        return_exceptions=True,
+    )
+    streams = [o for o in outcomes if not isinstance(o, BaseException)]
+    errors = [o for o in outcomes if isinstance(o, InvalidArgumentError)]
+    assert (len(streams), len(errors)) == (1, 1)
+    await streams[0].aclose()
+    await wait_idle(engine)
+
+
+def test_tensor_requests_are_refused(engine: TransformersEngine) -> None:
+    with pytest.raises(InvalidArgumentError, match="generative"):
+        engine.infer({})
+
+
+# ---- in the pool: lease, lifecycle ---------------------------------------------------
+
+
+async def test_pool_leases_loads_and_unloads_it_like_any_engine(tiny_repo: Path, leases: Any) -> None:
+    pool = ModelPool(
+        ModelRepository(tiny_repo), models=ModelsSettings(), lease_client=leases, lease_ttl_s=5.0
+    )
+    try:
+        status = await pool.load("tiny-chat")
+        assert status.backend == "transformers"
+        spec = ModelRepository(tiny_repo).spec("tiny-chat")
+        assert leases.acquired[-1]["mb"] == TransformersEngine.estimate_mb(spec)
+        loaded = pool._loaded["tiny-chat"].instances[0].engine
+        assert isinstance(loaded, TransformersEngine)
+        _, end = await collect(loaded, request("in-pool", max_tokens=3))
+        assert end.finish_reason is FinishReason.LENGTH
+        open_stream = await loaded.submit(request("open", max_tokens=2000))
+        await pool.unload("tiny-chat")
+        events = [event async for event in open_stream]
+        assert isinstance(events[-1], GenerationEnd) and events[-1].finish_reason is FinishReason.ERROR
+        assert leases.released == [leases.acquired[-1]["lease_id"]]
+        with pytest.raises(UnavailableError):
+            await loaded.submit(request("late"))
+    finally:
+        await pool.close()
