@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadmaster.cli import chat_cmd, gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
+from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._config import EXIT_FAILURE, ConfigOption, config_problem, settings_from
 from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.cli.launcher import Suite
@@ -83,7 +84,7 @@ def up(
     dependency order (gateway, workers, scheduler, metrics, broker, Redis), each drained within
     its shutdown_grace_s. Exits 1 when a service failed or did not stop cleanly."""
     try:
-        suite = Suite(config, workers=workers)
+        suite = Suite(config, workers=workers, make_credentials=True)
     except ConfigError as error:
         raise config_problem(error) from None
     stop = threading.Event()
@@ -96,11 +97,15 @@ def up(
         raise typer.Exit(1) from None
     endpoints = {name: redact(endpoint) for name, endpoint in suite.endpoints().items()}
     state_path = run_state_path(suite.settings.gateway.address)
-    write_run_state(state_path, {"pid": os.getpid(), "redis_url": suite.settings.redis_url})
+    write_run_state(
+        state_path,
+        {"pid": os.getpid(), "redis_url": suite.settings.redis_url, "internal_auth": suite.credential_files},
+    )
     table = Table(title="Loadmaster is up", show_header=False)
     for name, endpoint in endpoints.items():
         table.add_row(name, endpoint)
     console.print(table)
+    use_credentials(suite.settings)
     result = _print_status(suite.settings, console)
     if as_json:
         print_json({"endpoints": endpoints, "status": result.to_json()})
@@ -136,6 +141,7 @@ def status(
         known = read_run_state(run_state_path(settings.gateway.address)).get("redis_url")
         if isinstance(known, str) and known:
             settings = settings.model_copy(update={"redis_url": known})
+    use_credentials(settings)
     if as_json:
         result = asyncio.run(collect_status(settings, check_redis=True))
         print_json(result.to_json())

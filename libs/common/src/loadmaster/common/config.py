@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from loadmaster.common.errors import InvalidArgumentError
@@ -33,6 +33,7 @@ __all__ = [
     "GatewaySettings",
     "GpuBrokerSettings",
     "GpuSpec",
+    "InternalAuthSettings",
     "LeaseTiming",
     "LimitsSettings",
     "MetricsSettings",
@@ -325,6 +326,24 @@ class ResponseTrackingSettings(_Section):
     disconnect_timeout_s: float = Field(default=10.0, gt=0)
 
 
+class InternalAuthSettings(_Section):
+    """Credentials between services (loadmaster.common.internal_auth, docs/security.md).
+
+    The suite secret (`secret`, or the file `secret_file`, e.g. a Docker secret) signs every
+    internal gRPC call and data-port message; `loadmaster up` makes one when none is set. Admin
+    RPCs also need the admin token when one is configured: `admin_token(_file)` where calls are
+    made (gateway, CLI), `admin_token_sha256` (or the token itself) where they are checked.
+    Without a secret, services refuse to bind beyond loopback unless `insecure` is true."""
+
+    secret: SecretStr | None = None
+    secret_file: Path | None = None
+    admin_token: SecretStr | None = None
+    admin_token_file: Path | None = None
+    admin_token_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    insecure: bool = False
+    max_clock_skew_s: float = Field(default=30.0, gt=0)
+
+
 _yaml_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_data", default=None)
 
 
@@ -366,6 +385,7 @@ class Settings(BaseSettings):
     models: ModelsSettings = ModelsSettings()
     clients: ClientsSettings = ClientsSettings()
     response_tracking: ResponseTrackingSettings = ResponseTrackingSettings()
+    internal_auth: InternalAuthSettings = InternalAuthSettings()
     # The folder the YAML file was read from; relative paths in it resolve against this.
     config_dir: Path = Path(".")
 

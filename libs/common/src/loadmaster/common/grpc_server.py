@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from loadmaster.common import tracing
+from loadmaster.common import internal_auth, tracing
 from loadmaster.common.errors import ERROR_CODE_TRAILER, InternalError, LoadmasterError
 from loadmaster.common.reflection import enable_reflection
 
@@ -191,8 +191,14 @@ class GrpcServer:
         self._listen = listen
         self._grace_s = grace_s
         self.server = grpc.aio.server(
-            # Tracing (when on) is outermost, so its spans see the status the error mapping sets.
-            interceptors=[*tracing.server_interceptors(), ErrorInterceptor(), *(interceptors or [])],
+            # Tracing (when on) is outermost, so its spans see the status the error mapping sets;
+            # internal auth (when configured) refuses uncredentialed calls before any handler runs.
+            interceptors=[
+                *tracing.server_interceptors(),
+                *internal_auth.server_interceptors(),
+                ErrorInterceptor(),
+                *(interceptors or []),
+            ],
             options=GRPC_OPTIONS,
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -231,6 +237,7 @@ class GrpcServer:
         enable_reflection(self._service_names, self.server)
         # Probes must not see SERVING (grpc_health's default for "") before the hooks have run.
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        internal_auth.check_listen(self.name, self._listen)
         self.port = self.server.add_insecure_port(self._listen)
         if self.port == 0:
             raise RuntimeError(f"{self.name}: could not bind {self._listen}")
