@@ -98,6 +98,19 @@ class LimitsSettings(_Section):
     max_tensors: int = Field(default=64, ge=1)
     max_dims: int = Field(default=8, ge=1)
     max_metadata_bytes: int = Field(default=16 << 10, ge=0)
+    # Elements of one BYTES tensor: bounds the per-element work of checking and decoding it.
+    max_bytes_elements: int = Field(default=1 << 20, ge=0)
+    # The JSON part of an HTTP request (all of it without binary data): parsing it holds the
+    # interpreter, ~110 MB/s here, so this bounds what one JSON body can stall. Binary tensor
+    # data after the JSON header counts against max_payload_bytes instead.
+    max_json_bytes: int = Field(default=4 << 20, ge=1)
+    # Requests one gRPC ModelStreamInfer stream may have in flight; the stream reads no further
+    # message until one finishes.
+    max_stream_inflight: int = Field(default=64, ge=1)
+    # HTTP: a request's headers and body must arrive within these (408 or a closed connection).
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    http_keep_alive_s: float = Field(default=5.0, gt=0)  # an idle keep-alive connection is closed
 
 
 def _infer_only() -> list[Literal["infer", "admin"]]:

@@ -27,7 +27,7 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -74,6 +74,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
             status, message, code = _status_for(error, method)
+            # gRPC keeps the abort's exception in a reference cycle until a garbage collection;
+            # through `error`'s traceback that would keep the failed call's frames, and the
+            # request in them (up to the message size limit), alive as long.
+            error.__traceback__ = error.__context__ = error.__cause__ = None
             # Several error kinds share a gRPC status; the trailer says which one it was.
             await context.abort(status, message, trailing_metadata=((ERROR_CODE_TRAILER, str(code)),))
 
@@ -86,6 +90,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except (LoadmasterError, Exception) as error:
                     if isinstance(error, asyncio.CancelledError) or _is_abort(error):
                         raise
+                    del request  # this frame outlives the call in the abort's traceback (above)
                     await abort(context, error)
 
             return grpc.unary_unary_rpc_method_handler(
@@ -186,6 +191,7 @@ class GrpcServer:
         *,
         grace_s: float = 5.0,
         interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+        options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.name = name
         self._listen = listen
@@ -199,7 +205,7 @@ class GrpcServer:
                 ErrorInterceptor(),
                 *(interceptors or []),
             ],
-            options=GRPC_OPTIONS,
+            options=list({**dict(GRPC_OPTIONS), **dict(options)}.items()),  # `options` win
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

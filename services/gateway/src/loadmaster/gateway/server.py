@@ -17,7 +17,11 @@ from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.edge import EdgeFrontend
-from loadmaster.gateway.frontends.grpc import KServeGrpcServicer
+from loadmaster.gateway.frontends.grpc import (
+    KServeGrpcServicer,
+    UndecodableRequestInterceptor,
+    receive_options,
+)
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
@@ -108,7 +112,13 @@ class Gateway:
             self.admin,
             gateway_id=self.gateway_id,
         )
-        self.http = HttpFrontend(app, host=settings.gateway.http_host, port=settings.gateway.http_port)
+        self.http = HttpFrontend(
+            app,
+            host=settings.gateway.http_host,
+            port=settings.gateway.http_port,
+            header_timeout_s=settings.gateway.limits.http_header_timeout_s,
+            keep_alive_s=settings.gateway.limits.http_keep_alive_s,
+        )
         self._settings = settings
 
     async def start(self) -> None:
@@ -147,7 +157,11 @@ class GatewayServer(GrpcServer):
 
     def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
         super().__init__(
-            "gateway", settings.gateway.listen_address, grace_s=settings.gateway.shutdown_grace_s
+            "gateway",
+            settings.gateway.listen_address,
+            interceptors=[UndecodableRequestInterceptor()],
+            options=receive_options(settings.gateway.limits),
+            grace_s=settings.gateway.shutdown_grace_s,
         )
         self.gateway = Gateway(settings, clock=clock)
         self.add_service(
