@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from loadmaster.cli.launcher import Suite, free_port_overrides, to_env
@@ -120,13 +122,24 @@ def test_a_gateway_finishes_its_requests_in_flight_and_refuses_new_ones(suite: S
     http_url = _http_base(settings)
     gateway = suite.service("gateway")
     assert gateway is not None
+    streamed: queue.Queue[Any] = queue.Queue()
+    stream = triton_grpc.InferenceServerClient(settings.gateway.address)
+    stream.start_stream(callback=lambda result, error: streamed.put(error or result))
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         futures = _send_sleeps(
             pool, http_url, settings.gateway.address, settings.gateway.edge.bind, IN_FLIGHT
         )
-        _wait_for(lambda: _gateway_inflight(http_url) == IN_FLIGHT, "requests in flight at the gateway")
+        # And one on a ModelStreamInfer stream that the client keeps open afterwards.
+        on_stream = triton_grpc.InferInput("ms", [1], "FP32")
+        on_stream.set_data_from_numpy(np.array([SLEEP_MS], np.float32))
+        stream.async_stream_infer("sleep", [on_stream])
+        _wait_for(lambda: _gateway_inflight(http_url) == IN_FLIGHT + 1, "requests in flight at the gateway")
         os.killpg(gateway.process.pid, signal.SIGTERM)
+        signalled = time.monotonic()
         _wait_for(lambda: httpx.get(f"{http_url}/readyz", timeout=2).status_code == 503, "readyz 503")
+        with grpc.insecure_channel(settings.gateway.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         # New work is refused, clearly, on every front end, while the old work goes on.
         refused = httpx.post(
             f"{http_url}/v2/models/sleep/infer",
@@ -145,7 +158,13 @@ def test_a_gateway_finishes_its_requests_in_flight_and_refuses_new_ones(suite: S
             conn.model("sleep").infer(ms=np.array([1.0], np.float32), timeout_ms=5000)
         answers = [future.result(timeout=30) for future in futures]
     assert answers == [SLEEP_MS] * IN_FLIGHT
+    streamed_result = streamed.get(timeout=30)
+    assert float(streamed_result.as_numpy("ms")[0]) == SLEEP_MS, streamed_result
     assert gateway.process.wait(timeout=15) == 0
+    # The idle stream (still open on the client's side) did not hold the stop for the 10 s grace.
+    assert time.monotonic() - signalled < 8.0
+    stream.stop_stream()
+    stream.close()
     suite.restart("gateway", timeout_s=60)
 
 

@@ -134,6 +134,7 @@ class Gateway:
         front end are answered `unavailable`, and those in flight get `grace_left_s` to finish
         while every link stays open."""
         self.readiness.draining = True
+        self.kserve_grpc.drain()  # ModelStreamInfer streams end once their requests are answered
         left = await self.dispatcher.drain(grace_left_s)
         if left:
             log.warning("gateway: %d request(s) still in flight when the grace ran out", left)
