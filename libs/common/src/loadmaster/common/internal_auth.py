@@ -23,7 +23,6 @@ bind beyond loopback unless `insecure: true` says that is meant.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import secrets
@@ -34,6 +33,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from loadmaster.common.addresses import is_local
 from loadmaster.common.config import InternalAuthSettings, Settings
 from loadmaster.common.credentials import (
     ADMIN_HEADER,
@@ -188,29 +188,9 @@ def insecure_allowed() -> bool:
     return _process.insecure
 
 
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name, a wildcard (*) or an interface name: beyond loopback
-
-
-def _host_of(address: str) -> str | None:
-    """The host of a gRPC address or a ZMQ endpoint; None for ipc://, inproc://, unix: (local)."""
-    if address.startswith(("ipc://", "inproc://", "unix:", "unix-abstract:")):
-        return None
-    address = address.removeprefix("tcp://")
-    host, _, _ = address.rpartition(":")
-    return host
-
-
 def check_listen(name: str, address: str) -> None:
     """Refuse a bind beyond loopback while this process has no internal auth (unless insecure)."""
-    host = _host_of(address)
-    if host is None or _is_loopback(host) or _process.credentials is not None or _process.insecure:
+    if is_local(address) or _process.credentials is not None or _process.insecure:
         return
     raise InsecureBindError(
         f"{name}: refusing to listen on {address} without internal auth: any process that reaches "

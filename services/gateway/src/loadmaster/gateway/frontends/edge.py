@@ -48,7 +48,12 @@ from loadmaster.gateway.curve import EdgeCurve
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.ordering import ReplyOrderer, Ticket
 from loadmaster.gateway.reply_budget import ReplyBudget
-from loadmaster.gateway.validation import observation_to_call, parse_observation
+from loadmaster.gateway.validation import (
+    needs_off_loop,
+    observation_to_call,
+    observation_to_call_off_loop,
+    parse_observation,
+)
 from loadmaster.v1 import edge_pb2
 
 __all__ = ["EdgeFrontend"]
@@ -83,6 +88,7 @@ class EdgeFrontend:
         self._budget = ReplyBudget(settings.edge.max_queued_reply_bytes)
         self._bound_keys: dict[bytes, str] = {}  # identity -> the CURVE key that first used it
         self._sweeper: asyncio.Task[None] | None = None
+        self._checking: set[asyncio.Task[None]] = set()  # observations checked off the loop
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -112,6 +118,8 @@ class EdgeFrontend:
                 await self._sweeper
         if self._reader is not None:
             self._reader.stop()
+        for checking in list(self._checking):
+            checking.cancel()
         if self._socket is not None:
             self._socket.close(linger=0)
         self._curve.stop()
@@ -139,29 +147,68 @@ class EdgeFrontend:
             return
         model_id = observation.model_id
         ticket = self._orderer.take((identity, model_id))
-        client_request_id = observation.metadata.get(REQUEST_ID_KEY, "")
         labels = {"model": model_id}
         self._telemetry.record("payload_size_bytes", len(message.payload), labels)
         if observation.timestamp_ns:
             staleness_ms = (self._clock.time() * 1e9 - observation.timestamp_ns) / 1e6
             self._telemetry.record("observation_staleness_ms", staleness_ms, labels)
+        if needs_off_loop(observation):
+            # Checking it costs more than a loop turn should: the validation threads do it while
+            # this loop serves others. The ticket is taken, so replies stay in order.
+            checking = asyncio.get_running_loop().create_task(
+                self._submit_checked_off_loop(ticket, identity, observation, message.payload, request_id)
+            )
+            self._checking.add(checking)
+            checking.add_done_callback(self._checking.discard)
+            return
         try:
             call = observation_to_call(
                 observation, message.payload, request_id=request_id, limits=self._settings.limits
             )
         except InvalidArgumentError as error:
-            self._telemetry.record("observation_errors", 1, {"code": error.edge_code})
-            self._reply_error(
-                ticket,
-                identity,
-                error,
-                model_id=model_id,
-                client=observation.client,
-                request_id=client_request_id or request_id,
-            )
+            self._refuse(ticket, identity, observation, request_id, error)
             return
+        self._submit(ticket, identity, observation, call)
+
+    async def _submit_checked_off_loop(
+        self,
+        ticket: Ticket,
+        identity: bytes,
+        observation: edge_pb2.Observation,
+        payload: Any,
+        request_id: str,
+    ) -> None:
+        try:
+            call = await observation_to_call_off_loop(
+                observation, payload, request_id=request_id, limits=self._settings.limits
+            )
+        except InvalidArgumentError as error:
+            self._refuse(ticket, identity, observation, request_id, error)
+            return
+        self._submit(ticket, identity, observation, call)
+
+    def _submit(self, ticket: Ticket, identity: bytes, observation: edge_pb2.Observation, call: Any) -> None:
+        client_request_id = observation.metadata.get(REQUEST_ID_KEY, "")
         self._dispatcher.submit(
             call, partial(self._on_result, ticket, identity, observation.client, client_request_id)
+        )
+
+    def _refuse(
+        self,
+        ticket: Ticket,
+        identity: bytes,
+        observation: edge_pb2.Observation,
+        request_id: str,
+        error: InvalidArgumentError,
+    ) -> None:
+        self._telemetry.record("observation_errors", 1, {"code": error.edge_code})
+        self._reply_error(
+            ticket,
+            identity,
+            error,
+            model_id=observation.model_id,
+            client=observation.client,
+            request_id=observation.metadata.get(REQUEST_ID_KEY, "") or request_id,
         )
 
     def _on_result(
