@@ -392,6 +392,41 @@ def test_failed_large_http_requests_are_freed_with_their_reply(start_gateway: Ca
     assert grown < 32 << 20, f"the gateway grew by {grown >> 20} MiB over 3 answered 40 MiB requests"
 
 
+def _costly_observation(count: int = 1_000_000) -> tuple[edge_pb2.Observation, bytes]:
+    """`count` BYTES elements of alternating lengths: the costliest layout to check."""
+    lengths = np.tile(np.array([0, 1], dtype="<u4"), count // 2)
+    prefixes = lengths.view(np.uint8).reshape(count, 4)
+    payload = b"".join(
+        prefix.tobytes() + (b"x" if length else b"") for prefix, length in zip(prefixes, lengths, strict=True)
+    )
+    tensor = tensor_pb2.Tensor(
+        key="s", dtype=tensor_pb2.BYTES, shape=[count], byte_length=len(payload), encoding=tensor_pb2.RAW
+    )
+    return edge_pb2.Observation(model_id="echo", tensors=[tensor]), payload
+
+
+def test_costly_edge_observations_checked_at_once_are_bounded(start_gateway: Callable[..., Any]) -> None:
+    """Each costly observation holds its payload while a thread checks it: past
+    `edge.max_offloop_checks` at once the next is refused, not queued in memory."""
+    gateway = start_gateway({"limits": {"max_payload_bytes": 8 << 20}, "edge": {"max_offloop_checks": 1}})
+    big, payload = _costly_observation()
+    context = zmq.Context()
+    codes: list[str] = []
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(gateway.edge)
+        for _ in range(3):
+            dealer.send_multipart([b"", big.SerializeToString(), payload])
+        for _ in range(3):
+            assert dealer.poll(30_000), "no reply"
+            codes.append(edge_pb2.ModelResponse.FromString(dealer.recv_multipart()[1]).metadata["error_code"])
+    finally:
+        context.destroy(linger=0)
+    assert "resource_exhausted" in codes, codes
+    assert codes[0] != "resource_exhausted", codes  # the first one was checked
+
+
 def test_an_edge_observation_that_is_costly_to_check_does_not_hold_up_another_client(
     start_gateway: Callable[..., Any],
 ) -> None:

@@ -18,9 +18,11 @@ import grpc
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_client import aio_channel, check_health
+from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url, redact_redis_url
 from loadmaster.v1 import model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["ModelRow", "RedisRow", "ServiceRow", "SuiteStatus", "collect_status", "redact"]
@@ -79,6 +81,8 @@ class SuiteStatus:
 
 def redact(url: str) -> str:
     """The URL with its password replaced by `***`."""
+    if is_sentinel_url(url):
+        return redact_redis_url(url)
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -88,10 +92,30 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _ping_redis(url: str, timeout_s: float) -> RedisRow:
-    client = redis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+def _redis_client(url: str, timeout_s: float) -> redis.Redis:
+    """A client of `url`; for a `redis+sentinel://` URL, of the master the Sentinels name."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **options)
+    target = parse_sentinel_url(url)
+    sentinel = Sentinel(
+        list(target.sentinels), sentinel_kwargs={**options, "password": target.sentinel_password}
     )
+    client: redis.Redis = sentinel.master_for(
+        target.service_name, db=target.db, username=target.username, password=target.password, **options
+    )
+    return client
+
+
+def _ping_redis(url: str, timeout_s: float) -> RedisRow:
+    try:
+        client = _redis_client(url, timeout_s)
+    except ValueError as error:  # a malformed URL (RedisUrlError names the part)
+        return RedisRow(redact(url), False, str(error))
     try:
         client.ping()
         return RedisRow(redact(url), True)

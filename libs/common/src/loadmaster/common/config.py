@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 
 __all__ = [
     "ApiKeySettings",
@@ -88,6 +89,10 @@ class EdgeSettings(_Section):
     heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
     heartbeat_timeout_ms: int = Field(default=3000, ge=0)
     heartbeat_ttl_ms: int = Field(default=3000, ge=0)
+    # Observations whose check costs more than a loop turn are checked on threads, each holding
+    # its payload meanwhile; past this many at once the next is refused (`resource_exhausted`),
+    # so a flood of costly messages cannot hold unbounded memory.
+    max_offloop_checks: int = Field(default=4, ge=1)
 
 
 class LimitsSettings(_Section):
@@ -268,6 +273,10 @@ class GpuBrokerSettings(ServiceEndpoint):
         default_factory=lambda: {"local": [GpuSpec(index=0, total_mb=16_384)]}
     )
     use_nvml: bool = True
+    # Answer Acquire/Renew/Release/Register only once a Redis replica holds their writes
+    # (`WAIT 1 <ms>`; UNAVAILABLE when none acknowledges in time), so a grant survives a
+    # failover. 0 = off; unset = 200 ms with a redis+sentinel:// URL, else off.
+    replica_ack_timeout_ms: int | None = Field(default=None, ge=0)
 
 
 class MetricsSettings(ServiceEndpoint):
@@ -401,6 +410,13 @@ class Settings(BaseSettings):
     internal_auth: InternalAuthSettings = InternalAuthSettings()
     # The folder the YAML file was read from; relative paths in it resolve against this.
     config_dir: Path = Path(".")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _valid_sentinel_url(cls, value: str | None) -> str | None:
+        if value is not None and is_sentinel_url(value):
+            parse_sentinel_url(value)  # a malformed one fails here, naming the part
+        return value
 
     @field_validator("log_level")
     @classmethod

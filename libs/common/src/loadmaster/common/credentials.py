@@ -85,6 +85,12 @@ def _identity_key(master: bytes, identity_text: str) -> bytes:
     return hmac.digest(master, b"identity\n" + identity_text.encode(), "sha256")
 
 
+def _same(given: str, expected: str) -> bool:
+    """Constant-time comparison of a MAC a caller sent (any text: compared as UTF-8 bytes, so
+    a non-ASCII value is a mismatch, not a TypeError) with the expected one."""
+    return hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode())
+
+
 class Credentials:
     """One process's identity and its key: signs what it sends, verifies what it gets.
 
@@ -204,7 +210,7 @@ class Credentials:
         stamp, _, mac = token.partition(".")
         self._check_time(stamp)
         key = self._key_of(claimed)
-        if not hmac.compare_digest(mac, _mac(key, "grpc", claimed, method, stamp)):
+        if not _same(mac, _mac(key, "grpc", claimed, method, stamp)):
             raise UnauthenticatedError("internal credential does not verify")
         self._remember(claimed, key)
         if (only := SERVICE_METHODS.get(method)) is not None and identity.service != only:
@@ -238,7 +244,7 @@ class Credentials:
         identity = Identity.parse(claimed)
         now = self._check_time(stamp)
         key = self._key_of(claimed)
-        if not hmac.compare_digest(mac, _mac(key, "data", claimed, request_id, stamp)):
+        if not _same(mac, _mac(key, "data", claimed, request_id, stamp)):
             raise UnauthenticatedError("data-port credential does not verify")
         self._remember(claimed, key)
         if identity.service != DATA_PORT_SENDER:

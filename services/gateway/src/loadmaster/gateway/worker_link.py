@@ -22,7 +22,6 @@ memory off.
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
 from collections.abc import Callable
@@ -139,13 +138,6 @@ def is_local_endpoint(endpoint: str) -> bool:
     """Whether a data endpoint is surely on this host: ipc://, or tcp:// to a loopback address.
     (A host name may resolve here or elsewhere, so it counts as remote.)"""
     return endpoint.startswith(("ipc://", "tcp://")) and is_local(endpoint)
-    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class ShmPayloads:

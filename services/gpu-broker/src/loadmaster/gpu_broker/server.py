@@ -19,7 +19,7 @@ from loadmaster.gpu_broker.manager import LeaseManager
 from loadmaster.gpu_broker.nvml import NvmlSampler
 from loadmaster.gpu_broker.reaper import LocalGpus, Reaper
 from loadmaster.gpu_broker.servicer import GpuBrokerServicer
-from loadmaster.gpu_broker.store import RedisLeaseStore
+from loadmaster.gpu_broker.store import RedisLeaseStore, default_replica_ack_timeout_ms
 from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "build"]
@@ -35,7 +35,14 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
         )
     clock = clock or SystemClock()
     config = settings.gpu_broker
-    store = RedisLeaseStore.connect(settings.redis_url, key_prefix=config.key_prefix)
+    ack_ms = config.replica_ack_timeout_ms
+    store = RedisLeaseStore.connect(
+        settings.redis_url,
+        key_prefix=config.key_prefix,
+        replica_ack_timeout_ms=(
+            default_replica_ack_timeout_ms(settings.redis_url) if ack_ms is None else ack_ms
+        ),
+    )
     telemetry = (
         TelemetryReporter("gpu-broker", default_instance_id(), settings.metrics.address)
         if settings.metrics.enabled

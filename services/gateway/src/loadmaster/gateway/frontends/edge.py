@@ -34,7 +34,12 @@ import zmq.asyncio
 
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import GatewaySettings
-from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
+from loadmaster.common.errors import (
+    InternalError,
+    InvalidArgumentError,
+    LoadmasterError,
+    ResourceExhaustedError,
+)
 from loadmaster.common.framing import (
     REQUEST_ID_KEY,
     SocketReader,
@@ -155,6 +160,18 @@ class EdgeFrontend:
         if needs_off_loop(observation):
             # Checking it costs more than a loop turn should: the validation threads do it while
             # this loop serves others. The ticket is taken, so replies stay in order.
+            if len(self._checking) >= self._settings.edge.max_offloop_checks:
+                self._reply_error(
+                    ticket,
+                    identity,
+                    ResourceExhaustedError(
+                        f"{len(self._checking)} large observations are being checked; try again"
+                    ),
+                    model_id=model_id,
+                    client=observation.client,
+                    request_id=observation.metadata.get(REQUEST_ID_KEY, "") or request_id,
+                )
+                return
             checking = asyncio.get_running_loop().create_task(
                 self._submit_checked_off_loop(ticket, identity, observation, message.payload, request_id)
             )
@@ -165,7 +182,7 @@ class EdgeFrontend:
             call = observation_to_call(
                 observation, message.payload, request_id=request_id, limits=self._settings.limits
             )
-        except InvalidArgumentError as error:
+        except Exception as error:
             self._refuse(ticket, identity, observation, request_id, error)
             return
         self._submit(ticket, identity, observation, call)
@@ -182,7 +199,7 @@ class EdgeFrontend:
             call = await observation_to_call_off_loop(
                 observation, payload, request_id=request_id, limits=self._settings.limits
             )
-        except InvalidArgumentError as error:
+        except Exception as error:
             self._refuse(ticket, identity, observation, request_id, error)
             return
         self._submit(ticket, identity, observation, call)
@@ -199,13 +216,19 @@ class EdgeFrontend:
         identity: bytes,
         observation: edge_pb2.Observation,
         request_id: str,
-        error: InvalidArgumentError,
+        error: Exception,
     ) -> None:
-        self._telemetry.record("observation_errors", 1, {"code": error.edge_code})
+        """Answer a request that failed its checks; anything but a `LoadmasterError` is a bug,
+        logged and answered `internal` (its reply ticket must never stay open)."""
+        refusal = error if isinstance(error, LoadmasterError) else None
+        if refusal is None:
+            log.error("checking request %s failed", request_id, exc_info=error)
+            refusal = InternalError(f"internal error: {type(error).__name__}")
+        self._telemetry.record("observation_errors", 1, {"code": refusal.edge_code})
         self._reply_error(
             ticket,
             identity,
-            error,
+            refusal,
             model_id=observation.model_id,
             client=observation.client,
             request_id=observation.metadata.get(REQUEST_ID_KEY, "") or request_id,

@@ -322,9 +322,10 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         """Each message is one request: it pays its own rate-limit token (the key is checked
-        when the stream opens, uncharged), and at most `max_stream_inflight` run at once: the
-        stream reads its next message only when one finishes, so gRPC flow control holds the
-        client back instead of the gateway buffering its requests."""
+        when the stream opens, uncharged), and at most `max_stream_inflight` are running or
+        waiting to be written back at once: the stream reads its next message only when a reply
+        has been written, so gRPC flow control holds back a client that sends without reading,
+        instead of the gateway buffering its requests or its replies."""
         token = _token(context)
         self._auth.authorize(token, INFER, charge=False)
         replies: asyncio.Queue[inference_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
@@ -343,9 +344,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             except Exception as error:
                 log.exception("stream request %s failed", getattr(request, "id", ""))
                 reply = self._stream_error(request, f"internal error: {type(error).__name__}")
-            finally:
-                slots.release()
-            replies.put_nowait(reply)
+            replies.put_nowait(reply)  # its slot is freed once the reply is written (below)
 
         async def read() -> None:
             try:
@@ -364,6 +363,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             while (reply := await replies.get()) is not None:
                 yield reply
+                slots.release()  # a client that stops reading holds back its own requests
         finally:
             reader.cancel()
             for task in list(tasks):
