@@ -1,5 +1,8 @@
 """What `loadmaster status` shows: Redis, each service's health and each model's state per worker.
 
+Workers are those the scheduler knows (its ListWorkers), each checked on its own gRPC endpoint;
+only when the scheduler lists none is the configured `model_pool.address` checked instead.
+
 The suite is healthy when Redis answers, every service is SERVING and at least one model is
 READY on some worker; `problems` says what is not.
 """
@@ -131,13 +134,17 @@ async def _health(name: str, address: str, timeout_s: float) -> ServiceRow:
         return ServiceRow(name, address, await check_health(channel, timeout_s=timeout_s))
 
 
-async def _models(address: str, timeout_s: float) -> list[ModelRow]:
+async def _workers(address: str, timeout_s: float) -> list[scheduler_pb2.WorkerInfo]:
     async with aio_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         try:
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError:
             return []
+    return list(reply.workers)
+
+
+def _models(workers: list[scheduler_pb2.WorkerInfo]) -> list[ModelRow]:
     return [
         ModelRow(
             worker.worker_id,
@@ -148,7 +155,7 @@ async def _models(address: str, timeout_s: float) -> list[ModelRow]:
             slot.vram_mb,
             slot.error,
         )
-        for worker in reply.workers
+        for worker in workers
         for slot in worker.models
     ]
 
@@ -158,15 +165,17 @@ async def collect_status(
 ) -> SuiteStatus:
     """Health of every service and the models per worker; with `check_redis`, Redis too
     (`settings.redis_url`; a missing URL is a problem)."""
+    workers = await _workers(settings.scheduler.address, timeout_s)
+    pool = [(f"model-pool {w.worker_id}", w.grpc_endpoint) for w in workers if w.grpc_endpoint]
     checks = [
         ("gpu-broker", settings.gpu_broker.address),
         ("metrics", settings.metrics.address),
         ("scheduler", settings.scheduler.address),
-        ("model-pool", settings.model_pool.address),
+        *(pool or [("model-pool", settings.model_pool.address)]),
         ("gateway", settings.gateway.address),
     ]
     rows = await asyncio.gather(*(_health(name, address, timeout_s) for name, address in checks))
-    models = await _models(settings.scheduler.address, timeout_s)
+    models = _models(workers)
     problems = [f"{row.name} at {row.address} is not serving" for row in rows if not row.serving]
     redis_row: RedisRow | None = None
     if check_redis:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "BatchSettings",
     "ClientSettings",
     "ClientsSettings",
+    "ConfigError",
     "CurveSettings",
     "DeadlineSettings",
     "EdgeSettings",
@@ -48,15 +50,25 @@ __all__ = [
 ]
 
 
+class ConfigError(InvalidArgumentError, ValueError):
+    """The configuration cannot be used: the file is missing or not YAML, or a key is unknown or
+    holds a bad value. The message names the file and each key (`scheduler.max_queue_size`)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class ServiceEndpoint(_Section):
-    """Where a gRPC service is reached (`address`) and what it binds (`listen`, default: address)."""
+    """Where a gRPC service is reached (`address`) and what it binds (`listen`, default: address).
+
+    On SIGTERM the service turns NOT_SERVING at once, refuses new work and gives what is in
+    flight up to `shutdown_grace_s` to finish before it closes its links (30 s, Kubernetes'
+    default termination grace period)."""
 
     address: str
     listen: str | None = None
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
 
     @property
     def listen_address(self) -> str:
@@ -429,22 +441,60 @@ class Settings(BaseSettings):
 
 
 def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
-    """Settings from `path` (YAML) under environment overrides, under explicit `overrides`."""
+    """Settings from `path` (YAML) under environment overrides, under explicit `overrides`.
+
+    Raises `ConfigError` (one message naming the file and the keys) when the file cannot be
+    read or parsed, or a key is unknown or invalid."""
     data: dict[str, Any] = {}
     config_dir = Path.cwd()
+    source = "the environment (no config file)"
     if path is not None:
         path = Path(path)
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: the top level must be a mapping")
-        data = loaded
+        source = str(path)
+        data = _read_yaml(path)
         config_dir = path.resolve().parent
     token = _yaml_data.set(data)
     try:
         overrides.setdefault("config_dir", config_dir)
         return Settings(**overrides)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, source)) from None
     finally:
         _yaml_data.reset(token)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the configuration file: {error.strerror}") from None
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return loaded
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    """`invalid configuration in loadmaster.yaml:` then a line per key, e.g.
+    `scheduler.max_queue_size: Input should be ... (got 0)`; a key set through the
+    environment names its variable."""
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        variable = "LOADMASTER_" + "__".join(str(part) for part in item["loc"]).upper()
+        if variable in os.environ:
+            key += f" (${variable})"
+        got = "" if item["type"] == "missing" else f" (got {item.get('input')!r})"
+        if item["type"] == "extra_forbidden":
+            got = " (unknown key)"
+        lines.append(f"  {key}: {item['msg']}{got}")
+    return f"invalid configuration in {source}:\n" + "\n".join(lines)
 
 
 # ---- GPU lease timing: the one place the broker and every holder take it from ----------------

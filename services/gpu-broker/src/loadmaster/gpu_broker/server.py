@@ -2,7 +2,8 @@
 
 Background work (event subscription, inventory registration, reaper, telemetry) starts
 in an `on_start` hook and stops in an `on_stop` hook, so `server.start()` / `stop()`
-(or `run()`) own the whole lifecycle.
+(or `run()`) own the whole lifecycle. The drain hook ends Watch streams first, so the
+gRPC grace period is spent only on calls in flight.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
     )
     reaper = Reaper(manager, clock=clock, inventory=inventory, telemetry=telemetry, local_gpus=local_gpus)
 
-    server = GrpcServer("gpu-broker", config.listen_address)
+    server = GrpcServer("gpu-broker", config.listen_address, grace_s=config.shutdown_grace_s)
     server.add_service(
         SERVICE_NAME, gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server, GpuBrokerServicer(manager, hub)
     )
@@ -75,9 +76,11 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
         await hub.start()
         await reaper.start()
 
+    async def drain(grace_left_s: float) -> None:
+        await hub.stop()  # ends every Watch stream ("watch another replica")
+
     async def stop() -> None:
         await reaper.stop()
-        await hub.stop()
         if telemetry is not None:
             await telemetry.close()
         await store.close()
@@ -85,5 +88,6 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
             sampler.close()
 
     server.on_start(start)
+    server.on_drain(drain)
     server.on_stop(stop)
     return server
