@@ -97,10 +97,13 @@ def up(
         raise typer.Exit(1) from None
     endpoints = {name: redact(endpoint) for name, endpoint in suite.endpoints().items()}
     state_path = run_state_path(suite.settings.gateway.address)
-    write_run_state(
-        state_path,
-        {"pid": os.getpid(), "redis_url": suite.settings.redis_url, "internal_auth": suite.credential_files},
-    )
+    try:
+        write_run_state(
+            state_path,
+            {"pid": os.getpid(), "redis_url": suite.settings.redis_url, "internal_auth": suite.credential_files},
+        )
+    except OSError as error:  # status then needs REDIS_URL to find this suite's Redis
+        console.print(f"[yellow]run state not written:[/yellow] {error}")
     table = Table(title="Loadmaster is up", show_header=False)
     for name, endpoint in endpoints.items():
         table.add_row(name, endpoint)
