@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import OrderedDict
 from functools import partial
 from typing import Any
 
@@ -66,6 +67,8 @@ __all__ = ["EdgeFrontend"]
 log = logging.getLogger(__name__)
 
 _SWEEP_INTERVAL_S = 1.0  # how often peers' taken replies are forgotten
+_MAX_BOUND_IDENTITIES = 100_000  # CURVE identity bindings kept; the least recently used go first
+_BINDING_IDLE_S = 600.0  # a binding unused this long is forgotten
 _USER_ID = "User-Id"  # ZAP's user id of a CURVE peer: its public key (Z85)
 
 
@@ -91,7 +94,8 @@ class EdgeFrontend:
         self._reader: SocketReader | None = None
         self._curve = EdgeCurve(settings.auth.curve, context)
         self._budget = ReplyBudget(settings.edge.max_queued_reply_bytes)
-        self._bound_keys: dict[bytes, str] = {}  # identity -> the CURVE key that first used it
+        # identity -> (the CURVE key that first used it, when it was last used), oldest use first
+        self._bound_keys: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._sweeper: asyncio.Task[None] | None = None
         self._checking: set[asyncio.Task[None]] = set()  # observations checked off the loop
         self.endpoint = ""
@@ -287,8 +291,13 @@ class EdgeFrontend:
             key = ""
         if not key or identity[:1] == b"\x00":
             return True  # no ZAP user id, or an identity ZMQ made up for this one connection
-        bound = self._bound_keys.setdefault(identity, key)
+        now = self._clock.monotonic()
+        bound, _ = self._bound_keys.get(identity, (key, now))
         if bound == key:
+            self._bound_keys[identity] = (key, now)
+            self._bound_keys.move_to_end(identity)
+            if len(self._bound_keys) > _MAX_BOUND_IDENTITIES:
+                self._bound_keys.popitem(last=False)
             return True
         self._telemetry.record("identity_conflicts", 1)
         log.warning(
@@ -328,5 +337,17 @@ class EdgeFrontend:
             await self._clock.sleep(_SWEEP_INTERVAL_S)
             try:
                 self._budget.sweep()
+                self._forget_idle_bindings()
             except Exception:
                 log.exception("edge: sweeping reply budgets failed")
+
+    def _forget_idle_bindings(self) -> None:
+        """An identity unused for `_BINDING_IDLE_S` may be taken by another key (a client that
+        rotated its key): while its owner is connected, ZMQ itself refuses a second connection
+        under it (no handover), so only a gone owner's binding is forgotten."""
+        horizon = self._clock.monotonic() - _BINDING_IDLE_S
+        while self._bound_keys:
+            identity, (_, used) = next(iter(self._bound_keys.items()))
+            if used > horizon:
+                return
+            del self._bound_keys[identity]
