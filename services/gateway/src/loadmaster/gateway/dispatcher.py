@@ -435,7 +435,12 @@ class Dispatcher:
         try:
             self._workers.send(endpoint, request.SerializeToString(), payload)
         except UnavailableError as error:
-            log.warning("request %s: %s", call.request_id, error.message)
+            log.warning(
+                "sending to worker %s failed: %s",
+                worker_id,
+                error.message,
+                extra={"request_id": call.request_id, "model": call.model_id, "client": call.client_id},
+            )
             self._telemetry.record("dispatch_errors", 1, {"model": call.model_id, "code": error.edge_code})
             pending.worker_id = ""
             self._drop_shm(pending, answered=True)  # never sent: no worker reads it
@@ -561,7 +566,10 @@ class Dispatcher:
         try:
             pending.on_result(result)
         except Exception:
-            log.exception("delivering the result of %s failed", call.request_id)
+            log.exception(
+                "delivering a result failed",
+                extra={"request_id": call.request_id, "model": call.model_id, "client": call.client_id},
+            )
         code = "ok" if result.error is None else result.error.edge_code
         labels = {"model": call.model_id if code != _NOT_FOUND else "(unknown)", "code": code}
         tracing.end_span(pending.span, error_code="" if result.error is None else code)

@@ -226,7 +226,11 @@ class EdgeFrontend:
         logged and answered `internal` (its reply ticket must never stay open)."""
         refusal = error if isinstance(error, LoadmasterError) else None
         if refusal is None:
-            log.error("checking request %s failed", request_id, exc_info=error)
+            log.error(
+                "checking a request failed",
+                exc_info=error,
+                extra={"request_id": request_id, "model": observation.model_id},
+            )
             refusal = InternalError(f"internal error: {type(error).__name__}")
         self._telemetry.record("observation_errors", 1, {"code": refusal.edge_code})
         self._reply_error(

@@ -342,7 +342,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             except LoadmasterError as error:
                 reply = self._stream_error(request, error.message)
             except Exception as error:
-                log.exception("stream request %s failed", getattr(request, "id", ""))
+                log.exception("a stream request failed", extra={"request_id": getattr(request, "id", "")})
                 reply = self._stream_error(request, f"internal error: {type(error).__name__}")
             replies.put_nowait(reply)  # its slot is freed once the reply is written (below)
 

@@ -312,7 +312,11 @@ async def _stream(
         raise InternalError("the generation ended without a final result")
     except Exception as error:
         if not isinstance(error, LoadmasterError):
-            log.error("generation %s failed mid-stream", request_id, exc_info=error)
+            log.error(
+                "a generation failed mid-stream",
+                exc_info=error,
+                extra={"request_id": request_id, "model": generation.model},
+            )
             error = InternalError(f"internal error: {type(error).__name__}")
         yield event(error_from(error).body())
     finally:
