@@ -223,10 +223,21 @@ async def test_a_priority_0_stream_preempts_a_saturated_model(preempting_suite: 
     )
     first_token: dict[str, float] = {}
 
+    # A prompt whose greedy reply runs to max_tokens (random weights may emit eos early):
+    # every priority-2 stream uses it, so each holds its sequence to the end.
+    for candidate in ("tell me more", "and then", "keep going", "a long story", "more words"):
+        probe = await client.chat.completions.create(
+            model=MODEL, messages=chat(candidate), max_tokens=600, temperature=0
+        )
+        if probe.choices[0].finish_reason == "length":
+            break
+    else:
+        pytest.skip("no candidate prompt runs to max_tokens")
+
     async def run(name: str, priority: int, max_tokens: int) -> None:
         stream = await client.chat.completions.create(
             model=MODEL,
-            messages=chat(name),
+            messages=chat(candidate),
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
@@ -238,21 +249,32 @@ async def test_a_priority_0_stream_preempts_a_saturated_model(preempting_suite: 
 
     # 32 priority-2 streams hold every sequence; 8 more are admitted and wait at the worker
     # (48 may be admitted: the urgent one is granted too and finds every sequence taken).
-    running = [asyncio.create_task(run(f"fill-{i}", 2, 300)) for i in range(32)]
+    running = [asyncio.create_task(run(f"fill-{i}", 2, 600)) for i in range(32)]
     for _ in range(500):  # bounded: until every sequence produced a token
         if len(first_token) == 32:
             break
         await asyncio.sleep(0.02)
     assert len(first_token) == 32
     backlog = [asyncio.create_task(run(f"backlog-{i}", 2, 8)) for i in range(8)]
-    for _ in range(100):  # bounded: until the worker holds the backlog
-        if worker_inflight(preempting_suite) == 40:
-            break
-        await asyncio.sleep(0.02)
-    assert worker_inflight(preempting_suite) == 40
+    with grpc.insecure_channel(preempting_suite.settings.model_pool.address) as channel:
+        stub = model_pool_pb2_grpc.ModelPoolStub(channel)
+
+        def inflight() -> int:
+            reply = stub.Status(model_pool_pb2.StatusRequest(), timeout=5)
+            return next(m.inflight for m in reply.models if m.model_id == MODEL)
+
+        seen = []
+        for _ in range(500):  # bounded: until the worker holds the backlog too
+            seen.append(inflight())
+            if seen[-1] >= 40:
+                break
+            await asyncio.sleep(0.02)
+        assert seen[-1] == 40, f"worker inflight: {seen}, first tokens: {len(first_token)}"
     sent = time.monotonic()
     await run("urgent", 0, 8)
-    print(f"priority-0 first token after {(first_token['urgent'] - sent) * 1e3:.0f} ms, backlog waiting")
-    assert not any(f"backlog-{i}" in first_token for i in range(8)), "a priority-2 stream went first"
+    urgent = first_token["urgent"]
+    print(f"priority-0 first token after {(urgent - sent) * 1e3:.0f} ms")
+    before = [name for name, at in first_token.items() if name.startswith("backlog") and at <= urgent]
+    assert not before, f"priority-2 streams {before} got a token before the priority-0 one"
     await asyncio.gather(*running, *backlog)
     assert len(first_token) == 32 + 8 + 1
