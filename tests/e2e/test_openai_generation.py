@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,21 @@ def test_the_sse_framing_is_data_events_then_done(base_url: str) -> None:
     assert all(p["object"] == "text_completion" for p in payloads)
     assert payloads[-1]["usage"]["completion_tokens"] == 8 and payloads[-1]["choices"] == []
     assert [p["choices"][0]["finish_reason"] for p in payloads[:-1]][-1] == "length"
+
+
+def test_generations_report_tokens_and_latencies_to_metrics(
+    client: openai.OpenAI, metrics_count: Callable[[str, dict[str, str]], int]
+) -> None:
+    labels = {"model": MODEL}
+    before = metrics_count("output_tokens", labels)
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=12, temperature=0)
+    names = ("output_tokens", "prompt_tokens", "time_to_first_token_ms", "inter_token_latency_ms")
+    for _ in range(50):  # bounded: reporters flush every 250 ms
+        counts = {name: metrics_count(name, labels) for name in names}
+        if counts["output_tokens"] >= before + 12 and all(counts.values()):
+            break
+        time.sleep(0.1)
+    assert counts["output_tokens"] >= before + 12 and all(counts.values()), counts
 
 
 def test_models_lists_the_generative_model_with_its_state(client: openai.OpenAI) -> None:
