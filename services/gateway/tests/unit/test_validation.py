@@ -5,8 +5,13 @@ import pytest
 
 from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.common.tensors import encode_tensors
-from loadmaster.gateway.validation import observation_to_call, parse_observation
+from loadmaster.common.tensors import encode_tensors, shape_elements_at_most
+from loadmaster.gateway.validation import (
+    INLINE_BYTES_ELEMENTS,
+    bytes_elements,
+    observation_to_call,
+    parse_observation,
+)
 from loadmaster.v1 import edge_pb2, tensor_pb2
 
 LIMITS = LimitsSettings()
@@ -80,3 +85,56 @@ def test_urgency_is_clamped_into_zero_to_one() -> None:
     observation, payload = _observation(x=np.zeros(1, dtype=np.float32))
     observation.urgency = 7.0
     assert observation_to_call(observation, payload, request_id="r", limits=LIMITS).urgency == 1.0
+
+
+class _WatchedPayload:
+    """A payload that notes which thread reads it (the check reads `.buffer`, as of a zmq.Frame)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.read_on: list[str] = []
+
+    @property
+    def buffer(self) -> bytes:
+        import threading
+
+        self.read_on.append(threading.current_thread().name)
+        return self._data
+
+
+async def test_observations_with_many_bytes_elements_are_checked_off_the_event_loop() -> None:
+    from loadmaster.gateway.validation import (
+        INLINE_BYTES_ELEMENTS,
+        needs_off_loop,
+        observation_to_call_off_loop,
+    )
+
+    small, small_data = _observation(s=np.array([b"ab"] * INLINE_BYTES_ELEMENTS, dtype=object))
+    large, large_data = _observation(s=np.array([b"ab"] * (INLINE_BYTES_ELEMENTS + 1), dtype=object))
+    assert not needs_off_loop(small) and needs_off_loop(large)
+    inline, threaded = _WatchedPayload(small_data), _WatchedPayload(large_data)
+    call = await observation_to_call_off_loop(small, inline, request_id="r1", limits=LIMITS)
+    assert call.payload is inline and set(inline.read_on) == {"MainThread"}
+    call = await observation_to_call_off_loop(large, threaded, request_id="r2", limits=LIMITS)
+    assert call.payload is threaded and all(
+        name.startswith("gateway-validation") for name in threaded.read_on
+    )
+    broken = edge_pb2.Observation()
+    broken.CopyFrom(large)
+    broken.tensors[0].shape[0] += 1
+    with pytest.raises(InvalidArgumentError, match="tensor 's'"):
+        await observation_to_call_off_loop(
+            broken, _WatchedPayload(large_data), request_id="r3", limits=LIMITS
+        )
+
+
+def test_counting_a_shape_stops_at_the_cap_whatever_its_length() -> None:
+    """A client's shape is counted on the event loop: a huge product (30,000 dimensions of 2^32,
+    a million-bit integer to build one multiplication at a time) must stop at the cap."""
+    assert shape_elements_at_most([3, 4], 100) == 12
+    assert shape_elements_at_most([0, 2**62], 100) == 0
+    assert shape_elements_at_most([11, 10], 100) == 101
+    assert shape_elements_at_most([1] * 100_000, 100) == 101  # too long to be valid at all
+    huge = tensor_pb2.Tensor(key="s", dtype=tensor_pb2.BYTES, shape=[2**32] * 30_000)
+    assert bytes_elements([huge]) == INLINE_BYTES_ELEMENTS + 1
+    assert bytes_elements([huge] * 1000) == INLINE_BYTES_ELEMENTS + 1

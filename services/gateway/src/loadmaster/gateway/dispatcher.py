@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from loadmaster.common import tracing
+from loadmaster.common import internal_auth, tracing
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     ExpiredError,
@@ -162,6 +162,8 @@ class Dispatcher:
         # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
+        self._draining = False
+        self._drained: asyncio.Event | None = None  # set once draining and nothing is in flight
         self._scheduler = scheduler(self)
         self._workers = workers(self)
         # Generation streams (OpenAI API) share the scheduler session and the worker links.
@@ -181,6 +183,23 @@ class Dispatcher:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="reply-watchdog")
 
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new calls (`unavailable`) from now on and wait, at most `timeout_s` (real
+        time: the process is stopping), for the calls in flight to be answered. Returns how
+        many are still in flight."""
+        self._draining = True
+        self._drained = asyncio.Event()
+        if self._pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), timeout_s)
+        return len(self._pending)
+
+    def _forget(self, request_id: str) -> _Pending | None:
+        pending = self._pending.pop(request_id, None)
+        if self._drained is not None and not self._pending:
+            self._drained.set()
+        return pending
+
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -192,6 +211,9 @@ class Dispatcher:
 
     def submit(self, call: InferenceCall, on_result: ResultCallback) -> None:
         """Start `call`; `on_result` is called exactly once with its outcome."""
+        if self._draining:
+            on_result(self._failed(call, UnavailableError("the gateway is shutting down; retry elsewhere")))
+            return
         if not self._scheduler.connected:
             on_result(self._failed(call, UnavailableError("scheduler unreachable; try again shortly")))
             return
@@ -232,7 +254,7 @@ class Dispatcher:
 
     def cancel(self, request_id: str) -> None:
         """The caller went away: drop its queued request; no reply is sent."""
-        pending = self._pending.pop(request_id, None)
+        pending = self._forget(request_id)
         if pending is None:
             return
         self._disarm(pending)
@@ -413,6 +435,8 @@ class Dispatcher:
         )
         if pending.span.is_recording():
             tracing.inject(request.metadata, span=pending.span)
+        if (credentials := internal_auth.current()) is not None:
+            credentials.sign_envelope(request.metadata, call.request_id)
         self._drop_shm(pending, answered=False)  # an earlier grant's worker may still read it
         payload, slot = call.payload, None
         if self._shm is not None and (slot := self._shm.place(endpoint, payload)) is not None:
@@ -546,7 +570,7 @@ class Dispatcher:
 
     def _finish(self, pending: _Pending, result: CallResult) -> None:
         """Deliver the result, then account for it (the caller's reply does not wait for that)."""
-        self._pending.pop(pending.call.request_id, None)
+        self._forget(pending.call.request_id)
         self._disarm(pending)
         self._drop_shm(pending, answered=False)  # (a reply freed its slot before)
         call = pending.call

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import zmq.asyncio
 
 from loadmaster.common.clock import Clock, SystemClock
@@ -15,7 +17,11 @@ from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.edge import EdgeFrontend
-from loadmaster.gateway.frontends.grpc import KServeGrpcServicer
+from loadmaster.gateway.frontends.grpc import (
+    KServeGrpcServicer,
+    UndecodableRequestInterceptor,
+    receive_options,
+)
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
@@ -24,6 +30,8 @@ from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
 from loadmaster.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = ["Gateway", "GatewayServer", "build"]
+
+log = logging.getLogger(__name__)
 
 
 class Gateway:
@@ -105,7 +113,13 @@ class Gateway:
             self.admin,
             gateway_id=self.gateway_id,
         )
-        self.http = HttpFrontend(app, host=settings.gateway.http_host, port=settings.gateway.http_port)
+        self.http = HttpFrontend(
+            app,
+            host=settings.gateway.http_host,
+            port=settings.gateway.http_port,
+            header_timeout_s=settings.gateway.limits.http_header_timeout_s,
+            keep_alive_s=settings.gateway.limits.http_keep_alive_s,
+        )
         self._settings = settings
 
     async def start(self) -> None:
@@ -115,6 +129,16 @@ class Gateway:
         self.scheduler.start()
         await self.edge.start()
         await self.http.start()
+
+    async def drain(self, grace_left_s: float) -> None:
+        """On SIGTERM (health is already NOT_SERVING): /readyz turns 503, new requests on every
+        front end are answered `unavailable`, and those in flight get `grace_left_s` to finish
+        while every link stays open."""
+        self.readiness.draining = True
+        self.kserve_grpc.drain()  # ModelStreamInfer streams end once their requests are answered
+        left = await self.dispatcher.drain(grace_left_s)
+        if left:
+            log.warning("gateway: %d request(s) still in flight when the grace ran out", left)
 
     async def stop(self) -> None:
         await self.http.close()
@@ -134,7 +158,13 @@ class GatewayServer(GrpcServer):
     """The gateway's gRPC server (health, reflection, KServe v2) with its running parts."""
 
     def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
-        super().__init__("gateway", settings.gateway.listen_address)
+        super().__init__(
+            "gateway",
+            settings.gateway.listen_address,
+            interceptors=[UndecodableRequestInterceptor()],
+            options=receive_options(settings.gateway.limits),
+            grace_s=settings.gateway.shutdown_grace_s,
+        )
         self.gateway = Gateway(settings, clock=clock)
         self.add_service(
             inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
@@ -142,6 +172,7 @@ class GatewayServer(GrpcServer):
             self.gateway.kserve_grpc,
         )
         self.on_start(self.gateway.start)
+        self.on_drain(self.gateway.drain)
         self.on_stop(self.gateway.stop)
 
 
