@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from loadmaster.common import internal_auth
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     InternalError,
@@ -59,6 +60,7 @@ DEFAULT_PRIORITY = 1  # as for tensor requests
 MAX_BUFFERED = 8192  # replies one stream may have waiting for its consumer
 CANCEL_GRACE_S = 10.0  # a cancelled stream's slot is completed by then even if the worker is silent
 
+CANCEL_PREFIX = "cancel:"  # a CancelGeneration's credential is signed over this + the request id
 _FINISH = {model_pool_pb2.FINISH_REASON_STOP: "stop", model_pool_pb2.FINISH_REASON_LENGTH: "length"}
 
 
@@ -207,6 +209,8 @@ class GenerationStreams:
         stream.expected = 0
         stream.message.generation = grant.generation
         stream.message.deadline_unix_ns = grant.deadline_unix_ns
+        if (credentials := internal_auth.current()) is not None:  # a fresh one per send (replays refused)
+            credentials.sign_envelope(stream.message.metadata, stream.request_id)
         try:
             self._workers.send_generation(
                 grant.data_endpoint, GENERATE_REQUEST_FRAME, stream.message.SerializeToString()
@@ -342,6 +346,8 @@ class GenerationStreams:
         message = model_pool_pb2.CancelGeneration(
             request_id=stream.request_id, model_id=stream.model_id, reason=reason
         )
+        if (credentials := internal_auth.current()) is not None:
+            credentials.sign_envelope(message.metadata, CANCEL_PREFIX + stream.request_id)
         with contextlib.suppress(UnavailableError):  # the link is gone: on_worker_lost follows
             self._workers.send_generation(stream.endpoint, GENERATE_CANCEL_FRAME, message.SerializeToString())
 

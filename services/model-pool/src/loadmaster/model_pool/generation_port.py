@@ -32,8 +32,15 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from loadmaster.common import internal_auth
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError, UnavailableError
+from loadmaster.common.errors import (
+    InternalError,
+    InvalidArgumentError,
+    LoadmasterError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FRAME
 from loadmaster.model_pool.generation import (
     FinishReason,
@@ -52,6 +59,7 @@ __all__ = ["GenerationPort"]
 
 log = logging.getLogger(__name__)
 
+_CANCEL_PREFIX = "cancel:"  # a CancelGeneration's credential is signed over this + the request id
 Sender = Callable[[bytes, bytes], None]  # (identity, GenerateReplies bytes)
 
 
@@ -119,6 +127,8 @@ class GenerationPort:
             except (DecodeError, TypeError, ValueError) as error:
                 log.warning("malformed CancelGeneration: %s", error)
                 return
+            if self._refused(cancel.metadata, _CANCEL_PREFIX + cancel.request_id, cancel.request_id):
+                return  # nothing is answered to a cancel
             self.cancel(cancel.request_id, cancel.reason or "cancelled")
             return
         assert kind == GENERATE_REQUEST_FRAME
@@ -130,7 +140,26 @@ class GenerationPort:
                 identity, "", "", InvalidArgumentError(f"envelope is not a GenerateRequest: {error}")
             )
             return
+        if self._refused(message.metadata, message.request_id, message.request_id):
+            refused = UnauthenticatedError("data-port message without a valid internal credential")
+            self._refuse(identity, message.request_id, message.model_id, refused)
+            return
         self._open(identity, message)
+
+    def _refused(self, metadata: Any, signed: str, request_id: str) -> bool:
+        """With internal credentials on, a message must carry a valid, fresh one (as InferRequests)."""
+        credentials = internal_auth.current()
+        if credentials is None:
+            return False
+        try:
+            credentials.verify_envelope(metadata, signed)
+        except UnauthenticatedError as error:
+            token = metadata.get(internal_auth.ENVELOPE_KEY, "")
+            internal_auth.log_refusal(
+                f"generation message {request_id[:64]!r}", "data port", token.partition(" ")[0], error.message
+            )
+            return True
+        return False
 
     def _open(self, identity: bytes, message: model_pool_pb2.GenerateRequest) -> None:
         request_id, model_id = message.request_id, message.model_id
