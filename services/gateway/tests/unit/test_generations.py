@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from loadmaster.common import internal_auth
+from loadmaster.common.credentials import Credentials, Identity
 from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumentError, UnavailableError
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FRAME
 from loadmaster.common.telemetry import TelemetryReporter
@@ -229,3 +231,27 @@ async def test_the_port_lists_generative_models_with_their_state(
 
     port = GenerationPort(parts[0], models)
     assert await port.models() == {"tiny-chat": "READY", "big-chat": "IDLE"}
+
+
+async def test_with_internal_credentials_requests_and_cancels_are_signed(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, workers = parts
+    secret = b"s" * 32
+    internal_auth.setup(Credentials(secret, Identity.parse("gateway/g1")))
+    try:
+        events = streams.generate(parse_chat(BODY), request_id="g", client_id="c")
+        first = asyncio.ensure_future(anext(events))
+        await settle()
+        streams.on_grant(grant("g"))
+        streams.on_replies(ENDPOINT, replies("g", (0, "chunk", "a")))
+        assert await first == TextChunk("a")
+        await events.aclose()
+    finally:
+        internal_auth.setup(None)
+    worker = Credentials(secret, Identity.parse("model-pool/w1"))
+    [request] = workers.requests()
+    assert worker.verify_envelope(request.metadata, "g") == Identity.parse("gateway/g1")
+    [(_, _, envelope)] = [sent for sent in workers.sent if sent[1] == GENERATE_CANCEL_FRAME]
+    cancel = model_pool_pb2.CancelGeneration.FromString(envelope)
+    assert worker.verify_envelope(cancel.metadata, "cancel:g") == Identity.parse("gateway/g1")

@@ -16,6 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from loadmaster.common import internal_auth
+from loadmaster.common.credentials import Credentials, Identity
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REPLIES_FRAME, GENERATE_REQUEST_FRAME
 from loadmaster.model_pool.generation_wire import StreamOrder
 from loadmaster.model_pool.server import ModelPoolServer
@@ -82,8 +84,10 @@ class Streams:
         )
         await self.socket.send_multipart([GENERATE_REQUEST_FRAME, request.SerializeToString()])
 
-    async def cancel(self, request_id: str) -> None:
-        message = model_pool_pb2.CancelGeneration(request_id=request_id, model_id=MODEL, reason="gone")
+    async def cancel(self, request_id: str, metadata: dict[str, str] | None = None) -> None:
+        message = model_pool_pb2.CancelGeneration(
+            request_id=request_id, model_id=MODEL, reason="gone", metadata=metadata or {}
+        )
         await self.socket.send_multipart([GENERATE_CANCEL_FRAME, message.SerializeToString()])
 
     async def until(self, condition: Any, timeout_s: float = 30.0) -> None:
@@ -223,3 +227,34 @@ async def test_streams_beyond_the_sequences_wait_in_priority_order(
     assert streams.replies["wait-low"][0].sequence == 0 and first.HasField("chunk")
     order = [r for r in streams.replies]  # first reply seen per request, in arrival order
     assert order.index("wait-high") < order.index("wait-low")
+
+
+async def test_with_internal_credentials_only_signed_messages_are_obeyed(
+    chat_worker: tuple[ModelPoolServer, Streams],
+) -> None:
+    worker, streams = chat_worker
+    secret = b"s" * 32
+    gateway = Credentials(secret, Identity.parse("gateway/g1"))
+    internal_auth.setup(Credentials(secret, Identity.parse("model-pool/worker-test")))
+    try:
+        await streams.generate("unsigned", sampling=sampling(4))
+        signed: dict[str, str] = {}
+        gateway.sign_envelope(signed, "signed")
+        await streams.generate("signed", sampling=sampling(1500), metadata=signed)
+        await streams.until(lambda: streams.ended("unsigned") and len(streams.tokens("signed")) >= 2)
+        [refused] = streams.replies["unsigned"]
+        assert refused.error.error_code == errors_pb2.ERROR_CODE_UNAUTHENTICATED
+        await streams.cancel("signed")  # unsigned: ignored
+        cancel: dict[str, str] = {}
+        gateway.sign_envelope(cancel, "signed")  # signed over the wrong text: ignored too
+        await streams.cancel("signed", cancel)
+        await asyncio.sleep(0.2)
+        assert not streams.ended("signed")
+        cancel = {}
+        gateway.sign_envelope(cancel, "cancel:signed")
+        await streams.cancel("signed", cancel)
+        await streams.until(lambda: streams.ended("signed"))
+        assert streams.terminal("signed").HasField("cancelled")
+        assert worker.pool.status(MODEL).inflight == 0
+    finally:
+        internal_auth.setup(None)
