@@ -58,7 +58,14 @@ from loadmaster.model_pool.repository import ModelRepository, ModelSpec, check_i
 from loadmaster.model_pool.room import Room
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
 
-__all__ = ["GenerationAdmission", "InferResult", "MetricsSink", "ModelPool", "device_for_lease", "gpus_for_device"]
+__all__ = [
+    "GenerationAdmission",
+    "InferResult",
+    "MetricsSink",
+    "ModelPool",
+    "device_for_lease",
+    "gpus_for_device",
+]
 
 log = logging.getLogger(__name__)
 
