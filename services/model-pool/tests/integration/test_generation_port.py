@@ -21,6 +21,7 @@ from loadmaster.common.credentials import Credentials, Identity
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REPLIES_FRAME, GENERATE_REQUEST_FRAME
 from loadmaster.model_pool.generation_wire import StreamOrder
 from loadmaster.model_pool.server import ModelPoolServer
+from loadmaster.model_pool.slots import ModelState
 from loadmaster.v1 import errors_pb2, model_pool_pb2
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
@@ -258,3 +259,20 @@ async def test_with_internal_credentials_only_signed_messages_are_obeyed(
         assert worker.pool.status(MODEL).inflight == 0
     finally:
         internal_auth.setup(None)
+
+
+async def test_a_model_whose_batching_thread_died_is_unloaded_not_left_failing(
+    chat_worker: tuple[ModelPoolServer, Streams],
+) -> None:
+    worker, streams = chat_worker
+    engine = worker.pool._loaded[MODEL].instances[0].engine
+    await asyncio.to_thread(engine._manager.stop, block=True, hard_stop=True)  # as if it crashed
+    await streams.generate("after-crash", sampling=sampling(4))
+    await streams.until(lambda: streams.ended("after-crash"))
+    [reply] = streams.replies["after-crash"]
+    assert reply.error.error_code == errors_pb2.ERROR_CODE_UNAVAILABLE and reply.error.retryable
+    for _ in range(100):  # bounded: the unload runs in the background
+        if worker.pool.status(MODEL).state is ModelState.IDLE:
+            break
+        await asyncio.sleep(0.05)
+    assert worker.pool.status(MODEL).state is ModelState.IDLE

@@ -247,6 +247,8 @@ class GenerationPort:
             engine_stream = await engine.submit(stream.request)
         except Exception as error:
             self._refuse_admitted(stream, error)
+            if not getattr(engine, "healthy", True):  # its batching thread died: reload it
+                self._pool.engine_failed(stream.model_id, stream.admission.generation, str(error))
             return
         stream.engine_stream = engine_stream
         if stream.cancel_reason:

@@ -514,6 +514,20 @@ class ModelPool:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def engine_failed(self, model_id: str, generation: int, reason: str) -> None:
+        """A loaded engine can no longer serve (a generative engine's batching thread died):
+        unload it, so the model is not left READY failing every request; the scheduler loads
+        it again when requests wait. A report about an earlier load is ignored."""
+        slot = self._slots.get(model_id)
+        if slot is None or slot.state is not ModelState.READY or slot.generation != generation:
+            return
+        log.error("model %s failed (%s); unloading it", model_id, reason)
+        task = asyncio.create_task(
+            self.unload(model_id, reason=f"engine failed: {reason}"), name=f"engine-failed-{model_id}"
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _on_lease_replaced(self, model_id: str, old: Lease, new: Lease) -> None:
         """On the loop: the broker lost `old` and granted the same memory again as `new`."""
         self._record("leases_reestablished", 1.0, {"model": model_id})
