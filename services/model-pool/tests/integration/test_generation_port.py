@@ -209,8 +209,11 @@ async def test_a_priority_0_stream_preempts_the_lowest_priority_sequence(
     assert (port.preemptions, port.resumptions) == (1, 1)
     assert streams.terminal("low-new").result.preemptions == 1
     assert streams.terminal("low-old").result.preemptions == 0
-    # resumed without losing or repeating a token
-    assert streams.tokens("low-new") == streams.tokens("low-old") == streams.tokens("solo")
+    # resumed without losing or repeating a token. (Compared over the first 100 tokens, past
+    # the pause: far into a random model's output, batches of other shapes round differently
+    # and a near-tie can flip; docs/generative.md, "Limits".)
+    assert len(streams.tokens("low-new")) == 300
+    assert streams.tokens("low-new")[:100] == streams.tokens("low-old")[:100] == streams.tokens("solo")[:100]
     assert port.sequences(MODEL) == (0, 0) and worker.pool.status(MODEL).inflight == 0
 
 
