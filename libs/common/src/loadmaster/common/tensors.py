@@ -249,7 +249,7 @@ def encode_tensors(
 # BYTES elements handled per step of `serialize_bytes` / `deserialize_bytes`: each step runs in C
 # holding the GIL, and a thread switch can only happen between steps, so a 64 MiB tensor coded
 # on a worker thread lets the event loop run every few milliseconds rather than stalling it.
-ELEMENTS_PER_STEP = 4096
+ELEMENTS_PER_STEP = 1024
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
