@@ -318,6 +318,44 @@ def test_str_elements_travel_as_utf8() -> None:
     assert decode(descriptors, bytes(payload))["s"].tolist() == ["héllo".encode()]
 
 
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_bytes_coded_in_steps_keep_every_element_across_step_edges(
+    step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loadmaster.common import tensors
+
+    monkeypatch.setattr(tensors, "ELEMENTS_PER_STEP", step)
+    elements = [b"x" * (i % 5) for i in range(40)] + ["\u00e9t\u00e9"] * 9 + [b""] * 11
+    expected = [e.encode() if isinstance(e, str) else e for e in elements]
+    data = tensors.serialize_bytes(np.array(elements, dtype=object))
+    assert data == _bytes_payload(expected)
+    assert tensors.deserialize_bytes(memoryview(data), len(expected)).tolist() == expected
+    assert tensors.deserialize_bytes(data, len(expected)).tolist() == expected
+    assert tensors.deserialize_bytes(memoryview(b""), 0).tolist() == []
+
+
+def test_bytes_decoding_of_a_view_never_copies_it_whole() -> None:
+    """A 16 MiB view of 1 KiB elements: the elements are the one copy made (before, the whole
+    view was first copied into one bytes object, doubling the peak; 128 MiB for 64 MiB)."""
+    import tracemalloc
+
+    from loadmaster.common.tensors import deserialize_bytes
+
+    count, size = 16 << 10, 1020
+    rows = np.empty((count, 4 + size), np.uint8)
+    rows[:, :4] = np.frombuffer(np.uint32(size).tobytes(), np.uint8)
+    rows[:, 4:] = ord("a")
+    view = memoryview(rows).cast("B")
+    tracemalloc.start()
+    try:
+        elements = deserialize_bytes(view, count)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert elements[-1] == b"a" * size
+    assert peak < 1.5 * view.nbytes, peak
+
+
 @pytest.mark.parametrize(
     ("data", "count", "problem"),
     [

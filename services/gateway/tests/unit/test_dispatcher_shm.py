@@ -251,3 +251,19 @@ async def test_without_room_for_a_region_shm_turns_off(tmp_path: Path) -> None:
     parts.grant()
     ((_, request, frame),) = parts.workers.sent
     assert not request.HasField("shm") and frame == LARGE
+
+
+def test_the_region_can_be_reserved_before_the_first_payload(tmp_path: Path) -> None:
+    """Made on the first large payload, the region cost that request's event-loop turn ~100 ms
+    (created and populated there); the gateway reserves it at start, off the loop."""
+    shm = ShmPayloads(SharedMemorySettings(region_mb=1), directory=tmp_path)
+    shm.reserve()
+    region = shm.region
+    assert region and (tmp_path / region).stat().st_size == 1 << 20
+    shm.reserve()  # once only
+    assert shm.region == region
+    off = ShmPayloads(SharedMemorySettings(enabled=False), directory=tmp_path)
+    off.reserve()
+    assert off.region == "" and sorted(p.name for p in tmp_path.iterdir()) == [region]
+    shm.close()
+    assert not any(tmp_path.iterdir())

@@ -84,6 +84,10 @@ class EdgeSettings(_Section):
     # 16 MiB keeps a gateway under 2x the payload limit above idle with a non-reading client
     # (tests/e2e/faults/test_reply_budget.py: +89 MiB, of which ~70 MiB is not replies).
     max_queued_reply_bytes: int = Field(default=16 << 20, ge=1)
+    # Request payload bytes one peer may have in the gateway (checked, queued or at a worker)
+    # awaiting their replies; past it its requests are refused `overflow` (one request is always
+    # taken when it has none in flight, so a single request up to the payload limit passes).
+    max_inflight_request_bytes: int = Field(default=16 << 20, ge=1)
     # ZMTP heartbeats: a peer that answers no PING within the timeout is disconnected, so a
     # client that restarts with its own identity gets it back (no handover of live ones).
     heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off

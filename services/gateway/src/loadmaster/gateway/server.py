@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import zmq.asyncio
@@ -124,6 +125,7 @@ class Gateway:
 
     async def start(self) -> None:
         warn_if_exposed(self._settings.gateway)
+        await asyncio.to_thread(self.shm.reserve)  # before any request can use it
         self.telemetry.start()
         self.dispatcher.start()
         self.scheduler.start()

@@ -180,6 +180,13 @@ class ShmPayloads:
     def arena(self) -> ShmArena | None:
         return self._arena
 
+    def reserve(self) -> None:
+        """Reserve the region now (when enabled) rather than on the first large payload: making
+        and populating it takes ~100 ms, which on the event loop held up every other client,
+        and its memory is then part of the gateway's idle size. Called off the loop at start."""
+        if self._settings is not None and self._arena is None:
+            self._create(self._settings)
+
     def place(self, endpoint: str, payload: Any) -> ShmSlot | None:
         """Copy `payload` into a slot when it is large and `endpoint`'s worker is on this host;
         None: send it on the socket (also when the region is full)."""

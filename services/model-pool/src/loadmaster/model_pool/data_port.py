@@ -77,7 +77,14 @@ from loadmaster.common.shm import ShmRegions, ShmUnavailableError
 from loadmaster.common.tensors import TensorLimits, decode_tensors
 from loadmaster.model_pool.generation_port import GenerationPort
 from loadmaster.model_pool.pool import InferResult, ModelPool
-from loadmaster.model_pool.wire import ResultEncoder, decode_off_loop, error_reply, failure_reply
+from loadmaster.model_pool.wire import (
+    ResultEncoder,
+    decode_off_loop,
+    encode_off_loop,
+    error_reply,
+    failure_reply,
+    result_reply,
+)
 from loadmaster.v1 import model_pool_pb2
 
 __all__ = ["DataPort", "advertised_endpoint"]
@@ -372,6 +379,9 @@ class DataPort:
             reply.shm_unusable = isinstance(outcome, ShmUnavailableError)
             error_code = reply.error_code
             envelope = reply.SerializeToString()
+        elif encode_off_loop(outcome.outputs):
+            self._encode_off_loop(identity, request_id, model_id, span, outcome)
+            return
         else:
             try:
                 envelope, payload = self._encoder.encode(outcome, request_id=request_id, model_id=model_id)
@@ -382,6 +392,36 @@ class DataPort:
         if span is not None:
             tracing.end_span(span, error_code=edge_code_name(error_code) if error_code else "")
         self._queue(identity, envelope, payload, admitted=True)
+
+    def _encode_off_loop(
+        self, identity: bytes, request_id: str, model_id: str, span: Any, result: InferResult
+    ) -> None:
+        """Encode large string outputs on the decoding thread, then queue the reply on the loop."""
+        if self._decoder is None:
+            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-port-decode")
+        loop = self._loop
+        assert loop is not None
+
+        def encode() -> None:  # on the decoding thread
+            payload: Any = b""
+            try:
+                reply, payload = result_reply(
+                    result, request_id=request_id, model_id=model_id, worker_id=self._worker_id
+                )
+            except Exception as error:  # outputs that cannot be encoded
+                reply = self._failed(error, request_id, model_id)
+            try:
+                loop.call_soon_threadsafe(self._encoded, identity, span, reply, payload)
+            except RuntimeError:
+                pass  # the loop closed: nobody is left to answer
+
+        self._decoder.submit(encode)
+
+    def _encoded(self, identity: bytes, span: Any, reply: model_pool_pb2.InferReply, payload: Any) -> None:
+        """On the loop: a reply encoded on the decoding thread is queued."""
+        if span is not None:
+            tracing.end_span(span, error_code=edge_code_name(reply.error_code) if reply.error_code else "")
+        self._queue(identity, reply.SerializeToString(), payload, admitted=True)
 
     def _reply(self, identity: bytes, reply: model_pool_pb2.InferReply) -> None:
         """Queue the reply to a message that was never admitted (malformed, overloaded)."""

@@ -6,9 +6,10 @@ modules only; the pool works on domain values.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loadmaster.common.errors import InternalError, LoadmasterError
@@ -23,6 +24,7 @@ __all__ = [
     "STATE_TO_PB",
     "ResultEncoder",
     "decode_off_loop",
+    "encode_off_loop",
     "error_reply",
     "failure_reply",
     "handle_infer",
@@ -193,6 +195,20 @@ def decode_off_loop(descriptors: Sequence[tensor_pb2.Tensor], payload: Any) -> b
     return any(descriptor.dtype == tensor_pb2.BYTES for descriptor in descriptors)
 
 
+# Outputs of strings from this many elements (or bytes) on are encoded off the event loop: each
+# element is measured and copied into the reply (a 64 MiB echo of 1 KiB strings: ~100 ms).
+ENCODE_OFF_LOOP_ELEMENTS = 1024
+
+
+def encode_off_loop(outputs: Mapping[str, Any]) -> bool:
+    """Whether encoding these outputs may take long enough to hold up an event loop."""
+    return any(
+        array.dtype.kind in "OSU"
+        and (array.size >= ENCODE_OFF_LOOP_ELEMENTS or array.nbytes >= DECODE_OFF_LOOP_BYTES)
+        for array in outputs.values()
+    )
+
+
 async def handle_infer(
     pool: ModelPool,
     request: model_pool_pb2.InferRequest,
@@ -209,7 +225,12 @@ async def handle_infer(
         else:
             inputs = decode_tensors(request.inputs, payload, limits)
         result = await pool.infer(model_id, inputs, deadline_unix_ns=request.deadline_unix_ns)
-        return result_reply(result, request_id=request_id, model_id=model_id, worker_id=worker_id)
+        reply = functools.partial(
+            result_reply, result, request_id=request_id, model_id=model_id, worker_id=worker_id
+        )
+        if encode_off_loop(result.outputs):
+            return await asyncio.to_thread(reply)
+        return reply()
     except Exception as error:
         return failure_reply(error, request_id=request_id, model_id=model_id, worker_id=worker_id), b""
 

@@ -39,6 +39,7 @@ from loadmaster.common.errors import (
     InternalError,
     InvalidArgumentError,
     LoadmasterError,
+    OverflowError_,
     ResourceExhaustedError,
 )
 from loadmaster.common.framing import (
@@ -94,6 +95,7 @@ class EdgeFrontend:
         self._reader: SocketReader | None = None
         self._curve = EdgeCurve(settings.auth.curve, context)
         self._budget = ReplyBudget(settings.edge.max_queued_reply_bytes)
+        self._inflight: dict[bytes, int] = {}  # peer -> request payload bytes awaiting replies
         # identity -> (the CURVE key that first used it, when it was last used), oldest use first
         self._bound_keys: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._sweeper: asyncio.Task[None] | None = None
@@ -161,10 +163,27 @@ class EdgeFrontend:
         if observation.timestamp_ns:
             staleness_ms = (self._clock.time() * 1e9 - observation.timestamp_ns) / 1e6
             self._telemetry.record("observation_staleness_ms", staleness_ms, labels)
+        size = len(message.payload)
+        if not self._take_inflight(identity, size):
+            over = OverflowError_(
+                f"this client has {self._inflight[identity]} request bytes awaiting replies "
+                f"(limit {self._settings.edge.max_inflight_request_bytes}): wait for its replies"
+            )
+            self._telemetry.record("observation_errors", 1, {"code": over.edge_code})
+            self._reply_error(
+                ticket,
+                identity,
+                over,
+                model_id=model_id,
+                client=observation.client,
+                request_id=observation.metadata.get(REQUEST_ID_KEY, "") or request_id,
+            )
+            return
         if needs_off_loop(observation):
             # Checking it costs more than a loop turn should: the validation threads do it while
             # this loop serves others. The ticket is taken, so replies stay in order.
             if len(self._checking) >= self._settings.edge.max_offloop_checks:
+                self._give_back_inflight(identity, size)
                 self._reply_error(
                     ticket,
                     identity,
@@ -187,9 +206,25 @@ class EdgeFrontend:
                 observation, message.payload, request_id=request_id, limits=self._settings.limits
             )
         except Exception as error:
+            self._give_back_inflight(identity, size)
             self._refuse(ticket, identity, observation, request_id, error)
             return
-        self._submit(ticket, identity, observation, call)
+        self._submit(ticket, identity, observation, call, size)
+
+    def _take_inflight(self, identity: bytes, size: int) -> bool:
+        """Count `size` request bytes against the peer's in-flight budget; False: over it."""
+        held = self._inflight.get(identity, 0)
+        if held and held + size > self._settings.edge.max_inflight_request_bytes:
+            return False
+        self._inflight[identity] = held + size
+        return True
+
+    def _give_back_inflight(self, identity: bytes, size: int) -> None:
+        left = self._inflight.get(identity, 0) - size
+        if left > 0:
+            self._inflight[identity] = left
+        else:
+            self._inflight.pop(identity, None)
 
     async def _submit_checked_off_loop(
         self,
@@ -204,14 +239,17 @@ class EdgeFrontend:
                 observation, payload, request_id=request_id, limits=self._settings.limits
             )
         except Exception as error:
+            self._give_back_inflight(identity, len(payload))
             self._refuse(ticket, identity, observation, request_id, error)
             return
-        self._submit(ticket, identity, observation, call)
+        self._submit(ticket, identity, observation, call, len(payload))
 
-    def _submit(self, ticket: Ticket, identity: bytes, observation: edge_pb2.Observation, call: Any) -> None:
+    def _submit(
+        self, ticket: Ticket, identity: bytes, observation: edge_pb2.Observation, call: Any, size: int
+    ) -> None:
         client_request_id = observation.metadata.get(REQUEST_ID_KEY, "")
         self._dispatcher.submit(
-            call, partial(self._on_result, ticket, identity, observation.client, client_request_id)
+            call, partial(self._on_result, ticket, identity, observation.client, client_request_id, size)
         )
 
     def _refuse(
@@ -248,8 +286,10 @@ class EdgeFrontend:
         identity: bytes,
         client: edge_pb2.Client,
         client_request_id: str,
+        size: int,
         result: CallResult,
     ) -> None:
+        self._give_back_inflight(identity, size)
         response_id = client_request_id or result.request_id
         if result.error is not None:
             self._reply_error(

@@ -18,10 +18,11 @@ than `INLINE_BODY_BYTES` are parsed and checked on the validation threads, off t
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import h11
@@ -29,7 +30,7 @@ import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -42,7 +43,13 @@ from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
-from loadmaster.gateway.frontends.http_codec import HEADER_LENGTH, ParsedInfer, encode_response, parse_infer
+from loadmaster.gateway.frontends.http_codec import (
+    HEADER_LENGTH,
+    ParsedInfer,
+    encode_response_parts,
+    json_encoding_bytes,
+    parse_infer,
+)
 from loadmaster.gateway.frontends.kserve import (
     EXTENSIONS,
     SERVER_NAME,
@@ -68,6 +75,11 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
 INLINE_BODY_BYTES = 64 << 10  # infer bodies up to this size are parsed on the event loop
+# Binary reply data past this size is streamed in chunks of REPLY_CHUNK_BYTES as the client
+# takes them, straight from the worker's reply frame: a 64 MiB reply is never copied whole
+# (joined to its header, into h11's output, into the transport's buffer) on the event loop.
+STREAM_REPLY_BYTES = 1 << 20
+REPLY_CHUNK_BYTES = 1 << 20
 MODEL_VERSION = "1"  # the one version each model is served at
 
 
@@ -288,20 +300,19 @@ def build_app(
             return Response(status_code=499)
         result = work.result()
         outputs = outputs_of(result, parsed.outputs.keys())
-        content, header_length = encode_response(
+        encode = functools.partial(
+            encode_response_parts,
             model_name=model_name,
             request_id=parsed.id,
             outputs=outputs,
             binary=parsed.outputs,
             binary_default=parsed.binary_default,
         )
-        if header_length is None:
-            return Response(content, media_type="application/json")
-        return Response(
-            content,
-            media_type="application/octet-stream",
-            headers={"Inference-Header-Content-Length": str(header_length)},
-        )
+        if json_encoding_bytes(outputs, parsed.outputs, parsed.binary_default) > INLINE_BODY_BYTES:
+            head, blobs = await off_loop(encode)  # values turned to JSON: time grows with the outputs
+        else:
+            head, blobs = encode()
+        return _infer_response(head, blobs)
 
     def route(path: str, handler: Handler, methods: tuple[str, ...] = ("GET",)) -> Route:
         async def endpoint(request: Request) -> Response:
@@ -351,6 +362,28 @@ def build_app(
     generations = GenerationPort(dispatcher.generations, catalog.models)
     routes += openai_routes(generations, auth, gateway_id=gateway_id)
     return Starlette(routes=routes)
+
+
+def _infer_response(head: bytes, blobs: list[memoryview]) -> Response:
+    """The infer response: the JSON header, then any binary data. Small binary data is joined to
+    the header; large data is streamed chunk by chunk from the views (flow-controlled by the
+    transport), so the reply is neither copied whole nor held in several copies at once."""
+    if not blobs:
+        return Response(head, media_type="application/json")
+    headers = {"Inference-Header-Content-Length": str(len(head))}
+    size = sum(blob.nbytes for blob in blobs)
+    if size <= STREAM_REPLY_BYTES:
+        return Response(b"".join([head, *blobs]), media_type="application/octet-stream", headers=headers)
+    headers["Content-Length"] = str(len(head) + size)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield head
+        for blob in blobs:
+            for start in range(0, blob.nbytes, REPLY_CHUNK_BYTES):
+                yield blob[start : start + REPLY_CHUNK_BYTES].tobytes()
+        blobs.clear()  # the worker's reply frame goes as soon as the last chunk is out
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
 
 
 def parse_json_object(raw: bytes | memoryview) -> dict[str, Any]:
