@@ -1,0 +1,559 @@
+"""Generative serving through the whole suite against `transformers serve --continuous-batching`.
+
+    .venv/bin/python bench/llm_serving.py [--sides reference loadmaster] [--requests 48] [--tokens 64]
+        [--concurrency 1 16 64] [--probes 30] [--background 64] [--side-budget-s 150]
+
+Two servers of the same `tiny-chat` folder (examples/models/tiny-chat/artifacts, `make models`),
+one after the other in the same run, driven by the same client code (the official async
+`openai` client, streaming chat completions, `stream_options.include_usage`):
+
+- reference: Hugging Face's `transformers serve --continuous-batching` (its CLI, as its docs
+  show; bench/_hf_serve.py), on a free loopback port, stopped afterwards;
+- loadmaster: the suite (`_harness.running_suite_handle`, free ports, the example config) with
+  `tiny-chat` preloaded, through the gateway's OpenAI routes -> scheduler -> worker -> the
+  transformers engine.
+
+Per side and concurrency C (1, 16, 64): max(--requests, 2 C) chat requests of --tokens output
+tokens, greedy (`temperature` 0, so both servers run the same token sequences), from C
+concurrent async clients. Output tokens/s = the usage's completion tokens / wall time; time to
+first token = request sent -> first chunk with text; inter-token latency = the gaps between a
+stream's text chunks.
+
+The priority figure: --probes sequential priority-0 streams (8 tokens each) on the idle model,
+then the same while --background priority-2 streams (closed loop, --tokens each) saturate it.
+Ratio = the loaded time-to-first-token p99 / the idle p50 (target <= 3). Priorities travel as
+Loadmaster's `x_priority` field; the reference has none (it refuses unknown fields), so it gets
+the same load without them.
+
+A side that fails (its server does not start, a route is missing, a stream breaks) is reported
+as failed with the reason, and the other side still runs. Every phase is bounded in requests
+and in time (--side-budget-s per side). Writes bench/results/llm_serving.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import shlex
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _harness import ROOT, percentiles_ms, running_suite_handle, write_result
+
+MODEL_FOLDER = ROOT / "examples" / "models" / "tiny-chat" / "artifacts"
+REQUEST_TIMEOUT_S = 60.0
+PROBE_TOKENS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRecord:
+    """One streamed request, as the client saw it."""
+
+    started: float  # perf_counter when it was sent
+    ttft_s: float | None  # None: no text arrived
+    gaps_s: tuple[float, ...]
+    tokens: int  # usage.completion_tokens (text chunks when the server sent no usage)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    server: str  # the address the client talks to, e.g. http://127.0.0.1:8000/v1
+    model: str
+    priority_field: bool  # whether requests carry x_priority
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- one stream ----------------------------------------------------------------------------
+
+
+async def stream_once(
+    client: Any, target: Target, *, index: int, tokens: int, priority: int | None
+) -> StreamRecord:
+    """Send one streaming chat completion and time its chunks; never raises (errors are recorded)."""
+    extra: dict[str, Any] = {}
+    if priority is not None and target.priority_field:
+        extra["x_priority"] = priority
+    started = time.perf_counter()
+    first: float | None = None
+    last = started
+    gaps: list[float] = []
+    text_chunks = 0
+    usage_tokens: int | None = None
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            stream = await client.chat.completions.create(
+                model=target.model,
+                messages=[{"role": "user", "content": f"request {index}: tell me about GPUs"}],
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra or None,
+            )
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    usage_tokens = chunk.usage.completion_tokens
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text_chunks += 1
+                    if first is None:
+                        first = now - started
+                    else:
+                        gaps.append(now - last)
+                    last = now
+    except Exception as error:  # a failed stream is a measurement, not a crash
+        return StreamRecord(started, first, tuple(gaps), text_chunks, f"{type(error).__name__}: {error}")
+    produced = usage_tokens if usage_tokens is not None else text_chunks
+    return StreamRecord(started, first, tuple(gaps), produced)
+
+
+# ---- summaries -----------------------------------------------------------------------------
+
+
+def _ms(samples_s: list[float]) -> dict[str, float] | None:
+    return percentiles_ms(samples_s) if samples_s else None
+
+
+def summarize(records: list[StreamRecord], wall_s: float) -> dict[str, Any]:
+    """Throughput and latency of a set of streams (failed ones are counted, not timed)."""
+    ok = [r for r in records if r.error is None]
+    errors = [r.error for r in records if r.error is not None]
+    tokens = sum(r.tokens for r in ok)
+    return {
+        "requests": len(records),
+        "failed": len(errors),
+        "first_error": errors[0] if errors else None,
+        "output_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "output_tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
+        "time_to_first_token": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "inter_token_latency": _ms([g for r in ok for g in r.gaps_s]),
+    }
+
+
+def _check(summary: dict[str, Any], what: str) -> None:
+    """A phase where every request failed says so (the side is reported as failed)."""
+    if summary["requests"] and summary["failed"] == summary["requests"]:
+        raise SideFailedError(f"{what}: every request failed; the first: {summary['first_error']}")
+
+
+class SideFailedError(Exception):
+    pass
+
+
+# ---- phases --------------------------------------------------------------------------------
+
+
+async def closed_loop(
+    client: Any, target: Target, *, concurrency: int, requests: int, tokens: int, priority: int | None = None
+) -> dict[str, Any]:
+    indices = iter(range(requests))
+    records: list[StreamRecord] = []
+
+    async def worker() -> None:
+        for index in indices:  # the shared iterator hands each request to one worker
+            records.append(await stream_once(client, target, index=index, tokens=tokens, priority=priority))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    summary = summarize(records, time.perf_counter() - started)
+    return {"concurrency": concurrency, **summary}
+
+
+async def probes(
+    client: Any, target: Target, *, count: int, gap_s: tuple[float, float], seed: int
+) -> list[StreamRecord]:
+    """`count` sequential priority-0 streams of PROBE_TOKENS tokens, a random gap apart."""
+    rng = random.Random(seed)
+    out: list[StreamRecord] = []
+    for n in range(count):
+        out.append(await stream_once(client, target, index=10_000 + n, tokens=PROBE_TOKENS, priority=0))
+        await asyncio.sleep(rng.uniform(*gap_s))
+    return out
+
+
+async def priority_under_load(
+    client: Any,
+    target: Target,
+    *,
+    background: int,
+    tokens: int,
+    count: int,
+    saturate_s: float = 1.5,
+    drain_s: float = 60.0,
+) -> dict[str, Any]:
+    """Idle probes, then the same probes while `background` priority-2 closed-loop streams run."""
+    idle = await probes(client, target, count=count, gap_s=(0.02, 0.08), seed=1)
+    stop = asyncio.Event()
+    loaded_records: list[StreamRecord] = []
+    counter = iter(range(20_000, 10**9))
+
+    async def keep_busy() -> None:
+        while not stop.is_set():
+            record = await stream_once(client, target, index=next(counter), tokens=tokens, priority=2)
+            loaded_records.append(record)
+            if record.error is not None:
+                await asyncio.sleep(0.2)  # a failing server: don't spin
+
+    tasks = [asyncio.create_task(keep_busy()) for _ in range(background)]
+    try:
+        await asyncio.sleep(saturate_s)  # every stream sent, the batch full and decoding
+        window_start = time.perf_counter()
+        loaded = await probes(client, target, count=count, gap_s=(0.05, 0.2), seed=2)
+        window_s = time.perf_counter() - window_start
+    finally:
+        stop.set()
+        _, pending = await asyncio.wait(tasks, timeout=drain_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    in_window = [r for r in loaded_records if r.error is None and r.started >= window_start]
+    background_errors = sum(1 for r in loaded_records if r.error is not None)
+    idle_s = summarize(idle, 1.0)
+    loaded_s = summarize(loaded, 1.0)
+    _check(idle_s, "idle priority-0 probes")
+    _check(loaded_s, "priority-0 probes under load")
+    idle_p50 = (idle_s["time_to_first_token"] or {}).get("p50_ms")
+    loaded_p99 = (loaded_s["time_to_first_token"] or {}).get("p99_ms")
+    ratio = round(loaded_p99 / idle_p50, 2) if idle_p50 and loaded_p99 is not None else None
+    return {
+        "probes": count,
+        "probe_tokens": PROBE_TOKENS,
+        "background_streams": background,
+        "background_tokens_per_request": tokens,
+        "background_requests_finished": len(loaded_records) - background_errors,
+        "background_failed": background_errors,
+        "background_requests_started_in_window": len(in_window),
+        "probe_window_s": round(window_s, 3),
+        "idle_ttft": idle_s["time_to_first_token"],
+        "loaded_ttft": loaded_s["time_to_first_token"],
+        "idle_failed": idle_s["failed"],
+        "loaded_failed": loaded_s["failed"],
+        "ratio_loaded_p99_to_idle_p50": ratio,
+    }
+
+
+async def measure(target: Target, args: argparse.Namespace, progress: dict[str, Any]) -> None:
+    """Every phase against one server; fills `progress` as it goes (so a timeout keeps what ran)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=target.server, api_key="bench", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+    try:
+        say(f"[{target.name}] warm-up")
+        first = await stream_once(client, target, index=0, tokens=8, priority=1)
+        if first.error is not None:
+            hint = ""
+            if first.error.startswith("NotFoundError"):
+                hint = f" ({target.server}/chat/completions or the model {target.model!r} is not served here)"
+            raise SideFailedError(f"the first request failed: {first.error}{hint}")
+        warm = await closed_loop(client, target, concurrency=4, requests=8, tokens=8)
+        _check(warm, "warm-up")
+        runs: list[dict[str, Any]] = progress.setdefault("runs", [])
+        for concurrency in args.concurrency:
+            requests = max(args.requests, 2 * concurrency)
+            run = await closed_loop(
+                client, target, concurrency=concurrency, requests=requests, tokens=args.tokens
+            )
+            _check(run, f"concurrency {concurrency}")
+            runs.append(run)
+            say(f"[{target.name}] {_line(run)}")
+        if args.probes:
+            priority = await priority_under_load(
+                client, target, background=args.background, tokens=args.tokens, count=args.probes
+            )
+            progress["priority"] = priority
+            say(
+                f"[{target.name}] priority-0 TTFT idle p50 {_p(priority['idle_ttft'], 'p50_ms')} ms, "
+                f"under {args.background} priority-2 streams p50 {_p(priority['loaded_ttft'], 'p50_ms')} "
+                f"p99 {_p(priority['loaded_ttft'], 'p99_ms')} ms: ratio {priority['ratio_loaded_p99_to_idle_p50']}"
+            )
+    finally:
+        await client.close()
+
+
+def _p(stats: dict[str, Any] | None, key: str) -> str:
+    return "-" if not stats else f"{stats[key]:.1f}"
+
+
+def _line(run: dict[str, Any]) -> str:
+    return (
+        f"concurrency {run['concurrency']:3d}: {run['output_tokens_per_s']:8.1f} output tokens/s, "
+        f"TTFT p50 {_p(run['time_to_first_token'], 'p50_ms')} p99 {_p(run['time_to_first_token'], 'p99_ms')} ms, "
+        f"ITL p50 {_p(run['inter_token_latency'], 'p50_ms')} p99 {_p(run['inter_token_latency'], 'p99_ms')} ms"
+        + (f", {run['failed']} failed" if run["failed"] else "")
+    )
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_side(
+    name: str,
+    server: Callable[[], AbstractContextManager[Target]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One side, start to stop (its server outside any event loop: the suite's launcher runs
+    its own); never raises: a failure is {"ok": False, "error": ...} plus whatever phases
+    finished before it."""
+    progress: dict[str, Any] = {"ok": False}
+    started = time.monotonic()
+    try:
+        with server() as target:
+            progress["server"] = target.server
+            progress["model"] = target.model
+            progress["notes"] = target.notes
+            asyncio.run(asyncio.wait_for(measure(target, args, progress), timeout=args.side_budget_s))
+        progress["ok"] = True
+    except TimeoutError:
+        progress["error"] = f"did not finish within --side-budget-s {args.side_budget_s:g} s"
+    except SideFailedError as error:
+        progress["error"] = str(error)
+    except Exception as error:
+        progress["error"] = f"{type(error).__name__}: {error}"
+        progress["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
+    progress["elapsed_s"] = round(time.monotonic() - started, 1)
+    if not progress["ok"]:
+        say(f"[{name}] FAILED: {progress['error']}")
+    return progress
+
+
+# ---- the two servers -----------------------------------------------------------------------
+
+
+def reference_server(args: argparse.Namespace, log_dir: Path) -> Callable[[], AbstractContextManager[Target]]:
+    @contextmanager
+    def start() -> Iterator[Target]:
+        from _hf_serve import hf_serve
+
+        say("[reference] starting `transformers serve --continuous-batching`…")
+        with hf_serve(
+            MODEL_FOLDER,
+            device=args.device,
+            extra=tuple(shlex.split(args.reference_args)),
+            threads=args.reference_threads or None,
+            log_path=log_dir / "reference.log",
+        ) as served:
+            notes = [
+                "command: " + " ".join(served.command[1:]),
+                (
+                    f"extra flags: {args.reference_args}"
+                    if args.reference_args
+                    else "KV cache: its own sizing (no --cb-num-blocks/--cb-block-size/--cb-max-batch-tokens; "
+                    "its docs give no CPU values)"
+                )
+                + "; Loadmaster's tiny-chat config sets block_size 64, num_blocks 64, max_sequences 32",
+                "torch threads: "
+                + (f"OMP_NUM_THREADS={args.reference_threads}" if args.reference_threads else "its default")
+                + " (Loadmaster: model_pool.inference_threads 1)",
+                "no priorities: requests carry no x_priority (it answers 422 to unknown fields)",
+                "temperature 0 comes from the first request: it builds its manager from that one",
+            ]
+            yield Target("reference", served.base_url, served.model, priority_field=False, notes=notes)
+
+    return start
+
+
+def loadmaster_server(args: argparse.Namespace) -> Callable[[], AbstractContextManager[Target]]:
+    @contextmanager
+    def start() -> Iterator[Target]:
+        say("[loadmaster] starting the suite with tiny-chat preloaded…")
+        with running_suite_handle(preload=["tiny-chat"]) as suite:
+            gateway = suite.settings.gateway
+            try:
+                yield Target(
+                    "loadmaster",
+                    f"http://{gateway.http_host}:{gateway.http_port}/v1",
+                    "tiny-chat",
+                    priority_field=True,
+                    notes=[
+                        "the suite from examples/loadmaster.yaml on free ports, tiny-chat preloaded; "
+                        "its models/tiny-chat/config.yaml (block_size 64, num_blocks 64, max_sequences 32)",
+                        "priorities as x_priority (0 highest)",
+                    ],
+                )
+            except BaseException:
+                for service in ("gateway", "scheduler", "model-pool"):
+                    tail = suite.log_tail(service, 8)
+                    if tail:
+                        say(f"[loadmaster] {service} log tail:\n{tail}")
+                raise
+
+    return start
+
+
+# ---- targets and the result ----------------------------------------------------------------
+
+
+def _run_at(side: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    return next((r for r in side.get("runs", []) if r["concurrency"] == concurrency), None)
+
+
+def _stat(run: dict[str, Any] | None, name: str, key: str) -> float | None:
+    stats = (run or {}).get(name)
+    return stats[key] if stats else None
+
+
+def targets(sides: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets from the two sides' figures (a missing figure is not met)."""
+    ours, ref = sides.get("loadmaster", {}), sides.get("reference", {})
+    rows: list[dict[str, Any]] = []
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 2) if a is not None and b else None
+
+    for concurrency in (16, 64):
+        mine = (_run_at(ours, concurrency) or {}).get("output_tokens_per_s")
+        theirs = (_run_at(ref, concurrency) or {}).get("output_tokens_per_s")
+        value = ratio(mine, theirs)
+        rows.append(
+            {
+                "name": f"output tokens/s at concurrency {concurrency} vs transformers serve",
+                "measured": value if value is not None else "n/a",
+                "target": ">= 1.0",
+                "unit": "x",
+                "met": value is not None and value >= 1.0,
+            }
+        )
+    value = ratio(
+        _stat(_run_at(ours, 1), "time_to_first_token", "p50_ms"),
+        _stat(_run_at(ref, 1), "time_to_first_token", "p50_ms"),
+    )
+    rows.append(
+        {
+            "name": "time to first token p50 at concurrency 1 vs transformers serve",
+            "measured": value if value is not None else "n/a",
+            "target": "<= 1.5",
+            "unit": "x",
+            "met": value is not None and value <= 1.5,
+        }
+    )
+    value = (ours.get("priority") or {}).get("ratio_loaded_p99_to_idle_p50")
+    rows.append(
+        {
+            "name": "priority-0 time to first token p99 under 64 priority-2 streams / idle p50",
+            "measured": value if value is not None else "n/a",
+            "target": "<= 3",
+            "unit": "x",
+            "met": value is not None and value <= 3,
+        }
+    )
+    return rows
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def table(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One line per side and phase, for bench/RESULTS.md (report.py lists scalars)."""
+    out: dict[str, Any] = {}
+    for name, side in sides.items():
+        row: dict[str, Any] = {"ok": side.get("ok", False)}
+        if side.get("error"):
+            row["error"] = side["error"]
+        for run in side.get("runs", []):
+            row[f"concurrency_{run['concurrency']}"] = (
+                f"{_fmt(run['output_tokens_per_s'])} output tokens/s; "
+                f"TTFT p50 {_fmt(_stat(run, 'time_to_first_token', 'p50_ms'))} / "
+                f"p99 {_fmt(_stat(run, 'time_to_first_token', 'p99_ms'))} ms; "
+                f"ITL p50 {_fmt(_stat(run, 'inter_token_latency', 'p50_ms'), 2)} / "
+                f"p99 {_fmt(_stat(run, 'inter_token_latency', 'p99_ms'), 2)} ms"
+                + (f"; {run['failed']} failed" if run["failed"] else "")
+            )
+        priority = side.get("priority")
+        if priority:
+            row["priority"] = (
+                f"priority-0 TTFT idle p50 {_fmt(_stat(priority, 'idle_ttft', 'p50_ms'))} ms; under "
+                f"{priority['background_streams']} priority-2 streams p50 "
+                f"{_fmt(_stat(priority, 'loaded_ttft', 'p50_ms'))} / p99 "
+                f"{_fmt(_stat(priority, 'loaded_ttft', 'p99_ms'))} ms; "
+                f"ratio {priority['ratio_loaded_p99_to_idle_p50']}x"
+            )
+        out[name] = row
+    return out
+
+
+def run_sides(args: argparse.Namespace) -> dict[str, Any]:
+    if not (MODEL_FOLDER / "config.json").exists():
+        raise SystemExit(f"{MODEL_FOLDER} is missing: run `make models` first")
+    sides: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="loadmaster-llm-serving-") as logs:
+        makers = {
+            "reference": reference_server(args, Path(logs)),
+            "loadmaster": loadmaster_server(args),
+        }
+        for name in args.sides:
+            sides[name] = run_side(name, makers[name], args)
+    return sides
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sides", nargs="+", choices=("reference", "loadmaster"), default=["reference", "loadmaster"]
+    )
+    parser.add_argument("--requests", type=int, default=48, help="requests per concurrency (at least 2x it)")
+    parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--probes", type=int, default=30, help="priority-0 probes, idle and loaded (0: skip)")
+    parser.add_argument("--background", type=int, default=64, help="priority-2 streams saturating the model")
+    parser.add_argument(
+        "--side-budget-s", type=float, default=150.0, help="time limit of one side's measurements"
+    )
+    parser.add_argument("--device", default="cpu", help="the reference's --device (Loadmaster: its config)")
+    parser.add_argument(
+        "--reference-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS for the reference, as Loadmaster's model_pool.inference_threads (0: its default)",
+    )
+    parser.add_argument(
+        "--reference-args",
+        default="",
+        help="extra flags for `transformers serve`, e.g. '--cb-num-blocks 64 --cb-block-size 64' (recorded)",
+    )
+    args = parser.parse_args()
+
+    started = time.monotonic()
+    sides = run_sides(args)
+    import openai
+    import torch
+    import transformers
+
+    result = {
+        "model": "tiny-chat (random Llama, 2 layers, hidden 128), examples/models/tiny-chat/artifacts",
+        "client": f"openai {openai.__version__} AsyncOpenAI, streaming chat completions, temperature 0",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "tokens_per_request": args.tokens,
+        "requests_per_concurrency": {str(c): max(args.requests, 2 * c) for c in args.concurrency},
+        "total_s": round(time.monotonic() - started, 1),
+        "summary": table(sides),
+        "targets": targets(sides) if {"reference", "loadmaster"} <= set(sides) else [],
+        "sides": [{"name": name, **side} for name, side in sides.items()],  # raw: not in RESULTS.md
+    }
+    for row in result["targets"]:
+        say(
+            f"target: {row['name']}: {row['measured']} {row['unit']} (goal {row['target']}, met: {row['met']})"
+        )
+    print(f"wrote {write_result('llm_serving', result)}")
+    failed = [name for name, side in sides.items() if not side.get("ok")]
+    if failed:
+        say("failed sides: " + ", ".join(f"{n} ({sides[n].get('error')})" for n in failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
