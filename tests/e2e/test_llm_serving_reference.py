@@ -1,0 +1,63 @@
+"""bench/llm_serving.py's measurement code against the real reference server: `transformers
+serve --continuous-batching` on tiny-chat, started and stopped by the bench's own helper, driven
+by the real async `openai` client (a few short streams, one priority round)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import llm_serving  # noqa: E402
+
+pytest.importorskip("fastapi", reason="transformers serve needs fastapi (requirements-dev.txt)")
+pytest.importorskip("accelerate", reason="transformers serve needs accelerate (requirements-dev.txt)")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (llm_serving.MODEL_FOLDER / "config.json").exists(), reason="tiny-chat not built: `make models`"
+    ),
+]
+
+
+@pytest.mark.timeout(240)
+def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        side_budget_s=150.0,
+        concurrency=[1, 4],
+        requests=4,
+        tokens=8,
+        probes=3,
+        background=4,
+        device="cpu",
+        reference_threads=1,
+        reference_args="",
+    )
+    side = llm_serving.run_side("reference", llm_serving.reference_server(args, tmp_path), args)
+    assert side["ok"] is True, side.get("error")
+    assert [run["concurrency"] for run in side["runs"]] == [1, 4]
+    for run in side["runs"]:
+        assert run["failed"] == 0
+        requests = max(4, 2 * run["concurrency"])  # --requests, at least 2x the concurrency
+        assert run["requests"] == requests
+        assert 0 < run["output_tokens"] <= requests * 8  # usage counts, capped by max_tokens
+        assert run["time_to_first_token"]["count"] == requests
+    priority = side["priority"]
+    assert priority["idle_ttft"]["count"] == 3 and priority["loaded_ttft"]["count"] == 3
+    assert priority["background_requests_finished"] >= 4
+    assert priority["ratio_loaded_p99_to_idle_p50"] > 0
+    assert any(note.startswith("command: serve --continuous-batching --device cpu") for note in side["notes"])
+    # The server was stopped: its port no longer answers.
+    port = int(side["server"].rsplit(":", 1)[1].split("/")[0])
+    import socket
+
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0
+    assert os.path.exists(tmp_path / "reference.log")
