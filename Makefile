@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: run test test-all install models protos check-protos bench soak chaos lint typecheck clean chromium kubectl
+.PHONY: run test test-all install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl
 
 run: install models
 	$(VENV)/bin/loadmaster up --config $(CONFIG)
@@ -68,6 +68,15 @@ $(MODELS_STAMP): examples/make_models.py
 
 protos: install
 	$(PY) libs/proto/generate.py
+
+# The suite secret and admin token compose.yaml mounts as Docker secrets (kept when present).
+# The folder is 0700 (no other host user gets in); the files are 0644 so the services' own
+# user (uid 10001) can read them inside the containers, where compose bind-mounts them.
+secrets:
+	@mkdir -p deploy/secrets && chmod 700 deploy/secrets
+	@for f in internal.secret admin.token; do [ -f deploy/secrets/$$f ] || \
+		(python3 -c "import secrets; print(secrets.token_hex(32))" > deploy/secrets/$$f && \
+		chmod 644 deploy/secrets/$$f); done
 
 check-protos: install
 	$(PY) libs/proto/generate.py --check

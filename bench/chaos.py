@@ -52,6 +52,7 @@ from _harness import EXAMPLE_CONFIG, write_result
 
 from loadmaster.cli.launcher import free_port_overrides, to_env
 from loadmaster.cli.run_state import read_run_state, run_state_path
+from loadmaster.common import internal_auth
 from loadmaster.common.config import load_settings
 from loadmaster.common.ports import free_port
 from loadmaster.v1 import (
@@ -191,6 +192,10 @@ class RunningUp:
         for key, value in self.env.items():  # load_settings below reads the same addresses
             os.environ[key] = value
         self.settings = load_settings(EXAMPLE_CONFIG)
+        # `up` signs every internal call with the secret it keeps next to the config: make it now
+        # (up reuses it), so the auditor's calls carry it; the trust scenarios' calls never do.
+        internal_auth.ensure_run_secrets(EXAMPLE_CONFIG.parent)
+        internal_auth.setup_client(self.settings, internal_auth.Identity("chaos", f"auditor-{os.getpid()}"))
 
     def start(self) -> None:
         with self.log_path.open("wb") as log:
@@ -279,8 +284,8 @@ class Auditor(threading.Thread):
         self._gateway: psutil.Process | None = None
 
     def run(self) -> None:
-        broker = grpc.insecure_channel(self.up.settings.gpu_broker.address)
-        worker = grpc.insecure_channel(self.up.settings.model_pool.address)
+        broker = internal_auth.sync_channel(self.up.settings.gpu_broker.address)
+        worker = internal_auth.sync_channel(self.up.settings.model_pool.address)
         broker_stub = gpu_broker_pb2_grpc.GpuBrokerStub(broker)
         worker_stub = model_pool_pb2_grpc.ModelPoolStub(worker)
         while not self.halt.wait(self.period_s):
@@ -448,7 +453,8 @@ def _fake_worker(up: RunningUp, *, listen_s: float = 4.0) -> Outcome:
         while not stop.wait(1.0):
             yield messages[1]
 
-    channel = grpc.insecure_channel(up.settings.scheduler.address)
+    channel = grpc.insecure_channel(up.settings.scheduler.address)  # no credentials: the intruder
+    observer = internal_auth.sync_channel(up.settings.scheduler.address)  # the suite's view
     stream = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession(outgoing())
     refused_with = ""
 
@@ -472,7 +478,7 @@ def _fake_worker(up: RunningUp, *, listen_s: float = 4.0) -> Outcome:
             received += 1
         if not registered:
             with contextlib.suppress(grpc.RpcError):
-                workers = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
+                workers = scheduler_pb2_grpc.SchedulerStub(observer).ListWorkers(
                     scheduler_pb2.ListWorkersRequest(), timeout=1
                 )
                 registered = any(w.worker_id == "chaos-fake-worker" for w in workers.workers)
@@ -480,6 +486,7 @@ def _fake_worker(up: RunningUp, *, listen_s: float = 4.0) -> Outcome:
     stream.cancel()
     reader.join(2)
     channel.close()
+    observer.close()
     data.close(0)
     context.term()
     refused = not registered and received == 0

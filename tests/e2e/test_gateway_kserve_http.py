@@ -261,3 +261,27 @@ def test_bytes_tensors_round_trip_through_echo(client: triton.InferenceServerCli
         "",
         "caf\u00e9",
     ]
+
+
+def test_nan_outputs_travel_as_binary_data_and_never_as_bare_json(
+    client: triton.InferenceServerClient, http_address: str
+) -> None:
+    x = np.array([1.0, np.nan, np.inf], dtype=np.float32)
+    as_binary = client.infer("double", [_input("x", x, "FP32")], outputs=[triton.InferRequestedOutput("x")])
+    np.testing.assert_array_equal(as_binary.as_numpy("x"), x * 2)  # NaN and inf bit for bit
+    head = json.dumps(
+        {
+            "inputs": [
+                {"name": "x", "shape": [3], "datatype": "FP32", "parameters": {"binary_data_size": 12}}
+            ],
+            "outputs": [{"name": "x", "parameters": {"binary_data": False}}],
+        }
+    ).encode()
+    reply = httpx.post(
+        f"http://{http_address}/v2/models/double/infer",
+        content=head + x.tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(head))},
+        timeout=10,
+    )
+    assert reply.status_code == 400
+    assert "output 'x' holds NaN or Infinity" in json.loads(reply.content)["error"]  # strict JSON

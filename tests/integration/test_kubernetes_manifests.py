@@ -121,7 +121,7 @@ def test_each_pods_settings_load(
                 monkeypatch.delenv(key)
         [container] = workload["spec"]["template"]["spec"]["containers"]
         for key, value in _environment(container).items():
-            if key.startswith("LOADMASTER_") and key != "LOADMASTER_INTERNAL_SECRET":
+            if key.startswith("LOADMASTER_"):
                 monkeypatch.setenv(key, value)
         settings = load_settings(config)  # unknown keys or bad values raise here
         assert str(settings.repository_path) == "/etc/loadmaster/models"

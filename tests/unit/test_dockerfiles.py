@@ -60,8 +60,16 @@ def test_every_copy_source_exists_in_the_context_and_is_not_dockerignored(servic
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
 def test_image_copies_only_proto_common_and_its_own_service(service: str) -> None:
+    """Proto, common and the service, and the libs its pyproject depends on (the model-pool's
+    lease client is loadmaster-client); nothing else of the repository."""
     sources = {s for i in instructions_of(service) if i.keyword in ("COPY", "ADD") for s in copy_sources(i)}
-    allowed = {"libs/proto", "libs/common", f"services/{service}"}
+    project = tomllib.loads((ROOT / "services" / service / "pyproject.toml").read_text())["project"]
+    libs = {
+        f"libs/{dep.removeprefix('loadmaster-')}"
+        for dep in project["dependencies"]
+        if dep.startswith("loadmaster-") and (ROOT / "libs" / dep.removeprefix("loadmaster-")).is_dir()
+    }
+    allowed = {"libs/proto", "libs/common", f"services/{service}", *libs}
     assert {s.rstrip("/") for s in sources} <= allowed
     assert {"libs/proto", "libs/common", f"services/{service}"} <= {s.rstrip("/") for s in sources}
 
@@ -162,9 +170,10 @@ def test_gateway_image_installs_no_torch_and_no_model_pool() -> None:
 def test_model_pool_image_installs_pinned_torch_and_the_engine_extras() -> None:
     runs = [i.args for i in instructions_of("model-pool") if i.keyword == "RUN" and "pip install" in i.args]
     torch_step = next((n for n, run in enumerate(runs) if "torch==2.13.0" in run), None)
-    extras_step = next((n for n, run in enumerate(runs) if "services/model-pool[torch,onnx]" in run), None)
+    extras = "services/model-pool[torch,onnx,transformers]"
+    extras_step = next((n for n, run in enumerate(runs) if extras in run), None)
     assert torch_step is not None, "torch==2.13.0 is not installed"
-    assert extras_step is not None, "the model-pool is not installed with [torch,onnx]"
+    assert extras_step is not None, "the model-pool is not installed with [torch,onnx,transformers]"
     assert torch_step <= extras_step, "pin torch before the extras resolve it"
 
 

@@ -312,3 +312,42 @@ async def test_run_serves_until_request_stop() -> None:
     srv.request_stop()
     await asyncio.wait_for(task, 5)
     assert stopped == ["stop"]
+
+
+class _Request:
+    """A request that can be watched for being freed (a weak reference to it dies)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+async def test_a_refused_request_is_freed_without_waiting_for_a_garbage_collection() -> None:
+    import gc
+    import weakref
+
+    seen: list[weakref.ref[_Request]] = []
+
+    async def refuse(request: _Request, context: grpc.aio.ServicerContext) -> bytes:
+        seen.append(weakref.ref(request))
+        raise errors.InvalidArgumentError("refused on purpose")
+
+    handler = grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=_Request)
+    srv = GrpcServer("release", "127.0.0.1:0", grace_s=0.1)
+    srv.server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("test.Release", {"Refuse": handler}),)
+    )
+    port = await srv.start()
+    gc.disable()  # what is freed now is freed by reference counting alone
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await channel.unary_unary("/test.Release/Refuse")(b"x" * 1000, timeout=5)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for _ in range(50):  # the server may still be finishing the call
+            if seen[0]() is None:
+                break
+            await asyncio.sleep(0.01)
+        assert seen[0]() is None, "the refused request is kept alive until a garbage collection"
+    finally:
+        gc.enable()
+        await srv.stop()

@@ -341,3 +341,79 @@ def test_malformed_bytes_data_names_the_tensor(data: bytes, count: int, problem:
 def test_object_arrays_of_anything_but_bytes_or_str_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match=r"bytes or str, not int.*object"):
         encode_tensors({"x": np.zeros(2, dtype=object)})
+
+
+# ---- boundaries, shapes numpy cannot build, and BYTES at scale ------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "shape"), [(tensor_pb2.UINT8, [8]), (tensor_pb2.FLOAT32, [2])])
+def test_a_tensor_ending_exactly_at_the_payload_end_passes_and_one_byte_further_does_not(
+    dtype: int, shape: list[int]
+) -> None:
+    inside = descriptor("edge", dtype=dtype, shape=shape, byte_offset=1, byte_length=8)
+    assert check_tensors([inside], bytes(9)) is None
+    assert decode_tensors([inside], bytes(9))["edge"].nbytes == 8
+    message = assert_rejected([inside], bytes(8), "edge")
+    assert "[1, 9)" in message and "8-byte payload" in message
+
+
+def test_a_bytes_tensor_ending_one_byte_past_the_payload_is_rejected() -> None:
+    element = b"\x01\x00\x00\x00a"
+    desc = tensor_pb2.Tensor(key="text", dtype=tensor_pb2.BYTES, shape=[1], byte_offset=1, byte_length=5)
+    assert decode_tensors([desc], b"\x00" + element)["text"].tolist() == [b"a"]
+    assert "outside" in assert_rejected([desc], element, "text")
+
+
+@pytest.mark.parametrize("dtype", [tensor_pb2.FLOAT32, tensor_pb2.BYTES])
+def test_an_empty_shape_too_large_for_numpy_is_invalid_argument(dtype: int) -> None:
+    desc = descriptor("huge", dtype=dtype, shape=[0, 2**62], byte_length=0)
+    message = assert_rejected([desc], b"", "huge")
+    assert "too large" in message
+
+
+def test_bytes_element_count_is_limited_before_walking_the_data() -> None:
+    data = b"\x00\x00\x00\x00" * 10
+    desc = tensor_pb2.Tensor(key="words", dtype=tensor_pb2.BYTES, shape=[10], byte_length=len(data))
+    assert decode_tensors([desc], data, TensorLimits(max_bytes_elements=10))["words"].tolist() == [b""] * 10
+    message = assert_rejected([desc], data, "words", max_bytes_elements=9)
+    assert "10 BYTES elements exceed the limit of 9" in message
+
+
+def _bytes_payload(elements: list[bytes]) -> bytes:
+    return b"".join(len(e).to_bytes(4, "little") + e for e in elements)
+
+
+@pytest.mark.parametrize(
+    "elements",
+    [
+        [b"abc"] * 1000,  # one uniform run, walked in doubling numpy windows
+        [b""] * 999 + [b"tail"],  # a run broken by its last element
+        [b"x" * (i % 3) for i in range(500)],  # lengths that never repeat 8 times in a row
+        [b"a"] * 40 + [b"bb"] * 3 + [b"a"] * 100 + [b"\x00\x00"] * 17,  # runs of many lengths
+        [b"\x00" * 5],
+    ],
+    ids=["uniform", "run-then-tail", "varying", "mixed-runs", "trailing-nulls"],
+)
+def test_bytes_decoding_keeps_every_element_exactly(elements: list[bytes]) -> None:
+    from loadmaster.common.tensors import deserialize_bytes, serialize_bytes
+
+    data = _bytes_payload(elements)
+    assert serialize_bytes(np.array(elements, dtype=object)) == data
+    desc = tensor_pb2.Tensor(key="s", dtype=tensor_pb2.BYTES, shape=[len(elements)], byte_length=len(data))
+    assert decode_tensors([desc], data)["s"].tolist() == elements
+    assert deserialize_bytes(memoryview(data), len(elements)).tolist() == elements
+    check_tensors([desc], data)
+
+
+@pytest.mark.parametrize(
+    ("data", "count", "problem"),
+    [
+        (_bytes_payload([b"ab"] * 20) + b"\x02\x00\x00\x00a", 21, "element 20 claims 2 bytes past the end"),
+        (_bytes_payload([b"ab"] * 20) + b"\x02\x00", 21, "ends inside element 20 of 21"),
+        (_bytes_payload([b"ab"] * 20) + b"\x00", 20, "1 bytes left after its 20"),
+        (_bytes_payload([b""] * 30), 29, "4 bytes left after its 29"),
+    ],
+)
+def test_malformed_runs_are_named_like_single_elements(data: bytes, count: int, problem: str) -> None:
+    desc = tensor_pb2.Tensor(key="text", dtype=tensor_pb2.BYTES, shape=[count], byte_length=len(data))
+    assert problem in assert_rejected([desc], data, "text")

@@ -52,7 +52,9 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     tmp_path = tmp_path_factory.mktemp("gateway")
     started: list[GatewayProcess] = []
 
-    def start(gateway: dict[str, Any] | None = None, *, log_level: str = "INFO") -> GatewayProcess:
+    def start(
+        gateway: dict[str, Any] | None = None, *, log_level: str = "INFO", scheduler_address: str = ""
+    ) -> GatewayProcess:
         grpc_port, http_port, edge_port = free_port(), free_port(), free_port()
         config = {
             "log_level": log_level,
@@ -65,7 +67,7 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
                 },
                 gateway or {},
             ),
-            "scheduler": {"address": f"127.0.0.1:{free_port()}"},
+            "scheduler": {"address": scheduler_address or f"127.0.0.1:{free_port()}"},
             "metrics": {"enabled": False},
         }
         index = len(started)

@@ -21,6 +21,7 @@ LIMITS = {
         "max_dims": 3,
         "max_metadata_bytes": 64,
         "max_envelope_bytes": 4096,
+        "max_json_bytes": 4096,
     }
 }
 

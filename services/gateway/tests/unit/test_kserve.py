@@ -176,3 +176,31 @@ def test_http_response_mixes_json_and_binary() -> None:
         model_name="m", request_id="", outputs=outputs, binary={}, binary_default=False
     )
     assert length is None and "id" not in json.loads(body)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_json_outputs_never_carry_nan_or_infinity(value: float) -> None:
+    x = np.array([1.0, value], dtype=np.float32)
+    descriptors = [tensor_pb2.Tensor(key="y", dtype=tensor_pb2.FLOAT32, shape=[2], byte_length=8)]
+    outputs = outputs_of(CallResult(request_id="r", model_id="m", outputs=descriptors, payload=x.tobytes()))
+    with pytest.raises(InvalidArgumentError, match=r"output 'y' holds NaN or Infinity.*binary data"):
+        encode_response(model_name="m", request_id="r", outputs=outputs, binary={}, binary_default=False)
+    body, length = encode_response(
+        model_name="m", request_id="r", outputs=outputs, binary={}, binary_default=True
+    )
+    assert length is not None and body[length:] == x.tobytes()  # binary data carries them bit for bit
+
+
+def test_json_bodies_over_their_own_limit_are_refused_before_parsing() -> None:
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}).encode()
+    with pytest.raises(
+        InvalidArgumentError, match=f"JSON request body of {len(body)} bytes exceeds the limit of 10"
+    ):
+        parse_infer(body, None, LimitsSettings(max_json_bytes=10))
+    assert parse_infer(body, None, LimitsSettings(max_json_bytes=len(body))).inputs[0].name == "x"
+
+
+def test_json_bytes_elements_are_limited() -> None:
+    body = json.dumps({"inputs": [{"name": "s", "shape": [3], "datatype": "BYTES", "data": ["a", "b", "c"]}]})
+    with pytest.raises(InvalidArgumentError, match="tensor 's': 3 BYTES elements exceed the limit of 2"):
+        parse_infer(body.encode(), None, LimitsSettings(max_bytes_elements=2))

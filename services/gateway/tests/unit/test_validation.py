@@ -80,3 +80,44 @@ def test_urgency_is_clamped_into_zero_to_one() -> None:
     observation, payload = _observation(x=np.zeros(1, dtype=np.float32))
     observation.urgency = 7.0
     assert observation_to_call(observation, payload, request_id="r", limits=LIMITS).urgency == 1.0
+
+
+class _WatchedPayload:
+    """A payload that notes which thread reads it (the check reads `.buffer`, as of a zmq.Frame)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.read_on: list[str] = []
+
+    @property
+    def buffer(self) -> bytes:
+        import threading
+
+        self.read_on.append(threading.current_thread().name)
+        return self._data
+
+
+async def test_observations_with_many_bytes_elements_are_checked_off_the_event_loop() -> None:
+    from loadmaster.gateway.validation import (
+        INLINE_BYTES_ELEMENTS,
+        needs_off_loop,
+        observation_to_call_off_loop,
+    )
+
+    small, small_data = _observation(s=np.array([b"ab"] * INLINE_BYTES_ELEMENTS, dtype=object))
+    large, large_data = _observation(s=np.array([b"ab"] * (INLINE_BYTES_ELEMENTS + 1), dtype=object))
+    assert not needs_off_loop(small) and needs_off_loop(large)
+    inline, threaded = _WatchedPayload(small_data), _WatchedPayload(large_data)
+    call = await observation_to_call_off_loop(small, inline, request_id="r1", limits=LIMITS)
+    assert call.payload is inline and set(inline.read_on) == {"MainThread"}
+    call = await observation_to_call_off_loop(large, threaded, request_id="r2", limits=LIMITS)
+    assert call.payload is threaded and all(
+        name.startswith("gateway-validation") for name in threaded.read_on
+    )
+    broken = edge_pb2.Observation()
+    broken.CopyFrom(large)
+    broken.tensors[0].shape[0] += 1
+    with pytest.raises(InvalidArgumentError, match="tensor 's'"):
+        await observation_to_call_off_loop(
+            broken, _WatchedPayload(large_data), request_id="r3", limits=LIMITS
+        )

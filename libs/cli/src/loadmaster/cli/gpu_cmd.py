@@ -30,10 +30,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._output import stdout_console
 from loadmaster.cli._process import die_with_parent
 from loadmaster.cli._process import signal_group as _signal_group
 from loadmaster.client.gpu_lease import GpuLease
+from loadmaster.common import internal_auth
 from loadmaster.common.config import load_settings
 from loadmaster.common.errors import LoadmasterError, from_grpc_error
 from loadmaster.v1 import gpu_broker_pb2 as pb
@@ -61,6 +63,7 @@ BrokerOption = Annotated[
 
 
 def _address(config: Path | None, broker: str | None) -> str:
+    use_credentials(config)
     return broker or load_settings(config).gpu_broker.address
 
 
@@ -101,7 +104,7 @@ def status(
     """Per GPU: total, reserved, leased, used outside leases, free; and the live leases."""
     address = _address(config, broker)
     try:
-        with grpc.insecure_channel(address) as channel:
+        with internal_auth.sync_channel(address) as channel:
             stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
             gpus = stub.Inventory(pb.InventoryRequest(node=node), timeout=5).gpus
             leases = stub.ListLeases(pb.ListLeasesRequest(node=node), timeout=5).leases

@@ -1,4 +1,5 @@
-"""`loadmaster keys curve` and `loadmaster keys api`: credentials for the gateway.
+"""`loadmaster keys curve`, `keys api` and `keys internal`: credentials for the gateway and
+for processes outside the suite.
 
 `keys curve` prints a CurveZMQ key pair (Z85). Use one pair as the edge's server keys
 (`gateway.auth.curve.server_public_key` / `server_secret_key`) and give clients the
@@ -7,6 +8,9 @@ public one; make a pair per client and list their public keys in
 
 `keys api` makes a random API key, prints it once (give it to the client) and the
 `gateway.auth.api_keys` entry, which holds only its SHA-256: the gateway never stores it.
+
+`keys internal --identity trainer/job-7` prints an identity key derived from the suite secret:
+its holder can call the suite as that identity and no other (docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,10 +18,15 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from pathlib import Path
 from typing import Annotated
 
 import typer
 import zmq
+
+from loadmaster.common import internal_auth
+from loadmaster.common.config import load_settings
+from loadmaster.common.errors import LoadmasterError
 
 app = typer.Typer(
     help="Make credentials for the gateway (CurveZMQ key pairs, API keys).", no_args_is_help=True
@@ -70,3 +79,31 @@ def api(
         f"      - {{name: {name}, sha256: {entry['sha256']}, scopes: [{', '.join(scopes)}], "
         f"rate_per_s: {rate_per_s:g}, burst: {burst}}}"
     )
+
+
+@app.command()
+def internal(
+    identity: Annotated[
+        str, typer.Option(help="who the key speaks for: <service>/<instance>, e.g. trainer/job-7")
+    ],
+    config: Annotated[
+        Path | None, typer.Option("--config", help="loadmaster.yaml naming the suite secret")
+    ] = None,
+) -> None:
+    """An identity key for a process outside the suite (a training job taking GPU leases): it
+    can sign only as IDENTITY, so it cannot act for the services or release others' leases.
+    Give it to the process as its `internal_auth.secret_file` (docs/security.md)."""
+    settings = load_settings(config)
+    try:
+        wanted = internal_auth.Identity.parse(identity)
+    except LoadmasterError as error:
+        raise typer.BadParameter(error.message, param_hint="--identity") from None
+    suite = internal_auth.client_credentials(settings, wanted)
+    if suite is None or not suite.can_verify:
+        raise typer.BadParameter(
+            "the config names no suite secret (internal_auth.secret_file)", param_hint="--config"
+        )
+    try:
+        typer.echo(suite.identity_key(wanted))
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--identity") from None

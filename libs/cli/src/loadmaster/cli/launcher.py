@@ -10,6 +10,7 @@ behind even after `kill -9` of the launcher.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from typing import IO, Any
 
 from loadmaster.cli._process import die_with_parent, signal_group
 from loadmaster.cli.redis_server import EmbeddedRedis
+from loadmaster.common import internal_auth
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.grpc_client import wait_for_health_sync
 from loadmaster.common.ports import free_port
@@ -99,13 +101,27 @@ class Suite:
     log_dir: Path | None = None  # None: children write to this process's stderr
     services: tuple[str, ...] = tuple(spec.name for spec in SERVICES)
     workers: int = 1  # model-pool processes; the extra ones take free loopback ports
+    # `loadmaster up`: when the config names no internal secret, make one (and an admin token)
+    # under .loadmaster/ next to the config and give it to every child (docs/security.md).
+    make_credentials: bool = False
     settings: Settings = field(init=False)
     redis: EmbeddedRedis | None = field(init=False, default=None)
     processes: list[ServiceProcess] = field(init=False, default_factory=list)
+    _admin_token_file: Path | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.config_path = Path(self.config_path).resolve()
         self.settings = load_settings(self.config_path, **self.overrides)
+        auth = self.settings.internal_auth
+        if self.make_credentials and auth.secret is None and auth.secret_file is None:
+            secret_file, admin_file = internal_auth.ensure_run_secrets(self.config_path.parent)
+            admin_sha256 = hashlib.sha256(admin_file.read_text().strip().encode()).hexdigest()
+            self.overrides = {
+                **self.overrides,
+                "internal_auth": {"secret_file": str(secret_file), "admin_token_sha256": admin_sha256},
+            }
+            self.settings = load_settings(self.config_path, **self.overrides)
+            self._admin_token_file = admin_file
 
     @property
     def env(self) -> dict[str, str]:
@@ -189,7 +205,7 @@ class Suite:
             stream = log_path.open("ab")
         process = subprocess.Popen(
             die_with_parent([sys.executable, "-m", spec.module, "--config", str(self.config_path)]),
-            env={**self.env, **extra_env},
+            env={**self.env, **extra_env, **self._admin_env(spec.name)},
             stdin=subprocess.DEVNULL,
             stdout=stream,
             stderr=subprocess.STDOUT if stream is not None else None,
@@ -198,6 +214,23 @@ class Suite:
         if stream is not None:
             stream.close()
         return ServiceProcess(label, address, process, log_path, extra_env)
+
+    @property
+    def credential_files(self) -> dict[str, str]:
+        """The secret and admin token files this suite made (empty when the config named its own)."""
+        if self._admin_token_file is None:
+            return {}
+        return {
+            "secret_file": str(self.settings.internal_auth.secret_file),
+            "admin_token_file": str(self._admin_token_file),
+        }
+
+    def _admin_env(self, service: str) -> dict[str, str]:
+        """The admin token goes only to the gateway (admin API keys act through it); the
+        others get its SHA-256, enough to check it and not enough to use it."""
+        if self._admin_token_file is None or service != "gateway":
+            return {}
+        return to_env({"internal_auth": {"admin_token_file": str(self._admin_token_file)}})
 
     def _wait_healthy(self, service: ServiceProcess, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

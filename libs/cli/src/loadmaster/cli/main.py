@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadmaster.cli import chat_cmd, gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
+from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.cli.launcher import Suite
 from loadmaster.cli.run_state import read_run_state, remove_run_state, run_state_path, write_run_state
@@ -59,7 +60,7 @@ def up(
     config_path = config or Path("loadmaster.yaml")
     if not config_path.exists():
         raise typer.BadParameter(f"{config_path} does not exist", param_hint="--config")
-    suite = Suite(config_path, workers=workers)
+    suite = Suite(config_path, workers=workers, make_credentials=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -70,11 +71,15 @@ def up(
         raise typer.Exit(1) from None
     endpoints = {name: redact(endpoint) for name, endpoint in suite.endpoints().items()}
     state_path = run_state_path(suite.settings.gateway.address)
-    write_run_state(state_path, {"pid": os.getpid(), "redis_url": suite.settings.redis_url})
+    write_run_state(
+        state_path,
+        {"pid": os.getpid(), "redis_url": suite.settings.redis_url, "internal_auth": suite.credential_files},
+    )
     table = Table(title="Loadmaster is up", show_header=False)
     for name, endpoint in endpoints.items():
         table.add_row(name, endpoint)
     console.print(table)
+    use_credentials(suite.settings)
     result = _print_status(suite.settings, console)
     if as_json:
         print_json({"endpoints": endpoints, "status": result.to_json()})
@@ -108,6 +113,7 @@ def status(
         known = read_run_state(run_state_path(settings.gateway.address)).get("redis_url")
         if isinstance(known, str) and known:
             settings = settings.model_copy(update={"redis_url": known})
+    use_credentials(settings)
     if as_json:
         result = asyncio.run(collect_status(settings, check_redis=True))
         print_json(result.to_json())

@@ -25,7 +25,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._output import print_json, stdout_console
+from loadmaster.common import internal_auth
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.errors import LoadmasterError, from_grpc_error
 from loadmaster.v1 import model_pool_pb2 as pb
@@ -53,7 +55,7 @@ def worker_endpoints(settings: Settings, worker: str | None = None) -> list[str]
     if worker:
         return [worker]
     try:
-        with grpc.insecure_channel(settings.scheduler.address) as channel:
+        with internal_auth.sync_channel(settings.scheduler.address) as channel:
             reply = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
                 scheduler_pb2.ListWorkersRequest(), timeout=_TIMEOUT_S
             )
@@ -66,7 +68,7 @@ def worker_endpoints(settings: Settings, worker: str | None = None) -> list[str]
 
 
 def _status(endpoint: str) -> pb.StatusResponse:
-    with grpc.insecure_channel(endpoint) as channel:
+    with internal_auth.sync_channel(endpoint) as channel:
         return model_pool_pb2_grpc.ModelPoolStub(channel).Status(pb.StatusRequest(), timeout=_TIMEOUT_S)
 
 
@@ -121,6 +123,7 @@ def list_models(
 ) -> None:
     """Every model slot on every worker."""
     settings = load_settings(config)
+    use_credentials(settings)
     found = _statuses(worker_endpoints(settings, worker))
     if as_json:
         print_json(
@@ -188,7 +191,7 @@ def _holder(settings: Settings, model_id: str, worker: str | None, *, loaded: bo
 
 
 def _call(endpoint: str, method: str, request: object, timeout_s: float) -> pb.ModelSlotStatus:
-    with grpc.insecure_channel(endpoint) as channel:
+    with internal_auth.sync_channel(endpoint) as channel:
         stub = model_pool_pb2_grpc.ModelPoolStub(channel)
         try:
             reply = getattr(stub, method)(request, timeout=timeout_s)
@@ -208,6 +211,7 @@ def _say(endpoint: str, m: pb.ModelSlotStatus) -> None:
 def load(model: str, config: ConfigOption = None, worker: WorkerOption = None) -> None:
     """Load MODEL (evicting idle models when its lease does not fit)."""
     settings = load_settings(config)
+    use_credentials(settings)
     for endpoint in _holder(settings, model, worker, loaded=False):
         _say(endpoint, _call(endpoint, "Load", pb.LoadRequest(model_id=model), _LOAD_TIMEOUT_S))
 
@@ -216,6 +220,7 @@ def load(model: str, config: ConfigOption = None, worker: WorkerOption = None) -
 def unload(model: str, config: ConfigOption = None, worker: WorkerOption = None) -> None:
     """Drain and unload MODEL on every worker that holds it."""
     settings = load_settings(config)
+    use_credentials(settings)
     for endpoint in _holder(settings, model, worker, loaded=True):
         _say(endpoint, _call(endpoint, "Unload", pb.UnloadRequest(model_id=model), _LOAD_TIMEOUT_S))
 
@@ -229,5 +234,6 @@ def pin(
 ) -> None:
     """Pin MODEL (never evicted, never unloaded when idle) on the workers that hold it or can load it."""
     settings = load_settings(config)
+    use_credentials(settings)
     for endpoint in _holder(settings, model, worker, loaded=True):
         _say(endpoint, _call(endpoint, "Pin", pb.PinRequest(model_id=model, pinned=not off), _TIMEOUT_S))

@@ -16,7 +16,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._output import print_json, stdout_console
+from loadmaster.common import internal_auth
 from loadmaster.common.config import load_settings
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -36,11 +38,11 @@ _TIMEOUT_S = 10.0
 
 
 def _address(config: Path | None, address: str | None) -> str:
-    if address:
-        return address
     if config is not None and not config.exists():
         raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
-    return load_settings(config).scheduler.address
+    settings = load_settings(config)
+    use_credentials(settings)
+    return address or settings.scheduler.address
 
 
 def _fail(exc: grpc.RpcError, address: str) -> typer.Exit:
@@ -66,7 +68,7 @@ def use(
 ) -> None:
     """Switch the scheduler's strategy; waiting requests move over."""
     target = _address(config, address)
-    with grpc.insecure_channel(target) as channel:
+    with internal_auth.sync_channel(target) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         try:
             reply = stub.SetStrategy(
@@ -86,7 +88,7 @@ def queues(
 ) -> None:
     """Print the scheduler's strategy and per-model queues."""
     target = _address(config, address)
-    with grpc.insecure_channel(target) as channel:
+    with internal_auth.sync_channel(target) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         try:
             reply = stub.GetQueues(scheduler_pb2.GetQueuesRequest(), timeout=_TIMEOUT_S)

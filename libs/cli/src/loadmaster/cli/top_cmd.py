@@ -47,8 +47,9 @@ def dashboard_url(settings: Settings, *, window_s: float, summary_s: float) -> s
     )
 
 
-def fetch_dashboard(url: str, *, timeout_s: float = 2.0) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+def fetch_dashboard(url: str, *, timeout_s: float = 2.0, api_key: str = "") -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
         return json.loads(response.read())  # type: ignore[no-any-return]
 
 
@@ -118,9 +119,9 @@ def render(doc: dict[str, Any], *, source: str = "", expand: bool = True) -> Gro
     return Group(header, models, gpus, workers)
 
 
-def _frame(url: str, *, expand: bool = True) -> Group | Text:
+def _frame(url: str, *, expand: bool = True, api_key: str = "") -> Group | Text:
     try:
-        return render(fetch_dashboard(url), source=url.split("/api/", 1)[0], expand=expand)
+        return render(fetch_dashboard(url, api_key=api_key), source=url.split("/api/", 1)[0], expand=expand)
     except (urllib.error.URLError, OSError, ValueError) as error:
         return Text(f"metrics service unreachable at {url}: {error}", style="red")
 
@@ -142,13 +143,19 @@ def top(
     as_json: Annotated[
         bool, typer.Option("--json", help="print the dashboard document once, as JSON")
     ] = False,
+    api_key: Annotated[
+        str,
+        typer.Option(
+            "--api-key", envvar="LOADMASTER_API_KEY", help="a gateway API key, when the dashboard needs one"
+        ),
+    ] = "",
 ) -> None:
     """Latency, throughput, queues, deadline misses, GPU memory and model states, refreshed live."""
     settings = load_settings(config)
     url = dashboard_url(settings, window_s=window_s, summary_s=summary_s)
     if as_json:
         try:
-            document = fetch_dashboard(url)
+            document = fetch_dashboard(url, api_key=api_key)
         except (urllib.error.URLError, OSError, ValueError) as error:
             Console(stderr=True).print(f"[red]metrics service unreachable at {url}: {error}[/red]")
             raise typer.Exit(1) from None
@@ -157,7 +164,7 @@ def top(
     console = stdout_console()
     expand = console.is_terminal  # piped: tables as wide as their content, not PIPE_WIDTH
     if once:
-        frame = _frame(url, expand=expand)
+        frame = _frame(url, expand=expand, api_key=api_key)
         console.print(frame)
         if isinstance(frame, Text):
             raise typer.Exit(1)
@@ -165,10 +172,12 @@ def top(
     stop = threading.Event()
     count = 0
     try:
-        with Live(_frame(url, expand=expand), console=console, refresh_per_second=4, screen=False) as live:
+        with Live(
+            _frame(url, expand=expand, api_key=api_key), console=console, refresh_per_second=4, screen=False
+        ) as live:
             count = 1
             while not (iterations and count >= iterations) and not stop.wait(interval_s):
-                live.update(_frame(url, expand=expand))
+                live.update(_frame(url, expand=expand, api_key=api_key))
                 count += 1
     except KeyboardInterrupt:
         pass

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from loadmaster.common import internal_auth
 from loadmaster.common.grpc_client import CLIENT_OPTIONS
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
@@ -100,7 +101,8 @@ class MetricSubscription:
         backoff = 0.1
         while not self._closed.is_set():
             try:
-                with grpc.insecure_channel(self._address, options=_CHANNEL_OPTIONS) as channel:
+                # Carries this process's internal credential when it has one (internal_auth).
+                with internal_auth.sync_channel(self._address, _CHANNEL_OPTIONS) as channel:
                     call = metrics_pb2_grpc.MetricsStub(channel).Watch(self._request)
                     with self._lock:
                         self._call = call

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "GatewaySettings",
     "GpuBrokerSettings",
     "GpuSpec",
+    "InternalAuthSettings",
     "LeaseTiming",
     "LimitsSettings",
     "MetricsSettings",
@@ -84,6 +85,19 @@ class LimitsSettings(_Section):
     max_tensors: int = Field(default=64, ge=1)
     max_dims: int = Field(default=8, ge=1)
     max_metadata_bytes: int = Field(default=16 << 10, ge=0)
+    # Elements of one BYTES tensor: bounds the per-element work of checking and decoding it.
+    max_bytes_elements: int = Field(default=1 << 20, ge=0)
+    # The JSON part of an HTTP request (all of it without binary data): parsing it holds the
+    # interpreter, ~110 MB/s here, so this bounds what one JSON body can stall. Binary tensor
+    # data after the JSON header counts against max_payload_bytes instead.
+    max_json_bytes: int = Field(default=4 << 20, ge=1)
+    # Requests one gRPC ModelStreamInfer stream may have in flight; the stream reads no further
+    # message until one finishes.
+    max_stream_inflight: int = Field(default=64, ge=1)
+    # HTTP: a request's headers and body must arrive within these (408 or a closed connection).
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    http_keep_alive_s: float = Field(default=5.0, gt=0)  # an idle keep-alive connection is closed
 
 
 def _infer_only() -> list[Literal["infer", "admin"]]:
@@ -312,6 +326,24 @@ class ResponseTrackingSettings(_Section):
     disconnect_timeout_s: float = Field(default=10.0, gt=0)
 
 
+class InternalAuthSettings(_Section):
+    """Credentials between services (loadmaster.common.internal_auth, docs/security.md).
+
+    The suite secret (`secret`, or the file `secret_file`, e.g. a Docker secret) signs every
+    internal gRPC call and data-port message; `loadmaster up` makes one when none is set. Admin
+    RPCs also need the admin token when one is configured: `admin_token(_file)` where calls are
+    made (gateway, CLI), `admin_token_sha256` (or the token itself) where they are checked.
+    Without a secret, services refuse to bind beyond loopback unless `insecure` is true."""
+
+    secret: SecretStr | None = None
+    secret_file: Path | None = None
+    admin_token: SecretStr | None = None
+    admin_token_file: Path | None = None
+    admin_token_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    insecure: bool = False
+    max_clock_skew_s: float = Field(default=30.0, gt=0)
+
+
 _yaml_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_data", default=None)
 
 
@@ -353,6 +385,7 @@ class Settings(BaseSettings):
     models: ModelsSettings = ModelsSettings()
     clients: ClientsSettings = ClientsSettings()
     response_tracking: ResponseTrackingSettings = ResponseTrackingSettings()
+    internal_auth: InternalAuthSettings = InternalAuthSettings()
     # The folder the YAML file was read from; relative paths in it resolve against this.
     config_dir: Path = Path(".")
 

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loadmaster.common import tracing
+from loadmaster.common import internal_auth, tracing
 from loadmaster.common.grpc_server import GRPC_OPTIONS
 
 __all__ = ["CLIENT_OPTIONS", "aio_channel", "check_health", "wait_for_health", "wait_for_health_sync"]
@@ -26,9 +26,12 @@ CLIENT_OPTIONS: list[tuple[str, Any]] = [
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
-    """A channel with the suite's options; traced when tracing is on (`loadmaster.common.tracing`)."""
+    """A channel with the suite's options; traced when tracing is on (`loadmaster.common.tracing`);
+    its calls carry this process's internal credential when it has one (`internal_auth`)."""
     return grpc.aio.insecure_channel(
-        address, options=CLIENT_OPTIONS, interceptors=tracing.client_interceptors()
+        address,
+        options=CLIENT_OPTIONS,
+        interceptors=[*tracing.client_interceptors(), *internal_auth.client_interceptors()],
     )
 
 

@@ -19,13 +19,13 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from loadmaster.common import tracing
+from loadmaster.common import internal_auth, tracing
 from loadmaster.common.errors import ERROR_CODE_TRAILER, InternalError, LoadmasterError
 from loadmaster.common.reflection import enable_reflection
 
@@ -66,6 +66,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
             status, message, code = _status_for(error, method)
+            # gRPC keeps the abort's exception in a reference cycle until a garbage collection;
+            # through `error`'s traceback that would keep the failed call's frames, and the
+            # request in them (up to the message size limit), alive as long.
+            error.__traceback__ = error.__context__ = error.__cause__ = None
             # Several error kinds share a gRPC status; the trailer says which one it was.
             await context.abort(status, message, trailing_metadata=((ERROR_CODE_TRAILER, str(code)),))
 
@@ -78,6 +82,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except (LoadmasterError, Exception) as error:
                     if isinstance(error, asyncio.CancelledError) or _is_abort(error):
                         raise
+                    del request  # this frame outlives the call in the abort's traceback (above)
                     await abort(context, error)
 
             return grpc.unary_unary_rpc_method_handler(
@@ -175,14 +180,21 @@ class GrpcServer:
         *,
         grace_s: float = 5.0,
         interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+        options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.name = name
         self._listen = listen
         self._grace_s = grace_s
         self.server = grpc.aio.server(
-            # Tracing (when on) is outermost, so its spans see the status the error mapping sets.
-            interceptors=[*tracing.server_interceptors(), ErrorInterceptor(), *(interceptors or [])],
-            options=GRPC_OPTIONS,
+            # Tracing (when on) is outermost, so its spans see the status the error mapping sets;
+            # internal auth (when configured) refuses uncredentialed calls before any handler runs.
+            interceptors=[
+                *tracing.server_interceptors(),
+                *internal_auth.server_interceptors(),
+                ErrorInterceptor(),
+                *(interceptors or []),
+            ],
+            options=list({**dict(GRPC_OPTIONS), **dict(options)}.items()),  # `options` win
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -208,6 +220,7 @@ class GrpcServer:
         enable_reflection(self._service_names, self.server)
         # Probes must not see SERVING (grpc_health's default for "") before the hooks have run.
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        internal_auth.check_listen(self.name, self._listen)
         self.port = self.server.add_insecure_port(self._listen)
         if self.port == 0:
             raise RuntimeError(f"{self.name}: could not bind {self._listen}")

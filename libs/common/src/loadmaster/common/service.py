@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from loadmaster.common import internal_auth
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.logging import setup_logging
 from loadmaster.common.tracing import setup_tracing, shutdown_tracing
@@ -41,9 +43,16 @@ def run_service(
     settings = load_settings(args.config)
     setup_logging(name, settings.log_level, settings.log_format)
     setup_tracing(name)  # on only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    identity = internal_auth.Identity(name, default_instance_id())
+    internal_auth.setup(
+        internal_auth.credentials_from_settings(settings, identity), insecure=settings.internal_auth.insecure
+    )
     try:
         with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(main(settings))
+    except internal_auth.InsecureBindError as error:
+        logging.getLogger(name).error("%s", error)
+        sys.exit(2)
     finally:
         shutdown_tracing()
     sys.exit(0)

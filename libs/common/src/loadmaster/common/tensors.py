@@ -20,6 +20,8 @@ from loadmaster.v1 import tensor_pb2
 
 __all__ = [
     "TensorLimits",
+    "bytes_element_spans",
+    "check_bytes",
     "check_tensors",
     "decode_tensors",
     "deserialize_bytes",
@@ -52,6 +54,7 @@ class TensorLimits:
     max_payload_bytes: int = 64 << 20
     max_tensors: int = 64
     max_dims: int = 8
+    max_bytes_elements: int = 1 << 20  # elements of one BYTES tensor: bounds the per-element work
 
 
 def numpy_dtype(wire: int) -> np.dtype:
@@ -134,8 +137,8 @@ def _check(
         wire = desc.dtype
         offset, length = desc.byte_offset, desc.byte_length
         if wire == tensor_pb2.BYTES:
-            elements = _decode_bytes_tensor(desc, payload, limits)
-            if arrays is not None:
+            elements = _decode_bytes_tensor(desc, payload, limits, build=arrays is not None)
+            if arrays is not None and elements is not None:
                 arrays[key] = elements
             spans.append((offset, offset + length, key))
             continue
@@ -149,7 +152,7 @@ def _check(
             )
         if shape and min(shape) < 0:
             raise InvalidArgumentError(f"tensor '{key}': negative dimension in shape {list(shape)}")
-        count = math.prod(shape)
+        count = _element_count(key, shape, limits)
         expected = count * dtype.itemsize
         if length != expected:
             raise InvalidArgumentError(
@@ -225,47 +228,132 @@ def encode_tensors(
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:
-    """A BYTES tensor's payload: each element (bytes, or str as UTF-8), C order, length-prefixed."""
-    parts: list[bytes] = []
-    for element in np.asarray(array, dtype=object).flat:
-        if isinstance(element, str):
-            data = element.encode()
-        elif isinstance(element, bytes | bytearray | memoryview):
-            data = bytes(element)
-        else:
-            raise InvalidArgumentError(
-                f"BYTES elements must be bytes or str, not {type(element).__name__} (dtype object)"
-            )
-        parts += (_LENGTH.pack(len(data)), data)
+    """A BYTES tensor's payload: each element (bytes, or str as UTF-8), C order, length-prefixed.
+
+    The per-element work runs inside C iterators (`map`, `bytes.join`), not Python bytecode."""
+    flat = np.asarray(array, dtype=object).reshape(-1).tolist()
+    kinds = set(map(type, flat))
+    if kinds <= {bytes}:
+        data: list[bytes] = flat
+    elif kinds <= {str}:
+        data = list(map(str.encode, flat))
+    else:
+        data = list(map(_element_bytes, flat))
+    parts: list[bytes] = [b""] * (2 * len(data))
+    parts[0::2] = map(_LENGTH.pack, map(len, data))
+    parts[1::2] = data
     return b"".join(parts)
+
+
+def _element_bytes(element: object) -> bytes:
+    if isinstance(element, str):
+        return element.encode()
+    if isinstance(element, bytes | bytearray | memoryview):
+        return bytes(element)
+    raise InvalidArgumentError(
+        f"BYTES elements must be bytes or str, not {type(element).__name__} (dtype object)"
+    )
 
 
 def deserialize_bytes(buffer: bytes | memoryview, count: int, *, name: str = "") -> np.ndarray:
     """`count` length-prefixed elements filling `buffer` exactly -> a 1-d object array of bytes."""
-    view = memoryview(buffer).cast("B")
+    whole = buffer if isinstance(buffer, bytes) else memoryview(buffer).cast("B").tobytes()
+    starts, lengths = bytes_element_spans(whole, count, name=name)
     elements = np.empty(count, dtype=object)
-    position = 0
-    for index in range(count):
-        if position + 4 > len(view):
-            raise InvalidArgumentError(f"tensor '{name}': BYTES data ends inside element {index} of {count}")
-        (length,) = _LENGTH.unpack_from(view, position)
-        position += 4
-        if position + length > len(view):
-            raise InvalidArgumentError(
-                f"tensor '{name}': BYTES element {index} claims {length} bytes past the end of its data"
-            )
-        elements[index] = bytes(view[position : position + length])
-        position += length
-    if position != len(view):
-        raise InvalidArgumentError(
-            f"tensor '{name}': {len(view) - position} bytes left after its {count} BYTES elements"
-        )
+    if count:  # slicing `bytes` makes each element in one C call: no Python bytecode per element
+        elements[:] = list(map(whole.__getitem__, map(slice, starts.tolist(), (starts + lengths).tolist())))
     return elements
 
 
+def bytes_element_spans(
+    buffer: bytes | memoryview, count: int, *, name: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of `count` length-prefixed elements lies in `buffer`: (data starts, lengths).
+
+    Raises `InvalidArgumentError` naming the tensor unless the elements fill `buffer` exactly."""
+    view = memoryview(buffer).cast("B")
+    prefixes = np.array(_walk_bytes(view, count, name, keep=True), dtype=np.int64)
+    octets = np.frombuffer(view, np.uint8)
+    lengths = np.zeros(len(prefixes), np.int64)
+    for byte in range(4):  # the little-endian prefixes, gathered a byte at a time
+        lengths |= octets[prefixes + byte].astype(np.int64) << (8 * byte)
+    return prefixes + 4, lengths
+
+
+def check_bytes(buffer: bytes | memoryview, count: int, *, name: str = "") -> None:
+    """The checks of `deserialize_bytes` (the same errors) without building anything."""
+    _walk_bytes(memoryview(buffer).cast("B"), count, name, keep=False)
+
+
+_RUN_AFTER = 8  # equal lengths in a row after which the walk tries a vectorised run
+
+
+def _walk_bytes(view: memoryview, count: int, name: str, *, keep: bool) -> list[int]:
+    """Walk `count` length-prefixed elements that must fill `view`; with `keep`, return where
+    each element's prefix starts.
+
+    Runs of equal lengths are checked as one strided numpy view of their prefixes, in windows
+    that double while the lengths hold (`_uniform_run`), so uniform data (fixed-size records,
+    empty strings, one large element) costs a few numpy calls whatever its size. Where lengths
+    vary, one step per element: the caller bounds `count` (`TensorLimits.max_bytes_elements`).
+    """
+    size = len(view)
+    unpack = _LENGTH.unpack_from
+    prefixes: list[int] = []
+    index = position = same = 0
+    previous = -1
+    while index < count:
+        if position + 4 > size:
+            raise InvalidArgumentError(f"tensor '{name}': BYTES data ends inside element {index} of {count}")
+        (length,) = unpack(view, position)
+        end = position + 4 + length
+        if end > size:
+            raise InvalidArgumentError(
+                f"tensor '{name}': BYTES element {index} claims {length} bytes past the end of its data"
+            )
+        if length != previous:
+            previous, same = length, 0
+        else:
+            same += 1
+            if same >= _RUN_AFTER:
+                fits = min(count - index, (size - position) // (4 + length))
+                run = _uniform_run(view, position, length=length, fits=fits)
+                if keep:
+                    prefixes.extend(range(position, position + run * (4 + length), 4 + length))
+                index += run
+                position += run * (4 + length)
+                same = 0
+                continue
+        if keep:
+            prefixes.append(position)
+        index += 1
+        position = end
+    if position != size:
+        raise InvalidArgumentError(
+            f"tensor '{name}': {size - position} bytes left after its {count} BYTES elements"
+        )
+    return prefixes
+
+
+def _uniform_run(view: memoryview, position: int, *, length: int, fits: int) -> int:
+    """How many elements from `position` on (at most `fits`, all known to lie inside `view`)
+    carry a prefix equal to `length`; the first one is known to."""
+    stride = 4 + length
+    checked, window = 1, 16
+    while checked < fits:
+        take = min(window, fits - checked)
+        prefixes = np.ndarray((take,), "<u4", view, position + checked * stride, (stride,))
+        differs = np.flatnonzero(prefixes != length)
+        if differs.size:
+            return checked + int(differs[0])
+        checked += take
+        window *= 2
+    return fits
+
+
 def _decode_bytes_tensor(
-    desc: tensor_pb2.Tensor, payload: bytes | memoryview, limits: TensorLimits
-) -> np.ndarray:
+    desc: tensor_pb2.Tensor, payload: bytes | memoryview, limits: TensorLimits, *, build: bool
+) -> np.ndarray | None:
     key, shape = desc.key, tuple(desc.shape)
     if len(shape) > limits.max_dims:
         raise InvalidArgumentError(
@@ -278,10 +366,29 @@ def _decode_bytes_tensor(
         raise InvalidArgumentError(
             f"tensor '{key}': bytes [{desc.byte_offset}, {end}) lie outside the {len(payload)}-byte payload"
         )
-    count = math.prod(shape)
+    count = _element_count(key, shape, limits)
+    if count > limits.max_bytes_elements:
+        raise InvalidArgumentError(
+            f"tensor '{key}': {count} BYTES elements exceed the limit of {limits.max_bytes_elements}"
+        )
     if 4 * count > desc.byte_length:
         raise InvalidArgumentError(
             f"tensor '{key}': byte_length {desc.byte_length} cannot hold {count} BYTES elements"
         )
     view = memoryview(payload).cast("B")[desc.byte_offset : end]
+    if not build:
+        check_bytes(view, count, name=key)
+        return None
     return deserialize_bytes(view, count, name=key).reshape(shape)
+
+
+def _element_count(key: str, shape: tuple[int, ...], limits: TensorLimits) -> int:
+    """The number of elements of `shape`, refusing shapes no payload within the limits can back:
+    numpy cannot build `[0, 2**62]` even though it holds no element."""
+    extent = math.prod(dim for dim in shape if dim)
+    if extent > limits.max_payload_bytes:
+        raise InvalidArgumentError(
+            f"tensor '{key}': shape {list(shape)} is too large (its non-zero dimensions multiply to "
+            f"{extent}, more than the payload limit of {limits.max_payload_bytes} bytes)"
+        )
+    return 0 if 0 in shape else extent

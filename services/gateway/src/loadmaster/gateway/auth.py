@@ -83,8 +83,11 @@ class Authenticator:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def authorize(self, token: str | None, scope: str) -> str:
-        """The key's name if `token` may make a call needing `scope`; else the matching error."""
+    def authorize(self, token: str | None, scope: str, *, charge: bool = True) -> str:
+        """The key's name if `token` may make a call needing `scope`; else the matching error.
+
+        Each call takes one token from the key's rate-limit bucket, unless `charge` is False
+        (a stream's opening: each of its messages is charged as it arrives)."""
         if not self._keys:
             return ""
         if not token:
@@ -95,7 +98,7 @@ class Authenticator:
             raise UnauthenticatedError("the API key is not valid")
         if scope not in key.scopes:
             raise PermissionDeniedError(f"API key '{key.name}' lacks the '{scope}' scope")
-        if key.bucket is not None and not key.bucket.take(self._clock.monotonic()):
+        if charge and key.bucket is not None and not key.bucket.take(self._clock.monotonic()):
             raise ResourceExhaustedError(
                 f"API key '{key.name}' exceeded its rate limit of {key.bucket.rate_per_s:g} requests/s"
             )

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from loadmaster.common import tracing
+from loadmaster.common import internal_auth, tracing
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     ExpiredError,
@@ -396,6 +396,8 @@ class Dispatcher:
         )
         if pending.span.is_recording():
             tracing.inject(request.metadata, span=pending.span)
+        if (credentials := internal_auth.current()) is not None:
+            credentials.sign_envelope(request.metadata, call.request_id)
         self._drop_shm(pending, answered=False)  # an earlier grant's worker may still read it
         payload, slot = call.payload, None
         if self._shm is not None and (slot := self._shm.place(endpoint, payload)) is not None:

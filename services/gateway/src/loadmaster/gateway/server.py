@@ -15,7 +15,11 @@ from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.edge import EdgeFrontend
-from loadmaster.gateway.frontends.grpc import KServeGrpcServicer
+from loadmaster.gateway.frontends.grpc import (
+    KServeGrpcServicer,
+    UndecodableRequestInterceptor,
+    receive_options,
+)
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
@@ -104,7 +108,13 @@ class Gateway:
             self.admin,
             gateway_id=self.gateway_id,
         )
-        self.http = HttpFrontend(app, host=settings.gateway.http_host, port=settings.gateway.http_port)
+        self.http = HttpFrontend(
+            app,
+            host=settings.gateway.http_host,
+            port=settings.gateway.http_port,
+            header_timeout_s=settings.gateway.limits.http_header_timeout_s,
+            keep_alive_s=settings.gateway.limits.http_keep_alive_s,
+        )
         self._settings = settings
 
     async def start(self) -> None:
@@ -133,7 +143,12 @@ class GatewayServer(GrpcServer):
     """The gateway's gRPC server (health, reflection, KServe v2) with its running parts."""
 
     def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
-        super().__init__("gateway", settings.gateway.listen_address)
+        super().__init__(
+            "gateway",
+            settings.gateway.listen_address,
+            interceptors=[UndecodableRequestInterceptor()],
+            options=receive_options(settings.gateway.limits),
+        )
         self.gateway = Gateway(settings, clock=clock)
         self.add_service(
             inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,

@@ -1,10 +1,21 @@
-"""Edge envelope validation: bytes from a client -> an `InferenceCall`, or `InvalidArgumentError`."""
+"""Edge envelope validation: bytes from a client -> an `InferenceCall`, or `InvalidArgumentError`.
+
+Checks whose cost grows with the input (BYTES tensors walk their elements) run off the event
+loop, on a small thread pool of their own (`off_loop`): `needs_off_loop` says which
+observations, `observation_to_call_off_loop` is the awaitable form of `observation_to_call`.
+Everything else stays inline, where a thread hop would cost more than the check.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import math
 import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -12,11 +23,70 @@ from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.tensors import TensorLimits, check_tensors
 from loadmaster.gateway.calls import InferenceCall
-from loadmaster.v1 import edge_pb2
+from loadmaster.v1 import edge_pb2, tensor_pb2
 
-__all__ = ["TIMEOUT_KEY", "observation_to_call", "parse_observation"]
+__all__ = [
+    "INLINE_BYTES_ELEMENTS",
+    "TIMEOUT_KEY",
+    "bytes_elements",
+    "needs_off_loop",
+    "observation_to_call",
+    "observation_to_call_off_loop",
+    "off_loop",
+    "parse_observation",
+    "tensor_limits",
+]
 
 TIMEOUT_KEY = "timeout_ms"
+# BYTES elements a request may carry and still be checked on the event loop (~25 us of work).
+INLINE_BYTES_ELEMENTS = 1024
+
+_T = TypeVar("_T")
+# Two threads: numpy releases the interpreter in its loops, so they overlap the event loop,
+# and a flood of large requests queues here instead of taking the loop's default executor.
+_VALIDATION_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-validation")
+
+
+async def off_loop(function: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
+    """`function(*args, **kwargs)` on the validation threads, awaited from the event loop."""
+    call = functools.partial(contextvars.copy_context().run, function, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_VALIDATION_THREADS, call)
+
+
+def tensor_limits(limits: LimitsSettings) -> TensorLimits:
+    return TensorLimits(
+        max_payload_bytes=limits.max_payload_bytes,
+        max_tensors=limits.max_tensors,
+        max_dims=limits.max_dims,
+        max_bytes_elements=limits.max_bytes_elements,
+    )
+
+
+def bytes_elements(descriptors: Iterable[tensor_pb2.Tensor]) -> int:
+    """How many BYTES elements the descriptors claim (what checking them costs), capped."""
+    total = 0
+    for desc in descriptors:
+        if desc.dtype == tensor_pb2.BYTES:
+            total += math.prod(min(max(dim, 0), 1 << 32) for dim in desc.shape)
+    return total
+
+
+def needs_off_loop(observation: edge_pb2.Observation) -> bool:
+    """Whether checking `observation` costs enough to leave the event loop for it."""
+    return bytes_elements(observation.tensors) > INLINE_BYTES_ELEMENTS
+
+
+async def observation_to_call_off_loop(
+    observation: edge_pb2.Observation,
+    payload: Any,
+    *,
+    request_id: str,
+    limits: LimitsSettings,
+) -> InferenceCall:
+    """`observation_to_call`, on the validation threads when `needs_off_loop(observation)`."""
+    if not needs_off_loop(observation):
+        return observation_to_call(observation, payload, request_id=request_id, limits=limits)
+    return await off_loop(observation_to_call, observation, payload, request_id=request_id, limits=limits)
 
 
 def parse_observation(envelope: bytes, limits: LimitsSettings) -> edge_pb2.Observation:
@@ -43,15 +113,7 @@ def observation_to_call(
     """Check the observation against its payload and limits, without copying the payload or
     building arrays over it (the gateway only forwards it)."""
     buffer = payload.buffer if hasattr(payload, "buffer") else payload
-    check_tensors(
-        observation.tensors,
-        buffer,
-        TensorLimits(
-            max_payload_bytes=limits.max_payload_bytes,
-            max_tensors=limits.max_tensors,
-            max_dims=limits.max_dims,
-        ),
-    )
+    check_tensors(observation.tensors, buffer, tensor_limits(limits))
     metadata = dict(observation.metadata) if observation.metadata else {}
     metadata_bytes = sum(len(k) + len(v) for k, v in metadata.items())
     if metadata_bytes > limits.max_metadata_bytes:

@@ -321,6 +321,10 @@ class LeaseManager:
             self._on_release()
         return change.status is ChangeStatus.DONE
 
+    async def lease_labels(self, lease_id: str) -> dict[str, str] | None:
+        """The labels lease `lease_id` was granted with; None when Redis holds no such lease."""
+        return await self._store.lease_labels(lease_id)
+
     async def leases(self, *, node: str = "", holder: str = "") -> list[Lease]:
         return await self._store.leases(now_ms=self.now_ms(), node=node, holder=holder)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 
-from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
+from loadmaster.common import internal_auth
+from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, PermissionDeniedError
 from loadmaster.gpu_broker.events import LeaseEventHub
 from loadmaster.gpu_broker.leases import (
     AcquireRequest,
@@ -20,10 +23,21 @@ from loadmaster.gpu_broker.manager import LeaseManager
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
 
-__all__ = ["GpuBrokerServicer", "acquire_from_proto", "event_to_proto", "gpu_to_proto", "lease_to_proto"]
+__all__ = [
+    "PRINCIPAL_LABEL",
+    "GpuBrokerServicer",
+    "acquire_from_proto",
+    "event_to_proto",
+    "gpu_to_proto",
+    "lease_to_proto",
+]
 
 # Renewals in one RenewMany call (a worker holds one lease per resident model).
 MAX_RENEWALS = 1024
+
+# The label the broker stamps on each lease: the authenticated identity that acquired it.
+# Renew and Release are accepted only from that identity (or with the admin credential).
+PRINCIPAL_LABEL = "loadmaster.principal"
 
 _KINDS = {
     LeaseEventKind.ACQUIRED: pb.LeaseEvent.KIND_ACQUIRED,
@@ -95,6 +109,24 @@ def acquire_from_proto(request: pb.AcquireRequest) -> AcquireRequest:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Caller:
+    """Who made a call, as internal auth verified it ('' when the broker runs without it)."""
+
+    principal: str = ""
+    admin: bool = False
+    peer: str = ""
+
+
+def _caller(context: grpc.aio.ServicerContext) -> _Caller:
+    credentials = internal_auth.current()
+    identity = internal_auth.caller(context) if credentials is not None else None
+    if credentials is None or identity is None:
+        return _Caller()
+    metadata = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
+    return _Caller(str(identity), credentials.admin_verified(metadata), context.peer())
+
+
 class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
     def __init__(self, manager: LeaseManager, hub: LeaseEventHub) -> None:
         self._manager = manager
@@ -110,10 +142,10 @@ class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
     async def Acquire(  # noqa: N802
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
-        return await self._acquire(request)
+        return await self._acquire(request, _caller(context))
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:  # noqa: N802
-        return await self._renew(request)
+        return await self._renew(request, _caller(context))
 
     async def RenewMany(  # noqa: N802
         self, request: pb.RenewManyRequest, context: grpc.aio.ServicerContext
@@ -124,29 +156,59 @@ class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
             raise InvalidArgumentError(
                 f"at most {MAX_RENEWALS} renewals per call, got {len(request.renewals)}"
             )
-        outcomes = await self._manager.renew_many(
-            [(r.lease_id, r.fencing_token, r.ttl_s) for r in request.renewals]
+        refused = await self._not_holder(_caller(context), [r.lease_id for r in request.renewals], "renew")
+        allowed = [r for i, r in enumerate(request.renewals) if i not in refused]
+        renewed = iter(
+            await self._manager.renew_many([(r.lease_id, r.fencing_token, r.ttl_s) for r in allowed])
         )
+        outcomes = [refused[i] if i in refused else next(renewed) for i in range(len(request.renewals))]
         return pb.RenewManyResponse(results=[_renew_result(outcome) for outcome in outcomes])
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        return await self._release(request)
+        return await self._release(request, _caller(context))
 
-    async def _acquire(self, request: pb.AcquireRequest) -> pb.AcquireResponse:
+    async def _acquire(self, request: pb.AcquireRequest, who: _Caller) -> pb.AcquireResponse:
+        if who.principal:  # the broker's word on who holds it, whatever the caller labelled
+            request.labels[PRINCIPAL_LABEL] = who.principal
         lease = await self._manager.acquire(acquire_from_proto(request))
         return pb.AcquireResponse(lease=lease_to_proto(lease))
 
-    async def _renew(self, request: pb.RenewRequest) -> pb.RenewResponse:
+    async def _renew(self, request: pb.RenewRequest, who: _Caller) -> pb.RenewResponse:
+        if refused := await self._not_holder(who, [request.lease_id], "renew"):
+            raise refused[0]
         lease = await self._manager.renew(
             request.lease_id, fencing_token=request.fencing_token, ttl_s=request.ttl_s
         )
         return pb.RenewResponse(lease=lease_to_proto(lease))
 
-    async def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+    async def _release(self, request: pb.ReleaseRequest, who: _Caller) -> pb.ReleaseResponse:
+        if refused := await self._not_holder(who, [request.lease_id], "release"):
+            raise refused[0]
         released = await self._manager.release(request.lease_id, fencing_token=request.fencing_token)
         return pb.ReleaseResponse(released=released)
+
+    async def _not_holder(
+        self, who: _Caller, lease_ids: Sequence[str], action: str
+    ) -> dict[int, LoadmasterError]:
+        """By index, the leases `who` may not renew or release: those another identity acquired.
+        A fencing token alone proves nothing (ListLeases shows it); the caller must be the holder."""
+        if not who.principal or who.admin:
+            return {}
+        labels = await asyncio.gather(*(self._manager.lease_labels(lease_id) for lease_id in lease_ids))
+        refused: dict[int, LoadmasterError] = {}
+        for index, (lease_id, found) in enumerate(zip(lease_ids, labels, strict=True)):
+            owner = (found or {}).get(PRINCIPAL_LABEL, "")
+            if owner and owner != who.principal:
+                error = PermissionDeniedError(
+                    f"lease {lease_id} is held by {owner}; only its holder may {action} it"
+                )
+                internal_auth.log_refusal(
+                    f"{action} of lease {lease_id}", who.peer, who.principal, error.message
+                )
+                refused[index] = error
+        return refused
 
     async def ListLeases(  # noqa: N802
         self, request: pb.ListLeasesRequest, context: grpc.aio.ServicerContext

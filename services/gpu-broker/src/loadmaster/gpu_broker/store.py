@@ -494,6 +494,16 @@ class RedisLeaseStore:
     async def leases(self, *, now_ms: int, node: str = "", holder: str = "") -> list[Lease]:
         return [_lease(flat) for flat in await self._call(scripts.LIST_LEASES, now_ms, node, holder)]
 
+    async def lease_labels(self, lease_id: str) -> dict[str, str] | None:
+        """The labels of lease `lease_id` as stored (None: no such lease record)."""
+        try:
+            text = await asyncio.wait_for(
+                self._redis.hget(f"{self._prefix}:lease:{lease_id}", "labels"), self._timeout_s
+            )
+        except _REDIS_DOWN as error:
+            raise UnavailableError(f"Redis unreachable: {error}") from error
+        return None if text is None else dict(json.loads(text or "{}"))
+
     async def subscribe(self, *, timeout_s: float = 1.0) -> EventSubscription:
         """Subscribe to the events channel; returns once Redis confirmed the subscription."""
         return await EventSubscription.open(self._redis.connection_pool, self.channel, timeout_s=timeout_s)

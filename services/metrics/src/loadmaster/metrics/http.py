@@ -12,11 +12,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from loadmaster.common.config import ApiKeySettings
 from loadmaster.common.http_server import main_loop
+from loadmaster.metrics.access import ApiKeyGuard
 from loadmaster.metrics.exposition import Exposition
 
 __all__ = ["HttpServer", "create_app"]
@@ -29,8 +32,10 @@ def create_app(
     *,
     serving: Callable[[], bool] = lambda: True,
     routes: Sequence[BaseRoute] = (),
+    api_keys: Sequence[ApiKeySettings] = (),
 ) -> Starlette:
-    """The metrics HTTP app. `serving` answers `/healthz` (200 when True, else 503)."""
+    """The metrics HTTP app. `serving` answers `/healthz` (200 when True, else 503); with
+    `api_keys`, every other path needs one of them (`access.ApiKeyGuard`)."""
 
     async def metrics(request: Request) -> Response:
         body, content_type = exposition.render(request.headers.get("accept", ""))
@@ -45,7 +50,8 @@ def create_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             *routes,
-        ]
+        ],
+        middleware=[Middleware(ApiKeyGuard, keys=api_keys)],
     )
 
 

@@ -42,6 +42,7 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsSer
         hub.exposition,
         serving=lambda: serving,
         routes=dashboard_routes(hub.windows, workers=workers.rows),
+        api_keys=settings.gateway.auth.api_keys,  # the gateway's keys open the dashboard too
     )
     server = MetricsServer(
         config.listen_address, hub=hub, http=HttpServer(app, host=config.http_host, port=config.http_port)

@@ -54,9 +54,14 @@ import zmq
 from google.protobuf.message import DecodeError
 from opentelemetry.trace import SpanKind
 
-from loadmaster.common import tracing
+from loadmaster.common import internal_auth, tracing
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.errors import InvalidArgumentError, UnavailableError, edge_code_name
+from loadmaster.common.errors import (
+    InvalidArgumentError,
+    UnauthenticatedError,
+    UnavailableError,
+    edge_code_name,
+)
 from loadmaster.common.framing import SocketReader, receive_routed, split_router_frames
 from loadmaster.common.shm import ShmRegions, ShmUnavailableError
 from loadmaster.common.tensors import TensorLimits, decode_tensors
@@ -98,6 +103,17 @@ def advertised_endpoint(
     return f"tcp://{host}:{port}"
 
 
+def _peer(frames: list[Any]) -> str:
+    """The sender's address (ZMQ's Peer-Address of a received frame), for refusal logs."""
+    for frame in frames[1:]:
+        if isinstance(frame, zmq.Frame):
+            try:
+                return f"{frame.get('Peer-Address')} (zmq identity {bytes(frames[0]).hex()})"
+            except (zmq.ZMQError, TypeError, ValueError):
+                break
+    return f"zmq identity {bytes(frames[0]).hex()}" if frames else ""
+
+
 class DataPort:
     def __init__(
         self,
@@ -127,6 +143,7 @@ class DataPort:
         self._outbox: list[tuple[bytes, bytes, Any, bool]] = []
         self._flush_scheduled = False
         self._encoder = ResultEncoder(worker_id)
+        self._credentials = internal_auth.current()  # None: messages carry no credential to check
         self._settled = asyncio.Event()  # set while nothing is pending
         self._settled.set()
         self._decoder: ThreadPoolExecutor | None = None  # large inputs are decoded here
@@ -136,6 +153,7 @@ class DataPort:
     async def start(self) -> str:
         """Bind and start answering; returns ZMQ's LAST_ENDPOINT (the real port of a `:*` bind)."""
         self._loop = asyncio.get_running_loop()
+        internal_auth.check_listen("model-pool data port", self._bind)
         self._context = zmq.Context()
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.RCVHWM, self._hwm)
@@ -207,6 +225,10 @@ class DataPort:
             self._reply(identity, reply)
             return
         request_id, model_id = request.request_id, request.model_id
+        if self._credentials is not None and not self._authenticated(request, frames):
+            refused = UnauthenticatedError("data-port message without a valid internal credential")
+            self._reply(identity, self._failed(refused, request_id, model_id))
+            return
         if self._pending >= self._max_pending:
             overloaded = UnavailableError("worker overloaded: too many pending requests")
             self._reply(identity, self._failed(overloaded, request_id, model_id))
@@ -287,6 +309,21 @@ class DataPort:
             self._admit(request, outcome, done, received)
         except Exception as error:
             done(error)
+
+    def _authenticated(self, request: model_pool_pb2.InferRequest, frames: list[Any]) -> bool:
+        assert self._credentials is not None
+        try:
+            self._credentials.verify_envelope(request.metadata, request.request_id)
+        except UnauthenticatedError as error:
+            token = request.metadata.get(internal_auth.ENVELOPE_KEY, "")
+            internal_auth.log_refusal(
+                f"data-port request {request.request_id[:64]!r}",
+                _peer(frames),
+                token.partition(" ")[0],
+                error.message,
+            )
+            return False
+        return True
 
     def _shm_payload(self, ref: model_pool_pb2.ShmPayload, frame: Any) -> memoryview:
         if len(frame):

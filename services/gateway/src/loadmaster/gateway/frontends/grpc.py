@@ -4,6 +4,12 @@ Each RPC converts protobuf -> `KServeInput`s / names, awaits the dispatcher or
 the catalog, and converts back. Errors are `LoadmasterError`s, mapped to status
 codes by the server's one interceptor. The gRPC deadline and the `timeout`
 parameter become the request's timeout; a cancelled call cancels its request.
+
+Bounds: a message may be `max_payload_bytes + max_envelope_bytes` long (`receive_options`); a
+message that does not parse is INVALID_ARGUMENT (`UndecodableRequestInterceptor`); each
+`ModelStreamInfer` message pays one rate-limit token and a stream has at most
+`max_stream_inflight` requests in flight; requests whose inputs cost time to gather and check
+are built on the validation threads, off the event loop.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,8 +29,10 @@ from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, NotFoundError
 from loadmaster.common.tensors import serialize_bytes
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
+from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.frontends.grpc_wire import LARGE_MESSAGE_BYTES, LargeInferRequest, split_infer_request
 from loadmaster.gateway.frontends.kserve import (
     EXTENSIONS,
     SERVER_NAME,
@@ -31,6 +40,7 @@ from loadmaster.gateway.frontends.kserve import (
     KServeInput,
     build_call,
     check_parameters,
+    costly,
     dispatch,
     numpy_for,
     outputs_of,
@@ -40,11 +50,81 @@ from loadmaster.gateway.frontends.kserve import (
 )
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
+from loadmaster.gateway.validation import off_loop
 from loadmaster.v1 import inference_pb2, inference_pb2_grpc
 
-__all__ = ["KServeGrpcServicer", "request_inputs"]
+__all__ = [
+    "KServeGrpcServicer",
+    "Undecodable",
+    "UndecodableRequestInterceptor",
+    "receive_options",
+    "request_inputs",
+]
 
 log = logging.getLogger(__name__)
+
+_SERVICE_PREFIX = "/inference.GRPCInferenceService/"
+_INFER_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
+MODEL_VERSION = "1"  # the one version each model is served at
+
+
+def receive_options(limits: LimitsSettings) -> list[tuple[str, int]]:
+    """gRPC server options: the largest message accepted is the largest request the limits allow
+    (payload plus envelope-sized room for names, shapes and parameters); larger ones are refused
+    RESOURCE_EXHAUSTED by gRPC before they are read."""
+    return [("grpc.max_receive_message_length", limits.max_payload_bytes + limits.max_envelope_bytes)]
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """What a KServe message that does not parse becomes, so the call can answer INVALID_ARGUMENT
+    (gRPC answers a deserializer's exception with UNKNOWN)."""
+
+    reason: str
+
+
+class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
+    """KServe calls whose request does not parse get INVALID_ARGUMENT naming the problem.
+
+    Streams see an `Undecodable` message and answer it in the stream."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or handler.request_deserializer is None or not method.startswith(_SERVICE_PREFIX):
+            return handler
+        deserialize = handler.request_deserializer
+        name = method.removeprefix(_SERVICE_PREFIX)
+        splits = name in _INFER_METHODS
+
+        def tolerant(data: bytes) -> Any:
+            try:
+                if splits and len(data) > LARGE_MESSAGE_BYTES:
+                    large = split_infer_request(data)
+                    if large is not None:
+                        return large
+                return deserialize(data)
+            except Exception as error:
+                return Undecodable(f"{name} request is not a valid message: {error}")
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, Undecodable):
+                    raise InvalidArgumentError(request.reason)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, tolerant, handler.response_serializer)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                handler.stream_stream, tolerant, handler.response_serializer
+            )
+        return handler
 
 
 # Typed contents: which field carries each datatype (FP16/BF16 only travel raw).
@@ -88,8 +168,11 @@ def _contents_bytes(tensor: inference_pb2.ModelInferRequest.InferInputTensor) ->
     return np.asarray(values, dtype=dtype).tobytes()
 
 
-def request_inputs(request: inference_pb2.ModelInferRequest) -> list[KServeInput]:
-    raw = request.raw_input_contents
+def request_inputs(
+    request: inference_pb2.ModelInferRequest, raw_contents: Sequence[bytes | memoryview] | None = None
+) -> list[KServeInput]:
+    """The request's inputs; `raw_contents` stand for its `raw_input_contents` when given."""
+    raw = request.raw_input_contents if raw_contents is None else raw_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidArgumentError(
             f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs"
@@ -103,6 +186,13 @@ def request_inputs(request: inference_pb2.ModelInferRequest) -> list[KServeInput
         )
         for index, tensor in enumerate(request.inputs)
     ]
+
+
+def _check_version(model: str, version: str) -> None:
+    if version and version != MODEL_VERSION:
+        raise NotFoundError(
+            f"model '{model}' has no version '{version}' (models are served at version {MODEL_VERSION})"
+        )
 
 
 def _token(context: grpc.aio.ServicerContext) -> str | None:
@@ -142,6 +232,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         try:
+            _check_version(request.name, request.version)
             ready = (await self._catalog.model(request.name)).ready
         except NotFoundError:
             ready = False
@@ -154,6 +245,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         self._auth.authorize(_token(context), INFER)
+        _check_version(request.name, request.version)
         view = await self._catalog.model(request.name)
         signature = await self._catalog.signature(request.name)
 
@@ -175,6 +267,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         self._auth.authorize(_token(context), INFER)
+        _check_version(request.name, request.version)
         view = await self._catalog.model(request.name)
         return inference_pb2.ModelConfigResponse(
             config=inference_pb2.ModelConfig(name=view.name, platform=view.backend, backend=view.backend)
@@ -222,25 +315,38 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(  # noqa: N802
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        client = self._auth.authorize(_token(context), INFER)
+        """Each message is one request: it pays its own rate-limit token (the key is checked
+        when the stream opens, uncharged), and at most `max_stream_inflight` run at once: the
+        stream reads its next message only when one finishes, so gRPC flow control holds the
+        client back instead of the gateway buffering its requests."""
+        token = _token(context)
+        self._auth.authorize(token, INFER, charge=False)
         replies: asyncio.Queue[inference_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
+        slots = asyncio.Semaphore(self._limits.max_stream_inflight)
 
-        async def one(request: inference_pb2.ModelInferRequest) -> None:
+        async def one(request: Any) -> None:
             try:
+                if isinstance(request, Undecodable):
+                    raise InvalidArgumentError(request.reason)
+                client = self._auth.authorize(token, INFER)
                 response = await self._infer(request, client=client, deadline_s=None)
                 reply = inference_pb2.ModelStreamInferResponse(infer_response=response)
             except LoadmasterError as error:
                 reply = self._stream_error(request, error.message)
             except Exception as error:
-                log.exception("stream request %s failed", request.id)
+                log.exception("stream request %s failed", getattr(request, "id", ""))
                 reply = self._stream_error(request, f"internal error: {type(error).__name__}")
+            finally:
+                slots.release()
             replies.put_nowait(reply)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
+                    await slots.acquire()
                     task = asyncio.create_task(one(request))
+                    del request  # the task holds it for as long as it runs, and no longer
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 while tasks:
@@ -259,15 +365,31 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
     @staticmethod
     def _stream_error(request: Any, message: str) -> inference_pb2.ModelStreamInferResponse:
+        if isinstance(request, LargeInferRequest):
+            request = request.message
+        if isinstance(request, Undecodable):
+            return inference_pb2.ModelStreamInferResponse(error_message=message)
         return inference_pb2.ModelStreamInferResponse(
             error_message=message,
             infer_response=inference_pb2.ModelInferResponse(model_name=request.model_name, id=request.id),
         )
 
-    async def _infer(self, request: Any, *, client: str, deadline_s: float | None) -> Any:
+    def _call(
+        self,
+        request: Any,
+        raw: Sequence[bytes | memoryview] | None,
+        *,
+        client: str,
+        deadline_s: float | None,
+    ) -> InferenceCall:
+        """The request as one call: costs time in proportion to its inputs."""
+        if len(request.inputs) > self._limits.max_tensors:  # before its data is copied out
+            raise InvalidArgumentError(
+                f"{len(request.inputs)} tensors exceed the limit of {self._limits.max_tensors}"
+            )
         check_parameters({k: _parameter(request.parameters, k) for k in request.parameters}, self._limits)
-        call = build_call(
-            request_inputs(request),
+        return build_call(
+            request_inputs(request, raw),
             model_id=request.model_name,
             request_id=next(self._ids),
             client_id=client or "grpc",
@@ -275,6 +397,21 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             timeout_ms=parse_timeout_ms(_parameter(request.parameters, "timeout"), deadline_s=deadline_s),
             limits=self._limits,
         )
+
+    async def _infer(self, request: Any, *, client: str, deadline_s: float | None) -> Any:
+        raw: list[memoryview] | None = None
+        if isinstance(request, LargeInferRequest):  # over 1 MiB: its data stays where it arrived
+            request, raw = request.message, request.raw_input_contents
+        _check_version(request.model_name, request.model_version)
+        # A small message (under LARGE_MESSAGE_BYTES) has little raw data: its shapes tell the cost.
+        shapes = [
+            (tensor.datatype, tensor.shape, 1 if request.raw_input_contents else 0)
+            for tensor in request.inputs
+        ]
+        if raw is not None or costly(shapes):
+            call = await off_loop(self._call, request, raw, client=client, deadline_s=deadline_s)
+        else:
+            call = self._call(request, raw, client=client, deadline_s=deadline_s)
         result = await dispatch(self._dispatcher, call)
         outputs = outputs_of(result, [output.name for output in request.outputs])
         Output = inference_pb2.ModelInferResponse.InferOutputTensor  # noqa: N806

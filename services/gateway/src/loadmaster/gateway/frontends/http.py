@@ -6,6 +6,11 @@ routes `/admin/queues` and `/admin/strategy` (POST {"strategy", "policy"}); and 
 `/livez`, `/readyz` (503 until the scheduler is connected and a model is READY), `/healthz`.
 Errors are `LoadmasterError`s mapped to a status in one handler (`{"error": message}` bodies). A
 client that disconnects while its request waits cancels it in the dispatcher.
+
+Bounds (`LimitsSettings`): a JSON body up to `max_json_bytes`, binary tensor data up to
+`max_payload_bytes` after it; request headers must arrive within `http_header_timeout_s` (else
+408 and the connection closes) and the body within `http_body_timeout_s` (408). Bodies larger
+than `INLINE_BODY_BYTES` are parsed and checked on the validation threads, off the event loop.
 """
 
 from __future__ import annotations
@@ -17,20 +22,24 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import h11
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from loadmaster.common.config import GatewaySettings
-from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError
+from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError, NotFoundError
 from loadmaster.common.http_server import main_loop
 from loadmaster.gateway.admin import SchedulerAdmin
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
+from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
-from loadmaster.gateway.frontends.http_codec import HEADER_LENGTH, encode_response, parse_infer
+from loadmaster.gateway.frontends.http_codec import HEADER_LENGTH, ParsedInfer, encode_response, parse_infer
 from loadmaster.gateway.frontends.kserve import (
     EXTENSIONS,
     SERVER_NAME,
@@ -45,12 +54,23 @@ from loadmaster.gateway.frontends.kserve import (
 )
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
+from loadmaster.gateway.validation import off_loop
+from loadmaster.v1 import errors_pb2
 
-__all__ = ["HttpFrontend", "build_app"]
+__all__ = ["INLINE_BODY_BYTES", "HttpFrontend", "RequestTimeoutError", "build_app"]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+INLINE_BODY_BYTES = 64 << 10  # infer bodies up to this size are parsed on the event loop
+MODEL_VERSION = "1"  # the one version each model is served at
+
+
+class RequestTimeoutError(LoadmasterError):
+    """The request body did not arrive in time (HTTP 408)."""
+
+    code = errors_pb2.ERROR_CODE_EXPIRED
+    http_status = 408
 
 
 async def _error_response(request: Request, error: Exception) -> Response:
@@ -62,19 +82,37 @@ async def _error_response(request: Request, error: Exception) -> Response:
     return JSONResponse({"error": mapped.message}, status_code=mapped.http_status)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, *, timeout_s: float) -> bytes | memoryview:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise InvalidArgumentError(f"request body of {declared} bytes exceeds the limit of {limit}")
     if request.headers.get("content-encoding", "identity").lower() not in ("identity", ""):
         raise InvalidArgumentError("Content-Encoding is not supported; send the body uncompressed")
+    # A large body of known length is copied into place chunk by chunk as it arrives: joining
+    # 64 MiB at the end would be one copy holding the event loop for tens of milliseconds, and
+    # so would zero-filling a bytearray of that size (numpy's empty buffer is not touched).
+    expected = int(declared) if declared is not None and declared.isdigit() else 0
+    into = np.empty(expected, np.uint8).data if expected > INLINE_BODY_BYTES else None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise InvalidArgumentError(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                if size + len(chunk) > limit:
+                    raise InvalidArgumentError(f"request body exceeds the limit of {limit} bytes")
+                if into is None:
+                    chunks.append(chunk)
+                elif size + len(chunk) <= expected:
+                    into[size : size + len(chunk)] = chunk
+                else:  # (h11 frames bodies by Content-Length: this is a guard, not a path)
+                    raise InvalidArgumentError("request body is longer than its Content-Length")
+                size += len(chunk)
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"request body not received within {timeout_s:g} s ({size} bytes arrived)"
+        ) from None
+    if into is not None:
+        return into if size == expected else into[:size]
     return b"".join(chunks)
 
 
@@ -98,8 +136,10 @@ def build_app(
     gateway_id: str,
 ) -> Starlette:
     limits = settings.limits
-    body_limit = limits.max_payload_bytes + limits.max_envelope_bytes
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
+
+    async def read_body(request: Request, limit: int) -> bytes | memoryview:
+        return await _read_body(request, limit, timeout_s=limits.http_body_timeout_s)
 
     def authorize(request: Request, scope: str) -> str:
         return auth.authorize(bearer_token(request.headers.get("authorization")), scope)
@@ -169,7 +209,7 @@ def build_app(
     async def repository_index(request: Request) -> Response:
         authorize(request, INFER)
         ready_only = False
-        raw = await _read_body(request, limits.max_envelope_bytes)
+        raw = bytes(await read_body(request, limits.max_envelope_bytes))
         if raw.strip():
             parsed = parse_json_object(raw)
             ready_only = bool(parsed.get("ready", False))
@@ -198,27 +238,39 @@ def build_app(
 
     async def admin_strategy(request: Request) -> Response:
         authorize(request, ADMIN)
-        body = parse_json_object(await _read_body(request, limits.max_envelope_bytes))
+        body = parse_json_object(await read_body(request, limits.max_envelope_bytes))
         strategy, policy = body.get("strategy"), body.get("policy", "")
         if not isinstance(strategy, str) or not strategy or not isinstance(policy, str):
             raise InvalidArgumentError('body must be {"strategy": <name>, "policy": <name, optional>}')
         return JSONResponse(await admin.set_strategy(strategy, policy))
 
-    async def infer(request: Request) -> Response:
-        client = authorize(request, INFER)
-        model_name = request.path_params["model"]
-        body = await _read_body(request, body_limit)
-        parsed = parse_infer(body, request.headers.get(HEADER_LENGTH))
+    def prepare(
+        body: bytes | memoryview, header_length: str | None, **call: Any
+    ) -> tuple[ParsedInfer, InferenceCall]:
+        """Body -> parsed request and call: costs time in proportion to the body."""
+        parsed = parse_infer(body, header_length, limits)
         check_parameters(parsed.parameters, limits)
-        call = build_call(
+        return parsed, build_call(
             parsed.inputs,
-            model_id=model_name,
-            request_id=next(ids),
-            client_id=client or "http",
             priority=parse_priority(parsed.parameters.get("priority")),
             timeout_ms=parse_timeout_ms(parsed.parameters.get("timeout")),
             limits=limits,
+            **call,
         )
+
+    async def infer(request: Request) -> Response:
+        client = authorize(request, INFER)
+        model_name = request.path_params["model"]
+        header_length = request.headers.get(HEADER_LENGTH)
+        # The JSON part is bounded on its own; binary tensor data may follow it up to the payload limit.
+        limit = limits.max_json_bytes + (limits.max_payload_bytes if header_length is not None else 0)
+        body = await read_body(request, limit)
+        ids_and_client = {"model_id": model_name, "request_id": next(ids), "client_id": client or "http"}
+        if len(body) > INLINE_BODY_BYTES:
+            parsed, call = await off_loop(prepare, body, header_length, **ids_and_client)
+        else:
+            parsed, call = prepare(body, header_length, **ids_and_client)
+        del body  # the call holds what it needs: a refused request's buffers go with its reply
         work = asyncio.ensure_future(dispatch(dispatcher, call))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -249,9 +301,20 @@ def build_app(
     def route(path: str, handler: Handler, methods: tuple[str, ...] = ("GET",)) -> Route:
         async def endpoint(request: Request) -> Response:
             try:
+                version = request.path_params.get("version")
+                if version is not None and version != MODEL_VERSION:
+                    raise NotFoundError(
+                        f"model '{request.path_params.get('model', '')}' has no version '{version}' "
+                        f"(models are served at version {MODEL_VERSION})"
+                    )
                 return await handler(request)
             except Exception as error:  # the one place errors become HTTP statuses
-                return await _error_response(request, error)
+                response = await _error_response(request, error)
+                # The error's traceback holds the failed handler's frames, and they hold it
+                # (and the request body) in a cycle: cut it, so the body goes with the reply
+                # instead of waiting for a garbage collection.
+                error.__traceback__ = error.__context__ = error.__cause__ = None
+                return response
 
         return Route(path, endpoint, methods=list(methods))
 
@@ -282,9 +345,9 @@ def build_app(
     return Starlette(routes=routes)
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+def parse_json_object(raw: bytes | memoryview) -> dict[str, Any]:
     try:
-        value = json.loads(raw)
+        value = json.loads(bytes(raw))
     except (ValueError, RecursionError):
         raise InvalidArgumentError("request body is not JSON") from None
     if not isinstance(value, dict):
@@ -295,9 +358,27 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 class HttpFrontend:
     """Serves the app with uvicorn on the gateway's event loop."""
 
-    def __init__(self, app: Starlette, *, host: str, port: int) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        *,
+        host: str,
+        port: int,
+        header_timeout_s: float = 10.0,
+        keep_alive_s: float = 5.0,
+    ) -> None:
+        protocol = type(
+            "HeaderTimedH11Protocol", (HeaderTimedH11Protocol,), {"header_timeout_s": header_timeout_s}
+        )
         self._config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            http=protocol,
+            timeout_keep_alive=max(1, round(keep_alive_s)),
         )
         self._server = uvicorn.Server(self._config)
         self._stop = asyncio.Event()
@@ -329,3 +410,42 @@ class HttpFrontend:
         self._server.force_exit = True  # do not wait for idle keep-alive connections
         await self._server.shutdown()
         self._task = None
+
+
+class HeaderTimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers have not all arrived
+    `header_timeout_s` after it opened or after its last response (uvicorn times out only idle
+    keep-alive connections, so a client sending a header byte at a time held one forever).
+    A client that sent part of a request is answered 408 first."""
+
+    header_timeout_s: float = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return  # a request is in (its body has a timeout of its own), or it is gone
+        if self.conn.trailing_data[0]:
+            self.transport.write(_REQUEST_TIMEOUT)
+        self.transport.close()
+
+
+_REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.tensors import deserialize_bytes, serialize_bytes
 from loadmaster.gateway.frontends.kserve import KServeInput, KServeOutput, numpy_for
@@ -32,7 +33,7 @@ class _Body(BaseModel):
 
 class InputBody(_Body):
     name: str = Field(min_length=1)
-    shape: list[int]
+    shape: list[StrictInt]
     datatype: str
     parameters: dict[str, Any] = Field(default_factory=dict)
     data: Any = None
@@ -65,38 +66,72 @@ def _describe(error: ValidationError) -> str:
     return f"request body: {where}: {first['msg']}"
 
 
-def _json_bytes(tensor: InputBody) -> bytes:
+# What JSON values each datatype takes, exactly: nothing is coerced ("false" is no BOOL, 1.5 no
+# INT32, null no FP32), as in Triton, whose JSON reader checks each value's JSON type.
+_JSON_KINDS: dict[str, tuple[frozenset[type], str]] = {
+    "BOOL": (frozenset({bool}), "a JSON boolean"),
+    "UINT8": (frozenset({int}), "a JSON integer"),
+    "INT32": (frozenset({int}), "a JSON integer"),
+    "INT64": (frozenset({int}), "a JSON integer"),
+    "FP16": (frozenset({int, float}), "a JSON number"),
+    "FP32": (frozenset({int, float}), "a JSON number"),
+    "FP64": (frozenset({int, float}), "a JSON number"),
+    "BYTES": (frozenset({str}), "a JSON string"),
+}
+
+
+def _json_values(tensor: InputBody, limits: LimitsSettings | None) -> list[Any]:
+    """The tensor's `data`, flattened in row-major order, each value of the datatype's JSON kind."""
+    flat: list[Any] = np.asarray(tensor.data, dtype=object).reshape(-1).tolist()
+    if tensor.datatype == "BYTES" and limits is not None and len(flat) > limits.max_bytes_elements:
+        raise InvalidArgumentError(
+            f"tensor '{tensor.name}': {len(flat)} BYTES elements exceed the limit of {limits.max_bytes_elements}"
+        )
+    allowed, kind = _JSON_KINDS[tensor.datatype]
+    if not set(map(type, flat)) <= allowed:
+        fits = np.fromiter(map(allowed.__contains__, map(type, flat)), dtype=bool, count=len(flat))
+        index = int(np.argmin(fits))
+        shown = json.dumps(flat[index]) if not isinstance(flat[index], list) else "a nested list"
+        raise InvalidArgumentError(
+            f"tensor '{tensor.name}': data[{index}] is {shown[:40]}, not {kind} ({tensor.datatype})"
+        )
+    expected = math.prod(tensor.shape) if all(d >= 0 for d in tensor.shape) else -1
+    if len(flat) != expected:
+        raise InvalidArgumentError(
+            f"tensor '{tensor.name}': {len(flat)} elements in data for shape {tensor.shape}"
+        )
+    return flat
+
+
+def _json_bytes(tensor: InputBody, limits: LimitsSettings | None = None) -> bytes:
     dtype = numpy_for(tensor.name, tensor.datatype)
     if tensor.datatype == "BF16":
         raise InvalidArgumentError(f"tensor '{tensor.name}': BF16 data must be sent as binary data")
     if tensor.data is None:
         raise InvalidArgumentError(f"tensor '{tensor.name}': no data and no binary_data_size")
-    if tensor.datatype == "BYTES":  # JSON strings (UTF-8) or lists of them
-        elements = np.asarray(tensor.data, dtype=object).reshape(-1)
-        if not all(isinstance(element, str) for element in elements):
-            raise InvalidArgumentError(f"tensor '{tensor.name}': BYTES data must be JSON strings")
-        expected = math.prod(tensor.shape) if all(d >= 0 for d in tensor.shape) else -1
-        if elements.size != expected:
+    values = _json_values(tensor, limits)
+    if tensor.datatype == "BYTES":  # JSON strings, sent as UTF-8
+        return serialize_bytes(np.asarray(values, dtype=object))
+    if dtype.kind in "iu":
+        try:
+            wide = np.asarray(values, dtype=np.int64)
+        except OverflowError:
+            wide = None
+        info = np.iinfo(dtype)
+        if wide is None or (wide.size and (wide.min() < info.min or wide.max() > info.max)):
             raise InvalidArgumentError(
-                f"tensor '{tensor.name}': {elements.size} elements in data for shape {tensor.shape}"
+                f"tensor '{tensor.name}': a value is out of range for {tensor.datatype}"
             )
-        return serialize_bytes(elements)
-    try:
-        array = np.asarray(tensor.data, dtype=dtype)
-    except (ValueError, TypeError, OverflowError) as error:
-        raise InvalidArgumentError(
-            f"tensor '{tensor.name}': data is not {tensor.datatype}: {error}"
-        ) from None
-    expected = math.prod(tensor.shape) if all(d >= 0 for d in tensor.shape) else -1
-    if array.size != expected:
-        raise InvalidArgumentError(
-            f"tensor '{tensor.name}': {array.size} elements in data for shape {tensor.shape}"
-        )
-    return array.tobytes()
+        return wide.astype(dtype).tobytes()
+    return np.asarray(values, dtype=dtype).tobytes()
 
 
-def parse_infer(body: bytes, header_length: str | None) -> ParsedInfer:
-    """Split and check an infer request body; errors are `InvalidArgumentError` naming the problem."""
+def parse_infer(
+    body: bytes | memoryview, header_length: str | None, limits: LimitsSettings | None = None
+) -> ParsedInfer:
+    """Split and check an infer request body; errors are `InvalidArgumentError` naming the problem.
+
+    Costs time in proportion to the JSON part: callers run large bodies off the event loop."""
     binary = memoryview(b"")
     json_part: bytes | memoryview = body
     if header_length is not None:
@@ -109,6 +144,11 @@ def parse_infer(body: bytes, header_length: str | None) -> ParsedInfer:
                 f"Inference-Header-Content-Length {length} is outside the {len(body)}-byte body"
             )
         json_part, binary = memoryview(body)[:length], memoryview(body)[length:]
+    if limits is not None and len(json_part) > limits.max_json_bytes:
+        raise InvalidArgumentError(
+            f"JSON request body of {len(json_part)} bytes exceeds the limit of {limits.max_json_bytes} "
+            "(send large tensors as binary data)"
+        )
     try:
         raw = json.loads(bytes(json_part))
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -134,7 +174,7 @@ def parse_infer(body: bytes, header_length: str | None) -> ParsedInfer:
             data: bytes | memoryview = binary[offset : offset + size]
             offset += size
         else:
-            data = _json_bytes(tensor)
+            data = _json_bytes(tensor, limits)
         inputs.append(KServeInput(tensor.name, tensor.datatype, tuple(tensor.shape), data))
     if offset != len(binary):
         raise InvalidArgumentError(f"{len(binary) - offset} bytes of binary data belong to no input")
@@ -169,13 +209,19 @@ def encode_response(
             elements = deserialize_bytes(output.data, count, name=output.name)
             entry["data"] = [element.decode("utf-8", errors="replace") for element in elements]
         else:
-            dtype = numpy_for(output.name, output.datatype)
-            entry["data"] = np.frombuffer(output.data, dtype=dtype).tolist()
+            values = np.frombuffer(output.data, dtype=numpy_for(output.name, output.datatype))
+            if values.dtype.kind == "f" and not np.isfinite(values).all():
+                # JSON has no NaN or Infinity (Triton's JSON writer refuses them too): binary data does.
+                raise InvalidArgumentError(
+                    f"output '{output.name}' holds NaN or Infinity, which JSON cannot carry: "
+                    'ask for it as binary data ("parameters": {"binary_data": true})'
+                )
+            entry["data"] = values.tolist()
         entries.append(entry)
     header: dict[str, Any] = {"model_name": model_name, "model_version": "1", "outputs": entries}
     if request_id:
         header["id"] = request_id
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     if not blobs:
         return head, None
     return head + b"".join(blobs), len(head)

@@ -21,9 +21,10 @@ import numpy as np
 
 from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.common.tensors import TensorLimits, decode_tensors
+from loadmaster.common.tensors import check_tensors
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.validation import INLINE_BYTES_ELEMENTS, tensor_limits
 from loadmaster.v1 import model_pool_pb2, tensor_pb2
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "TensorMetadata",
     "build_call",
     "check_parameters",
+    "costly",
     "dispatch",
     "numpy_for",
     "outputs_of",
@@ -160,6 +162,21 @@ def check_parameters(parameters: Mapping[str, Any], limits: LimitsSettings) -> N
         )
 
 
+_INT64 = 1 << 63
+INLINE_RAW_BYTES = 1 << 20  # tensor data up to this size is gathered and checked on the loop
+
+
+def costly(inputs: Sequence[tuple[str, Sequence[int], int]]) -> bool:
+    """Whether building a call from inputs of (datatype, shape, raw bytes) costs enough to
+    leave the event loop: BYTES elements to walk, values to convert, or data to copy."""
+    elements = raw = 0
+    for datatype, shape, raw_bytes in inputs:
+        if raw_bytes == 0 or datatype == "BYTES":  # typed contents to convert, or elements to walk
+            elements += math.prod(min(max(int(dim), 0), 1 << 32) for dim in shape)
+        raw += raw_bytes
+    return elements > INLINE_BYTES_ELEMENTS or raw > INLINE_RAW_BYTES
+
+
 def build_call(
     inputs: Sequence[KServeInput],
     *,
@@ -186,6 +203,11 @@ def build_call(
             raise InvalidArgumentError(
                 f"tensor '{tensor.name}': {len(tensor.shape)} dimensions exceed the limit of {limits.max_dims}"
             )
+        for dim in tensor.shape:
+            if not -_INT64 <= dim < _INT64:
+                raise InvalidArgumentError(
+                    f"tensor '{tensor.name}': dimension {dim} of shape {list(tensor.shape)} does not fit in int64"
+                )
         length = len(tensor.data)
         descriptors.append(
             tensor_pb2.Tensor(
@@ -204,15 +226,8 @@ def build_call(
                 f"tensor data of {offset}+ bytes exceeds the limit of {limits.max_payload_bytes}"
             )
     payload: bytes | memoryview = parts[0] if len(parts) == 1 else b"".join(parts)
-    decode_tensors(  # dtype x shape against lengths, duplicates, empty names: errors name the tensor
-        descriptors,
-        payload,
-        TensorLimits(
-            max_payload_bytes=limits.max_payload_bytes,
-            max_tensors=limits.max_tensors,
-            max_dims=limits.max_dims,
-        ),
-    )
+    # dtype x shape against lengths, duplicates, empty names, BYTES layout: errors name the tensor
+    check_tensors(descriptors, payload, tensor_limits(limits))
     meta = dict(metadata or {})
     metadata_bytes = sum(len(k) + len(v) for k, v in meta.items())
     if metadata_bytes > limits.max_metadata_bytes:

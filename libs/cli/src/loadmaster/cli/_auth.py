@@ -1,0 +1,28 @@
+"""The CLI's internal credential: commands that call services carry the suite's (docs/security.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loadmaster.cli.run_state import read_run_state, run_state_path
+from loadmaster.common import internal_auth
+from loadmaster.common.config import InternalAuthSettings, Settings, load_settings
+from loadmaster.common.service import default_instance_id
+
+__all__ = ["use_credentials"]
+
+
+def use_credentials(config: Path | Settings | None) -> None:
+    """Sign this process's calls with the secret the config names, else the one `loadmaster up`
+    made next to it, else the one the running `up` of this gateway address recorded in its run
+    state; without any, calls go out as before (a loopback suite without auth)."""
+    settings = config if isinstance(config, Settings) else load_settings(config)
+    identity = internal_auth.Identity("cli", default_instance_id())
+    credentials = internal_auth.client_credentials(settings, identity)
+    files = read_run_state(run_state_path(settings.gateway.address)).get("internal_auth")
+    if credentials is None and isinstance(files, dict) and files.get("secret_file"):
+        auth = InternalAuthSettings.model_validate({**settings.internal_auth.model_dump(), **files})
+        credentials = internal_auth.credentials_from_settings(
+            settings.model_copy(update={"internal_auth": auth}), identity
+        )
+    internal_auth.setup(credentials, insecure=settings.internal_auth.insecure)
