@@ -4,11 +4,14 @@
         [--concurrency 1 16 64] [--probes 30] [--background 64] [--side-budget-s 150]
 
 Two servers of the same `tiny-chat` folder (examples/models/tiny-chat/artifacts, `make models`),
-one after the other in the same run, driven by the same client code (the official async
-`openai` client, streaming chat completions, `stream_options.include_usage`):
+both started, then measured phase by phase in turn (the order flips every phase, so a shared
+machine that slows down weighs on both), driven by the same client code (the official async
+`openai` client, streaming chat completions, `stream_options.include_usage`), and stopped:
 
 - reference: Hugging Face's `transformers serve --continuous-batching` (its CLI, as its docs
-  show; bench/_hf_serve.py), on a free loopback port, stopped afterwards;
+  show; bench/_hf_serve.py) on a free loopback port, with one torch thread
+  (OMP_NUM_THREADS=1, as Loadmaster's `model_pool.inference_threads`; --reference-threads 0
+  leaves torch's default, 4-5x slower on a 2-core machine);
 - loadmaster: the suite (`_harness.running_suite_handle`, free ports, the example config) with
   `tiny-chat` preloaded, through the gateway's OpenAI routes -> scheduler -> worker -> the
   transformers engine.
@@ -25,9 +28,10 @@ Ratio = the loaded time-to-first-token p99 / the idle p50 (target <= 3). Priorit
 Loadmaster's `x_priority` field; the reference has none (it refuses unknown fields), so it gets
 the same load without them.
 
-A side that fails (its server does not start, a route is missing, a stream breaks) is reported
-as failed with the reason, and the other side still runs. Every phase is bounded in requests
-and in time (--side-budget-s per side). Writes bench/results/llm_serving.json.
+A side that fails (its server does not start, a route is missing, every request of a phase
+fails) is reported as failed with the reason (and its logs' tail), and the other side goes on.
+Every phase is bounded in requests and in time (--side-budget-s per side, all phases).
+Writes bench/results/llm_serving.json; exits 1 when a side failed.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ import shlex
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +74,7 @@ class Target:
     model: str
     priority_field: bool  # whether requests carry x_priority
     notes: list[str] = field(default_factory=list)
+    diagnose: Callable[[], str] | None = None  # the server's log tail, shown when it fails
 
 
 # ---- one stream ----------------------------------------------------------------------------
@@ -164,9 +169,18 @@ async def closed_loop(
             records.append(await stream_once(client, target, index=index, tokens=tokens, priority=priority))
 
     started = time.perf_counter()
+    cpu = time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     summary = summarize(records, time.perf_counter() - started)
-    return {"concurrency": concurrency, **summary}
+    client_cpu_s = time.process_time() - cpu
+    return {
+        "concurrency": concurrency,
+        **summary,
+        # The client's own CPU (this process: the openai client, its SSE parsing, asyncio), on
+        # the same cores as the server: per output token, and as a share of one core.
+        "client_cpu_us_per_token": round(client_cpu_s / max(1, summary["output_tokens"]) * 1e6, 1),
+        "client_cpu_share_of_a_core": round(client_cpu_s / max(1e-9, summary["wall_s"]), 2),
+    }
 
 
 async def probes(
@@ -242,42 +256,109 @@ async def priority_under_load(
     }
 
 
-async def measure(target: Target, args: argparse.Namespace, progress: dict[str, Any]) -> None:
-    """Every phase against one server; fills `progress` as it goes (so a timeout keeps what ran)."""
+@dataclass(slots=True)
+class Side:
+    """One server under test and what was measured on it so far."""
+
+    target: Target
+    client: Any
+    record: dict[str, Any]  # the side's entry in the result
+    spent_s: float = 0.0
+    failed: bool = False
+
+
+async def warm_up(side: Side, args: argparse.Namespace) -> None:
+    target = side.target
+    first = await stream_once(side.client, target, index=0, tokens=8, priority=1)
+    if first.error is not None:
+        hint = ""
+        if first.error.startswith("NotFoundError"):
+            hint = f" ({target.server}/chat/completions or the model {target.model!r} is not served here)"
+        raise SideFailedError(f"the first request failed: {first.error}{hint}")
+    _check(await closed_loop(side.client, target, concurrency=4, requests=8, tokens=8), "warm-up")
+
+
+def concurrency_phase(concurrency: int) -> Callable[[Side, argparse.Namespace], Awaitable[None]]:
+    async def phase(side: Side, args: argparse.Namespace) -> None:
+        requests = max(args.requests, 2 * concurrency)
+        run = await closed_loop(
+            side.client, side.target, concurrency=concurrency, requests=requests, tokens=args.tokens
+        )
+        _check(run, f"concurrency {concurrency}")
+        side.record.setdefault("runs", []).append(run)
+        say(f"[{side.target.name}] {_line(run)}")
+
+    return phase
+
+
+async def priority_phase(side: Side, args: argparse.Namespace) -> None:
+    priority = await priority_under_load(
+        side.client, side.target, background=args.background, tokens=args.tokens, count=args.probes
+    )
+    side.record["priority"] = priority
+    say(
+        f"[{side.target.name}] priority-0 TTFT idle p50 {_p(priority['idle_ttft'], 'p50_ms')} ms, "
+        f"under {args.background} priority-2 streams p50 {_p(priority['loaded_ttft'], 'p50_ms')} "
+        f"p99 {_p(priority['loaded_ttft'], 'p99_ms')} ms: ratio {priority['ratio_loaded_p99_to_idle_p50']}"
+    )
+
+
+async def measure(sides: list[Side], args: argparse.Namespace) -> None:
+    """Every phase on every side, the sides alternating phase by phase (the order flips each
+    phase), so a machine that slows down mid-run weighs on both alike. A side that fails or
+    runs out of --side-budget-s stops there; the others go on."""
+    phases: list[tuple[str, Callable[[Side, argparse.Namespace], Awaitable[None]]]] = [("warm-up", warm_up)]
+    phases += [(f"concurrency {c}", concurrency_phase(c)) for c in args.concurrency]
+    if args.probes:
+        phases.append(("priority", priority_phase))
+    for number, (name, phase) in enumerate(phases):
+        for side in sides if number % 2 == 0 else sides[::-1]:
+            if side.failed:
+                continue
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(phase(side, args), timeout=max(0.1, args.side_budget_s - side.spent_s))
+            except TimeoutError:
+                fail(side, f"{name}: did not finish within --side-budget-s {args.side_budget_s:g} s")
+            except SideFailedError as error:
+                fail(side, str(error))
+            except Exception as error:
+                fail(side, f"{name}: {type(error).__name__}: {error}")
+                side.record["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
+            side.spent_s += time.monotonic() - started
+    for side in sides:
+        side.record["measured_s"] = round(side.spent_s, 1)
+        side.record["ok"] = not side.failed
+
+
+def fail(side: Side, error: str) -> None:
+    side.failed = True
+    side.record["error"] = error
+    say(f"[{side.target.name}] FAILED: {error}")
+    if side.target.diagnose is not None:
+        tail = side.target.diagnose()
+        if tail:
+            side.record["log_tail"] = tail.splitlines()[-24:]
+            say(f"[{side.target.name}] its logs end with:\n{tail}")
+
+
+async def measure_targets(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=target.server, api_key="bench", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+    sides = [
+        Side(
+            target,
+            AsyncOpenAI(base_url=target.server, api_key="bench", max_retries=0, timeout=REQUEST_TIMEOUT_S),
+            {"ok": False, "server": target.server, "model": target.model, "notes": target.notes},
+        )
+        for target in targets
+    ]
     try:
-        say(f"[{target.name}] warm-up")
-        first = await stream_once(client, target, index=0, tokens=8, priority=1)
-        if first.error is not None:
-            hint = ""
-            if first.error.startswith("NotFoundError"):
-                hint = f" ({target.server}/chat/completions or the model {target.model!r} is not served here)"
-            raise SideFailedError(f"the first request failed: {first.error}{hint}")
-        warm = await closed_loop(client, target, concurrency=4, requests=8, tokens=8)
-        _check(warm, "warm-up")
-        runs: list[dict[str, Any]] = progress.setdefault("runs", [])
-        for concurrency in args.concurrency:
-            requests = max(args.requests, 2 * concurrency)
-            run = await closed_loop(
-                client, target, concurrency=concurrency, requests=requests, tokens=args.tokens
-            )
-            _check(run, f"concurrency {concurrency}")
-            runs.append(run)
-            say(f"[{target.name}] {_line(run)}")
-        if args.probes:
-            priority = await priority_under_load(
-                client, target, background=args.background, tokens=args.tokens, count=args.probes
-            )
-            progress["priority"] = priority
-            say(
-                f"[{target.name}] priority-0 TTFT idle p50 {_p(priority['idle_ttft'], 'p50_ms')} ms, "
-                f"under {args.background} priority-2 streams p50 {_p(priority['loaded_ttft'], 'p50_ms')} "
-                f"p99 {_p(priority['loaded_ttft'], 'p99_ms')} ms: ratio {priority['ratio_loaded_p99_to_idle_p50']}"
-            )
+        await measure(sides, args)
     finally:
-        await client.close()
+        for side in sides:
+            await side.client.close()
+    return {side.target.name: side.record for side in sides}
 
 
 def _p(stats: dict[str, Any] | None, key: str) -> str:
@@ -297,34 +378,24 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-def run_side(
-    name: str,
-    server: Callable[[], AbstractContextManager[Target]],
-    args: argparse.Namespace,
-) -> dict[str, Any]:
-    """One side, start to stop (its server outside any event loop: the suite's launcher runs
-    its own); never raises: a failure is {"ok": False, "error": ...} plus whatever phases
-    finished before it."""
-    progress: dict[str, Any] = {"ok": False}
-    started = time.monotonic()
-    try:
-        with server() as target:
-            progress["server"] = target.server
-            progress["model"] = target.model
-            progress["notes"] = target.notes
-            asyncio.run(asyncio.wait_for(measure(target, args, progress), timeout=args.side_budget_s))
-        progress["ok"] = True
-    except TimeoutError:
-        progress["error"] = f"did not finish within --side-budget-s {args.side_budget_s:g} s"
-    except SideFailedError as error:
-        progress["error"] = str(error)
-    except Exception as error:
-        progress["error"] = f"{type(error).__name__}: {error}"
-        progress["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
-    progress["elapsed_s"] = round(time.monotonic() - started, 1)
-    if not progress["ok"]:
-        say(f"[{name}] FAILED: {progress['error']}")
-    return progress
+def run_sides(
+    makers: dict[str, Callable[[], AbstractContextManager[Target]]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Start every side's server (outside any event loop: the suite's launcher runs its own),
+    measure them together, stop them. Never raises: a side that does not start or fails is
+    {"ok": False, "error": ...} plus whatever phases it finished."""
+    results: dict[str, dict[str, Any]] = {}
+    with ExitStack() as stack:
+        targets: list[Target] = []
+        for name, make in makers.items():
+            try:
+                targets.append(stack.enter_context(make()))
+            except Exception as error:
+                results[name] = {"ok": False, "error": f"could not start: {type(error).__name__}: {error}"}
+                say(f"[{name}] FAILED: {results[name]['error']}")
+        if targets:
+            results.update(asyncio.run(measure_targets(targets, args)))
+    return {name: results[name] for name in makers}
 
 
 # ---- the two servers -----------------------------------------------------------------------
@@ -369,24 +440,23 @@ def loadmaster_server(args: argparse.Namespace) -> Callable[[], AbstractContextM
         say("[loadmaster] starting the suite with tiny-chat preloaded…")
         with running_suite_handle(preload=["tiny-chat"]) as suite:
             gateway = suite.settings.gateway
-            try:
-                yield Target(
-                    "loadmaster",
-                    f"http://{gateway.http_host}:{gateway.http_port}/v1",
-                    "tiny-chat",
-                    priority_field=True,
-                    notes=[
-                        "the suite from examples/loadmaster.yaml on free ports, tiny-chat preloaded; "
-                        "its models/tiny-chat/config.yaml (block_size 64, num_blocks 64, max_sequences 32)",
-                        "priorities as x_priority (0 highest)",
-                    ],
-                )
-            except BaseException:
-                for service in ("gateway", "scheduler", "model-pool"):
-                    tail = suite.log_tail(service, 8)
-                    if tail:
-                        say(f"[loadmaster] {service} log tail:\n{tail}")
-                raise
+
+            def diagnose() -> str:
+                tails = [(name, suite.log_tail(name, 8)) for name in ("gateway", "scheduler", "model-pool")]
+                return "\n".join(f"{name}: {tail}" for name, tail in tails if tail)
+
+            yield Target(
+                "loadmaster",
+                f"http://{gateway.http_host}:{gateway.http_port}/v1",
+                "tiny-chat",
+                priority_field=True,
+                notes=[
+                    "the suite from examples/loadmaster.yaml on free ports, tiny-chat preloaded; "
+                    "its models/tiny-chat/config.yaml (block_size 64, num_blocks 64, max_sequences 32)",
+                    "priorities as x_priority (0 highest)",
+                ],
+                diagnose=diagnose,
+            )
 
     return start
 
@@ -483,18 +553,15 @@ def table(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_sides(args: argparse.Namespace) -> dict[str, Any]:
+def measure_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if not (MODEL_FOLDER / "config.json").exists():
         raise SystemExit(f"{MODEL_FOLDER} is missing: run `make models` first")
-    sides: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="loadmaster-llm-serving-") as logs:
         makers = {
             "reference": reference_server(args, Path(logs)),
             "loadmaster": loadmaster_server(args),
         }
-        for name in args.sides:
-            sides[name] = run_side(name, makers[name], args)
-    return sides
+        return run_sides({name: makers[name] for name in args.sides}, args)
 
 
 def main() -> int:
@@ -527,7 +594,7 @@ def main() -> int:
     args = parser.parse_args()
 
     started = time.monotonic()
-    sides = run_sides(args)
+    sides = measure_all(args)
     import openai
     import torch
     import transformers

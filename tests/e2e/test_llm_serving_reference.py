@@ -1,12 +1,16 @@
 """bench/llm_serving.py's measurement code against the real reference server: `transformers
 serve --continuous-batching` on tiny-chat, started and stopped by the bench's own helper, driven
-by the real async `openai` client (a few short streams, one priority round)."""
+by the real async `openai` client (a few short streams, one priority round), beside a side whose
+server is not there (it fails alone)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,12 @@ pytestmark = [
 ]
 
 
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.mark.timeout(240)
 def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> None:
     args = argparse.Namespace(
@@ -40,7 +50,21 @@ def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> N
         reference_threads=1,
         reference_args="",
     )
-    side = llm_serving.run_side("reference", llm_serving.reference_server(args, tmp_path), args)
+    refused = _closed_port()
+
+    @contextmanager
+    def nothing_listening() -> Iterator[llm_serving.Target]:
+        yield llm_serving.Target(
+            "loadmaster", f"http://127.0.0.1:{refused}/v1", "tiny-chat", priority_field=True
+        )
+
+    sides = llm_serving.run_sides(
+        {"reference": llm_serving.reference_server(args, tmp_path), "loadmaster": nothing_listening}, args
+    )
+    # The side that is not there fails at its first request; the reference is measured throughout.
+    assert sides["loadmaster"]["ok"] is False
+    assert sides["loadmaster"]["error"].startswith("the first request failed: APIConnectionError")
+    side = sides["reference"]
     assert side["ok"] is True, side.get("error")
     assert [run["concurrency"] for run in side["runs"]] == [1, 4]
     for run in side["runs"]:
@@ -56,8 +80,6 @@ def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> N
     assert any(note.startswith("command: serve --continuous-batching --device cpu") for note in side["notes"])
     # The server was stopped: its port no longer answers.
     port = int(side["server"].rsplit(":", 1)[1].split("/")[0])
-    import socket
-
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0
     assert os.path.exists(tmp_path / "reference.log")

@@ -122,17 +122,17 @@ def test_results_md_lists_each_side_and_phase(tmp_path: Path, monkeypatch: pytes
     )
 
 
-class _Args(argparse.Namespace):
-    side_budget_s = 5.0
-
-
-def test_run_side_reports_a_server_that_does_not_start_and_returns() -> None:
+def test_a_side_that_does_not_start_is_reported_and_the_others_still_run() -> None:
     @contextmanager
     def broken() -> Iterator[llm_serving.Target]:
         raise RuntimeError("`transformers serve` exited with 1")
         yield  # pragma: no cover
 
-    side = llm_serving.run_side("reference", broken, _Args())
-    assert side["ok"] is False
-    assert side["error"] == "RuntimeError: `transformers serve` exited with 1"
-    assert "runs" not in side
+    args = argparse.Namespace(side_budget_s=5.0, concurrency=[], probes=0)
+    sides = llm_serving.run_sides({"reference": broken}, args)
+    assert sides == {
+        "reference": {
+            "ok": False,
+            "error": "could not start: RuntimeError: `transformers serve` exited with 1",
+        }
+    }
