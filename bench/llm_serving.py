@@ -20,7 +20,8 @@ Per side and concurrency C (1, 16, 64): max(--requests, 2 C) chat requests of --
 tokens, greedy (`temperature` 0, so both servers run the same token sequences), from C
 concurrent async clients. Output tokens/s = the usage's completion tokens / wall time; time to
 first token = request sent -> first chunk with text; inter-token latency = the gaps between a
-stream's text chunks.
+stream's text chunks (a server that sends the tokens of one loop turn together shows many gaps
+near 0); time per output token = per stream, (last text chunk - first) / (tokens - 1).
 
 The priority figure: --probes sequential priority-0 streams (8 tokens each) on the idle model,
 then the same while --background priority-2 streams (closed loop, --tokens each) saturate it.
@@ -142,6 +143,11 @@ def summarize(records: list[StreamRecord], wall_s: float) -> dict[str, Any]:
         "output_tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
         "time_to_first_token": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "inter_token_latency": _ms([g for r in ok for g in r.gaps_s]),
+        # Per stream, (last text chunk - first) / (tokens - 1): vLLM's "time per output token".
+        # Unlike the gaps, it does not depend on how the server groups tokens into chunks.
+        "time_per_output_token": _ms(
+            [sum(r.gaps_s) / (r.tokens - 1) for r in ok if r.tokens > 1 and r.gaps_s]
+        ),
     }
 
 
@@ -370,6 +376,7 @@ def _line(run: dict[str, Any]) -> str:
         f"concurrency {run['concurrency']:3d}: {run['output_tokens_per_s']:8.1f} output tokens/s, "
         f"TTFT p50 {_p(run['time_to_first_token'], 'p50_ms')} p99 {_p(run['time_to_first_token'], 'p99_ms')} ms, "
         f"ITL p50 {_p(run['inter_token_latency'], 'p50_ms')} p99 {_p(run['inter_token_latency'], 'p99_ms')} ms"
+        f", TPOT p50 {_p(run['time_per_output_token'], 'p50_ms')} p99 {_p(run['time_per_output_token'], 'p99_ms')} ms"
         + (f", {run['failed']} failed" if run["failed"] else "")
     )
 
@@ -538,6 +545,8 @@ def table(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 f"p99 {_fmt(_stat(run, 'time_to_first_token', 'p99_ms'))} ms; "
                 f"ITL p50 {_fmt(_stat(run, 'inter_token_latency', 'p50_ms'), 2)} / "
                 f"p99 {_fmt(_stat(run, 'inter_token_latency', 'p99_ms'), 2)} ms"
+                f"; TPOT p50 {_fmt(_stat(run, 'time_per_output_token', 'p50_ms'), 2)} / "
+                f"p99 {_fmt(_stat(run, 'time_per_output_token', 'p99_ms'), 2)} ms"
                 + (f"; {run['failed']} failed" if run["failed"] else "")
             )
         priority = side.get("priority")

@@ -41,6 +41,9 @@ def test_summarize_counts_usage_tokens_and_times_only_the_streams_that_worked() 
     assert summary["time_to_first_token"]["p50_ms"] == 20.0
     assert summary["inter_token_latency"]["count"] == 3
     assert summary["inter_token_latency"]["max_ms"] == 6.0
+    # (0.002 + 0.004) / 2 and 0.006 / 1: per stream, not per gap
+    assert summary["time_per_output_token"]["count"] == 2
+    assert summary["time_per_output_token"]["p50_ms"] == 4.5
 
 
 def _run(concurrency: int, tokens_per_s: float, ttft_p50_ms: float) -> dict[str, object]:
@@ -50,6 +53,7 @@ def _run(concurrency: int, tokens_per_s: float, ttft_p50_ms: float) -> dict[str,
         "failed": 0,
         "time_to_first_token": {"p50_ms": ttft_p50_ms, "p99_ms": ttft_p50_ms * 3},
         "inter_token_latency": {"p50_ms": 1.5, "p99_ms": 9.0},
+        "time_per_output_token": {"p50_ms": 2.0, "p99_ms": 4.0},
     }
 
 
