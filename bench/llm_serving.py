@@ -11,7 +11,8 @@ machine that slows down weighs on both), driven by the same client code (the off
 - reference: Hugging Face's `transformers serve --continuous-batching` (its CLI, as its docs
   show; bench/_hf_serve.py) on a free loopback port, with one torch thread
   (OMP_NUM_THREADS=1, as Loadmaster's `model_pool.inference_threads`; --reference-threads 0
-  leaves torch's default, 4-5x slower on a 2-core machine);
+  leaves torch's default, 4-5x slower on a 2-core machine; `--sides ... reference-default-threads`
+  measures that one too, as an extra);
 - loadmaster: the suite (`_harness.running_suite_handle`, free ports, the example config) with
   `tiny-chat` preloaded, through the gateway's OpenAI routes -> scheduler -> worker -> the
   transformers engine.
@@ -408,18 +409,23 @@ def run_sides(
 # ---- the two servers -----------------------------------------------------------------------
 
 
-def reference_server(args: argparse.Namespace, log_dir: Path) -> Callable[[], AbstractContextManager[Target]]:
+def reference_server(
+    args: argparse.Namespace, log_dir: Path, *, name: str = "reference", threads: int | None = None
+) -> Callable[[], AbstractContextManager[Target]]:
+    """`transformers serve`; `threads`: OMP_NUM_THREADS (None: --reference-threads; 0: torch's default)."""
+    threads = args.reference_threads if threads is None else threads
+
     @contextmanager
     def start() -> Iterator[Target]:
         from _hf_serve import hf_serve
 
-        say("[reference] starting `transformers serve --continuous-batching`…")
+        say(f"[{name}] starting `transformers serve --continuous-batching`…")
         with hf_serve(
             MODEL_FOLDER,
             device=args.device,
             extra=tuple(shlex.split(args.reference_args)),
-            threads=args.reference_threads or None,
-            log_path=log_dir / "reference.log",
+            threads=threads or None,
+            log_path=log_dir / f"{name}.log",
         ) as served:
             notes = [
                 "command: " + " ".join(served.command[1:]),
@@ -431,12 +437,12 @@ def reference_server(args: argparse.Namespace, log_dir: Path) -> Callable[[], Ab
                 )
                 + "; Loadmaster's tiny-chat config sets block_size 64, num_blocks 64, max_sequences 32",
                 "torch threads: "
-                + (f"OMP_NUM_THREADS={args.reference_threads}" if args.reference_threads else "its default")
+                + (f"OMP_NUM_THREADS={threads}" if threads else "torch's default (one per core)")
                 + " (Loadmaster: model_pool.inference_threads 1)",
                 "no priorities: requests carry no x_priority (it answers 422 to unknown fields)",
                 "temperature 0 comes from the first request: it builds its manager from that one",
             ]
-            yield Target("reference", served.base_url, served.model, priority_field=False, notes=notes)
+            yield Target(name, served.base_url, served.model, priority_field=False, notes=notes)
 
     return start
 
@@ -569,6 +575,10 @@ def measure_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         makers = {
             "reference": reference_server(args, Path(logs)),
             "loadmaster": loadmaster_server(args),
+            # The reference again with torch's default thread count (an extra, for the record).
+            "reference-default-threads": reference_server(
+                args, Path(logs), name="reference-default-threads", threads=0
+            ),
         }
         return run_sides({name: makers[name] for name in args.sides}, args)
 
@@ -578,7 +588,10 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--sides", nargs="+", choices=("reference", "loadmaster"), default=["reference", "loadmaster"]
+        "--sides",
+        nargs="+",
+        choices=("reference", "loadmaster", "reference-default-threads"),
+        default=["reference", "loadmaster"],
     )
     parser.add_argument("--requests", type=int, default=48, help="requests per concurrency (at least 2x it)")
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
