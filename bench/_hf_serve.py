@@ -36,6 +36,14 @@ class Served:
     base_url: str  # ends in /v1
     model: str
     command: tuple[str, ...]
+    process: subprocess.Popen[bytes]
+    log_path: Path | None
+
+    def diagnose(self) -> str:
+        """Whether it still runs, and the tail of its log."""
+        code = self.process.poll()
+        state = "running" if code is None else f"exited with {code}"
+        return f"transformers serve (pid {self.process.pid}) {state}\n{_tail(self.log_path)}"
 
 
 def serve_command(folder: Path, *, port: int, device: str, extra: tuple[str, ...] = ()) -> list[str]:
@@ -79,7 +87,7 @@ def hf_serve(
     try:
         base = f"http://127.0.0.1:{port}"
         model = _wait_ready(base, proc, log_path)
-        yield Served(f"{base}/v1", model, tuple(command))
+        yield Served(f"{base}/v1", model, tuple(command), proc, log_path)
     finally:
         _stop(proc)
         if log_path is not None:

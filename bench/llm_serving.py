@@ -4,7 +4,7 @@
         [--concurrency 1 16 64] [--probes 30] [--background 64] [--side-budget-s 150]
 
 Two servers of the same `tiny-chat` folder (examples/models/tiny-chat/artifacts, `make models`),
-both started, then measured phase by phase in turn (the order flips every phase, so a shared
+both started, then measured in alternating windows (the order flips every window, so a shared
 machine that slows down weighs on both), driven by the same client code (the official async
 `openai` client, streaming chat completions, `stream_options.include_usage`), and stopped:
 
@@ -17,9 +17,10 @@ machine that slows down weighs on both), driven by the same client code (the off
   `tiny-chat` preloaded, through the gateway's OpenAI routes -> scheduler -> worker -> the
   transformers engine.
 
-Per side and concurrency C (1, 16, 64): max(--requests, 2 C) chat requests of --tokens output
-tokens, greedy (`temperature` 0, so both servers run the same token sequences), from C
-concurrent async clients. Output tokens/s = the usage's completion tokens / wall time; time to
+Per side and concurrency C (1, 16, 64): --windows windows (3), alternating between the sides,
+each of max(--requests / --windows, 2 C) chat requests of --tokens output tokens, greedy
+(`temperature` 0, so both servers run the same token sequences), from C concurrent async
+clients. Output tokens/s = the usage's completion tokens / the windows' wall time; time to
 first token = request sent -> first chunk with text; inter-token latency = the gaps between a
 stream's text chunks (a server that sends the tokens of one loop turn together shows many gaps
 near 0); time per output token = per stream, (last text chunk - first) / (tokens - 1).
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import shlex
 import tempfile
@@ -165,29 +167,58 @@ class SideFailedError(Exception):
 # ---- phases --------------------------------------------------------------------------------
 
 
-async def closed_loop(
-    client: Any, target: Target, *, concurrency: int, requests: int, tokens: int, priority: int | None = None
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One closed-loop window: its streams, wall time and the client's CPU time."""
+
+    records: tuple[StreamRecord, ...]
+    wall_s: float
+    client_cpu_s: float
+
+
+async def closed_loop_window(
+    client: Any, target: Target, *, concurrency: int, requests: int, tokens: int
+) -> Window:
     indices = iter(range(requests))
     records: list[StreamRecord] = []
 
     async def worker() -> None:
         for index in indices:  # the shared iterator hands each request to one worker
-            records.append(await stream_once(client, target, index=index, tokens=tokens, priority=priority))
+            records.append(await stream_once(client, target, index=index, tokens=tokens, priority=None))
 
     started = time.perf_counter()
     cpu = time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    summary = summarize(records, time.perf_counter() - started)
-    client_cpu_s = time.process_time() - cpu
+    return Window(tuple(records), time.perf_counter() - started, time.process_time() - cpu)
+
+
+def combine(concurrency: int, windows: list[Window]) -> dict[str, Any]:
+    """One concurrency's figures over its windows: tokens / summed wall time, latencies over
+    every stream; each window's tokens/s too, to show the spread."""
+    records = [r for w in windows for r in w.records]
+    summary = summarize(records, sum(w.wall_s for w in windows))
+    cpu_s = sum(w.client_cpu_s for w in windows)
     return {
         "concurrency": concurrency,
         **summary,
+        "windows": len(windows),
+        "window_tokens_per_s": [
+            round(sum(r.tokens for r in w.records if r.error is None) / w.wall_s, 1) for w in windows
+        ],
         # The client's own CPU (this process: the openai client, its SSE parsing, asyncio), on
         # the same cores as the server: per output token, and as a share of one core.
-        "client_cpu_us_per_token": round(client_cpu_s / max(1, summary["output_tokens"]) * 1e6, 1),
-        "client_cpu_share_of_a_core": round(client_cpu_s / max(1e-9, summary["wall_s"]), 2),
+        "client_cpu_us_per_token": round(cpu_s / max(1, summary["output_tokens"]) * 1e6, 1),
+        "client_cpu_share_of_a_core": round(cpu_s / max(1e-9, summary["wall_s"]), 2),
     }
+
+
+async def closed_loop(
+    client: Any, target: Target, *, concurrency: int, requests: int, tokens: int
+) -> dict[str, Any]:
+    window = await closed_loop_window(
+        client, target, concurrency=concurrency, requests=requests, tokens=tokens
+    )
+    return combine(concurrency, [window])
 
 
 async def probes(
@@ -272,6 +303,7 @@ class Side:
     record: dict[str, Any]  # the side's entry in the result
     spent_s: float = 0.0
     failed: bool = False
+    windows: dict[int, list[Window]] = field(default_factory=dict)  # by concurrency
 
 
 async def warm_up(side: Side, args: argparse.Namespace) -> None:
@@ -285,15 +317,24 @@ async def warm_up(side: Side, args: argparse.Namespace) -> None:
     _check(await closed_loop(side.client, target, concurrency=4, requests=8, tokens=8), "warm-up")
 
 
-def concurrency_phase(concurrency: int) -> Callable[[Side, argparse.Namespace], Awaitable[None]]:
+def requests_per_window(args: argparse.Namespace, concurrency: int) -> int:
+    """--requests split over --windows, and at least 2x the concurrency (so it is sustained)."""
+    return max(math.ceil(args.requests / args.windows), 2 * concurrency)
+
+
+def concurrency_phase(concurrency: int, window: int) -> Callable[[Side, argparse.Namespace], Awaitable[None]]:
     async def phase(side: Side, args: argparse.Namespace) -> None:
-        requests = max(args.requests, 2 * concurrency)
-        run = await closed_loop(
+        requests = requests_per_window(args, concurrency)
+        done = await closed_loop_window(
             side.client, side.target, concurrency=concurrency, requests=requests, tokens=args.tokens
         )
-        _check(run, f"concurrency {concurrency}")
-        side.record.setdefault("runs", []).append(run)
-        say(f"[{side.target.name}] {_line(run)}")
+        windows = side.windows.setdefault(concurrency, [])
+        windows.append(done)
+        _check(combine(concurrency, [done]), f"concurrency {concurrency}")
+        if window == args.windows - 1:
+            run = combine(concurrency, windows)
+            side.record.setdefault("runs", []).append(run)
+            say(f"[{side.target.name}] {_line(run)}")
 
     return phase
 
@@ -315,7 +356,11 @@ async def measure(sides: list[Side], args: argparse.Namespace) -> None:
     phase), so a machine that slows down mid-run weighs on both alike. A side that fails or
     runs out of --side-budget-s stops there; the others go on."""
     phases: list[tuple[str, Callable[[Side, argparse.Namespace], Awaitable[None]]]] = [("warm-up", warm_up)]
-    phases += [(f"concurrency {c}", concurrency_phase(c)) for c in args.concurrency]
+    phases += [
+        (f"concurrency {c}", concurrency_phase(c, window))
+        for c in args.concurrency
+        for window in range(args.windows)
+    ]
     if args.probes:
         phases.append(("priority", priority_phase))
     for number, (name, phase) in enumerate(phases):
@@ -442,7 +487,14 @@ def reference_server(
                 "no priorities: requests carry no x_priority (it answers 422 to unknown fields)",
                 "temperature 0 comes from the first request: it builds its manager from that one",
             ]
-            yield Target(name, served.base_url, served.model, priority_field=False, notes=notes)
+            yield Target(
+                name,
+                served.base_url,
+                served.model,
+                priority_field=False,
+                notes=notes,
+                diagnose=served.diagnose,
+            )
 
     return start
 
@@ -593,7 +645,12 @@ def main() -> int:
         choices=("reference", "loadmaster", "reference-default-threads"),
         default=["reference", "loadmaster"],
     )
-    parser.add_argument("--requests", type=int, default=48, help="requests per concurrency (at least 2x it)")
+    parser.add_argument(
+        "--requests", type=int, default=48, help="requests per concurrency (per window at least 2x it)"
+    )
+    parser.add_argument(
+        "--windows", type=int, default=3, help="windows per concurrency, alternating between the sides"
+    )
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--probes", type=int, default=30, help="priority-0 probes, idle and loaded (0: skip)")
@@ -627,7 +684,10 @@ def main() -> int:
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "tokens_per_request": args.tokens,
-        "requests_per_concurrency": {str(c): max(args.requests, 2 * c) for c in args.concurrency},
+        "windows_per_concurrency": args.windows,
+        "requests_per_concurrency": {
+            str(c): args.windows * requests_per_window(args, c) for c in args.concurrency
+        },
         "total_s": round(time.monotonic() - started, 1),
         "summary": table(sides),
         "targets": targets(sides) if {"reference", "loadmaster"} <= set(sides) else [],

@@ -41,6 +41,7 @@ def _closed_port() -> int:
 def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> None:
     args = argparse.Namespace(
         side_budget_s=150.0,
+        windows=2,
         concurrency=[1, 4],
         requests=4,
         tokens=8,
@@ -69,10 +70,11 @@ def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> N
     assert [run["concurrency"] for run in side["runs"]] == [1, 4]
     for run in side["runs"]:
         assert run["failed"] == 0
-        requests = max(4, 2 * run["concurrency"])  # --requests, at least 2x the concurrency
+        requests = 2 * max(2, 2 * run["concurrency"])  # 2 windows of --requests / 2, at least 2x C
         assert run["requests"] == requests
         assert 0 < run["output_tokens"] <= requests * 8  # usage counts, capped by max_tokens
         assert run["time_to_first_token"]["count"] == requests
+        assert run["windows"] == 2 and len(run["window_tokens_per_s"]) == 2
     priority = side["priority"]
     assert priority["idle_ttft"]["count"] == 3 and priority["loaded_ttft"]["count"] == 3
     assert priority["background_requests_finished"] >= 4

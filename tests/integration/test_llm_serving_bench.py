@@ -33,7 +33,7 @@ def test_a_side_whose_server_refuses_connections_fails_with_the_reason() -> None
         )
 
     args = argparse.Namespace(
-        side_budget_s=20.0, concurrency=[1], requests=2, tokens=4, probes=0, background=0
+        side_budget_s=20.0, windows=1, concurrency=[1], requests=2, tokens=4, probes=0, background=0
     )
     started = time.monotonic()
     side = llm_serving.run_sides({"loadmaster": nothing_listening}, args)["loadmaster"]

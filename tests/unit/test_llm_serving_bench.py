@@ -46,6 +46,21 @@ def test_summarize_counts_usage_tokens_and_times_only_the_streams_that_worked() 
     assert summary["time_per_output_token"]["p50_ms"] == 4.5
 
 
+def test_windows_of_one_concurrency_combine_into_tokens_over_their_summed_wall_time() -> None:
+    first = llm_serving.Window(
+        (_record(0.01, (0.002,), 2), _record(0.02, (0.004,), 2)), wall_s=0.1, client_cpu_s=0.01
+    )
+    second = llm_serving.Window(
+        (_record(0.03, (0.006,), 2), _record(None, (), 0, "boom")), wall_s=0.4, client_cpu_s=0.03
+    )
+    run = llm_serving.combine(16, [first, second])
+    assert run["concurrency"] == 16 and run["windows"] == 2
+    assert run["output_tokens"] == 6 and run["output_tokens_per_s"] == 12.0  # 6 tokens / 0.5 s
+    assert run["window_tokens_per_s"] == [40.0, 5.0]
+    assert run["failed"] == 1 and run["time_to_first_token"]["count"] == 3
+    assert run["client_cpu_us_per_token"] == pytest.approx(40000 / 6, abs=0.1)
+
+
 def _run(concurrency: int, tokens_per_s: float, ttft_p50_ms: float) -> dict[str, object]:
     return {
         "concurrency": concurrency,
@@ -132,7 +147,7 @@ def test_a_side_that_does_not_start_is_reported_and_the_others_still_run() -> No
         raise RuntimeError("`transformers serve` exited with 1")
         yield  # pragma: no cover
 
-    args = argparse.Namespace(side_budget_s=5.0, concurrency=[], probes=0)
+    args = argparse.Namespace(side_budget_s=5.0, windows=1, concurrency=[], probes=0)
     sides = llm_serving.run_sides({"reference": broken}, args)
     assert sides == {
         "reference": {
