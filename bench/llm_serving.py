@@ -635,6 +635,22 @@ def measure_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         return run_sides({name: makers[name] for name in args.sides}, args)
 
 
+def _commit() -> str:
+    """The commit the suite's code came from (with -dirty when the tree has changes)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return head.stdout.strip() or "unknown"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -658,6 +674,7 @@ def main() -> int:
     parser.add_argument(
         "--side-budget-s", type=float, default=150.0, help="time limit of one side's measurements"
     )
+    parser.add_argument("--note", default="", help="a line stored with the result (what was measured)")
     parser.add_argument("--device", default="cpu", help="the reference's --device (Loadmaster: its config)")
     parser.add_argument(
         "--reference-threads",
@@ -683,6 +700,8 @@ def main() -> int:
         "client": f"openai {openai.__version__} AsyncOpenAI, streaming chat completions, temperature 0",
         "transformers": transformers.__version__,
         "torch": torch.__version__,
+        "code": _commit(),
+        **({"note": args.note} if args.note else {}),
         "tokens_per_request": args.tokens,
         "windows_per_concurrency": args.windows,
         "requests_per_concurrency": {
