@@ -29,7 +29,10 @@ The priority figure: --probes sequential priority-0 streams (8 tokens each) on t
 then the same while --background priority-2 streams (closed loop, --tokens each) saturate it.
 Ratio = the loaded time-to-first-token p99 / the idle p50 (target <= 3). Priorities travel as
 Loadmaster's `x_priority` field; the reference has none (it refuses unknown fields), so it gets
-the same load without them.
+the same load without them.With the example config the scheduler admits as many
+tiny-chat streams as it has sequences (max_inflight 32), so a priority-0 stream waits in the
+scheduler's queue until a stream ends; --loadmaster-max-inflight 80 admits all of them to the
+worker, whose sequencer preempts a priority-2 sequence for it (docs/generative.md).
 
 A side that fails (its server does not start, a route is missing, every request of a phase
 fails) is reported as failed with the reason (and its logs' tail), and the other side goes on.
@@ -53,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, percentiles_ms, running_suite_handle, write_result
+from _harness import EXAMPLE_CONFIG, ROOT, percentiles_ms, running_suite_handle, write_result
 
 MODEL_FOLDER = ROOT / "examples" / "models" / "tiny-chat" / "artifacts"
 REQUEST_TIMEOUT_S = 60.0
@@ -480,7 +483,7 @@ def reference_server(
                     else "KV cache: its own sizing (no --cb-num-blocks/--cb-block-size/--cb-max-batch-tokens; "
                     "its docs give no CPU values)"
                 )
-                + "; Loadmaster's tiny-chat config sets block_size 64, num_blocks 64, max_sequences 32",
+                + "; Loadmaster's: see its notes",
                 "torch threads: "
                 + (f"OMP_NUM_THREADS={threads}" if threads else "torch's default (one per core)")
                 + " (Loadmaster: model_pool.inference_threads 1)",
@@ -499,25 +502,73 @@ def reference_server(
     return start
 
 
+def _model_config() -> tuple[dict[str, Any], dict[str, Any]]:
+    """tiny-chat's config.yaml and its entry under `models.known` in the example config."""
+    import yaml
+
+    model = yaml.safe_load((MODEL_FOLDER.parent / "config.yaml").read_text()) or {}
+    example = yaml.safe_load(EXAMPLE_CONFIG.read_text()) or {}
+    known = ((example.get("models") or {}).get("known") or {}).get("tiny-chat") or {}
+    return model, known
+
+
+@contextmanager
+def _suite(max_inflight: int) -> Iterator[Any]:
+    """The suite as the other benches start it; with `max_inflight`, from a copy of the example
+    config whose tiny-chat admits that many streams (the scheduler's grants)."""
+    if not max_inflight:
+        with running_suite_handle(preload=["tiny-chat"]) as suite:
+            yield suite
+        return
+    import yaml
+
+    from loadmaster.cli.launcher import Suite, free_port_overrides
+
+    config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    config["models"]["repository"] = str((EXAMPLE_CONFIG.parent / config["models"]["repository"]).resolve())
+    config["models"]["known"].setdefault("tiny-chat", {})["max_inflight"] = max_inflight
+    overrides = free_port_overrides()
+    overrides["model_pool"]["preload"] = ["tiny-chat"]
+    with tempfile.TemporaryDirectory(prefix="loadmaster-llm-serving-suite-") as folder:
+        path = Path(folder) / "loadmaster.yaml"
+        path.write_text(yaml.safe_dump(config))
+        suite = Suite(path, overrides=overrides, log_dir=Path(folder))
+        suite.start(timeout_s=120)
+        try:
+            suite.wait_for_models(["tiny-chat"], timeout_s=120)
+            yield suite
+        finally:
+            suite.stop()
+
+
 def loadmaster_server(args: argparse.Namespace) -> Callable[[], AbstractContextManager[Target]]:
     @contextmanager
     def start() -> Iterator[Target]:
         say("[loadmaster] starting the suite with tiny-chat preloaded…")
-        with running_suite_handle(preload=["tiny-chat"]) as suite:
+        model, known = _model_config()
+        with _suite(args.loadmaster_max_inflight) as suite:
             gateway = suite.settings.gateway
 
             def diagnose() -> str:
                 tails = [(name, suite.log_tail(name, 8)) for name in ("gateway", "scheduler", "model-pool")]
                 return "\n".join(f"{name}: {tail}" for name, tail in tails if tail)
 
+            admitted = args.loadmaster_max_inflight or known.get("max_inflight")
             yield Target(
                 "loadmaster",
                 f"http://{gateway.http_host}:{gateway.http_port}/v1",
                 "tiny-chat",
                 priority_field=True,
                 notes=[
-                    "the suite from examples/loadmaster.yaml on free ports, tiny-chat preloaded; "
-                    "its models/tiny-chat/config.yaml (block_size 64, num_blocks 64, max_sequences 32)",
+                    "the suite from examples/loadmaster.yaml on free ports, tiny-chat preloaded",
+                    f"tiny-chat: max_sequences {model.get('max_sequences')}, block_size "
+                    f"{model.get('block_size')}, num_blocks {model.get('num_blocks')} (its config.yaml); "
+                    f"the scheduler admits {admitted} streams (max_inflight"
+                    + (
+                        ", --loadmaster-max-inflight)"
+                        if args.loadmaster_max_inflight
+                        else ", the example config)"
+                    ),
                     "priorities as x_priority (0 highest)",
                 ],
                 diagnose=diagnose,
@@ -673,6 +724,12 @@ def main() -> int:
     parser.add_argument("--background", type=int, default=64, help="priority-2 streams saturating the model")
     parser.add_argument(
         "--side-budget-s", type=float, default=150.0, help="time limit of one side's measurements"
+    )
+    parser.add_argument(
+        "--loadmaster-max-inflight",
+        type=int,
+        default=0,
+        help="streams the scheduler admits to tiny-chat (0: the example config's max_inflight)",
     )
     parser.add_argument("--note", default="", help="a line stored with the result (what was measured)")
     parser.add_argument("--device", default="cpu", help="the reference's --device (Loadmaster: its config)")
