@@ -18,7 +18,7 @@ machine that slows down weighs on both), driven by the same client code (the off
   transformers engine.
 
 Per side and concurrency C (1, 16, 64): --windows windows (3), alternating between the sides,
-each of max(--requests / --windows, 2 C) chat requests of --tokens output tokens, greedy
+each of max(--requests / --windows, 4 C) chat requests of --tokens output tokens, greedy
 (`temperature` 0, so both servers run the same token sequences), from C concurrent async
 clients. Output tokens/s = the usage's completion tokens / the windows' wall time; time to
 first token = request sent -> first chunk with text; inter-token latency = the gaps between a
@@ -321,8 +321,9 @@ async def warm_up(side: Side, args: argparse.Namespace) -> None:
 
 
 def requests_per_window(args: argparse.Namespace, concurrency: int) -> int:
-    """--requests split over --windows, and at least 2x the concurrency (so it is sustained)."""
-    return max(math.ceil(args.requests / args.windows), 2 * concurrency)
+    """--requests split over --windows, and at least 4x the concurrency (so it is sustained
+    and a window lasts long enough to measure)."""
+    return max(math.ceil(args.requests / args.windows), 4 * concurrency)
 
 
 def concurrency_phase(concurrency: int, window: int) -> Callable[[Side, argparse.Namespace], Awaitable[None]]:
@@ -713,7 +714,7 @@ def main() -> int:
         default=["reference", "loadmaster"],
     )
     parser.add_argument(
-        "--requests", type=int, default=48, help="requests per concurrency (per window at least 2x it)"
+        "--requests", type=int, default=48, help="requests per concurrency (per window at least 4x it)"
     )
     parser.add_argument(
         "--windows", type=int, default=3, help="windows per concurrency, alternating between the sides"

@@ -70,7 +70,7 @@ def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> N
     assert [run["concurrency"] for run in side["runs"]] == [1, 4]
     for run in side["runs"]:
         assert run["failed"] == 0
-        requests = 2 * max(2, 2 * run["concurrency"])  # 2 windows of --requests / 2, at least 2x C
+        requests = 2 * max(2, 4 * run["concurrency"])  # 2 windows of --requests / 2, at least 4x C
         assert run["requests"] == requests
         assert 0 < run["output_tokens"] <= requests * 8  # usage counts, capped by max_tokens
         assert run["time_to_first_token"]["count"] == requests
