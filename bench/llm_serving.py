@@ -123,7 +123,10 @@ async def stream_once(
                         gaps.append(now - last)
                     last = now
     except Exception as error:  # a failed stream is a measurement, not a crash
-        return StreamRecord(started, first, tuple(gaps), text_chunks, f"{type(error).__name__}: {error}")
+        cause = f" ({type(error.__cause__).__name__}: {error.__cause__})" if error.__cause__ else ""
+        return StreamRecord(
+            started, first, tuple(gaps), text_chunks, f"{type(error).__name__}: {error}{cause}"
+        )
     produced = usage_tokens if usage_tokens is not None else text_chunks
     return StreamRecord(started, first, tuple(gaps), produced)
 
@@ -398,13 +401,31 @@ def fail(side: Side, error: str) -> None:
             say(f"[{side.target.name}] its logs end with:\n{tail}")
 
 
-async def measure_targets(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    from openai import AsyncOpenAI
+def _client(target: Target) -> Any:
+    """The same client for every side: no retries; idle connections dropped after 1 s, before a
+    server's keep-alive timeout (uvicorn's 5 s) can close one the client is about to reuse
+    (httpx's own expiry is also 5 s: a race that fails a request between windows)."""
+    try:
+        import httpx2 as httpx  # the openai client's own fork of httpx (openai >= 3)
+    except ImportError:
+        import httpx  # type: ignore[no-redef]
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=1.0)
+    return AsyncOpenAI(
+        base_url=target.server,
+        api_key="bench",
+        max_retries=0,
+        timeout=REQUEST_TIMEOUT_S,
+        http_client=DefaultAsyncHttpxClient(limits=limits, timeout=REQUEST_TIMEOUT_S),
+    )
+
+
+async def measure_targets(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     sides = [
         Side(
             target,
-            AsyncOpenAI(base_url=target.server, api_key="bench", max_retries=0, timeout=REQUEST_TIMEOUT_S),
+            _client(target),
             {"ok": False, "server": target.server, "model": target.model, "notes": target.notes},
         )
         for target in targets
