@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: run test test-all install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl
+.PHONY: run test test-all install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel
 
 run: install models
 	$(VENV)/bin/loadmaster up --config $(CONFIG)
@@ -23,7 +23,7 @@ run: install models
 test: install models chromium kubectl lint typecheck
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: install models chromium kubectl lint typecheck $(RAY_STAMP)
+test-all: install models chromium kubectl redis-sentinel lint typecheck $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -58,6 +58,15 @@ kubectl:
 	@if ! command -v kubectl >/dev/null; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null) \
 			|| echo "kubectl could not be installed: the Kubernetes manifest test will skip"; \
+	fi
+
+# Debian's redis-server and redis-sentinel, for the slow Sentinel failover test
+# (services/gpu-broker/tests/integration/test_sentinel_failover.py); installed only when
+# missing (the test skips with a reason where they cannot be installed).
+redis-sentinel:
+	@if [ ! -x /usr/bin/redis-sentinel ] || [ ! -x /usr/bin/redis-server ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel >/dev/null) \
+			|| echo "redis-sentinel could not be installed: the Sentinel failover test will skip"; \
 	fi
 
 models: install $(MODELS_STAMP)

@@ -7,9 +7,13 @@
         ...  # point stock `inferential.Connection(server=address)` clients at it
 
 It runs `inferential.Server` with a `LocalDispatcher` hosting the same example models
-as Loadmaster (`examples/models/sleep` and `double`, their own `model.py` classes; each
-call runs in a worker thread so the server's event loop is not blocked by a model),
-bound to a free 127.0.0.1 port; `max_inflight` is enforced around each model call too. The context manager yields the address
+as Loadmaster (`examples/models/sleep` and `double`, their own `model.py` classes), bound to
+a free 127.0.0.1 port, as Inferential's own documentation configures it: `mode="inline"`
+(the default) hands `LocalDispatcher` the models' `infer` functions, which it calls inline
+on the server's event loop. `mode="threaded"` is a variant of ours, not stock Inferential:
+each call runs in a worker thread (`asyncio.to_thread`), `max_inflight` enforced around it,
+so a slow model does not block the loop; it costs ~3x on a tiny model and must be labelled
+as such wherever it is reported. The context manager yields the address
 ("tcp://127.0.0.1:PORT") once the server has answered a real `double` request, and
 stops the process (SIGTERM, then SIGKILL) on exit, also on failure.
 
@@ -49,6 +53,7 @@ def inferential_server(
     budgets_ms: dict[str, float] | None = None,
     request_ttl_ms: float = 5000.0,
     log_path: Path | None = None,
+    mode: str = "inline",
 ) -> Iterator[str]:
     """Yield the address of a running Inferential server (see the module docstring)."""
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -58,7 +63,10 @@ def inferential_server(
         "max_inflight": max_inflight or {},
         "budgets_ms": budgets_ms or {},
         "request_ttl_ms": request_ttl_ms,
+        "mode": mode,
     }
+    if mode not in ("inline", "threaded"):
+        raise ValueError(f"mode must be 'inline' (stock) or 'threaded', not {mode!r}")
     log = open(log_path, "wb") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, __file__, json.dumps(spec)],
@@ -131,7 +139,14 @@ def _serve(spec: dict[str, Any]) -> None:
     from inferential import LocalDispatcher, Server
     from inferential.config.schema import ClientEntry, InferentialConfig, ModelConfig
 
-    def wrap(model: Any, limit: int | None) -> Any:
+    def inline(model: Any) -> Any:
+        # As Inferential's README shows: the model's function, called inline by LocalDispatcher.
+        def call(obs: dict[str, Any]) -> dict[str, Any]:
+            return model.infer({k: v for k, v in obs.items() if isinstance(v, np.ndarray)})
+
+        return call
+
+    def threaded(model: Any, limit: int | None) -> Any:
         # `limit` calls at once, like a Loadmaster worker's max_inflight, so both servers
         # have the same capacity (Inferential dispatches up to max_concurrent_dispatch at once).
         gate = asyncio.Semaphore(limit) if limit else None
@@ -158,7 +173,11 @@ def _serve(spec: dict[str, Any]) -> None:
 
     async def main() -> None:
         limits = spec["max_inflight"]
-        models = {name: wrap(_load_model(name), limits.get(name)) for name in ("sleep", "double")}
+        loaded = {name: _load_model(name) for name in ("sleep", "double")}
+        if spec.get("mode", "inline") == "inline":
+            models = {name: inline(model) for name, model in loaded.items()}
+        else:
+            models = {name: threaded(model, limits.get(name)) for name, model in loaded.items()}
         await Server(config=config, dispatcher=LocalDispatcher(models)).run()
 
     asyncio.run(main())

@@ -3,6 +3,12 @@
     python bench/compare_inferential.py            # all five comparisons (~2 minutes)
     python bench/compare_inferential.py --quick    # fewer requests, for a look
 
+The reference is stock Inferential as its README configures it: `LocalDispatcher` calling the
+model inline (`_inferential.inferential_server(mode="inline")`). Every ratio and target is
+against it. A second Inferential variant of ours, each model call in a worker thread
+(`mode="threaded"`, not stock), is measured too and reported under `inferential_threaded`,
+labelled, for the head-of-line comparison (stock Inferential blocks its loop on a slow model).
+
 Comparisons (targets from issue 8):
 - small observation (7 x float32, `double`) round trip, sequential: p50 and p99 <= 1.0x Inferential
 - image observation (uint8 640x480x3, `double`) round trip, sequential: p50 and p99 <= 1.0x
@@ -120,16 +126,22 @@ def main() -> int:
             pids.append(suite.redis.process.pid)
         print("Loadmaster:", flush=True)
         ours = measure(suite.settings.gateway.edge.bind, pids, args.quick)
-    with inferential_server("model_deadline", max_inflight={"sleep": 4, "double": 4}) as address:
-        import psutil as _psutil
+    measured: dict[str, dict[str, Any]] = {}
+    for mode in ("inline", "threaded"):
+        with inferential_server(
+            "model_deadline", max_inflight={"sleep": 4, "double": 4}, mode=mode
+        ) as address:
+            import psutil as _psutil
 
-        server_pids = [
-            p.pid
-            for p in _psutil.process_iter(["cmdline"])
-            if any("_inferential.py" in c for c in (p.info["cmdline"] or []))
-        ]
-        print("Inferential:", flush=True)
-        theirs = measure(address, server_pids, args.quick)
+            server_pids = [
+                p.pid
+                for p in _psutil.process_iter(["cmdline"])
+                if any("_inferential.py" in c for c in (p.info["cmdline"] or []))
+            ]
+            label = "stock, LocalDispatcher inline" if mode == "inline" else "threaded variant (not stock)"
+            print(f"Inferential ({label}):", flush=True)
+            measured[mode] = measure(address, server_pids, args.quick)
+    theirs = measured["inline"]
 
     def ratio(a: float, b: float) -> float:
         return round(a / b, 3) if b else float("inf")
@@ -168,6 +180,9 @@ def main() -> int:
             "quick": args.quick,
             "loadmaster": ours,
             "inferential": theirs,
+            "inferential_reference": "stock Inferential 1.4.0, LocalDispatcher calling the model inline",
+            "inferential_threaded": measured["threaded"],
+            "inferential_threaded_note": "not stock: each model call in a worker thread (asyncio.to_thread)",
             "ratios": ratios,
             "targets": targets,
         },

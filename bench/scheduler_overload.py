@@ -296,8 +296,9 @@ def main() -> None:
             from _inferential import inferential_server
 
             budgets = {_client_id(i): HIGH["budget_ms"] for i in range(2)}
+            # Stock Inferential as its README configures it (LocalDispatcher, model inline).
             with inferential_server(
-                "model_deadline", max_inflight={"sleep": 1}, budgets_ms=budgets
+                "model_deadline", max_inflight={"sleep": 1}, budgets_ms=budgets, mode="inline"
             ) as address:
                 result = run_clients(address, args.seconds, p0_gap_ms=args.p0_gap_ms)
             runs["inferential:model_deadline"] = result

@@ -71,6 +71,8 @@ def test_stopping_the_launcher_leaves_no_process_behind(tmp_path: Path, stop_sig
 def test_status_lists_every_service_and_the_ready_models(suite: Suite) -> None:
     env = dict(os.environ)
     env.update(to_env(suite.overrides))
+    assert suite.settings.redis_url
+    env["REDIS_URL"] = suite.settings.redis_url  # status checks Redis too; `up` records it, a Suite does not
     result = subprocess.run(
         [*LOADMASTER, "status", "--config", str(CONFIG)],
         env=env,

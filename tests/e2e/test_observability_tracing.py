@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import tritonclient.http as triton_http
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from loadmaster.cli.launcher import Suite, free_port_overrides
@@ -168,3 +169,28 @@ def test_one_request_is_one_trace_from_gateway_through_scheduler_to_worker(
     assert worker.parent_span_id == gateway.span_id  # context carried in the ZMQ envelope's metadata
     assert gateway.attributes["loadmaster.model_id"] == "double"
     assert "loadmaster.error_code" not in gateway.attributes
+
+
+def test_an_http_request_joins_the_callers_trace_through_its_traceparent(
+    traced_suite: Suite, collector: tuple[Collector, int]
+) -> None:
+    """KServe v2 over HTTP with the stock client and a W3C `traceparent` header: the gateway's
+    request span is a child of the caller's span, in the caller's trace."""
+    spans_of, _ = collector
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    gateway = traced_suite.settings.gateway
+    client = triton_http.InferenceServerClient(f"{gateway.http_host}:{gateway.http_port}")
+    tensor = triton_http.InferInput("x", [2], "FP32")
+    tensor.set_data_from_numpy(np.ones(2, np.float32))
+    result = client.infer("double", [tensor], headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+    assert result.as_numpy("x").tolist() == [2, 2]
+
+    def joined(spans: list[ExportedSpan]) -> ExportedSpan | None:
+        return next(
+            (s for s in spans if s.name == "gateway.request" and s.trace_id == bytes.fromhex(trace_id)), None
+        )
+
+    span = joined(spans_of.wait_for(lambda found: joined(found) is not None, timeout_s=20))
+    assert span is not None and span.service == "gateway"
+    assert span.parent_span_id == bytes.fromhex(parent_id)
+    assert span.attributes["loadmaster.model_id"] == "double"

@@ -264,6 +264,13 @@ async def test_c_another_holders_lease_cannot_be_released_with_its_listed_token(
             await stub.Release(release, timeout=5)
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
         _assert_logged(caplog, f"release of lease {lease.lease_id}", identity="trainer/job-7")
+        # Its own valid credential, behind a second identity header naming the worker: refused.
+        with pytest.raises(grpc.aio.AioRpcError) as forged:
+            await stub.Release(
+                release, timeout=5, metadata=(("x-loadmaster-identity", "model-pool/trusted"),)
+            )
+        assert forged.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "more than once" in (forged.value.details() or "")
         renewed = await stub.RenewMany(
             gpu_broker_pb2.RenewManyRequest(
                 renewals=[

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,3 +118,33 @@ def test_status_exit_codes(suite: Suite, env: dict[str, str], tmp_path: Path) ->
 
     result = runner.invoke(app, ["status", "--config", str(tmp_path / "missing.yaml")], env=env)
     assert result.exit_code == 2
+
+
+def test_models_commands_exit_2_for_a_model_no_worker_has(env: dict[str, str]) -> None:
+    for command in ("load", "unload", "pin"):
+        result = runner.invoke(app, ["models", command, "nope"], env=env)
+        assert result.exit_code == 2, (command, result.output)
+        assert "no worker has model 'nope'" in result.stderr, command
+
+
+def test_status_lists_every_worker_the_scheduler_knows(suite: Suite, env: dict[str, str]) -> None:
+    """Not only the configured model_pool.address: a second worker on its own port shows up."""
+    first = suite.service("model-pool")
+    second = suite.start_service("model-pool", index=1, timeout_s=120)
+    assert first is not None and first.address != second.address
+    try:
+        rows: list[dict[str, object]] = []
+        for _ in range(100):  # it says hello to the scheduler before it turns SERVING
+            _code, out = _cli(env, "status", "--json")
+            rows = [r for r in json.loads(out)["services"] if str(r["name"]).startswith("model-pool")]
+            if len(rows) == 2:
+                break
+            time.sleep(0.05)
+        assert {r["address"] for r in rows} == {first.address, second.address}, rows
+        assert all(r["serving"] for r in rows)
+        _, out = _cli(env, "status")
+        assert second.address in out and first.address in out
+    finally:
+        os.killpg(second.process.pid, signal.SIGTERM)
+        second.process.wait(timeout=60)
+        suite.processes.remove(second)

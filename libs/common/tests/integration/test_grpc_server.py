@@ -201,11 +201,11 @@ async def test_health_turns_not_serving_when_stop_begins() -> None:
     port = await srv.start()
     during_stop: dict[str, int | grpc.StatusCode] = {}
 
-    async def probe() -> None:  # stop hooks run while the server still answers
+    async def probe(grace_left_s: float) -> None:  # drain hooks run while the server still answers
         for service in ("", METRICS_SERVICE):
             during_stop[service] = await health_of(port, service)
 
-    srv.on_stop(probe)
+    srv.on_drain(probe)
     await srv.stop()
     assert during_stop == {
         "": health_pb2.HealthCheckResponse.NOT_SERVING,
@@ -312,6 +312,75 @@ async def test_run_serves_until_request_stop() -> None:
     srv.request_stop()
     await asyncio.wait_for(task, 5)
     assert stopped == ["stop"]
+
+
+class SlowMetrics(metrics_pb2_grpc.MetricsServicer):
+    """GetStats answers once `release` is set; `entered` says a call is in the handler."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def GetStats(  # noqa: N802 - gRPC method names
+        self, request: metrics_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> metrics_pb2.GetStatsResponse:
+        self.entered.set()
+        await self.release.wait()
+        return metrics_pb2.GetStatsResponse(stats=metrics_pb2.Stats(count=7))
+
+
+async def test_stop_drains_then_lets_calls_in_flight_finish_before_the_stop_hooks_close_links() -> None:
+    """SIGTERM order: NOT_SERVING, drain hooks (given the grace left), server.stop(grace) for the
+    calls in flight, and only then the stop hooks (on main they closed links first)."""
+    servicer = SlowMetrics()
+    srv = GrpcServer("drainer", "127.0.0.1:0", grace_s=10.0)
+    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServicer_to_server, servicer)
+    events: list[str] = []
+    grace_seen: list[float] = []
+
+    async def drain(grace_left_s: float) -> None:
+        grace_seen.append(grace_left_s)
+        events.append("drain")
+        servicer.release.set()  # the service's own drain lets its work finish
+
+    async def close_links() -> None:
+        events.append("stop: call done" if call.done() else "stop: call still in flight")
+
+    srv.on_drain(drain)
+    srv.on_stop(close_links)
+    port = await srv.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = asyncio.ensure_future(
+            metrics_pb2_grpc.MetricsStub(ch).GetStats(metrics_pb2.GetStatsRequest(name="x"), timeout=10)
+        )
+        await asyncio.wait_for(servicer.entered.wait(), 5)
+        await asyncio.wait_for(srv.stop(), 10)
+        reply = await call
+    assert reply.stats.count == 7
+    assert events == ["drain", "stop: call done"]
+    assert 9.0 < grace_seen[0] <= 10.0
+
+
+async def test_a_drain_hook_that_outlives_the_grace_is_cancelled_and_stop_goes_on() -> None:
+    srv = GrpcServer("stuck", "127.0.0.1:0", grace_s=0.2)
+    stopped: list[str] = []
+    cancelled = asyncio.Event()
+
+    async def never_done(grace_left_s: float) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def on_stop() -> None:
+        stopped.append("stop")
+
+    srv.on_drain(never_done)
+    srv.on_stop(on_stop)
+    await srv.start()
+    await asyncio.wait_for(srv.stop(), 10)  # the grace (0.2 s) plus the 1 s slack, not forever
+    assert cancelled.is_set() and stopped == ["stop"]
 
 
 class _Request:

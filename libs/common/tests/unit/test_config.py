@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
-from loadmaster.common.config import ClientSettings, ModelSettings, Settings, load_settings
+from loadmaster.common.config import ClientSettings, ConfigError, ModelSettings, Settings, load_settings
 
 YAML = """
 log_level: debug
@@ -95,7 +94,7 @@ def test_explicit_overrides_beat_the_environment(config_file: Path, monkeypatch:
 
 def test_environment_values_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOADMASTER_SCHEDULER__MAX_QUEUE_SIZE", "0")
-    with pytest.raises(ValidationError, match="max_queue_size"):
+    with pytest.raises(ConfigError, match=r"max_queue_size \(\$LOADMASTER_SCHEDULER__MAX_QUEUE_SIZE\)"):
         load_settings()
 
 
@@ -192,7 +191,7 @@ def test_without_a_file_relative_paths_resolve_against_the_working_directory(
 def test_unknown_keys_are_rejected(text: str, tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+    with pytest.raises(ConfigError, match="Extra inputs are not permitted"):
         load_settings(path)
 
 

@@ -56,6 +56,7 @@ def test_a_call_verifies_as_its_identity_and_only_for_its_method(clock: Clock) -
         lambda m: m.update({internal_auth.IDENTITY_HEADER: "gpu-broker/b1"}),  # claims another identity
         lambda m: m.update({internal_auth.AUTH_HEADER: m[internal_auth.AUTH_HEADER][:-1] + "0"}),
         lambda m: m.update({internal_auth.AUTH_HEADER: "x.y"}),
+        lambda m: m.update({internal_auth.AUTH_HEADER: m[internal_auth.AUTH_HEADER][:-1] + "é"}),  # not ASCII
     ],
 )
 def test_a_missing_forged_or_tampered_credential_is_refused(clock: Clock, change: object) -> None:
@@ -100,6 +101,13 @@ def test_a_data_port_envelope_verifies_once(clock: Clock) -> None:
         worker.verify_envelope(dict(metadata), "r2")  # moved onto another request
     with pytest.raises(UnauthenticatedError, match="no internal credential"):
         worker.verify_envelope({}, "r3")
+    signed: dict[str, str] = {}
+    creds(clock).sign_envelope(signed, "r4")
+    signed[internal_auth.ENVELOPE_KEY] = (
+        signed[internal_auth.ENVELOPE_KEY][:-1] + "ü"
+    )  # a refusal, not a crash
+    with pytest.raises(UnauthenticatedError, match="does not verify"):
+        worker.verify_envelope(signed, "r4")
 
 
 def test_the_replay_memory_forgets_what_the_window_already_refuses(clock: Clock) -> None:

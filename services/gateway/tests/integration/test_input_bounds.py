@@ -390,3 +390,96 @@ def test_failed_large_http_requests_are_freed_with_their_reply(start_gateway: Ca
             resident.append(process.memory_info().rss)
     grown = resident[-1] - resident[0]
     assert grown < 32 << 20, f"the gateway grew by {grown >> 20} MiB over 3 answered 40 MiB requests"
+
+
+def _costly_observation(count: int = 1_000_000) -> tuple[edge_pb2.Observation, bytes]:
+    """`count` BYTES elements of alternating lengths: the costliest layout to check."""
+    lengths = np.tile(np.array([0, 1], dtype="<u4"), count // 2)
+    prefixes = lengths.view(np.uint8).reshape(count, 4)
+    payload = b"".join(
+        prefix.tobytes() + (b"x" if length else b"") for prefix, length in zip(prefixes, lengths, strict=True)
+    )
+    tensor = tensor_pb2.Tensor(
+        key="s", dtype=tensor_pb2.BYTES, shape=[count], byte_length=len(payload), encoding=tensor_pb2.RAW
+    )
+    return edge_pb2.Observation(model_id="echo", tensors=[tensor]), payload
+
+
+def test_costly_edge_observations_checked_at_once_are_bounded(start_gateway: Callable[..., Any]) -> None:
+    """Each costly observation holds its payload while a thread checks it: past
+    `edge.max_offloop_checks` at once the next is refused, not queued in memory."""
+    gateway = start_gateway({"limits": {"max_payload_bytes": 8 << 20}, "edge": {"max_offloop_checks": 1}})
+    big, payload = _costly_observation()
+    context = zmq.Context()
+    codes: list[str] = []
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(gateway.edge)
+        for _ in range(3):
+            dealer.send_multipart([b"", big.SerializeToString(), payload])
+        for _ in range(3):
+            assert dealer.poll(30_000), "no reply"
+            codes.append(edge_pb2.ModelResponse.FromString(dealer.recv_multipart()[1]).metadata["error_code"])
+    finally:
+        context.destroy(linger=0)
+    assert "resource_exhausted" in codes, codes
+    assert codes[0] != "resource_exhausted", codes  # the first one was checked
+
+
+def test_an_edge_observation_that_is_costly_to_check_does_not_hold_up_another_client(
+    start_gateway: Callable[..., Any],
+) -> None:
+    """1M BYTES elements of alternating lengths (the costliest layout to check) from one
+    client; a small request from another client right behind it is answered long before it."""
+    gateway = start_gateway({"limits": {"max_payload_bytes": 8 << 20}})
+    count = 1_000_000
+    lengths = np.tile(np.array([0, 1], dtype="<u4"), count // 2)
+    prefixes = lengths.view(np.uint8).reshape(count, 4)
+    payload = b"".join(
+        prefix.tobytes() + (b"x" if length else b"") for prefix, length in zip(prefixes, lengths, strict=True)
+    )
+    big = edge_pb2.Observation(
+        model_id="echo",
+        tensors=[
+            tensor_pb2.Tensor(
+                key="s",
+                dtype=tensor_pb2.BYTES,
+                shape=[count],
+                byte_length=len(payload),
+                encoding=tensor_pb2.RAW,
+            )
+        ],
+    )
+    small = edge_pb2.Observation(
+        model_id="double",
+        tensors=[tensor_pb2.Tensor(key="x", dtype=tensor_pb2.FLOAT32, shape=[2], byte_length=3)],
+    )
+    context = zmq.Context()
+    try:
+        first, second = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+        for dealer in (first, second):
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(gateway.edge)
+        time.sleep(0.2)  # both connected before the race starts
+        started = time.monotonic()
+        first.send_multipart([b"", big.SerializeToString(), payload])
+        time.sleep(0.05)  # the big one has arrived (loopback) and is being checked
+        small_sent = time.monotonic()
+        second.send_multipart([b"", small.SerializeToString(), b"\x00\x00\x00"])
+        answered: dict[str, float] = {}
+        poller = zmq.Poller()
+        poller.register(first, zmq.POLLIN)
+        poller.register(second, zmq.POLLIN)
+        deadline = started + 30
+        while len(answered) < 2 and time.monotonic() < deadline:
+            for dealer, _ in poller.poll(1000):
+                dealer.recv_multipart()
+                answered["big" if dealer is first else "small"] = time.monotonic() - (
+                    started if dealer is first else small_sent
+                )
+    finally:
+        context.destroy(linger=0)
+    assert set(answered) == {"big", "small"}, answered
+    # Checked on the loop, the small request would wait for the rest of the big one's check.
+    assert answered["small"] < (answered["big"] - 0.05) / 2, answered

@@ -4,13 +4,16 @@ recording stand-in for the rest of the gateway (this module's one collaborator).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import openai
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from starlette.applications import Starlette
 
+from loadmaster.common import tracing
 from loadmaster.common.config import ApiKeySettings
 from loadmaster.common.errors import ExpiredError, LoadmasterError, NotFoundError, UnavailableError
 from loadmaster.gateway.auth import Authenticator
@@ -158,3 +161,59 @@ async def test_models_are_listed_with_their_state() -> None:
     assert (await client.models.retrieve("tiny-chat")).id == "tiny-chat"
     with pytest.raises(openai.NotFoundError):
         await client.models.retrieve("nope")
+
+
+TRACE_ID, CALLER_SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+TRACEPARENT = {"traceparent": f"00-{TRACE_ID}-{CALLER_SPAN_ID}-01"}
+
+
+@pytest.fixture()
+def exported() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    tracing.setup_tracing("gateway", exporter=exporter)
+    try:
+        yield exporter
+    finally:
+        tracing.shutdown_tracing()
+
+
+class SeenSpans(Recorded):
+    """Remembers the span that was current when each generation started."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        super().__init__(pieces)
+        self.current: list[trace.SpanContext] = []
+
+    async def generate(
+        self, request: GenerationRequest, *, request_id: str, client_id: str
+    ) -> AsyncIterator[GenerationEvent]:
+        self.current.append(trace.get_current_span().get_span_context())
+        async for item in super().generate(request, request_id=request_id, client_id=client_id):
+            yield item
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_completion_request_is_a_span_parented_on_the_callers_traceparent(
+    exported: InMemorySpanExporter, stream: bool
+) -> None:
+    generations = SeenSpans(["a", "b"])
+    client = client_for(generations)
+    if stream:
+        chunks = await client.chat.completions.create(
+            model="tiny-chat", messages=MESSAGES, stream=True, extra_headers=TRACEPARENT
+        )
+        assert [c async for c in chunks]
+    else:
+        await client.completions.create(model="tiny-chat", prompt="hi", extra_headers=TRACEPARENT)
+    [span] = [s for s in exported.get_finished_spans() if s.name == "gateway.openai"]
+    assert span.context is not None and span.parent is not None
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+    assert format(span.parent.span_id, "016x") == CALLER_SPAN_ID
+    assert span.attributes is not None and span.attributes["loadmaster.model_id"] == "tiny-chat"
+    assert generations.current == [span.context]  # the port's own spans would be its children
+
+
+async def test_without_a_traceparent_the_request_span_starts_a_trace(exported: InMemorySpanExporter) -> None:
+    await client_for(Recorded(["a"])).completions.create(model="tiny-chat", prompt="hi")
+    [span] = [s for s in exported.get_finished_spans() if s.name == "gateway.openai"]
+    assert span.parent is None

@@ -5,8 +5,13 @@ import pytest
 
 from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.common.tensors import encode_tensors
-from loadmaster.gateway.validation import observation_to_call, parse_observation
+from loadmaster.common.tensors import encode_tensors, shape_elements_at_most
+from loadmaster.gateway.validation import (
+    INLINE_BYTES_ELEMENTS,
+    bytes_elements,
+    observation_to_call,
+    parse_observation,
+)
 from loadmaster.v1 import edge_pb2, tensor_pb2
 
 LIMITS = LimitsSettings()
@@ -121,3 +126,15 @@ async def test_observations_with_many_bytes_elements_are_checked_off_the_event_l
         await observation_to_call_off_loop(
             broken, _WatchedPayload(large_data), request_id="r3", limits=LIMITS
         )
+
+
+def test_counting_a_shape_stops_at_the_cap_whatever_its_length() -> None:
+    """A client's shape is counted on the event loop: a huge product (30,000 dimensions of 2^32,
+    a million-bit integer to build one multiplication at a time) must stop at the cap."""
+    assert shape_elements_at_most([3, 4], 100) == 12
+    assert shape_elements_at_most([0, 2**62], 100) == 0
+    assert shape_elements_at_most([11, 10], 100) == 101
+    assert shape_elements_at_most([1] * 100_000, 100) == 101  # too long to be valid at all
+    huge = tensor_pb2.Tensor(key="s", dtype=tensor_pb2.BYTES, shape=[2**32] * 30_000)
+    assert bytes_elements([huge]) == INLINE_BYTES_ELEMENTS + 1
+    assert bytes_elements([huge] * 1000) == INLINE_BYTES_ELEMENTS + 1

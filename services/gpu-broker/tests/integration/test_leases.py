@@ -89,6 +89,27 @@ async def test_acquire_is_idempotent_by_client_request_id(
     assert "released or expired" in (replay.value.details() or "")
 
 
+async def test_a_replayed_acquire_counts_its_ttl_from_the_replay(
+    make_settings: MakeSettings, start_broker: StartBroker
+) -> None:
+    """A holder whose Acquire reply was lost retries, and counts its deadline from the retry: the
+    broker must not let the lease lapse earlier than that (it used to keep the first expiry)."""
+    clock = FakeClock()
+    broker = await start_broker(make_settings(lease_ttl_s=10.0), clock)
+    request = pb.AcquireRequest(client_request_id="lost-reply", holder="w", mb=1_000)
+    first = (await broker.stub.Acquire(request)).lease
+    clock.advance(6)
+    again = (await broker.stub.Acquire(request)).lease
+    assert again.lease_id == first.lease_id and again.fencing_token == first.fencing_token
+    assert again.expires_unix_ms == int(clock.time() * 1000) + 10_000
+    listed = (await broker.stub.ListLeases(pb.ListLeasesRequest(holder="w"))).leases
+    assert [lease.expires_unix_ms for lease in listed] == [again.expires_unix_ms]
+    clock.advance(9)  # past the first expiry, within the replay's
+    assert [
+        lease.lease_id for lease in (await broker.stub.ListLeases(pb.ListLeasesRequest(holder="w"))).leases
+    ] == [first.lease_id]
+
+
 async def test_stale_fencing_token_is_refused(make_settings: MakeSettings, start_broker: StartBroker) -> None:
     broker = await start_broker(make_settings())
     stub = broker.stub

@@ -98,3 +98,33 @@ async def test_after_redis_lost_its_data_memory_still_in_use_is_not_granted(redi
         await reaper.stop()
         await store.close()
         admin.close()
+
+
+async def test_a_re_registration_carries_the_memory_in_use_itself(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No window between registering the GPUs and recording their memory in use: the
+    registration itself carries it (another replica, or another request here, could be granted
+    the memory in between). With the separate recording call disabled it is still there."""
+    clock = FakeClock()
+    prefix = f"rec-{uuid.uuid4().hex[:8]}"
+    store = RedisLeaseStore.connect(redis_url, key_prefix=prefix)
+    manager = LeaseManager(store, clock=clock, default_ttl_s=10, default_reserve_mb=500)
+    sampler = FakeSampler()
+    sampler.processes = {4242: 5_000}  # a holder whose lease went with Redis's data
+    reaper = Reaper(
+        manager,
+        clock=clock,
+        inventory={"n": [GpuState("n", 0, total_mb=8_500, reserve_mb=500)]},
+        local_gpus=LocalGpus("n", sampler, reserve_mb=500),  # type: ignore[arg-type]
+    )
+
+    async def not_recorded(node: str, outside: object) -> None:
+        return None
+
+    monkeypatch.setattr(manager, "set_outside", not_recorded)
+    try:
+        assert await reaper.ensure_registered() == ["n"]
+        assert (await manager.inventory())[0].used_outside_mb == 5_000
+    finally:
+        await store.close()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from loadmaster.client.lease_keeper import LeaseKeeper
+from loadmaster.common.config import LeaseTiming
 from loadmaster.common.errors import LoadmasterError, UnavailableError
 from loadmaster.model_pool.leases import AsyncLeaseClient, Lease, LeaseLostError
 from loadmaster.v1 import errors_pb2, gpu_broker_pb2, gpu_broker_pb2_grpc
@@ -139,3 +141,23 @@ async def test_a_lost_lease_among_several_is_reported_alone_and_the_others_stay_
     assert sorted(by_id) == sorted([granted["a"].lease_id, granted["c"].lease_id])
     for model in ("a", "c"):
         assert by_id[granted[model].lease_id].expires_unix_ms > granted[model].expires_unix_ms
+
+
+async def test_a_lease_that_waited_for_memory_is_live_when_granted(real_broker: BrokerAt) -> None:
+    """An Acquire that waited longer than the holder's deadline (counted from its send) comes
+    back with a fresh base: renewed once, so the keeper does not find it lapsed at once."""
+    ttl_s = 1.0
+    async with real_broker(total_mb=1_000) as (address, _):
+        client = AsyncLeaseClient(address, holder="w", node="local")
+        try:
+            first = await client.acquire(mb=1_000, ttl_s=30)
+            waiting = asyncio.create_task(client.acquire(mb=1_000, ttl_s=ttl_s, wait_s=10))
+            await asyncio.sleep(1.5)  # past the waiting one's deadline (0.8 of its TTL) from its send
+            assert not waiting.done()
+            await client.release(first)
+            granted = await asyncio.wait_for(waiting, 10)
+            left = granted.sent_monotonic + LeaseTiming.for_ttl(ttl_s).holder_deadline_s - time.monotonic()
+            assert left > 0, "the lease came back already past its holder deadline"
+            await client.release(granted)
+        finally:
+            await client.close()

@@ -10,7 +10,6 @@ chat. `-m TEXT` sends one message and exits, for scripts.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import openai
@@ -18,7 +17,8 @@ import typer
 from openai.types.chat import ChatCompletionMessageParam
 from rich.console import Console
 
-from loadmaster.common.config import Settings, load_settings
+from loadmaster.cli._config import ConfigOption, settings_from
+from loadmaster.common.config import Settings
 
 __all__ = ["chat", "gateway_url"]
 
@@ -70,7 +70,7 @@ def _reply(
 
 def chat(
     model: Annotated[str, typer.Argument(help="a generative model (or alias) the gateway serves")],
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="loadmaster.yaml")] = None,
+    config: ConfigOption = None,
     gateway: Annotated[
         str | None, typer.Option(help="the gateway's HTTP address (default: from the config)")
     ] = None,
@@ -86,7 +86,7 @@ def chat(
     ] = None,
 ) -> None:
     """Chat with MODEL, streaming each reply as it is generated."""
-    base = gateway or gateway_url(load_settings(config))
+    base = gateway or gateway_url(settings_from(config))
     client = openai.OpenAI(base_url=base.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0)
     extra: dict[str, Any] = {"x_client_id": "loadmaster-chat"}
     if priority is not None:

@@ -31,12 +31,12 @@ from rich.console import Console
 from rich.table import Table
 
 from loadmaster.cli._auth import use_credentials
+from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.cli._output import stdout_console
 from loadmaster.cli._process import die_with_parent
 from loadmaster.cli._process import signal_group as _signal_group
 from loadmaster.client.gpu_lease import GpuLease
 from loadmaster.common import internal_auth
-from loadmaster.common.config import load_settings
 from loadmaster.common.errors import LoadmasterError, from_grpc_error
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
@@ -53,9 +53,6 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
-ConfigOption = Annotated[
-    Path | None, typer.Option("--config", "-c", help="loadmaster.yaml (default: built-in defaults)")
-]
 BrokerOption = Annotated[
     str | None,
     typer.Option("--broker", help="gpu-broker address (default: gpu_broker.address of the config)"),
@@ -63,8 +60,9 @@ BrokerOption = Annotated[
 
 
 def _address(config: Path | None, broker: str | None) -> str:
-    use_credentials(config)
-    return broker or load_settings(config).gpu_broker.address
+    settings = settings_from(config)
+    use_credentials(settings)
+    return broker or settings.gpu_broker.address
 
 
 def _gpu_json(gpu: pb.Gpu) -> dict[str, Any]:
@@ -188,7 +186,7 @@ def lease(
     address = _address(config, broker)
     indexes = _parse_gpus(gpus)
     if indexes and not node:
-        node = load_settings(config).gpu_broker.node
+        node = settings_from(config).gpu_broker.node
     process: subprocess.Popen[bytes] | None = None
     lost = threading.Event()
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from pathlib import Path
 from typing import Annotated
 
 import typer
 import zmq
 
+from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.common import internal_auth
-from loadmaster.common.config import load_settings
 from loadmaster.common.errors import LoadmasterError
 
 app = typer.Typer(
@@ -86,14 +85,12 @@ def internal(
     identity: Annotated[
         str, typer.Option(help="who the key speaks for: <service>/<instance>, e.g. trainer/job-7")
     ],
-    config: Annotated[
-        Path | None, typer.Option("--config", help="loadmaster.yaml naming the suite secret")
-    ] = None,
+    config: ConfigOption = None,
 ) -> None:
     """An identity key for a process outside the suite (a training job taking GPU leases): it
     can sign only as IDENTITY, so it cannot act for the services or release others' leases.
     Give it to the process as its `internal_auth.secret_file` (docs/security.md)."""
-    settings = load_settings(config)
+    settings = settings_from(config)
     try:
         wanted = internal_auth.Identity.parse(identity)
     except LoadmasterError as error:

@@ -2,10 +2,17 @@
 
 Order: Redis (`REDIS_URL`, else an embedded redis-server) -> gpu-broker -> metrics
 -> scheduler -> model-pool -> gateway; each is started with
-`python -m loadmaster.<svc> --config PATH` in its own process group and waited on
-through gRPC health before the next one starts. Children also get SIGTERM from
-the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so nothing is left
-behind even after `kill -9` of the launcher.
+`python -m loadmaster.<svc> [--config PATH]` (no config: the built-in defaults) in its own
+process group and waited on through gRPC health before the next one starts. Children also
+get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so nothing is
+left behind even after `kill -9` of the launcher.
+
+`stop()` goes the other way, one kind at a time: gateways, workers, scheduler, metrics,
+broker, then Redis. Each kind gets SIGTERM and is waited for within its `shutdown_grace_s`
+(plus a margin for the process to exit) before the next kind is signalled, so a gateway
+finishes its in-flight requests while the workers, scheduler and broker still serve, and
+workers release their leases while the broker is still there. What does not exit in time
+is killed; `stop()` returns the services that failed (a non-zero exit, or killed).
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ class ServiceProcess:
 class Suite:
     """The suite's processes. `start()` brings everything up; `stop()` takes everything down."""
 
-    config_path: Path
+    config_path: Path | None  # None: the built-in defaults
     overrides: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children write to this process's stderr
     services: tuple[str, ...] = tuple(spec.name for spec in SERVICES)
@@ -110,11 +117,12 @@ class Suite:
     _admin_token_file: Path | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.config_path = Path(self.config_path).resolve()
+        if self.config_path is not None:
+            self.config_path = Path(self.config_path).resolve()
         self.settings = load_settings(self.config_path, **self.overrides)
         auth = self.settings.internal_auth
         if self.make_credentials and auth.secret is None and auth.secret_file is None:
-            secret_file, admin_file = internal_auth.ensure_run_secrets(self.config_path.parent)
+            secret_file, admin_file = internal_auth.ensure_run_secrets(self.settings.config_dir)
             admin_sha256 = hashlib.sha256(admin_file.read_text().strip().encode()).hexdigest()
             self.overrides = {
                 **self.overrides,
@@ -126,6 +134,7 @@ class Suite:
     @property
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.pop("LOADMASTER_CONFIG", None)  # children are given --config, or run on the defaults
         env.update(to_env(self.overrides))
         if self.settings.redis_url:
             env["REDIS_URL"] = self.settings.redis_url
@@ -204,7 +213,7 @@ class Suite:
             log_path = self.log_dir / f"{label}.log"
             stream = log_path.open("ab")
         process = subprocess.Popen(
-            die_with_parent([sys.executable, "-m", spec.module, "--config", str(self.config_path)]),
+            die_with_parent([sys.executable, "-m", spec.module, *self._config_args()]),
             env={**self.env, **extra_env, **self._admin_env(spec.name)},
             stdin=subprocess.DEVNULL,
             stdout=stream,
@@ -231,6 +240,9 @@ class Suite:
         if self._admin_token_file is None or service != "gateway":
             return {}
         return to_env({"internal_auth": {"admin_token_file": str(self._admin_token_file)}})
+
+    def _config_args(self) -> list[str]:
+        return [] if self.config_path is None else ["--config", str(self.config_path)]
 
     def _wait_healthy(self, service: ServiceProcess, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -311,23 +323,44 @@ class Suite:
         service = self.service(name)
         return service.log_tail(lines) if service is not None else ""
 
-    def stop(self, *, timeout_s: float = 10.0) -> None:
-        """SIGTERM every service group (gateway first), SIGKILL what is left, then stop Redis."""
-        for service in reversed(self.processes):
-            signal_group(service.process, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for service in reversed(self.processes):
-            try:
-                service.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+    def stop(self, *, margin_s: float = 5.0, progress: Any = None) -> list[str]:
+        """Stop in dependency order (gateways, workers, scheduler, metrics, broker, Redis), each
+        kind waited for within its `shutdown_grace_s` + `margin_s` before the next; SIGKILL
+        what is left. Returns the names of the services that failed (exited non-zero or
+        were killed), in stop order."""
+        say = progress or (lambda message: None)
+        failed: list[str] = []
+        for spec in reversed(SERVICES):
+            group = [p for p in self.processes if _spec_name(p.name) == spec.name]
+            if not group:
+                continue
+            grace_s = getattr(self.settings, spec.section).shutdown_grace_s
+            started = time.monotonic()
+            for service in group:
+                signal_group(service.process, signal.SIGTERM)
+            deadline = started + grace_s + margin_s
+            for service in group:
+                killed = False
+                try:
+                    service.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    signal_group(service.process, signal.SIGKILL)
+                    service.process.wait()
+                    killed = True
+                # Anything the service itself started in its group goes too.
                 signal_group(service.process, signal.SIGKILL)
-                service.process.wait()
-            # Anything the service itself started in its group goes too.
-            signal_group(service.process, signal.SIGKILL)
+                code = service.process.returncode
+                if killed or code != 0:
+                    failed.append(service.name)
+                    say(f"{service.name} failed to stop cleanly: {_describe(code, killed=killed)}")
+                else:
+                    say(f"{service.name} stopped ({time.monotonic() - started:.1f} s)")
         self.processes.clear()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+            say("redis stopped")
+        return failed
 
     def __enter__(self) -> Suite:
         self.start()
@@ -335,3 +368,19 @@ class Suite:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _spec_name(label: str) -> str:
+    """`model-pool-2` -> `model-pool`; other labels are their service's name."""
+    return "model-pool" if label.startswith("model-pool") else label
+
+
+def _describe(returncode: int | None, *, killed: bool) -> str:
+    if killed:
+        return "did not exit within its grace period; killed"
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"

@@ -1,8 +1,12 @@
 """The `loadmaster` command.
 
 Exit codes (every sub-command): 0 done / healthy; 1 a failure (a service or Redis down, no
-model READY, a refused request); 2 a usage error or something not found (a missing config
-file, no worker answering). `gpu lease` adds its own (see its help).
+model READY, a refused request, a service of `up` that failed or had to be killed); 2 a usage
+error or something not found (a bad option, a config file that is missing or invalid, an
+unknown model, no worker answering). `gpu lease` adds its own (see its help).
+
+`--config` defaults to `$LOADMASTER_CONFIG` on every command; with neither, the built-in
+defaults apply.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import asyncio
 import os
 import signal
 import threading
-from pathlib import Path
+from importlib import metadata
 from typing import Annotated
 
 import typer
@@ -20,12 +24,13 @@ from rich.table import Table
 
 from loadmaster.cli import chat_cmd, gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
 from loadmaster.cli._auth import use_credentials
+from loadmaster.cli._config import EXIT_FAILURE, ConfigOption, config_problem, settings_from
 from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.cli.launcher import Suite
 from loadmaster.cli.run_state import read_run_state, remove_run_state, run_state_path, write_run_state
 from loadmaster.cli.status import SuiteStatus, collect_status, redact
 from loadmaster.cli.supervisor import RestartPolicy, supervise
-from loadmaster.common.config import Settings, load_settings
+from loadmaster.common.config import ConfigError, Settings
 
 app = typer.Typer(help="Loadmaster: the inference control plane.", no_args_is_help=True)
 app.add_typer(gpu_cmd.app, name="gpu")
@@ -36,9 +41,28 @@ app.command("top")(top_cmd.top)
 app.command("chat")(chat_cmd.chat)
 console = Console(stderr=True)
 
-ConfigOption = Annotated[
-    Path | None, typer.Option("--config", "-c", help="loadmaster.yaml (default: built-in defaults)")
-]
+
+def _version() -> str:
+    try:
+        return metadata.version("loadmaster-cli")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"loadmaster {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="print the version and exit"),
+    ] = False,
+) -> None:
+    """Loadmaster: the inference control plane."""
 
 
 @app.command()
@@ -56,11 +80,13 @@ def up(
     ] = False,
 ) -> None:
     """Start Redis, gpu-broker, metrics, scheduler, model-pool worker(s) and the gateway; restart any
-    that crashes (within a budget, else stop all and exit 1); Ctrl-C stops all."""
-    config_path = config or Path("loadmaster.yaml")
-    if not config_path.exists():
-        raise typer.BadParameter(f"{config_path} does not exist", param_hint="--config")
-    suite = Suite(config_path, workers=workers, make_credentials=True)
+    that crashes (within a budget, else stop all and exit 1); Ctrl-C or SIGTERM stops all, in
+    dependency order (gateway, workers, scheduler, metrics, broker, Redis), each drained within
+    its shutdown_grace_s. Exits 1 when a service failed or did not stop cleanly."""
+    try:
+        suite = Suite(config, workers=workers, make_credentials=True)
+    except ConfigError as error:
+        raise config_problem(error) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -71,10 +97,13 @@ def up(
         raise typer.Exit(1) from None
     endpoints = {name: redact(endpoint) for name, endpoint in suite.endpoints().items()}
     state_path = run_state_path(suite.settings.gateway.address)
-    write_run_state(
-        state_path,
-        {"pid": os.getpid(), "redis_url": suite.settings.redis_url, "internal_auth": suite.credential_files},
-    )
+    try:
+        write_run_state(
+            state_path,
+            {"pid": os.getpid(), "redis_url": suite.settings.redis_url, "internal_auth": suite.credential_files},
+        )
+    except OSError as error:  # status then needs REDIS_URL to find this suite's Redis
+        console.print(f"[yellow]run state not written:[/yellow] {error}")
     table = Table(title="Loadmaster is up", show_header=False)
     for name, endpoint in endpoints.items():
         table.add_row(name, endpoint)
@@ -85,14 +114,16 @@ def up(
         print_json({"endpoints": endpoints, "status": result.to_json()})
     console.print("Ctrl-C stops everything.")
     policy = RestartPolicy(max_restarts=max_restarts, window_s=restart_window_s)
+    supervised = EXIT_FAILURE
     try:
-        if supervise(suite, stop, console.print, policy=policy) != 0:
-            raise typer.Exit(1)
+        supervised = supervise(suite, stop, console.print, policy=policy)
     finally:
         console.print("stopping…")
-        suite.stop()
+        failed = suite.stop(progress=console.print)
         remove_run_state(state_path)
-        console.print("stopped.")
+        console.print("stopped." if not failed else f"[red]stopped; failed: {', '.join(failed)}[/red]")
+    if supervised != 0 or failed:
+        raise typer.Exit(EXIT_FAILURE)
 
 
 @app.command()
@@ -102,13 +133,13 @@ def status(
 ) -> None:
     """Redis, the health of every service and the state of each model on each worker.
 
-    Exit codes: 0 healthy (Redis answers, every service SERVING, a model READY); 1 not;
-    2 usage (e.g. the config file does not exist). Redis is found through REDIS_URL (or the
-    config's redis_url), else through the running `loadmaster up` of this gateway address.
+    Every worker the scheduler knows is listed (its ListWorkers), each checked on its own
+    gRPC address. Exit codes: 0 healthy (Redis answers, every service SERVING, a model READY);
+    1 not; 2 usage (e.g. the config file does not exist or is invalid). Redis is found through
+    REDIS_URL (or the config's redis_url), else through the running `loadmaster up` of this
+    gateway address.
     """
-    if config is not None and not config.exists():
-        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
-    settings = load_settings(config)
+    settings = settings_from(config)
     if not settings.redis_url:
         known = read_run_state(run_state_path(settings.gateway.address)).get("redis_url")
         if isinstance(known, str) and known:

@@ -11,13 +11,13 @@ worker's next report.
 `list --json` prints `{"workers": [{"endpoint", "worker_id", "free_mb", "evictions",
 "models": [{"model_id", "state", ...}]}]}` for scripts.
 
-Exit codes: 0 done, 1 the worker refused (the message says why), 2 no worker found.
+Exit codes: 0 done, 1 the worker refused (the message says why), 2 no worker found, or no
+worker has the model (`load`, `unload` and `pin` alike).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Annotated
 
 import grpc
@@ -26,9 +26,10 @@ from rich.console import Console
 from rich.table import Table
 
 from loadmaster.cli._auth import use_credentials
+from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.common import internal_auth
-from loadmaster.common.config import Settings, load_settings
+from loadmaster.common.config import Settings
 from loadmaster.common.errors import LoadmasterError, from_grpc_error
 from loadmaster.v1 import model_pool_pb2 as pb
 from loadmaster.v1 import model_pool_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -39,9 +40,6 @@ app = typer.Typer(help="Models on the model-pool workers: list, load, unload, pi
 console = stdout_console()
 errors = Console(stderr=True)
 
-ConfigOption = Annotated[
-    Path | None, typer.Option("--config", "-c", help="loadmaster.yaml (default: built-in defaults)")
-]
 WorkerOption = Annotated[
     str | None,
     typer.Option("--worker", "-w", help="one worker's gRPC address (default: all, via the scheduler)"),
@@ -122,7 +120,7 @@ def list_models(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON for scripts")] = False,
 ) -> None:
     """Every model slot on every worker."""
-    settings = load_settings(config)
+    settings = settings_from(config)
     use_credentials(settings)
     found = _statuses(worker_endpoints(settings, worker))
     if as_json:
@@ -181,9 +179,11 @@ def _holder(settings: Settings, model_id: str, worker: str | None, *, loaded: bo
         for m in status.models
         if m.model_id == model_id and m.state != pb.MODEL_STATE_IDLE
     ]
-    if loaded or holding:
-        return holding or [endpoint for endpoint, status in found if model_id in status.repository]
+    if holding:
+        return holding
     can = [endpoint for endpoint, status in found if model_id in status.repository]
+    if loaded and can:
+        return can
     if not can:
         errors.print(f"[red]no worker has model {model_id!r} in its repository[/red]")
         raise typer.Exit(2)
@@ -210,7 +210,7 @@ def _say(endpoint: str, m: pb.ModelSlotStatus) -> None:
 @app.command()
 def load(model: str, config: ConfigOption = None, worker: WorkerOption = None) -> None:
     """Load MODEL (evicting idle models when its lease does not fit)."""
-    settings = load_settings(config)
+    settings = settings_from(config)
     use_credentials(settings)
     for endpoint in _holder(settings, model, worker, loaded=False):
         _say(endpoint, _call(endpoint, "Load", pb.LoadRequest(model_id=model), _LOAD_TIMEOUT_S))
@@ -219,7 +219,7 @@ def load(model: str, config: ConfigOption = None, worker: WorkerOption = None) -
 @app.command()
 def unload(model: str, config: ConfigOption = None, worker: WorkerOption = None) -> None:
     """Drain and unload MODEL on every worker that holds it."""
-    settings = load_settings(config)
+    settings = settings_from(config)
     use_credentials(settings)
     for endpoint in _holder(settings, model, worker, loaded=True):
         _say(endpoint, _call(endpoint, "Unload", pb.UnloadRequest(model_id=model), _LOAD_TIMEOUT_S))
@@ -233,7 +233,7 @@ def pin(
     off: Annotated[bool, typer.Option("--off", help="unpin instead")] = False,
 ) -> None:
     """Pin MODEL (never evicted, never unloaded when idle) on the workers that hold it or can load it."""
-    settings = load_settings(config)
+    settings = settings_from(config)
     use_credentials(settings)
     for endpoint in _holder(settings, model, worker, loaded=True):
         _say(endpoint, _call(endpoint, "Pin", pb.PinRequest(model_id=model, pinned=not off), _TIMEOUT_S))

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,33 @@ def run_state_path(gateway_address: str) -> Path:
     return Path(base) / f"loadmaster-{os.getuid()}" / f"{key}.json"
 
 
+def _private_folder(folder: Path) -> bool:
+    """Whether `folder` is a real directory of this user that nobody else may write to (the
+    temp folder is shared: another user could have made the folder, or put a link in it)."""
+    try:
+        info = folder.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
 def write_run_state(path: Path, state: dict[str, Any]) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    if not _private_folder(path.parent):
+        raise PermissionError(f"{path.parent} is not a private folder of this user: not writing run state there")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as file:
         json.dump(state, file)
 
 
 def read_run_state(path: Path) -> dict[str, Any]:
+    """The state a `loadmaster up` of this user wrote; nothing from a folder others control."""
+    if not _private_folder(path.parent):
+        return {}
     try:
-        state = json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as file:
+            state = json.load(file)
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) else {}

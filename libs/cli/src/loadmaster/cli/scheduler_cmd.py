@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from loadmaster.cli._auth import use_credentials
+from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.common import internal_auth
-from loadmaster.common.config import load_settings
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["app"]
@@ -27,9 +27,6 @@ __all__ = ["app"]
 app = typer.Typer(help="The scheduler: strategy and queues.", no_args_is_help=True)
 console = Console(stderr=True)
 
-ConfigOption = Annotated[
-    Path | None, typer.Option("--config", "-c", help="loadmaster.yaml (default: built-in defaults)")
-]
 AddressOption = Annotated[
     str | None,
     typer.Option("--address", help="scheduler address (default: scheduler.address of the config)"),
@@ -38,9 +35,7 @@ _TIMEOUT_S = 10.0
 
 
 def _address(config: Path | None, address: str | None) -> str:
-    if config is not None and not config.exists():
-        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
-    settings = load_settings(config)
+    settings = settings_from(config)
     use_credentials(settings)
     return address or settings.scheduler.address
 

@@ -1,5 +1,8 @@
 """What `loadmaster status` shows: Redis, each service's health and each model's state per worker.
 
+Workers are those the scheduler knows (its ListWorkers), each checked on its own gRPC endpoint;
+only when the scheduler lists none is the configured `model_pool.address` checked instead.
+
 The suite is healthy when Redis answers, every service is SERVING and at least one model is
 READY on some worker; `problems` says what is not.
 """
@@ -15,9 +18,11 @@ import grpc
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_client import aio_channel, check_health
+from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url, redact_redis_url
 from loadmaster.v1 import model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["ModelRow", "RedisRow", "ServiceRow", "SuiteStatus", "collect_status", "redact"]
@@ -76,6 +81,8 @@ class SuiteStatus:
 
 def redact(url: str) -> str:
     """The URL with its password replaced by `***`."""
+    if is_sentinel_url(url):
+        return redact_redis_url(url)
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -85,10 +92,30 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _ping_redis(url: str, timeout_s: float) -> RedisRow:
-    client = redis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+def _redis_client(url: str, timeout_s: float) -> redis.Redis:
+    """A client of `url`; for a `redis+sentinel://` URL, of the master the Sentinels name."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **options)
+    target = parse_sentinel_url(url)
+    sentinel = Sentinel(
+        list(target.sentinels), sentinel_kwargs={**options, "password": target.sentinel_password}
     )
+    client: redis.Redis = sentinel.master_for(
+        target.service_name, db=target.db, username=target.username, password=target.password, **options
+    )
+    return client
+
+
+def _ping_redis(url: str, timeout_s: float) -> RedisRow:
+    try:
+        client = _redis_client(url, timeout_s)
+    except ValueError as error:  # a malformed URL (RedisUrlError names the part)
+        return RedisRow(redact(url), False, str(error))
     try:
         client.ping()
         return RedisRow(redact(url), True)
@@ -107,13 +134,17 @@ async def _health(name: str, address: str, timeout_s: float) -> ServiceRow:
         return ServiceRow(name, address, await check_health(channel, timeout_s=timeout_s))
 
 
-async def _models(address: str, timeout_s: float) -> list[ModelRow]:
+async def _workers(address: str, timeout_s: float) -> list[scheduler_pb2.WorkerInfo]:
     async with aio_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         try:
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError:
             return []
+    return list(reply.workers)
+
+
+def _models(workers: list[scheduler_pb2.WorkerInfo]) -> list[ModelRow]:
     return [
         ModelRow(
             worker.worker_id,
@@ -124,7 +155,7 @@ async def _models(address: str, timeout_s: float) -> list[ModelRow]:
             slot.vram_mb,
             slot.error,
         )
-        for worker in reply.workers
+        for worker in workers
         for slot in worker.models
     ]
 
@@ -134,15 +165,17 @@ async def collect_status(
 ) -> SuiteStatus:
     """Health of every service and the models per worker; with `check_redis`, Redis too
     (`settings.redis_url`; a missing URL is a problem)."""
+    workers = await _workers(settings.scheduler.address, timeout_s)
+    pool = [(f"model-pool {w.worker_id}", w.grpc_endpoint) for w in workers if w.grpc_endpoint]
     checks = [
         ("gpu-broker", settings.gpu_broker.address),
         ("metrics", settings.metrics.address),
         ("scheduler", settings.scheduler.address),
-        ("model-pool", settings.model_pool.address),
+        *(pool or [("model-pool", settings.model_pool.address)]),
         ("gateway", settings.gateway.address),
     ]
     rows = await asyncio.gather(*(_health(name, address, timeout_s) for name, address in checks))
-    models = await _models(settings.scheduler.address, timeout_s)
+    models = _models(workers)
     problems = [f"{row.name} at {row.address} is not serving" for row in rows if not row.serving]
     redis_row: RedisRow | None = None
     if check_redis:

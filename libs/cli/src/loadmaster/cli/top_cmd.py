@@ -20,7 +20,6 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -29,8 +28,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.cli._output import print_json, stdout_console
-from loadmaster.common.config import Settings, load_settings
+from loadmaster.common.config import Settings
 
 __all__ = ["fetch_dashboard", "render", "top"]
 
@@ -153,9 +153,7 @@ def _frame(url: str, *, expand: bool = True, api_key: str = "") -> Group | Text:
 
 
 def top(
-    config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="loadmaster.yaml (default: built-in defaults)")
-    ] = None,
+    config: ConfigOption = None,
     once: Annotated[bool, typer.Option("--once", help="print one frame and exit")] = False,
     iterations: Annotated[
         int,
@@ -177,7 +175,7 @@ def top(
     ] = "",
 ) -> None:
     """Latency, throughput, queues, deadline misses, GPU memory and model states, refreshed live."""
-    settings = load_settings(config)
+    settings = settings_from(config)
     url = dashboard_url(settings, window_s=window_s, summary_s=summary_s)
     if as_json:
         try:

@@ -253,11 +253,16 @@ class AsyncLeaseClient:
             priority=priority,
         )
         try:
-            return await self._acquire_with_retries(request)
+            lease = await self._acquire_with_retries(request)
         except BaseException as error:  # asyncio.CancelledError, KeyboardInterrupt included
             if _maybe_granted(error):
                 await asyncio.shield(self._release_unseen_grant(request))
             raise
+        if time.monotonic() - lease.sent_monotonic > LeaseTiming.for_ttl(ttl_s).renew_every_s:
+            # It waited for memory (or retried): the holder's deadline counts from the send, which
+            # may be long past. One renewal now gives it a fresh base instead of a lapsed lease.
+            lease = await self.renew(lease, ttl_s=ttl_s)
+        return lease
 
     async def _acquire_with_retries(self, request: pb.AcquireRequest) -> Lease:
         delay = 0.1

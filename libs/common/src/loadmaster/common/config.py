@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 
 __all__ = [
     "ApiKeySettings",
@@ -24,6 +27,7 @@ __all__ = [
     "BatchSettings",
     "ClientSettings",
     "ClientsSettings",
+    "ConfigError",
     "CurveSettings",
     "DeadlineSettings",
     "EdgeSettings",
@@ -46,15 +50,25 @@ __all__ = [
 ]
 
 
+class ConfigError(InvalidArgumentError, ValueError):
+    """The configuration cannot be used: the file is missing or not YAML, or a key is unknown or
+    holds a bad value. The message names the file and each key (`scheduler.max_queue_size`)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class ServiceEndpoint(_Section):
-    """Where a gRPC service is reached (`address`) and what it binds (`listen`, default: address)."""
+    """Where a gRPC service is reached (`address`) and what it binds (`listen`, default: address).
+
+    On SIGTERM the service turns NOT_SERVING at once, refuses new work and gives what is in
+    flight up to `shutdown_grace_s` to finish before it closes its links (30 s, Kubernetes'
+    default termination grace period)."""
 
     address: str
     listen: str | None = None
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
 
     @property
     def listen_address(self) -> str:
@@ -75,6 +89,10 @@ class EdgeSettings(_Section):
     heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
     heartbeat_timeout_ms: int = Field(default=3000, ge=0)
     heartbeat_ttl_ms: int = Field(default=3000, ge=0)
+    # Observations whose check costs more than a loop turn are checked on threads, each holding
+    # its payload meanwhile; past this many at once the next is refused (`resource_exhausted`),
+    # so a flood of costly messages cannot hold unbounded memory.
+    max_offloop_checks: int = Field(default=4, ge=1)
 
 
 class LimitsSettings(_Section):
@@ -255,6 +273,10 @@ class GpuBrokerSettings(ServiceEndpoint):
         default_factory=lambda: {"local": [GpuSpec(index=0, total_mb=16_384)]}
     )
     use_nvml: bool = True
+    # Answer Acquire/Renew/Release/Register only once a Redis replica holds their writes
+    # (`WAIT 1 <ms>`; UNAVAILABLE when none acknowledges in time), so a grant survives a
+    # failover. 0 = off; unset = 200 ms with a redis+sentinel:// URL, else off.
+    replica_ack_timeout_ms: int | None = Field(default=None, ge=0)
 
 
 class MetricsSettings(ServiceEndpoint):
@@ -389,6 +411,13 @@ class Settings(BaseSettings):
     # The folder the YAML file was read from; relative paths in it resolve against this.
     config_dir: Path = Path(".")
 
+    @field_validator("redis_url")
+    @classmethod
+    def _valid_sentinel_url(cls, value: str | None) -> str | None:
+        if value is not None and is_sentinel_url(value):
+            parse_sentinel_url(value)  # a malformed one fails here, naming the part
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _upper(cls, value: str) -> str:
@@ -412,22 +441,60 @@ class Settings(BaseSettings):
 
 
 def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
-    """Settings from `path` (YAML) under environment overrides, under explicit `overrides`."""
+    """Settings from `path` (YAML) under environment overrides, under explicit `overrides`.
+
+    Raises `ConfigError` (one message naming the file and the keys) when the file cannot be
+    read or parsed, or a key is unknown or invalid."""
     data: dict[str, Any] = {}
     config_dir = Path.cwd()
+    source = "the environment (no config file)"
     if path is not None:
         path = Path(path)
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: the top level must be a mapping")
-        data = loaded
+        source = str(path)
+        data = _read_yaml(path)
         config_dir = path.resolve().parent
     token = _yaml_data.set(data)
     try:
         overrides.setdefault("config_dir", config_dir)
         return Settings(**overrides)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, source)) from None
     finally:
         _yaml_data.reset(token)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the configuration file: {error.strerror}") from None
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return loaded
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    """`invalid configuration in loadmaster.yaml:` then a line per key, e.g.
+    `scheduler.max_queue_size: Input should be ... (got 0)`; a key set through the
+    environment names its variable."""
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        variable = "LOADMASTER_" + "__".join(str(part) for part in item["loc"]).upper()
+        if variable in os.environ:
+            key += f" (${variable})"
+        got = "" if item["type"] == "missing" else f" (got {item.get('input')!r})"
+        if item["type"] == "extra_forbidden":
+            got = " (unknown key)"
+        lines.append(f"  {key}: {item['msg']}{got}")
+    return f"invalid configuration in {source}:\n" + "\n".join(lines)
 
 
 # ---- GPU lease timing: the one place the broker and every holder take it from ----------------

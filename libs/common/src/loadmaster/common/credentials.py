@@ -53,7 +53,7 @@ DATA_PORT_SENDER = "gateway"
 
 _NS = 1_000_000_000
 _MAX_IDENTITY = 200
-_REPLAY_CAP = 1_000_000  # remembered data-port MACs (≈100 B each); the oldest go first past it
+_REPLAY_CAP = 1_000_000  # remembered data-port MACs (≈150 B each with the dict entry); oldest go first
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +83,12 @@ IDENTITY_KEY_PREFIX = "lmid1:"  # an identity key: `lmid1:<service>/<instance>:<
 
 def _identity_key(master: bytes, identity_text: str) -> bytes:
     return hmac.digest(master, b"identity\n" + identity_text.encode(), "sha256")
+
+
+def _same(given: str, expected: str) -> bool:
+    """Constant-time comparison of a MAC a caller sent (any text: compared as UTF-8 bytes, so
+    a non-ASCII value is a mismatch, not a TypeError) with the expected one."""
+    return hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode())
 
 
 class Credentials:
@@ -122,7 +128,7 @@ class Credentials:
         if not admin_sha256 and admin_token:
             admin_sha256 = hashlib.sha256(admin_token.encode()).hexdigest()
         self._admin_digest = bytes.fromhex(admin_sha256) if admin_sha256 else b""
-        self._seen: dict[str, int] = {}  # data-port MAC -> when it may be forgotten (ns)
+        self._seen: dict[bytes, int] = {}  # data-port MAC (first 16 bytes) -> when it may be forgotten (ns)
 
     @classmethod
     def from_identity_key(
@@ -204,7 +210,7 @@ class Credentials:
         stamp, _, mac = token.partition(".")
         self._check_time(stamp)
         key = self._key_of(claimed)
-        if not hmac.compare_digest(mac, _mac(key, "grpc", claimed, method, stamp)):
+        if not _same(mac, _mac(key, "grpc", claimed, method, stamp)):
             raise UnauthenticatedError("internal credential does not verify")
         self._remember(claimed, key)
         if (only := SERVICE_METHODS.get(method)) is not None and identity.service != only:
@@ -238,7 +244,7 @@ class Credentials:
         identity = Identity.parse(claimed)
         now = self._check_time(stamp)
         key = self._key_of(claimed)
-        if not hmac.compare_digest(mac, _mac(key, "data", claimed, request_id, stamp)):
+        if not _same(mac, _mac(key, "data", claimed, request_id, stamp)):
             raise UnauthenticatedError("data-port credential does not verify")
         self._remember(claimed, key)
         if identity.service != DATA_PORT_SENDER:
@@ -249,9 +255,10 @@ class Credentials:
             if seen[first] > now and len(seen) < _REPLAY_CAP:
                 break
             del seen[first]
-        if mac in seen:
+        digest = bytes.fromhex(mac)[:16]  # verified hex; 16 bytes tell messages apart and keep it small
+        if digest in seen:
             raise UnauthenticatedError("data-port message replayed")
-        seen[mac] = int(stamp) + 2 * self._skew_ns
+        seen[digest] = int(stamp) + 2 * self._skew_ns
         return identity
 
     def _check_time(self, stamp: str) -> int:

@@ -2,8 +2,16 @@
 
 `GrpcServer` builds a grpc.aio server with the standard health-checking and
 reflection services and the one error-mapping interceptor. `run()` starts it,
-marks it SERVING, waits for SIGTERM/SIGINT, then marks it NOT_SERVING, runs the
-service's stop hooks and stops the server with a grace period for in-flight calls.
+marks it SERVING and waits for SIGTERM/SIGINT. A stop then goes, within one grace
+period (`grace_s`, the service's `shutdown_grace_s`):
+
+1. health NOT_SERVING for every service name, at once (load balancers move away);
+2. the drain hooks, in order of adding: each refuses new work, ends the service's
+   long-lived streams (sessions, watches, report streams) and waits for in-flight
+   work, given the seconds of grace left;
+3. `server.stop(grace left)`: in-flight gRPC calls finish, later ones are refused;
+4. the stop hooks, in reverse order of adding: close links (HTTP server, peer
+   channels, Redis, telemetry) once nothing in flight needs them.
 
 Once serving, `run()` collects garbage once and freezes what is left (`gc.freeze`): the
 imports and preloaded models stay alive for the life of the process, and a full
@@ -165,6 +173,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+_DRAIN_SLACK_S = 1.0
+
+
 def _is_abort(error: BaseException) -> bool:
     # context.abort() raises this internally; it must pass through untouched.
     return type(error).__name__ == "AbortError"
@@ -200,6 +211,7 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         self._start_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._drain_hooks: list[Callable[[float], Awaitable[None]]] = []
         self._stop_hooks: list[Callable[[], Awaitable[None]]] = []
         self._stopping = asyncio.Event()
         self.port: int | None = None
@@ -212,9 +224,20 @@ class GrpcServer:
         """Run `hook` after the gRPC port is bound and before health turns SERVING (order of adding)."""
         self._start_hooks.append(hook)
 
+    def on_drain(self, hook: Callable[[float], Awaitable[None]]) -> None:
+        """Run `hook(grace_left_s)` once the server is NOT_SERVING, before the gRPC server stops
+        (order of adding): refuse new work, end long-lived streams, wait (at most `grace_left_s`)
+        for work in flight. A hook still running when the grace is spent is cancelled."""
+        self._drain_hooks.append(hook)
+
     def on_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
-        """Run `hook` after the server leaves SERVING and before it stops (reverse order of adding)."""
+        """Run `hook` after the gRPC server stopped (in-flight calls done or the grace spent),
+        in reverse order of adding: close the links the service's work needed."""
         self._stop_hooks.append(hook)
+
+    @property
+    def grace_s(self) -> float:
+        return self._grace_s
 
     async def start(self) -> int:
         enable_reflection(self._service_names, self.server)
@@ -254,15 +277,26 @@ class GrpcServer:
         await self.stop()
 
     async def stop(self) -> None:
-        log.info("%s stopping (grace %.1fs)", self.name, self._grace_s)
+        started = time.monotonic()
+        deadline = started + self._grace_s
+        log.info("%s draining (grace %.1fs)", self.name, self._grace_s)
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        for drain in self._drain_hooks:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                # A little past the grace: a hook that bounds itself by `left` ends on its own.
+                await asyncio.wait_for(drain(left), left + _DRAIN_SLACK_S)
+            except TimeoutError:
+                log.warning("%s: a drain hook was still running when the grace ran out", self.name)
+            except Exception:
+                log.exception("%s: drain hook failed", self.name)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
         for hook in reversed(self._stop_hooks):
             try:
                 await hook()
             except Exception:
                 log.exception("%s: stop hook failed", self.name)
-        await self.server.stop(self._grace_s)
-        log.info("%s stopped", self.name)
+        log.info("%s stopped (%.2fs)", self.name, time.monotonic() - started)
 
 
 def _freeze_startup_heap(name: str) -> None:

@@ -23,7 +23,6 @@ bind beyond loopback unless `insecure: true` says that is meant.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import secrets
@@ -34,6 +33,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from loadmaster.common.addresses import is_local
 from loadmaster.common.config import InternalAuthSettings, Settings
 from loadmaster.common.credentials import (
     ADMIN_HEADER,
@@ -188,29 +188,9 @@ def insecure_allowed() -> bool:
     return _process.insecure
 
 
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name, a wildcard (*) or an interface name: beyond loopback
-
-
-def _host_of(address: str) -> str | None:
-    """The host of a gRPC address or a ZMQ endpoint; None for ipc://, inproc://, unix: (local)."""
-    if address.startswith(("ipc://", "inproc://", "unix:", "unix-abstract:")):
-        return None
-    address = address.removeprefix("tcp://")
-    host, _, _ = address.rpartition(":")
-    return host
-
-
 def check_listen(name: str, address: str) -> None:
     """Refuse a bind beyond loopback while this process has no internal auth (unless insecure)."""
-    host = _host_of(address)
-    if host is None or _is_loopback(host) or _process.credentials is not None or _process.insecure:
+    if is_local(address) or _process.credentials is not None or _process.insecure:
         return
     raise InsecureBindError(
         f"{name}: refusing to listen on {address} without internal auth: any process that reaches "
@@ -252,15 +232,29 @@ log_refusal = _RefusalLog()
 # ---- gRPC interceptors ------------------------------------------------------------
 
 
+_CREDENTIAL_HEADERS = (IDENTITY_HEADER, AUTH_HEADER, ADMIN_HEADER)
+
+
+def _single_valued(pairs: Any) -> dict[str, str]:
+    """The call's metadata as a dict; a credential header given twice is refused (one copy
+    could be verified while a handler reads the other)."""
+    metadata: dict[str, str] = {}
+    for key, value in pairs or ():
+        key = str(key)
+        if key in metadata and key in _CREDENTIAL_HEADERS:
+            raise UnauthenticatedError(f"the credential header {key} appears more than once")
+        metadata[key] = str(value)
+    return metadata
+
+
 def caller(context: grpc.aio.ServicerContext) -> Identity | None:
-    """The identity the call was made with (verified by `ServerAuthInterceptor` when auth is on)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == IDENTITY_HEADER:
-            try:
-                return Identity.parse(str(value))
-            except UnauthenticatedError:
-                return None
-    return None
+    """The identity the call was made with (verified by `ServerAuthInterceptor` when auth is on,
+    which also refuses a call that repeats it)."""
+    try:
+        claimed = _single_valued(context.invocation_metadata()).get(IDENTITY_HEADER)
+        return Identity.parse(claimed) if claimed is not None else None
+    except UnauthenticatedError:
+        return None
 
 
 def _refusing(handler: grpc.RpcMethodHandler, method: str, claimed: str, error: LoadmasterError) -> Any:
@@ -302,8 +296,9 @@ class ServerAuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if not method.startswith(_PROTECTED_PREFIX):
             return await continuation(handler_call_details)
-        metadata = {str(k): str(v) for k, v in handler_call_details.invocation_metadata or ()}
+        metadata: dict[str, str] = {}
         try:
+            metadata = _single_valued(handler_call_details.invocation_metadata)
             self._credentials.verify_call(metadata, method)
         except LoadmasterError as error:
             handler = await continuation(handler_call_details)

@@ -1,5 +1,9 @@
-"""Entry point shared by `python -m loadmaster.<service>`: read `--config`, build the
-settings once, set up logging, run the service's async main."""
+"""Entry point shared by `python -m loadmaster.<service>`: read `--config` (default:
+`$LOADMASTER_CONFIG`, else built-in defaults), build the settings once, set up logging, run
+the service's async main.
+
+Exit codes: 0 stopped cleanly; 1 failed; 2 usage or configuration error (one message on
+stderr naming the file and the key, no traceback)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from loadmaster.common import internal_auth
-from loadmaster.common.config import Settings, load_settings
+from loadmaster.common.config import ConfigError, Settings, load_settings
 from loadmaster.common.logging import setup_logging
 from loadmaster.common.tracing import setup_tracing, shutdown_tracing
 
@@ -38,9 +42,17 @@ def run_service(
     name: str, main: Callable[[Settings], Coroutine[Any, Any, None]], argv: list[str] | None = None
 ) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m loadmaster.{name.replace('-', '_')}")
-    parser.add_argument("--config", help="path to loadmaster.yaml (default: built-in defaults)")
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("LOADMASTER_CONFIG") or None,
+        help="path to loadmaster.yaml (default: $LOADMASTER_CONFIG, else built-in defaults)",
+    )
     args = parser.parse_args(argv)
-    settings = load_settings(args.config)
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as error:
+        print(f"{parser.prog}: {error.message}", file=sys.stderr)
+        sys.exit(2)
     setup_logging(name, settings.log_level, settings.log_format)
     setup_tracing(name)  # on only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     identity = internal_auth.Identity(name, default_instance_id())

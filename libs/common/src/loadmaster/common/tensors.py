@@ -28,8 +28,26 @@ __all__ = [
     "encode_tensors",
     "numpy_dtype",
     "serialize_bytes",
+    "shape_elements_at_most",
     "wire_dtype",
 ]
+
+_SHAPE_SCAN_DIMS = 64  # far above any dimension limit: a longer shape is refused later anyway
+
+
+def shape_elements_at_most(shape: Sequence[int], cap: int) -> int:
+    """How many elements `shape` claims, counted only up to `cap` (a larger count, or a shape
+    too long to be valid, answers `cap + 1`). Constant work whatever a client sends: a shape of
+    200,000 dimensions must not cost a multiplication each on an event loop."""
+    if len(shape) > _SHAPE_SCAN_DIMS:
+        return cap + 1
+    total = 1
+    for dim in shape:
+        total *= max(int(dim), 0)
+        if total > cap:
+            return cap + 1
+    return total
+
 
 # BFLOAT16 has no numpy dtype: its raw 2-byte words travel as uint16.
 _TO_NUMPY: dict[int, np.dtype] = {

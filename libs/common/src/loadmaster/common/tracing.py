@@ -10,6 +10,8 @@
 - gRPC hops: `GrpcServer` and `aio_channel` add `server_interceptors()` /
   `client_interceptors()` (opentelemetry-instrumentation-grpc), which are empty while tracing is
   off. Health checks, reflection and the long-lived metrics `Report` stream are not traced.
+- HTTP front ends honour an incoming W3C `traceparent` header the same way: the handler runs
+  inside `incoming_context(request.headers)`, so the request's span is the caller's child.
 - The ZMQ data plane carries the context in the envelope's string metadata map (W3C
   `traceparent` / `tracestate` keys): the sender calls `inject(metadata)` inside its span, the
   receiver parents its span on `extract(metadata)`.
@@ -19,9 +21,10 @@ Span attributes use `loadmaster.request_id` and `loadmaster.model_id` (`request_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import grpc
@@ -42,6 +45,7 @@ __all__ = [
     "end_span",
     "extract",
     "get_tracer",
+    "incoming_context",
     "inject",
     "otlp_exporter",
     "request_attributes",
@@ -191,6 +195,21 @@ def extract(metadata: Mapping[str, str]) -> otel_context.Context:
     if _provider is None or "traceparent" not in metadata:
         return otel_context.Context()
     return propagate.extract(metadata)
+
+
+@contextlib.contextmanager
+def incoming_context(headers: Mapping[str, str]) -> Iterator[None]:
+    """Make the trace context in `headers` (an HTTP request's `traceparent` / `tracestate`)
+    current inside the block, so spans started there (and in tasks created there) are the
+    caller's children. Nothing when tracing is off or the request carries no `traceparent`."""
+    if _provider is None or "traceparent" not in headers:
+        yield
+        return
+    token = otel_context.attach(propagate.extract(headers))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def _traced(method: str) -> bool:

@@ -161,6 +161,8 @@ class Dispatcher:
         # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
+        self._draining = False
+        self._drained: asyncio.Event | None = None  # set once draining and nothing is in flight
         self._scheduler = scheduler(self)
         self._workers = workers(self)
 
@@ -173,6 +175,23 @@ class Dispatcher:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="reply-watchdog")
 
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new calls (`unavailable`) from now on and wait, at most `timeout_s` (real
+        time: the process is stopping), for the calls in flight to be answered. Returns how
+        many are still in flight."""
+        self._draining = True
+        self._drained = asyncio.Event()
+        if self._pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), timeout_s)
+        return len(self._pending)
+
+    def _forget(self, request_id: str) -> _Pending | None:
+        pending = self._pending.pop(request_id, None)
+        if self._drained is not None and not self._pending:
+            self._drained.set()
+        return pending
+
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -184,6 +203,9 @@ class Dispatcher:
 
     def submit(self, call: InferenceCall, on_result: ResultCallback) -> None:
         """Start `call`; `on_result` is called exactly once with its outcome."""
+        if self._draining:
+            on_result(self._failed(call, UnavailableError("the gateway is shutting down; retry elsewhere")))
+            return
         if not self._scheduler.connected:
             on_result(self._failed(call, UnavailableError("scheduler unreachable; try again shortly")))
             return
@@ -224,7 +246,7 @@ class Dispatcher:
 
     def cancel(self, request_id: str) -> None:
         """The caller went away: drop its queued request; no reply is sent."""
-        pending = self._pending.pop(request_id, None)
+        pending = self._forget(request_id)
         if pending is None:
             return
         self._disarm(pending)
@@ -413,7 +435,12 @@ class Dispatcher:
         try:
             self._workers.send(endpoint, request.SerializeToString(), payload)
         except UnavailableError as error:
-            log.warning("request %s: %s", call.request_id, error.message)
+            log.warning(
+                "sending to worker %s failed: %s",
+                worker_id,
+                error.message,
+                extra={"request_id": call.request_id, "model": call.model_id, "client": call.client_id},
+            )
             self._telemetry.record("dispatch_errors", 1, {"model": call.model_id, "code": error.edge_code})
             pending.worker_id = ""
             self._drop_shm(pending, answered=True)  # never sent: no worker reads it
@@ -531,7 +558,7 @@ class Dispatcher:
 
     def _finish(self, pending: _Pending, result: CallResult) -> None:
         """Deliver the result, then account for it (the caller's reply does not wait for that)."""
-        self._pending.pop(pending.call.request_id, None)
+        self._forget(pending.call.request_id)
         self._disarm(pending)
         self._drop_shm(pending, answered=False)  # (a reply freed its slot before)
         call = pending.call
@@ -539,7 +566,10 @@ class Dispatcher:
         try:
             pending.on_result(result)
         except Exception:
-            log.exception("delivering the result of %s failed", call.request_id)
+            log.exception(
+                "delivering a result failed",
+                extra={"request_id": call.request_id, "model": call.model_id, "client": call.client_id},
+            )
         code = "ok" if result.error is None else result.error.edge_code
         labels = {"model": call.model_id if code != _NOT_FOUND else "(unknown)", "code": code}
         tracing.end_span(pending.span, error_code="" if result.error is None else code)

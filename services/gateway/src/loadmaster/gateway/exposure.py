@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-from urllib.parse import urlsplit
 
+from loadmaster.common.addresses import host_of, is_loopback
 from loadmaster.common.config import GatewaySettings
 
 __all__ = ["exposed_without_auth", "is_loopback", "warn_if_exposed"]
@@ -13,20 +12,8 @@ __all__ = ["exposed_without_auth", "is_loopback", "warn_if_exposed"]
 log = logging.getLogger(__name__)
 
 
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name or "*": assume it is reachable from elsewhere
-
-
 def _host_of(address: str) -> str:
-    if "://" in address:
-        return urlsplit(address.replace("*", "0.0.0.0")).hostname or ""
-    return address.rsplit(":", 1)[0]
+    return host_of(address) or "localhost"  # ipc:// and the like never leave the machine
 
 
 def exposed_without_auth(settings: GatewaySettings) -> list[str]:

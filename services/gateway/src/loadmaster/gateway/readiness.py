@@ -1,4 +1,5 @@
-"""Is the gateway ready to serve: its scheduler session is up and at least one model is READY."""
+"""Is the gateway ready to serve: it is not shutting down, its scheduler session is up and at
+least one model is READY."""
 
 from __future__ import annotations
 
@@ -34,8 +35,11 @@ class Readiness:
     def __init__(self, scheduler: SchedulerLink, catalog: ModelCatalog) -> None:
         self._scheduler = scheduler
         self._catalog = catalog
+        self.draining = False  # set once on SIGTERM: never ready again
 
     async def check(self) -> ReadinessReport:
+        if self.draining:
+            return ReadinessReport(self._scheduler.connected, reason="the gateway is shutting down")
         if not self._scheduler.connected:
             return ReadinessReport(False, reason="the scheduler session is not connected")
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import zmq.asyncio
 
 from loadmaster.common.clock import Clock, SystemClock
@@ -28,6 +30,8 @@ from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
 from loadmaster.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = ["Gateway", "GatewayServer", "build"]
+
+log = logging.getLogger(__name__)
 
 
 class Gateway:
@@ -125,6 +129,16 @@ class Gateway:
         await self.edge.start()
         await self.http.start()
 
+    async def drain(self, grace_left_s: float) -> None:
+        """On SIGTERM (health is already NOT_SERVING): /readyz turns 503, new requests on every
+        front end are answered `unavailable`, and those in flight get `grace_left_s` to finish
+        while every link stays open."""
+        self.readiness.draining = True
+        self.kserve_grpc.drain()  # ModelStreamInfer streams end once their requests are answered
+        left = await self.dispatcher.drain(grace_left_s)
+        if left:
+            log.warning("gateway: %d request(s) still in flight when the grace ran out", left)
+
     async def stop(self) -> None:
         await self.http.close()
         await self.edge.close()
@@ -148,6 +162,7 @@ class GatewayServer(GrpcServer):
             settings.gateway.listen_address,
             interceptors=[UndecodableRequestInterceptor()],
             options=receive_options(settings.gateway.limits),
+            grace_s=settings.gateway.shutdown_grace_s,
         )
         self.gateway = Gateway(settings, clock=clock)
         self.add_service(
@@ -156,6 +171,7 @@ class GatewayServer(GrpcServer):
             self.gateway.kserve_grpc,
         )
         self.on_start(self.gateway.start)
+        self.on_drain(self.gateway.drain)
         self.on_stop(self.gateway.stop)
 
 

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.common.tensors import TensorLimits, check_tensors
+from loadmaster.common.tensors import TensorLimits, check_tensors, shape_elements_at_most
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.v1 import edge_pb2, tensor_pb2
 
@@ -62,12 +62,15 @@ def tensor_limits(limits: LimitsSettings) -> TensorLimits:
     )
 
 
-def bytes_elements(descriptors: Iterable[tensor_pb2.Tensor]) -> int:
-    """How many BYTES elements the descriptors claim (what checking them costs), capped."""
+def bytes_elements(descriptors: Iterable[tensor_pb2.Tensor], cap: int = INLINE_BYTES_ELEMENTS) -> int:
+    """How many BYTES elements the descriptors claim (what checking them costs), counted only
+    up to `cap` (more answers `cap + 1`), so the count itself costs little whatever the shapes."""
     total = 0
     for desc in descriptors:
         if desc.dtype == tensor_pb2.BYTES:
-            total += math.prod(min(max(dim, 0), 1 << 32) for dim in desc.shape)
+            total += shape_elements_at_most(desc.shape, cap)
+            if total > cap:
+                return cap + 1
     return total
 
 

@@ -22,7 +22,6 @@ memory off.
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
 from collections.abc import Callable
@@ -34,6 +33,7 @@ import zmq
 from google.protobuf.message import DecodeError
 from zmq.utils.monitor import parse_monitor_message
 
+from loadmaster.common.addresses import is_local
 from loadmaster.common.config import SharedMemorySettings
 from loadmaster.common.errors import UnavailableError
 from loadmaster.common.framing import SocketReader, send_frames
@@ -137,17 +137,7 @@ class WorkerLinks:
 def is_local_endpoint(endpoint: str) -> bool:
     """Whether a data endpoint is surely on this host: ipc://, or tcp:// to a loopback address.
     (A host name may resolve here or elsewhere, so it counts as remote.)"""
-    if endpoint.startswith("ipc://"):
-        return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return endpoint.startswith(("ipc://", "tcp://")) and is_local(endpoint)
 
 
 class ShmPayloads:

@@ -33,6 +33,18 @@ matched), fails every op in flight on the connection: their outcome is unknown, 
 single call, and callers retry with the same client_request_id. The next op opens a new
 connection. A caller cancelled before its op left is dropped; one cancelled later is
 answered by nobody, its op runs anyway.
+
+Redis behind Sentinel (docs/gpu-broker-internals.md, "Redis high availability"): the
+connection comes from the pool, so a Sentinel pool's connection goes to the master the
+Sentinels name at that moment. A READONLY reply (the server was demoted to a replica) closes
+the connection like a connection error: the next op connects to the current master. With
+`replica_ack_timeout_ms` > 0, every write that carries an op of `acked_ops` ends with
+`WAIT 1 <timeout>`, and those ops are answered only once it returns: with their replies when
+at least one replica holds the writes, with `ReplicaAckError` when none acknowledged in time.
+Redis runs nothing after a WAIT on its connection until the WAIT returns, so ops made
+meanwhile stay queued and leave together when it does: one WAIT is in flight at a time, and
+without a replica each op waits at most about two WAIT timeouts (not one per write queued
+behind the first).
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +74,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["ScriptCoalescer", "new_reader", "open_stream", "pack_command", "reply_value"]
+__all__ = ["ReplicaAckError", "ScriptCoalescer", "new_reader", "open_stream", "pack_command", "reply_value"]
 
 _READ_BYTES = 1 << 16
 # A call leaves before its turn ends once it holds at least this many ops (and half the usual
@@ -69,6 +82,11 @@ _READ_BYTES = 1 << 16
 _MIN_EARLY = 2
 # Weight of each new sample in the moving average of outstanding ops.
 _SMOOTHING = 0.1
+
+
+class ReplicaAckError(RedisError):
+    """No replica acknowledged an op's writes in time: the op ran on the master, but a
+    failover could lose it."""
 
 
 class _ReplyError(Exception):
@@ -87,6 +105,9 @@ _ERRORS: dict[str, type[RedisError]] = {
     "NOPERM": NoPermissionError,
     "OOM": OutOfMemoryError,
 }
+
+
+_NESTED_ERROR = re.compile(r"-(" + "|".join(_ERRORS) + r") ")
 
 
 def _pack_in_python(args: tuple[Any, ...]) -> bytes:
@@ -118,6 +139,12 @@ def reply_value(reply: Any) -> Any:
     text = str(reply)
     code, _, message = text.partition(" ")
     error_class = _ERRORS.get(code)
+    if error_class is None:
+        # An error raised inside a script comes wrapped: "@user_script:1: -READONLY You can't
+        # write against a read only replica." (the op's own reply, from OPS_SCRIPT's pcall).
+        nested = _NESTED_ERROR.search(text)
+        if nested is not None:
+            return _ERRORS[nested.group(1)](text)
     return error_class(message) if error_class is not None else ResponseError(text)
 
 
@@ -148,12 +175,22 @@ class _Call:
 
 
 @dataclass(slots=True)
+class _Acks:
+    """The replies of acknowledged ops, held until the WAIT after them returns."""
+
+    held: list[tuple[_Call, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _Sent:
-    """One command on the wire: a batch of ops, or (`calls` empty) a SCRIPT LOAD."""
+    """One command on the wire: a batch of ops, or (`calls` empty) a SCRIPT LOAD or, with
+    `wait`, the WAIT whose reply releases the replies `wait` holds."""
 
     calls: list[_Call]
     deadline: float
     retry: bool = False  # a batch sent again after NOSCRIPT
+    acks: _Acks | None = None  # a batch: where its acknowledged ops' replies wait
+    wait: _Acks | None = None  # a WAIT: the replies it releases
 
 
 @dataclass(slots=True)
@@ -162,6 +199,7 @@ class _Connection:
     waiting: collections.deque[_Sent] = field(default_factory=collections.deque)
     reader_task: asyncio.Task[None] | None = None
     closed: bool = False
+    waits: int = 0  # WAITs sent and not yet answered
 
 
 class ScriptCoalescer:
@@ -175,8 +213,12 @@ class ScriptCoalescer:
         channel: str,
         timeout_s: float,
         max_ops_per_call: int,
+        replica_ack_timeout_ms: int = 0,
+        acked_ops: frozenset[str] = frozenset(),
     ) -> None:
         self._pool = pool
+        self._ack_ms = replica_ack_timeout_ms
+        self._acked_ops = acked_ops if replica_ack_timeout_ms > 0 else frozenset()
         self._script = script
         self._sha = hashlib.sha1(script.encode()).hexdigest()
         self._keys = tuple(keys)
@@ -229,7 +271,9 @@ class ScriptCoalescer:
             if self._connecting is None:
                 self._connecting = asyncio.get_running_loop().create_task(self._connect())
             return  # the connection task flushes once connected
-        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        if connection.waits:
+            return  # Redis runs nothing after a WAIT until it returns: the reply flushes
+        deadline = asyncio.get_running_loop().time() + self._timeout_s + self._ack_ms / 1000
         sent: list[_Sent] = []
         commands: list[bytes] = []
         if self._reload:
@@ -242,6 +286,8 @@ class ScriptCoalescer:
         self._queue = []
         if not commands:
             return
+        if self._acked_ops:
+            self._add_wait(sent, commands, deadline)
         try:
             connection.writer.write(b"".join(commands))
         except Exception as error:  # a transport closing under us: these ops did not leave
@@ -249,6 +295,7 @@ class ScriptCoalescer:
             self._close(connection, RedisConnectionError(f"Redis connection failed: {error!r}"))
             return
         connection.waiting.extend(sent)
+        connection.waits += sum(1 for batch in sent if batch.wait is not None)
         in_flight = sum(len(batch.calls) for batch in connection.waiting)  # a few calls at most
         self._outstanding += (in_flight - self._outstanding) * _SMOOTHING
         if self._watchdog is None:
@@ -265,8 +312,25 @@ class ScriptCoalescer:
             commands.append(pack_command("EVALSHA", self._sha, len(self._keys), *self._keys, *argv))
             sent.append(_Sent(chunk, deadline, retry))
 
-    def _deliver(self, sent: _Sent, raw: Any) -> None:
+    def _add_wait(self, sent: list[_Sent], commands: list[bytes], deadline: float) -> None:
+        """End the write with a WAIT when it carries an acknowledged op (one WAIT covers every
+        earlier write of the connection)."""
+        acks = _Acks()
+        for batch in sent:
+            if any(call.op in self._acked_ops for call in batch.calls):
+                batch.acks = acks
+        if any(batch.acks is acks for batch in sent):
+            sent.append(_Sent([], deadline, wait=acks))
+            commands.append(pack_command("WAIT", 1, self._ack_ms))
+
+    def _deliver(self, connection: _Connection, sent: _Sent, raw: Any) -> None:
         reply = reply_value(raw)
+        if sent.wait is not None:
+            connection.waits -= 1
+            self._release(sent.wait, reply)
+            if self._queue or self._reload:
+                self._schedule_flush()
+            return
         if not sent.calls:  # a SCRIPT LOAD: a failure shows in the NOSCRIPT of the batch after it
             return
         if isinstance(reply, NoScriptError) and not sent.retry:  # Redis lost its scripts (restart, FLUSH)
@@ -277,14 +341,45 @@ class ScriptCoalescer:
             for call in sent.calls:
                 if not call.reply.done():
                     call.reply.set_exception(reply)
+            if isinstance(reply, ReadOnlyError):
+                self._demoted(connection)
             return
+        demoted = False
         for call, value in zip(sent.calls, reply, strict=True):
             if call.reply.done():
                 continue
             if isinstance(value, _ReplyError):  # that op raised; the others ran
-                call.reply.set_exception(reply_value(value))
+                error = reply_value(value)
+                demoted = demoted or isinstance(error, ReadOnlyError)
+                call.reply.set_exception(error)
+            elif sent.acks is not None and call.op in self._acked_ops:
+                sent.acks.held.append((call, value))
             else:
                 call.reply.set_result(value)
+        if demoted:
+            self._demoted(connection)
+
+    def _release(self, acks: _Acks, reply: Any) -> None:
+        """Answer the held ops with the WAIT's outcome (the number of replicas that hold
+        their writes, or an error)."""
+        failure: BaseException | None = None
+        if isinstance(reply, Exception):
+            failure = reply
+        elif not isinstance(reply, int) or reply < 1:
+            failure = ReplicaAckError(f"no replica acknowledged the write within {self._ack_ms} ms")
+        held, acks.held = acks.held, []
+        for call, value in held:
+            if call.reply.done():
+                continue
+            if failure is None:
+                call.reply.set_result(value)
+            else:
+                call.reply.set_exception(failure)
+
+    def _demoted(self, connection: _Connection) -> None:
+        """A READONLY reply: this server is a replica now (a failover). Drop the connection,
+        so the next op connects to the master the pool resolves then."""
+        self._close(connection, RedisConnectionError("Redis answered READONLY: it is no longer the master"))
 
     async def _read_replies(self, connection: _Connection, reader: asyncio.StreamReader) -> None:
         parser = new_reader()
@@ -293,7 +388,9 @@ class ScriptCoalescer:
             while data := await reader.read(_READ_BYTES):
                 parser.feed(data)
                 while (reply := parser.gets()) is not False:
-                    self._deliver(connection.waiting.popleft(), reply)
+                    self._deliver(connection, connection.waiting.popleft(), reply)
+                    if connection.closed:  # a READONLY reply: the rest is not read
+                        return
         # IndexError, ValueError: replies that match no command, or not its number of ops
         except (OSError, hiredis.ProtocolError, IndexError, ValueError, TypeError) as failure:
             error = RedisConnectionError(f"Redis connection failed: {failure!r}")
@@ -334,7 +431,9 @@ class ScriptCoalescer:
         if connection.reader_task is not None and asyncio.current_task() is not connection.reader_task:
             connection.reader_task.cancel()
         while connection.waiting:
-            for call in connection.waiting.popleft().calls:
+            sent = connection.waiting.popleft()
+            held = sent.wait.held if sent.wait is not None else []
+            for call in [*sent.calls, *(call for call, _ in held)]:
                 if not call.reply.done():
                     call.reply.set_exception(error)
 

@@ -36,6 +36,7 @@ from loadmaster.gpu_broker.leases import (
 )
 from loadmaster.gpu_broker.scripts import MAX_PRIORITY, REAP_BATCH
 from loadmaster.gpu_broker.store import (
+    AcquireOutcome,
     Blocked,
     ChangeStatus,
     Granted,
@@ -188,17 +189,8 @@ class LeaseManager:
     ) -> Granted | ResourceExhaustedError:
         """One snapshot -> plan -> commit round. Returns the grant, or the error a request that
         does not wait gets; raises for errors that waiting cannot cure."""
-        outcome = await self._store.acquire(
-            request,
-            now_ms=self.now_ms(),
-            lease_id=lease_id,
-            ttl_ms=ttl_ms,
-            placement=None,
-            queue_ttl_ms=queue_ttl_ms,
-            best_fit=True,  # the common case is granted in this one call
-        )
-        if isinstance(outcome, Snapshot) and not outcome.gpus and await self._registered_again():
-            outcome = await self._store.acquire(
+        def best_fit() -> Awaitable[AcquireOutcome]:  # the common case is granted in this one call
+            return self._store.acquire(
                 request,
                 now_ms=self.now_ms(),
                 lease_id=lease_id,
@@ -207,6 +199,10 @@ class LeaseManager:
                 queue_ttl_ms=queue_ttl_ms,
                 best_fit=True,
             )
+
+        outcome = await best_fit()
+        if isinstance(outcome, Snapshot) and not outcome.gpus and await self._registered_again():
+            outcome = await best_fit()  # Redis had lost the node's GPUs: registered again
         attempts = 0
         while True:
             self._count_expirations(outcome.reaped)

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import LoadmasterError
@@ -121,7 +121,15 @@ class Reaper:
             present = await self._manager.registered_nodes()
             missing = [node for node in self._inventory if node not in present]
             for node in missing:
-                registered = await self._manager.register_node(node, self._inventory[node])
+                gpus = list(self._inventory[node])
+                local = self._local_gpus
+                if local is not None and node == local.node:
+                    # In the registration itself, before anything can be granted on them: memory
+                    # in use there (by holders whose leases went with Redis's data, too) counts
+                    # as used outside leases.
+                    outside = await self._outside(local)
+                    gpus = [replace(g, used_outside_mb=outside.get(g.index, g.used_outside_mb)) for g in gpus]
+                registered = await self._manager.register_node(node, gpus)
                 if node in self._registered:
                     log.warning(
                         "node %s was missing from Redis (its data was lost?): registered its %d GPU(s) again",
@@ -131,17 +139,15 @@ class Reaper:
                 else:
                     log.info("registered node %s: %d GPU(s)", node, len(registered))
                 self._registered.add(node)
-            if self._local_gpus is not None and self._local_gpus.node in missing:
-                # Before anything is granted on them: memory in use there (by holders whose
-                # leases went with the data, too) counts as used outside leases.
-                await self._reconcile(self._local_gpus)
             self._check_failed = False
             return missing
 
     async def _ensure_registered_for_request(self) -> bool:
-        """For a request that found no GPU: True when nodes were registered again."""
+        """For a request that found no GPU: True when the inventory is registered now, so the
+        request may look again (also when a concurrent request did the registering)."""
         try:
-            return bool(await self.ensure_registered())
+            await self.ensure_registered()
+            return bool(self._inventory)
         except LoadmasterError as error:  # the request reports what it found; the next step retries
             log.warning("re-registering the inventory failed: %s", error.message)
         except Exception:
@@ -201,10 +207,11 @@ class Reaper:
             delay = min(delay, max(_MIN_DELAY_S if self._stepped_at_once else 0.0, until_s))
         return delay
 
-    async def _reconcile(self, local: LocalGpus) -> None:
+    async def _outside(self, local: LocalGpus) -> dict[int, int]:
+        """Memory used outside live leases per GPU of this host, from an NVML sample."""
         samples = await asyncio.to_thread(local.sampler.sample)
         leases = await self._manager.leases(node=local.node)
-        outside = outside_per_gpu(
+        return outside_per_gpu(
             samples,
             leases=leases,
             node=local.node,
@@ -213,7 +220,9 @@ class Reaper:
             horizon_ms=round(local.horizon_s * 1000),
             ancestors=proc_ancestors,
         )
-        await self._manager.set_outside(local.node, outside)
+
+    async def _reconcile(self, local: LocalGpus) -> None:
+        await self._manager.set_outside(local.node, await self._outside(local))
 
     async def _guarded_step(self) -> None:
         started = self._clock.monotonic()

@@ -49,7 +49,9 @@ persistence): a missing counter is seeded, by the ACQUIRE that finds it missing,
 max(now_ms * 1000, ARGV[18] + 1), where ARGV[18] is the highest token the calling broker has
 seen. A counter seeded so has granted fewer than 1000 tokens per ms since, so a later seed is
 above every token it gave unless the seeding broker's clock runs behind by about as long as
-the counter lived; the high-water covers the tokens this broker saw itself.
+the counter lived; the high-water covers the tokens this broker saw itself. A counter that
+exists but is behind that high-water (a replica promoted by Sentinel that missed the last
+INCRs) is raised to it: the token is max(INCR, ARGV[18] + 1).
 
 A lease is live while expires_ms > now; expired leases count as leased until a script
 reaps them (ACQUIRE and REGISTER reap first, RENEW/RELEASE reap the lease they touch,
@@ -228,10 +230,11 @@ ACQUIRE = LuaOp(
 -- ARGV[12] lease TTL (ms)   ARGV[13] labels (JSON)
 -- ARGV[14] priority (0..999)   ARGV[15] waiter record TTL (ms; 0 = do not queue when not granted)
 -- ARGV[16] MB wanted (for '*')   ARGV[17] GPU indexes allowed for '*' (",0,2," style; '' = any)
--- ARGV[18] the highest fencing token the caller has seen (seeds a missing counter; module docstring)
+-- ARGV[18] the highest fencing token the caller has seen (seeds a missing counter, raises one behind it; module docstring)
 -- returns {'granted', reaped, node, alloc, created_ms, expires_ms, token}
 --                                    a new lease (published 'acquired'; the caller knows the rest)
---         {'replayed', reaped, lease fields} the live lease this request already got
+--         {'replayed', reaped, lease fields} the live lease this request already got, its TTL
+--                                    counted again from now (published 'renewed')
 --         {'gone', reaped, lease id}         this request's lease was released or expired
 --         {'mismatch', reaped, lease id}     the request id was used with other parameters
 --         {'state', reaped, gpu rows}        no alloc given, or it no longer fits: plan again
@@ -248,6 +251,23 @@ if request_key ~= '' then
     if record[2] ~= ARGV[5] then return {'mismatch', reaped, record[1]} end
     local flat = redis.call('HGETALL', lease_key(record[1]))
     if #flat == 0 then return {'gone', reaped, record[1]} end
+    local lease = to_table(flat)
+    if tonumber(lease.expires_ms) <= now then
+      drop_lease(record[1], 'expired', lease)
+      return {'gone', reaped, record[1]}
+    end
+    -- A replay is the holder asking again (its first reply was lost): the TTL runs from now, as
+    -- a renewal's does, since the holder counts its own deadline from this later request.
+    local expires = now + tonumber(ARGV[12])
+    if expires > tonumber(lease.expires_ms) then
+      lease.expires_ms = int(expires)
+      redis.call('HSET', lease_key(record[1]), 'expires_ms', lease.expires_ms)
+      redis.call('ZADD', expiry_key, expires, record[1])
+      publish('renewed', lease)
+      for i = 1, #flat, 2 do
+        if flat[i] == 'expires_ms' then flat[i + 1] = lease.expires_ms end
+      end
+    end
     return {'replayed', reaped, flat}
   end
 end
@@ -339,7 +359,12 @@ end
 if redis.call('EXISTS', fence_key) == 0 then
   redis.call('SET', fence_key, int(math.max(now * 1000, tonumber(ARGV[18]) + 1) - 1))
 end
-local token = int(redis.call('INCR', fence_key))
+local token = redis.call('INCR', fence_key)
+if token <= tonumber(ARGV[18]) then  -- a counter behind a token already granted (failover)
+  token = tonumber(ARGV[18]) + 1
+  redis.call('SET', fence_key, int(token))
+end
+token = int(token)
 local created = int(now)
 local expires = int(now + tonumber(ARGV[12]))
 redis.call('HSET', lease_key(id), 'id', id, 'holder', ARGV[9], 'node', node, 'alloc', alloc_text,

@@ -2,7 +2,8 @@
 
 Background work (event subscription, inventory registration, reaper, telemetry) starts
 in an `on_start` hook and stops in an `on_stop` hook, so `server.start()` / `stop()`
-(or `run()`) own the whole lifecycle.
+(or `run()`) own the whole lifecycle. The drain hook ends Watch streams first, so the
+gRPC grace period is spent only on calls in flight.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from loadmaster.gpu_broker.manager import LeaseManager
 from loadmaster.gpu_broker.nvml import NvmlSampler
 from loadmaster.gpu_broker.reaper import LocalGpus, Reaper
 from loadmaster.gpu_broker.servicer import GpuBrokerServicer
-from loadmaster.gpu_broker.store import RedisLeaseStore
+from loadmaster.gpu_broker.store import RedisLeaseStore, default_replica_ack_timeout_ms
 from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "build"]
@@ -34,7 +35,14 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
         )
     clock = clock or SystemClock()
     config = settings.gpu_broker
-    store = RedisLeaseStore.connect(settings.redis_url, key_prefix=config.key_prefix)
+    ack_ms = config.replica_ack_timeout_ms
+    store = RedisLeaseStore.connect(
+        settings.redis_url,
+        key_prefix=config.key_prefix,
+        replica_ack_timeout_ms=(
+            default_replica_ack_timeout_ms(settings.redis_url) if ack_ms is None else ack_ms
+        ),
+    )
     telemetry = (
         TelemetryReporter("gpu-broker", default_instance_id(), settings.metrics.address)
         if settings.metrics.enabled
@@ -57,7 +65,7 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
     )
     reaper = Reaper(manager, clock=clock, inventory=inventory, telemetry=telemetry, local_gpus=local_gpus)
 
-    server = GrpcServer("gpu-broker", config.listen_address)
+    server = GrpcServer("gpu-broker", config.listen_address, grace_s=config.shutdown_grace_s)
     server.add_service(
         SERVICE_NAME, gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server, GpuBrokerServicer(manager, hub)
     )
@@ -68,9 +76,11 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
         await hub.start()
         await reaper.start()
 
+    async def drain(grace_left_s: float) -> None:
+        await hub.stop()  # ends every Watch stream ("watch another replica")
+
     async def stop() -> None:
         await reaper.stop()
-        await hub.stop()
         if telemetry is not None:
             await telemetry.close()
         await store.close()
@@ -78,5 +88,6 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
             sampler.close()
 
     server.on_start(start)
+    server.on_drain(drain)
     server.on_stop(stop)
     return server

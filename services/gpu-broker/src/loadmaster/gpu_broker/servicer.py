@@ -9,7 +9,12 @@ from dataclasses import dataclass
 import grpc
 
 from loadmaster.common import internal_auth
-from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, PermissionDeniedError
+from loadmaster.common.errors import (
+    InvalidArgumentError,
+    LoadmasterError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 from loadmaster.gpu_broker.events import LeaseEventHub
 from loadmaster.gpu_broker.leases import (
     AcquireRequest,
@@ -120,9 +125,11 @@ class _Caller:
 
 def _caller(context: grpc.aio.ServicerContext) -> _Caller:
     credentials = internal_auth.current()
-    identity = internal_auth.caller(context) if credentials is not None else None
-    if credentials is None or identity is None:
+    if credentials is None:
         return _Caller()
+    identity = internal_auth.caller(context)
+    if identity is None:  # the interceptor refuses such calls: never treat one as unchecked
+        raise UnauthenticatedError("no verified caller identity")
     metadata = {str(k): str(v) for k, v in context.invocation_metadata() or ()}
     return _Caller(str(identity), credentials.admin_verified(metadata), context.peer())
 

@@ -5,6 +5,12 @@ domain values; ops are batched and pipelined on one connection (`_coalesce.py`).
 trouble becomes `UnavailableError` within about `timeout_s`; calls are never retried
 automatically (a retried acquire could grant twice), so callers retry with the same
 client_request_id instead. The exception is a NOSCRIPT reply: that script did not run.
+
+`url` may name Redis behind Sentinel (`redis+sentinel://`, parsed by
+`loadmaster.common.redis_url`): every connection then goes to the master the Sentinels
+name, and after a failover to the new one. With `replica_ack_timeout_ms` > 0 the ops that
+change state are answered only once a replica holds their writes (`WAIT`), so an answered
+grant survives a failover (docs/gpu-broker-internals.md, "Redis high availability").
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError
@@ -27,8 +34,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from loadmaster.common.errors import FailedPreconditionError, UnavailableError
+from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 from loadmaster.gpu_broker import scripts
 from loadmaster.gpu_broker._coalesce import (
+    ReplicaAckError,
     ScriptCoalescer,
     new_reader,
     open_stream,
@@ -45,6 +54,8 @@ from loadmaster.gpu_broker.leases import (
 )
 
 __all__ = [
+    "ACKED_OPS",
+    "DEFAULT_REPLICA_ACK_TIMEOUT_MS",
     "IDEMPOTENCY_TTL_MS",
     "AcquireOutcome",
     "Blocked",
@@ -57,6 +68,7 @@ __all__ = [
     "Snapshot",
     "decode_alloc",
     "decode_event",
+    "default_replica_ack_timeout_ms",
     "encode_alloc",
     "event_from_message",
     "lease_from_fields",
@@ -68,6 +80,18 @@ log = logging.getLogger(__name__)
 IDEMPOTENCY_TTL_MS = 10 * 60 * 1000
 HEALTH_CHECK_S = 30
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError)
+# The ops whose writes a replica must hold before they are answered (when acks are on): those
+# that grant, extend, return or declare memory. A lost REAP, LEAVE_QUEUE or SET_OUTSIDE is
+# done again by the next reaper step or request.
+ACKED_OPS = frozenset(op.name for op in (scripts.ACQUIRE, scripts.RENEW, scripts.RELEASE, scripts.REGISTER))
+# Replica acknowledgement wait when the URL is a Sentinel URL and the setting is left unset.
+DEFAULT_REPLICA_ACK_TIMEOUT_MS = 200
+
+
+def default_replica_ack_timeout_ms(url: str) -> int:
+    """`DEFAULT_REPLICA_ACK_TIMEOUT_MS` for Redis behind Sentinel (it has replicas to fail
+    over to), else 0 (off)."""
+    return DEFAULT_REPLICA_ACK_TIMEOUT_MS if is_sentinel_url(url) else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,9 +303,19 @@ class EventSubscription:
 
 
 class RedisLeaseStore:
-    def __init__(self, client: aioredis.Redis, *, key_prefix: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        key_prefix: str,
+        timeout_s: float,
+        replica_ack_timeout_ms: int = 0,
+        sentinel: Sentinel | None = None,
+    ) -> None:
         self._redis = client
+        self._sentinel = sentinel
         self._timeout_s = timeout_s
+        self._ack_ms = replica_ack_timeout_ms
         self._prefix = key_prefix
         self.channel = f"{key_prefix}:events"
         self._keys = [f"{key_prefix}:nodes", f"{key_prefix}:expiry", f"{key_prefix}:fence"]
@@ -295,6 +329,8 @@ class RedisLeaseStore:
             channel=self.channel,
             timeout_s=timeout_s,
             max_ops_per_call=scripts.MAX_OPS_PER_CALL,
+            replica_ack_timeout_ms=replica_ack_timeout_ms,
+            acked_ops=ACKED_OPS,
         )
 
     @classmethod
@@ -305,37 +341,73 @@ class RedisLeaseStore:
         key_prefix: str,
         timeout_s: float = 1.0,
         max_connections: int = 64,
+        replica_ack_timeout_ms: int = 0,
     ) -> RedisLeaseStore:
-        """A store on `url`. Opens no connection until the first call. Script ops are
-        batched and pipelined on one connection of their own (`_coalesce.py`); each fails
-        after `timeout_s` without a reply. The pool serves the few other commands."""
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            decode_responses=True,
-            socket_timeout=None,  # not redis-py's default 5 s: our own deadline covers each call
-            socket_connect_timeout=timeout_s,
-            timeout=timeout_s,  # waiting for a free pooled connection
-            max_connections=max_connections,
-            retry=Retry(NoBackoff(), 0),
+        """A store on `url` (`redis://`, `rediss://`, `unix://` or `redis+sentinel://`).
+        Opens no connection until the first call. Script ops are batched and pipelined on
+        one connection of their own (`_coalesce.py`); each fails after `timeout_s` (plus
+        the replica acknowledgement wait) without a reply. The pool serves the few other
+        commands."""
+        options: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_timeout": None,  # not redis-py's default 5 s: our own deadline covers each call
+            "socket_connect_timeout": timeout_s,
+            "max_connections": max_connections,
+            "retry": Retry(NoBackoff(), 0),
             # A PING before using a pooled connection quiet this long (the few commands that
             # are not script ops; the ops and the event subscription have connections of
             # their own, which the pool only opens). At 5 s nearly every call of an idle
             # broker paid a PING round trip first.
-            health_check_interval=HEALTH_CHECK_S,
-        )
+            "health_check_interval": HEALTH_CHECK_S,
+        }
+        sentinel: Sentinel | None = None
+        if is_sentinel_url(url):
+            target = parse_sentinel_url(url)
+            sentinel = Sentinel(
+                list(target.sentinels),
+                sentinel_kwargs={
+                    "socket_timeout": timeout_s,
+                    "socket_connect_timeout": timeout_s,
+                    "retry": Retry(NoBackoff(), 0),
+                    "password": target.sentinel_password,
+                },
+            )
+            # Each connection the pool opens asks the Sentinels for the current master first
+            # (the coalescer's and the event subscription's included).
+            client = sentinel.master_for(
+                target.service_name,
+                db=target.db,
+                username=target.username,
+                password=target.password,
+                **options,
+            )
+        else:
+            # timeout: waiting for a free pooled connection
+            pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout_s, **options)
+            client = aioredis.Redis.from_pool(pool)
         return cls(
-            aioredis.Redis.from_pool(pool),
+            client,
             key_prefix=key_prefix,
             timeout_s=timeout_s,
+            replica_ack_timeout_ms=replica_ack_timeout_ms,
+            sentinel=sentinel,
         )
 
     async def close(self) -> None:
         await self._coalescer.close()
         await self._redis.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
 
     async def _call(self, op: scripts.LuaOp, now_ms: int, *args: str | int) -> Any:
         try:
             return await self._coalescer.call(op.name, now_ms, args)
+        except ReplicaAckError as error:
+            raise UnavailableError(
+                f"Redis ran the {op.name} but no replica acknowledged it within {self._ack_ms} ms "
+                "(gpu_broker.replica_ack_timeout_ms; 0 turns the wait off), so a failover could lose it: "
+                "retry with the same client_request_id"
+            ) from error
         except _REDIS_DOWN as error:
             await self._drop_idle_connections()
             raise UnavailableError(f"Redis unreachable: {error}") from error

@@ -20,8 +20,8 @@ SERVICE_NAME = metrics_pb2.DESCRIPTOR.services_by_name["Metrics"].full_name
 class MetricsServer(GrpcServer):
     """The service's gRPC server, holding the hub and the HTTP server it runs alongside."""
 
-    def __init__(self, listen: str, *, hub: MetricsHub, http: HttpServer) -> None:
-        super().__init__("metrics", listen)
+    def __init__(self, listen: str, *, hub: MetricsHub, http: HttpServer, grace_s: float = 5.0) -> None:
+        super().__init__("metrics", listen, grace_s=grace_s)
         self.hub = hub
         self.http = http
 
@@ -45,7 +45,10 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsSer
         api_keys=settings.gateway.auth.api_keys,  # the gateway's keys open the dashboard too
     )
     server = MetricsServer(
-        config.listen_address, hub=hub, http=HttpServer(app, host=config.http_host, port=config.http_port)
+        config.listen_address,
+        hub=hub,
+        http=HttpServer(app, host=config.http_host, port=config.http_port),
+        grace_s=config.shutdown_grace_s,
     )
     server.add_service(SERVICE_NAME, metrics_pb2_grpc.add_MetricsServicer_to_server, MetricsServicer(hub))
 
@@ -54,13 +57,16 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsSer
         await server.http.start()
         serving = True
 
-    async def stop() -> None:
+    async def drain(grace_left_s: float) -> None:
         nonlocal serving
         serving = False
-        hub.close()  # ends Watch streams, so the gRPC grace period is not spent waiting on them
+        hub.close()  # ends Watch and Report streams, so the grace period is not spent on them
+
+    async def stop() -> None:
         await server.http.stop()
         await workers.close()
 
     server.on_start(start_http)
+    server.on_drain(drain)
     server.on_stop(stop)
     return server

@@ -435,7 +435,7 @@ class Batcher:
         try:
             item.done(outcome)
         except Exception:
-            log.exception("answering a request of %s failed", self.model_id)
+            log.exception("answering a request failed", extra={"model": self.model_id})
 
     # ---- on the instance's thread -----------------------------------------------
 
@@ -530,5 +530,5 @@ class Batcher:
     def _engine_error(self, error: Exception) -> BaseException:
         if isinstance(error, LoadmasterError):
             return error
-        log.error("model %s failed on a request", self.model_id, exc_info=error)
+        log.error("the model failed on a request", exc_info=error, extra={"model": self.model_id})
         return InternalError(f"model '{self.model_id}' failed: {type(error).__name__}: {error}")

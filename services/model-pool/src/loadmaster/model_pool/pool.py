@@ -477,6 +477,8 @@ class ModelPool:
         loaded = self._loaded.get(model_id)
         if loaded is None:
             return  # still loading: the load sees the lease gone and fails
+        if loaded.lease.lease_id != lease.lease_id:
+            return  # a late word about an earlier lease: the model was loaded again under another
         self._record("evictions", 1.0, {"model": model_id, "reason": "lease_lost"})
         self.counters.evicted(model_id, "lease_lost")
         task = asyncio.create_task(

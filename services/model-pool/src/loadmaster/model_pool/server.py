@@ -4,6 +4,7 @@
     port = await server.start()             # gRPC port; then engines, data port, session, preload
     server.data_endpoint, server.worker_id  # what the scheduler and gateways are told
     await server.stop()                     # refuse new work, drain, unload, release, close
+                                            # (within model_pool.shutdown_grace_s)
 
 `python -m loadmaster.model_pool` runs the same thing until SIGTERM.
 """
@@ -59,7 +60,9 @@ class ModelPoolServer(GrpcServer):
         lease_client: LeaseClient | None,
     ) -> None:
         pool_settings = settings.model_pool
-        super().__init__("model-pool", pool_settings.listen_address)
+        super().__init__(
+            "model-pool", pool_settings.listen_address, grace_s=pool_settings.shutdown_grace_s
+        )
         self.settings = settings
         self.worker_id = pool_settings.worker_id or default_instance_id()
         self.data_endpoint = ""  # known once started
@@ -116,6 +119,7 @@ class ModelPoolServer(GrpcServer):
             servicer,
         )
         self.on_start(self._started)
+        self.on_drain(self._draining_hook)
         self.on_stop(self._stopping_hook)
 
     async def _started(self) -> None:
@@ -153,10 +157,13 @@ class ModelPoolServer(GrpcServer):
             if isinstance(result, BaseException):
                 log.error("preloading %s failed: %s", model_id, getattr(result, "message", result))
 
-    async def _stopping_hook(self) -> None:
-        # New requests are answered `unavailable` (retryable) while in-flight ones finish.
-        await self.pool.close()
+    async def _draining_hook(self, grace_left_s: float) -> None:
+        # New requests are answered `unavailable` (retryable) while in-flight ones finish; each
+        # model's lease is released once its last request is done (or the grace is spent).
+        await self.pool.close(timeout_s=max(0.0, grace_left_s - 0.5))
         await self.data_port.stop()
+
+    async def _stopping_hook(self) -> None:
         if self.session is not None:
             await self.session.stop()
         if self._owns_lease_client:

@@ -85,7 +85,7 @@ def failure_reply(
 ) -> model_pool_pb2.InferReply:
     """The reply for a failed request: its `LoadmasterError`, anything else as `internal` (logged)."""
     if not isinstance(error, LoadmasterError):
-        log.error("request %s for %s failed", request_id, model_id, exc_info=error)
+        log.error("request failed", exc_info=error, extra={"request_id": request_id, "model": model_id})
         error = InternalError(f"{type(error).__name__}: {error}")
     return error_reply(error, request_id=request_id, model_id=model_id, worker_id=worker_id)
 

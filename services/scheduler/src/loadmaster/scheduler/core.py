@@ -309,7 +309,9 @@ class SchedulerCore:
             self._reject_key(key, errors_pb2.ERROR_CODE_INVALID_ARGUMENT, "model_id is required")
             return
         if key in self._tracked:
-            log.warning("duplicate request id %r in session %d", info.request_id, session_id)
+            log.warning(
+                "duplicate request id in session %d", session_id, extra={"request_id": info.request_id}
+            )
             self._reject_key(
                 key, errors_pb2.ERROR_CODE_INVALID_ARGUMENT, f"request id {info.request_id!r} is in use"
             )

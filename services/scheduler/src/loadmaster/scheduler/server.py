@@ -33,7 +33,9 @@ def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
         telemetry=telemetry,
         make_ordering=make_ordering,
     )
-    server = GrpcServer("scheduler", settings.scheduler.listen_address)
+    server = GrpcServer(
+        "scheduler", settings.scheduler.listen_address, grace_s=settings.scheduler.shutdown_grace_s
+    )
     server.add_service(
         SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(hub)
     )
@@ -41,10 +43,13 @@ def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
     async def start() -> None:
         telemetry.start()
 
+    async def drain(grace_left_s: float) -> None:
+        await hub.stop()  # ends every gateway and worker session: they reconnect elsewhere
+
     async def stop() -> None:
-        await hub.stop()
         await telemetry.close()
 
     server.on_start(start)
+    server.on_drain(drain)
     server.on_stop(stop)
     return server

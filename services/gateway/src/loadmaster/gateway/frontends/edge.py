@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import OrderedDict
 from functools import partial
 from typing import Any
 
@@ -34,7 +35,12 @@ import zmq.asyncio
 
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import GatewaySettings
-from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
+from loadmaster.common.errors import (
+    InternalError,
+    InvalidArgumentError,
+    LoadmasterError,
+    ResourceExhaustedError,
+)
 from loadmaster.common.framing import (
     REQUEST_ID_KEY,
     SocketReader,
@@ -48,7 +54,12 @@ from loadmaster.gateway.curve import EdgeCurve
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.ordering import ReplyOrderer, Ticket
 from loadmaster.gateway.reply_budget import ReplyBudget
-from loadmaster.gateway.validation import observation_to_call, parse_observation
+from loadmaster.gateway.validation import (
+    needs_off_loop,
+    observation_to_call,
+    observation_to_call_off_loop,
+    parse_observation,
+)
 from loadmaster.v1 import edge_pb2
 
 __all__ = ["EdgeFrontend"]
@@ -56,6 +67,8 @@ __all__ = ["EdgeFrontend"]
 log = logging.getLogger(__name__)
 
 _SWEEP_INTERVAL_S = 1.0  # how often peers' taken replies are forgotten
+_MAX_BOUND_IDENTITIES = 100_000  # CURVE identity bindings kept; the least recently used go first
+_BINDING_IDLE_S = 600.0  # a binding unused this long is forgotten
 _USER_ID = "User-Id"  # ZAP's user id of a CURVE peer: its public key (Z85)
 
 
@@ -81,8 +94,10 @@ class EdgeFrontend:
         self._reader: SocketReader | None = None
         self._curve = EdgeCurve(settings.auth.curve, context)
         self._budget = ReplyBudget(settings.edge.max_queued_reply_bytes)
-        self._bound_keys: dict[bytes, str] = {}  # identity -> the CURVE key that first used it
+        # identity -> (the CURVE key that first used it, when it was last used), oldest use first
+        self._bound_keys: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._sweeper: asyncio.Task[None] | None = None
+        self._checking: set[asyncio.Task[None]] = set()  # observations checked off the loop
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -112,6 +127,8 @@ class EdgeFrontend:
                 await self._sweeper
         if self._reader is not None:
             self._reader.stop()
+        for checking in list(self._checking):
+            checking.cancel()
         if self._socket is not None:
             self._socket.close(linger=0)
         self._curve.stop()
@@ -139,29 +156,90 @@ class EdgeFrontend:
             return
         model_id = observation.model_id
         ticket = self._orderer.take((identity, model_id))
-        client_request_id = observation.metadata.get(REQUEST_ID_KEY, "")
         labels = {"model": model_id}
         self._telemetry.record("payload_size_bytes", len(message.payload), labels)
         if observation.timestamp_ns:
             staleness_ms = (self._clock.time() * 1e9 - observation.timestamp_ns) / 1e6
             self._telemetry.record("observation_staleness_ms", staleness_ms, labels)
+        if needs_off_loop(observation):
+            # Checking it costs more than a loop turn should: the validation threads do it while
+            # this loop serves others. The ticket is taken, so replies stay in order.
+            if len(self._checking) >= self._settings.edge.max_offloop_checks:
+                self._reply_error(
+                    ticket,
+                    identity,
+                    ResourceExhaustedError(
+                        f"{len(self._checking)} large observations are being checked; try again"
+                    ),
+                    model_id=model_id,
+                    client=observation.client,
+                    request_id=observation.metadata.get(REQUEST_ID_KEY, "") or request_id,
+                )
+                return
+            checking = asyncio.get_running_loop().create_task(
+                self._submit_checked_off_loop(ticket, identity, observation, message.payload, request_id)
+            )
+            self._checking.add(checking)
+            checking.add_done_callback(self._checking.discard)
+            return
         try:
             call = observation_to_call(
                 observation, message.payload, request_id=request_id, limits=self._settings.limits
             )
-        except InvalidArgumentError as error:
-            self._telemetry.record("observation_errors", 1, {"code": error.edge_code})
-            self._reply_error(
-                ticket,
-                identity,
-                error,
-                model_id=model_id,
-                client=observation.client,
-                request_id=client_request_id or request_id,
-            )
+        except Exception as error:
+            self._refuse(ticket, identity, observation, request_id, error)
             return
+        self._submit(ticket, identity, observation, call)
+
+    async def _submit_checked_off_loop(
+        self,
+        ticket: Ticket,
+        identity: bytes,
+        observation: edge_pb2.Observation,
+        payload: Any,
+        request_id: str,
+    ) -> None:
+        try:
+            call = await observation_to_call_off_loop(
+                observation, payload, request_id=request_id, limits=self._settings.limits
+            )
+        except Exception as error:
+            self._refuse(ticket, identity, observation, request_id, error)
+            return
+        self._submit(ticket, identity, observation, call)
+
+    def _submit(self, ticket: Ticket, identity: bytes, observation: edge_pb2.Observation, call: Any) -> None:
+        client_request_id = observation.metadata.get(REQUEST_ID_KEY, "")
         self._dispatcher.submit(
             call, partial(self._on_result, ticket, identity, observation.client, client_request_id)
+        )
+
+    def _refuse(
+        self,
+        ticket: Ticket,
+        identity: bytes,
+        observation: edge_pb2.Observation,
+        request_id: str,
+        error: Exception,
+    ) -> None:
+        """Answer a request that failed its checks; anything but a `LoadmasterError` is a bug,
+        logged and answered `internal` (its reply ticket must never stay open)."""
+        refusal = error if isinstance(error, LoadmasterError) else None
+        if refusal is None:
+            log.error(
+                "checking a request failed",
+                exc_info=error,
+                extra={"request_id": request_id, "model": observation.model_id},
+            )
+            refusal = InternalError(f"internal error: {type(error).__name__}")
+        self._telemetry.record("observation_errors", 1, {"code": refusal.edge_code})
+        self._reply_error(
+            ticket,
+            identity,
+            refusal,
+            model_id=observation.model_id,
+            client=observation.client,
+            request_id=observation.metadata.get(REQUEST_ID_KEY, "") or request_id,
         )
 
     def _on_result(
@@ -217,8 +295,13 @@ class EdgeFrontend:
             key = ""
         if not key or identity[:1] == b"\x00":
             return True  # no ZAP user id, or an identity ZMQ made up for this one connection
-        bound = self._bound_keys.setdefault(identity, key)
+        now = self._clock.monotonic()
+        bound, _ = self._bound_keys.get(identity, (key, now))
         if bound == key:
+            self._bound_keys[identity] = (key, now)
+            self._bound_keys.move_to_end(identity)
+            if len(self._bound_keys) > _MAX_BOUND_IDENTITIES:
+                self._bound_keys.popitem(last=False)
             return True
         self._telemetry.record("identity_conflicts", 1)
         log.warning(
@@ -258,5 +341,17 @@ class EdgeFrontend:
             await self._clock.sleep(_SWEEP_INTERVAL_S)
             try:
                 self._budget.sweep()
+                self._forget_idle_bindings()
             except Exception:
                 log.exception("edge: sweeping reply budgets failed")
+
+    def _forget_idle_bindings(self) -> None:
+        """An identity unused for `_BINDING_IDLE_S` may be taken by another key (a client that
+        rotated its key): while its owner is connected, ZMQ itself refuses a second connection
+        under it (no handover), so only a gone owner's binding is forgotten."""
+        horizon = self._clock.monotonic() - _BINDING_IDLE_S
+        while self._bound_keys:
+            identity, (_, used) = next(iter(self._bound_keys.items()))
+            if used > horizon:
+                return
+            del self._bound_keys[identity]

@@ -221,6 +221,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         self._auth = auth
         self._limits = limits
         self._ids = (f"{gateway_id}-g{n}" for n in itertools.count(1))
+        self._draining = asyncio.Event()
 
     # -- health and metadata ---------------------------------------------------------
 
@@ -312,13 +313,19 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         client = self._auth.authorize(_token(context), INFER)
         return await self._infer(request, client=client, deadline_s=context.time_remaining())
 
+    def drain(self) -> None:
+        """The gateway is stopping: every ModelStreamInfer stream reads no further message,
+        answers those it holds and ends (OK), so the server's grace is not spent on idle streams."""
+        self._draining.set()
+
     async def ModelStreamInfer(  # noqa: N802
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         """Each message is one request: it pays its own rate-limit token (the key is checked
-        when the stream opens, uncharged), and at most `max_stream_inflight` run at once: the
-        stream reads its next message only when one finishes, so gRPC flow control holds the
-        client back instead of the gateway buffering its requests."""
+        when the stream opens, uncharged), and at most `max_stream_inflight` are running or
+        waiting to be written back at once: the stream reads its next message only when a reply
+        has been written, so gRPC flow control holds back a client that sends without reading,
+        instead of the gateway buffering its requests or its replies."""
         token = _token(context)
         self._auth.authorize(token, INFER, charge=False)
         replies: asyncio.Queue[inference_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
@@ -335,15 +342,13 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             except LoadmasterError as error:
                 reply = self._stream_error(request, error.message)
             except Exception as error:
-                log.exception("stream request %s failed", getattr(request, "id", ""))
+                log.exception("a stream request failed", extra={"request_id": getattr(request, "id", "")})
                 reply = self._stream_error(request, f"internal error: {type(error).__name__}")
-            finally:
-                slots.release()
-            replies.put_nowait(reply)
+            replies.put_nowait(reply)  # its slot is freed once the reply is written (below)
 
         async def read() -> None:
             try:
-                async for request in request_iterator:
+                async for request in _until_set(self._draining, request_iterator):
                     await slots.acquire()
                     task = asyncio.create_task(one(request))
                     del request  # the task holds it for as long as it runs, and no longer
@@ -358,6 +363,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             while (reply := await replies.get()) is not None:
                 yield reply
+                slots.release()  # a client that stops reading holds back its own requests
         finally:
             reader.cancel()
             for task in list(tasks):
@@ -422,3 +428,22 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[Output(name=o.name, datatype=o.datatype, shape=o.shape) for o in outputs],
             raw_output_contents=[bytes(o.data) for o in outputs],
         )
+
+
+async def _until_set(event: asyncio.Event, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The items of `items` until they end or `event` is set, whichever comes first."""
+    stopped = asyncio.ensure_future(event.wait())
+    try:
+        while not event.is_set():
+            item = asyncio.ensure_future(anext(items))
+            await asyncio.wait((item, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not item.done():
+                item.cancel()
+                return
+            try:
+                value = item.result()
+            except StopAsyncIteration:
+                return
+            yield value
+    finally:
+        stopped.cancel()

@@ -5,7 +5,8 @@ Routes: `/v2/health/{live,ready}`, `/v2`, `/v2/models/{m}[/versions/{v}][/ready|
 routes `/admin/queues` and `/admin/strategy` (POST {"strategy", "policy"}); and the probes
 `/livez`, `/readyz` (503 until the scheduler is connected and a model is READY), `/healthz`.
 Errors are `LoadmasterError`s mapped to a status in one handler (`{"error": message}` bodies). A
-client that disconnects while its request waits cancels it in the dispatcher.
+client that disconnects while its request waits cancels it in the dispatcher. A W3C `traceparent`
+header is honoured: the request's span (the dispatcher's `gateway.request`) is its child.
 
 Bounds (`LimitsSettings`): a JSON body up to `max_json_bytes`, binary tensor data up to
 `max_payload_bytes` after it; request headers must arrive within `http_header_timeout_s` (else
@@ -31,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from loadmaster.common import tracing
 from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError, NotFoundError
 from loadmaster.common.http_server import main_loop
@@ -307,7 +309,8 @@ def build_app(
                         f"model '{request.path_params.get('model', '')}' has no version '{version}' "
                         f"(models are served at version {MODEL_VERSION})"
                     )
-                return await handler(request)
+                with tracing.incoming_context(request.headers):
+                    return await handler(request)
             except Exception as error:  # the one place errors become HTTP statuses
                 response = await _error_response(request, error)
                 # The error's traceback holds the failed handler's frames, and they hold it

@@ -21,7 +21,7 @@ import numpy as np
 
 from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.common.tensors import check_tensors
+from loadmaster.common.tensors import check_tensors, shape_elements_at_most
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.validation import INLINE_BYTES_ELEMENTS, tensor_limits
@@ -172,9 +172,11 @@ def costly(inputs: Sequence[tuple[str, Sequence[int], int]]) -> bool:
     elements = raw = 0
     for datatype, shape, raw_bytes in inputs:
         if raw_bytes == 0 or datatype == "BYTES":  # typed contents to convert, or elements to walk
-            elements += math.prod(min(max(int(dim), 0), 1 << 32) for dim in shape)
+            elements += shape_elements_at_most(shape, INLINE_BYTES_ELEMENTS)
         raw += raw_bytes
-    return elements > INLINE_BYTES_ELEMENTS or raw > INLINE_RAW_BYTES
+        if elements > INLINE_BYTES_ELEMENTS or raw > INLINE_RAW_BYTES:
+            return True
+    return False
 
 
 def build_call(

@@ -9,6 +9,10 @@ queued when its deadline passed); an error after a stream began is a final `erro
 
 A client that disconnects cancels its generation: the chunk iterator is closed, and the
 port frees the sequence. The existing API keys, scopes and rate limits apply (`infer` scope).
+
+Each completion request has a span, `gateway.openai`, parented on the caller's W3C
+`traceparent` header when it sent one; it is current while the generation starts (the port's
+spans are its children) and ends with the response, or with the last event of a stream.
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from opentelemetry import trace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from loadmaster.common import tracing
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
 from loadmaster.gateway.frontends.openai_schema import (
@@ -122,6 +128,28 @@ def openai_routes(
         key_name = auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
         generation = parse(await _read_body(request))
         request_id = ("chatcmpl-" if chat else "cmpl-") + next(ids)
+        span = tracing.start_request_span(
+            "gateway.openai",
+            request_id=request_id,
+            model_id=generation.model,
+            carrier=request.headers,
+            kind=trace.SpanKind.SERVER,
+        )
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                response = await respond(request, generation, request_id, key_name, chat=chat)
+        except Exception as error:
+            tracing.end_span(span, error_code=_edge_code(error))
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _ending(span, response.body_iterator)
+        else:
+            tracing.end_span(span, error_code="cancelled" if response.status_code == 499 else "")
+        return response
+
+    async def respond(
+        request: Request, generation: GenerationRequest, request_id: str, key_name: str, *, chat: bool
+    ) -> Response:
         client_id = generation.client_id or generation.user or key_name or "openai"
         events = generations.generate(generation, request_id=request_id, client_id=client_id)
         created = int(clock())
@@ -208,6 +236,19 @@ async def _collect(events: AsyncIterator[GenerationEvent]) -> tuple[str, Finishe
     raise InternalError("the generation ended without a final result")
 
 
+def _edge_code(error: BaseException) -> str:
+    return error.edge_code if isinstance(error, LoadmasterError) else "internal"
+
+
+async def _ending(span: trace.Span, body: AsyncIterable[Any]) -> AsyncIterator[Any]:
+    """`body`, then the request's span ends (a stream's errors are events in it)."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        tracing.end_span(span)
+
+
 async def _close(events: AsyncIterator[GenerationEvent]) -> None:
     close = getattr(events, "aclose", None)
     if close is not None:
@@ -271,7 +312,11 @@ async def _stream(
         raise InternalError("the generation ended without a final result")
     except Exception as error:
         if not isinstance(error, LoadmasterError):
-            log.error("generation %s failed mid-stream", request_id, exc_info=error)
+            log.error(
+                "a generation failed mid-stream",
+                exc_info=error,
+                extra={"request_id": request_id, "model": generation.model},
+            )
             error = InternalError(f"internal error: {type(error).__name__}")
         yield event(error_from(error).body())
     finally:
