@@ -103,6 +103,14 @@ def test_seeded_sampler_draws_from_the_softmax_and_keeps_one_token() -> None:
     assert 0.72 < share < 0.78  # 0.75 expected; 4000 draws: sd 0.007
 
 
+def test_seeded_sampler_gives_a_valid_distribution_for_a_row_without_finite_logits() -> None:
+    scores = torch.tensor([[float("nan")] * 3, [float("-inf")] * 3, [0.0, 5.0, float("nan")]])
+    out = SeededGumbelSampler()(scores, torch.tensor([1, 2, 3], dtype=torch.int32))
+    probabilities = out.softmax(dim=-1)
+    assert torch.isfinite(probabilities).all() and (torch.isfinite(out).sum(dim=-1) == 1).all()
+    torch.multinomial(probabilities, 1)  # what raised in the manager's loop
+
+
 def test_warper_applies_greedy_top_p_and_temperature_per_row() -> None:
     warper = SamplingWarper()
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.7]] * 3))

@@ -31,7 +31,7 @@ from loadmaster.model_pool.generation import (
     TokenChunk,
 )
 from loadmaster.model_pool.pool import ModelPool
-from loadmaster.model_pool.repository import ModelRepository
+from loadmaster.model_pool.repository import ModelRepository, TransformersModelConfig
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 
@@ -147,7 +147,9 @@ def test_lease_estimate_is_weights_plus_kv_budget(tiny_repo: Path) -> None:
     per_token = kv_bytes_per_token(hf, "auto")
     assert per_token == 2 * 2 * 2 * 32 * 4  # K+V, 2 layers, 2 kv heads, head_dim 32, float32
     weights = (tiny_repo / "tiny-chat" / "artifacts" / "model.safetensors").stat().st_size
-    kv_mb = -(-64 * 64 * per_token // (1 << 20))  # num_blocks x block_size from config.yaml
+    config = spec.config
+    assert isinstance(config, TransformersModelConfig) and config.num_blocks is not None
+    kv_mb = -(-config.num_blocks * config.block_size * per_token // (1 << 20))  # from config.yaml
     assert TransformersEngine.estimate_mb(spec) == -(-int(weights * 1.2) // (1 << 20)) + kv_mb
 
 
@@ -199,7 +201,7 @@ async def test_cancel_ends_the_stream_and_frees_the_sequence(engine: Transformer
     assert isinstance(first, TokenChunk)
     busy = engine.stats()
     assert (busy.running, busy.streams_open) == (1, 1)
-    assert 0 < busy.kv_blocks_used <= busy.kv_blocks_total == 64
+    assert 0 < busy.kv_blocks_used <= busy.kv_blocks_total == engine.spec.config.num_blocks  # type: ignore[attr-defined]
     assert engine.cancel("long") is True
     rest = [event async for event in stream]
     assert isinstance(rest[-1], GenerationEnd)

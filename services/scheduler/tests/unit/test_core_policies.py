@@ -80,6 +80,19 @@ def test_silent_client_disconnects_once_and_loses_queued(make_harness: MakeHarne
     h.check()
 
 
+def test_a_waiting_openai_client_is_not_silent(make_harness: MakeHarness) -> None:
+    """The OpenAI front end watches its clients' connections: a generation that waits long in
+    the queue is not dropped for silence."""
+    h = make_harness(disconnect_timeout_s=2.0, request_ttl_ms=60_000.0)
+    h.worker("w", ["m"], ready=["m"])
+    h.enqueue_batch([_info("c1", "chat", client_type="openai"), _info("c2", "chat", client_type="openai")])
+    h.advance(5.0)
+    assert _rejects(h, errors_pb2.ERROR_CODE_CANCELLED) == [] and h.core.active_clients == 0
+    h.complete("c1")
+    assert h.granted_ids() == ["c1", "c2"]
+    h.check()
+
+
 def test_batch_released_on_size_or_timer(make_harness: MakeHarness) -> None:
     h = make_harness(max_inflight=lambda m: 4)
     h.core.set_ordering(make_ordering("batch_optimized", batch=BatchRule(max_batch_size=3, max_wait_s=0.01)))

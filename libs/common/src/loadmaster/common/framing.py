@@ -29,6 +29,9 @@ from loadmaster.v1 import edge_pb2, tensor_pb2
 __all__ = [
     "ERROR_CODE_KEY",
     "ERROR_KEY",
+    "GENERATE_CANCEL_FRAME",
+    "GENERATE_REPLIES_FRAME",
+    "GENERATE_REQUEST_FRAME",
     "REQUEST_ID_KEY",
     "RouterFrames",
     "SocketReader",
@@ -45,6 +48,14 @@ log = logging.getLogger(__name__)
 ERROR_KEY = "error"
 ERROR_CODE_KEY = "error_code"
 REQUEST_ID_KEY = "request_id"
+
+# Generation streams on a worker's data port (model_pool.proto, docs/generative.md): the frame
+# where a tensor request has its empty delimiter names the message instead, so one ROUTER
+# socket carries both. Gateway -> worker: [kind, GenerateRequest | CancelGeneration];
+# worker -> gateway: [GENERATE_REPLIES_FRAME, GenerateReplies]. A tensor request's is b"".
+GENERATE_REQUEST_FRAME = b"lm.generate"
+GENERATE_CANCEL_FRAME = b"lm.cancel"
+GENERATE_REPLIES_FRAME = b"lm.replies"
 
 
 @dataclass(frozen=True, slots=True)

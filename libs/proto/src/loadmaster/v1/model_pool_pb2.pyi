@@ -399,11 +399,20 @@ class GenerateReplies(_message.Message):
     def __init__(self, replies: _Optional[_Iterable[_Union[GenerateReply, _Mapping]]] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
-    __slots__ = ("request_id", "model_id", "reason")
+    __slots__ = ("request_id", "model_id", "reason", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...

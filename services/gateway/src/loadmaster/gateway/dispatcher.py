@@ -57,6 +57,7 @@ from loadmaster.common.errors import (
 from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback
+from loadmaster.gateway.generations import GenerationStreams
 from loadmaster.gateway.worker_link import ShmPayloads
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
@@ -165,6 +166,13 @@ class Dispatcher:
         self._drained: asyncio.Event | None = None  # set once draining and nothing is in flight
         self._scheduler = scheduler(self)
         self._workers = workers(self)
+        # Generation streams (OpenAI API) share the scheduler session and the worker links.
+        self.generations = GenerationStreams(
+            scheduler=self._scheduler,
+            workers=self._workers,  # type: ignore[arg-type]
+            telemetry=telemetry,
+            clock=self._clock,
+        )
 
     @property
     def inflight(self) -> int:
@@ -261,6 +269,8 @@ class Dispatcher:
     # -- scheduler callbacks -------------------------------------------------------------
 
     def on_grant(self, grant: scheduler_pb2.Grant) -> None:
+        if self.generations.on_grant(grant):
+            return
         pending = self._pending.get(grant.request_id)
         if pending is None:  # cancelled or answered meanwhile: give the slot back
             self._scheduler.complete(grant.request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
@@ -284,6 +294,8 @@ class Dispatcher:
             )
 
     def on_reject(self, reject: scheduler_pb2.Reject) -> None:
+        if self.generations.on_reject(reject):
+            return
         pending = self._pending.get(reject.request_id)
         if pending is None:
             return
@@ -315,6 +327,7 @@ class Dispatcher:
     def on_scheduler_lost(self) -> None:
         """Calls still waiting for a grant will never get one: answer them now. The lost
         session's credits are void (calls running on them still get their replies)."""
+        self.generations.on_scheduler_lost()
         self._credits.clear()
         self._idle_credits.clear()
         for pending in self._pending.values():
@@ -357,8 +370,12 @@ class Dispatcher:
         )
         self._release_credit(pending)
 
+    def on_generation_replies(self, endpoint: str, replies: model_pool_pb2.GenerateReplies) -> None:
+        self.generations.on_replies(endpoint, replies)
+
     def on_worker_lost(self, endpoint: str) -> None:
         """The data link to `endpoint` disconnected: its worker will not answer what it holds."""
+        self.generations.on_worker_lost(endpoint)
         lost = [p for p in self._pending.values() if p.worker_id and p.endpoint == endpoint]
         if lost:
             log.warning("worker data port %s went away with %d requests in flight", endpoint, len(lost))

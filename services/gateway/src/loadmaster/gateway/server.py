@@ -70,6 +70,7 @@ class Gateway:
                 self.context,
                 dispatcher.on_worker_reply,
                 on_lost=dispatcher.on_worker_lost,
+                on_generation_replies=dispatcher.on_generation_replies,
                 heartbeat_ivl_ms=gateway.worker_heartbeat_ivl_ms,
                 heartbeat_timeout_ms=gateway.worker_heartbeat_timeout_ms,
             )

@@ -3,7 +3,9 @@
 Requests go out as `[b"", InferRequest, payload]` with the payload frame passed
 through untouched (a received frame is forwarded without copying its data);
 replies come back as `[b"", InferReply, payload]` and are handed to `on_reply`
-with the payload frame, again without a copy.
+with the payload frame, again without a copy. Generation streams share the link: out
+`[GENERATE_REQUEST_FRAME | GENERATE_CANCEL_FRAME, message]` (`send_generation`), back
+`[GENERATE_REPLIES_FRAME, GenerateReplies]` to `on_generation_replies`.
 
 Each link is watched through a ZMQ socket monitor: when its connection drops (the
 worker's process died, or it answered no ZMTP heartbeat within the timeout),
@@ -36,7 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 from loadmaster.common.addresses import is_local
 from loadmaster.common.config import SharedMemorySettings
 from loadmaster.common.errors import UnavailableError
-from loadmaster.common.framing import SocketReader, send_frames
+from loadmaster.common.framing import GENERATE_REPLIES_FRAME, SocketReader, send_frames
 from loadmaster.common.shm import SHM_DIRECTORY, ShmArena, ShmSlot, sweep_stale_regions
 from loadmaster.v1 import model_pool_pb2
 
@@ -45,6 +47,7 @@ __all__ = ["ShmPayloads", "WorkerLinks", "is_local_endpoint"]
 log = logging.getLogger(__name__)
 
 ReplyHandler = Callable[[model_pool_pb2.InferReply, Any], None]
+GenerationHandler = Callable[[str, model_pool_pb2.GenerateReplies], None]
 _monitor_ids = itertools.count(1)
 
 
@@ -58,8 +61,10 @@ class WorkerLinks:
         send_hwm: int = 10_000,
         heartbeat_ivl_ms: int = 0,
         heartbeat_timeout_ms: int = 0,
+        on_generation_replies: GenerationHandler | None = None,
     ) -> None:
         self._context = context
+        self._on_generation_replies = on_generation_replies
         self._on_reply = on_reply
         self._on_lost = on_lost
         self._send_hwm = send_hwm
@@ -73,6 +78,18 @@ class WorkerLinks:
         socket, reader = self._links.get(endpoint) or self._connect(endpoint)
         try:
             send_frames(socket, (b"", envelope, payload))
+        except zmq.Again:
+            raise UnavailableError(f"worker data port {endpoint} is not accepting requests") from None
+        except zmq.ZMQError as error:
+            raise UnavailableError(f"worker data port {endpoint}: {error}") from None
+        finally:
+            reader.sent()
+
+    def send_generation(self, endpoint: str, kind: bytes, envelope: bytes) -> None:
+        """Queue one generation message (GenerateRequest or CancelGeneration) for `endpoint`."""
+        socket, reader = self._links.get(endpoint) or self._connect(endpoint)
+        try:
+            send_frames(socket, (kind, envelope))
         except zmq.Again:
             raise UnavailableError(f"worker data port {endpoint} is not accepting requests") from None
         except zmq.ZMQError as error:
@@ -116,6 +133,11 @@ class WorkerLinks:
         try:
             if len(frames) < 2:
                 raise DecodeError(f"{len(frames)} frames")
+            if len(frames[0]) and frames[0].bytes == GENERATE_REPLIES_FRAME:
+                replies = model_pool_pb2.GenerateReplies.FromString(frames[1].bytes)
+                if self._on_generation_replies is not None:
+                    self._on_generation_replies(endpoint, replies)
+                return
             reply = model_pool_pb2.InferReply.FromString(frames[1].bytes)
         except DecodeError as error:
             log.error("malformed reply from worker %s: %s", endpoint, error)

@@ -1,7 +1,10 @@
-"""The worker's ZMQ data port: a ROUTER that answers InferRequests.
+"""The worker's ZMQ data port: a ROUTER that answers InferRequests and runs generation streams.
 
     in   [identity, b"", InferRequest, payload]
     out  [identity, b"", InferReply, payload]      (payloads >= 64 KiB sent with copy=False)
+
+Generation streams share the socket; their second frame names the message instead of being
+empty (`GENERATE_*_FRAME` in loadmaster.common.framing) and `GenerationPort` runs them.
 
 Input tensors are zero-copy views of the received payload frame. Every failure is a
 reply (invalid tensors, unknown model, model not ready, expired, engine errors);
@@ -62,9 +65,17 @@ from loadmaster.common.errors import (
     UnavailableError,
     edge_code_name,
 )
-from loadmaster.common.framing import SocketReader, receive_routed, split_router_frames
+from loadmaster.common.framing import (
+    GENERATE_CANCEL_FRAME,
+    GENERATE_REPLIES_FRAME,
+    GENERATE_REQUEST_FRAME,
+    SocketReader,
+    receive_routed,
+    split_router_frames,
+)
 from loadmaster.common.shm import ShmRegions, ShmUnavailableError
 from loadmaster.common.tensors import TensorLimits, decode_tensors
+from loadmaster.model_pool.generation_port import GenerationPort
 from loadmaster.model_pool.pool import InferResult, ModelPool
 from loadmaster.model_pool.wire import ResultEncoder, decode_off_loop, error_reply, failure_reply
 from loadmaster.v1 import model_pool_pb2
@@ -82,6 +93,7 @@ _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 # Messages taken per wake-up before yielding to the loop (replies, timers, gRPC), so a
 # flood of requests cannot starve the rest of the worker.
 _BURST = 256
+_GENERATION_FRAMES = frozenset({GENERATE_REQUEST_FRAME, GENERATE_CANCEL_FRAME})
 
 
 def advertised_endpoint(
@@ -125,6 +137,7 @@ class DataPort:
         clock: Clock | None = None,
         max_pending: int = 10_000,
         hwm: int = 10_000,
+        metrics: Any = None,
     ) -> None:
         self._pool = pool
         self._bind = bind
@@ -149,6 +162,9 @@ class DataPort:
         self._decoder: ThreadPoolExecutor | None = None  # large inputs are decoded here
         self._decoding: dict[str, int] = {}  # model -> its requests on the decoding thread
         self.last_endpoint = ""
+        self.generations = GenerationPort(
+            pool, worker_id=worker_id, send=self._send_replies, clock=self._clock, metrics=metrics
+        )
 
     async def start(self) -> str:
         """Bind and start answering; returns ZMQ's LAST_ENDPOINT (the real port of a `:*` bind)."""
@@ -183,6 +199,7 @@ class DataPort:
         """Stop receiving, let replies in progress go out (bounded), close the socket."""
         if self._reader is not None:
             self._reader.stop()
+        await self.generations.close()
         if self._pending:
             try:
                 await asyncio.wait_for(self._settled.wait(), timeout_s)
@@ -207,6 +224,10 @@ class DataPort:
             identity = frames[0]  # bytes (receive_routed)
             envelope, payload = frames[2].buffer, frames[3].buffer
         else:
+            if len(frames) == 3 and len(frames[1]) and (kind := frames[1].bytes) in _GENERATION_FRAMES:
+                identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+                self.generations.handle(identity, kind, frames[2].buffer)
+                return
             try:
                 split = split_router_frames(frames)
             except InvalidArgumentError as error:
@@ -388,6 +409,20 @@ class DataPort:
             self._settled.set()
         if self._reader is not None:
             self._reader.sent()  # a send may have taken the descriptor's signal of a new message
+
+    def _send_replies(self, identity: bytes, replies: bytes) -> None:
+        """One GenerateReplies message to a gateway (never blocks: a ROUTER drops for a gone peer)."""
+        sock = self._socket
+        if sock is None:
+            return
+        try:
+            sock.send(identity, _MORE_NOBLOCK)
+            sock.send(GENERATE_REPLIES_FRAME, _MORE_NOBLOCK)
+            sock.send(replies, _NOBLOCK)
+        except zmq.ZMQError as error:
+            log.warning("data port could not send generation replies: %s", error)
+        if self._reader is not None:
+            self._reader.sent()
 
     def _send(self, sock: zmq.Socket[bytes], identity: bytes, envelope: bytes, payload: Any) -> None:
         try:

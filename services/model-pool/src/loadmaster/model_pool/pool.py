@@ -35,6 +35,7 @@ from loadmaster.common.config import ModelsSettings
 from loadmaster.common.errors import (
     ExpiredError,
     InternalError,
+    InvalidArgumentError,
     LoadmasterError,
     NotFoundError,
     UnavailableError,
@@ -57,7 +58,14 @@ from loadmaster.model_pool.repository import ModelRepository, ModelSpec, check_i
 from loadmaster.model_pool.room import Room
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
 
-__all__ = ["InferResult", "MetricsSink", "ModelPool", "device_for_lease", "gpus_for_device"]
+__all__ = [
+    "GenerationAdmission",
+    "InferResult",
+    "MetricsSink",
+    "ModelPool",
+    "device_for_lease",
+    "gpus_for_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +82,19 @@ class InferResult:
     queue_ms: float
     batch_size: int = 1
     batch_id: int = 0  # requests of one model generation with the same batch_id ran in one engine call
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationAdmission:
+    """One generation stream admitted on a generative model: `engine` runs it, `sequences`
+    is how many the engine runs at once, and `release()` (once, at the stream's terminal)
+    gives the admission back. Held for the stream's whole life, so `max_inflight`,
+    keep-alive and eviction count it and never unload the model mid-stream."""
+
+    engine: Any
+    generation: int
+    sequences: int
+    release: Callable[[], None]
 
 
 @dataclass(slots=True)
@@ -241,12 +262,17 @@ class ModelPool:
         if not self.repository.contains(model_id):
             raise NotFoundError(f"model '{model_id}' is not in the repository at {self.repository.root}")
         model = self._models.for_model(model_id)
+        try:  # known before the first load, so front ends can tell generative models apart
+            backend = self.repository.spec(model_id).backend
+        except Exception:
+            backend = ""  # a bad config fails its load, with the reason
         slot = Slot(
             model_id,
             clock=self._clock,
             max_inflight=model.max_inflight,
             pinned=model.pin,
             priority=model.priority,
+            backend=backend,
         )
         self._slots[model_id] = slot
         return slot
@@ -488,6 +514,20 @@ class ModelPool:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def engine_failed(self, model_id: str, generation: int, reason: str) -> None:
+        """A loaded engine can no longer serve (a generative engine's batching thread died):
+        unload it, so the model is not left READY failing every request; the scheduler loads
+        it again when requests wait. A report about an earlier load is ignored."""
+        slot = self._slots.get(model_id)
+        if slot is None or slot.state is not ModelState.READY or slot.generation != generation:
+            return
+        log.error("model %s failed (%s); unloading it", model_id, reason)
+        task = asyncio.create_task(
+            self.unload(model_id, reason=f"engine failed: {reason}"), name=f"engine-failed-{model_id}"
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _on_lease_replaced(self, model_id: str, old: Lease, new: Lease) -> None:
         """On the loop: the broker lost `old` and granted the same memory again as `new`."""
         self._record("leases_reestablished", 1.0, {"model": model_id})
@@ -598,6 +638,39 @@ class ModelPool:
             received_monotonic=received_monotonic,
         )
         return await future
+
+    def open_generation(self, model_id: str, *, deadline_unix_ns: int = 0) -> GenerationAdmission:
+        """Admit one generation stream of a generative model (docs/generative.md). Refusals raise
+        `LoadmasterError`: closing, unknown or not READY model, no live lease, a model that is
+        not generative, a deadline already passed."""
+        if self._closing:
+            raise UnavailableError("worker is shutting down")
+        slot = self._slot(model_id)
+        generation = slot.acquire()
+        try:
+            loaded = self._loaded[model_id]
+            if not self._keeper.live(model_id):
+                raise UnavailableError(f"model '{model_id}' has no live GPU lease; not serving it")
+            engine = loaded.instances[0].engine
+            if not callable(getattr(engine, "submit", None)):
+                raise InvalidArgumentError(
+                    f"model '{model_id}' is not generative (backend {loaded.spec.backend}): send it tensors"
+                )
+            if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
+                raise ExpiredError(f"generation for '{model_id}' expired before it started")
+        except BaseException:
+            self._released(slot)
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._released(slot)
+
+        sequences = int(getattr(loaded.spec.config, "max_sequences", 1) or 1)
+        return GenerationAdmission(engine, generation, sequences, release)
 
     def _released(self, slot: Slot) -> None:
         slot.release()

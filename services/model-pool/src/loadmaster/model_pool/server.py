@@ -105,6 +105,7 @@ class ModelPoolServer(GrpcServer):
             worker_id=self.worker_id,
             limits=tensor_limits,
             clock=clock,
+            metrics=self.telemetry,
         )
         self.session: WorkerSession | None = None
         servicer = ModelPoolServicer(

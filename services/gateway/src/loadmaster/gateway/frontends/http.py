@@ -3,7 +3,8 @@
 Routes: `/v2/health/{live,ready}`, `/v2`, `/v2/models/{m}[/versions/{v}][/ready|/config|/stats|/infer]`,
 `/v2/models/stats`, `/v2/repository/index`, `/v2/repository/models/{m}/{load,unload}`; the admin
 routes `/admin/queues` and `/admin/strategy` (POST {"strategy", "policy"}); and the probes
-`/livez`, `/readyz` (503 until the scheduler is connected and a model is READY), `/healthz`.
+`/livez`, `/readyz` (503 until the scheduler is connected and a model is READY), `/healthz`;
+and the OpenAI-compatible API (`/v1/...`, frontends/openai.py) over the dispatcher's generations.
 Errors are `LoadmasterError`s mapped to a status in one handler (`{"error": message}` bodies). A
 client that disconnects while its request waits cancels it in the dispatcher. A W3C `traceparent`
 header is honoured: the request's span (the dispatcher's `gateway.request`) is its child.
@@ -54,6 +55,8 @@ from loadmaster.gateway.frontends.kserve import (
     parse_timeout_ms,
     tensor_metadata,
 )
+from loadmaster.gateway.frontends.openai import openai_routes
+from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
 from loadmaster.gateway.validation import off_loop
@@ -345,6 +348,8 @@ def build_app(
             route(prefix + "/stats", model_stats),
             route(prefix + "/infer", infer, ("POST",)),
         ]
+    generations = GenerationPort(dispatcher.generations, catalog.models)
+    routes += openai_routes(generations, auth, gateway_id=gateway_id)
     return Starlette(routes=routes)
 
 

@@ -158,7 +158,11 @@ def openai_routes(
             return StreamingResponse(
                 _stream(events, first, generation, request_id=request_id, created=created, chat=chat),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                    "X-Loadmaster-Model": generation.model,
+                },
             )
         collect = asyncio.ensure_future(_collect(events))
         gone = asyncio.ensure_future(_until_disconnected(request))

@@ -159,10 +159,12 @@ class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         keys = tensor_arg[: scores.size(0)].to(torch.int64) & _MASK32
-        noisy = scores.float() + gumbel_noise(keys, scores.size(-1))
-        chosen = noisy.argmax(dim=-1, keepdim=True)
-        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
-        return scores.masked_fill(~keep, float("-inf"))
+        logits = torch.nan_to_num(scores.float(), nan=float("-inf"))
+        chosen = (logits + gumbel_noise(keys, scores.size(-1))).argmax(dim=-1, keepdim=True)
+        # One finite score per row, 0 at the chosen token: a row whose logits are all -inf
+        # or NaN (seen for a sequence preempted mid-step) still hands the manager's
+        # multinomial a valid distribution instead of killing its generation loop.
+        return torch.full_like(scores, float("-inf")).scatter_(-1, chosen, 0.0)
 
 
 def install(processors: Any) -> None:

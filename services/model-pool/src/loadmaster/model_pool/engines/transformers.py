@@ -229,6 +229,12 @@ class TransformersEngine(Engine):
     # ---- generation (on the event loop) ---------------------------------
 
     @property
+    def healthy(self) -> bool:
+        """False once loaded and the manager's batching thread has stopped (it died)."""
+        manager = self._manager
+        return manager is None or manager.is_running()
+
+    @property
     def context_tokens(self) -> int:
         """The longest sequence (prompt + max_tokens) a request may ask for."""
         return min(self._context_tokens, self._cache_tokens)

@@ -1,0 +1,429 @@
+"""Generation streams through the suite: the `Generations` port behind the OpenAI routes.
+
+A generation is queued like any request: `Enqueue` to the scheduler (priority, urgency,
+client, the deadline as `timeout_ms`), whose strategy orders it among the model's waiting
+requests. Its Grant is a sequence slot, held until the stream's terminal reply, then given
+back with `Complete`. The gateway sends `GenerateRequest` to the granted worker over the
+existing data link (the frame names the message: loadmaster.common.framing) and reads the
+`GenerateReplies` that come back:
+
+    chunk ... chunk  ->  TextChunk ...      (chunks already here are joined into one)
+    result           ->  Finished           (stop / length, usage, the model that answered)
+    error            ->  the LoadmasterError of its code; before any chunk and retryable
+                         (the model was unloading) the scheduler re-grants it instead
+    cancelled        ->  only ever asked for: the stream's consumer left
+
+Every stream's replies are checked for order and exactly-once (sequence numbers without a
+gap, nothing after the terminal); a broken stream fails with `internal`. Closing the chunk
+iterator early (the HTTP client left) cancels: `Cancel` to the scheduler while queued, a
+`CancelGeneration` to the worker once granted (its sequence is freed at the next decode
+step; the slot is completed when the cancelled terminal arrives, or after a grace if it
+never does). A deadline that passes while queued is the scheduler's Reject `expired`,
+answered as `ExpiredError` (504).
+
+The socket reader never waits on a consumer: replies go to a per-stream buffer, bounded by
+the stream's max_tokens (a worker sends at most one chunk per token); a consumer that falls
+further behind than `MAX_BUFFERED` replies is cancelled rather than let grow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from loadmaster.common import internal_auth
+from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.errors import (
+    InternalError,
+    LoadmasterError,
+    UnavailableError,
+    error_for_code,
+)
+from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FRAME
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.gateway.catalog import ModelView
+from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
+from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
+
+__all__ = ["GENERATIVE_BACKENDS", "GenerationPort", "GenerationStreams"]
+
+log = logging.getLogger(__name__)
+
+GENERATIVE_BACKENDS = frozenset({"transformers"})
+DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's own default is the context's rest)
+DEFAULT_PRIORITY = 1  # as for tensor requests
+MAX_BUFFERED = 8192  # replies one stream may have waiting for its consumer
+CANCEL_GRACE_S = 10.0  # a cancelled stream's slot is completed by then even if the worker is silent
+
+CANCEL_PREFIX = "cancel:"  # a CancelGeneration's credential is signed over this + the request id
+_FINISH = {model_pool_pb2.FINISH_REASON_STOP: "stop", model_pool_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+class _Scheduler(Protocol):
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def session(self) -> int: ...
+
+    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None: ...
+
+    def complete(
+        self,
+        request_id: str,
+        *,
+        error_code: int = 0,
+        retryable: bool = False,
+        worker_id: str = "",
+        inference_ms: float = 0.0,
+        deferred: bool = False,
+    ) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+class _Workers(Protocol):
+    def send_generation(self, endpoint: str, kind: bytes, envelope: bytes) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    request_id: str
+    model_id: str
+    message: model_pool_pb2.GenerateRequest
+    received: float  # clock.monotonic()
+    session: int
+    events: asyncio.Queue[GenerationEvent | BaseException] = field(default_factory=asyncio.Queue)
+    worker_id: str = ""  # set by a grant
+    endpoint: str = ""
+    expected: int = 0  # the next reply's sequence number
+    chunks: int = 0
+    last_chunk: float = 0.0
+    cancelling: bool = False
+    done: bool = False
+    cancel_timer: asyncio.TimerHandle | None = None
+
+
+class GenerationStreams:
+    """The gateway's open generations; the dispatcher forwards the scheduler's and workers'
+    messages about them here (`on_grant`, `on_reject` ... return True when they were ours)."""
+
+    def __init__(
+        self,
+        *,
+        scheduler: _Scheduler,
+        workers: _Workers,
+        telemetry: TelemetryReporter,
+        clock: Clock | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        self._scheduler = scheduler
+        self._workers = workers
+        self._telemetry = telemetry
+        self._clock: Clock = clock or SystemClock()
+        self._default_max_tokens = default_max_tokens
+        self._streams: dict[str, _Stream] = {}
+
+    @property
+    def open(self) -> int:
+        return len(self._streams)
+
+    # ---- the port ------------------------------------------------------------------
+
+    async def generate(
+        self, request: GenerationRequest, *, request_id: str, client_id: str
+    ) -> AsyncIterator[GenerationEvent]:
+        """Chunks, then one `Finished`; raises `LoadmasterError`. Closing it early cancels."""
+        stream = self._open(request, request_id=request_id, client_id=client_id)
+        try:
+            while True:
+                item = await stream.events.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, TextChunk):
+                    item = self._joined(stream, item)
+                    if isinstance(item, tuple):  # text, then what ended it (already here)
+                        yield item[0]
+                        item = item[1]
+                        if isinstance(item, BaseException):
+                            raise item
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            if not stream.done:
+                self._cancel(stream, "the client went away")
+
+    def _open(self, request: GenerationRequest, *, request_id: str, client_id: str) -> _Stream:
+        if not self._scheduler.connected:
+            raise UnavailableError("scheduler unreachable; try again shortly")
+        if request_id in self._streams:
+            raise UnavailableError(f"duplicate request id {request_id}")
+        message = _message(request, request_id=request_id, default_max_tokens=self._default_max_tokens)
+        stream = _Stream(request_id, request.model, message, self._clock.monotonic(), self._scheduler.session)
+        self._streams[request_id] = stream
+        self._scheduler.enqueue(
+            scheduler_pb2.RequestInfo(
+                request_id=request_id,
+                client_id=client_id,
+                model_id=request.model,
+                priority=message.priority,
+                urgency=request.urgency or 0.0,
+                received_unix_ns=int(self._clock.time() * 1e9),
+                timeout_ms=request.deadline_ms or 0.0,
+                payload_bytes=message.ByteSize(),
+                client_type="openai",
+            )
+        )
+        return stream
+
+    @staticmethod
+    def _joined(stream: _Stream, first: TextChunk) -> TextChunk | tuple[TextChunk, Any]:
+        """`first` and the chunks already waiting behind it as one (a slow reader gets fewer,
+        larger events); what follows them, if it is the end, comes along."""
+        parts = [first.text]
+        while not stream.events.empty():
+            item = stream.events.get_nowait()
+            if isinstance(item, TextChunk):
+                parts.append(item.text)
+                continue
+            return TextChunk("".join(parts)), item
+        return TextChunk("".join(parts)) if len(parts) > 1 else first
+
+    # ---- from the scheduler ---------------------------------------------------------
+
+    def on_grant(self, grant: scheduler_pb2.Grant) -> bool:
+        stream = self._streams.get(grant.request_id)
+        if stream is None:
+            return False
+        if stream.done or stream.cancelling:
+            self._scheduler.complete(grant.request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
+            self._forget(stream)
+            return True
+        stream.worker_id, stream.endpoint = grant.worker_id, grant.data_endpoint
+        stream.expected = 0
+        stream.message.generation = grant.generation
+        stream.message.deadline_unix_ns = grant.deadline_unix_ns
+        if (credentials := internal_auth.current()) is not None:  # a fresh one per send (replays refused)
+            credentials.sign_envelope(stream.message.metadata, stream.request_id)
+        try:
+            self._workers.send_generation(
+                grant.data_endpoint, GENERATE_REQUEST_FRAME, stream.message.SerializeToString()
+            )
+        except UnavailableError as error:
+            stream.worker_id = ""
+            self._scheduler.complete(
+                grant.request_id, error_code=error.code, retryable=True, worker_id=grant.worker_id
+            )
+        return True
+
+    def on_reject(self, reject: scheduler_pb2.Reject) -> bool:
+        stream = self._streams.get(reject.request_id)
+        if stream is None:
+            return False
+        self._fail(stream, error_for_code(reject.error_code, reject.message))
+        return True
+
+    def on_scheduler_lost(self) -> None:
+        for stream in [s for s in self._streams.values() if not s.worker_id]:
+            self._fail(stream, UnavailableError("scheduler connection lost"))
+
+    # ---- from the workers ------------------------------------------------------------
+
+    def on_replies(self, endpoint: str, message: model_pool_pb2.GenerateReplies) -> None:
+        for reply in message.replies:
+            stream = self._streams.get(reply.request_id)
+            if stream is None or reply.worker_id != stream.worker_id or stream.endpoint != endpoint:
+                continue  # a late reply to an earlier grant, or to a stream already ended
+            try:
+                self._accept(stream, reply)
+            except LoadmasterError as error:
+                log.error("generation %s from %s: %s", stream.request_id, endpoint, error.message)
+                self._send_cancel(stream, "protocol error")
+                self._complete(stream, error.code)
+                self._fail(stream, error)
+
+    def on_worker_lost(self, endpoint: str) -> None:
+        for stream in [s for s in self._streams.values() if s.worker_id and s.endpoint == endpoint]:
+            error = UnavailableError(f"worker {stream.worker_id} went away while generating")
+            if stream.chunks == 0 and not stream.cancelling and self._scheduler.session == stream.session:
+                self._retry(stream, error)
+                continue
+            self._complete(stream, error.code)
+            self._fail(stream, error)
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _accept(self, stream: _Stream, reply: model_pool_pb2.GenerateReply) -> None:
+        if reply.sequence != stream.expected:
+            what = "repeated" if reply.sequence < stream.expected else "missing"
+            raise InternalError(
+                f"stream broken: got reply {reply.sequence}, expected {stream.expected} ({what} replies)"
+            )
+        stream.expected += 1
+        kind = reply.WhichOneof("kind")
+        now = self._clock.monotonic()
+        labels = {"model": stream.model_id}
+        if kind == "chunk":
+            if stream.chunks == 0:
+                self._telemetry.record("time_to_first_token_ms", (now - stream.received) * 1e3, labels)
+            else:
+                self._telemetry.record("inter_token_latency_ms", (now - stream.last_chunk) * 1e3, labels)
+            stream.chunks += 1
+            stream.last_chunk = now
+            if stream.cancelling:
+                return
+            if stream.events.qsize() >= MAX_BUFFERED:
+                self._send_cancel(stream, "the client reads too slowly")
+                self._deliver(stream, UnavailableError("the client read the stream too slowly"))
+                return
+            self._deliver(stream, TextChunk(reply.chunk.text))
+            return
+        if kind == "result":
+            usage = reply.result.usage
+            self._complete(stream, 0, inference_ms=(now - stream.received) * 1e3)
+            self._deliver(
+                stream,
+                Finished(
+                    _FINISH.get(reply.result.finish_reason, "stop"),
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    model=stream.model_id,
+                ),
+            )
+            self._forget(stream)
+            return
+        if kind == "error":
+            error = error_for_code(reply.error.error_code, reply.error.error_message)
+            if reply.error.retryable and stream.chunks == 0 and not stream.cancelling:
+                self._retry(stream, error)
+                return
+            self._complete(stream, error.code)
+            self._fail(stream, error)
+            return
+        if kind == "cancelled":
+            self._complete(stream, errors_pb2.ERROR_CODE_CANCELLED)
+            self._fail(
+                stream, UnavailableError(f"the worker stopped the generation ({reply.cancelled.reason})")
+            )
+            return
+        raise InternalError(f"stream broken: reply {reply.sequence} carries nothing")
+
+    def _retry(self, stream: _Stream, error: LoadmasterError) -> None:
+        """Before its first chunk, a retryable failure goes back to the scheduler (re-granted or rejected)."""
+        worker_id = stream.worker_id
+        stream.worker_id, stream.endpoint, stream.expected = "", "", 0
+        self._telemetry.record("dispatch_retries", 1, {"model": stream.model_id})
+        self._scheduler.complete(
+            stream.request_id, error_code=error.code, retryable=True, worker_id=worker_id
+        )
+
+    def _cancel(self, stream: _Stream, reason: str) -> None:
+        """The consumer left: free the queue place or the sequence."""
+        if stream.done or stream.cancelling:
+            return
+        stream.cancelling = True
+        if not stream.worker_id:
+            self._scheduler.cancel(stream.request_id)
+            self._forget(stream)
+            return
+        self._send_cancel(stream, reason)
+        loop = asyncio.get_running_loop()
+        stream.cancel_timer = loop.call_later(CANCEL_GRACE_S, self._cancel_overdue, stream)
+
+    def _cancel_overdue(self, stream: _Stream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            log.warning("worker %s never ended cancelled generation %s", stream.worker_id, stream.request_id)
+            self._complete(stream, errors_pb2.ERROR_CODE_CANCELLED)
+            self._forget(stream)
+
+    def _send_cancel(self, stream: _Stream, reason: str) -> None:
+        message = model_pool_pb2.CancelGeneration(
+            request_id=stream.request_id, model_id=stream.model_id, reason=reason
+        )
+        if (credentials := internal_auth.current()) is not None:
+            credentials.sign_envelope(message.metadata, CANCEL_PREFIX + stream.request_id)
+        with contextlib.suppress(UnavailableError):  # the link is gone: on_worker_lost follows
+            self._workers.send_generation(stream.endpoint, GENERATE_CANCEL_FRAME, message.SerializeToString())
+
+    def _complete(self, stream: _Stream, error_code: int, *, inference_ms: float = 0.0) -> None:
+        if stream.worker_id:
+            self._scheduler.complete(
+                stream.request_id,
+                error_code=error_code,
+                worker_id=stream.worker_id,
+                inference_ms=inference_ms,
+            )
+            stream.worker_id = ""
+
+    def _deliver(self, stream: _Stream, item: GenerationEvent | BaseException) -> None:
+        if not stream.cancelling:
+            stream.events.put_nowait(item)
+
+    def _fail(self, stream: _Stream, error: BaseException) -> None:
+        self._deliver(stream, error)
+        self._forget(stream)
+
+    def _forget(self, stream: _Stream) -> None:
+        stream.done = True
+        if stream.cancel_timer is not None:
+            stream.cancel_timer.cancel()
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+
+def _message(
+    request: GenerationRequest, *, request_id: str, default_max_tokens: int
+) -> model_pool_pb2.GenerateRequest:
+    sampling = model_pool_pb2.SamplingParams(
+        max_tokens=request.max_tokens or default_max_tokens, stop=list(request.stop)
+    )
+    if request.temperature is not None:
+        sampling.temperature = request.temperature
+    if request.top_p is not None:
+        sampling.top_p = request.top_p
+    if request.seed is not None:
+        sampling.seed = request.seed
+    message = model_pool_pb2.GenerateRequest(
+        request_id=request_id,
+        model_id=request.model,
+        sampling=sampling,
+        priority=DEFAULT_PRIORITY if request.priority is None else request.priority,
+    )
+    if request.messages is not None:
+        message.messages.messages.extend(
+            model_pool_pb2.ChatMessage(role="system" if role == "developer" else role, content=content)
+            for role, content in request.messages
+        )
+    else:
+        message.prompt_text = request.prompt or ""
+    return message
+
+
+class GenerationPort:
+    """What the OpenAI routes need (`frontends.openai.Generations`): streams, and the
+    generative models (backend transformers) with their state, from the catalog."""
+
+    def __init__(
+        self, streams: GenerationStreams, models: Callable[[], Awaitable[dict[str, ModelView]]]
+    ) -> None:
+        self._streams = streams
+        self._models = models
+
+    def generate(
+        self, request: GenerationRequest, *, request_id: str, client_id: str
+    ) -> AsyncIterator[GenerationEvent]:
+        return self._streams.generate(request, request_id=request_id, client_id=client_id)
+
+    async def models(self) -> dict[str, str]:
+        views = await self._models()
+        return {
+            name: "IDLE" if view.state == "UNAVAILABLE" and view.reason in ("", "not loaded") else view.state
+            for name, view in views.items()
+            if view.backend in GENERATIVE_BACKENDS
+        }

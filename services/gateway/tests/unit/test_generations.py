@@ -1,0 +1,257 @@
+"""Generation streams in the gateway (`GenerationStreams`), with recording stand-ins for the
+scheduler session and the worker links (its two collaborators): queued like any request, the
+grant held to the terminal, replies checked for order, cancel while queued or running, retry
+before the first chunk, a deadline that passed while queued."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from loadmaster.common import internal_auth
+from loadmaster.common.credentials import Credentials, Identity
+from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumentError, UnavailableError
+from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FRAME
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.gateway.catalog import ModelView
+from loadmaster.gateway.frontends.openai import Finished, TextChunk
+from loadmaster.gateway.frontends.openai_schema import parse_chat
+from loadmaster.gateway.generations import GenerationPort, GenerationStreams
+from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
+
+ENDPOINT = "tcp://127.0.0.1:1"
+
+
+class Scheduler:
+    connected = True
+    session = 1
+
+    def __init__(self) -> None:
+        self.enqueued: list[scheduler_pb2.RequestInfo] = []
+        self.completed: list[tuple[str, int, bool]] = []
+        self.cancelled: list[str] = []
+
+    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
+        self.enqueued.append(request)
+
+    def complete(self, request_id: str, *, error_code: int = 0, retryable: bool = False, **_: Any) -> None:
+        self.completed.append((request_id, error_code, retryable))
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+
+class Workers:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes, bytes]] = []
+
+    def send_generation(self, endpoint: str, kind: bytes, envelope: bytes) -> None:
+        self.sent.append((endpoint, kind, envelope))
+
+    def requests(self) -> list[model_pool_pb2.GenerateRequest]:
+        return [
+            model_pool_pb2.GenerateRequest.FromString(e)
+            for _, k, e in self.sent
+            if k == GENERATE_REQUEST_FRAME
+        ]
+
+    def cancels(self) -> list[str]:
+        return [
+            model_pool_pb2.CancelGeneration.FromString(e).request_id
+            for _, k, e in self.sent
+            if k == GENERATE_CANCEL_FRAME
+        ]
+
+
+@pytest.fixture
+def parts() -> tuple[GenerationStreams, Scheduler, Workers]:
+    scheduler, workers = Scheduler(), Workers()
+    streams = GenerationStreams(
+        scheduler=scheduler, workers=workers, telemetry=TelemetryReporter("gateway", "test", None)
+    )
+    return streams, scheduler, workers
+
+
+BODY = b'{"model": "tiny-chat", "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "seed": 7, "stop": ["x"], "x_priority": 0, "x_urgency": 0.5, "x_deadline_ms": 250}'
+
+
+def grant(request_id: str, worker: str = "w1") -> scheduler_pb2.Grant:
+    return scheduler_pb2.Grant(
+        request_id=request_id, worker_id=worker, data_endpoint=ENDPOINT, generation=3, attempt=1
+    )
+
+
+def replies(
+    request_id: str, *kinds: tuple[int, str, Any], worker: str = "w1"
+) -> model_pool_pb2.GenerateReplies:
+    out = model_pool_pb2.GenerateReplies()
+    for sequence, kind, value in kinds:
+        reply = out.replies.add(
+            request_id=request_id, model_id="tiny-chat", sequence=sequence, worker_id=worker
+        )
+        if kind == "chunk":
+            reply.chunk.text = value
+        elif kind == "result":
+            reply.result.finish_reason = model_pool_pb2.FINISH_REASON_LENGTH
+            reply.result.usage.prompt_tokens, reply.result.usage.completion_tokens = value
+        elif kind == "error":
+            reply.error.error_code, reply.error.error_message, reply.error.retryable = value
+        elif kind == "cancelled":
+            reply.cancelled.reason = value
+    return out
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_generation_is_queued_granted_streamed_and_completed(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, scheduler, workers = parts
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    [info] = scheduler.enqueued
+    assert (info.model_id, info.priority, info.client_id, info.timeout_ms) == ("tiny-chat", 0, "arm", 250)
+    assert info.urgency == pytest.approx(0.5)
+    assert streams.on_grant(grant("g1"))
+    [sent] = workers.requests()
+    assert (sent.generation, sent.priority, sent.sampling.max_tokens, sent.sampling.seed) == (3, 0, 5, 7)
+    assert [(m.role, m.content) for m in sent.messages.messages] == [("system", "be brief"), ("user", "hi")]
+    assert sent.sampling.temperature == 0.0 and sent.sampling.HasField("temperature")
+    streams.on_replies(ENDPOINT, replies("g1", (0, "chunk", "he"), (1, "chunk", "llo")))
+    assert await first == TextChunk("hello")  # chunks already waiting travel as one
+    streams.on_replies(ENDPOINT, replies("g1", (2, "result", (9, 5))))
+    assert await anext(events) == Finished("length", prompt_tokens=9, completion_tokens=5, model="tiny-chat")
+    assert scheduler.completed == [("g1", 0, False)] and streams.open == 0
+    assert not streams.on_grant(grant("other"))  # not a generation: the dispatcher's
+
+
+async def test_a_gap_in_the_stream_fails_it_and_frees_the_slot(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, scheduler, workers = parts
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="c")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    streams.on_grant(grant("g1"))
+    streams.on_replies(ENDPOINT, replies("g1", (0, "chunk", "a"), (2, "chunk", "c")))
+    assert await first == TextChunk("a")
+    with pytest.raises(InternalError, match="missing"):
+        await anext(events)
+    assert workers.cancels() == ["g1"]
+    assert scheduler.completed == [("g1", errors_pb2.ERROR_CODE_INTERNAL, False)]
+
+
+async def test_closing_while_queued_cancels_at_the_scheduler_and_while_running_at_the_worker(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, scheduler, workers = parts
+    queued = streams.generate(parse_chat(BODY), request_id="q", client_id="c")
+    waiting = asyncio.ensure_future(anext(queued))
+    await settle()
+    waiting.cancel()
+    await settle()
+    await queued.aclose()
+    assert scheduler.cancelled == ["q"] and streams.open == 0
+
+    running = streams.generate(parse_chat(BODY), request_id="r", client_id="c")
+    first = asyncio.ensure_future(anext(running))
+    await settle()
+    streams.on_grant(grant("r"))
+    streams.on_replies(ENDPOINT, replies("r", (0, "chunk", "a")))
+    assert await first == TextChunk("a")
+    await running.aclose()
+    assert workers.cancels() == ["r"] and scheduler.completed == []  # the slot is held until...
+    streams.on_replies(ENDPOINT, replies("r", (1, "chunk", "b"), (2, "cancelled", "gone")))
+    assert scheduler.completed == [("r", errors_pb2.ERROR_CODE_CANCELLED, False)]  # ...the terminal
+    assert streams.open == 0
+
+
+async def test_a_retryable_error_before_the_first_chunk_goes_back_to_the_scheduler(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, scheduler, workers = parts
+    events = streams.generate(parse_chat(BODY), request_id="g", client_id="c")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    streams.on_grant(grant("g", "w1"))
+    unloading = (errors_pb2.ERROR_CODE_UNAVAILABLE, "the model was unloaded", True)
+    streams.on_replies(ENDPOINT, replies("g", (0, "error", unloading)))
+    assert scheduler.completed == [("g", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
+    streams.on_grant(grant("g", "w2"))  # re-granted elsewhere: numbering starts again
+    streams.on_replies(ENDPOINT, replies("g", (0, "chunk", "x"), worker="w1"))  # late, ignored
+    streams.on_replies(ENDPOINT, replies("g", (0, "chunk", "ok"), worker="w2"))
+    assert await first == TextChunk("ok")
+    bad = (errors_pb2.ERROR_CODE_INVALID_ARGUMENT, "stop[0]: bad", False)
+    streams.on_replies(ENDPOINT, replies("g", (1, "error", bad), worker="w2"))
+    with pytest.raises(InvalidArgumentError, match="stop"):
+        await anext(events)
+    assert len(workers.requests()) == 2
+
+
+async def test_a_deadline_passed_while_queued_is_expired_and_a_lost_worker_unavailable(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, _ = parts
+    queued = streams.generate(parse_chat(BODY), request_id="late", client_id="c")
+    waiting = asyncio.ensure_future(anext(queued))
+    await settle()
+    streams.on_reject(
+        scheduler_pb2.Reject(request_id="late", error_code=errors_pb2.ERROR_CODE_EXPIRED, message="expired")
+    )
+    with pytest.raises(ExpiredError):
+        await waiting
+    running = streams.generate(parse_chat(BODY), request_id="r", client_id="c")
+    first = asyncio.ensure_future(anext(running))
+    await settle()
+    streams.on_grant(grant("r"))
+    streams.on_replies(ENDPOINT, replies("r", (0, "chunk", "a")))
+    assert await first == TextChunk("a")
+    streams.on_worker_lost(ENDPOINT)
+    with pytest.raises(UnavailableError, match="went away"):
+        await anext(running)
+
+
+async def test_the_port_lists_generative_models_with_their_state(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    views = {
+        "tiny-chat": ModelView("tiny-chat", "READY", backend="transformers"),
+        "big-chat": ModelView("big-chat", "UNAVAILABLE", "not loaded", backend="transformers"),
+        "double": ModelView("double", "READY", backend="python"),
+    }
+
+    async def models() -> dict[str, ModelView]:
+        return views
+
+    port = GenerationPort(parts[0], models)
+    assert await port.models() == {"tiny-chat": "READY", "big-chat": "IDLE"}
+
+
+async def test_with_internal_credentials_requests_and_cancels_are_signed(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, workers = parts
+    secret = b"s" * 32
+    internal_auth.setup(Credentials(secret, Identity.parse("gateway/g1")))
+    try:
+        events = streams.generate(parse_chat(BODY), request_id="g", client_id="c")
+        first = asyncio.ensure_future(anext(events))
+        await settle()
+        streams.on_grant(grant("g"))
+        streams.on_replies(ENDPOINT, replies("g", (0, "chunk", "a")))
+        assert await first == TextChunk("a")
+        await events.aclose()
+    finally:
+        internal_auth.setup(None)
+    worker = Credentials(secret, Identity.parse("model-pool/w1"))
+    [request] = workers.requests()
+    assert worker.verify_envelope(request.metadata, "g") == Identity.parse("gateway/g1")
+    [(_, _, envelope)] = [sent for sent in workers.sent if sent[1] == GENERATE_CANCEL_FRAME]
+    cancel = model_pool_pb2.CancelGeneration.FromString(envelope)
+    assert worker.verify_envelope(cancel.metadata, "cancel:g") == Identity.parse("gateway/g1")
