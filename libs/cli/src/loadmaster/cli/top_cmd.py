@@ -2,8 +2,9 @@
 
 Reads the metrics service's dashboard document (`GET /api/dashboard` on its HTTP port, the
 same data the web dashboard plots): per model latency percentiles, throughput, queue depth,
-deadline misses and errors over the last seconds, with a throughput trend; memory leased per
-GPU; the state of each model on each worker.
+deadline misses and errors over the last seconds, with a throughput trend; for each generative
+model, output tokens/s and time to first token (p50, p95) with a tokens/s trend; memory leased
+per GPU; the state of each model on each worker.
 
     loadmaster top -c loadmaster.yaml                 # live until Ctrl-C
     loadmaster top -c loadmaster.yaml --once          # one frame, then exit (scripts, tests)
@@ -91,6 +92,8 @@ def render(doc: dict[str, Any], *, source: str = "", expand: bool = True) -> Gro
             Text(sparkline(model.get("throughput_rps", [])), style="cyan"),
         )
 
+    generative = _generative_table(doc, expand=expand)
+
     gpus = Table(title="GPU memory", expand=expand)
     for column in ("gpu", "leased MB", "free MB", "leased, trend"):
         gpus.add_column(column, justify="left" if column in ("gpu", "leased, trend") else "right")
@@ -116,7 +119,30 @@ def render(doc: dict[str, Any], *, source: str = "", expand: bool = True) -> Gro
                 str(slot["vram_mb"]),
             )
     header = Text.assemble(("loadmaster top", "bold"), "  ", (source, "dim"))
-    return Group(header, models, gpus, workers)
+    tables = [models, generative, gpus, workers] if generative is not None else [models, gpus, workers]
+    return Group(header, *tables)
+
+
+def _generative_table(doc: dict[str, Any], *, expand: bool) -> Table | None:
+    """Tokens/s and time to first token per generative model (`generative` in the document);
+    None when no model generates text."""
+    served = doc.get("generative") or {}
+    if not served:
+        return None
+    table = Table(title=f"generative models (last {_num(doc.get('summary_s'))} s)", expand=expand)
+    for column in ("model", "tokens/s", "TTFT p50 ms", "TTFT p95 ms"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    table.add_column(f"tokens/s, last {min(30, len(doc.get('t', [])))} s")
+    for name, model in served.items():
+        s = model.get("summary") or {}
+        table.add_row(
+            name,
+            _num(s.get("tokens_per_s")),
+            _num(s.get("ttft_p50_ms"), 2),
+            _num(s.get("ttft_p95_ms"), 2),
+            Text(sparkline(model.get("tokens_per_s", [])), style="green"),
+        )
+    return table
 
 
 def _frame(url: str, *, expand: bool = True, api_key: str = "") -> Group | Text:

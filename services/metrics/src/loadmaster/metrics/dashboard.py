@@ -244,6 +244,7 @@ def snapshot(
             "summary": {
                 "tokens_per_s": round(tokens_now / summary_s, 3),
                 "ttft_p50_ms": _finite(float(np.percentile(recent_ttft, 50))) if recent_ttft.size else None,
+                "ttft_p95_ms": _finite(float(np.percentile(recent_ttft, 95))) if recent_ttft.size else None,
             },
         }
 

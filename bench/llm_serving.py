@@ -1,0 +1,806 @@
+"""Generative serving through the whole suite against `transformers serve --continuous-batching`.
+
+    .venv/bin/python bench/llm_serving.py [--sides reference loadmaster] [--requests 48] [--tokens 64]
+        [--concurrency 1 16 64] [--probes 30] [--background 64] [--side-budget-s 150]
+
+Two servers of the same `tiny-chat` folder (examples/models/tiny-chat/artifacts, `make models`),
+both started, then measured in alternating windows (the order flips every window, so a shared
+machine that slows down weighs on both), driven by the same client code (the official async
+`openai` client, streaming chat completions, `stream_options.include_usage`), and stopped:
+
+- reference: Hugging Face's `transformers serve --continuous-batching` (its CLI, as its docs
+  show; bench/_hf_serve.py) on a free loopback port, with one torch thread
+  (OMP_NUM_THREADS=1, as Loadmaster's `model_pool.inference_threads`; --reference-threads 0
+  leaves torch's default, 4-5x slower on a 2-core machine; `--sides ... reference-default-threads`
+  measures that one too, as an extra);
+- loadmaster: the suite (`_harness.running_suite_handle`, free ports, the example config) with
+  `tiny-chat` preloaded, through the gateway's OpenAI routes -> scheduler -> worker -> the
+  transformers engine.
+
+Per side and concurrency C (1, 16, 64): --windows windows (3), alternating between the sides,
+each of max(--requests / --windows, 4 C) chat requests of --tokens output tokens, greedy
+(`temperature` 0, so both servers run the same token sequences), from C concurrent async
+clients. Output tokens/s = the usage's completion tokens / the windows' wall time; time to
+first token = request sent -> first chunk with text; inter-token latency = the gaps between a
+stream's text chunks (a server that sends the tokens of one loop turn together shows many gaps
+near 0); time per output token = per stream, (last text chunk - first) / (tokens - 1).
+
+The priority figure: --probes sequential priority-0 streams (8 tokens each) on the idle model,
+then the same while --background priority-2 streams (closed loop, --tokens each) saturate it.
+Ratio = the loaded time-to-first-token p99 / the idle p50 (target <= 3). Priorities travel as
+Loadmaster's `x_priority` field; the reference has none (it refuses unknown fields), so it gets
+the same load without them.With the example config the scheduler admits as many
+tiny-chat streams as it has sequences (max_inflight 32), so a priority-0 stream waits in the
+scheduler's queue until a stream ends; --loadmaster-max-inflight 80 admits all of them to the
+worker, whose sequencer preempts a priority-2 sequence for it (docs/generative.md).
+
+A side that fails (its server does not start, a route is missing, every request of a phase
+fails) is reported as failed with the reason (and its logs' tail), and the other side goes on.
+Every phase is bounded in requests and in time (--side-budget-s per side, all phases).
+Writes bench/results/llm_serving.json; exits 1 when a side failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import shlex
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _harness import EXAMPLE_CONFIG, ROOT, percentiles_ms, running_suite_handle, write_result
+
+MODEL_FOLDER = ROOT / "examples" / "models" / "tiny-chat" / "artifacts"
+REQUEST_TIMEOUT_S = 60.0
+PROBE_TOKENS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRecord:
+    """One streamed request, as the client saw it."""
+
+    started: float  # perf_counter when it was sent
+    ttft_s: float | None  # None: no text arrived
+    gaps_s: tuple[float, ...]
+    tokens: int  # usage.completion_tokens (text chunks when the server sent no usage)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Target:
+    name: str
+    server: str  # the address the client talks to, e.g. http://127.0.0.1:8000/v1
+    model: str
+    priority_field: bool  # whether requests carry x_priority
+    notes: list[str] = field(default_factory=list)
+    diagnose: Callable[[], str] | None = None  # the server's log tail, shown when it fails
+
+
+# ---- one stream ----------------------------------------------------------------------------
+
+
+async def stream_once(
+    client: Any, target: Target, *, index: int, tokens: int, priority: int | None
+) -> StreamRecord:
+    """Send one streaming chat completion and time its chunks; never raises (errors are recorded)."""
+    extra: dict[str, Any] = {}
+    if priority is not None and target.priority_field:
+        extra["x_priority"] = priority
+    started = time.perf_counter()
+    first: float | None = None
+    last = started
+    gaps: list[float] = []
+    text_chunks = 0
+    usage_tokens: int | None = None
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            stream = await client.chat.completions.create(
+                model=target.model,
+                messages=[{"role": "user", "content": f"request {index}: tell me about GPUs"}],
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra or None,
+            )
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    usage_tokens = chunk.usage.completion_tokens
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text_chunks += 1
+                    if first is None:
+                        first = now - started
+                    else:
+                        gaps.append(now - last)
+                    last = now
+    except Exception as error:  # a failed stream is a measurement, not a crash
+        cause = f" ({type(error.__cause__).__name__}: {error.__cause__})" if error.__cause__ else ""
+        return StreamRecord(
+            started, first, tuple(gaps), text_chunks, f"{type(error).__name__}: {error}{cause}"
+        )
+    produced = usage_tokens if usage_tokens is not None else text_chunks
+    return StreamRecord(started, first, tuple(gaps), produced)
+
+
+# ---- summaries -----------------------------------------------------------------------------
+
+
+def _ms(samples_s: list[float]) -> dict[str, float] | None:
+    return percentiles_ms(samples_s) if samples_s else None
+
+
+def summarize(records: list[StreamRecord], wall_s: float) -> dict[str, Any]:
+    """Throughput and latency of a set of streams (failed ones are counted, not timed)."""
+    ok = [r for r in records if r.error is None]
+    errors = [r.error for r in records if r.error is not None]
+    tokens = sum(r.tokens for r in ok)
+    return {
+        "requests": len(records),
+        "failed": len(errors),
+        "first_error": errors[0] if errors else None,
+        "output_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "output_tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
+        "time_to_first_token": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "inter_token_latency": _ms([g for r in ok for g in r.gaps_s]),
+        # Per stream, (last text chunk - first) / (tokens - 1): vLLM's "time per output token".
+        # Unlike the gaps, it does not depend on how the server groups tokens into chunks.
+        "time_per_output_token": _ms(
+            [sum(r.gaps_s) / (r.tokens - 1) for r in ok if r.tokens > 1 and r.gaps_s]
+        ),
+    }
+
+
+def _check(summary: dict[str, Any], what: str) -> None:
+    """A phase where every request failed says so (the side is reported as failed)."""
+    if summary["requests"] and summary["failed"] == summary["requests"]:
+        raise SideFailedError(f"{what}: every request failed; the first: {summary['first_error']}")
+
+
+class SideFailedError(Exception):
+    pass
+
+
+# ---- phases --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One closed-loop window: its streams, wall time and the client's CPU time."""
+
+    records: tuple[StreamRecord, ...]
+    wall_s: float
+    client_cpu_s: float
+
+
+async def closed_loop_window(
+    client: Any, target: Target, *, concurrency: int, requests: int, tokens: int
+) -> Window:
+    indices = iter(range(requests))
+    records: list[StreamRecord] = []
+
+    async def worker() -> None:
+        for index in indices:  # the shared iterator hands each request to one worker
+            records.append(await stream_once(client, target, index=index, tokens=tokens, priority=None))
+
+    started = time.perf_counter()
+    cpu = time.process_time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Window(tuple(records), time.perf_counter() - started, time.process_time() - cpu)
+
+
+def combine(concurrency: int, windows: list[Window]) -> dict[str, Any]:
+    """One concurrency's figures over its windows: tokens / summed wall time, latencies over
+    every stream; each window's tokens/s too, to show the spread."""
+    records = [r for w in windows for r in w.records]
+    summary = summarize(records, sum(w.wall_s for w in windows))
+    cpu_s = sum(w.client_cpu_s for w in windows)
+    return {
+        "concurrency": concurrency,
+        **summary,
+        "windows": len(windows),
+        "window_tokens_per_s": [
+            round(sum(r.tokens for r in w.records if r.error is None) / w.wall_s, 1) for w in windows
+        ],
+        # The client's own CPU (this process: the openai client, its SSE parsing, asyncio), on
+        # the same cores as the server: per output token, and as a share of one core.
+        "client_cpu_us_per_token": round(cpu_s / max(1, summary["output_tokens"]) * 1e6, 1),
+        "client_cpu_share_of_a_core": round(cpu_s / max(1e-9, summary["wall_s"]), 2),
+    }
+
+
+async def closed_loop(
+    client: Any, target: Target, *, concurrency: int, requests: int, tokens: int
+) -> dict[str, Any]:
+    window = await closed_loop_window(
+        client, target, concurrency=concurrency, requests=requests, tokens=tokens
+    )
+    return combine(concurrency, [window])
+
+
+async def probes(
+    client: Any, target: Target, *, count: int, gap_s: tuple[float, float], seed: int
+) -> list[StreamRecord]:
+    """`count` sequential priority-0 streams of PROBE_TOKENS tokens, a random gap apart."""
+    rng = random.Random(seed)
+    out: list[StreamRecord] = []
+    for n in range(count):
+        out.append(await stream_once(client, target, index=10_000 + n, tokens=PROBE_TOKENS, priority=0))
+        await asyncio.sleep(rng.uniform(*gap_s))
+    return out
+
+
+async def priority_under_load(
+    client: Any,
+    target: Target,
+    *,
+    background: int,
+    tokens: int,
+    count: int,
+    saturate_s: float = 1.5,
+    drain_s: float = 60.0,
+) -> dict[str, Any]:
+    """Idle probes, then the same probes while `background` priority-2 closed-loop streams run."""
+    idle = await probes(client, target, count=count, gap_s=(0.02, 0.08), seed=1)
+    stop = asyncio.Event()
+    loaded_records: list[StreamRecord] = []
+    counter = iter(range(20_000, 10**9))
+
+    async def keep_busy() -> None:
+        while not stop.is_set():
+            record = await stream_once(client, target, index=next(counter), tokens=tokens, priority=2)
+            loaded_records.append(record)
+            if record.error is not None:
+                await asyncio.sleep(0.2)  # a failing server: don't spin
+
+    tasks = [asyncio.create_task(keep_busy()) for _ in range(background)]
+    try:
+        await asyncio.sleep(saturate_s)  # every stream sent, the batch full and decoding
+        window_start = time.perf_counter()
+        loaded = await probes(client, target, count=count, gap_s=(0.05, 0.2), seed=2)
+        window_s = time.perf_counter() - window_start
+    finally:
+        stop.set()
+        _, pending = await asyncio.wait(tasks, timeout=drain_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    in_window = [r for r in loaded_records if r.error is None and r.started >= window_start]
+    background_errors = sum(1 for r in loaded_records if r.error is not None)
+    idle_s = summarize(idle, 1.0)
+    loaded_s = summarize(loaded, 1.0)
+    _check(idle_s, "idle priority-0 probes")
+    _check(loaded_s, "priority-0 probes under load")
+    idle_p50 = (idle_s["time_to_first_token"] or {}).get("p50_ms")
+    loaded_p99 = (loaded_s["time_to_first_token"] or {}).get("p99_ms")
+    ratio = round(loaded_p99 / idle_p50, 2) if idle_p50 and loaded_p99 is not None else None
+    return {
+        "probes": count,
+        "probe_tokens": PROBE_TOKENS,
+        "background_streams": background,
+        "background_tokens_per_request": tokens,
+        "background_requests_finished": len(loaded_records) - background_errors,
+        "background_failed": background_errors,
+        "background_requests_started_in_window": len(in_window),
+        "probe_window_s": round(window_s, 3),
+        "idle_ttft": idle_s["time_to_first_token"],
+        "loaded_ttft": loaded_s["time_to_first_token"],
+        "idle_failed": idle_s["failed"],
+        "loaded_failed": loaded_s["failed"],
+        "ratio_loaded_p99_to_idle_p50": ratio,
+    }
+
+
+@dataclass(slots=True)
+class Side:
+    """One server under test and what was measured on it so far."""
+
+    target: Target
+    client: Any
+    record: dict[str, Any]  # the side's entry in the result
+    spent_s: float = 0.0
+    failed: bool = False
+    windows: dict[int, list[Window]] = field(default_factory=dict)  # by concurrency
+
+
+async def warm_up(side: Side, args: argparse.Namespace) -> None:
+    target = side.target
+    first = await stream_once(side.client, target, index=0, tokens=8, priority=1)
+    if first.error is not None:
+        hint = ""
+        if first.error.startswith("NotFoundError"):
+            hint = f" ({target.server}/chat/completions or the model {target.model!r} is not served here)"
+        raise SideFailedError(f"the first request failed: {first.error}{hint}")
+    _check(await closed_loop(side.client, target, concurrency=4, requests=8, tokens=8), "warm-up")
+
+
+def requests_per_window(args: argparse.Namespace, concurrency: int) -> int:
+    """--requests split over --windows, and at least 4x the concurrency (so it is sustained
+    and a window lasts long enough to measure)."""
+    return max(math.ceil(args.requests / args.windows), 4 * concurrency)
+
+
+def concurrency_phase(concurrency: int, window: int) -> Callable[[Side, argparse.Namespace], Awaitable[None]]:
+    async def phase(side: Side, args: argparse.Namespace) -> None:
+        requests = requests_per_window(args, concurrency)
+        done = await closed_loop_window(
+            side.client, side.target, concurrency=concurrency, requests=requests, tokens=args.tokens
+        )
+        windows = side.windows.setdefault(concurrency, [])
+        windows.append(done)
+        _check(combine(concurrency, [done]), f"concurrency {concurrency}")
+        if window == args.windows - 1:
+            run = combine(concurrency, windows)
+            side.record.setdefault("runs", []).append(run)
+            say(f"[{side.target.name}] {_line(run)}")
+
+    return phase
+
+
+async def priority_phase(side: Side, args: argparse.Namespace) -> None:
+    priority = await priority_under_load(
+        side.client, side.target, background=args.background, tokens=args.tokens, count=args.probes
+    )
+    side.record["priority"] = priority
+    say(
+        f"[{side.target.name}] priority-0 TTFT idle p50 {_p(priority['idle_ttft'], 'p50_ms')} ms, "
+        f"under {args.background} priority-2 streams p50 {_p(priority['loaded_ttft'], 'p50_ms')} "
+        f"p99 {_p(priority['loaded_ttft'], 'p99_ms')} ms: ratio {priority['ratio_loaded_p99_to_idle_p50']}"
+    )
+
+
+async def measure(sides: list[Side], args: argparse.Namespace) -> None:
+    """Every phase on every side, the sides alternating phase by phase (the order flips each
+    phase), so a machine that slows down mid-run weighs on both alike. A side that fails or
+    runs out of --side-budget-s stops there; the others go on."""
+    phases: list[tuple[str, Callable[[Side, argparse.Namespace], Awaitable[None]]]] = [("warm-up", warm_up)]
+    phases += [
+        (f"concurrency {c}", concurrency_phase(c, window))
+        for c in args.concurrency
+        for window in range(args.windows)
+    ]
+    if args.probes:
+        phases.append(("priority", priority_phase))
+    for number, (name, phase) in enumerate(phases):
+        for side in sides if number % 2 == 0 else sides[::-1]:
+            if side.failed:
+                continue
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(phase(side, args), timeout=max(0.1, args.side_budget_s - side.spent_s))
+            except TimeoutError:
+                fail(side, f"{name}: did not finish within --side-budget-s {args.side_budget_s:g} s")
+            except SideFailedError as error:
+                fail(side, str(error))
+            except Exception as error:
+                fail(side, f"{name}: {type(error).__name__}: {error}")
+                side.record["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
+            side.spent_s += time.monotonic() - started
+    for side in sides:
+        side.record["measured_s"] = round(side.spent_s, 1)
+        side.record["ok"] = not side.failed
+
+
+def fail(side: Side, error: str) -> None:
+    side.failed = True
+    side.record["error"] = error
+    say(f"[{side.target.name}] FAILED: {error}")
+    if side.target.diagnose is not None:
+        tail = side.target.diagnose()
+        if tail:
+            side.record["log_tail"] = tail.splitlines()[-24:]
+            say(f"[{side.target.name}] its logs end with:\n{tail}")
+
+
+def _client(target: Target) -> Any:
+    """The same client for every side: no retries; idle connections dropped after 1 s, before a
+    server's keep-alive timeout (uvicorn's 5 s) can close one the client is about to reuse
+    (httpx's own expiry is also 5 s: a race that fails a request between windows)."""
+    try:
+        import httpx2 as httpx  # the openai client's own fork of httpx (openai >= 3)
+    except ImportError:
+        import httpx  # type: ignore[no-redef]
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=1.0)
+    return AsyncOpenAI(
+        base_url=target.server,
+        api_key="bench",
+        max_retries=0,
+        timeout=REQUEST_TIMEOUT_S,
+        http_client=DefaultAsyncHttpxClient(limits=limits, timeout=REQUEST_TIMEOUT_S),
+    )
+
+
+async def measure_targets(targets: list[Target], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    sides = [
+        Side(
+            target,
+            _client(target),
+            {"ok": False, "server": target.server, "model": target.model, "notes": target.notes},
+        )
+        for target in targets
+    ]
+    try:
+        await measure(sides, args)
+    finally:
+        for side in sides:
+            await side.client.close()
+    return {side.target.name: side.record for side in sides}
+
+
+def _p(stats: dict[str, Any] | None, key: str) -> str:
+    return "-" if not stats else f"{stats[key]:.1f}"
+
+
+def _line(run: dict[str, Any]) -> str:
+    return (
+        f"concurrency {run['concurrency']:3d}: {run['output_tokens_per_s']:8.1f} output tokens/s, "
+        f"TTFT p50 {_p(run['time_to_first_token'], 'p50_ms')} p99 {_p(run['time_to_first_token'], 'p99_ms')} ms, "
+        f"ITL p50 {_p(run['inter_token_latency'], 'p50_ms')} p99 {_p(run['inter_token_latency'], 'p99_ms')} ms"
+        f", TPOT p50 {_p(run['time_per_output_token'], 'p50_ms')} p99 {_p(run['time_per_output_token'], 'p99_ms')} ms"
+        + (f", {run['failed']} failed" if run["failed"] else "")
+    )
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_sides(
+    makers: dict[str, Callable[[], AbstractContextManager[Target]]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Start every side's server (outside any event loop: the suite's launcher runs its own),
+    measure them together, stop them. Never raises: a side that does not start or fails is
+    {"ok": False, "error": ...} plus whatever phases it finished."""
+    results: dict[str, dict[str, Any]] = {}
+    with ExitStack() as stack:
+        targets: list[Target] = []
+        for name, make in makers.items():
+            try:
+                targets.append(stack.enter_context(make()))
+            except Exception as error:
+                results[name] = {"ok": False, "error": f"could not start: {type(error).__name__}: {error}"}
+                say(f"[{name}] FAILED: {results[name]['error']}")
+        if targets:
+            results.update(asyncio.run(measure_targets(targets, args)))
+    return {name: results[name] for name in makers}
+
+
+# ---- the two servers -----------------------------------------------------------------------
+
+
+def reference_server(
+    args: argparse.Namespace, log_dir: Path, *, name: str = "reference", threads: int | None = None
+) -> Callable[[], AbstractContextManager[Target]]:
+    """`transformers serve`; `threads`: OMP_NUM_THREADS (None: --reference-threads; 0: torch's default)."""
+    threads = args.reference_threads if threads is None else threads
+
+    @contextmanager
+    def start() -> Iterator[Target]:
+        from _hf_serve import hf_serve
+
+        say(f"[{name}] starting `transformers serve --continuous-batching`…")
+        with hf_serve(
+            MODEL_FOLDER,
+            device=args.device,
+            extra=tuple(shlex.split(args.reference_args)),
+            threads=threads or None,
+            log_path=log_dir / f"{name}.log",
+        ) as served:
+            notes = [
+                "command: " + " ".join(served.command[1:]),
+                (
+                    f"extra flags: {args.reference_args}"
+                    if args.reference_args
+                    else "KV cache: its own sizing (no --cb-num-blocks/--cb-block-size/--cb-max-batch-tokens; "
+                    "its docs give no CPU values)"
+                )
+                + "; Loadmaster's: see its notes",
+                "torch threads: "
+                + (f"OMP_NUM_THREADS={threads}" if threads else "torch's default (one per core)")
+                + " (Loadmaster: model_pool.inference_threads 1)",
+                "no priorities: requests carry no x_priority (it answers 422 to unknown fields)",
+                "temperature 0 comes from the first request: it builds its manager from that one",
+            ]
+            yield Target(
+                name,
+                served.base_url,
+                served.model,
+                priority_field=False,
+                notes=notes,
+                diagnose=served.diagnose,
+            )
+
+    return start
+
+
+def _model_config() -> tuple[dict[str, Any], dict[str, Any]]:
+    """tiny-chat's config.yaml and its entry under `models.known` in the example config."""
+    import yaml
+
+    model = yaml.safe_load((MODEL_FOLDER.parent / "config.yaml").read_text()) or {}
+    example = yaml.safe_load(EXAMPLE_CONFIG.read_text()) or {}
+    known = ((example.get("models") or {}).get("known") or {}).get("tiny-chat") or {}
+    return model, known
+
+
+@contextmanager
+def _suite(max_inflight: int) -> Iterator[Any]:
+    """The suite as the other benches start it; with `max_inflight`, from a copy of the example
+    config whose tiny-chat admits that many streams (the scheduler's grants)."""
+    if not max_inflight:
+        with running_suite_handle(preload=["tiny-chat"]) as suite:
+            yield suite
+        return
+    import yaml
+
+    from loadmaster.cli.launcher import Suite, free_port_overrides
+
+    config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    config["models"]["repository"] = str((EXAMPLE_CONFIG.parent / config["models"]["repository"]).resolve())
+    config["models"]["known"].setdefault("tiny-chat", {})["max_inflight"] = max_inflight
+    overrides = free_port_overrides()
+    overrides["model_pool"]["preload"] = ["tiny-chat"]
+    with tempfile.TemporaryDirectory(prefix="loadmaster-llm-serving-suite-") as folder:
+        path = Path(folder) / "loadmaster.yaml"
+        path.write_text(yaml.safe_dump(config))
+        suite = Suite(path, overrides=overrides, log_dir=Path(folder))
+        suite.start(timeout_s=120)
+        try:
+            suite.wait_for_models(["tiny-chat"], timeout_s=120)
+            yield suite
+        finally:
+            suite.stop()
+
+
+def loadmaster_server(args: argparse.Namespace) -> Callable[[], AbstractContextManager[Target]]:
+    @contextmanager
+    def start() -> Iterator[Target]:
+        say("[loadmaster] starting the suite with tiny-chat preloaded…")
+        model, known = _model_config()
+        with _suite(args.loadmaster_max_inflight) as suite:
+            gateway = suite.settings.gateway
+
+            def diagnose() -> str:
+                tails = [(name, suite.log_tail(name, 8)) for name in ("gateway", "scheduler", "model-pool")]
+                return "\n".join(f"{name}: {tail}" for name, tail in tails if tail)
+
+            admitted = args.loadmaster_max_inflight or known.get("max_inflight")
+            yield Target(
+                "loadmaster",
+                f"http://{gateway.http_host}:{gateway.http_port}/v1",
+                "tiny-chat",
+                priority_field=True,
+                notes=[
+                    "the suite from examples/loadmaster.yaml on free ports, tiny-chat preloaded",
+                    f"tiny-chat: max_sequences {model.get('max_sequences')}, block_size "
+                    f"{model.get('block_size')}, num_blocks {model.get('num_blocks')} (its config.yaml); "
+                    f"the scheduler admits {admitted} streams (max_inflight"
+                    + (
+                        ", --loadmaster-max-inflight)"
+                        if args.loadmaster_max_inflight
+                        else ", the example config)"
+                    ),
+                    "priorities as x_priority (0 highest)",
+                ],
+                diagnose=diagnose,
+            )
+
+    return start
+
+
+# ---- targets and the result ----------------------------------------------------------------
+
+
+def _run_at(side: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    return next((r for r in side.get("runs", []) if r["concurrency"] == concurrency), None)
+
+
+def _stat(run: dict[str, Any] | None, name: str, key: str) -> float | None:
+    stats = (run or {}).get(name)
+    return stats[key] if stats else None
+
+
+def targets(sides: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets from the two sides' figures (a missing figure is not met)."""
+    ours, ref = sides.get("loadmaster", {}), sides.get("reference", {})
+    rows: list[dict[str, Any]] = []
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 2) if a is not None and b else None
+
+    for concurrency in (16, 64):
+        mine = (_run_at(ours, concurrency) or {}).get("output_tokens_per_s")
+        theirs = (_run_at(ref, concurrency) or {}).get("output_tokens_per_s")
+        value = ratio(mine, theirs)
+        rows.append(
+            {
+                "name": f"output tokens/s at concurrency {concurrency} vs transformers serve",
+                "measured": value if value is not None else "n/a",
+                "target": ">= 1.0",
+                "unit": "x",
+                "met": value is not None and value >= 1.0,
+            }
+        )
+    value = ratio(
+        _stat(_run_at(ours, 1), "time_to_first_token", "p50_ms"),
+        _stat(_run_at(ref, 1), "time_to_first_token", "p50_ms"),
+    )
+    rows.append(
+        {
+            "name": "time to first token p50 at concurrency 1 vs transformers serve",
+            "measured": value if value is not None else "n/a",
+            "target": "<= 1.5",
+            "unit": "x",
+            "met": value is not None and value <= 1.5,
+        }
+    )
+    value = (ours.get("priority") or {}).get("ratio_loaded_p99_to_idle_p50")
+    rows.append(
+        {
+            "name": "priority-0 time to first token p99 under 64 priority-2 streams / idle p50",
+            "measured": value if value is not None else "n/a",
+            "target": "<= 3",
+            "unit": "x",
+            "met": value is not None and value <= 3,
+        }
+    )
+    return rows
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def table(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One line per side and phase, for bench/RESULTS.md (report.py lists scalars)."""
+    out: dict[str, Any] = {}
+    for name, side in sides.items():
+        row: dict[str, Any] = {"ok": side.get("ok", False)}
+        if side.get("error"):
+            row["error"] = side["error"]
+        for run in side.get("runs", []):
+            row[f"concurrency_{run['concurrency']}"] = (
+                f"{_fmt(run['output_tokens_per_s'])} output tokens/s; "
+                f"TTFT p50 {_fmt(_stat(run, 'time_to_first_token', 'p50_ms'))} / "
+                f"p99 {_fmt(_stat(run, 'time_to_first_token', 'p99_ms'))} ms; "
+                f"ITL p50 {_fmt(_stat(run, 'inter_token_latency', 'p50_ms'), 2)} / "
+                f"p99 {_fmt(_stat(run, 'inter_token_latency', 'p99_ms'), 2)} ms"
+                f"; TPOT p50 {_fmt(_stat(run, 'time_per_output_token', 'p50_ms'), 2)} / "
+                f"p99 {_fmt(_stat(run, 'time_per_output_token', 'p99_ms'), 2)} ms"
+                + (f"; {run['failed']} failed" if run["failed"] else "")
+            )
+        priority = side.get("priority")
+        if priority:
+            row["priority"] = (
+                f"priority-0 TTFT idle p50 {_fmt(_stat(priority, 'idle_ttft', 'p50_ms'))} ms; under "
+                f"{priority['background_streams']} priority-2 streams p50 "
+                f"{_fmt(_stat(priority, 'loaded_ttft', 'p50_ms'))} / p99 "
+                f"{_fmt(_stat(priority, 'loaded_ttft', 'p99_ms'))} ms; "
+                f"ratio {priority['ratio_loaded_p99_to_idle_p50']}x"
+            )
+        out[name] = row
+    return out
+
+
+def measure_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    if not (MODEL_FOLDER / "config.json").exists():
+        raise SystemExit(f"{MODEL_FOLDER} is missing: run `make models` first")
+    with tempfile.TemporaryDirectory(prefix="loadmaster-llm-serving-") as logs:
+        makers = {
+            "reference": reference_server(args, Path(logs)),
+            "loadmaster": loadmaster_server(args),
+            # The reference again with torch's default thread count (an extra, for the record).
+            "reference-default-threads": reference_server(
+                args, Path(logs), name="reference-default-threads", threads=0
+            ),
+        }
+        return run_sides({name: makers[name] for name in args.sides}, args)
+
+
+def _commit() -> str:
+    """The commit the suite's code came from (with -dirty when the tree has changes)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return head.stdout.strip() or "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=("reference", "loadmaster", "reference-default-threads"),
+        default=["reference", "loadmaster"],
+    )
+    parser.add_argument(
+        "--requests", type=int, default=48, help="requests per concurrency (per window at least 4x it)"
+    )
+    parser.add_argument(
+        "--windows", type=int, default=3, help="windows per concurrency, alternating between the sides"
+    )
+    parser.add_argument("--tokens", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--probes", type=int, default=30, help="priority-0 probes, idle and loaded (0: skip)")
+    parser.add_argument("--background", type=int, default=64, help="priority-2 streams saturating the model")
+    parser.add_argument(
+        "--side-budget-s", type=float, default=150.0, help="time limit of one side's measurements"
+    )
+    parser.add_argument(
+        "--loadmaster-max-inflight",
+        type=int,
+        default=0,
+        help="streams the scheduler admits to tiny-chat (0: the example config's max_inflight)",
+    )
+    parser.add_argument("--note", default="", help="a line stored with the result (what was measured)")
+    parser.add_argument("--device", default="cpu", help="the reference's --device (Loadmaster: its config)")
+    parser.add_argument(
+        "--reference-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS for the reference, as Loadmaster's model_pool.inference_threads (0: its default)",
+    )
+    parser.add_argument(
+        "--reference-args",
+        default="",
+        help="extra flags for `transformers serve`, e.g. '--cb-num-blocks 64 --cb-block-size 64' (recorded)",
+    )
+    args = parser.parse_args()
+
+    started = time.monotonic()
+    sides = measure_all(args)
+    import openai
+    import torch
+    import transformers
+
+    result = {
+        "model": "tiny-chat (random Llama, 2 layers, hidden 128), examples/models/tiny-chat/artifacts",
+        "client": f"openai {openai.__version__} AsyncOpenAI, streaming chat completions, temperature 0",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "code": _commit(),
+        **({"note": args.note} if args.note else {}),
+        "tokens_per_request": args.tokens,
+        "windows_per_concurrency": args.windows,
+        "requests_per_concurrency": {
+            str(c): args.windows * requests_per_window(args, c) for c in args.concurrency
+        },
+        "total_s": round(time.monotonic() - started, 1),
+        "summary": table(sides),
+        "targets": targets(sides) if {"reference", "loadmaster"} <= set(sides) else [],
+        "sides": [{"name": name, **side} for name, side in sides.items()],  # raw: not in RESULTS.md
+    }
+    for row in result["targets"]:
+        say(
+            f"target: {row['name']}: {row['measured']} {row['unit']} (goal {row['target']}, met: {row['met']})"
+        )
+    print(f"wrote {write_result('llm_serving', result)}")
+    failed = [name for name, side in sides.items() if not side.get("ok")]
+    if failed:
+        say("failed sides: " + ", ".join(f"{n} ({sides[n].get('error')})" for n in failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""`loadmaster top` against the real metrics service in-process: the generative figures that the
+model pool (`output_tokens`) and the gateway (`time_to_first_token_ms`) report reach the
+terminal view and `--json`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from loadmaster.cli.main import app
+from loadmaster.common.config import MetricsSettings, SchedulerSettings, Settings
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.metrics.server import MetricsServer, build
+
+
+@pytest.fixture
+async def metrics() -> AsyncIterator[MetricsServer]:
+    settings = Settings(
+        metrics=MetricsSettings(address="127.0.0.1:0", http_host="127.0.0.1", http_port=0),
+        scheduler=SchedulerSettings(address="127.0.0.1:1"),  # none there: states from samples
+    )
+    server = await build(settings)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def _report(
+    server: MetricsServer, service: str, samples: list[tuple[str, float, dict[str, str]]], *, sent: int
+) -> None:
+    reporter = TelemetryReporter(
+        service, f"{service}-1", f"127.0.0.1:{server.port}", flush_interval_s=0.01, process_interval_s=None
+    )
+    reporter.start()
+    for name, value, labels in samples:
+        reporter.record(name, value, labels)
+    await reporter.close(timeout_s=10.0)
+    assert reporter.sent == sent
+
+
+async def test_top_shows_tokens_per_second_and_time_to_first_token_of_a_generative_model(
+    metrics: MetricsServer, tmp_path: Path
+) -> None:
+    chat = {"model": "tiny-chat"}
+    # 320 tokens (a counter: the reporter sends one summed sample), four first tokens.
+    await _report(metrics, "model-pool", [("output_tokens", 64.0, chat)] * 5, sent=1)
+    ttfts = [("time_to_first_token_ms", float(v), chat) for v in (8, 10, 12, 40)]
+    await _report(metrics, "gateway", ttfts, sent=4)
+    config = tmp_path / "loadmaster.yaml"
+    config.write_text(f"metrics:\n  http_host: 127.0.0.1\n  http_port: {metrics.http_port}\n")
+    runner = CliRunner()
+
+    as_json = await asyncio.to_thread(
+        runner.invoke, app, ["top", "-c", str(config), "--json", "--summary", "10"]
+    )
+    assert as_json.exit_code == 0, as_json.output
+    summary = json.loads(as_json.output)["generative"]["tiny-chat"]["summary"]
+    assert summary["tokens_per_s"] == 32.0  # 320 tokens over the 10 s summary
+    assert summary["ttft_p50_ms"] == 11.0
+    assert summary["ttft_p95_ms"] == pytest.approx(35.8)
+
+    frame = await asyncio.to_thread(
+        runner.invoke, app, ["top", "-c", str(config), "--once", "--summary", "10"], terminal_width=200
+    )
+    assert frame.exit_code == 0, frame.output
+    assert "generative models (last 10 s)" in frame.output
+    (row,) = [line for line in frame.output.splitlines() if "tiny-chat" in line and "32" in line]
+    assert "11" in row and "35.80" in row, row
