@@ -71,7 +71,7 @@ redis-sentinel:
 
 models: install $(MODELS_STAMP)
 
-$(MODELS_STAMP): examples/make_models.py
+$(MODELS_STAMP): examples/make_models.py examples/models/tiny-chat/tokenizer_corpus.json
 	$(PY) examples/make_models.py
 	touch $(MODELS_STAMP)
 

@@ -14,13 +14,15 @@ order of float sums).
     classifier  torch.export (.pt2)    image uint8 [480, 640, 3]    -> logits float32 [10]
                                         (normalises inside the model)
     tiny-chat   a Hugging Face folder   random-weight Llama (2 layers, hidden 128) with a
-                                        byte-level BPE tokenizer trained on the repo's docs
+                                        byte-level BPE tokenizer trained on a frozen copy of
+                                        the repo's docs (models/tiny-chat/tokenizer_corpus.json)
                                         and a chat template (backend: transformers)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -162,12 +164,13 @@ TINY_CHAT_TEMPLATE = (
 
 
 def _tokenizer_corpus() -> list[str]:
-    """Text in the repo, in a fixed order: the top README, docs/ and the service READMEs."""
-    repo = Path(__file__).resolve().parent.parent
-    paths = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
-    paths += sorted(repo.glob("services/*/README.md")) + sorted(repo.glob("libs/*/README.md"))
-    texts = [path.read_text(encoding="utf-8") for path in paths if path.is_file()]
-    return texts or [__doc__ or "loadmaster"]
+    """The texts tiny-chat's tokenizer is trained on: a frozen snapshot of the repo's docs (the
+    top README, docs/ and the service READMEs as of 2026-11-25), in a fixed order. Frozen, so
+    editing the docs never changes the model a fresh clone builds (tests compare its outputs)."""
+    corpus = Path(__file__).resolve().parent / "models" / "tiny-chat" / "tokenizer_corpus.json"
+    texts = json.loads(corpus.read_text(encoding="utf-8"))
+    assert isinstance(texts, list) and all(isinstance(text, str) for text in texts)
+    return texts
 
 
 def build_tiny_chat(folder: Path) -> Path:
