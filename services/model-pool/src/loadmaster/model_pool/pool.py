@@ -17,7 +17,8 @@ model never blocks another model's requests. Lifecycle operations on one model a
 serialised (a second `load` waits for the first and shares its result) and run as
 tasks shielded from their callers, so a cancelled RPC never leaves a model half-loaded.
 Which model to evict is decided in `eviction.py`; this module only acts on it. Admitting
-requests and generation streams (`submit`, `infer`, `open_generation`) is in `admission.py`.
+requests and generation streams (`submit`, `infer`, `open_generation`) is in `admission.py`;
+releasing leases and reacting to a lost lease or a failed engine, in `release.py`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from loadmaster.model_pool.leases import (
     device_for_lease,
     gpus_for_device,
 )
+from loadmaster.model_pool.release import _Release
 from loadmaster.model_pool.repository import ModelRepository
 from loadmaster.model_pool.room import Room
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
@@ -78,7 +80,7 @@ class _Operation:
     task: asyncio.Task[None]
 
 
-class ModelPool(_Admission):
+class ModelPool(_Admission, _Release):
     def __init__(
         self,
         repository: ModelRepository,
@@ -393,44 +395,6 @@ class ModelPool(_Admission):
 
     # ---- teardown ----------------------------------------------------------
 
-    async def _abandon_load(
-        self,
-        model_id: str,
-        error: BaseException,
-        *,
-        instances: list[Instance],
-        lease: Lease | None,
-    ) -> str:
-        """Free what a failed load took (engines, threads, lease); returns the error text."""
-        if isinstance(error, LoadmasterError):
-            message = error.message
-            log.error("loading model %s failed: %s", model_id, message)
-        else:
-            message = f"loading model '{model_id}' failed: {type(error).__name__}: {error}"
-            log.error("loading model %s failed", model_id, exc_info=error)
-        await free_instances(model_id, instances)
-        held = self._keeper.forget(model_id) or lease
-        if held is not None:
-            await self._release(model_id, held)
-        return message
-
-    async def _memory_freed(self, model_id: str, loaded: _Loaded) -> None:
-        """On NVIDIA: wait (bounded) until NVML shows the model's memory gone from this process."""
-        if loaded.memory_before and not await memory.wait_freed(
-            loaded.memory_before, dict(loaded.lease.mb_per_gpu), clock=self._clock
-        ):
-            log.warning(
-                "NVML still shows memory of %s held after unload; releasing its lease anyway", model_id
-            )
-
-    async def _release(self, model_id: str, lease: Lease) -> None:
-        try:
-            await self._lease_client.release(lease)
-        except Exception as error:
-            log.warning(
-                "releasing lease %s of %s failed (it expires by TTL): %s", lease.lease_id, model_id, error
-            )
-
     async def _do_unload(self, slot: Slot, reason: str) -> None:
         model_id = slot.model_id
         slot.begin_drain(reason)
@@ -451,48 +415,6 @@ class ModelPool(_Admission):
             self._record_leased()
             self._room.changed()
         log.info("model %s unloaded%s", model_id, f" ({reason})" if reason else "")
-
-    def _on_lease_lost(self, model_id: str, lease: Lease, error: LoadmasterError) -> None:
-        """On the loop, after the keeper dropped the lease: the model is already not served
-        (the batcher checks `live` before each engine call); now unload it and say why."""
-        loaded = self._loaded.get(model_id)
-        if loaded is None:
-            return  # still loading: the load sees the lease gone and fails
-        if loaded.lease.lease_id != lease.lease_id:
-            return  # a late word about an earlier lease: the model was loaded again under another
-        self._record("evictions", 1.0, {"model": model_id, "reason": "lease_lost"})
-        self.counters.evicted(model_id, "lease_lost")
-        task = asyncio.create_task(
-            self.unload(model_id, reason=f"lease {lease.lease_id} lost; stopped serving ({error.message})"),
-            name=f"lease-lost-{model_id}",
-        )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def engine_failed(self, model_id: str, generation: int, reason: str) -> None:
-        """A loaded engine can no longer serve (a generative engine's batching thread died):
-        unload it, so the model is not left READY failing every request; the scheduler loads
-        it again when requests wait. A report about an earlier load is ignored."""
-        slot = self._slots.get(model_id)
-        if slot is None or slot.state is not ModelState.READY or slot.generation != generation:
-            return
-        log.error("model %s failed (%s); unloading it", model_id, reason)
-        task = asyncio.create_task(
-            self.unload(model_id, reason=f"engine failed: {reason}"), name=f"engine-failed-{model_id}"
-        )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _on_lease_replaced(self, model_id: str, old: Lease, new: Lease) -> None:
-        """On the loop: the broker lost `old` and granted the same memory again as `new`."""
-        self._record("leases_reestablished", 1.0, {"model": model_id})
-        loaded = self._loaded.get(model_id)
-        if loaded is not None:
-            loaded.lease = new
-        slot = self._slots[model_id]
-        if slot.lease_id == old.lease_id:
-            slot.lease_id = new.lease_id
-            self._changed(slot)
 
     async def close(self, *, timeout_s: float = 30.0) -> None:
         """Refuse new work, drain and unload every model, release every lease."""
