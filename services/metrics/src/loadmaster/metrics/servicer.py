@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from typing import TypeVar
 
 import grpc
 
 from loadmaster.common.errors import UnavailableError
+from loadmaster.common.streams import until_set
 from loadmaster.metrics.hub import MetricsHub
 from loadmaster.metrics.model_stats import DurationTotal, ModelStatistics
 from loadmaster.metrics.windows import Observations, Sample, WindowStats, label_set, observations_of
@@ -22,8 +21,6 @@ __all__ = [
     "sample_to_proto",
     "stats_to_proto",
 ]
-
-_T = TypeVar("_T")
 
 
 def observations_from_batch(batch: metrics_pb2.ReportBatch) -> list[Observations]:
@@ -108,7 +105,7 @@ class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
         context: grpc.aio.ServicerContext,
     ) -> metrics_pb2.ReportAck:
         accepted = 0
-        async for batch in _until_set(self._hub.closed, request_iterator):
+        async for batch in until_set(self._hub.closed, request_iterator):
             accepted += self._hub.ingest(
                 observations_from_batch(batch), service=batch.service, instance=batch.instance
             )
@@ -145,22 +142,3 @@ class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
             async for batch in subscription:
                 for sample in batch:
                     yield sample_to_proto(sample)
-
-
-async def _until_set(event: asyncio.Event, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
-    """The items of `items` until they end or `event` is set, whichever comes first."""
-    stopped = asyncio.ensure_future(event.wait())
-    try:
-        while not event.is_set():
-            item = asyncio.ensure_future(anext(items))
-            await asyncio.wait((item, stopped), return_when=asyncio.FIRST_COMPLETED)
-            if not item.done():
-                item.cancel()
-                return
-            try:
-                value = item.result()
-            except StopAsyncIteration:
-                return
-            yield value
-    finally:
-        stopped.cancel()

@@ -27,6 +27,7 @@ from google.protobuf import json_format
 
 from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, NotFoundError
+from loadmaster.common.streams import until_set
 from loadmaster.common.tensors import serialize_bytes
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.calls import InferenceCall
@@ -348,7 +349,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def read() -> None:
             try:
-                async for request in _until_set(self._draining, request_iterator):
+                async for request in until_set(self._draining, request_iterator):
                     await slots.acquire()
                     task = asyncio.create_task(one(request))
                     del request  # the task holds it for as long as it runs, and no longer
@@ -428,22 +429,3 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[Output(name=o.name, datatype=o.datatype, shape=o.shape) for o in outputs],
             raw_output_contents=[bytes(o.data) for o in outputs],
         )
-
-
-async def _until_set(event: asyncio.Event, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """The items of `items` until they end or `event` is set, whichever comes first."""
-    stopped = asyncio.ensure_future(event.wait())
-    try:
-        while not event.is_set():
-            item = asyncio.ensure_future(anext(items))
-            await asyncio.wait((item, stopped), return_when=asyncio.FIRST_COMPLETED)
-            if not item.done():
-                item.cancel()
-                return
-            try:
-                value = item.result()
-            except StopAsyncIteration:
-                return
-            yield value
-    finally:
-        stopped.cancel()
