@@ -58,6 +58,7 @@ from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback
 from loadmaster.gateway.generations import GenerationStreams
+from loadmaster.gateway.ports import SchedulerPort
 from loadmaster.gateway.worker_link import ShmPayloads
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
@@ -67,36 +68,6 @@ log = logging.getLogger(__name__)
 
 _NOT_FOUND = edge_code_name(errors_pb2.ERROR_CODE_NOT_FOUND)
 _WATCH_INTERVAL_S = 0.25  # how often the reply watchdog looks for overdue calls
-
-
-class SchedulerPort(Protocol):
-    """What the dispatcher sends on the scheduler session (`SchedulerLink`)."""
-
-    @property
-    def connected(self) -> bool: ...
-
-    @property
-    def session(self) -> int:
-        """Which session is (or was last) open: it changes with every new session."""
-
-    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None: ...
-
-    def report_run(self, request: scheduler_pb2.RequestInfo) -> None: ...
-
-    def complete(
-        self,
-        request_id: str,
-        *,
-        error_code: int = 0,
-        retryable: bool = False,
-        worker_id: str = "",
-        inference_ms: float = 0.0,
-        deferred: bool = False,
-    ) -> None: ...
-
-    def cancel(self, request_id: str) -> None: ...
-
-    def return_credit(self, credit_id: str) -> None: ...
 
 
 class WorkerPort(Protocol):

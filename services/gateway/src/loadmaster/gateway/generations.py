@@ -48,6 +48,7 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.ports import SchedulerSession
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
 __all__ = ["GENERATIVE_BACKENDS", "GenerationPort", "GenerationStreams"]
@@ -62,29 +63,6 @@ CANCEL_GRACE_S = 10.0  # a cancelled stream's slot is completed by then even if 
 
 CANCEL_PREFIX = "cancel:"  # a CancelGeneration's credential is signed over this + the request id
 _FINISH = {model_pool_pb2.FINISH_REASON_STOP: "stop", model_pool_pb2.FINISH_REASON_LENGTH: "length"}
-
-
-class _Scheduler(Protocol):
-    @property
-    def connected(self) -> bool: ...
-
-    @property
-    def session(self) -> int: ...
-
-    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None: ...
-
-    def complete(
-        self,
-        request_id: str,
-        *,
-        error_code: int = 0,
-        retryable: bool = False,
-        worker_id: str = "",
-        inference_ms: float = 0.0,
-        deferred: bool = False,
-    ) -> None: ...
-
-    def cancel(self, request_id: str) -> None: ...
 
 
 class _Workers(Protocol):
@@ -116,7 +94,7 @@ class GenerationStreams:
     def __init__(
         self,
         *,
-        scheduler: _Scheduler,
+        scheduler: SchedulerSession,
         workers: _Workers,
         telemetry: TelemetryReporter,
         clock: Clock | None = None,

@@ -1,0 +1,44 @@
+"""What the dispatcher and the generation streams need from the scheduler session: protocols
+that `SchedulerLink` satisfies and unit tests stand in for."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from loadmaster.v1 import scheduler_pb2
+
+__all__ = ["SchedulerPort", "SchedulerSession"]
+
+
+class SchedulerSession(Protocol):
+    """Queueing one request on the scheduler session: enqueue, complete, cancel."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def session(self) -> int:
+        """Which session is (or was last) open: it changes with every new session."""
+
+    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None: ...
+
+    def complete(
+        self,
+        request_id: str,
+        *,
+        error_code: int = 0,
+        retryable: bool = False,
+        worker_id: str = "",
+        inference_ms: float = 0.0,
+        deferred: bool = False,
+    ) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+class SchedulerPort(SchedulerSession, Protocol):
+    """All the dispatcher sends on the scheduler session (`SchedulerLink`), credits included."""
+
+    def report_run(self, request: scheduler_pb2.RequestInfo) -> None: ...
+
+    def return_credit(self, credit_id: str) -> None: ...
