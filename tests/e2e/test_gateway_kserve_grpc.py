@@ -30,7 +30,7 @@ def client(suite: Suite) -> Iterator[triton.InferenceServerClient]:
 def queue_depth(suite: Suite) -> Callable[[str], int]:
     def depth(model_id: str) -> int:
         with grpc.insecure_channel(suite.settings.scheduler.address) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetQueues(
+            reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetQueues(
                 scheduler_pb2.GetQueuesRequest(), timeout=5
             )
         return next((q.depth for q in reply.queues if q.model_id == model_id), 0)

@@ -35,7 +35,7 @@ def client(http_address: str) -> Iterator[triton.InferenceServerClient]:
 def queue_info(suite: Suite) -> Callable[[str], scheduler_pb2.QueueInfo]:
     def info(model_id: str) -> scheduler_pb2.QueueInfo:
         with grpc.insecure_channel(suite.settings.scheduler.address) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetQueues(
+            reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetQueues(
                 scheduler_pb2.GetQueuesRequest(), timeout=5
             )
         return next((q for q in reply.queues if q.model_id == model_id), scheduler_pb2.QueueInfo())
