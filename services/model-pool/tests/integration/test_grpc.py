@@ -58,7 +58,8 @@ async def test_status_carries_the_declared_signatures_asked_for(stub: Any) -> No
         ("state", tensor_pb2.DTYPE_FLOAT32, [-1, 32], False)
     ]
     assert [(t.name, list(t.shape)) for t in policy.outputs] == [("action", [-1, 8])]
-    assert list(by_id["double"].inputs) == []  # declares nothing: takes any tensors
+    # `double` takes any tensors; its config describes the typical call (enforce_inputs: false).
+    assert [(t.name, list(t.shape)) for t in by_id["double"].inputs] == [("x", [-1])]
     assert not (await pool.Status(model_pool_pb2.StatusRequest())).signatures
 
 
