@@ -15,15 +15,15 @@ STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: run test test-all install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel
+.PHONY: run test test-all install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel node protoc
 
 run: install models
 	$(VENV)/bin/loadmaster up --config $(CONFIG)
 
-test: install models chromium kubectl lint typecheck
+test: install models chromium kubectl node protoc lint typecheck
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: install models chromium kubectl redis-sentinel lint typecheck $(RAY_STAMP)
+test-all: install models chromium kubectl node protoc redis-sentinel lint typecheck $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -58,6 +58,25 @@ kubectl:
 	@if ! command -v kubectl >/dev/null; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null) \
 			|| echo "kubectl could not be installed: the Kubernetes manifest test will skip"; \
+	fi
+
+# Node packages for the contract tests (clients/node/package-lock.json): buf (lint, format,
+# breaking), @grpc/grpc-js + @grpc/proto-loader and zeromq for the Node client test.
+# Reinstalled when the lock file changes; the tests skip with a reason where npm is missing.
+NODE_STAMP := clients/node/node_modules/.package-lock.json
+node: $(NODE_STAMP)
+
+$(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
+	@if command -v npm >/dev/null; then \
+		cd clients/node && npm ci --no-audit --no-fund --loglevel=error; \
+	else echo "npm is missing: the buf and Node client tests will skip"; fi
+
+# Debian's protoc, for the test that generates C++, Java, C# and Python from the whole tree;
+# installed only when missing (the test skips with a reason where it cannot be installed).
+protoc:
+	@if ! command -v protoc >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq protobuf-compiler >/dev/null) \
+			|| echo "protoc could not be installed: the multi-language generation test will skip"; \
 	fi
 
 # Debian's redis-server and redis-sentinel, for the slow Sentinel failover test

@@ -120,7 +120,7 @@ def _fake_worker(up: RunningUp, *, listen_s: float = 4.0) -> Outcome:
         model_id="double", state=model_pool_pb2.MODEL_STATE_READY, generation=1, max_inflight=64, vram_mb=16
     )
     messages = [
-        scheduler_pb2.WorkerMessage(
+        scheduler_pb2.WorkerSessionRequest(
             hello=scheduler_pb2.WorkerHello(
                 worker_id="chaos-fake-worker",
                 data_endpoint=f"tcp://127.0.0.1:{port}",
@@ -129,18 +129,18 @@ def _fake_worker(up: RunningUp, *, listen_s: float = 4.0) -> Outcome:
                 repository=["double"],
             )
         ),
-        scheduler_pb2.WorkerMessage(report=scheduler_pb2.WorkerReport(models=[slot], free_mb=1000)),
+        scheduler_pb2.WorkerSessionRequest(report=scheduler_pb2.WorkerReport(models=[slot], free_mb=1000)),
     ]
     stop = threading.Event()
 
-    def outgoing() -> Iterator[scheduler_pb2.WorkerMessage]:
+    def outgoing() -> Iterator[scheduler_pb2.WorkerSessionRequest]:
         yield from messages
         while not stop.wait(1.0):
             yield messages[1]
 
     channel = grpc.insecure_channel(up.settings.scheduler.address)  # no credentials: the intruder
     observer = internal_auth.sync_channel(up.settings.scheduler.address)  # the suite's view
-    stream = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession(outgoing())
+    stream = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession(outgoing())
     refused_with = ""
 
     def drain() -> None:
@@ -163,7 +163,7 @@ def _fake_worker(up: RunningUp, *, listen_s: float = 4.0) -> Outcome:
             received += 1
         if not registered:
             with contextlib.suppress(grpc.RpcError):
-                workers = scheduler_pb2_grpc.SchedulerStub(observer).ListWorkers(
+                workers = scheduler_pb2_grpc.SchedulerServiceStub(observer).ListWorkers(
                     scheduler_pb2.ListWorkersRequest(), timeout=1
                 )
                 registered = any(w.worker_id == "chaos-fake-worker" for w in workers.workers)

@@ -248,8 +248,8 @@ class Auditor(threading.Thread):
     def run(self) -> None:
         broker = internal_auth.sync_channel(self.up.settings.gpu_broker.address)
         worker = internal_auth.sync_channel(self.up.settings.model_pool.address)
-        broker_stub = gpu_broker_pb2_grpc.GpuBrokerStub(broker)
-        worker_stub = model_pool_pb2_grpc.ModelPoolStub(worker)
+        broker_stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(broker)
+        worker_stub = model_pool_pb2_grpc.ModelPoolServiceStub(worker)
         while not self.halt.wait(self.period_s):
             self.samples.append(Sample(time.time(), *self._rss(), *self._promised(broker_stub, worker_stub)))
         broker.close()
@@ -267,7 +267,7 @@ class Auditor(threading.Thread):
             return None, None
 
     def _promised(
-        self, broker: gpu_broker_pb2_grpc.GpuBrokerStub, worker: model_pool_pb2_grpc.ModelPoolStub
+        self, broker: gpu_broker_pb2_grpc.GpuBrokerServiceStub, worker: model_pool_pb2_grpc.ModelPoolServiceStub
     ) -> tuple[float | None, float | None]:
         """Per GPU (the example has one): MB under live leases, plus MB a worker still holds
         for a model whose lease is gone; the worst GPU's figure and its capacity."""

@@ -81,8 +81,7 @@ def _send_http(address: str, kind: str) -> str:
 
 def _send_grpc(address: str, kind: str) -> str:
     import grpc
-
-    from loadmaster.v1 import inference_pb2
+    from tritonclient.grpc import service_pb2 as inference_pb2
 
     count, data = _bytes_payload(kind)
     request = inference_pb2.ModelInferRequest(model_name=BIG_MODEL)
@@ -111,7 +110,7 @@ def _send_edge(address: str, kind: str) -> str:
         model_id=BIG_MODEL,
         tensors=[
             tensor_pb2.Tensor(
-                key="x", dtype=tensor_pb2.BYTES, shape=[count], byte_length=len(data), encoding=tensor_pb2.RAW
+                key="x", dtype=tensor_pb2.DTYPE_BYTES, shape=[count], byte_length=len(data), encoding=tensor_pb2.ENCODING_RAW
             )
         ],
     )

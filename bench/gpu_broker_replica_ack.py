@@ -80,7 +80,7 @@ async def main(args: argparse.Namespace) -> None:
             servers.append(server)
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
             channels.append(channel)
-            stubs[mode] = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+            stubs[mode] = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
             await _pairs(stubs[mode], 50, None)  # warm up: connections, script load
         latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
         rates: dict[str, list[float]] = {mode: [] for mode in MODES}

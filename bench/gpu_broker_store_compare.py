@@ -118,7 +118,7 @@ from loadmaster.v1 import gpu_broker_pb2 as pb, gpu_broker_pb2_grpc
 address, start, seconds, concurrency = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 async def main():
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+        stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
         await stub.Inventory(pb.InventoryRequest(), timeout=10)  # connected before the clock starts
         latencies, pairs = [], [0]
         await asyncio.sleep(max(0.0, start - time.time()))

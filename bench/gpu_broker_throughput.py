@@ -139,7 +139,7 @@ import json, sys, time, uuid
 import grpc
 from loadmaster.v1 import gpu_broker_pb2 as pb, gpu_broker_pb2_grpc
 address, start, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
-stub = gpu_broker_pb2_grpc.GpuBrokerStub(grpc.insecure_channel(address))
+stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(grpc.insecure_channel(address))
 stub.Inventory(pb.InventoryRequest(), timeout=10)  # connected before the clock starts
 latencies, pairs = [], 0
 time.sleep(max(0.0, start - time.time()))
@@ -167,7 +167,7 @@ def lease(request, token):
     return pb.Lease(lease_id="%032x" % token, holder=request.holder, node="bench", fencing_token=token,
                     mb_per_gpu={0: request.mb}, created_unix_ms=1, expires_unix_ms=30_001)
 
-class Echo(gpu_broker_pb2_grpc.GpuBrokerServicer):
+class Echo(gpu_broker_pb2_grpc.GpuBrokerServiceServicer):
     tokens = 0
     async def Inventory(self, request, context):
         return pb.InventoryResponse()
@@ -179,7 +179,7 @@ class Echo(gpu_broker_pb2_grpc.GpuBrokerServicer):
 
 async def main():
     server = grpc.aio.server()
-    gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server(Echo(), server)
+    gpu_broker_pb2_grpc.add_GpuBrokerServiceServicer_to_server(Echo(), server)
     server.add_insecure_port(sys.argv[1])
     await server.start()
     await server.wait_for_termination()

@@ -89,7 +89,7 @@ def run(batch):
     for identity, request, rows in batch:
         descriptors, payload = encode_tensors({output_name: outputs[start : start + len(rows)]})
         start += len(rows)
-        reply = pb.InferReply(request_id=request.request_id, model_id=request.model_id,
+        reply = pb.InferResponse(request_id=request.request_id, model_id=request.model_id,
                               outputs=descriptors, batch_size=len(batch))
         socket.send(identity, more); socket.send(b"", more)
         socket.send(reply.SerializeToString(), more); socket.send(payload)
@@ -139,7 +139,7 @@ class _Client:
     def receive(self) -> int:
         """The reply to the request in flight (checked and decoded); returns its batch size."""
         frames = receive_frames(self.socket)  # the poller saw it waiting
-        reply = model_pool_pb2.InferReply.FromString(frames[1].buffer)
+        reply = model_pool_pb2.InferResponse.FromString(frames[1].buffer)
         if reply.error_code:
             raise RuntimeError(f"{reply.error_code}: {reply.error_message}")
         outputs = decode_tensors(reply.outputs, frames[2].buffer)

@@ -40,7 +40,7 @@ def main() -> None:
         suite.start(timeout_s=120)
         try:
             with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
-                stub = model_pool_pb2_grpc.ModelPoolStub(channel)
+                stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
                 for model in args.models:
                     runs = []
                     for attempt in range(args.repeat + 1):

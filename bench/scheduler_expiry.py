@@ -72,10 +72,10 @@ async def wait_healthy(address: str, timeout_s: float = 30.0) -> None:
 
 async def measure(address: str, requests: int, rate: float) -> dict[str, Any]:
     async with aio_channel(address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         worker = stub.WorkerSession()
         await worker.write(
-            scheduler_pb2.WorkerMessage(
+            scheduler_pb2.WorkerSessionRequest(
                 hello=scheduler_pb2.WorkerHello(
                     worker_id="w", data_endpoint="tcp://127.0.0.1:1", repository=["m"]
                 )
@@ -84,7 +84,7 @@ async def measure(address: str, requests: int, rate: float) -> dict[str, Any]:
         ready = model_pool_pb2.ModelSlotStatus(
             model_id="m", state=model_pool_pb2.MODEL_STATE_READY, generation=1
         )
-        await worker.write(scheduler_pb2.WorkerMessage(report=scheduler_pb2.WorkerReport(models=[ready])))
+        await worker.write(scheduler_pb2.WorkerSessionRequest(report=scheduler_pb2.WorkerReport(models=[ready])))
         session = stub.Session()
         await session.write(
             scheduler_pb2.SessionRequest(hello=scheduler_pb2.SessionHello(gateway_id="bench"))

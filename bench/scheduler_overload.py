@@ -220,7 +220,7 @@ def _drain_queues(address: str, timeout_s: float = 10.0) -> None:
     from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             queues = stub.GetQueues(scheduler_pb2.GetQueuesRequest(), timeout=5).queues
@@ -235,7 +235,7 @@ def _use(address: str, strategy: str) -> None:
     from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        scheduler_pb2_grpc.SchedulerStub(channel).SetStrategy(
+        scheduler_pb2_grpc.SchedulerServiceStub(channel).SetStrategy(
             scheduler_pb2.SetStrategyRequest(strategy=strategy), timeout=5
         )
 

@@ -22,7 +22,9 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
 def proto_files() -> list[Path]:
-    return sorted(PROTO_ROOT.rglob("*.proto"))
+    """Loadmaster's own contracts. protos/kserve/ is not generated here: the gateway serves
+    the KServe messages that `tritonclient[grpc]` ships (loadmaster.gateway.kserve_protocol)."""
+    return sorted((PROTO_ROOT / "loadmaster").rglob("*.proto"))
 
 
 def generate(out_dir: Path) -> None:

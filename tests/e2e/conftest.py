@@ -48,7 +48,7 @@ def metrics_count(suite: Suite) -> Callable[[str, dict[str, str]], int]:
 
     def count(name: str, labels: dict[str, str]) -> int:
         with grpc.insecure_channel(suite.settings.metrics.address) as channel:
-            stub = metrics_pb2_grpc.MetricsStub(channel)
+            stub = metrics_pb2_grpc.MetricsServiceStub(channel)
             reply = stub.GetStats(metrics_pb2.GetStatsRequest(name=name, labels=labels), timeout=5)
         return round(reply.stats.sum)
 
@@ -59,7 +59,7 @@ def metrics_count(suite: Suite) -> Callable[[str, dict[str, str]], int]:
 def list_leases(suite: Suite) -> Callable[[], list[gpu_broker_pb2.Lease]]:
     def leases() -> list[gpu_broker_pb2.Lease]:
         with grpc.insecure_channel(suite.settings.gpu_broker.address) as channel:
-            stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+            stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
             return list(stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(), timeout=5).leases)
 
     return leases

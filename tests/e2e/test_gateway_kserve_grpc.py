@@ -18,6 +18,9 @@ from tritonclient.utils import InferenceServerException
 from loadmaster.cli.launcher import Suite
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+# Backends whose models are served on the OpenAI API (generation), not on ModelInfer.
+GENERATIVE_PLATFORMS = {"transformers", "openai_process", "diffusers"}
+
 
 @pytest.fixture()
 def client(suite: Suite) -> Iterator[triton.InferenceServerClient]:
@@ -30,7 +33,7 @@ def client(suite: Suite) -> Iterator[triton.InferenceServerClient]:
 def queue_depth(suite: Suite) -> Callable[[str], int]:
     def depth(model_id: str) -> int:
         with grpc.insecure_channel(suite.settings.scheduler.address) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetQueues(
+            reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetQueues(
                 scheduler_pb2.GetQueuesRequest(), timeout=5
             )
         return next((q.depth for q in reply.queues if q.model_id == model_id), 0)
@@ -63,6 +66,19 @@ def test_model_metadata_and_config(client: triton.InferenceServerClient) -> None
         client.get_model_metadata("no-such-model")
     assert raised.value.status() == "StatusCode.NOT_FOUND"
     assert "no-such-model" in raised.value.message()
+
+
+def test_every_tensor_model_reports_its_inputs_and_outputs(client: triton.InferenceServerClient) -> None:
+    # A generic KServe client or perf tool discovers every model's tensors. Generative models
+    # (served on the OpenAI API, not ModelInfer) are the documented exception.
+    index = client.get_model_repository_index(as_json=True)["models"]
+    names = [m["name"] for m in index]
+    assert "double" in names and "echo" in names
+    for name in names:
+        metadata = client.get_model_metadata(name, as_json=True)
+        if metadata["platform"] in GENERATIVE_PLATFORMS:
+            continue
+        assert metadata.get("inputs") and metadata.get("outputs"), name
 
 
 def test_model_metadata_lists_the_declared_inputs_and_outputs(client: triton.InferenceServerClient) -> None:

@@ -57,7 +57,7 @@ def gateway_pid(suite: Suite) -> int:
 
 def count(suite: Suite, name: str, labels: dict[str, str]) -> int:
     with grpc.insecure_channel(suite.settings.metrics.address) as channel:
-        stub = metrics_pb2_grpc.MetricsStub(channel)
+        stub = metrics_pb2_grpc.MetricsServiceStub(channel)
         reply = stub.GetStats(metrics_pb2.GetStatsRequest(name=name, labels=labels), timeout=5)
     return round(reply.stats.sum)  # a counter: its increments, summed per report batch
 

@@ -54,7 +54,7 @@ from loadmaster.v1 import gpu_broker_pb2 as pb, gpu_broker_pb2_grpc
 
 address, start, duration, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 rng = random.Random(out)
-stub = gpu_broker_pb2_grpc.GpuBrokerStub(grpc.insecure_channel(address))
+stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(grpc.insecure_channel(address))
 grants, refused = [], 0
 time.sleep(max(0.0, start - time.time()))
 while time.time() < start + duration:
@@ -151,7 +151,7 @@ def test_fifty_processes_never_overcommit(
                 worker.wait()
     time.sleep(2.0)  # abandoned leases (TTL 1 s) expire; the reaper runs every ~1 s
     with grpc.insecure_channel(addresses[0]) as channel:
-        gpus = gpu_broker_pb2_grpc.GpuBrokerStub(channel).Inventory(pb.InventoryRequest(), timeout=5).gpus
+        gpus = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).Inventory(pb.InventoryRequest(), timeout=5).gpus
     time.sleep(0.5)
     stop.set()
     thread.join(5)

@@ -74,7 +74,7 @@ def _address(config: Path) -> str:
 
 def _leases(config: Path) -> list[pb.Lease]:
     with grpc.insecure_channel(_address(config)) as channel:
-        stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+        stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
         return list(stub.ListLeases(pb.ListLeasesRequest(), timeout=5).leases)
 
 
@@ -206,13 +206,13 @@ def test_the_lease_is_released_on_ctrl_c_and_on_a_crash(broker: Path, how: str, 
             process.kill()
 
 
-class _HoldingProxy(gpu_broker_pb2_grpc.GpuBrokerServicer):
+class _HoldingProxy(gpu_broker_pb2_grpc.GpuBrokerServiceServicer):
     """Forwards to the broker, but holds back the reply to the first Acquire (already granted
     by the broker) until `hold` is set: a grant still in flight when the client is interrupted."""
 
     def __init__(self, upstream: str) -> None:
         self._channel = grpc.insecure_channel(upstream)
-        self._stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
+        self._stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(self._channel)
         self.acquires: list[pb.AcquireRequest] = []
         self.granted = threading.Event()
         self.hold = threading.Event()
@@ -236,7 +236,7 @@ class _HoldingProxy(gpu_broker_pb2_grpc.GpuBrokerServicer):
 def holding_proxy(broker: Path) -> Iterator[tuple[_HoldingProxy, str]]:
     proxy = _HoldingProxy(_address(broker))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server(proxy, server)
+    gpu_broker_pb2_grpc.add_GpuBrokerServiceServicer_to_server(proxy, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -300,7 +300,7 @@ def test_gpu_lease_context_manager_renews_releases_and_learns_it_was_lost(broker
     lost: list[Exception] = []
     with GpuLease(mb=2000, address=address, ttl_s=0.6, on_lost=lost.append) as lease:
         with grpc.insecure_channel(address) as channel:  # an operator frees it under the holder
-            gpu_broker_pb2_grpc.GpuBrokerStub(channel).Release(
+            gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).Release(
                 pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token), timeout=5
             )
         _until(lambda: lease.lost, 5)

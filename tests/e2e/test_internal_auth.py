@@ -72,18 +72,18 @@ def test_up_makes_a_secret_that_its_children_require(config: Path, tmp_path: Pat
         address = suite.settings.scheduler.address
         request = scheduler_pb2.SetStrategyRequest(strategy="round_robin")
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
-            scheduler_pb2_grpc.SchedulerStub(channel).SetStrategy(request, timeout=10)
+            scheduler_pb2_grpc.SchedulerServiceStub(channel).SetStrategy(request, timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         # The CLI, run with the same config, finds the secret and the admin token up made.
         internal_auth.setup_client(load_settings(config), Identity("cli", "test"))
         try:
             with internal_auth.sync_channel(address) as channel:
-                reply = scheduler_pb2_grpc.SchedulerStub(channel).SetStrategy(request, timeout=10)
+                reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).SetStrategy(request, timeout=10)
         finally:
             internal_auth.setup(None)
         assert reply.previous == "model_deadline"
     finally:
         suite.stop()
     log = (tmp_path / "logs" / "scheduler.log").read_text()
-    assert "refused /loadmaster.v1.Scheduler/SetStrategy from ipv4:127.0.0.1" in log, log
+    assert "refused /loadmaster.v1.SchedulerService/SetStrategy from ipv4:127.0.0.1" in log, log

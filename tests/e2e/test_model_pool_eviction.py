@@ -77,7 +77,7 @@ def small_gpu_suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]
 
 def _status(suite: Suite) -> model_pool_pb2.StatusResponse:
     with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
-        stub = model_pool_pb2_grpc.ModelPoolStub(channel)
+        stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
         return stub.Status(model_pool_pb2.StatusRequest(), timeout=5)
 
 

@@ -210,7 +210,7 @@ def test_on_metric_streams_live_gateway_samples(suite: Suite, traffic: Traffic) 
 
 def test_model_statistics_and_prometheus_reflect_the_traffic(suite: Suite, traffic: Traffic) -> None:
     with grpc.insecure_channel(suite.settings.metrics.address) as channel:
-        stub = metrics_pb2_grpc.MetricsStub(channel)
+        stub = metrics_pb2_grpc.MetricsServiceStub(channel)
         reply = stub.GetModelStatistics(metrics_pb2.GetModelStatisticsRequest(model_id="double"), timeout=5)
     [double] = reply.models
     assert double.success_count > 10

@@ -120,7 +120,7 @@ def test_grpc_hops_between_processes_join_one_trace(
         """The broker's server span of an Acquire and the model-pool's client span it came from."""
         by_id = {s.span_id: s for s in spans}
         for server in spans:
-            if server.service == "gpu-broker" and server.name.endswith("GpuBroker/Acquire"):
+            if server.service == "gpu-broker" and server.name.endswith("GpuBrokerService/Acquire"):
                 client = by_id.get(server.parent_span_id)
                 if client is not None:
                     return client, server
@@ -136,7 +136,7 @@ def test_grpc_hops_between_processes_join_one_trace(
     assert client.trace_id == server.trace_id
     assert (client.kind, server.kind) == (3, 2)  # SPAN_KIND_CLIENT, SPAN_KIND_SERVER
     # Health checks and the metrics Report streams are not traced.
-    assert not [s for s in spans if "Health" in s.name or "Metrics/Report" in s.name]
+    assert not [s for s in spans if "Health" in s.name or "MetricsService/Report" in s.name]
 
 
 def test_one_request_is_one_trace_from_gateway_through_scheduler_to_worker(

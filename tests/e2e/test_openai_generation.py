@@ -55,7 +55,7 @@ def chat(text: str) -> list[Any]:
 
 def worker_inflight(suite: Suite) -> int:
     with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
-        reply = model_pool_pb2_grpc.ModelPoolStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
+        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
     return next(m.inflight for m in reply.models if m.model_id == MODEL)
 
 
@@ -272,7 +272,7 @@ async def test_a_priority_0_stream_preempts_a_saturated_model(preempting_suite: 
     assert len(first_token) == 32
     backlog = [asyncio.create_task(run(f"backlog-{i}", 2, 8)) for i in range(8)]
     with grpc.insecure_channel(preempting_suite.settings.model_pool.address) as channel:
-        stub = model_pool_pb2_grpc.ModelPoolStub(channel)
+        stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
 
         def inflight() -> int:
             reply = stub.Status(model_pool_pb2.StatusRequest(), timeout=5)

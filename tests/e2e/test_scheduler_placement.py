@@ -54,7 +54,7 @@ def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
 
 def _workers(suite: Suite) -> list[scheduler_pb2.WorkerInfo]:
     with grpc.insecure_channel(suite.settings.scheduler.address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         return list(stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5).workers)
 
 
@@ -76,7 +76,7 @@ def _wait_workers(
 
 def _status(worker: scheduler_pb2.WorkerInfo) -> model_pool_pb2.StatusResponse:
     with grpc.insecure_channel(worker.grpc_endpoint) as channel:
-        return model_pool_pb2_grpc.ModelPoolStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
+        return model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
 
 
 def _last_used(worker: scheduler_pb2.WorkerInfo, model_id: str) -> int:

@@ -138,7 +138,7 @@ async def fleet(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             "worker-real",
         )
         async with aio_channel(scheduler_address) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
             async def registered_and_ready() -> bool:
                 reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=5)
@@ -172,7 +172,7 @@ def _assert_logged(caplog: pytest.LogCaptureFixture, what: str, *, identity: str
 
 async def _workers(fleet: Fleet) -> list[str]:
     async with aio_channel(fleet.scheduler) as channel:
-        reply = await scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
+        reply = await scheduler_pb2_grpc.SchedulerServiceStub(channel).ListWorkers(
             scheduler_pb2.ListWorkersRequest(), timeout=5
         )
     return [w.worker_id for w in reply.workers]
@@ -181,7 +181,7 @@ async def _workers(fleet: Fleet) -> list[str]:
 async def test_a_fake_worker_cannot_register_with_the_scheduler(
     fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:
-    hello = scheduler_pb2.WorkerMessage(
+    hello = scheduler_pb2.WorkerSessionRequest(
         hello=scheduler_pb2.WorkerHello(
             worker_id="impostor",
             data_endpoint="tcp://127.0.0.1:1",
@@ -190,25 +190,25 @@ async def test_a_fake_worker_cannot_register_with_the_scheduler(
             repository=["double"],
         )
     )
-    report = scheduler_pb2.WorkerMessage(
+    report = scheduler_pb2.WorkerSessionRequest(
         report=scheduler_pb2.WorkerReport(
             models=[model_pool_pb2.ModelSlotStatus(model_id="double", state=READY)], free_mb=1_000
         )
     )
     async with grpc.aio.insecure_channel(fleet.scheduler) as channel:  # no credentials
-        call = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession(iter([hello, report]))
+        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession(iter([hello, report]))
         assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.UNAUTHENTICATED
     # A training job's identity key authenticates it, but only model-pool identities register workers.
     job = Credentials.from_identity_key(fleet.credentials.identity_key(Identity("trainer", "job-7")))
     async with grpc.aio.insecure_channel(
         fleet.scheduler, interceptors=internal_auth.auth_interceptors(job)
     ) as channel:
-        call = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession(iter([hello, report]))
+        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession(iter([hello, report]))
         assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.PERMISSION_DENIED
-    _assert_logged(caplog, "/loadmaster.v1.Scheduler/WorkerSession", identity="trainer/job-7")
+    _assert_logged(caplog, "/loadmaster.v1.SchedulerService/WorkerSession", identity="trainer/job-7")
     assert "impostor" not in await _workers(fleet)
     assert "worker-real" in await _workers(fleet)
-    _assert_logged(caplog, "/loadmaster.v1.Scheduler/WorkerSession")
+    _assert_logged(caplog, "/loadmaster.v1.SchedulerService/WorkerSession")
 
 
 async def test_b_unloading_a_model_on_the_worker_needs_credentials_and_admin(
@@ -216,27 +216,27 @@ async def test_b_unloading_a_model_on_the_worker_needs_credentials_and_admin(
 ) -> None:
     async with grpc.aio.insecure_channel(fleet.worker) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await model_pool_pb2_grpc.ModelPoolStub(channel).Unload(
+            await model_pool_pb2_grpc.ModelPoolServiceStub(channel).Unload(
                 model_pool_pb2.UnloadRequest(model_id="double"), timeout=5
             )
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    _assert_logged(caplog, "/loadmaster.v1.ModelPool/Unload")
+    _assert_logged(caplog, "/loadmaster.v1.ModelPoolService/Unload")
 
     # A service of the suite (the suite secret, but no admin token) may not unload either.
     interceptors = internal_auth.auth_interceptors(Credentials(fleet.secret, Identity("metrics", "m1")))
     async with grpc.aio.insecure_channel(fleet.worker, interceptors=interceptors) as channel:
-        stub = model_pool_pb2_grpc.ModelPoolStub(channel)
+        stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as denied:
             await stub.Unload(model_pool_pb2.UnloadRequest(model_id="double"), timeout=5)
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        _assert_logged(caplog, "/loadmaster.v1.ModelPool/Unload", identity="metrics/m1")
+        _assert_logged(caplog, "/loadmaster.v1.ModelPoolService/Unload", identity="metrics/m1")
         status = await stub.Status(model_pool_pb2.StatusRequest(), timeout=5)
     assert [m.state for m in status.models if m.model_id == "double"] == [READY]
 
 
 async def _leases(fleet: Fleet) -> list[gpu_broker_pb2.Lease]:
     async with aio_channel(fleet.broker) as channel:
-        reply = await gpu_broker_pb2_grpc.GpuBrokerStub(channel).ListLeases(
+        reply = await gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).ListLeases(
             gpu_broker_pb2.ListLeasesRequest(), timeout=5
         )
     return list(reply.leases)
@@ -251,15 +251,15 @@ async def test_c_another_holders_lease_cannot_be_released_with_its_listed_token(
 
     async with grpc.aio.insecure_channel(fleet.broker) as channel:  # no credentials
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await gpu_broker_pb2_grpc.GpuBrokerStub(channel).Release(release, timeout=5)
+            await gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).Release(release, timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    _assert_logged(caplog, "/loadmaster.v1.GpuBroker/Release")
+    _assert_logged(caplog, "/loadmaster.v1.GpuBrokerService/Release")
 
     # A training job with its own identity key (`loadmaster keys internal`): the token is not enough.
     job = Credentials.from_identity_key(fleet.credentials.identity_key(Identity("trainer", "job-7")))
     other = internal_auth.auth_interceptors(job)
     async with grpc.aio.insecure_channel(fleet.broker, interceptors=other) as channel:
-        stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+        stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as denied:
             await stub.Release(release, timeout=5)
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -285,7 +285,7 @@ async def test_c_another_holders_lease_cannot_be_released_with_its_listed_token(
 
 async def _inventory(fleet: Fleet) -> list[int]:
     async with aio_channel(fleet.broker) as channel:
-        reply = await gpu_broker_pb2_grpc.GpuBrokerStub(channel).Inventory(
+        reply = await gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).Inventory(
             gpu_broker_pb2.InventoryRequest(), timeout=5
         )
     return [gpu.total_mb for gpu in reply.gpus]
@@ -299,22 +299,22 @@ async def test_d_the_gpu_cannot_be_re_registered_as_a_million_mb(
     )
     async with grpc.aio.insecure_channel(fleet.broker) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await gpu_broker_pb2_grpc.GpuBrokerStub(channel).RegisterNode(forged, timeout=5)
+            await gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).RegisterNode(forged, timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    _assert_logged(caplog, "/loadmaster.v1.GpuBroker/RegisterNode")
+    _assert_logged(caplog, "/loadmaster.v1.GpuBrokerService/RegisterNode")
     assert await _inventory(fleet) == [16_384]
 
 
 async def test_e_the_strategy_cannot_be_switched(fleet: Fleet, caplog: pytest.LogCaptureFixture) -> None:
     async with grpc.aio.insecure_channel(fleet.scheduler) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await scheduler_pb2_grpc.SchedulerStub(channel).SetStrategy(
+            await scheduler_pb2_grpc.SchedulerServiceStub(channel).SetStrategy(
                 scheduler_pb2.SetStrategyRequest(strategy="round_robin"), timeout=5
             )
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    _assert_logged(caplog, "/loadmaster.v1.Scheduler/SetStrategy")
+    _assert_logged(caplog, "/loadmaster.v1.SchedulerService/SetStrategy")
     async with aio_channel(fleet.scheduler) as channel:  # the admin credential may
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         assert (
             await stub.GetQueues(scheduler_pb2.GetQueuesRequest(), timeout=5)
         ).strategy == "model_deadline"
@@ -337,10 +337,10 @@ def _dealer(endpoint: str) -> zmq.asyncio.Socket:  # type: ignore[misc]
 
 async def _infer(
     socket: zmq.asyncio.Socket, request: model_pool_pb2.InferRequest, payload: bytes
-) -> model_pool_pb2.InferReply:
+) -> model_pool_pb2.InferResponse:
     await socket.send_multipart([b"", request.SerializeToString(), payload])
     frames = await asyncio.wait_for(socket.recv_multipart(), 10)
-    return model_pool_pb2.InferReply.FromString(frames[1])
+    return model_pool_pb2.InferResponse.FromString(frames[1])
 
 
 async def test_f_inference_cannot_go_straight_to_the_data_port(

@@ -34,7 +34,7 @@ class _Held:
 
 async def _client(address: str, stop_at: float, held: list[_Held], outcomes: dict[str, int]) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+        stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
         while time.monotonic() < stop_at:
             request = gpu_broker_pb2.AcquireRequest(
                 client_request_id=uuid.uuid4().hex, holder="fault-test", mb=LEASE_MB, ttl_s=30

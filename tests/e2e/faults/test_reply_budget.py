@@ -32,7 +32,7 @@ def _rss_bytes(pid: int) -> int:
 
 def _dropped(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
-        stub = metrics_pb2_grpc.MetricsStub(channel)
+        stub = metrics_pb2_grpc.MetricsServiceStub(channel)
         request = metrics_pb2.GetStatsRequest(name="replies_dropped", labels={"reason": "byte_budget"})
         return round(stub.GetStats(request, timeout=5).stats.sum)
 

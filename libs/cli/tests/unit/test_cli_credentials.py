@@ -37,7 +37,7 @@ def test_the_running_ups_recorded_secret_is_used(tmp_path: Path) -> None:
     use_credentials(settings)
     credentials = internal_auth.current()
     assert credentials is not None and credentials.identity.service == "cli"
-    metadata = dict(credentials.call_metadata("/loadmaster.v1.Scheduler/SetStrategy"))
+    metadata = dict(credentials.call_metadata("/loadmaster.v1.SchedulerService/SetStrategy"))
     assert metadata[internal_auth.ADMIN_HEADER] == admin_file.read_text().strip()
 
 

@@ -17,7 +17,7 @@ from loadmaster.common.errors import LoadmasterError, NotFoundError
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
-METRICS_SERVICE = "loadmaster.v1.Metrics"
+METRICS_SERVICE = "loadmaster.v1.MetricsService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
 REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
@@ -48,7 +48,11 @@ def raise_named(name: str) -> None:
         raise AttributeError("'NoneType' object has no attribute 'slots'")
 
 
-class RaisingMetrics(metrics_pb2_grpc.MetricsServicer):
+
+def _watched(name: str) -> metrics_pb2.MetricsServiceWatchResponse:
+    return metrics_pb2.MetricsServiceWatchResponse(samples=[metrics_pb2.Sample(name=name)])
+
+class RaisingMetrics(metrics_pb2_grpc.MetricsServiceServicer):
     """Each RPC raises what the request names: unary, server-streaming (async generator), client-streaming."""
 
     async def GetStats(  # noqa: N802 - gRPC method names
@@ -58,34 +62,34 @@ class RaisingMetrics(metrics_pb2_grpc.MetricsServicer):
         return metrics_pb2.GetStatsResponse(stats=metrics_pb2.Stats(count=1))
 
     async def Watch(  # noqa: N802 - gRPC method names
-        self, request: metrics_pb2.WatchMetricsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[metrics_pb2.Sample]:
-        yield metrics_pb2.Sample(name="first")
+        self, request: metrics_pb2.MetricsServiceWatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[metrics_pb2.MetricsServiceWatchResponse]:
+        yield _watched("first")
         raise_named(request.names[0])
-        yield metrics_pb2.Sample(name="second")
+        yield _watched("second")
 
     async def Report(  # noqa: N802 - gRPC method names
-        self, request_iterator: AsyncIterator[metrics_pb2.ReportBatch], context: grpc.aio.ServicerContext
-    ) -> metrics_pb2.ReportAck:
+        self, request_iterator: AsyncIterator[metrics_pb2.ReportRequest], context: grpc.aio.ServicerContext
+    ) -> metrics_pb2.ReportResponse:
         async for batch in request_iterator:
             raise_named(batch.service)
-        return metrics_pb2.ReportAck(accepted=1)
+        return metrics_pb2.ReportResponse(accepted=1)
 
 
-class WritingMetrics(metrics_pb2_grpc.MetricsServicer):
+class WritingMetrics(metrics_pb2_grpc.MetricsServiceServicer):
     """A server-streaming handler written as a coroutine that calls context.write."""
 
     async def Watch(  # noqa: N802 - gRPC method names
-        self, request: metrics_pb2.WatchMetricsRequest, context: grpc.aio.ServicerContext
+        self, request: metrics_pb2.MetricsServiceWatchRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        await context.write(metrics_pb2.Sample(name="first"))
+        await context.write(_watched("first"))
         raise NotFoundError("no such series")
 
 
 @pytest.fixture()
 async def server() -> AsyncIterator[GrpcServer]:
     srv = GrpcServer("test", "127.0.0.1:0", grace_s=0.5)
-    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServicer_to_server, RaisingMetrics())
+    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, RaisingMetrics())
     await srv.start()
     try:
         yield srv
@@ -115,7 +119,7 @@ async def health_of(port: int, service: str = "") -> int | grpc.StatusCode:
 
 
 async def test_unary_maps_every_loadmaster_error_to_its_status(channel: grpc.aio.Channel) -> None:
-    stub = metrics_pb2_grpc.MetricsStub(channel)
+    stub = metrics_pb2_grpc.MetricsServiceStub(channel)
     assert len(ERRORS) == 12
     for name, cls in ERRORS.items():
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -130,24 +134,24 @@ async def test_unary_maps_every_loadmaster_error_to_its_status(channel: grpc.aio
 async def test_server_streaming_maps_every_loadmaster_error_after_items_were_sent(
     channel: grpc.aio.Channel,
 ) -> None:
-    stub = metrics_pb2_grpc.MetricsStub(channel)
+    stub = metrics_pb2_grpc.MetricsServiceStub(channel)
     for name, cls in ERRORS.items():
         received: list[str] = []
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            async for sample in stub.Watch(metrics_pb2.WatchMetricsRequest(names=[name]), timeout=5):
-                received.append(sample.name)
+            async for sample in stub.Watch(metrics_pb2.MetricsServiceWatchRequest(names=[name]), timeout=5):
+                received.append(sample.samples[0].name)
         assert received == ["first"], name
         assert caught.value.code() == cls.grpc_code, name
         assert caught.value.details() == f"{name} raised on purpose"
-    items = [s.name async for s in stub.Watch(metrics_pb2.WatchMetricsRequest(names=["ok"]), timeout=5)]
+    items = [s.samples[0].name async for s in stub.Watch(metrics_pb2.MetricsServiceWatchRequest(names=["ok"]), timeout=5)]
     assert items == ["first", "second"]
 
 
 async def test_client_streaming_maps_loadmaster_errors(channel: grpc.aio.Channel) -> None:
-    stub = metrics_pb2_grpc.MetricsStub(channel)
+    stub = metrics_pb2_grpc.MetricsServiceStub(channel)
     for name, cls in ERRORS.items():
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Report(iter([metrics_pb2.ReportBatch(service=name)]), timeout=5)
+            await stub.Report(iter([metrics_pb2.ReportRequest(service=name)]), timeout=5)
         assert caught.value.code() == cls.grpc_code, name
 
 
@@ -155,14 +159,14 @@ async def test_client_streaming_maps_loadmaster_errors(channel: grpc.aio.Channel
 async def test_unknown_exceptions_become_internal_without_leaking_details(
     channel: grpc.aio.Channel, exception: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stub = metrics_pb2_grpc.MetricsStub(channel)
+    stub = metrics_pb2_grpc.MetricsServiceStub(channel)
     caplog.set_level(logging.ERROR, logger="loadmaster.common.grpc_server")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.GetStats(metrics_pb2.GetStatsRequest(name=exception), timeout=5)
     assert caught.value.code() == grpc.StatusCode.INTERNAL
     assert caught.value.details() == f"internal error: {exception}"
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        async for _ in stub.Watch(metrics_pb2.WatchMetricsRequest(names=[exception]), timeout=5):
+        async for _ in stub.Watch(metrics_pb2.MetricsServiceWatchRequest(names=[exception]), timeout=5):
             pass
     assert caught.value.code() == grpc.StatusCode.INTERNAL
     assert "secret-internal-detail" not in (caught.value.details() or "")
@@ -172,13 +176,13 @@ async def test_unknown_exceptions_become_internal_without_leaking_details(
 
 async def test_coroutine_streaming_handlers_map_loadmaster_errors() -> None:
     srv = GrpcServer("writer", "127.0.0.1:0", grace_s=0.1)
-    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServicer_to_server, WritingMetrics())
+    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, WritingMetrics())
     port = await srv.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = metrics_pb2_grpc.MetricsStub(ch)
+            stub = metrics_pb2_grpc.MetricsServiceStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in stub.Watch(metrics_pb2.WatchMetricsRequest(), timeout=5):
+                async for _ in stub.Watch(metrics_pb2.MetricsServiceWatchRequest(), timeout=5):
                     pass
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
@@ -197,7 +201,7 @@ async def test_health_is_serving_after_start_for_the_server_and_each_service(ser
 
 async def test_health_turns_not_serving_when_stop_begins() -> None:
     srv = GrpcServer("stopper", "127.0.0.1:0", grace_s=0.1)
-    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServicer_to_server, RaisingMetrics())
+    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, RaisingMetrics())
     port = await srv.start()
     during_stop: dict[str, int | grpc.StatusCode] = {}
 
@@ -314,7 +318,7 @@ async def test_run_serves_until_request_stop() -> None:
     assert stopped == ["stop"]
 
 
-class SlowMetrics(metrics_pb2_grpc.MetricsServicer):
+class SlowMetrics(metrics_pb2_grpc.MetricsServiceServicer):
     """GetStats answers once `release` is set; `entered` says a call is in the handler."""
 
     def __init__(self) -> None:
@@ -334,7 +338,7 @@ async def test_stop_drains_then_lets_calls_in_flight_finish_before_the_stop_hook
     calls in flight, and only then the stop hooks (on main they closed links first)."""
     servicer = SlowMetrics()
     srv = GrpcServer("drainer", "127.0.0.1:0", grace_s=10.0)
-    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServicer_to_server, servicer)
+    srv.add_service(METRICS_SERVICE, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, servicer)
     events: list[str] = []
     grace_seen: list[float] = []
 
@@ -351,7 +355,7 @@ async def test_stop_drains_then_lets_calls_in_flight_finish_before_the_stop_hook
     port = await srv.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         call = asyncio.ensure_future(
-            metrics_pb2_grpc.MetricsStub(ch).GetStats(metrics_pb2.GetStatsRequest(name="x"), timeout=10)
+            metrics_pb2_grpc.MetricsServiceStub(ch).GetStats(metrics_pb2.GetStatsRequest(name="x"), timeout=10)
         )
         await asyncio.wait_for(servicer.entered.wait(), 5)
         await asyncio.wait_for(srv.stop(), 10)

@@ -14,14 +14,14 @@ from loadmaster.common import healthcheck
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.v1 import metrics_pb2_grpc
 
-SERVICE = "loadmaster.v1.Metrics"
+SERVICE = "loadmaster.v1.MetricsService"
 
 
 @pytest.fixture()
 async def server() -> AsyncIterator[GrpcServer]:
     srv = GrpcServer("probed", "127.0.0.1:0", grace_s=0.1)
     srv.add_service(
-        SERVICE, metrics_pb2_grpc.add_MetricsServicer_to_server, metrics_pb2_grpc.MetricsServicer()
+        SERVICE, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, metrics_pb2_grpc.MetricsServiceServicer()
     )
     await srv.start()
     try:

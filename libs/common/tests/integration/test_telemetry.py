@@ -15,7 +15,7 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 
-def samples_of(batch: metrics_pb2.ReportBatch) -> list[metrics_pb2.Sample]:
+def samples_of(batch: metrics_pb2.ReportRequest) -> list[metrics_pb2.Sample]:
     """The batch's series, one `Sample` per value, timestamps decoded from their deltas."""
     samples = []
     for series in batch.series:
@@ -31,20 +31,20 @@ def samples_of(batch: metrics_pb2.ReportBatch) -> list[metrics_pb2.Sample]:
     return samples
 
 
-class CollectingMetrics(metrics_pb2_grpc.MetricsServicer):
+class CollectingMetrics(metrics_pb2_grpc.MetricsServiceServicer):
     def __init__(self) -> None:
-        self.batches: list[metrics_pb2.ReportBatch] = []
+        self.batches: list[metrics_pb2.ReportRequest] = []
         self.changed = asyncio.Event()
 
     async def Report(  # noqa: N802 - gRPC method names
-        self, request_iterator: AsyncIterator[metrics_pb2.ReportBatch], context: grpc.aio.ServicerContext
-    ) -> metrics_pb2.ReportAck:
+        self, request_iterator: AsyncIterator[metrics_pb2.ReportRequest], context: grpc.aio.ServicerContext
+    ) -> metrics_pb2.ReportResponse:
         accepted = 0
         async for batch in request_iterator:
             self.batches.append(batch)
             accepted += len(samples_of(batch))
             self.changed.set()
-        return metrics_pb2.ReportAck(accepted=accepted)
+        return metrics_pb2.ReportResponse(accepted=accepted)
 
     @property
     def samples(self) -> list[metrics_pb2.Sample]:
@@ -63,7 +63,7 @@ class CollectingMetrics(metrics_pb2_grpc.MetricsServicer):
 async def metrics() -> AsyncIterator[tuple[CollectingMetrics, str]]:
     servicer = CollectingMetrics()
     server = GrpcServer("metrics-under-test", "127.0.0.1:0", grace_s=0.2)
-    server.add_service("loadmaster.v1.Metrics", metrics_pb2_grpc.add_MetricsServicer_to_server, servicer)
+    server.add_service("loadmaster.v1.MetricsService", metrics_pb2_grpc.add_MetricsServiceServicer_to_server, servicer)
     port = await server.start()
     try:
         yield servicer, f"127.0.0.1:{port}"
@@ -180,7 +180,7 @@ async def test_a_metrics_service_that_starts_late_gets_every_later_sample() -> N
     assert reporter.dropped == 1
     servicer = CollectingMetrics()
     server = GrpcServer("metrics-late", address, grace_s=0.2)
-    server.add_service("loadmaster.v1.Metrics", metrics_pb2_grpc.add_MetricsServicer_to_server, servicer)
+    server.add_service("loadmaster.v1.MetricsService", metrics_pb2_grpc.add_MetricsServiceServicer_to_server, servicer)
     await server.start()
     try:
         for value in range(2, 6):  # one at a time, each flushed on its own

@@ -14,8 +14,8 @@ from loadmaster.common.errors import PermissionDeniedError, UnauthenticatedError
 from loadmaster.common.internal_auth import Credentials, Identity, InsecureBindError
 
 SECRET = b"s" * 32
-SET_STRATEGY = "/loadmaster.v1.Scheduler/SetStrategy"
-LIST_WORKERS = "/loadmaster.v1.Scheduler/ListWorkers"
+SET_STRATEGY = "/loadmaster.v1.SchedulerService/SetStrategy"
+LIST_WORKERS = "/loadmaster.v1.SchedulerService/ListWorkers"
 
 
 class Clock:
@@ -45,7 +45,7 @@ def test_a_call_verifies_as_its_identity_and_only_for_its_method(clock: Clock) -
     metadata = dict(creds(clock).call_metadata(LIST_WORKERS))
     assert creds(clock, "scheduler/s1").verify_call(metadata, LIST_WORKERS) == Identity("gateway", "g1")
     with pytest.raises(UnauthenticatedError, match="does not verify"):
-        creds(clock, "scheduler/s1").verify_call(metadata, "/loadmaster.v1.Scheduler/GetQueues")
+        creds(clock, "scheduler/s1").verify_call(metadata, "/loadmaster.v1.SchedulerService/GetQueues")
 
 
 @pytest.mark.parametrize(
@@ -193,7 +193,7 @@ def test_refusals_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture)
     with caplog.at_level("WARNING", logger=internal_auth.__name__):
         for index in range(20):
             limit(
-                "/loadmaster.v1.Scheduler/SetStrategy",
+                "/loadmaster.v1.SchedulerService/SetStrategy",
                 f"ipv4:127.0.0.1:{index}",
                 "",
                 "no internal credential",
@@ -201,7 +201,7 @@ def test_refusals_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFixture)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3
     assert lines[0] == (
-        "refused /loadmaster.v1.Scheduler/SetStrategy from ipv4:127.0.0.1:0 (identity: none): no internal credential"
+        "refused /loadmaster.v1.SchedulerService/SetStrategy from ipv4:127.0.0.1:0 (identity: none): no internal credential"
     )
 
 
@@ -212,7 +212,7 @@ def test_identity_keys_are_not_issued_for_suite_services_and_reserved_calls_chec
     for service in internal_auth.SUITE_SERVICES:
         with pytest.raises(ValueError, match="outside the suite"):
             suite.identity_key(Identity(service, "x"))
-    register = "/loadmaster.v1.Scheduler/WorkerSession"
+    register = "/loadmaster.v1.SchedulerService/WorkerSession"
     worker = dict(creds(clock, "model-pool/w1").call_metadata(register))
     assert suite.verify_call(worker, register) == Identity("model-pool", "w1")
     job = Credentials.from_identity_key(suite.identity_key(Identity("trainer", "job-7")), now_ns=clock)

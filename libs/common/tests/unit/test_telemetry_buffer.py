@@ -12,7 +12,7 @@ from loadmaster.v1 import metrics_pb2
 Flat = tuple[str, float, dict[str, str], int]
 
 
-def flatten(batch: metrics_pb2.ReportBatch) -> list[Flat]:
+def flatten(batch: metrics_pb2.ReportRequest) -> list[Flat]:
     """(name, value, labels, timestamp) per value of the batch's series, deltas decoded."""
     assert not batch.samples  # the one-message-per-sample field is for older reporters only
     found = []
@@ -51,7 +51,7 @@ def test_a_series_is_sent_once_with_its_values_timestamps_and_labels() -> None:
     ]
     stamps = [timestamp for _, _, _, timestamp in flatten(batch)[:5]]
     assert before <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= after
-    assert reporter._take_batch() == metrics_pb2.ReportBatch(service="gateway", instance="gw-1")
+    assert reporter._take_batch() == metrics_pb2.ReportRequest(service="gateway", instance="gw-1")
 
 
 def test_the_buffer_is_bounded_and_keeps_each_series_newest_samples() -> None:

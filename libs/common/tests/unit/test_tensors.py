@@ -17,13 +17,13 @@ from loadmaster.common.tensors import (
 from loadmaster.v1 import tensor_pb2
 
 WIRE_DTYPES = {
-    np.float16: tensor_pb2.FLOAT16,
-    np.float32: tensor_pb2.FLOAT32,
-    np.float64: tensor_pb2.FLOAT64,
-    np.uint8: tensor_pb2.UINT8,
-    np.int32: tensor_pb2.INT32,
-    np.int64: tensor_pb2.INT64,
-    np.bool_: tensor_pb2.BOOL,
+    np.float16: tensor_pb2.DTYPE_FLOAT16,
+    np.float32: tensor_pb2.DTYPE_FLOAT32,
+    np.float64: tensor_pb2.DTYPE_FLOAT64,
+    np.uint8: tensor_pb2.DTYPE_UINT8,
+    np.int32: tensor_pb2.DTYPE_INT32,
+    np.int64: tensor_pb2.DTYPE_INT64,
+    np.bool_: tensor_pb2.DTYPE_BOOL,
 }
 
 
@@ -39,11 +39,11 @@ def sample(dtype: type, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 def descriptor(key: str = "x", **fields: object) -> tensor_pb2.Tensor:
     values: dict[str, object] = {
-        "dtype": tensor_pb2.FLOAT32,
+        "dtype": tensor_pb2.DTYPE_FLOAT32,
         "shape": [2],
         "byte_offset": 0,
         "byte_length": 8,
-        "encoding": tensor_pb2.RAW,
+        "encoding": tensor_pb2.ENCODING_RAW,
     }
     values.update(fields)
     return tensor_pb2.Tensor(key=key, **values)  # type: ignore[arg-type]
@@ -71,7 +71,7 @@ def test_every_wire_dtype_round_trips(dtype: type) -> None:
     arrays = {"a": sample(dtype, (3, 4), seed=1), "b": sample(dtype, (5,), seed=2)}
     descriptors, payload = encode_tensors(arrays, timestamp_ns=123)
     assert [d.dtype for d in descriptors] == [WIRE_DTYPES[dtype]] * 2
-    assert all(d.encoding == tensor_pb2.RAW and d.timestamp_ns == 123 for d in descriptors)
+    assert all(d.encoding == tensor_pb2.ENCODING_RAW and d.timestamp_ns == 123 for d in descriptors)
     decoded = decode_tensors(descriptors, bytes(payload))
     assert list(decoded) == ["a", "b"]
     for key, original in arrays.items():
@@ -136,7 +136,7 @@ def test_a_single_contiguous_array_is_not_copied() -> None:
 
 def test_bfloat16_decodes_as_its_raw_16_bit_words() -> None:
     words = np.array([0x3F80, 0xC000], dtype=np.uint16)  # 1.0, -2.0 in bfloat16
-    desc = descriptor(dtype=tensor_pb2.BFLOAT16, shape=[2], byte_length=4)
+    desc = descriptor(dtype=tensor_pb2.DTYPE_BFLOAT16, shape=[2], byte_length=4)
     decoded = decode_tensors([desc], words.tobytes())["x"]
     assert decoded.dtype == np.uint16
     np.testing.assert_array_equal(decoded, words)
@@ -167,7 +167,7 @@ def test_decode_returns_zero_copy_read_only_views_of_bytes() -> None:
 def test_decode_views_a_memoryview_payload_without_copying() -> None:
     backing = bytearray(np.arange(4, dtype=np.int32).tobytes())
     decoded = decode_tensors(
-        [descriptor(dtype=tensor_pb2.INT32, shape=[4], byte_length=16)], memoryview(backing)
+        [descriptor(dtype=tensor_pb2.DTYPE_INT32, shape=[4], byte_length=16)], memoryview(backing)
     )
     backing[0:4] = np.int32(99).tobytes()
     assert decoded["x"][0] == 99  # a view of the caller's buffer, not a copy
@@ -255,7 +255,7 @@ def test_negative_dimensions_are_rejected() -> None:
     assert "negative" in assert_rejected([desc], bytes(8), "pose")
 
 
-@pytest.mark.parametrize("encoding", [tensor_pb2.JPEG, tensor_pb2.PNG, 9])
+@pytest.mark.parametrize("encoding", [tensor_pb2.ENCODING_JPEG, tensor_pb2.ENCODING_PNG, 9])
 def test_non_raw_encodings_are_rejected(encoding: int) -> None:
     message = assert_rejected([descriptor("camera", encoding=encoding)], bytes(8), "camera")
     assert "encoding" in message
@@ -302,7 +302,7 @@ def test_bytes_tensors_round_trip_with_their_shape() -> None:
 
     strings = np.array([[b"ab", b""], [b"xyz", "\u00e9".encode()]], dtype=object)
     descriptors, payload = encode({"s": strings, "x": np.arange(3, dtype=np.float32)})
-    assert descriptors[0].dtype == tensor_pb2.BYTES
+    assert descriptors[0].dtype == tensor_pb2.DTYPE_BYTES
     assert descriptors[0].byte_length == 4 * 4 + 2 + 0 + 3 + 2
     decoded = decode(descriptors, bytes(payload))
     assert decoded["s"].shape == (2, 2)
@@ -368,7 +368,7 @@ def test_malformed_bytes_data_names_the_tensor(data: bytes, count: int, problem:
     from loadmaster.common.tensors import decode_tensors as decode
 
     desc = tensor_pb2.Tensor(
-        key="text", dtype=tensor_pb2.BYTES, shape=[count], byte_offset=0, byte_length=len(data)
+        key="text", dtype=tensor_pb2.DTYPE_BYTES, shape=[count], byte_offset=0, byte_length=len(data)
     )
     with pytest.raises(InvalidArgumentError, match=rf"'text'.*({problem})"):
         decode([desc], data)
@@ -384,7 +384,7 @@ def test_object_arrays_of_anything_but_bytes_or_str_are_refused() -> None:
 # ---- boundaries, shapes numpy cannot build, and BYTES at scale ------------------------------
 
 
-@pytest.mark.parametrize(("dtype", "shape"), [(tensor_pb2.UINT8, [8]), (tensor_pb2.FLOAT32, [2])])
+@pytest.mark.parametrize(("dtype", "shape"), [(tensor_pb2.DTYPE_UINT8, [8]), (tensor_pb2.DTYPE_FLOAT32, [2])])
 def test_a_tensor_ending_exactly_at_the_payload_end_passes_and_one_byte_further_does_not(
     dtype: int, shape: list[int]
 ) -> None:
@@ -397,12 +397,12 @@ def test_a_tensor_ending_exactly_at_the_payload_end_passes_and_one_byte_further_
 
 def test_a_bytes_tensor_ending_one_byte_past_the_payload_is_rejected() -> None:
     element = b"\x01\x00\x00\x00a"
-    desc = tensor_pb2.Tensor(key="text", dtype=tensor_pb2.BYTES, shape=[1], byte_offset=1, byte_length=5)
+    desc = tensor_pb2.Tensor(key="text", dtype=tensor_pb2.DTYPE_BYTES, shape=[1], byte_offset=1, byte_length=5)
     assert decode_tensors([desc], b"\x00" + element)["text"].tolist() == [b"a"]
     assert "outside" in assert_rejected([desc], element, "text")
 
 
-@pytest.mark.parametrize("dtype", [tensor_pb2.FLOAT32, tensor_pb2.BYTES])
+@pytest.mark.parametrize("dtype", [tensor_pb2.DTYPE_FLOAT32, tensor_pb2.DTYPE_BYTES])
 def test_an_empty_shape_too_large_for_numpy_is_invalid_argument(dtype: int) -> None:
     desc = descriptor("huge", dtype=dtype, shape=[0, 2**62], byte_length=0)
     message = assert_rejected([desc], b"", "huge")
@@ -411,7 +411,7 @@ def test_an_empty_shape_too_large_for_numpy_is_invalid_argument(dtype: int) -> N
 
 def test_bytes_element_count_is_limited_before_walking_the_data() -> None:
     data = b"\x00\x00\x00\x00" * 10
-    desc = tensor_pb2.Tensor(key="words", dtype=tensor_pb2.BYTES, shape=[10], byte_length=len(data))
+    desc = tensor_pb2.Tensor(key="words", dtype=tensor_pb2.DTYPE_BYTES, shape=[10], byte_length=len(data))
     assert decode_tensors([desc], data, TensorLimits(max_bytes_elements=10))["words"].tolist() == [b""] * 10
     message = assert_rejected([desc], data, "words", max_bytes_elements=9)
     assert "10 BYTES elements exceed the limit of 9" in message
@@ -437,7 +437,7 @@ def test_bytes_decoding_keeps_every_element_exactly(elements: list[bytes]) -> No
 
     data = _bytes_payload(elements)
     assert serialize_bytes(np.array(elements, dtype=object)) == data
-    desc = tensor_pb2.Tensor(key="s", dtype=tensor_pb2.BYTES, shape=[len(elements)], byte_length=len(data))
+    desc = tensor_pb2.Tensor(key="s", dtype=tensor_pb2.DTYPE_BYTES, shape=[len(elements)], byte_length=len(data))
     assert decode_tensors([desc], data)["s"].tolist() == elements
     assert deserialize_bytes(memoryview(data), len(elements)).tolist() == elements
     check_tensors([desc], data)
@@ -453,5 +453,5 @@ def test_bytes_decoding_keeps_every_element_exactly(elements: list[bytes]) -> No
     ],
 )
 def test_malformed_runs_are_named_like_single_elements(data: bytes, count: int, problem: str) -> None:
-    desc = tensor_pb2.Tensor(key="text", dtype=tensor_pb2.BYTES, shape=[count], byte_length=len(data))
+    desc = tensor_pb2.Tensor(key="text", dtype=tensor_pb2.DTYPE_BYTES, shape=[count], byte_length=len(data))
     assert problem in assert_rejected([desc], data, "text")

@@ -79,9 +79,9 @@ def test_inject_an_explicit_span_and_extract_nothing(exporter: InMemorySpanExpor
 @pytest.mark.parametrize(
     ("method", "traced"),
     [
-        ("/loadmaster.v1.Scheduler/ListWorkers", True),
-        (b"/loadmaster.v1.Metrics/GetStats", True),
-        ("/loadmaster.v1.Metrics/Report", False),
+        ("/loadmaster.v1.SchedulerService/ListWorkers", True),
+        (b"/loadmaster.v1.MetricsService/GetStats", True),
+        ("/loadmaster.v1.MetricsService/Report", False),
         ("/grpc.health.v1.Health/Watch", False),
         (b"/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", False),
     ],

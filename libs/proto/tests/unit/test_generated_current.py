@@ -139,10 +139,15 @@ def test_edge_field_types_share_inferentials_wire_encoding(message: str) -> None
             assert field.message_type.name == other.message_type.name
 
 
+def _prefixed(prefix: str, name: str) -> str:
+    return name if name.startswith(prefix) else prefix + name
+
+
 def test_enum_numbers_are_inferentials() -> None:
-    # Ours is Inferential's plus BYTES = 9 (KServe strings), which its clients never send.
-    assert dict(tensor_pb2.DType.items()) == {**DTYPES, "BYTES": 9}
-    assert dict(tensor_pb2.Encoding.items()) == ENCODINGS
+    # Ours is Inferential's plus BYTES = 9 (KServe strings), which its clients never send. The
+    # names carry buf's enum prefixes (DTYPE_FLOAT32 for FLOAT32): names never travel, numbers do.
+    assert dict(tensor_pb2.Dtype.items()) == {_prefixed("DTYPE_", k): v for k, v in {**DTYPES, "BYTES": 9}.items()}
+    assert dict(tensor_pb2.Encoding.items()) == {_prefixed("ENCODING_", k): v for k, v in ENCODINGS.items()}
     assert dict(inferential_pb2.DType.items()) == DTYPES
     assert dict(inferential_pb2.Encoding.items()) == ENCODINGS
 
@@ -185,7 +190,8 @@ def response(module: SimpleNamespace) -> Message:
 
 
 def as_dict(message: Message) -> dict[str, Any]:
-    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+    # Enums as numbers: those travel; the names differ (DTYPE_FLOAT32 here, FLOAT32 there).
+    return json_format.MessageToDict(message, preserving_proto_field_name=True, use_integers_for_enums=True)
 
 
 @pytest.mark.parametrize("build", [observation, response], ids=["Observation", "ModelResponse"])

@@ -119,7 +119,7 @@ def test_a_shape_numpy_cannot_build_is_invalid_argument_on_every_front_end(gatew
     observation = edge_pb2.Observation(
         model_id="double",
         tensors=[
-            tensor_pb2.Tensor(key="x", dtype=tensor_pb2.FLOAT32, shape=[0, 2**62], encoding=tensor_pb2.RAW)
+            tensor_pb2.Tensor(key="x", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[0, 2**62], encoding=tensor_pb2.ENCODING_RAW)
         ],
     )
     context = zmq.Context()
@@ -268,7 +268,7 @@ def test_each_stream_message_pays_one_rate_limit_token(start_gateway: Callable[.
     assert len(limited_out) >= 20, [str(e) for e in errors]  # 5 burst + 5/s refill over the run
 
 
-class _SilentScheduler(scheduler_pb2_grpc.SchedulerServicer):
+class _SilentScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     """A scheduler that takes the gateway's Session and never grants: it only counts Enqueues."""
 
     def __init__(self) -> None:
@@ -285,7 +285,7 @@ def test_a_stream_has_at_most_max_stream_inflight_requests_in_flight(
 ) -> None:
     scheduler = _SilentScheduler()
     server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(scheduler, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     client = None
@@ -400,7 +400,7 @@ def _costly_observation(count: int = 1_000_000) -> tuple[edge_pb2.Observation, b
         prefix.tobytes() + (b"x" if length else b"") for prefix, length in zip(prefixes, lengths, strict=True)
     )
     tensor = tensor_pb2.Tensor(
-        key="s", dtype=tensor_pb2.BYTES, shape=[count], byte_length=len(payload), encoding=tensor_pb2.RAW
+        key="s", dtype=tensor_pb2.DTYPE_BYTES, shape=[count], byte_length=len(payload), encoding=tensor_pb2.ENCODING_RAW
     )
     return edge_pb2.Observation(model_id="echo", tensors=[tensor]), payload
 
@@ -444,16 +444,16 @@ def test_an_edge_observation_that_is_costly_to_check_does_not_hold_up_another_cl
         tensors=[
             tensor_pb2.Tensor(
                 key="s",
-                dtype=tensor_pb2.BYTES,
+                dtype=tensor_pb2.DTYPE_BYTES,
                 shape=[count],
                 byte_length=len(payload),
-                encoding=tensor_pb2.RAW,
+                encoding=tensor_pb2.ENCODING_RAW,
             )
         ],
     )
     small = edge_pb2.Observation(
         model_id="double",
-        tensors=[tensor_pb2.Tensor(key="x", dtype=tensor_pb2.FLOAT32, shape=[2], byte_length=3)],
+        tensors=[tensor_pb2.Tensor(key="x", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2], byte_length=3)],
     )
     context = zmq.Context()
     try:

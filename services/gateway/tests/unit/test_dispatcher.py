@@ -121,7 +121,7 @@ async def test_grant_sends_to_the_worker_and_its_reply_finishes_the_call_once(pa
     assert [r.request_id for r in scheduler.enqueued] == ["r1"]
     dispatcher.on_grant(_grant())
     assert workers.sent[0][0] == "tcp://w1" and workers.sent[0][1].request_id == "r1"
-    reply = model_pool_pb2.InferReply(request_id="r1", model_id="double", worker_id="w1")
+    reply = model_pool_pb2.InferResponse(request_id="r1", model_id="double", worker_id="w1")
     dispatcher.on_worker_reply(reply, b"out")
     dispatcher.on_worker_reply(reply, b"out")  # a duplicate is ignored
     assert len(results) == 1 and results[0].ok and results[0].payload == b"out"
@@ -147,15 +147,15 @@ async def test_retryable_failure_waits_for_a_regrant_and_ignores_the_old_worker(
     dispatcher, scheduler, _workers, results = parts
     dispatcher.submit(_call(), results.append)
     dispatcher.on_grant(_grant(worker="w1"))
-    failure = model_pool_pb2.InferReply(
+    failure = model_pool_pb2.InferResponse(
         request_id="r1", worker_id="w1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
     )
     dispatcher.on_worker_reply(failure, b"")
     assert results == [] and scheduler.completed == [("r1", errors_pb2.ERROR_CODE_UNAVAILABLE, True)]
     dispatcher.on_grant(_grant(worker="w2", attempt=2))
-    dispatcher.on_worker_reply(model_pool_pb2.InferReply(request_id="r1", worker_id="w1"), b"late")
+    dispatcher.on_worker_reply(model_pool_pb2.InferResponse(request_id="r1", worker_id="w1"), b"late")
     assert results == []
-    dispatcher.on_worker_reply(model_pool_pb2.InferReply(request_id="r1", worker_id="w2"), b"ok")
+    dispatcher.on_worker_reply(model_pool_pb2.InferResponse(request_id="r1", worker_id="w2"), b"ok")
     assert len(results) == 1 and results[0].payload == b"ok"
 
 
@@ -175,7 +175,7 @@ async def test_losing_the_scheduler_answers_only_the_calls_waiting_for_a_grant(p
     dispatcher.on_grant(_grant("running"))
     dispatcher.on_scheduler_lost()
     assert [(r.request_id, r.error.edge_code) for r in results if r.error] == [("waiting", "unavailable")]
-    dispatcher.on_worker_reply(model_pool_pb2.InferReply(request_id="running", worker_id="w1"), b"")
+    dispatcher.on_worker_reply(model_pool_pb2.InferResponse(request_id="running", worker_id="w1"), b"")
     assert [r.request_id for r in results] == ["waiting", "running"]
 
 
@@ -230,8 +230,8 @@ def _credit(credit_id: str = "c1", worker: str = "w1", ttl_ms: float = 500.0) ->
     )
 
 
-def _ok(request_id: str, worker: str = "w1") -> model_pool_pb2.InferReply:
-    return model_pool_pb2.InferReply(request_id=request_id, model_id="double", worker_id=worker)
+def _ok(request_id: str, worker: str = "w1") -> model_pool_pb2.InferResponse:
+    return model_pool_pb2.InferResponse(request_id=request_id, model_id="double", worker_id=worker)
 
 
 async def test_a_call_on_an_idle_credit_goes_straight_to_the_worker(parts, clock) -> None:
@@ -303,7 +303,7 @@ async def test_a_retryable_failure_on_a_credit_returns_it_and_follows_the_regran
     dispatcher, scheduler, workers, results = parts
     dispatcher.on_credit(_credit())
     dispatcher.submit(_call("r1"), results.append)
-    failure = model_pool_pb2.InferReply(
+    failure = model_pool_pb2.InferResponse(
         request_id="r1", worker_id="w1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
     )
     dispatcher.on_worker_reply(failure, b"")
@@ -400,7 +400,7 @@ async def test_a_retryable_failure_of_an_earlier_session_s_call_is_answered(part
     dispatcher.submit(_call(), results.append)
     dispatcher.on_grant(_grant())
     scheduler.session = 2
-    failure = model_pool_pb2.InferReply(
+    failure = model_pool_pb2.InferResponse(
         request_id="r1", worker_id="w1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
     )
     dispatcher.on_worker_reply(failure, b"")

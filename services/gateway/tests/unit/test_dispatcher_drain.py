@@ -55,7 +55,7 @@ def _answer(dispatcher: Dispatcher, request_id: str) -> None:
         scheduler_pb2.Grant(request_id=request_id, worker_id="w1", data_endpoint=ENDPOINT, attempt=1)
     )
     dispatcher.on_worker_reply(
-        model_pool_pb2.InferReply(request_id=request_id, model_id="m", worker_id="w1"), b""
+        model_pool_pb2.InferResponse(request_id=request_id, model_id="m", worker_id="w1"), b""
     )
 
 

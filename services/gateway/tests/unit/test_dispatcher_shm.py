@@ -79,7 +79,7 @@ class Parts:
         )
 
     def reply(self, request_id: str = "r1", worker: str = "w1", **fields: Any) -> None:
-        reply = model_pool_pb2.InferReply(request_id=request_id, model_id="m", worker_id=worker, **fields)
+        reply = model_pool_pb2.InferResponse(request_id=request_id, model_id="m", worker_id=worker, **fields)
         self.dispatcher.on_worker_reply(reply, b"out")
 
     @property

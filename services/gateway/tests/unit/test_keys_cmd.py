@@ -49,7 +49,7 @@ def test_an_internal_identity_key_is_accepted_as_its_identity_only(tmp_path: Pat
     job = Credentials.from_identity_key(result.output)
     suite = credentials_from_settings(load_settings(config), Identity("gpu-broker", "b1"))
     assert suite is not None
-    method = "/loadmaster.v1.GpuBroker/Release"
+    method = "/loadmaster.v1.GpuBrokerService/Release"
     assert suite.verify_call(dict(job.call_metadata(method)), method) == Identity("trainer", "job-7")
     bare = tmp_path / "bare.yaml"
     bare.write_text("log_level: INFO\n")

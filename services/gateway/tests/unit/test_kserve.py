@@ -38,7 +38,7 @@ def test_inputs_become_descriptors_into_one_payload() -> None:
     )
     assert [d.key for d in call.inputs] == ["a", "b"]
     assert call.inputs[1].byte_offset == a.nbytes and call.inputs[1].byte_length == b.nbytes
-    assert call.inputs[1].dtype == tensor_pb2.INT64
+    assert call.inputs[1].dtype == tensor_pb2.DTYPE_INT64
     assert bytes(call.payload) == a.tobytes() + b.tobytes()
     assert call.client_type == "kserve"
 
@@ -95,8 +95,8 @@ def test_outputs_slice_the_reply_payload() -> None:
     y = np.array([True, False])
     payload = x.tobytes() + y.tobytes()
     descriptors = [
-        tensor_pb2.Tensor(key="x", dtype=tensor_pb2.FLOAT16, shape=[4], byte_offset=0, byte_length=8),
-        tensor_pb2.Tensor(key="y", dtype=tensor_pb2.BOOL, shape=[2], byte_offset=8, byte_length=2),
+        tensor_pb2.Tensor(key="x", dtype=tensor_pb2.DTYPE_FLOAT16, shape=[4], byte_offset=0, byte_length=8),
+        tensor_pb2.Tensor(key="y", dtype=tensor_pb2.DTYPE_BOOL, shape=[2], byte_offset=8, byte_length=2),
     ]
     result = CallResult(request_id="r", model_id="m", outputs=descriptors, payload=payload)
     outputs = outputs_of(result)
@@ -159,8 +159,8 @@ def test_http_bad_bodies(body: bytes, length: str | None, message: str) -> None:
 def test_http_response_mixes_json_and_binary() -> None:
     x = np.array([1.5, 2.5], dtype=np.float32)
     descriptors = [
-        tensor_pb2.Tensor(key="x", dtype=tensor_pb2.FLOAT32, shape=[2], byte_offset=0, byte_length=8),
-        tensor_pb2.Tensor(key="y", dtype=tensor_pb2.FLOAT32, shape=[2], byte_offset=0, byte_length=8),
+        tensor_pb2.Tensor(key="x", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2], byte_offset=0, byte_length=8),
+        tensor_pb2.Tensor(key="y", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2], byte_offset=0, byte_length=8),
     ]
     outputs = outputs_of(CallResult(request_id="r", model_id="m", outputs=descriptors, payload=x.tobytes()))
     body, length = encode_response(
@@ -181,7 +181,7 @@ def test_http_response_mixes_json_and_binary() -> None:
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_json_outputs_never_carry_nan_or_infinity(value: float) -> None:
     x = np.array([1.0, value], dtype=np.float32)
-    descriptors = [tensor_pb2.Tensor(key="y", dtype=tensor_pb2.FLOAT32, shape=[2], byte_length=8)]
+    descriptors = [tensor_pb2.Tensor(key="y", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2], byte_length=8)]
     outputs = outputs_of(CallResult(request_id="r", model_id="m", outputs=descriptors, payload=x.tobytes()))
     with pytest.raises(InvalidArgumentError, match=r"output 'y' holds NaN or Infinity.*binary data"):
         encode_response(model_name="m", request_id="r", outputs=outputs, binary={}, binary_default=False)

@@ -66,7 +66,7 @@ def test_bad_timeout_metadata_names_the_field(value: str) -> None:
 def test_tensor_that_does_not_match_the_payload_names_the_tensor() -> None:
     observation = edge_pb2.Observation(model_id="double")
     observation.tensors.append(
-        tensor_pb2.Tensor(key="state", dtype=tensor_pb2.FLOAT32, shape=[8], byte_offset=0, byte_length=32)
+        tensor_pb2.Tensor(key="state", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[8], byte_offset=0, byte_length=32)
     )
     with pytest.raises(InvalidArgumentError, match="'state'"):
         observation_to_call(observation, b"\x00" * 16, request_id="r", limits=LIMITS)
@@ -135,6 +135,6 @@ def test_counting_a_shape_stops_at_the_cap_whatever_its_length() -> None:
     assert shape_elements_at_most([0, 2**62], 100) == 0
     assert shape_elements_at_most([11, 10], 100) == 101
     assert shape_elements_at_most([1] * 100_000, 100) == 101  # too long to be valid at all
-    huge = tensor_pb2.Tensor(key="s", dtype=tensor_pb2.BYTES, shape=[2**32] * 30_000)
+    huge = tensor_pb2.Tensor(key="s", dtype=tensor_pb2.DTYPE_BYTES, shape=[2**32] * 30_000)
     assert bytes_elements([huge]) == INLINE_BYTES_ELEMENTS + 1
     assert bytes_elements([huge] * 1000) == INLINE_BYTES_ELEMENTS + 1

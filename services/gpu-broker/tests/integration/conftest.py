@@ -28,7 +28,7 @@ DECLARED = {"n1": [GpuSpec(index=0, total_mb=10_000), GpuSpec(index=1, total_mb=
 @dataclass
 class Broker:
     server: GrpcServer
-    stub: gpu_broker_pb2_grpc.GpuBrokerStub
+    stub: gpu_broker_pb2_grpc.GpuBrokerServiceStub
 
 
 @pytest.fixture
@@ -63,6 +63,6 @@ async def start_broker() -> AsyncIterator[Callable[..., Awaitable[Broker]]]:
             port = await server.start()
             stack.push_async_callback(server.stop)
             channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
-            return Broker(server, gpu_broker_pb2_grpc.GpuBrokerStub(channel))
+            return Broker(server, gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel))
 
         yield start

@@ -153,13 +153,13 @@ async def test_expired_lease_is_reaped_and_its_memory_freed(
     watch = stub.Watch(pb.WatchRequest())
     await watch.initial_metadata()
     lease = (await stub.Acquire(pb.AcquireRequest(holder="w", mb=10_000, ttl_s=5))).lease
-    assert (await watch.read()).kind == pb.LeaseEvent.KIND_ACQUIRED
+    assert (await watch.read()).kind == pb.WatchResponse.KIND_ACQUIRED
 
     clock.advance(4)  # still live
     assert (await stub.ListLeases(pb.ListLeasesRequest())).leases
     clock.advance(2)  # past the TTL: wakes the reaper
     expired = await watch.read()
-    assert (expired.kind, expired.lease.lease_id) == (pb.LeaseEvent.KIND_EXPIRED, lease.lease_id)
+    assert (expired.kind, expired.lease.lease_id) == (pb.WatchResponse.KIND_EXPIRED, lease.lease_id)
     assert free_by_gpu(await stub.Inventory(pb.InventoryRequest()))[("n1", 0)] == 10_000
     assert not (await stub.ListLeases(pb.ListLeasesRequest())).leases
 

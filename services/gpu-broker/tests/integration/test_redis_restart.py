@@ -97,7 +97,7 @@ async def test_leases_survive_a_redis_restart_and_outage_is_unavailable(
     watch, _ = await _until_ok(lambda: _watching(stub))
     await stub.Release(pb.ReleaseRequest(lease_id=held.lease_id, fencing_token=held.fencing_token))
     event = await asyncio.wait_for(watch.read(), 10)
-    assert event.kind == pb.LeaseEvent.KIND_RELEASED and event.lease.lease_id == held.lease_id
+    assert event.kind == pb.WatchResponse.KIND_RELEASED and event.lease.lease_id == held.lease_id
     watch.cancel()
 
 

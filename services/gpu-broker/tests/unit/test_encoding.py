@@ -50,7 +50,7 @@ def test_event_message_decodes_and_converts_to_proto() -> None:
     event = event_from_message(json.dumps({"kind": "expired", "ts": "1700000031000", "lease": FIELDS}))
     assert event.kind is LeaseEventKind.EXPIRED
     message = event_to_proto(event)
-    assert message.kind == pb.LeaseEvent.KIND_EXPIRED
+    assert message.kind == pb.WatchResponse.KIND_EXPIRED
     assert dict(message.lease.mb_per_gpu) == {0: 1024, 3: 512}
     assert message.timestamp_unix_ms == 1_700_000_031_000
 

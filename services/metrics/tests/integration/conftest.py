@@ -30,6 +30,6 @@ async def server(metrics_settings: Settings) -> AsyncIterator[MetricsServer]:
 
 
 @pytest.fixture
-async def stub(server: MetricsServer) -> AsyncIterator[metrics_pb2_grpc.MetricsStub]:
+async def stub(server: MetricsServer) -> AsyncIterator[metrics_pb2_grpc.MetricsServiceStub]:
     async with aio_channel(f"127.0.0.1:{server.port}") as channel:
-        yield metrics_pb2_grpc.MetricsStub(channel)
+        yield metrics_pb2_grpc.MetricsServiceStub(channel)

@@ -38,7 +38,7 @@ async def scrape(server: MetricsServer, path: str = "/metrics") -> httpx.Respons
 
 
 async def test_reported_samples_answer_stats_latest_and_prometheus(
-    server: MetricsServer, stub: metrics_pb2_grpc.MetricsStub
+    server: MetricsServer, stub: metrics_pb2_grpc.MetricsServiceStub
 ) -> None:
     latencies = np.random.default_rng(3).gamma(shape=2.0, scale=1.5, size=300)
     samples = [("e2e_latency_ms", float(v), {"model": "m1", "code": "ok"}) for v in latencies]
@@ -89,8 +89,8 @@ async def test_reported_samples_answer_stats_latest_and_prometheus(
     assert seen[("loadmaster_metrics_samples_accepted_total", (("service", "gateway"),))] == 322
 
 
-async def test_watch_receives_new_samples(server: MetricsServer, stub: metrics_pb2_grpc.MetricsStub) -> None:
-    call = stub.Watch(metrics_pb2.WatchMetricsRequest(names=["queue_depth"], labels={"model": "m1"}))
+async def test_watch_receives_new_samples(server: MetricsServer, stub: metrics_pb2_grpc.MetricsServiceStub) -> None:
+    call = stub.Watch(metrics_pb2.MetricsServiceWatchRequest(names=["queue_depth"], labels={"model": "m1"}))
     await asyncio.wait_for(call.initial_metadata(), 5.0)  # subscribed from here on
 
     await report(
@@ -103,7 +103,7 @@ async def test_watch_receives_new_samples(server: MetricsServer, stub: metrics_p
         ],
     )
 
-    sample = await asyncio.wait_for(call.read(), 5.0)
+    (sample,) = (await asyncio.wait_for(call.read(), 5.0)).samples  # only the matching one
     assert (sample.name, sample.value, dict(sample.labels)) == (
         "queue_depth",
         4.0,
@@ -113,14 +113,14 @@ async def test_watch_receives_new_samples(server: MetricsServer, stub: metrics_p
 
 
 async def test_report_acks_accepted_count_and_bad_queries_are_invalid_argument(
-    stub: metrics_pb2_grpc.MetricsStub,
+    stub: metrics_pb2_grpc.MetricsServiceStub,
 ) -> None:
-    batch = metrics_pb2.ReportBatch(service="model-pool", instance="w-1")
+    batch = metrics_pb2.ReportRequest(service="model-pool", instance="w-1")
     batch.samples.add(name="batch_size", value=4)
     batch.samples.add(name="batch_size", value=float("nan"))
     batch.samples.add(name="", value=1)
 
-    async def batches() -> AsyncIterator[metrics_pb2.ReportBatch]:
+    async def batches() -> AsyncIterator[metrics_pb2.ReportRequest]:
         yield batch
         yield batch
 
@@ -149,18 +149,18 @@ async def test_stop_ends_watch_and_report_streams_and_http(metrics_settings: Set
     assert http_port
     hold_open = asyncio.Event()
 
-    async def batches() -> AsyncIterator[metrics_pb2.ReportBatch]:
-        batch = metrics_pb2.ReportBatch(service="gateway")
+    async def batches() -> AsyncIterator[metrics_pb2.ReportRequest]:
+        batch = metrics_pb2.ReportRequest(service="gateway")
         batch.samples.add(name="active_clients", value=1)
         yield batch
         await hold_open.wait()  # a reporter keeps its stream open for its lifetime
 
     async with aio_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = metrics_pb2_grpc.MetricsStub(channel)
-        watch = stub.Watch(metrics_pb2.WatchMetricsRequest())
+        stub = metrics_pb2_grpc.MetricsServiceStub(channel)
+        watch = stub.Watch(metrics_pb2.MetricsServiceWatchRequest())
         await asyncio.wait_for(watch.initial_metadata(), 5.0)
         report = stub.Report(batches())
-        assert (await asyncio.wait_for(watch.read(), 5.0)).name == "active_clients"
+        assert (await asyncio.wait_for(watch.read(), 5.0)).samples[0].name == "active_clients"
 
         await asyncio.wait_for(server.stop(), 4.0)  # well under the 5 s gRPC grace period
 

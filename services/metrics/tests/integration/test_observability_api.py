@@ -121,7 +121,7 @@ async def test_model_statistics_over_grpc(server: MetricsServer) -> None:
         [("inference_latency_ms", 1.5, {"model": "double"}), ("batch_size", 1, {"model": "double"})],
     )
     async with aio_channel(f"127.0.0.1:{server.port}") as channel:
-        stub = metrics_pb2_grpc.MetricsStub(channel)
+        stub = metrics_pb2_grpc.MetricsServiceStub(channel)
         reply = await stub.GetModelStatistics(metrics_pb2.GetModelStatisticsRequest(), timeout=5)
         [double] = reply.models
         assert (double.model_id, double.success_count, double.failure_count) == ("double", 1, 1)
@@ -192,17 +192,17 @@ async def test_on_metric_gives_up_a_watch_the_service_never_confirms() -> None:
     # seen to do): the subscription must give it up and try again, not wait forever.
     calls = 0
 
-    class Silent(metrics_pb2_grpc.MetricsServicer):
+    class Silent(metrics_pb2_grpc.MetricsServiceServicer):
         async def Watch(  # noqa: N802
-            self, request: metrics_pb2.WatchMetricsRequest, context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[metrics_pb2.Sample]:
+            self, request: metrics_pb2.MetricsServiceWatchRequest, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[metrics_pb2.MetricsServiceWatchResponse]:
             nonlocal calls
             calls += 1
             await asyncio.Event().wait()
-            yield metrics_pb2.Sample()  # never reached
+            yield metrics_pb2.MetricsServiceWatchResponse()  # never reached
 
     server = grpc.aio.server()
-    metrics_pb2_grpc.add_MetricsServicer_to_server(Silent(), server)
+    metrics_pb2_grpc.add_MetricsServiceServicer_to_server(Silent(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     subscription = on_metric(lambda s: None, address=f"127.0.0.1:{port}", ready_timeout_s=0.3)

@@ -13,9 +13,9 @@ from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 
 async def test_a_series_with_several_values_arrives_with_values_timestamps_and_labels(
-    server: MetricsServer, stub: metrics_pb2_grpc.MetricsStub
+    server: MetricsServer, stub: metrics_pb2_grpc.MetricsServiceStub
 ) -> None:
-    watch = stub.Watch(metrics_pb2.WatchMetricsRequest(names=["e2e_latency_ms"]))
+    watch = stub.Watch(metrics_pb2.MetricsServiceWatchRequest(names=["e2e_latency_ms"]))
     await asyncio.wait_for(watch.initial_metadata(), 5.0)  # subscribed from here on
     reporter = TelemetryReporter(
         "gateway", "gw-1", f"127.0.0.1:{server.port}", flush_interval_s=10.0, process_interval_s=None
@@ -29,7 +29,11 @@ async def test_a_series_with_several_values_arrives_with_values_timestamps_and_l
     await reporter.close(timeout_s=10.0)  # one batch: the flush interval is far off
     assert (reporter.sent, reporter.dropped) == (6, 0)
 
-    watched = [await asyncio.wait_for(watch.read(), 5.0) for _ in range(6)]
+    watched: list[metrics_pb2.Sample] = []
+    for _ in range(6):  # the six may come in one message or several
+        if len(watched) == 6:
+            break
+        watched.extend((await asyncio.wait_for(watch.read(), 5.0)).samples)
     watch.cancel()
     assert [(s.name, s.value, dict(s.labels)) for s in watched] == [
         ("e2e_latency_ms", 1.5 * v, {"model": "m", "code": "ok", "service": "gateway"}) for v in range(6)
@@ -44,17 +48,17 @@ async def test_a_series_with_several_values_arrives_with_values_timestamps_and_l
     assert (stats.count, stats.sum, stats.max, stats.p50) == (6, 22.5, 7.5, 3.75)
 
 
-async def test_old_format_batches_still_ingest_beside_series(stub: metrics_pb2_grpc.MetricsStub) -> None:
-    old = metrics_pb2.ReportBatch(service="model-pool", instance="w-1")
+async def test_old_format_batches_still_ingest_beside_series(stub: metrics_pb2_grpc.MetricsServiceStub) -> None:
+    old = metrics_pb2.ReportRequest(service="model-pool", instance="w-1")
     for value in (1.0, 4.0, float("nan")):
         old.samples.add(name="batch_size", value=value, labels={"model": "m"}, timestamp_unix_ns=1_000)
-    both = metrics_pb2.ReportBatch(service="model-pool", instance="w-1")
+    both = metrics_pb2.ReportRequest(service="model-pool", instance="w-1")
     both.samples.add(name="batch_size", value=2.0, labels={"model": "m"}, timestamp_unix_ns=2_000)
     both.series.add(
         name="batch_size", labels={"model": "m"}, values=[8.0, 16.0], timestamp_deltas_ns=[3_000, 5]
     )
 
-    async def batches() -> AsyncIterator[metrics_pb2.ReportBatch]:
+    async def batches() -> AsyncIterator[metrics_pb2.ReportRequest]:
         yield old
         yield both
 

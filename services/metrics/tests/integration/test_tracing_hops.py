@@ -45,7 +45,7 @@ async def test_one_trace_over_grpc_and_zmq(exporter: InMemorySpanExporter) -> No
             "gateway.request", attributes=tracing.request_attributes("req-1", "double")
         ) as root:
             async with aio_channel(f"127.0.0.1:{server.port}") as channel:
-                await metrics_pb2_grpc.MetricsStub(channel).GetStats(
+                await metrics_pb2_grpc.MetricsServiceStub(channel).GetStats(
                     metrics_pb2.GetStatsRequest(name="x"), timeout=5
                 )
             with tracer.start_as_current_span("gateway.dispatch"):
@@ -71,7 +71,7 @@ async def test_one_trace_over_grpc_and_zmq(exporter: InMemorySpanExporter) -> No
 
     spans = {span.name: span for span in exporter.get_finished_spans()}
     trace_id = root.get_span_context().trace_id
-    grpc_spans = [s for s in exporter.get_finished_spans() if s.name.endswith("Metrics/GetStats")]
+    grpc_spans = [s for s in exporter.get_finished_spans() if s.name.endswith("MetricsService/GetStats")]
     assert {s.kind for s in grpc_spans} == {SpanKind.CLIENT, SpanKind.SERVER}, sorted(spans)
     client = next(s for s in grpc_spans if s.kind is SpanKind.CLIENT)
     server_span = next(s for s in grpc_spans if s.kind is SpanKind.SERVER)

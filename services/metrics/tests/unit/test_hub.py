@@ -58,7 +58,7 @@ def test_queries_validate_arguments() -> None:
 
 async def test_ingest_feeds_windows_exposition_and_watchers() -> None:
     hub = make_hub()
-    batch = metrics_pb2.ReportBatch(service="scheduler", instance="s-1")
+    batch = metrics_pb2.ReportRequest(service="scheduler", instance="s-1")
     batch.samples.add(
         name="queue_depth", value=5, labels={"model": "m", "service": "spoofed"}, timestamp_unix_ns=7
     )
@@ -77,9 +77,9 @@ async def test_ingest_feeds_windows_exposition_and_watchers() -> None:
 
 def series_batch(
     service: str, samples: list[tuple[str, float, dict[str, str], int]]
-) -> metrics_pb2.ReportBatch:
+) -> metrics_pb2.ReportRequest:
     """`samples` as a reporter sends them now: each series once, values packed, timestamp deltas."""
-    batch = metrics_pb2.ReportBatch(service=service)
+    batch = metrics_pb2.ReportRequest(service=service)
     by_series: dict[tuple[str, tuple[tuple[str, str], ...]], list[tuple[float, int]]] = {}
     for name, value, labels, timestamp in samples:
         by_series.setdefault((name, tuple(labels.items())), []).append((value, timestamp))
@@ -153,7 +153,7 @@ def test_series_batches_answer_every_query_as_one_sample_per_batch_did() -> None
             observations_from_batch(series_batch("gateway", samples)), service="gateway"
         ) == len(samples)
         for name, value, labels, timestamp in samples:
-            old = metrics_pb2.ReportBatch(service="gateway")
+            old = metrics_pb2.ReportRequest(service="gateway")
             old.samples.add(name=name, value=value, labels=labels, timestamp_unix_ns=timestamp)
             assert one_by_one.ingest(observations_from_batch(old), service="gateway") == 1
         for clock in clocks:
@@ -166,7 +166,7 @@ def test_series_batches_answer_every_query_as_one_sample_per_batch_did() -> None
 
 def test_invalid_series_are_refused_whole_and_non_finite_values_one_by_one() -> None:
     hub = make_hub()
-    batch = metrics_pb2.ReportBatch(service="model-pool")
+    batch = metrics_pb2.ReportRequest(service="model-pool")
     batch.series.add(
         name="batch_size", values=[1.0, math.nan, 2.0, math.inf], timestamp_deltas_ns=[5, 1, 1, 1]
     )

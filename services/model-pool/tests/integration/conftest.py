@@ -31,17 +31,17 @@ from loadmaster.model_pool.server import ModelPoolServer, build
 from loadmaster.v1 import gpu_broker_pb2_grpc, model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
-class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
     """Records what workers send; `command(...)` pushes a command; `drop()` ends the open streams."""
 
     def __init__(self) -> None:
-        self.messages: list[scheduler_pb2.WorkerMessage] = []
+        self.messages: list[scheduler_pb2.WorkerSessionRequest] = []
         self.sessions = 0
         self._changed = asyncio.Condition()
-        self._queues: list[asyncio.Queue[scheduler_pb2.WorkerCommand | None]] = []
+        self._queues: list[asyncio.Queue[scheduler_pb2.WorkerSessionResponse | None]] = []
 
     async def WorkerSession(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
-        queue: asyncio.Queue[scheduler_pb2.WorkerCommand | None] = asyncio.Queue()
+        queue: asyncio.Queue[scheduler_pb2.WorkerSessionResponse | None] = asyncio.Queue()
         self._queues.append(queue)
         self.sessions += 1
 
@@ -59,7 +59,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             reader.cancel()
             self._queues.remove(queue)
 
-    def command(self, command: scheduler_pb2.WorkerCommand) -> None:
+    def command(self, command: scheduler_pb2.WorkerSessionResponse) -> None:
         for queue in self._queues:
             queue.put_nowait(command)
 
@@ -69,14 +69,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def wait_for(
         self,
-        predicate: Callable[[scheduler_pb2.WorkerMessage], bool],
+        predicate: Callable[[scheduler_pb2.WorkerSessionRequest], bool],
         *,
         after: int = 0,
         timeout_s: float = 10.0,
-    ) -> scheduler_pb2.WorkerMessage:
+    ) -> scheduler_pb2.WorkerSessionRequest:
         """The first message at index >= `after` that satisfies `predicate`."""
 
-        def find() -> scheduler_pb2.WorkerMessage | None:
+        def find() -> scheduler_pb2.WorkerSessionRequest | None:
             return next((m for m in self.messages[after:] if predicate(m)), None)
 
         async with self._changed:
@@ -90,7 +90,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 async def fake_scheduler(address: str = "127.0.0.1:0") -> AsyncIterator[tuple[FakeScheduler, str]]:
     servicer = FakeScheduler()
     server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port(address)
     await server.start()
     try:
@@ -115,7 +115,7 @@ def broker_settings(redis_url: str, *, total_mb: int) -> Settings:
 
 
 BrokerAt = Callable[
-    ..., contextlib.AbstractAsyncContextManager[tuple[str, gpu_broker_pb2_grpc.GpuBrokerStub]]
+    ..., contextlib.AbstractAsyncContextManager[tuple[str, gpu_broker_pb2_grpc.GpuBrokerServiceStub]]
 ]
 
 
@@ -126,14 +126,14 @@ def real_broker(redis_url: str) -> BrokerAt:
     server_module = pytest.importorskip("loadmaster.gpu_broker.server")
 
     @contextlib.asynccontextmanager
-    async def start(*, total_mb: int = 1_000) -> AsyncIterator[tuple[str, gpu_broker_pb2_grpc.GpuBrokerStub]]:
+    async def start(*, total_mb: int = 1_000) -> AsyncIterator[tuple[str, gpu_broker_pb2_grpc.GpuBrokerServiceStub]]:
         settings = broker_settings(redis_url, total_mb=total_mb)
         server = await server_module.build(settings)
         port = await server.start()
         address = f"127.0.0.1:{port}"
         try:
             async with grpc.aio.insecure_channel(address) as channel:
-                yield address, gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+                yield address, gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
         finally:
             await server.stop()
 
@@ -228,15 +228,15 @@ class DataClient:
 
     async def receive(
         self, timeout_s: float = 10.0
-    ) -> tuple[model_pool_pb2.InferReply, dict[str, np.ndarray]]:
+    ) -> tuple[model_pool_pb2.InferResponse, dict[str, np.ndarray]]:
         frames = await asyncio.wait_for(self.socket.recv_multipart(), timeout_s)
         assert len(frames) == 3 and frames[0] == b"", frames
-        reply = model_pool_pb2.InferReply.FromString(frames[1])
+        reply = model_pool_pb2.InferResponse.FromString(frames[1])
         return reply, decode_tensors(reply.outputs, frames[2])
 
     async def call(
         self, model_id: str, arrays: dict[str, np.ndarray] | None = None, **fields: Any
-    ) -> tuple[model_pool_pb2.InferReply, dict[str, np.ndarray]]:
+    ) -> tuple[model_pool_pb2.InferResponse, dict[str, np.ndarray]]:
         await self.send(*self.request(model_id, arrays, **fields))
         return await self.receive()
 

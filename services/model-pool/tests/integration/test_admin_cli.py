@@ -44,7 +44,7 @@ async def test_models_admin_commands(worker: ModelPoolServer, monkeypatch: pytes
 
 async def test_pin_rpc_reports_to_the_scheduler(worker: ModelPoolServer) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
-        stub = model_pool_pb2_grpc.ModelPoolStub(channel)
+        stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
         reply = await stub.Pin(model_pool_pb2.PinRequest(model_id="sleep", pinned=True))
         assert reply.model.pinned and reply.model.model_id == "sleep"
         status = await stub.Status(model_pool_pb2.StatusRequest())

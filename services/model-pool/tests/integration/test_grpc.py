@@ -28,7 +28,7 @@ class Boom:
 @pytest.fixture
 async def stub(worker: ModelPoolServer) -> Any:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
-        yield model_pool_pb2_grpc.ModelPoolStub(channel), channel
+        yield model_pool_pb2_grpc.ModelPoolServiceStub(channel), channel
 
 
 async def test_health_and_status(worker: ModelPoolServer, stub: Any) -> None:
@@ -55,10 +55,11 @@ async def test_status_carries_the_declared_signatures_asked_for(stub: Any) -> No
     policy = by_id["policy"]
     assert policy.backend == "torch"
     assert [(t.name, t.dtype, list(t.shape), t.any_shape) for t in policy.inputs] == [
-        ("state", tensor_pb2.FLOAT32, [-1, 32], False)
+        ("state", tensor_pb2.DTYPE_FLOAT32, [-1, 32], False)
     ]
     assert [(t.name, list(t.shape)) for t in policy.outputs] == [("action", [-1, 8])]
-    assert list(by_id["double"].inputs) == []  # declares nothing: takes any tensors
+    # `double` takes any tensors; its config describes the typical call (enforce_inputs: false).
+    assert [(t.name, list(t.shape)) for t in by_id["double"].inputs] == [("x", [-1])]
     assert not (await pool.Status(model_pool_pb2.StatusRequest())).signatures
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from conftest import BrokerAt
 
 
-class RecordingBroker(gpu_broker_pb2_grpc.GpuBrokerServicer):
+class RecordingBroker(gpu_broker_pb2_grpc.GpuBrokerServiceServicer):
     """Answers renewals from `answers` (lease id -> error code, absent = renewed) and records
     each call; with `renew_many=False` it is a broker from before RenewMany."""
 
@@ -60,7 +60,7 @@ class RecordingBroker(gpu_broker_pb2_grpc.GpuBrokerServicer):
 @contextlib.asynccontextmanager
 async def recording_broker(servicer: RecordingBroker) -> AsyncIterator[str]:
     server = grpc.aio.server()
-    gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server(servicer, server)
+    gpu_broker_pb2_grpc.add_GpuBrokerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

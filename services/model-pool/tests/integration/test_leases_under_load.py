@@ -52,7 +52,7 @@ def audit(address: str, pool: ModelPool, worker_leases: set[str], stop: threadin
     worker's leases lapsed at the broker), and each sample checks that memory the broker
     promises to others plus memory the worker still holds never exceeds the GPU."""
     with grpc.insecure_channel(address) as channel:
-        stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+        stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
         while not stop.is_set():
             try:
                 granted = stub.Acquire(
@@ -84,7 +84,7 @@ def bytes_observation(size: int) -> tuple[model_pool_pb2.InferRequest, bytes]:
     count = size // 4
     payload = np.zeros(count, np.uint32).tobytes()
     tensor = tensor_pb2.Tensor(
-        key="state", dtype=tensor_pb2.BYTES, shape=[count], byte_offset=0, byte_length=len(payload)
+        key="state", dtype=tensor_pb2.DTYPE_BYTES, shape=[count], byte_offset=0, byte_length=len(payload)
     )
     return model_pool_pb2.InferRequest(request_id="huge", model_id="policy", inputs=[tensor]), payload
 

@@ -24,7 +24,7 @@ WORKER = "worker-test"
 
 def register_again(address: str, *, total_mb: int) -> None:
     with grpc.insecure_channel(address) as channel:
-        gpu_broker_pb2_grpc.GpuBrokerStub(channel).RegisterNode(
+        gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).RegisterNode(
             gpu_broker_pb2.RegisterNodeRequest(
                 node="local", gpus=[gpu_broker_pb2.Gpu(index=0, total_mb=total_mb, name="declared")]
             ),
@@ -34,7 +34,7 @@ def register_again(address: str, *, total_mb: int) -> None:
 
 def worker_leases(address: str) -> dict[str, gpu_broker_pb2.Lease]:
     with grpc.insecure_channel(address) as channel:
-        leases = gpu_broker_pb2_grpc.GpuBrokerStub(channel).ListLeases(
+        leases = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).ListLeases(
             gpu_broker_pb2.ListLeasesRequest(holder=WORKER), timeout=5
         )
     return {lease.labels["model"]: lease for lease in leases.leases}

@@ -13,13 +13,13 @@ READY = model_pool_pb2.MODEL_STATE_READY
 IDLE = model_pool_pb2.MODEL_STATE_IDLE
 
 
-def states(message: scheduler_pb2.WorkerMessage) -> dict[str, int]:
+def states(message: scheduler_pb2.WorkerSessionRequest) -> dict[str, int]:
     if message.WhichOneof("kind") != "report":
         return {}
     return {m.model_id: m.state for m in message.report.models}
 
 
-def is_hello(message: scheduler_pb2.WorkerMessage) -> bool:
+def is_hello(message: scheduler_pb2.WorkerSessionRequest) -> bool:
     return message.WhichOneof("kind") == "hello"
 
 
@@ -46,23 +46,23 @@ async def test_commands_are_obeyed_and_reported(worker: ModelPoolServer, schedul
     fake, _ = scheduler
     await fake.wait_for(lambda m: states(m).get("policy") == READY)
     mark = len(fake.messages)
-    fake.command(scheduler_pb2.WorkerCommand(unload=scheduler_pb2.UnloadCommand(model_id="policy")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id="policy")))
     await fake.wait_for(lambda m: states(m).get("policy") == IDLE, after=mark)
     mark = len(fake.messages)
-    fake.command(scheduler_pb2.WorkerCommand(load=scheduler_pb2.LoadCommand(model_id="policy")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="policy")))
     report = await fake.wait_for(lambda m: states(m).get("policy") == READY, after=mark)
     assert {m.model_id: m.generation for m in report.report.models}["policy"] == 2
     # A load that fails (no artifact generated for the classifier here) is reported with its error.
     mark = len(fake.messages)
-    fake.command(scheduler_pb2.WorkerCommand(load=scheduler_pb2.LoadCommand(model_id="classifier")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="classifier")))
     report = await fake.wait_for(
         lambda m: any(x.model_id == "classifier" and x.error for x in m.report.models), after=mark
     )
     classifier = next(x for x in report.report.models if x.model_id == "classifier")
     assert classifier.state == IDLE and "make models" in classifier.error
-    fake.command(scheduler_pb2.WorkerCommand(load=scheduler_pb2.LoadCommand(model_id="no-such-model")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="no-such-model")))
     mark = len(fake.messages)
-    fake.command(scheduler_pb2.WorkerCommand(unload=scheduler_pb2.UnloadCommand(model_id="double")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id="double")))
     await fake.wait_for(lambda m: states(m).get("double") == IDLE, after=mark)  # still obeying
     assert fake.sessions == 1
 

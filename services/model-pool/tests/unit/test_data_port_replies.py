@@ -28,8 +28,8 @@ def _batch(rows: int, *, batch_id: int, generation: int = 3, inference_ms: float
     ]
 
 
-def _parsed(envelope: bytes, payload: Any) -> tuple[model_pool_pb2.InferReply, dict[str, np.ndarray]]:
-    reply = model_pool_pb2.InferReply.FromString(envelope)
+def _parsed(envelope: bytes, payload: Any) -> tuple[model_pool_pb2.InferResponse, dict[str, np.ndarray]]:
+    reply = model_pool_pb2.InferResponse.FromString(envelope)
     return reply, decode_tensors(reply.outputs, memoryview(payload))
 
 
@@ -134,7 +134,7 @@ async def test_a_batch_of_replies_leaves_together_after_its_callbacks(
     data_port._handle(_message("lost", model_id="nope"))  # refused at the door
     await asyncio.sleep(0)
     assert [m[0] for m in sock.messages()] == [b"client-lost"]
-    reply = model_pool_pb2.InferReply.FromString(sock.messages()[0][2])
+    reply = model_pool_pb2.InferResponse.FromString(sock.messages()[0][2])
     assert reply.error_code == errors_pb2.ERROR_CODE_NOT_FOUND and reply.request_id == "lost"
     sock.frames.clear()
 

@@ -133,6 +133,28 @@ def test_extra_inputs_allowed_when_configured(tmp_path: Path) -> None:
     check_inputs(spec, {"ms": np.zeros((), np.float32), "echo": np.zeros((2, 2), np.uint8)})
 
 
+def test_described_inputs_are_not_enforced_when_configured(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "any",
+        "backend: python\nclass: A\nenforce_inputs: false\n"
+        "inputs: [{name: x, dtype: float32, shape: [-1]}]\noutputs: [{name: x, dtype: float32, shape: [-1]}]\n",
+    )
+    spec = ModelRepository(tmp_path).spec("any")
+    check_inputs(spec, {"joints": np.zeros((2, 3), np.int64)})  # any tensors, as `double` takes
+    assert [t.name for t in spec.config.outputs] == ["x"]
+
+
+def test_every_example_tensor_model_describes_its_tensors() -> None:
+    # KServe ModelMetadata lists these: no tensor model may report empty inputs or outputs.
+    repo = ModelRepository(EXAMPLES)
+    for name in repo.names():
+        config = repo.spec(name).config
+        if config.backend in {"transformers", "openai_process", "diffusers"}:
+            continue  # generative: served on the OpenAI API
+        assert config.inputs and config.outputs, name
+
+
 def test_zeros_for_warmup() -> None:
     spec = ModelRepository(EXAMPLES).spec("policy")
     zeros = zeros_for(spec.config.inputs)

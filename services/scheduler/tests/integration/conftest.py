@@ -25,7 +25,7 @@ STEP_TIMEOUT_S = 5.0
 class GatewayClient:
     """One `Session` stream, as a gateway would hold it."""
 
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, gateway_id: str) -> None:
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerServiceStub, gateway_id: str) -> None:
         self.call = stub.Session()
         self._gateway_id = gateway_id
         self.grants: dict[str, scheduler_pb2.Grant] = {}
@@ -70,7 +70,7 @@ class WorkerClient:
     """One `WorkerSession` stream, as a model-pool worker would hold it."""
 
     def __init__(
-        self, stub: scheduler_pb2_grpc.SchedulerStub, worker_id: str, repository: Iterable[str]
+        self, stub: scheduler_pb2_grpc.SchedulerServiceStub, worker_id: str, repository: Iterable[str]
     ) -> None:
         self.call = stub.WorkerSession()
         self.worker_id = worker_id
@@ -80,7 +80,7 @@ class WorkerClient:
         hello = scheduler_pb2.WorkerHello(
             worker_id=self.worker_id, data_endpoint=f"tcp://{self.worker_id}:5556", repository=self.repository
         )
-        await self.call.write(scheduler_pb2.WorkerMessage(hello=hello))
+        await self.call.write(scheduler_pb2.WorkerSessionRequest(hello=hello))
         return self
 
     async def report(self, states: dict[str, int], *, generation: int = 1, error: str = "") -> None:
@@ -90,9 +90,9 @@ class WorkerClient:
             )
             for m, s in states.items()
         ]
-        await self.call.write(scheduler_pb2.WorkerMessage(report=scheduler_pb2.WorkerReport(models=models)))
+        await self.call.write(scheduler_pb2.WorkerSessionRequest(report=scheduler_pb2.WorkerReport(models=models)))
 
-    async def command(self) -> scheduler_pb2.WorkerCommand:
+    async def command(self) -> scheduler_pb2.WorkerSessionResponse:
         command = await asyncio.wait_for(self.call.read(), STEP_TIMEOUT_S)
         assert command is not grpc.aio.EOF, "the scheduler ended the worker session"
         return command
@@ -110,7 +110,7 @@ async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float =
 
 
 class SchedulerHarness:
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, address: str = "") -> None:
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerServiceStub, address: str = "") -> None:
         self.stub = stub
         self.address = address
         self._clients: list[GatewayClient | WorkerClient] = []
@@ -175,7 +175,7 @@ async def scheduler() -> AsyncIterator[SchedulerHarness]:
     server = build(settings)
     port = await server.start()
     channel = aio_channel(f"127.0.0.1:{port}")
-    harness = SchedulerHarness(scheduler_pb2_grpc.SchedulerStub(channel), f"127.0.0.1:{port}")
+    harness = SchedulerHarness(scheduler_pb2_grpc.SchedulerServiceStub(channel), f"127.0.0.1:{port}")
     try:
         yield harness
     finally:

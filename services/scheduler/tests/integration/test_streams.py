@@ -137,11 +137,11 @@ async def test_stopping_the_server_ends_open_streams_promptly() -> None:
     server = build(settings)
     port = await server.start()
     async with aio_channel(f"127.0.0.1:{port}") as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         session = stub.Session()
         await session.write(scheduler_pb2.SessionRequest(hello=scheduler_pb2.SessionHello(gateway_id="g")))
         worker = stub.WorkerSession()
-        await worker.write(scheduler_pb2.WorkerMessage(hello=scheduler_pb2.WorkerHello(worker_id="w")))
+        await worker.write(scheduler_pb2.WorkerSessionRequest(hello=scheduler_pb2.WorkerHello(worker_id="w")))
         listed = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
         while not listed.workers:
             listed = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())

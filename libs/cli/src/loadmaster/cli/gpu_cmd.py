@@ -103,7 +103,7 @@ def status(
     address = _address(config, broker)
     try:
         with internal_auth.sync_channel(address) as channel:
-            stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+            stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
             gpus = stub.Inventory(pb.InventoryRequest(node=node), timeout=5).gpus
             leases = stub.ListLeases(pb.ListLeasesRequest(node=node), timeout=5).leases
     except grpc.RpcError as raw:

@@ -54,7 +54,7 @@ def worker_endpoints(settings: Settings, worker: str | None = None) -> list[str]
         return [worker]
     try:
         with internal_auth.sync_channel(settings.scheduler.address) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).ListWorkers(
+            reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).ListWorkers(
                 scheduler_pb2.ListWorkersRequest(), timeout=_TIMEOUT_S
             )
         endpoints = [w.grpc_endpoint for w in reply.workers if w.grpc_endpoint]
@@ -67,7 +67,7 @@ def worker_endpoints(settings: Settings, worker: str | None = None) -> list[str]
 
 def _status(endpoint: str) -> pb.StatusResponse:
     with internal_auth.sync_channel(endpoint) as channel:
-        return model_pool_pb2_grpc.ModelPoolStub(channel).Status(pb.StatusRequest(), timeout=_TIMEOUT_S)
+        return model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(pb.StatusRequest(), timeout=_TIMEOUT_S)
 
 
 def _statuses(endpoints: list[str]) -> list[tuple[str, pb.StatusResponse]]:
@@ -192,7 +192,7 @@ def _holder(settings: Settings, model_id: str, worker: str | None, *, loaded: bo
 
 def _call(endpoint: str, method: str, request: object, timeout_s: float) -> pb.ModelSlotStatus:
     with internal_auth.sync_channel(endpoint) as channel:
-        stub = model_pool_pb2_grpc.ModelPoolStub(channel)
+        stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
         try:
             reply = getattr(stub, method)(request, timeout=timeout_s)
         except grpc.RpcError as error:

@@ -64,7 +64,7 @@ def use(
     """Switch the scheduler's strategy; waiting requests move over."""
     target = _address(config, address)
     with internal_auth.sync_channel(target) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
             reply = stub.SetStrategy(
                 scheduler_pb2.SetStrategyRequest(strategy=name, policy=policy or ""), timeout=_TIMEOUT_S
@@ -84,7 +84,7 @@ def queues(
     """Print the scheduler's strategy and per-model queues."""
     target = _address(config, address)
     with internal_auth.sync_channel(target) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
             reply = stub.GetQueues(scheduler_pb2.GetQueuesRequest(), timeout=_TIMEOUT_S)
         except grpc.RpcError as exc:

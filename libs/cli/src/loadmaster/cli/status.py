@@ -136,7 +136,7 @@ async def _health(name: str, address: str, timeout_s: float) -> ServiceRow:
 
 async def _workers(address: str, timeout_s: float) -> list[scheduler_pb2.WorkerInfo]:
     async with aio_channel(address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError:

@@ -196,7 +196,7 @@ class AsyncLeaseClient:
         self._attempts = max(1, attempts)
         self._clock = clock or SystemClock()
         self._channel: grpc.aio.Channel | None = None
-        self._stub: gpu_broker_pb2_grpc.GpuBrokerStub | None = None
+        self._stub: gpu_broker_pb2_grpc.GpuBrokerServiceStub | None = None
         self._renewals: list[_Renewal] = []  # waiting for the next RenewMany
         self._senders: set[asyncio.Task[None]] = set()  # strong references to running sends
         self._renew_many = True  # False once a broker answered UNIMPLEMENTED (an older broker)
@@ -205,12 +205,12 @@ class AsyncLeaseClient:
     def address(self) -> str:
         return self._address
 
-    def _broker(self) -> gpu_broker_pb2_grpc.GpuBrokerStub:
+    def _broker(self) -> gpu_broker_pb2_grpc.GpuBrokerServiceStub:
         if self._stub is None:
             # aio_channel caps reconnect backoff well below a lease TTL, so renewals get
             # through soon after the broker is back.
             self._channel = aio_channel(self._address)
-            self._stub = gpu_broker_pb2_grpc.GpuBrokerStub(self._channel)
+            self._stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(self._channel)
         return self._stub
 
     def _unreachable(self, error: grpc.aio.AioRpcError) -> UnavailableError:

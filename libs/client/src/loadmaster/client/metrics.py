@@ -1,4 +1,4 @@
-"""Live metric samples from the metrics service (`Metrics.Watch`), delivered to a callback.
+"""Live metric samples from the metrics service (`MetricsService.Watch`), delivered to a callback.
 
     from loadmaster.client import on_metric
 
@@ -67,7 +67,7 @@ class MetricSubscription:
     ) -> None:
         self._callback = callback
         self._address = address
-        self._request = metrics_pb2.WatchMetricsRequest(names=list(names), labels=dict(labels or {}))
+        self._request = metrics_pb2.MetricsServiceWatchRequest(names=list(names), labels=dict(labels or {}))
         self._max_backoff_s = max_backoff_s
         self._ready_timeout_s = ready_timeout_s
         self._closed = threading.Event()
@@ -103,7 +103,7 @@ class MetricSubscription:
             try:
                 # Carries this process's internal credential when it has one (internal_auth).
                 with internal_auth.sync_channel(self._address, _CHANNEL_OPTIONS) as channel:
-                    call = metrics_pb2_grpc.MetricsStub(channel).Watch(self._request)
+                    call = metrics_pb2_grpc.MetricsServiceStub(channel).Watch(self._request)
                     with self._lock:
                         self._call = call
                     if self._closed.is_set():
@@ -118,8 +118,9 @@ class MetricSubscription:
                     else:
                         self._ready.set()
                         backoff = 0.1
-                        for sample in call:  # a call that ended unconfirmed raises its error here
-                            self._deliver(sample)
+                        for response in call:  # a call that ended unconfirmed raises its error here
+                            for sample in response.samples:
+                                self._deliver(sample)
             except grpc.RpcError as error:
                 if self._closed.is_set():
                     return

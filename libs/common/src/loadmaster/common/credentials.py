@@ -34,11 +34,11 @@ ENVELOPE_KEY = "loadmaster-auth"
 # Calls that change what the fleet serves or owns: the admin credential is needed.
 ADMIN_METHODS: frozenset[str] = frozenset(
     {
-        "/loadmaster.v1.Scheduler/SetStrategy",
-        "/loadmaster.v1.ModelPool/Load",
-        "/loadmaster.v1.ModelPool/Unload",
-        "/loadmaster.v1.ModelPool/Pin",
-        "/loadmaster.v1.GpuBroker/RegisterNode",
+        "/loadmaster.v1.SchedulerService/SetStrategy",
+        "/loadmaster.v1.ModelPoolService/Load",
+        "/loadmaster.v1.ModelPoolService/Unload",
+        "/loadmaster.v1.ModelPoolService/Pin",
+        "/loadmaster.v1.GpuBrokerService/RegisterNode",
     }
 )
 
@@ -46,8 +46,8 @@ ADMIN_METHODS: frozenset[str] = frozenset(
 # suite cannot pose as one; the calls only one of them makes are reserved to it.
 SUITE_SERVICES = frozenset({"gateway", "scheduler", "model-pool", "gpu-broker", "metrics"})
 SERVICE_METHODS: dict[str, str] = {
-    "/loadmaster.v1.Scheduler/WorkerSession": "model-pool",  # registering a worker
-    "/loadmaster.v1.Scheduler/Session": "gateway",  # receiving grants for client requests
+    "/loadmaster.v1.SchedulerService/WorkerSession": "model-pool",  # registering a worker
+    "/loadmaster.v1.SchedulerService/Session": "gateway",  # receiving grants for client requests
 }
 DATA_PORT_SENDER = "gateway"
 

@@ -236,11 +236,11 @@ class TelemetryReporter:
             self._held -= self._max_batch
             return counts, taken
 
-    def _take_batch(self) -> metrics_pb2.ReportBatch:
+    def _take_batch(self) -> metrics_pb2.ReportRequest:
         """The summed counters (one value per series), then observations up to `max_batch`,
         each series once; built outside the lock so record() never waits on it."""
         counts, taken = self._take()
-        batch = metrics_pb2.ReportBatch(service=self.service, instance=self.instance)
+        batch = metrics_pb2.ReportRequest(service=self.service, instance=self.instance)
         add = batch.series.add
         now = time.time_ns()
         for (name, labels), total in counts.items():
@@ -254,7 +254,7 @@ class TelemetryReporter:
             )
         return batch
 
-    async def _batches(self, stream: object) -> AsyncIterator[metrics_pb2.ReportBatch]:
+    async def _batches(self, stream: object) -> AsyncIterator[metrics_pb2.ReportRequest]:
         """A batch per flush interval: what was recorded while one was being written waits
         for the next interval too (a steady stream would otherwise cost a tiny batch and a
         stream write per request). A backlog of full batches, and a close, go out at once.
@@ -286,7 +286,7 @@ class TelemetryReporter:
         while not (self._closing and not self._pending()):
             try:
                 async with aio_channel(self._address) as channel:
-                    stub = metrics_pb2_grpc.MetricsStub(channel)
+                    stub = metrics_pb2_grpc.MetricsServiceStub(channel)
                     self._unconfirmed = 0
                     stream = self._stream = object()
                     try:

@@ -52,19 +52,19 @@ def shape_elements_at_most(shape: Sequence[int], cap: int) -> int:
 
 # BFLOAT16 has no numpy dtype: its raw 2-byte words travel as uint16.
 _TO_NUMPY: dict[int, np.dtype] = {
-    tensor_pb2.FLOAT16: np.dtype(np.float16),
-    tensor_pb2.FLOAT32: np.dtype(np.float32),
-    tensor_pb2.FLOAT64: np.dtype(np.float64),
-    tensor_pb2.BFLOAT16: np.dtype(np.uint16),
-    tensor_pb2.UINT8: np.dtype(np.uint8),
-    tensor_pb2.INT32: np.dtype(np.int32),
-    tensor_pb2.INT64: np.dtype(np.int64),
-    tensor_pb2.BOOL: np.dtype(np.bool_),
+    tensor_pb2.DTYPE_FLOAT16: np.dtype(np.float16),
+    tensor_pb2.DTYPE_FLOAT32: np.dtype(np.float32),
+    tensor_pb2.DTYPE_FLOAT64: np.dtype(np.float64),
+    tensor_pb2.DTYPE_BFLOAT16: np.dtype(np.uint16),
+    tensor_pb2.DTYPE_UINT8: np.dtype(np.uint8),
+    tensor_pb2.DTYPE_INT32: np.dtype(np.int32),
+    tensor_pb2.DTYPE_INT64: np.dtype(np.int64),
+    tensor_pb2.DTYPE_BOOL: np.dtype(np.bool_),
 }
 _FROM_NUMPY: dict[np.dtype, int] = {
-    dtype: wire for wire, dtype in _TO_NUMPY.items() if wire != tensor_pb2.BFLOAT16
+    dtype: wire for wire, dtype in _TO_NUMPY.items() if wire != tensor_pb2.DTYPE_BFLOAT16
 }
-_ACCEPTED_ENCODINGS = (tensor_pb2.ENCODING_UNSPECIFIED, tensor_pb2.RAW)
+_ACCEPTED_ENCODINGS = (tensor_pb2.ENCODING_UNSPECIFIED, tensor_pb2.ENCODING_RAW)
 _LENGTH = struct.Struct("<I")  # BYTES element prefix
 
 
@@ -77,7 +77,7 @@ class TensorLimits:
 
 
 def numpy_dtype(wire: int) -> np.dtype:
-    if wire == tensor_pb2.BYTES:
+    if wire == tensor_pb2.DTYPE_BYTES:
         return np.dtype(object)
     try:
         return _TO_NUMPY[wire]
@@ -90,7 +90,7 @@ def wire_dtype(dtype: np.dtype) -> int:
     if wire is not None:
         return wire
     if np.dtype(dtype).kind in "OSU":
-        return tensor_pb2.BYTES
+        return tensor_pb2.DTYPE_BYTES
     try:
         return _FROM_NUMPY[np.dtype(dtype)]
     except KeyError:
@@ -102,7 +102,7 @@ def wire_dtype(dtype: np.dtype) -> int:
 
 def _dtype_name(wire: int) -> str:
     try:
-        return tensor_pb2.DType.Name(wire)
+        return tensor_pb2.Dtype.Name(wire)
     except ValueError:
         return str(wire)
 
@@ -155,7 +155,7 @@ def _check(
             raise InvalidArgumentError(f"tensor '{key}': encoding {desc.encoding} is not supported (use RAW)")
         wire = desc.dtype
         offset, length = desc.byte_offset, desc.byte_length
-        if wire == tensor_pb2.BYTES:
+        if wire == tensor_pb2.DTYPE_BYTES:
             elements = _decode_bytes_tensor(desc, payload, limits, build=arrays is not None)
             if arrays is not None and elements is not None:
                 arrays[key] = elements
@@ -213,12 +213,12 @@ def encode_tensors(
             descriptors.append(
                 tensor_pb2.Tensor(
                     key=key,
-                    dtype=tensor_pb2.BYTES,
+                    dtype=tensor_pb2.DTYPE_BYTES,
                     shape=array.shape,
                     byte_offset=offset,
                     byte_length=len(data),
                     timestamp_ns=timestamp_ns,
-                    encoding=tensor_pb2.RAW,
+                    encoding=tensor_pb2.ENCODING_RAW,
                 )
             )
             parts.append(memoryview(data))
@@ -236,7 +236,7 @@ def encode_tensors(
                 byte_offset=offset,
                 byte_length=array.nbytes,
                 timestamp_ns=timestamp_ns,
-                encoding=tensor_pb2.RAW,
+                encoding=tensor_pb2.ENCODING_RAW,
             )
         )
         parts.append(view)

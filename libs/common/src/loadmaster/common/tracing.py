@@ -70,7 +70,7 @@ _UNTRACED_SERVICES = (
     "grpc.reflection.v1alpha.ServerReflection",
     "grpc.reflection.v1.ServerReflection",
 )
-_UNTRACED_METHODS = ("/loadmaster.v1.Metrics/Report",)
+_UNTRACED_METHODS = ("/loadmaster.v1.MetricsService/Report",)
 
 _provider: TracerProvider | None = None
 

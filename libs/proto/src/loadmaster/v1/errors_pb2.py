@@ -24,13 +24,14 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloadmaster/v1/errors.proto\x12\rloadmaster.v1*\x86\x03\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x02\x12\x16\n\x12\x45RROR_CODE_EXPIRED\x10\x03\x12\x17\n\x13\x45RROR_CODE_OVERFLOW\x10\x04\x12\x19\n\x15\x45RROR_CODE_SUPERSEDED\x10\x05\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x06\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x07\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\t\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\n\x12 \n\x1c\x45RROR_CODE_PERMISSION_DENIED\x10\x0b\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloadmaster/v1/errors.proto\x12\rloadmaster.v1*\x86\x03\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x02\x12\x16\n\x12\x45RROR_CODE_EXPIRED\x10\x03\x12\x17\n\x13\x45RROR_CODE_OVERFLOW\x10\x04\x12\x19\n\x15\x45RROR_CODE_SUPERSEDED\x10\x05\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x06\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x07\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\t\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\n\x12 \n\x1c\x45RROR_CODE_PERMISSION_DENIED\x10\x0b\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\x0c\x42v\n\x11\x64\x65v.loadmaster.v1B\x0b\x45rrorsProtoP\x01ZBgithub.com/loadmaster/loadmaster/gen/go/loadmaster/v1;loadmasterv1\xaa\x02\rLoadmaster.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loadmaster.v1.errors_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\021dev.loadmaster.v1B\013ErrorsProtoP\001ZBgithub.com/loadmaster/loadmaster/gen/go/loadmaster/v1;loadmasterv1\252\002\rLoadmaster.V1'
   _globals['_ERRORCODE']._serialized_start=46
   _globals['_ERRORCODE']._serialized_end=436
 # @@protoc_insertion_point(module_scope)

@@ -203,24 +203,24 @@ class WatchRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class LeaseEvent(_message.Message):
+class WatchResponse(_message.Message):
     __slots__ = ("kind", "lease", "timestamp_unix_ms")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
-        KIND_UNSPECIFIED: _ClassVar[LeaseEvent.Kind]
-        KIND_ACQUIRED: _ClassVar[LeaseEvent.Kind]
-        KIND_RENEWED: _ClassVar[LeaseEvent.Kind]
-        KIND_RELEASED: _ClassVar[LeaseEvent.Kind]
-        KIND_EXPIRED: _ClassVar[LeaseEvent.Kind]
-    KIND_UNSPECIFIED: LeaseEvent.Kind
-    KIND_ACQUIRED: LeaseEvent.Kind
-    KIND_RENEWED: LeaseEvent.Kind
-    KIND_RELEASED: LeaseEvent.Kind
-    KIND_EXPIRED: LeaseEvent.Kind
+        KIND_UNSPECIFIED: _ClassVar[WatchResponse.Kind]
+        KIND_ACQUIRED: _ClassVar[WatchResponse.Kind]
+        KIND_RENEWED: _ClassVar[WatchResponse.Kind]
+        KIND_RELEASED: _ClassVar[WatchResponse.Kind]
+        KIND_EXPIRED: _ClassVar[WatchResponse.Kind]
+    KIND_UNSPECIFIED: WatchResponse.Kind
+    KIND_ACQUIRED: WatchResponse.Kind
+    KIND_RENEWED: WatchResponse.Kind
+    KIND_RELEASED: WatchResponse.Kind
+    KIND_EXPIRED: WatchResponse.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    kind: LeaseEvent.Kind
+    kind: WatchResponse.Kind
     lease: Lease
     timestamp_unix_ms: int
-    def __init__(self, kind: _Optional[_Union[LeaseEvent.Kind, str]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., timestamp_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[WatchResponse.Kind, str]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., timestamp_unix_ms: _Optional[int] = ...) -> None: ...

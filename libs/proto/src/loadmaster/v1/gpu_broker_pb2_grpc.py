@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class GpuBrokerStub:
+class GpuBrokerServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,48 +35,48 @@ class GpuBrokerStub:
             channel: A grpc.Channel.
         """
         self.RegisterNode = channel.unary_unary(
-                '/loadmaster.v1.GpuBroker/RegisterNode',
+                '/loadmaster.v1.GpuBrokerService/RegisterNode',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RegisterNodeRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RegisterNodeResponse.FromString,
                 _registered_method=True)
         self.Acquire = channel.unary_unary(
-                '/loadmaster.v1.GpuBroker/Acquire',
+                '/loadmaster.v1.GpuBrokerService/Acquire',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.AcquireRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.AcquireResponse.FromString,
                 _registered_method=True)
         self.Renew = channel.unary_unary(
-                '/loadmaster.v1.GpuBroker/Renew',
+                '/loadmaster.v1.GpuBrokerService/Renew',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewResponse.FromString,
                 _registered_method=True)
         self.RenewMany = channel.unary_unary(
-                '/loadmaster.v1.GpuBroker/RenewMany',
+                '/loadmaster.v1.GpuBrokerService/RenewMany',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
-                '/loadmaster.v1.GpuBroker/Release',
+                '/loadmaster.v1.GpuBrokerService/Release',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.ListLeases = channel.unary_unary(
-                '/loadmaster.v1.GpuBroker/ListLeases',
+                '/loadmaster.v1.GpuBrokerService/ListLeases',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ListLeasesRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.ListLeasesResponse.FromString,
                 _registered_method=True)
         self.Inventory = channel.unary_unary(
-                '/loadmaster.v1.GpuBroker/Inventory',
+                '/loadmaster.v1.GpuBrokerService/Inventory',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.InventoryRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.InventoryResponse.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
-                '/loadmaster.v1.GpuBroker/Watch',
+                '/loadmaster.v1.GpuBrokerService/Watch',
                 request_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.WatchRequest.SerializeToString,
-                response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseEvent.FromString,
+                response_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.WatchResponse.FromString,
                 _registered_method=True)
 
 
-class GpuBrokerServicer:
+class GpuBrokerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RegisterNode(self, request, context):
@@ -131,7 +131,7 @@ class GpuBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_GpuBrokerServicer_to_server(servicer, server):
+def add_GpuBrokerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterNode': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterNode,
@@ -171,17 +171,17 @@ def add_GpuBrokerServicer_to_server(servicer, server):
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
                     request_deserializer=loadmaster_dot_v1_dot_gpu__broker__pb2.WatchRequest.FromString,
-                    response_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseEvent.SerializeToString,
+                    response_serializer=loadmaster_dot_v1_dot_gpu__broker__pb2.WatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'loadmaster.v1.GpuBroker', rpc_method_handlers)
+            'loadmaster.v1.GpuBrokerService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('loadmaster.v1.GpuBroker', rpc_method_handlers)
+    server.add_registered_method_handlers('loadmaster.v1.GpuBrokerService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class GpuBroker:
+class GpuBrokerService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -198,7 +198,7 @@ class GpuBroker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.GpuBroker/RegisterNode',
+            '/loadmaster.v1.GpuBrokerService/RegisterNode',
             loadmaster_dot_v1_dot_gpu__broker__pb2.RegisterNodeRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.RegisterNodeResponse.FromString,
             options,
@@ -225,7 +225,7 @@ class GpuBroker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.GpuBroker/Acquire',
+            '/loadmaster.v1.GpuBrokerService/Acquire',
             loadmaster_dot_v1_dot_gpu__broker__pb2.AcquireRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.AcquireResponse.FromString,
             options,
@@ -252,7 +252,7 @@ class GpuBroker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.GpuBroker/Renew',
+            '/loadmaster.v1.GpuBrokerService/Renew',
             loadmaster_dot_v1_dot_gpu__broker__pb2.RenewRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.RenewResponse.FromString,
             options,
@@ -279,7 +279,7 @@ class GpuBroker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.GpuBroker/RenewMany',
+            '/loadmaster.v1.GpuBrokerService/RenewMany',
             loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.RenewManyResponse.FromString,
             options,
@@ -306,7 +306,7 @@ class GpuBroker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.GpuBroker/Release',
+            '/loadmaster.v1.GpuBrokerService/Release',
             loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.ReleaseResponse.FromString,
             options,
@@ -333,7 +333,7 @@ class GpuBroker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.GpuBroker/ListLeases',
+            '/loadmaster.v1.GpuBrokerService/ListLeases',
             loadmaster_dot_v1_dot_gpu__broker__pb2.ListLeasesRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.ListLeasesResponse.FromString,
             options,
@@ -360,7 +360,7 @@ class GpuBroker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.GpuBroker/Inventory',
+            '/loadmaster.v1.GpuBrokerService/Inventory',
             loadmaster_dot_v1_dot_gpu__broker__pb2.InventoryRequest.SerializeToString,
             loadmaster_dot_v1_dot_gpu__broker__pb2.InventoryResponse.FromString,
             options,
@@ -387,9 +387,9 @@ class GpuBroker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/loadmaster.v1.GpuBroker/Watch',
+            '/loadmaster.v1.GpuBrokerService/Watch',
             loadmaster_dot_v1_dot_gpu__broker__pb2.WatchRequest.SerializeToString,
-            loadmaster_dot_v1_dot_gpu__broker__pb2.LeaseEvent.FromString,
+            loadmaster_dot_v1_dot_gpu__broker__pb2.WatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,13 +24,14 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bloadmaster/v1/metrics.proto\x12\rloadmaster.v1\"\xa2\x01\n\x06Sample\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x31\n\x06labels\x18\x03 \x03(\x0b\x32!.loadmaster.v1.Sample.LabelsEntry\x12\x19\n\x11timestamp_unix_ns\x18\x04 \x01(\x03\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x01\n\x0cSampleSeries\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x37\n\x06labels\x18\x02 \x03(\x0b\x32\'.loadmaster.v1.SampleSeries.LabelsEntry\x12\x0e\n\x06values\x18\x03 \x03(\x01\x12\x1b\n\x13timestamp_deltas_ns\x18\x04 \x03(\x12\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x85\x01\n\x0bReportBatch\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12&\n\x07samples\x18\x03 \x03(\x0b\x32\x15.loadmaster.v1.Sample\x12+\n\x06series\x18\x04 \x03(\x0b\x32\x1b.loadmaster.v1.SampleSeries\"\x1d\n\tReportAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\"r\n\x05Stats\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x0c\n\x04mean\x18\x02 \x01(\x01\x12\x0b\n\x03min\x18\x03 \x01(\x01\x12\x0b\n\x03p50\x18\x04 \x01(\x01\x12\x0b\n\x03p95\x18\x05 \x01(\x01\x12\x0b\n\x03p99\x18\x06 \x01(\x01\x12\x0b\n\x03max\x18\x07 \x01(\x01\x12\x0b\n\x03sum\x18\x08 \x01(\x01\"\x9c\x01\n\x0fGetStatsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12:\n\x06labels\x18\x02 \x03(\x0b\x32*.loadmaster.v1.GetStatsRequest.LabelsEntry\x12\x10\n\x08window_s\x18\x03 \x01(\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x10GetStatsResponse\x12#\n\x05stats\x18\x01 \x01(\x0b\x32\x14.loadmaster.v1.Stats\"\x8c\x01\n\x10GetLatestRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.loadmaster.v1.GetLatestRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\";\n\x11GetLatestResponse\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.loadmaster.v1.Sample\"\x93\x01\n\x13WatchMetricsRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12>\n\x06labels\x18\x02 \x03(\x0b\x32..loadmaster.v1.WatchMetricsRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x19GetModelStatisticsRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"0\n\rDurationTotal\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\"4\n\x0f\x42\x61tchStatistics\x12\x12\n\nbatch_size\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\x97\x04\n\x0fModelStatistics\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rsuccess_count\x18\x02 \x01(\x04\x12\x15\n\rfailure_count\x18\x03 \x01(\x04\x12L\n\x10\x66\x61ilures_by_code\x18\x04 \x03(\x0b\x32\x32.loadmaster.v1.ModelStatistics.FailuresByCodeEntry\x12-\n\x07success\x18\x05 \x01(\x0b\x32\x1c.loadmaster.v1.DurationTotal\x12-\n\x07\x66\x61ilure\x18\x06 \x01(\x0b\x32\x1c.loadmaster.v1.DurationTotal\x12+\n\x05queue\x18\x07 \x01(\x0b\x32\x1c.loadmaster.v1.DurationTotal\x12-\n\x07\x63ompute\x18\x08 \x01(\x0b\x32\x1c.loadmaster.v1.DurationTotal\x12\x17\n\x0finference_count\x18\t \x01(\x04\x12\x17\n\x0f\x65xecution_count\x18\n \x01(\x04\x12\x33\n\x0b\x62\x61tch_stats\x18\x0b \x03(\x0b\x32\x1e.loadmaster.v1.BatchStatistics\x12\x1e\n\x16last_inference_unix_ns\x18\x0c \x01(\x03\x1a\x35\n\x13\x46\x61iluresByCodeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"L\n\x1aGetModelStatisticsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.loadmaster.v1.ModelStatistics2\x99\x03\n\x07Metrics\x12@\n\x06Report\x12\x1a.loadmaster.v1.ReportBatch\x1a\x18.loadmaster.v1.ReportAck(\x01\x12K\n\x08GetStats\x12\x1e.loadmaster.v1.GetStatsRequest\x1a\x1f.loadmaster.v1.GetStatsResponse\x12N\n\tGetLatest\x12\x1f.loadmaster.v1.GetLatestRequest\x1a .loadmaster.v1.GetLatestResponse\x12\x44\n\x05Watch\x12\".loadmaster.v1.WatchMetricsRequest\x1a\x15.loadmaster.v1.Sample0\x01\x12i\n\x12GetModelStatistics\x12(.loadmaster.v1.GetModelStatisticsRequest\x1a).loadmaster.v1.GetModelStatisticsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bloadmaster/v1/metrics.proto\x12\rloadmaster.v1\"\xa2\x01\n\x06Sample\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x31\n\x06labels\x18\x03 \x03(\x0b\x32!.loadmaster.v1.Sample.LabelsEntry\x12\x19\n\x11timestamp_unix_ns\x18\x04 \x01(\x03\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x01\n\x0cSampleSeries\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x37\n\x06labels\x18\x02 \x03(\x0b\x32\'.loadmaster.v1.SampleSeries.LabelsEntry\x12\x0e\n\x06values\x18\x03 \x03(\x01\x12\x1b\n\x13timestamp_deltas_ns\x18\x04 \x03(\x12\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x87\x01\n\rReportRequest\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12&\n\x07samples\x18\x03 \x03(\x0b\x32\x15.loadmaster.v1.Sample\x12+\n\x06series\x18\x04 \x03(\x0b\x32\x1b.loadmaster.v1.SampleSeries\"\"\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\"r\n\x05Stats\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x0c\n\x04mean\x18\x02 \x01(\x01\x12\x0b\n\x03min\x18\x03 \x01(\x01\x12\x0b\n\x03p50\x18\x04 \x01(\x01\x12\x0b\n\x03p95\x18\x05 \x01(\x01\x12\x0b\n\x03p99\x18\x06 \x01(\x01\x12\x0b\n\x03max\x18\x07 \x01(\x01\x12\x0b\n\x03sum\x18\x08 \x01(\x01\"\x9c\x01\n\x0fGetStatsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12:\n\x06labels\x18\x02 \x03(\x0b\x32*.loadmaster.v1.GetStatsRequest.LabelsEntry\x12\x10\n\x08window_s\x18\x03 \x01(\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"7\n\x10GetStatsResponse\x12#\n\x05stats\x18\x01 \x01(\x0b\x32\x14.loadmaster.v1.Stats\"\x8c\x01\n\x10GetLatestRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.loadmaster.v1.GetLatestRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\";\n\x11GetLatestResponse\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.loadmaster.v1.Sample\"E\n\x1bMetricsServiceWatchResponse\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.loadmaster.v1.Sample\"\xa1\x01\n\x1aMetricsServiceWatchRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x45\n\x06labels\x18\x02 \x03(\x0b\x32\x35.loadmaster.v1.MetricsServiceWatchRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"?\n\x19GetModelStatisticsRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"0\n\rDurationTotal\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x10\n\x08total_ms\x18\x02 \x01(\x01\"4\n\x0f\x42\x61tchStatistics\x12\x12\n\nbatch_size\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\"\x97\x04\n\x0fModelStatistics\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rsuccess_count\x18\x02 \x01(\x04\x12\x15\n\rfailure_count\x18\x03 \x01(\x04\x12L\n\x10\x66\x61ilures_by_code\x18\x04 \x03(\x0b\x32\x32.loadmaster.v1.ModelStatistics.FailuresByCodeEntry\x12-\n\x07success\x18\x05 \x01(\x0b\x32\x1c.loadmaster.v1.DurationTotal\x12-\n\x07\x66\x61ilure\x18\x06 \x01(\x0b\x32\x1c.loadmaster.v1.DurationTotal\x12+\n\x05queue\x18\x07 \x01(\x0b\x32\x1c.loadmaster.v1.DurationTotal\x12-\n\x07\x63ompute\x18\x08 \x01(\x0b\x32\x1c.loadmaster.v1.DurationTotal\x12\x17\n\x0finference_count\x18\t \x01(\x04\x12\x17\n\x0f\x65xecution_count\x18\n \x01(\x04\x12\x33\n\x0b\x62\x61tch_stats\x18\x0b \x03(\x0b\x32\x1e.loadmaster.v1.BatchStatistics\x12\x1e\n\x16last_inference_unix_ns\x18\x0c \x01(\x03\x1a\x35\n\x13\x46\x61iluresByCodeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"L\n\x1aGetModelStatisticsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.loadmaster.v1.ModelStatistics2\xc3\x03\n\x0eMetricsService\x12G\n\x06Report\x12\x1c.loadmaster.v1.ReportRequest\x1a\x1d.loadmaster.v1.ReportResponse(\x01\x12K\n\x08GetStats\x12\x1e.loadmaster.v1.GetStatsRequest\x1a\x1f.loadmaster.v1.GetStatsResponse\x12N\n\tGetLatest\x12\x1f.loadmaster.v1.GetLatestRequest\x1a .loadmaster.v1.GetLatestResponse\x12`\n\x05Watch\x12).loadmaster.v1.MetricsServiceWatchRequest\x1a*.loadmaster.v1.MetricsServiceWatchResponse0\x01\x12i\n\x12GetModelStatistics\x12(.loadmaster.v1.GetModelStatisticsRequest\x1a).loadmaster.v1.GetModelStatisticsResponseBw\n\x11\x64\x65v.loadmaster.v1B\x0cMetricsProtoP\x01ZBgithub.com/loadmaster/loadmaster/gen/go/loadmaster/v1;loadmasterv1\xaa\x02\rLoadmaster.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loadmaster.v1.metrics_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\021dev.loadmaster.v1B\014MetricsProtoP\001ZBgithub.com/loadmaster/loadmaster/gen/go/loadmaster/v1;loadmasterv1\252\002\rLoadmaster.V1'
   _globals['_SAMPLE_LABELSENTRY']._loaded_options = None
   _globals['_SAMPLE_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLESERIES_LABELSENTRY']._loaded_options = None
@@ -39,8 +40,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_GETLATESTREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_GETLATESTREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_WATCHMETRICSREQUEST_LABELSENTRY']._loaded_options = None
-  _globals['_WATCHMETRICSREQUEST_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_METRICSSERVICEWATCHREQUEST_LABELSENTRY']._loaded_options = None
+  _globals['_METRICSSERVICEWATCHREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_MODELSTATISTICS_FAILURESBYCODEENTRY']._loaded_options = None
   _globals['_MODELSTATISTICS_FAILURESBYCODEENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLE']._serialized_start=47
@@ -51,40 +52,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLESERIES']._serialized_end=389
   _globals['_SAMPLESERIES_LABELSENTRY']._serialized_start=164
   _globals['_SAMPLESERIES_LABELSENTRY']._serialized_end=209
-  _globals['_REPORTBATCH']._serialized_start=392
-  _globals['_REPORTBATCH']._serialized_end=525
-  _globals['_REPORTACK']._serialized_start=527
-  _globals['_REPORTACK']._serialized_end=556
-  _globals['_STATS']._serialized_start=558
-  _globals['_STATS']._serialized_end=672
-  _globals['_GETSTATSREQUEST']._serialized_start=675
-  _globals['_GETSTATSREQUEST']._serialized_end=831
+  _globals['_REPORTREQUEST']._serialized_start=392
+  _globals['_REPORTREQUEST']._serialized_end=527
+  _globals['_REPORTRESPONSE']._serialized_start=529
+  _globals['_REPORTRESPONSE']._serialized_end=563
+  _globals['_STATS']._serialized_start=565
+  _globals['_STATS']._serialized_end=679
+  _globals['_GETSTATSREQUEST']._serialized_start=682
+  _globals['_GETSTATSREQUEST']._serialized_end=838
   _globals['_GETSTATSREQUEST_LABELSENTRY']._serialized_start=164
   _globals['_GETSTATSREQUEST_LABELSENTRY']._serialized_end=209
-  _globals['_GETSTATSRESPONSE']._serialized_start=833
-  _globals['_GETSTATSRESPONSE']._serialized_end=888
-  _globals['_GETLATESTREQUEST']._serialized_start=891
-  _globals['_GETLATESTREQUEST']._serialized_end=1031
+  _globals['_GETSTATSRESPONSE']._serialized_start=840
+  _globals['_GETSTATSRESPONSE']._serialized_end=895
+  _globals['_GETLATESTREQUEST']._serialized_start=898
+  _globals['_GETLATESTREQUEST']._serialized_end=1038
   _globals['_GETLATESTREQUEST_LABELSENTRY']._serialized_start=164
   _globals['_GETLATESTREQUEST_LABELSENTRY']._serialized_end=209
-  _globals['_GETLATESTRESPONSE']._serialized_start=1033
-  _globals['_GETLATESTRESPONSE']._serialized_end=1092
-  _globals['_WATCHMETRICSREQUEST']._serialized_start=1095
-  _globals['_WATCHMETRICSREQUEST']._serialized_end=1242
-  _globals['_WATCHMETRICSREQUEST_LABELSENTRY']._serialized_start=164
-  _globals['_WATCHMETRICSREQUEST_LABELSENTRY']._serialized_end=209
-  _globals['_GETMODELSTATISTICSREQUEST']._serialized_start=1244
-  _globals['_GETMODELSTATISTICSREQUEST']._serialized_end=1307
-  _globals['_DURATIONTOTAL']._serialized_start=1309
-  _globals['_DURATIONTOTAL']._serialized_end=1357
-  _globals['_BATCHSTATISTICS']._serialized_start=1359
-  _globals['_BATCHSTATISTICS']._serialized_end=1411
-  _globals['_MODELSTATISTICS']._serialized_start=1414
-  _globals['_MODELSTATISTICS']._serialized_end=1949
-  _globals['_MODELSTATISTICS_FAILURESBYCODEENTRY']._serialized_start=1896
-  _globals['_MODELSTATISTICS_FAILURESBYCODEENTRY']._serialized_end=1949
-  _globals['_GETMODELSTATISTICSRESPONSE']._serialized_start=1951
-  _globals['_GETMODELSTATISTICSRESPONSE']._serialized_end=2027
-  _globals['_METRICS']._serialized_start=2030
-  _globals['_METRICS']._serialized_end=2439
+  _globals['_GETLATESTRESPONSE']._serialized_start=1040
+  _globals['_GETLATESTRESPONSE']._serialized_end=1099
+  _globals['_METRICSSERVICEWATCHRESPONSE']._serialized_start=1101
+  _globals['_METRICSSERVICEWATCHRESPONSE']._serialized_end=1170
+  _globals['_METRICSSERVICEWATCHREQUEST']._serialized_start=1173
+  _globals['_METRICSSERVICEWATCHREQUEST']._serialized_end=1334
+  _globals['_METRICSSERVICEWATCHREQUEST_LABELSENTRY']._serialized_start=164
+  _globals['_METRICSSERVICEWATCHREQUEST_LABELSENTRY']._serialized_end=209
+  _globals['_GETMODELSTATISTICSREQUEST']._serialized_start=1336
+  _globals['_GETMODELSTATISTICSREQUEST']._serialized_end=1399
+  _globals['_DURATIONTOTAL']._serialized_start=1401
+  _globals['_DURATIONTOTAL']._serialized_end=1449
+  _globals['_BATCHSTATISTICS']._serialized_start=1451
+  _globals['_BATCHSTATISTICS']._serialized_end=1503
+  _globals['_MODELSTATISTICS']._serialized_start=1506
+  _globals['_MODELSTATISTICS']._serialized_end=2041
+  _globals['_MODELSTATISTICS_FAILURESBYCODEENTRY']._serialized_start=1988
+  _globals['_MODELSTATISTICS_FAILURESBYCODEENTRY']._serialized_end=2041
+  _globals['_GETMODELSTATISTICSRESPONSE']._serialized_start=2043
+  _globals['_GETMODELSTATISTICSRESPONSE']._serialized_end=2119
+  _globals['_METRICSSERVICE']._serialized_start=2122
+  _globals['_METRICSSERVICE']._serialized_end=2573
 # @@protoc_insertion_point(module_scope)

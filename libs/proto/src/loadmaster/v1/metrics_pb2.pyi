@@ -44,7 +44,7 @@ class SampleSeries(_message.Message):
     timestamp_deltas_ns: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., values: _Optional[_Iterable[float]] = ..., timestamp_deltas_ns: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class ReportBatch(_message.Message):
+class ReportRequest(_message.Message):
     __slots__ = ("service", "instance", "samples", "series")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
@@ -56,7 +56,7 @@ class ReportBatch(_message.Message):
     series: _containers.RepeatedCompositeFieldContainer[SampleSeries]
     def __init__(self, service: _Optional[str] = ..., instance: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., series: _Optional[_Iterable[_Union[SampleSeries, _Mapping]]] = ...) -> None: ...
 
-class ReportAck(_message.Message):
+class ReportResponse(_message.Message):
     __slots__ = ("accepted",)
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     accepted: int
@@ -126,7 +126,13 @@ class GetLatestResponse(_message.Message):
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
-class WatchMetricsRequest(_message.Message):
+class MetricsServiceWatchResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+
+class MetricsServiceWatchRequest(_message.Message):
     __slots__ = ("names", "labels")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")

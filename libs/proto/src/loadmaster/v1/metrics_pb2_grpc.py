@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class MetricsStub:
+class MetricsServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,33 +35,33 @@ class MetricsStub:
             channel: A grpc.Channel.
         """
         self.Report = channel.stream_unary(
-                '/loadmaster.v1.Metrics/Report',
-                request_serializer=loadmaster_dot_v1_dot_metrics__pb2.ReportBatch.SerializeToString,
-                response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.ReportAck.FromString,
+                '/loadmaster.v1.MetricsService/Report',
+                request_serializer=loadmaster_dot_v1_dot_metrics__pb2.ReportRequest.SerializeToString,
+                response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.ReportResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
-                '/loadmaster.v1.Metrics/GetStats',
+                '/loadmaster.v1.MetricsService/GetStats',
                 request_serializer=loadmaster_dot_v1_dot_metrics__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
         self.GetLatest = channel.unary_unary(
-                '/loadmaster.v1.Metrics/GetLatest',
+                '/loadmaster.v1.MetricsService/GetLatest',
                 request_serializer=loadmaster_dot_v1_dot_metrics__pb2.GetLatestRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.GetLatestResponse.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
-                '/loadmaster.v1.Metrics/Watch',
-                request_serializer=loadmaster_dot_v1_dot_metrics__pb2.WatchMetricsRequest.SerializeToString,
-                response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.Sample.FromString,
+                '/loadmaster.v1.MetricsService/Watch',
+                request_serializer=loadmaster_dot_v1_dot_metrics__pb2.MetricsServiceWatchRequest.SerializeToString,
+                response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.MetricsServiceWatchResponse.FromString,
                 _registered_method=True)
         self.GetModelStatistics = channel.unary_unary(
-                '/loadmaster.v1.Metrics/GetModelStatistics',
+                '/loadmaster.v1.MetricsService/GetModelStatistics',
                 request_serializer=loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsResponse.FromString,
                 _registered_method=True)
 
 
-class MetricsServicer:
+class MetricsServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Report(self, request_iterator, context):
@@ -97,12 +97,12 @@ class MetricsServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_MetricsServicer_to_server(servicer, server):
+def add_MetricsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Report': grpc.stream_unary_rpc_method_handler(
                     servicer.Report,
-                    request_deserializer=loadmaster_dot_v1_dot_metrics__pb2.ReportBatch.FromString,
-                    response_serializer=loadmaster_dot_v1_dot_metrics__pb2.ReportAck.SerializeToString,
+                    request_deserializer=loadmaster_dot_v1_dot_metrics__pb2.ReportRequest.FromString,
+                    response_serializer=loadmaster_dot_v1_dot_metrics__pb2.ReportResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -116,8 +116,8 @@ def add_MetricsServicer_to_server(servicer, server):
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=loadmaster_dot_v1_dot_metrics__pb2.WatchMetricsRequest.FromString,
-                    response_serializer=loadmaster_dot_v1_dot_metrics__pb2.Sample.SerializeToString,
+                    request_deserializer=loadmaster_dot_v1_dot_metrics__pb2.MetricsServiceWatchRequest.FromString,
+                    response_serializer=loadmaster_dot_v1_dot_metrics__pb2.MetricsServiceWatchResponse.SerializeToString,
             ),
             'GetModelStatistics': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelStatistics,
@@ -126,13 +126,13 @@ def add_MetricsServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'loadmaster.v1.Metrics', rpc_method_handlers)
+            'loadmaster.v1.MetricsService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('loadmaster.v1.Metrics', rpc_method_handlers)
+    server.add_registered_method_handlers('loadmaster.v1.MetricsService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Metrics:
+class MetricsService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -149,9 +149,9 @@ class Metrics:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/loadmaster.v1.Metrics/Report',
-            loadmaster_dot_v1_dot_metrics__pb2.ReportBatch.SerializeToString,
-            loadmaster_dot_v1_dot_metrics__pb2.ReportAck.FromString,
+            '/loadmaster.v1.MetricsService/Report',
+            loadmaster_dot_v1_dot_metrics__pb2.ReportRequest.SerializeToString,
+            loadmaster_dot_v1_dot_metrics__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,7 +176,7 @@ class Metrics:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.Metrics/GetStats',
+            '/loadmaster.v1.MetricsService/GetStats',
             loadmaster_dot_v1_dot_metrics__pb2.GetStatsRequest.SerializeToString,
             loadmaster_dot_v1_dot_metrics__pb2.GetStatsResponse.FromString,
             options,
@@ -203,7 +203,7 @@ class Metrics:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.Metrics/GetLatest',
+            '/loadmaster.v1.MetricsService/GetLatest',
             loadmaster_dot_v1_dot_metrics__pb2.GetLatestRequest.SerializeToString,
             loadmaster_dot_v1_dot_metrics__pb2.GetLatestResponse.FromString,
             options,
@@ -230,9 +230,9 @@ class Metrics:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/loadmaster.v1.Metrics/Watch',
-            loadmaster_dot_v1_dot_metrics__pb2.WatchMetricsRequest.SerializeToString,
-            loadmaster_dot_v1_dot_metrics__pb2.Sample.FromString,
+            '/loadmaster.v1.MetricsService/Watch',
+            loadmaster_dot_v1_dot_metrics__pb2.MetricsServiceWatchRequest.SerializeToString,
+            loadmaster_dot_v1_dot_metrics__pb2.MetricsServiceWatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -257,7 +257,7 @@ class Metrics:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.Metrics/GetModelStatistics',
+            '/loadmaster.v1.MetricsService/GetModelStatistics',
             loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsRequest.SerializeToString,
             loadmaster_dot_v1_dot_metrics__pb2.GetModelStatisticsResponse.FromString,
             options,

@@ -72,7 +72,7 @@ class ShmPayload(_message.Message):
     size: int
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
-class InferReply(_message.Message):
+class InferResponse(_message.Message):
     __slots__ = ("request_id", "model_id", "outputs", "error_code", "error_message", "retryable", "inference_latency_ms", "queue_ms", "batch_size", "worker_id", "generation", "shm_unusable", "payload")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -190,10 +190,10 @@ class TensorSpec(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     ANY_SHAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
-    dtype: _tensor_pb2.DType
+    dtype: _tensor_pb2.Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
     any_shape: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., any_shape: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., any_shape: _Optional[bool] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
     __slots__ = ("model_id", "backend", "inputs", "outputs")

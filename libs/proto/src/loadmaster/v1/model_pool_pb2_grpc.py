@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class ModelPoolStub:
+class ModelPoolServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,33 +35,33 @@ class ModelPoolStub:
             channel: A grpc.Channel.
         """
         self.Infer = channel.unary_unary(
-                '/loadmaster.v1.ModelPool/Infer',
+                '/loadmaster.v1.ModelPoolService/Infer',
                 request_serializer=loadmaster_dot_v1_dot_model__pool__pb2.InferRequest.SerializeToString,
-                response_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.InferReply.FromString,
+                response_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.InferResponse.FromString,
                 _registered_method=True)
         self.Load = channel.unary_unary(
-                '/loadmaster.v1.ModelPool/Load',
+                '/loadmaster.v1.ModelPoolService/Load',
                 request_serializer=loadmaster_dot_v1_dot_model__pool__pb2.LoadRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.LoadResponse.FromString,
                 _registered_method=True)
         self.Unload = channel.unary_unary(
-                '/loadmaster.v1.ModelPool/Unload',
+                '/loadmaster.v1.ModelPoolService/Unload',
                 request_serializer=loadmaster_dot_v1_dot_model__pool__pb2.UnloadRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.UnloadResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
-                '/loadmaster.v1.ModelPool/Status',
+                '/loadmaster.v1.ModelPoolService/Status',
                 request_serializer=loadmaster_dot_v1_dot_model__pool__pb2.StatusRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.StatusResponse.FromString,
                 _registered_method=True)
         self.Pin = channel.unary_unary(
-                '/loadmaster.v1.ModelPool/Pin',
+                '/loadmaster.v1.ModelPoolService/Pin',
                 request_serializer=loadmaster_dot_v1_dot_model__pool__pb2.PinRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.PinResponse.FromString,
                 _registered_method=True)
 
 
-class ModelPoolServicer:
+class ModelPoolServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Infer(self, request, context):
@@ -96,12 +96,12 @@ class ModelPoolServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_ModelPoolServicer_to_server(servicer, server):
+def add_ModelPoolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Infer': grpc.unary_unary_rpc_method_handler(
                     servicer.Infer,
                     request_deserializer=loadmaster_dot_v1_dot_model__pool__pb2.InferRequest.FromString,
-                    response_serializer=loadmaster_dot_v1_dot_model__pool__pb2.InferReply.SerializeToString,
+                    response_serializer=loadmaster_dot_v1_dot_model__pool__pb2.InferResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -125,13 +125,13 @@ def add_ModelPoolServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'loadmaster.v1.ModelPool', rpc_method_handlers)
+            'loadmaster.v1.ModelPoolService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('loadmaster.v1.ModelPool', rpc_method_handlers)
+    server.add_registered_method_handlers('loadmaster.v1.ModelPoolService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class ModelPool:
+class ModelPoolService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -148,9 +148,9 @@ class ModelPool:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.ModelPool/Infer',
+            '/loadmaster.v1.ModelPoolService/Infer',
             loadmaster_dot_v1_dot_model__pool__pb2.InferRequest.SerializeToString,
-            loadmaster_dot_v1_dot_model__pool__pb2.InferReply.FromString,
+            loadmaster_dot_v1_dot_model__pool__pb2.InferResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,7 +175,7 @@ class ModelPool:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.ModelPool/Load',
+            '/loadmaster.v1.ModelPoolService/Load',
             loadmaster_dot_v1_dot_model__pool__pb2.LoadRequest.SerializeToString,
             loadmaster_dot_v1_dot_model__pool__pb2.LoadResponse.FromString,
             options,
@@ -202,7 +202,7 @@ class ModelPool:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.ModelPool/Unload',
+            '/loadmaster.v1.ModelPoolService/Unload',
             loadmaster_dot_v1_dot_model__pool__pb2.UnloadRequest.SerializeToString,
             loadmaster_dot_v1_dot_model__pool__pb2.UnloadResponse.FromString,
             options,
@@ -229,7 +229,7 @@ class ModelPool:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.ModelPool/Status',
+            '/loadmaster.v1.ModelPoolService/Status',
             loadmaster_dot_v1_dot_model__pool__pb2.StatusRequest.SerializeToString,
             loadmaster_dot_v1_dot_model__pool__pb2.StatusResponse.FromString,
             options,
@@ -256,7 +256,7 @@ class ModelPool:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.ModelPool/Pin',
+            '/loadmaster.v1.ModelPoolService/Pin',
             loadmaster_dot_v1_dot_model__pool__pb2.PinRequest.SerializeToString,
             loadmaster_dot_v1_dot_model__pool__pb2.PinResponse.FromString,
             options,

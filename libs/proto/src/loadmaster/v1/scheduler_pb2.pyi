@@ -191,7 +191,7 @@ class WorkerReport(_message.Message):
     free_mb: int
     def __init__(self, models: _Optional[_Iterable[_Union[_model_pool_pb2.ModelSlotStatus, _Mapping]]] = ..., free_mb: _Optional[int] = ...) -> None: ...
 
-class WorkerMessage(_message.Message):
+class WorkerSessionRequest(_message.Message):
     __slots__ = ("hello", "report")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
@@ -211,7 +211,7 @@ class UnloadCommand(_message.Message):
     model_id: str
     def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
-class WorkerCommand(_message.Message):
+class WorkerSessionResponse(_message.Message):
     __slots__ = ("load", "unload")
     LOAD_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_FIELD_NUMBER: _ClassVar[int]

@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class SchedulerStub:
+class SchedulerServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,33 +35,33 @@ class SchedulerStub:
             channel: A grpc.Channel.
         """
         self.Session = channel.stream_stream(
-                '/loadmaster.v1.Scheduler/Session',
+                '/loadmaster.v1.SchedulerService/Session',
                 request_serializer=loadmaster_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.SessionResponse.FromString,
                 _registered_method=True)
         self.WorkerSession = channel.stream_stream(
-                '/loadmaster.v1.Scheduler/WorkerSession',
-                request_serializer=loadmaster_dot_v1_dot_scheduler__pb2.WorkerMessage.SerializeToString,
-                response_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.WorkerCommand.FromString,
+                '/loadmaster.v1.SchedulerService/WorkerSession',
+                request_serializer=loadmaster_dot_v1_dot_scheduler__pb2.WorkerSessionRequest.SerializeToString,
+                response_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.WorkerSessionResponse.FromString,
                 _registered_method=True)
         self.ListWorkers = channel.unary_unary(
-                '/loadmaster.v1.Scheduler/ListWorkers',
+                '/loadmaster.v1.SchedulerService/ListWorkers',
                 request_serializer=loadmaster_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
         self.GetQueues = channel.unary_unary(
-                '/loadmaster.v1.Scheduler/GetQueues',
+                '/loadmaster.v1.SchedulerService/GetQueues',
                 request_serializer=loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesResponse.FromString,
                 _registered_method=True)
         self.SetStrategy = channel.unary_unary(
-                '/loadmaster.v1.Scheduler/SetStrategy',
+                '/loadmaster.v1.SchedulerService/SetStrategy',
                 request_serializer=loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyRequest.SerializeToString,
                 response_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyResponse.FromString,
                 _registered_method=True)
 
 
-class SchedulerServicer:
+class SchedulerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Session(self, request_iterator, context):
@@ -96,7 +96,7 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_SchedulerServicer_to_server(servicer, server):
+def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -105,8 +105,8 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'WorkerSession': grpc.stream_stream_rpc_method_handler(
                     servicer.WorkerSession,
-                    request_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.WorkerMessage.FromString,
-                    response_serializer=loadmaster_dot_v1_dot_scheduler__pb2.WorkerCommand.SerializeToString,
+                    request_deserializer=loadmaster_dot_v1_dot_scheduler__pb2.WorkerSessionRequest.FromString,
+                    response_serializer=loadmaster_dot_v1_dot_scheduler__pb2.WorkerSessionResponse.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -125,13 +125,13 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'loadmaster.v1.Scheduler', rpc_method_handlers)
+            'loadmaster.v1.SchedulerService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('loadmaster.v1.Scheduler', rpc_method_handlers)
+    server.add_registered_method_handlers('loadmaster.v1.SchedulerService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Scheduler:
+class SchedulerService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -148,7 +148,7 @@ class Scheduler:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/loadmaster.v1.Scheduler/Session',
+            '/loadmaster.v1.SchedulerService/Session',
             loadmaster_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
             loadmaster_dot_v1_dot_scheduler__pb2.SessionResponse.FromString,
             options,
@@ -175,9 +175,9 @@ class Scheduler:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/loadmaster.v1.Scheduler/WorkerSession',
-            loadmaster_dot_v1_dot_scheduler__pb2.WorkerMessage.SerializeToString,
-            loadmaster_dot_v1_dot_scheduler__pb2.WorkerCommand.FromString,
+            '/loadmaster.v1.SchedulerService/WorkerSession',
+            loadmaster_dot_v1_dot_scheduler__pb2.WorkerSessionRequest.SerializeToString,
+            loadmaster_dot_v1_dot_scheduler__pb2.WorkerSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,7 +202,7 @@ class Scheduler:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.Scheduler/ListWorkers',
+            '/loadmaster.v1.SchedulerService/ListWorkers',
             loadmaster_dot_v1_dot_scheduler__pb2.ListWorkersRequest.SerializeToString,
             loadmaster_dot_v1_dot_scheduler__pb2.ListWorkersResponse.FromString,
             options,
@@ -229,7 +229,7 @@ class Scheduler:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.Scheduler/GetQueues',
+            '/loadmaster.v1.SchedulerService/GetQueues',
             loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesRequest.SerializeToString,
             loadmaster_dot_v1_dot_scheduler__pb2.GetQueuesResponse.FromString,
             options,
@@ -256,7 +256,7 @@ class Scheduler:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/loadmaster.v1.Scheduler/SetStrategy',
+            '/loadmaster.v1.SchedulerService/SetStrategy',
             loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyRequest.SerializeToString,
             loadmaster_dot_v1_dot_scheduler__pb2.SetStrategyResponse.FromString,
             options,

@@ -24,17 +24,18 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloadmaster/v1/tensor.proto\x12\rloadmaster.v1\"\xb4\x01\n\x06Tensor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.loadmaster.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\x13\n\x0b\x62yte_length\x18\x05 \x01(\x04\x12\x14\n\x0ctimestamp_ns\x18\x06 \x01(\x03\x12)\n\x08\x65ncoding\x18\x07 \x01(\x0e\x32\x17.loadmaster.v1.Encoding*\x89\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT32\x10\x02\x12\x0b\n\x07\x46LOAT64\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05UINT8\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT64\x10\x07\x12\x08\n\x04\x42OOL\x10\x08\x12\t\n\x05\x42YTES\x10\t*@\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x07\n\x03RAW\x10\x01\x12\x08\n\x04JPEG\x10\x02\x12\x07\n\x03PNG\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloadmaster/v1/tensor.proto\x12\rloadmaster.v1\"\xb4\x01\n\x06Tensor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.loadmaster.v1.Dtype\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\x13\n\x0b\x62yte_length\x18\x05 \x01(\x04\x12\x14\n\x0ctimestamp_ns\x18\x06 \x01(\x03\x12)\n\x08\x65ncoding\x18\x07 \x01(\x0e\x32\x17.loadmaster.v1.Encoding*\xbf\x01\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x11\n\rDTYPE_FLOAT32\x10\x02\x12\x11\n\rDTYPE_FLOAT64\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT64\x10\x07\x12\x0e\n\nDTYPE_BOOL\x10\x08\x12\x0f\n\x0b\x44TYPE_BYTES\x10\t*[\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x45NCODING_RAW\x10\x01\x12\x11\n\rENCODING_JPEG\x10\x02\x12\x10\n\x0c\x45NCODING_PNG\x10\x03\x42v\n\x11\x64\x65v.loadmaster.v1B\x0bTensorProtoP\x01ZBgithub.com/loadmaster/loadmaster/gen/go/loadmaster/v1;loadmasterv1\xaa\x02\rLoadmaster.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loadmaster.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\021dev.loadmaster.v1B\013TensorProtoP\001ZBgithub.com/loadmaster/loadmaster/gen/go/loadmaster/v1;loadmasterv1\252\002\rLoadmaster.V1'
   _globals['_DTYPE']._serialized_start=229
-  _globals['_DTYPE']._serialized_end=366
-  _globals['_ENCODING']._serialized_start=368
-  _globals['_ENCODING']._serialized_end=432
+  _globals['_DTYPE']._serialized_end=420
+  _globals['_ENCODING']._serialized_start=422
+  _globals['_ENCODING']._serialized_end=513
   _globals['_TENSOR']._serialized_start=46
   _globals['_TENSOR']._serialized_end=226
 # @@protoc_insertion_point(module_scope)

@@ -7,39 +7,39 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    DTYPE_UNSPECIFIED: _ClassVar[DType]
-    FLOAT16: _ClassVar[DType]
-    FLOAT32: _ClassVar[DType]
-    FLOAT64: _ClassVar[DType]
-    BFLOAT16: _ClassVar[DType]
-    UINT8: _ClassVar[DType]
-    INT32: _ClassVar[DType]
-    INT64: _ClassVar[DType]
-    BOOL: _ClassVar[DType]
-    BYTES: _ClassVar[DType]
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT64: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+    DTYPE_UINT8: _ClassVar[Dtype]
+    DTYPE_INT32: _ClassVar[Dtype]
+    DTYPE_INT64: _ClassVar[Dtype]
+    DTYPE_BOOL: _ClassVar[Dtype]
+    DTYPE_BYTES: _ClassVar[Dtype]
 
 class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENCODING_UNSPECIFIED: _ClassVar[Encoding]
-    RAW: _ClassVar[Encoding]
-    JPEG: _ClassVar[Encoding]
-    PNG: _ClassVar[Encoding]
-DTYPE_UNSPECIFIED: DType
-FLOAT16: DType
-FLOAT32: DType
-FLOAT64: DType
-BFLOAT16: DType
-UINT8: DType
-INT32: DType
-INT64: DType
-BOOL: DType
-BYTES: DType
+    ENCODING_RAW: _ClassVar[Encoding]
+    ENCODING_JPEG: _ClassVar[Encoding]
+    ENCODING_PNG: _ClassVar[Encoding]
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT64: Dtype
+DTYPE_BFLOAT16: Dtype
+DTYPE_UINT8: Dtype
+DTYPE_INT32: Dtype
+DTYPE_INT64: Dtype
+DTYPE_BOOL: Dtype
+DTYPE_BYTES: Dtype
 ENCODING_UNSPECIFIED: Encoding
-RAW: Encoding
-JPEG: Encoding
-PNG: Encoding
+ENCODING_RAW: Encoding
+ENCODING_JPEG: Encoding
+ENCODING_PNG: Encoding
 
 class Tensor(_message.Message):
     __slots__ = ("key", "dtype", "shape", "byte_offset", "byte_length", "timestamp_ns", "encoding")
@@ -51,10 +51,10 @@ class Tensor(_message.Message):
     TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     key: str
-    dtype: DType
+    dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
     byte_offset: int
     byte_length: int
     timestamp_ns: int
     encoding: Encoding
-    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ..., byte_length: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_offset: _Optional[int] = ..., byte_length: _Optional[int] = ..., timestamp_ns: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...

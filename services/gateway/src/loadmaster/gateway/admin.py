@@ -19,10 +19,10 @@ class SchedulerAdmin:
         self._timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
 
-    def _stub(self) -> scheduler_pb2_grpc.SchedulerStub:
+    def _stub(self) -> scheduler_pb2_grpc.SchedulerServiceStub:
         if self._channel is None:
             self._channel = aio_channel(self._address)
-        return scheduler_pb2_grpc.SchedulerStub(self._channel)
+        return scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
 
     async def queues(self) -> dict[str, Any]:
         try:

@@ -86,7 +86,7 @@ class ModelCatalog:
     async def workers(self) -> list[scheduler_pb2.WorkerInfo]:
         if self._channel is None:
             self._channel = aio_channel(self._scheduler_address)
-        stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         try:
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=self._timeout_s)
         except grpc.aio.AioRpcError as error:
@@ -111,7 +111,7 @@ class ModelCatalog:
             raise NotFoundError(f"model '{name}' is not in any worker's repository")
         candidates.sort(key=lambda w: (not any(s.model_id == name for s in w.models), len(w.models)))
         worker = candidates[0]
-        stub = model_pool_pb2_grpc.ModelPoolStub(self._worker_channel(worker.grpc_endpoint))
+        stub = model_pool_pb2_grpc.ModelPoolServiceStub(self._worker_channel(worker.grpc_endpoint))
         try:
             await stub.Load(model_pool_pb2.LoadRequest(model_id=name), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as error:
@@ -125,7 +125,7 @@ class ModelCatalog:
             raise NotFoundError(f"model '{name}' is not in any worker's repository")
         holders = [w for w in workers if any(s.model_id == name for s in w.models)]
         calls = [
-            model_pool_pb2_grpc.ModelPoolStub(self._worker_channel(w.grpc_endpoint)).Unload(
+            model_pool_pb2_grpc.ModelPoolServiceStub(self._worker_channel(w.grpc_endpoint)).Unload(
                 model_pool_pb2.UnloadRequest(model_id=name), timeout=self._load_timeout_s
             )
             for w in holders
@@ -141,7 +141,7 @@ class ModelCatalog:
         holders = [w for w in await self.workers() if name in w.repository]
         if not holders:
             raise NotFoundError(f"model '{name}' is not in any worker's repository")
-        stub = model_pool_pb2_grpc.ModelPoolStub(self._worker_channel(holders[0].grpc_endpoint))
+        stub = model_pool_pb2_grpc.ModelPoolServiceStub(self._worker_channel(holders[0].grpc_endpoint))
         try:
             status = await stub.Status(
                 model_pool_pb2.StatusRequest(signatures_of=[name]), timeout=self._timeout_s

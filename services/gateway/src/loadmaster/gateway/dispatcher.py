@@ -309,7 +309,7 @@ class Dispatcher:
 
     # -- worker callback -----------------------------------------------------------------
 
-    def on_worker_reply(self, reply: model_pool_pb2.InferReply, payload: Any) -> None:
+    def on_worker_reply(self, reply: model_pool_pb2.InferResponse, payload: Any) -> None:
         pending = self._pending.get(reply.request_id)
         if pending is None or reply.worker_id != pending.worker_id:
             return  # a late reply to an earlier grant, or to a call already answered

@@ -225,7 +225,7 @@ class SchedulerLink:
             try:
                 async with aio_channel(self._address) as channel:
                     await asyncio.wait_for(channel.channel_ready(), self._connect_timeout_s)
-                    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+                    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                     self._outbox = _Outbox()
                     call = stub.Session(self._outgoing(self._outbox))
                     self._session += 1

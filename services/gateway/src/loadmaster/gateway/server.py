@@ -24,11 +24,12 @@ from loadmaster.gateway.frontends.grpc import (
     receive_options,
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
+from loadmaster.gateway.kserve_protocol import SERVICE_NAME as KSERVE_SERVICE_NAME
+from loadmaster.gateway.kserve_protocol import inference_pb2_grpc
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
 from loadmaster.gateway.statistics import StatisticsSource
 from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
-from loadmaster.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = ["Gateway", "GatewayServer", "build"]
 
@@ -169,7 +170,7 @@ class GatewayServer(GrpcServer):
         )
         self.gateway = Gateway(settings, clock=clock)
         self.add_service(
-            inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+            KSERVE_SERVICE_NAME,
             inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
             self.gateway.kserve_grpc,
         )

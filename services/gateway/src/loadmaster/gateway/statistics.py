@@ -68,7 +68,7 @@ class StatisticsSource:
             raise UnavailableError("the metrics service is disabled; no statistics are kept")
         if self._channel is None:
             self._channel = aio_channel(self._address)
-        stub = metrics_pb2_grpc.MetricsStub(self._channel)
+        stub = metrics_pb2_grpc.MetricsServiceStub(self._channel)
         try:
             reply = await stub.GetModelStatistics(
                 metrics_pb2.GetModelStatisticsRequest(model_id=model_id), timeout=self._timeout_s

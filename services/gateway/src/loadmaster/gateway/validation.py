@@ -67,7 +67,7 @@ def bytes_elements(descriptors: Iterable[tensor_pb2.Tensor], cap: int = INLINE_B
     up to `cap` (more answers `cap + 1`), so the count itself costs little whatever the shapes."""
     total = 0
     for desc in descriptors:
-        if desc.dtype == tensor_pb2.BYTES:
+        if desc.dtype == tensor_pb2.DTYPE_BYTES:
             total += shape_elements_at_most(desc.shape, cap)
             if total > cap:
                 return cap + 1

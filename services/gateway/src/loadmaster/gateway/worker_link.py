@@ -46,7 +46,7 @@ __all__ = ["ShmPayloads", "WorkerLinks", "is_local_endpoint"]
 
 log = logging.getLogger(__name__)
 
-ReplyHandler = Callable[[model_pool_pb2.InferReply, Any], None]
+ReplyHandler = Callable[[model_pool_pb2.InferResponse, Any], None]
 GenerationHandler = Callable[[str, model_pool_pb2.GenerateReplies], None]
 _monitor_ids = itertools.count(1)
 
@@ -138,7 +138,7 @@ class WorkerLinks:
                 if self._on_generation_replies is not None:
                     self._on_generation_replies(endpoint, replies)
                 return
-            reply = model_pool_pb2.InferReply.FromString(frames[1].bytes)
+            reply = model_pool_pb2.InferResponse.FromString(frames[1].bytes)
         except DecodeError as error:
             log.error("malformed reply from worker %s: %s", endpoint, error)
             return

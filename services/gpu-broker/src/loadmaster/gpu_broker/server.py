@@ -18,13 +18,13 @@ from loadmaster.gpu_broker.inventory import local_inventory
 from loadmaster.gpu_broker.manager import LeaseManager
 from loadmaster.gpu_broker.nvml import NvmlSampler
 from loadmaster.gpu_broker.reaper import LocalGpus, Reaper
-from loadmaster.gpu_broker.servicer import GpuBrokerServicer
+from loadmaster.gpu_broker.servicer import GpuBrokerServiceServicer
 from loadmaster.gpu_broker.store import RedisLeaseStore, default_replica_ack_timeout_ms
 from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "build"]
 
-SERVICE_NAME = gpu_broker_pb2.DESCRIPTOR.services_by_name["GpuBroker"].full_name
+SERVICE_NAME = gpu_broker_pb2.DESCRIPTOR.services_by_name["GpuBrokerService"].full_name
 
 
 async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
@@ -67,7 +67,7 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
 
     server = GrpcServer("gpu-broker", config.listen_address, grace_s=config.shutdown_grace_s)
     server.add_service(
-        SERVICE_NAME, gpu_broker_pb2_grpc.add_GpuBrokerServicer_to_server, GpuBrokerServicer(manager, hub)
+        SERVICE_NAME, gpu_broker_pb2_grpc.add_GpuBrokerServiceServicer_to_server, GpuBrokerServiceServicer(manager, hub)
     )
 
     async def start() -> None:

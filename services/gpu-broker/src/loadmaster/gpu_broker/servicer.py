@@ -1,4 +1,4 @@
-"""`GpuBrokerServicer`: protobuf in, `LeaseManager` / `LeaseEventHub`, protobuf out."""
+"""`GpuBrokerServiceServicer`: protobuf in, `LeaseManager` / `LeaseEventHub`, protobuf out."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from loadmaster.v1 import gpu_broker_pb2_grpc
 
 __all__ = [
     "PRINCIPAL_LABEL",
-    "GpuBrokerServicer",
+    "GpuBrokerServiceServicer",
     "acquire_from_proto",
     "event_to_proto",
     "gpu_to_proto",
@@ -45,10 +45,10 @@ MAX_RENEWALS = 1024
 PRINCIPAL_LABEL = "loadmaster.principal"
 
 _KINDS = {
-    LeaseEventKind.ACQUIRED: pb.LeaseEvent.KIND_ACQUIRED,
-    LeaseEventKind.RENEWED: pb.LeaseEvent.KIND_RENEWED,
-    LeaseEventKind.RELEASED: pb.LeaseEvent.KIND_RELEASED,
-    LeaseEventKind.EXPIRED: pb.LeaseEvent.KIND_EXPIRED,
+    LeaseEventKind.ACQUIRED: pb.WatchResponse.KIND_ACQUIRED,
+    LeaseEventKind.RENEWED: pb.WatchResponse.KIND_RENEWED,
+    LeaseEventKind.RELEASED: pb.WatchResponse.KIND_RELEASED,
+    LeaseEventKind.EXPIRED: pb.WatchResponse.KIND_EXPIRED,
 }
 
 
@@ -91,8 +91,8 @@ def lease_to_proto(lease: Lease) -> pb.Lease:
     )
 
 
-def event_to_proto(event: LeaseEvent) -> pb.LeaseEvent:
-    return pb.LeaseEvent(
+def event_to_proto(event: LeaseEvent) -> pb.WatchResponse:
+    return pb.WatchResponse(
         kind=_KINDS[event.kind], lease=lease_to_proto(event.lease), timestamp_unix_ms=event.timestamp_unix_ms
     )
 
@@ -134,7 +134,7 @@ def _caller(context: grpc.aio.ServicerContext) -> _Caller:
     return _Caller(str(identity), credentials.admin_verified(metadata), context.peer())
 
 
-class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
+class GpuBrokerServiceServicer(gpu_broker_pb2_grpc.GpuBrokerServiceServicer):
     def __init__(self, manager: LeaseManager, hub: LeaseEventHub) -> None:
         self._manager = manager
         self._hub = hub
@@ -231,7 +231,7 @@ class GpuBrokerServicer(gpu_broker_pb2_grpc.GpuBrokerServicer):
 
     async def Watch(  # noqa: N802
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.LeaseEvent]:
+    ) -> AsyncIterator[pb.WatchResponse]:
         watcher = self._hub.watch()
         try:
             # Headers go out once the watcher is registered: a client that awaits

@@ -8,13 +8,13 @@ from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.metrics.dashboard_routes import dashboard_routes
 from loadmaster.metrics.http import HttpServer, create_app
 from loadmaster.metrics.hub import MetricsHub
-from loadmaster.metrics.servicer import MetricsServicer
+from loadmaster.metrics.servicer import MetricsServiceServicer
 from loadmaster.metrics.workers import SchedulerWorkers
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "MetricsServer", "build"]
 
-SERVICE_NAME = metrics_pb2.DESCRIPTOR.services_by_name["Metrics"].full_name
+SERVICE_NAME = metrics_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name
 
 
 class MetricsServer(GrpcServer):
@@ -50,7 +50,7 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsSer
         http=HttpServer(app, host=config.http_host, port=config.http_port),
         grace_s=config.shutdown_grace_s,
     )
-    server.add_service(SERVICE_NAME, metrics_pb2_grpc.add_MetricsServicer_to_server, MetricsServicer(hub))
+    server.add_service(SERVICE_NAME, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, MetricsServiceServicer(hub))
 
     async def start_http() -> None:
         nonlocal serving

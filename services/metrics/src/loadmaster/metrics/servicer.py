@@ -1,4 +1,4 @@
-"""`loadmaster.v1.Metrics` over gRPC: protobuf <-> hub values, nothing else."""
+"""`loadmaster.v1.MetricsService` over gRPC: protobuf <-> hub values, nothing else."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from loadmaster.metrics.windows import Observations, Sample, WindowStats, label_
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 __all__ = [
-    "MetricsServicer",
+    "MetricsServiceServicer",
     "model_statistics_to_proto",
     "observations_from_batch",
     "sample_to_proto",
@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 
-def observations_from_batch(batch: metrics_pb2.ReportBatch) -> list[Observations]:
+def observations_from_batch(batch: metrics_pb2.ReportRequest) -> list[Observations]:
     """The batch's series, then its one-message-per-sample `samples` (older reporters)
     grouped per series; every label set gets the reporting `service`."""
     service = batch.service
@@ -95,15 +95,15 @@ def model_statistics_to_proto(stats: ModelStatistics) -> metrics_pb2.ModelStatis
     )
 
 
-class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
+class MetricsServiceServicer(metrics_pb2_grpc.MetricsServiceServicer):
     def __init__(self, hub: MetricsHub) -> None:
         self._hub = hub
 
     async def Report(  # noqa: N802 - gRPC method name
         self,
-        request_iterator: AsyncIterator[metrics_pb2.ReportBatch],
+        request_iterator: AsyncIterator[metrics_pb2.ReportRequest],
         context: grpc.aio.ServicerContext,
-    ) -> metrics_pb2.ReportAck:
+    ) -> metrics_pb2.ReportResponse:
         accepted = 0
         async for batch in until_set(self._hub.closed, request_iterator):
             accepted += self._hub.ingest(
@@ -113,7 +113,7 @@ class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
             # Reporters hold this stream open for their lifetime: end it now rather than
             # hold up shutdown for the grace period; UNAVAILABLE makes them reconnect later.
             raise UnavailableError("metrics service is stopping")
-        return metrics_pb2.ReportAck(accepted=accepted)
+        return metrics_pb2.ReportResponse(accepted=accepted)
 
     async def GetStats(  # noqa: N802
         self, request: metrics_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -134,11 +134,10 @@ class MetricsServicer(metrics_pb2_grpc.MetricsServicer):
         return metrics_pb2.GetModelStatisticsResponse(models=[model_statistics_to_proto(m) for m in models])
 
     async def Watch(  # noqa: N802
-        self, request: metrics_pb2.WatchMetricsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[metrics_pb2.Sample]:
+        self, request: metrics_pb2.MetricsServiceWatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[metrics_pb2.MetricsServiceWatchResponse]:
         with self._hub.watch(names=request.names, labels=request.labels) as subscription:
             # Headers go out once subscribed: a client that awaits them misses nothing after.
             await context.send_initial_metadata(())
-            async for batch in subscription:
-                for sample in batch:
-                    yield sample_to_proto(sample)
+            async for batch in subscription:  # one message per delivered batch, in order
+                yield metrics_pb2.MetricsServiceWatchResponse(samples=[sample_to_proto(s) for s in batch])

@@ -1,4 +1,4 @@
-"""Fan-out of new samples to watchers (`Metrics.Watch`).
+"""Fan-out of new samples to watchers (`MetricsService.Watch`).
 
 Samples arrive per series (`Observations`); a series' samples become `Sample` values
 only when some watcher wants them, once for all such watchers. Each watcher gets a

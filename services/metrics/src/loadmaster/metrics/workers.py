@@ -56,7 +56,7 @@ class SchedulerWorkers:
             return self._cached[1]
         if self._channel is None:
             self._channel = aio_channel(self._address)
-        stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         rows: list[WorkerRow] | None
         try:
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=self._timeout_s)

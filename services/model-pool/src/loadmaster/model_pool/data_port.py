@@ -360,7 +360,7 @@ class DataPort:
 
     # ---- answering -----------------------------------------------------------
 
-    def _failed(self, error: BaseException, request_id: str, model_id: str) -> model_pool_pb2.InferReply:
+    def _failed(self, error: BaseException, request_id: str, model_id: str) -> model_pool_pb2.InferResponse:
         return failure_reply(error, request_id=request_id, model_id=model_id, worker_id=self._worker_id)
 
     def _answer(
@@ -417,13 +417,13 @@ class DataPort:
 
         self._decoder.submit(encode)
 
-    def _encoded(self, identity: bytes, span: Any, reply: model_pool_pb2.InferReply, payload: Any) -> None:
+    def _encoded(self, identity: bytes, span: Any, reply: model_pool_pb2.InferResponse, payload: Any) -> None:
         """On the loop: a reply encoded on the decoding thread is queued."""
         if span is not None:
             tracing.end_span(span, error_code=edge_code_name(reply.error_code) if reply.error_code else "")
         self._queue(identity, reply.SerializeToString(), payload, admitted=True)
 
-    def _reply(self, identity: bytes, reply: model_pool_pb2.InferReply) -> None:
+    def _reply(self, identity: bytes, reply: model_pool_pb2.InferResponse) -> None:
         """Queue the reply to a message that was never admitted (malformed, overloaded)."""
         self._queue(identity, reply.SerializeToString(), b"", admitted=False)
 

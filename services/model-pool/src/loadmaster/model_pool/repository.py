@@ -15,8 +15,9 @@
     warmup: true              # run one zero input at load when every input shape is known
     inputs:                   # optional; when given, requests are checked against them
       - {name: state, dtype: float32, shape: [-1, 32]}   # -1 = any size
-    outputs:
+    outputs:                  # inputs and outputs are the model's KServe metadata
       - {name: action, dtype: float32, shape: [-1, 8]}
+    # enforce_inputs: false   # describe only: a model that takes any tensors (`double`)
 
 Configs are read again at every load, so an edited file takes effect on the next load.
 """
@@ -108,6 +109,9 @@ class _BaseModelConfig(BaseModel):
     outputs: tuple[TensorSpec, ...] = ()
     # With declared inputs, undeclared request tensors are refused unless this is true.
     allow_extra_inputs: bool = False
+    # False: the declared tensors describe the model (KServe metadata, `loadmaster models`,
+    # warm-up) but requests are not checked against them, for a model that takes any tensors.
+    enforce_inputs: bool = True
     description: str = ""
     # Warm-up inputs: an .npz in the model folder (keys = input names); default: zeros
     # generated from the declared inputs (variable axes = 1) when every shape is declared.
@@ -296,7 +300,7 @@ def _shape_matches(expected: Sequence[int], actual: Sequence[int]) -> bool:
 def check_inputs(spec: ModelSpec, arrays: Mapping[str, np.ndarray]) -> None:
     """Raise `InvalidArgumentError` naming the tensor when `arrays` do not fit the declared inputs."""
     declared = spec.config.inputs
-    if not declared:
+    if not declared or not spec.config.enforce_inputs:
         return
     for tensor in declared:
         array = arrays.get(tensor.name)

@@ -27,7 +27,7 @@ from loadmaster.model_pool.engines import engine_class
 from loadmaster.model_pool.leases import AsyncLeaseClient, LeaseClient
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.repository import ModelRepository
-from loadmaster.model_pool.servicer import ModelPoolServicer
+from loadmaster.model_pool.servicer import ModelPoolServiceServicer
 from loadmaster.model_pool.worker_session import WorkerIdentity, WorkerSession
 from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
 
@@ -108,15 +108,15 @@ class ModelPoolServer(GrpcServer):
             metrics=self.telemetry,
         )
         self.session: WorkerSession | None = None
-        servicer = ModelPoolServicer(
+        servicer = ModelPoolServiceServicer(
             self.pool,
             worker_id=self.worker_id,
             data_endpoint=lambda: self.data_endpoint,
             limits=tensor_limits,
         )
         self.add_service(
-            model_pool_pb2.DESCRIPTOR.services_by_name["ModelPool"].full_name,
-            model_pool_pb2_grpc.add_ModelPoolServicer_to_server,
+            model_pool_pb2.DESCRIPTOR.services_by_name["ModelPoolService"].full_name,
+            model_pool_pb2_grpc.add_ModelPoolServiceServicer_to_server,
             servicer,
         )
         self.on_start(self._started)

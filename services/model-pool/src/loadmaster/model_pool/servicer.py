@@ -21,12 +21,12 @@ from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelPoolServicer"]
+__all__ = ["ModelPoolServiceServicer"]
 
 _DEFAULT_LIMITS = TensorLimits()
 
 
-class ModelPoolServicer(model_pool_pb2_grpc.ModelPoolServicer):
+class ModelPoolServiceServicer(model_pool_pb2_grpc.ModelPoolServiceServicer):
     def __init__(
         self,
         pool: ModelPool,
@@ -42,7 +42,7 @@ class ModelPoolServicer(model_pool_pb2_grpc.ModelPoolServicer):
 
     async def Infer(  # noqa: N802 - gRPC method name
         self, request: model_pool_pb2.InferRequest, context: grpc.aio.ServicerContext
-    ) -> model_pool_pb2.InferReply:
+    ) -> model_pool_pb2.InferResponse:
         reply, payload = await handle_infer(
             self._pool, request, request.payload, worker_id=self._worker_id, limits=self._limits
         )

@@ -71,8 +71,8 @@ def slot_status_pb(status: SlotStatus) -> model_pool_pb2.ModelSlotStatus:
 
 def error_reply(
     error: LoadmasterError, *, request_id: str = "", model_id: str = "", worker_id: str = ""
-) -> model_pool_pb2.InferReply:
-    return model_pool_pb2.InferReply(
+) -> model_pool_pb2.InferResponse:
+    return model_pool_pb2.InferResponse(
         request_id=request_id,
         model_id=model_id,
         error_code=error.code,  # type: ignore[arg-type]
@@ -84,7 +84,7 @@ def error_reply(
 
 def failure_reply(
     error: BaseException, *, request_id: str, model_id: str, worker_id: str
-) -> model_pool_pb2.InferReply:
+) -> model_pool_pb2.InferResponse:
     """The reply for a failed request: its `LoadmasterError`, anything else as `internal` (logged)."""
     if not isinstance(error, LoadmasterError):
         log.error("request failed", exc_info=error, extra={"request_id": request_id, "model": model_id})
@@ -94,10 +94,10 @@ def failure_reply(
 
 def result_reply(
     result: InferResult, *, request_id: str, model_id: str, worker_id: str
-) -> tuple[model_pool_pb2.InferReply, Any]:
+) -> tuple[model_pool_pb2.InferResponse, Any]:
     """The reply envelope and output payload of a request that ran."""
     descriptors, payload = encode_tensors(result.outputs, timestamp_ns=time.time_ns())
-    reply = model_pool_pb2.InferReply(
+    reply = model_pool_pb2.InferResponse(
         request_id=request_id,
         model_id=model_id,
         outputs=descriptors,
@@ -125,7 +125,7 @@ class ResultEncoder:
 
     def __init__(self, worker_id: str) -> None:
         self._worker_id = worker_id
-        self._template = model_pool_pb2.InferReply()
+        self._template = model_pool_pb2.InferResponse()
         self._key: tuple[str, int, int, list[tuple[int, ...]]] | None = None  # the batch it serves
         self._layout: tuple[str, int, int, list[tuple[str, Any, tuple[int, ...]]]] | None = None
 
@@ -144,7 +144,7 @@ class ResultEncoder:
             result, request_id=request_id, model_id=model_id, worker_id=self._worker_id
         )
         # Only a batch's results can share it; string tensors have their own lengths and offsets.
-        shareable = result.batch_size > 1 and tensor_pb2.BYTES not in [t.dtype for t in reply.outputs]
+        shareable = result.batch_size > 1 and tensor_pb2.DTYPE_BYTES not in [t.dtype for t in reply.outputs]
         self._key = key if shareable else None
         self._layout = _layout(result, model_id) if shareable else None
         if shareable:
@@ -192,7 +192,7 @@ def decode_off_loop(descriptors: Sequence[tensor_pb2.Tensor], payload: Any) -> b
     """Whether decoding these inputs may take long enough to hold up an event loop."""
     if len(payload) >= DECODE_OFF_LOOP_BYTES:
         return True
-    return any(descriptor.dtype == tensor_pb2.BYTES for descriptor in descriptors)
+    return any(descriptor.dtype == tensor_pb2.DTYPE_BYTES for descriptor in descriptors)
 
 
 # Outputs of strings from this many elements (or bytes) on are encoded off the event loop: each
@@ -216,7 +216,7 @@ async def handle_infer(
     *,
     worker_id: str,
     limits: TensorLimits,
-) -> tuple[model_pool_pb2.InferReply, Any]:
+) -> tuple[model_pool_pb2.InferResponse, Any]:
     """Answer one InferRequest: (reply envelope, output payload). Failures are replies, never raised."""
     request_id, model_id = request.request_id, request.model_id
     try:
@@ -236,14 +236,14 @@ async def handle_infer(
 
 
 _SPEC_DTYPES = {
-    "float16": tensor_pb2.FLOAT16,
-    "float32": tensor_pb2.FLOAT32,
-    "float64": tensor_pb2.FLOAT64,
-    "bfloat16": tensor_pb2.BFLOAT16,
-    "uint8": tensor_pb2.UINT8,
-    "int32": tensor_pb2.INT32,
-    "int64": tensor_pb2.INT64,
-    "bool": tensor_pb2.BOOL,
+    "float16": tensor_pb2.DTYPE_FLOAT16,
+    "float32": tensor_pb2.DTYPE_FLOAT32,
+    "float64": tensor_pb2.DTYPE_FLOAT64,
+    "bfloat16": tensor_pb2.DTYPE_BFLOAT16,
+    "uint8": tensor_pb2.DTYPE_UINT8,
+    "int32": tensor_pb2.DTYPE_INT32,
+    "int64": tensor_pb2.DTYPE_INT64,
+    "bool": tensor_pb2.DTYPE_BOOL,
 }
 
 

@@ -81,8 +81,8 @@ class WorkerSession:
 
     # ---- stream ------------------------------------------------------------
 
-    def _hello(self) -> scheduler_pb2.WorkerMessage:
-        return scheduler_pb2.WorkerMessage(
+    def _hello(self) -> scheduler_pb2.WorkerSessionRequest:
+        return scheduler_pb2.WorkerSessionRequest(
             hello=scheduler_pb2.WorkerHello(
                 worker_id=self._identity.worker_id,
                 data_endpoint=self._identity.data_endpoint,
@@ -92,13 +92,13 @@ class WorkerSession:
             )
         )
 
-    def _report(self) -> scheduler_pb2.WorkerMessage:
+    def _report(self) -> scheduler_pb2.WorkerSessionRequest:
         report = scheduler_pb2.WorkerReport(
             models=[slot_status_pb(s) for s in self._pool.statuses()], free_mb=self._pool.free_mb()
         )
-        return scheduler_pb2.WorkerMessage(report=report)
+        return scheduler_pb2.WorkerSessionRequest(report=report)
 
-    async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerMessage]:
+    async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerSessionRequest]:
         self._dirty.clear()
         yield self._hello()
         yield self._report()
@@ -113,7 +113,7 @@ class WorkerSession:
             opened = self._clock.monotonic()
             try:
                 async with aio_channel(self._address) as channel:
-                    call = scheduler_pb2_grpc.SchedulerStub(channel).WorkerSession(self._messages())
+                    call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession(self._messages())
                     self.sessions += 1
                     async for command in call:
                         self._obey(command)
@@ -133,7 +133,7 @@ class WorkerSession:
 
     # ---- commands ----------------------------------------------------------
 
-    def _obey(self, command: scheduler_pb2.WorkerCommand) -> None:
+    def _obey(self, command: scheduler_pb2.WorkerSessionResponse) -> None:
         kind = command.WhichOneof("kind")
         if kind == "load":
             self._background(self._pool.load(command.load.model_id), f"load {command.load.model_id}")

@@ -8,14 +8,14 @@ from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.scheduler.config import CoreConfig, strategy_factory
-from loadmaster.scheduler.servicer import SchedulerServicer
+from loadmaster.scheduler.servicer import SchedulerServiceServicer
 from loadmaster.scheduler.sessions import SchedulerHub
 from loadmaster.scheduler.strategies import load_policy_modules
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "build"]
 
-SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 
 
 def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
@@ -37,7 +37,7 @@ def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
         "scheduler", settings.scheduler.listen_address, grace_s=settings.scheduler.shutdown_grace_s
     )
     server.add_service(
-        SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(hub)
+        SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, SchedulerServiceServicer(hub)
     )
 
     async def start() -> None:

@@ -11,10 +11,10 @@ from loadmaster.scheduler import wire
 from loadmaster.scheduler.sessions import GatewayLink, SchedulerHub, WorkerLink, pump
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["SchedulerServicer"]
+__all__ = ["SchedulerServiceServicer"]
 
 
-class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerServiceServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, hub: SchedulerHub) -> None:
         self._hub = hub
 
@@ -43,9 +43,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def WorkerSession(  # noqa: N802 - gRPC method name
         self,
-        request_iterator: AsyncIterator[scheduler_pb2.WorkerMessage],
+        request_iterator: AsyncIterator[scheduler_pb2.WorkerSessionRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[scheduler_pb2.WorkerCommand]:
+    ) -> AsyncIterator[scheduler_pb2.WorkerSessionResponse]:
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
@@ -59,7 +59,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self._hub.disconnect_worker(link)
 
-    def _report(self, link: WorkerLink, message: scheduler_pb2.WorkerMessage) -> None:
+    def _report(self, link: WorkerLink, message: scheduler_pb2.WorkerSessionRequest) -> None:
         if message.WhichOneof("kind") != "report":
             raise InvalidArgumentError("a WorkerSession sends one hello, then reports")
         self._hub.report(link, wire.slot_statuses(message.report), free_mb=message.report.free_mb)

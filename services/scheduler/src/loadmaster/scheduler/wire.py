@@ -184,11 +184,11 @@ def _slot_pb(slot: SlotStatus) -> model_pool_pb2.ModelSlotStatus:
     )
 
 
-def worker_command(command: WorkerCommand) -> scheduler_pb2.WorkerCommand:
+def worker_command(command: WorkerCommand) -> scheduler_pb2.WorkerSessionResponse:
     if isinstance(command, LoadModel):
-        return scheduler_pb2.WorkerCommand(load=scheduler_pb2.LoadCommand(model_id=command.model_id))
+        return scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id=command.model_id))
     assert isinstance(command, UnloadModel)
-    return scheduler_pb2.WorkerCommand(unload=scheduler_pb2.UnloadCommand(model_id=command.model_id))
+    return scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id=command.model_id))
 
 
 def list_workers_response(workers: Sequence[WorkerView]) -> scheduler_pb2.ListWorkersResponse:

@@ -49,10 +49,10 @@ from loadmaster.gateway.frontends.kserve import (
     parse_timeout_ms,
     tensor_metadata,
 )
+from loadmaster.gateway.kserve_protocol import inference_pb2, inference_pb2_grpc, model_config_pb2
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
 from loadmaster.gateway.validation import off_loop
-from loadmaster.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = [
     "KServeGrpcServicer",
@@ -272,7 +272,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         _check_version(request.name, request.version)
         view = await self._catalog.model(request.name)
         return inference_pb2.ModelConfigResponse(
-            config=inference_pb2.ModelConfig(name=view.name, platform=view.backend, backend=view.backend)
+            config=model_config_pb2.ModelConfig(name=view.name, platform=view.backend, backend=view.backend)
         )
 
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802

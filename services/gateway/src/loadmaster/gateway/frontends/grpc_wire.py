@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loadmaster.v1 import inference_pb2
+from loadmaster.gateway.kserve_protocol import inference_pb2
 
 __all__ = ["LARGE_MESSAGE_BYTES", "LargeInferRequest", "split_infer_request"]
 

@@ -55,15 +55,15 @@ EXTENSIONS = ["model_repository", "statistics", "binary_tensor_data", "parameter
 # KServe v2 datatype <-> wire dtype. BF16 travels as raw 2-byte words; BYTES in the v2
 # layout (4-byte little-endian length before each element), which is also ours.
 DATATYPES: dict[str, int] = {
-    "BYTES": tensor_pb2.BYTES,
-    "BOOL": tensor_pb2.BOOL,
-    "UINT8": tensor_pb2.UINT8,
-    "INT32": tensor_pb2.INT32,
-    "INT64": tensor_pb2.INT64,
-    "FP16": tensor_pb2.FLOAT16,
-    "FP32": tensor_pb2.FLOAT32,
-    "FP64": tensor_pb2.FLOAT64,
-    "BF16": tensor_pb2.BFLOAT16,
+    "BYTES": tensor_pb2.DTYPE_BYTES,
+    "BOOL": tensor_pb2.DTYPE_BOOL,
+    "UINT8": tensor_pb2.DTYPE_UINT8,
+    "INT32": tensor_pb2.DTYPE_INT32,
+    "INT64": tensor_pb2.DTYPE_INT64,
+    "FP16": tensor_pb2.DTYPE_FLOAT16,
+    "FP32": tensor_pb2.DTYPE_FLOAT32,
+    "FP64": tensor_pb2.DTYPE_FLOAT64,
+    "BF16": tensor_pb2.DTYPE_BFLOAT16,
 }
 _NAMES: dict[int, str] = {wire: name for name, wire in DATATYPES.items()}
 _NUMPY: dict[str, np.dtype] = {
@@ -218,7 +218,7 @@ def build_call(
                 shape=tensor.shape,
                 byte_offset=offset,
                 byte_length=length,
-                encoding=tensor_pb2.RAW,
+                encoding=tensor_pb2.ENCODING_RAW,
             )
         )
         parts.append(tensor.data)
