@@ -70,9 +70,7 @@ def test_an_alias_is_a_ladder_of_models_in_the_repository(deploy: Path) -> None:
 
 
 def test_a_model_listed_in_known_may_be_a_target_without_a_folder(tmp_path: Path) -> None:
-    settings = load_settings(
-        write(tmp_path, "models:\n  known: {remote: {}}\n  aliases: {chat: [remote]}\n")
-    )
+    settings = load_settings(write(tmp_path, "models:\n  known: {remote: {}}\n  aliases: {chat: [remote]}\n"))
     assert settings.models.aliases["chat"].models == ["remote"]
 
 
@@ -87,7 +85,7 @@ def test_an_unknown_alias_target_is_refused_at_load_naming_the_alias_and_the_mod
 
 
 def test_without_the_repository_on_this_host_targets_must_be_known(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown model 'chat-a'.*not on this host"):
+    with pytest.raises(ConfigError, match=r"unknown model 'chat-a'.*not on this host"):
         load_settings(write(tmp_path, "models:\n  aliases: {chat: [chat-a]}\n"))
 
 

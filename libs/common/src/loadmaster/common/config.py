@@ -497,9 +497,9 @@ class Settings(BaseSettings):
                     continue
                 if on_host and (repository / target / "config.yaml").is_file():
                     continue
-                place = f"nor a folder of the repository {repository}" if on_host else (
-                    f"and the repository {repository} is not on this host"
-                )
+                place = f"nor a folder of the repository {repository}"
+                if not on_host:
+                    place = f"and the repository {repository} is not on this host"
                 raise ValueError(f"{where}: unknown model '{target}': not in models.known, {place}")
         return self
 
