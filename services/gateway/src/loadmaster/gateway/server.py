@@ -24,6 +24,7 @@ from loadmaster.gateway.frontends.grpc import (
     receive_options,
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
+from loadmaster.gateway.ladders import ladders_from
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
 from loadmaster.gateway.statistics import StatisticsSource
@@ -113,6 +114,7 @@ class Gateway:
             self.auth,
             self.admin,
             gateway_id=self.gateway_id,
+            ladders=ladders_from(settings.models.aliases),
         )
         self.http = HttpFrontend(
             app,
