@@ -30,7 +30,6 @@ from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 
 __all__ = [
-    "MODEL_CATEGORIES",
     "AliasSettings",
     "ApiKeySettings",
     "AuthSettings",
@@ -329,10 +328,6 @@ class ModelSettings(_Section):
     max_queue_delay_ms: float | None = Field(default=None, ge=0)
     preferred_batch_sizes: list[int] | None = None
     instances: int | None = Field(default=None, ge=1)
-
-
-# What kind of model a repository entry is (its config.yaml's `category`, else from its backend).
-MODEL_CATEGORIES = ("llm", "vision", "diffusion", "other")
 
 
 class CategoryKeepAliveSettings(_Section):
