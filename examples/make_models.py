@@ -17,11 +17,13 @@ order of float sums).
                                         byte-level BPE tokenizer trained on a frozen copy of
                                         the repo's docs (models/tiny-chat/tokenizer_corpus.json)
                                         and a chat template (backend: transformers)
+    tiny-chat-b the same shape and tokenizer, other random weights (a second LLM for ladders)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import warnings
 from collections.abc import Callable
@@ -173,7 +175,7 @@ def _tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tiny_chat(folder: Path) -> Path:
+def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
     """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -196,7 +198,7 @@ def build_tiny_chat(folder: Path) -> Path:
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(artifact)
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -227,6 +229,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "policy-onnx": build_policy_onnx,
     "classifier": build_classifier,
     "tiny-chat": build_tiny_chat,
+    # tiny-chat's shape and tokenizer, other random weights: a second LLM for model ladders.
+    "tiny-chat-b": functools.partial(build_tiny_chat, seed=1),
 }
 
 

@@ -4,6 +4,7 @@ loaded and its streams end when the model is unloaded."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import shutil
 from pathlib import Path
@@ -12,6 +13,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
+from loadmaster.common.config import (
+    CategoryKeepAliveSettings,
+    GpuBrokerSettings,
+    MetricsSettings,
+    ModelPoolSettings,
+    ModelsSettings,
+    SchedulerSettings,
+    Settings,
+)
 from loadmaster.model_pool.engines.transformers import TransformersEngine
 from loadmaster.model_pool.generation import (
     FinishReason,
@@ -20,6 +30,8 @@ from loadmaster.model_pool.generation import (
     SamplingParams,
 )
 from loadmaster.model_pool.repository import ModelRepository
+from loadmaster.model_pool.server import build
+from loadmaster.model_pool.slots import ModelState
 from loadmaster.v1 import errors_pb2, gpu_broker_pb2
 
 if TYPE_CHECKING:
@@ -74,3 +86,40 @@ async def test_worker_leases_serves_and_unloads_tiny_chat(
         assert events[-1].finish_reason is FinishReason.ERROR and "unloaded" in events[-1].error
         leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
         assert list(leases) == []
+
+
+async def test_an_idle_tiny_chat_is_unloaded_after_the_llm_keep_alive(
+    real_broker: BrokerAt, chat_repo: Path, scheduler: tuple[Any, str]
+) -> None:
+    """tiny-chat names no keep-alive: its category (llm, from backend transformers) gives it one,
+    here 1 s instead of the default 300 s; once idle that long, its engine and lease are gone."""
+    async with real_broker() as (address, stub):
+        settings = Settings(
+            model_pool=ModelPoolSettings(
+                address="127.0.0.1:0",
+                data_bind="tcp://127.0.0.1:*",
+                worker_id="worker-test",
+                preload=["tiny-chat"],
+                inference_threads=1,
+            ),
+            scheduler=SchedulerSettings(address=scheduler[1]),
+            gpu_broker=GpuBrokerSettings(address=address),
+            metrics=MetricsSettings(enabled=False),
+            models=ModelsSettings(
+                repository=chat_repo, category_keep_alive_s=CategoryKeepAliveSettings(llm=1.0)
+            ),
+        )
+        worker = await build(settings)
+        await worker.start()
+        try:
+            assert worker.pool.status("tiny-chat").state is ModelState.READY
+            for _ in range(100):  # bounded: 100 x 0.1 s
+                if worker.pool.status("tiny-chat").state is ModelState.IDLE:
+                    break
+                await asyncio.sleep(0.1)
+            status = worker.pool.status("tiny-chat")
+            assert status.state is ModelState.IDLE and "evicted (idle)" in status.error
+            leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
+            assert list(leases) == []
+        finally:
+            await worker.stop()

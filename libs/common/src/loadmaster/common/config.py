@@ -15,16 +15,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 
 __all__ = [
+    "AliasSettings",
     "ApiKeySettings",
     "AuthSettings",
     "BatchSettings",
+    "CategoryKeepAliveSettings",
     "ClientSettings",
     "ClientsSettings",
     "ConfigError",
@@ -320,10 +330,45 @@ class ModelSettings(_Section):
     instances: int | None = Field(default=None, ge=1)
 
 
+class CategoryKeepAliveSettings(_Section):
+    """Idle seconds before a model is unloaded, per category, for models whose `keep_alive_s` is
+    set neither in `models.known` nor in their config.yaml (docs/ladders.md); None = never."""
+
+    llm: float | None = Field(default=300.0, gt=0)
+    vision: float | None = Field(default=60.0, gt=0)
+    diffusion: float | None = Field(default=900.0, gt=0)
+    other: float | None = Field(default=None, gt=0)
+
+
+class AliasSettings(_Section):
+    """A model ladder: a name for an ordered list of models, the primary first, then fallbacks.
+    A request for the alias goes to the primary when READY, else to the first READY fallback
+    (unless `pin_primary`), else to the primary (a cold load). A bare list is the `models`."""
+
+    models: list[str] = Field(min_length=1)
+    pin_primary: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_list(cls, value: Any) -> Any:
+        return {"models": value} if isinstance(value, list) else value
+
+    @field_validator("models")
+    @classmethod
+    def _unique(cls, models: list[str]) -> list[str]:
+        repeated = sorted({name for name in models if models.count(name) > 1})
+        if repeated:
+            raise ValueError(f"a model appears twice in the ladder: {', '.join(repeated)}")
+        return models
+
+
 class ModelsSettings(_Section):
     repository: Path = Path("models")
     defaults: ModelSettings = ModelSettings()
     known: dict[str, ModelSettings] = Field(default_factory=dict)
+    # Names for model ladders (OpenAI API): {alias: {models: [primary, fallback, ...]}}.
+    aliases: dict[str, AliasSettings] = Field(default_factory=dict)
+    category_keep_alive_s: CategoryKeepAliveSettings = CategoryKeepAliveSettings()
 
     def for_model(self, model_id: str) -> ModelSettings:
         entry = self.known.get(model_id)
@@ -427,6 +472,32 @@ class Settings(BaseSettings):
     def _upper(cls, value: str) -> str:
         return value.upper()
 
+    @model_validator(mode="after")
+    def _aliases_name_models(self) -> Settings:
+        """Every alias target is a model: in `models.known`, or a folder of the repository (when
+        the repository is on this host); an alias is no model's name and no alias's target."""
+        aliases = self.models.aliases
+        if not aliases:
+            return self
+        repository = self.repository_path
+        on_host = repository.is_dir()
+        for alias, ladder in aliases.items():
+            where = f"models.aliases.{alias}"
+            if alias in self.models.known or (on_host and (repository / alias / "config.yaml").is_file()):
+                raise ValueError(f"{where}: '{alias}' is already a model's name")
+            for target in ladder.models:
+                if target in aliases:
+                    raise ValueError(f"{where}: '{target}' is an alias; a ladder lists models")
+                if target in self.models.known:
+                    continue
+                if on_host and (repository / target / "config.yaml").is_file():
+                    continue
+                place = f"nor a folder of the repository {repository}"
+                if not on_host:
+                    place = f"and the repository {repository} is not on this host"
+                raise ValueError(f"{where}: unknown model '{target}': not in models.known, {place}")
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -497,6 +568,9 @@ def _describe(error: ValidationError, source: str) -> str:
         got = "" if item["type"] == "missing" else f" (got {item.get('input')!r})"
         if item["type"] == "extra_forbidden":
             got = " (unknown key)"
+        if not item["loc"]:  # a check across sections: its message names the keys
+            lines.append(f"  {item['msg'].removeprefix('Value error, ')}")
+            continue
         lines.append(f"  {key}: {item['msg']}{got}")
     return f"invalid configuration in {source}:\n" + "\n".join(lines)
 

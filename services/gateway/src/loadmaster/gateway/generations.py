@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,6 +49,7 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.ladders import Ladder, LadderRouter, alias_states
 from loadmaster.gateway.ports import SchedulerSession
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
@@ -115,7 +117,7 @@ class GenerationStreams:
 
     async def generate(
         self, request: GenerationRequest, *, request_id: str, client_id: str
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         """Chunks, then one `Finished`; raises `LoadmasterError`. Closing it early cancels."""
         stream = self._open(request, request_id=request_id, client_id=client_id)
         try:
@@ -385,23 +387,49 @@ def _message(
 
 class GenerationPort:
     """What the OpenAI routes need (`frontends.openai.Generations`): streams, and the
-    generative models (backend transformers) with their state, from the catalog."""
+    generative models (backend transformers) with their state, from the catalog.
+
+    A request for an alias (`models.aliases`, gateway/ladders.py) goes to the model its ladder
+    picks: the stream runs under that model's id, and every event names it (`model`)."""
 
     def __init__(
-        self, streams: GenerationStreams, models: Callable[[], Awaitable[dict[str, ModelView]]]
+        self,
+        streams: GenerationStreams,
+        models: Callable[[], Awaitable[dict[str, ModelView]]],
+        *,
+        ladders: Mapping[str, Ladder] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._streams = streams
         self._models = models
+        self._router = LadderRouter(ladders or {}, self._states, clock=clock)
 
     def generate(
         self, request: GenerationRequest, *, request_id: str, client_id: str
     ) -> AsyncIterator[GenerationEvent]:
+        if self._router.is_alias(request.model):
+            return self._routed(request, request_id=request_id, client_id=client_id)
         return self._streams.generate(request, request_id=request_id, client_id=client_id)
+
+    async def _routed(
+        self, request: GenerationRequest, *, request_id: str, client_id: str
+    ) -> AsyncIterator[GenerationEvent]:
+        model = await self._router.route(request.model)
+        routed = dataclasses.replace(request, model=model)
+        events = self._streams.generate(routed, request_id=request_id, client_id=client_id)
+        async with contextlib.aclosing(events):  # closing this one cancels the stream at once
+            async for item in events:
+                yield dataclasses.replace(item, model=model) if isinstance(item, TextChunk) else item
+
+    async def _states(self) -> dict[str, str]:
+        return {name: view.state for name, view in (await self._models()).items()}
 
     async def models(self) -> dict[str, str]:
         views = await self._models()
-        return {
+        self._router.observe({name: view.state for name, view in views.items()})
+        served = {
             name: "IDLE" if view.state == "UNAVAILABLE" and view.reason in ("", "not loaded") else view.state
             for name, view in views.items()
             if view.backend in GENERATIVE_BACKENDS
         }
+        return {**served, **alias_states(self._router.ladders, served)}

@@ -26,6 +26,7 @@ from loadmaster.gateway.frontends.grpc import (
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.kserve_protocol import SERVICE_NAME as KSERVE_SERVICE_NAME
 from loadmaster.gateway.kserve_protocol import inference_pb2_grpc
+from loadmaster.gateway.ladders import ladders_from
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
 from loadmaster.gateway.statistics import StatisticsSource
@@ -114,6 +115,7 @@ class Gateway:
             self.auth,
             self.admin,
             gateway_id=self.gateway_id,
+            ladders=ladders_from(settings.models.aliases),
         )
         self.http = HttpFrontend(
             app,

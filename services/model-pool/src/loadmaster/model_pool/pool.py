@@ -45,7 +45,7 @@ from loadmaster.model_pool.batcher import Batcher, Instance, batch_policy
 from loadmaster.model_pool.engines import Engine, EngineContext, engine_class
 from loadmaster.model_pool.eviction import EvictionCounters, Resident
 from loadmaster.model_pool.instances import free_instances, load_instance
-from loadmaster.model_pool.keep_alive import KeepAlive
+from loadmaster.model_pool.keep_alive import KeepAlive, keep_alive_for
 from loadmaster.model_pool.leases import (
     Lease,
     LeaseClient,
@@ -202,7 +202,7 @@ class ModelPool(_Admission, _Release):
                     gpus=tuple(gpu for gpu, _ in slot.mb_per_gpu),
                     mb_per_gpu=tuple(slot.mb_per_gpu),
                     min_resident_s=model.min_resident_s,
-                    keep_alive_s=model.keep_alive_s,
+                    keep_alive_s=slot.keep_alive_s,
                     state=state,
                 )
             )
@@ -330,7 +330,7 @@ class ModelPool(_Admission, _Release):
             mb = max(1, mb)  # the broker leases whole, positive megabytes
             slot.set_placement(backend=spec.backend, device=device, vram_mb=mb)
             slot.instances, slot.max_batch_size = count, policy.max_batch_size
-            slot.keep_alive_s = model.keep_alive_s
+            slot.keep_alive_s = keep_alive_for(self._models, spec)
             lease = await self._room.acquire(model_id, slot.priority, mb=mb, device=device)
             self._keeper.keep(model_id, lease)  # renewed from now on, also while loading
             device = device_for_lease(device, lease)

@@ -13,6 +13,8 @@
     device: cuda:0            # optional; default: the worker's `model_pool.device`
     vram_mb: 64               # optional; default: artifact size x 1.3
     warmup: true              # run one zero input at load when every input shape is known
+    category: vision          # optional: llm | vision | diffusion | other (default: from the backend)
+    keep_alive_s: 120         # optional: idle seconds before unloading (default: the category's)
     inputs:                   # optional; when given, requests are checked against them
       - {name: state, dtype: float32, shape: [-1, 32]}   # -1 = any size
     outputs:                  # inputs and outputs are the model's KServe metadata
@@ -38,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from loadmaster.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 __all__ = [
+    "CATEGORY_BY_BACKEND",
     "CONFIG_FILE",
     "DTYPES",
     "ModelConfig",
@@ -70,6 +73,13 @@ DTYPES: dict[str, np.dtype] = {
     "bool": np.dtype(np.bool_),
 }
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# A model's category when its config names none (every other backend: "other"). The category
+# picks the keep-alive default (models.category_keep_alive_s, docs/ladders.md).
+CATEGORY_BY_BACKEND: dict[str, Literal["llm", "vision", "diffusion", "other"]] = {
+    "transformers": "llm",
+    "openai_process": "llm",
+    "diffusers": "diffusion",
+}
 
 
 class ModelConfigError(FailedPreconditionError):
@@ -123,6 +133,10 @@ class _BaseModelConfig(BaseModel):
     preferred_batch_sizes: tuple[int, ...] = ()
     # Copies of the model, each with its own thread, run batches in parallel.
     instances: int = Field(default=1, ge=1, le=64)
+    # What kind of model (None: from the backend, CATEGORY_BY_BACKEND) and how long it may stay
+    # loaded while idle (None: models.known.<id>.keep_alive_s, else its category's default).
+    category: Literal["llm", "vision", "diffusion", "other"] | None = None
+    keep_alive_s: float | None = Field(default=None, gt=0)
 
     @field_validator("preferred_batch_sizes")
     @classmethod
@@ -232,6 +246,11 @@ class ModelSpec:
     @property
     def backend(self) -> str:
         return self.config.backend
+
+    @property
+    def category(self) -> Literal["llm", "vision", "diffusion", "other"]:
+        """The config's `category`, else the backend's (`CATEGORY_BY_BACKEND`), else "other"."""
+        return self.config.category or CATEGORY_BY_BACKEND.get(self.backend, "other")
 
     def path(self, relative: str) -> Path:
         """A file named in the config, which must stay inside the model's folder."""

@@ -22,7 +22,7 @@ import functools
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import h11
@@ -64,6 +64,7 @@ from loadmaster.gateway.frontends.kserve import (
 )
 from loadmaster.gateway.frontends.openai import openai_routes
 from loadmaster.gateway.generations import GenerationPort
+from loadmaster.gateway.ladders import Ladder
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
 from loadmaster.gateway.validation import off_loop
@@ -151,6 +152,7 @@ def build_app(
     admin: SchedulerAdmin,
     *,
     gateway_id: str,
+    ladders: Mapping[str, Ladder] | None = None,
 ) -> Starlette:
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
@@ -359,7 +361,7 @@ def build_app(
             route(prefix + "/stats", model_stats),
             route(prefix + "/infer", infer, ("POST",)),
         ]
-    generations = GenerationPort(dispatcher.generations, catalog.models)
+    generations = GenerationPort(dispatcher.generations, catalog.models, ladders=ladders)
     routes += openai_routes(generations, auth, gateway_id=gateway_id)
     return Starlette(routes=routes)
 

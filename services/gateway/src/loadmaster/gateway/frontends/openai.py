@@ -61,6 +61,7 @@ class TextChunk:
     """Text decoded since the previous chunk (may be empty when a token completes no character)."""
 
     text: str
+    model: str = ""  # the model generating it, when it differs from the one asked (an alias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +162,7 @@ def openai_routes(
                 headers={
                     "Cache-Control": "no-cache",
                     "X-Accel-Buffering": "no",
-                    "X-Loadmaster-Model": generation.model,
+                    "X-Loadmaster-Model": first.model or generation.model,
                 },
             )
         collect = asyncio.ensure_future(_collect(events))
@@ -280,6 +281,7 @@ async def _stream(
         return event(completion_chunk(request_id=request_id, model=model, created=created, text=text))
 
     try:
+        model = first.model or model  # an alias's stream is the chosen model's from the start
         if chat:
             yield text_event("", role=True)
         item: GenerationEvent | None = first
