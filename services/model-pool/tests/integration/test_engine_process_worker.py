@@ -32,8 +32,7 @@ EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 MODEL = "tiny-chat-process"
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("transformers") is None
-    and not (Path(os.sys.executable).with_name("transformers")).exists(),
+    shutil.which("transformers") is None and not (Path(os.sys.executable).with_name("transformers")).exists(),
     reason="`transformers serve` is not installed (loadmaster-model-pool[openai_process])",
 )
 
