@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import pytest
 import zmq
 import zmq.asyncio
@@ -118,11 +119,14 @@ async def streams_to() -> AsyncIterator[Any]:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """A process of group `pgid` still runs (a zombie that init has not reaped yet does not)."""
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
 
 
 async def _until(condition: Any, timeout_s: float = 30.0) -> None:

@@ -195,6 +195,7 @@ class EngineProcess:
         if process is None:
             return None
         self._stopping = True
+        pids = self.group_pids()
         if process.poll() is None:
             signal_group(process, signal.SIGTERM)
             try:
@@ -203,7 +204,8 @@ class EngineProcess:
                 log.warning("[engine %s] still running %.1fs after SIGTERM: SIGKILL", self.name, grace_s)
         signal_group(process, signal.SIGKILL)  # whatever of the group is left (the leader may be gone)
         process.wait()
-        _wait_group_gone(process.pid, timeout_s=grace_s)
+        if not _wait_group_gone(process.pid, pids, timeout_s=grace_s):
+            log.error("[engine %s] processes of its group survive SIGKILL: %s", self.name, sorted(pids))
         if self._pump is not None:
             self._pump.join(timeout=grace_s)
         return process.returncode
@@ -242,23 +244,27 @@ def _executable(name: str) -> str:
     return str(beside) if beside.exists() else name
 
 
-def _wait_group_gone(pgid: int, *, timeout_s: float) -> bool:
-    """Until no process is left in group `pgid` (children that outlived the leader get SIGKILL too)."""
+def _wait_group_gone(pgid: int, pids: Collection[int], *, timeout_s: float) -> bool:
+    """Until no process of group `pgid` is left running (a zombie waiting for init to reap
+    it holds no memory): SIGKILL again what is left, at most `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return True
-        if time.monotonic() >= deadline:
-            return False
         try:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             return True
+        if not any(_running(pid) for pid in pids):
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def gpus_of(device: str, lease_gpus: Collection[int]) -> tuple[int, ...] | None:
