@@ -5,13 +5,15 @@ backoff after repeated crashes. (The real engine process: tests/integration.)"""
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from loadmaster.model_pool.crash_backoff import CrashBackoff
 from loadmaster.model_pool.engines import engine_class
-from loadmaster.model_pool.engines._proxy_streams import ProxyStream, request_body
+from loadmaster.model_pool.engines._proxy_streams import ProxyStream, openai_response_format, request_body
 from loadmaster.model_pool.engines.engine_process import engine_env, gpus_of, render_command
 from loadmaster.model_pool.engines.openai_process import OpenAIProcessEngine
 from loadmaster.model_pool.generation import (
@@ -130,6 +132,24 @@ def test_chat_goes_to_chat_completions_and_prompts_to_completions() -> None:
     assert "seed" not in body and "stop" not in body and "response_format" not in body
     ids = GenerationRequest("r", SamplingParams(max_tokens=2), prompt_token_ids=(1, 2))
     assert request_body(ids, model="m")[1]["prompt"] == [1, 2]
+
+
+@dataclass(frozen=True, slots=True)
+class _Format:  # the shape of the domain ResponseFormat (generation.py, issue 22)
+    kind: str
+    schema: str = ""
+    name: str = ""
+
+
+def test_response_format_passes_through_in_openais_shape() -> None:
+    assert openai_response_format(None) is None
+    assert openai_response_format(_Format("json_object")) == {"type": "json_object"}
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    assert openai_response_format(_Format("json_schema", schema, "thing")) == {
+        "type": "json_schema",
+        "json_schema": {"name": "thing", "schema": json.loads(schema)},
+    }
+    assert openai_response_format(_Format("json_schema", "{}"))["json_schema"]["name"] == "response"  # type: ignore[index]
 
 
 # ---- SSE chunks -> events ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ comes from the engine's final chunk.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +32,30 @@ from loadmaster.model_pool.generation import (
     Usage,
 )
 
-__all__ = ["ProxyGeneration", "ProxyStream", "request_body"]
+__all__ = ["ProxyGeneration", "ProxyStream", "openai_response_format", "request_body"]
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+def openai_response_format(value: Any) -> dict[str, Any] | None:
+    """A request's structured-output demand (the domain `ResponseFormat`: `kind`, `schema` as
+    JSON text, `name`) in OpenAI's shape, for the engine to enforce: `{"type": "json_object"}`
+    or `{"type": "json_schema", "json_schema": {"name", "schema"}}`. None: free text."""
+    if value is None:
+        return None
+    kind = getattr(value, "kind", "")
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = getattr(value, "schema", "")
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": getattr(value, "name", "") or "response",
+                "schema": json.loads(schema) if isinstance(schema, str) else schema,
+            },
+        }
+    return None
 
 
 def request_body(

@@ -39,7 +39,12 @@ import numpy as np
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
 from loadmaster.common.ports import free_port
-from loadmaster.model_pool.engines._proxy_streams import ProxyGeneration, ProxyStream, request_body
+from loadmaster.model_pool.engines._proxy_streams import (
+    ProxyGeneration,
+    ProxyStream,
+    openai_response_format,
+    request_body,
+)
 from loadmaster.model_pool.engines.base import Engine, EngineContext
 from loadmaster.model_pool.engines.engine_process import (
     EngineExitedError,
@@ -192,9 +197,9 @@ class OpenAIProcessEngine(Engine):
         if request.request_id in self._streams:
             raise InvalidArgumentError(f"request_id: {request.request_id!r} is already generating")
         self._loop = asyncio.get_running_loop()
-        path, body = request_body(
-            request, model=self._served, response_format=getattr(request, "response_format", None)
-        )
+        # Structured output (issue 22): the engine enforces `response_format` itself.
+        response_format = openai_response_format(getattr(request, "response_format", None))
+        path, body = request_body(request, model=self._served, response_format=response_format)
         state = ProxyStream(request.request_id, request.params.stop, self._forget)
         self._streams[request.request_id] = state
         state.task = asyncio.create_task(
