@@ -60,7 +60,9 @@ def test_an_unknown_placeholder_is_a_config_error_naming_it() -> None:
 
 
 def test_the_engine_sees_the_lease_gpus_or_none() -> None:
-    env = engine_env({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}, gpus=(2, 3), extra={"A": "1"})
+    base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "LOADMASTER_INTERNAL_AUTH__SECRET_FILE": "/s"}
+    env = engine_env(base, gpus=(2, 3), extra={"A": "1"})
+    assert not any(key.startswith("LOADMASTER_") for key in env)  # the worker's settings stay its own
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # NVML's order: index N is the broker's GPU N
     assert env["PATH"] == "/bin" and env["A"] == "1"

@@ -83,10 +83,12 @@ def render_command(
 def engine_env(
     base: Mapping[str, str], *, gpus: Sequence[int] | None, extra: Mapping[str, str] = {}
 ) -> dict[str, str]:
-    """The engine's environment: `base` + `extra`, with CUDA_VISIBLE_DEVICES set to the
-    lease's GPUs (NVML's PCI-bus order, so index N is the GPU the broker means), or to
+    """The engine's environment: `base` without Loadmaster's own settings (credentials
+    among them: an engine is third-party code), + `extra`, with CUDA_VISIBLE_DEVICES set to
+    the lease's GPUs (NVML's PCI-bus order, so index N is the GPU the broker means), or to
     nothing (`gpus` None: a CPU model sees no GPU)."""
-    env = {**base, **extra}
+    env = {key: value for key, value in base.items() if not key.startswith("LOADMASTER_")}
+    env.update(extra)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["CUDA_VISIBLE_DEVICES"] = "" if gpus is None else ",".join(str(gpu) for gpu in gpus)
     env.setdefault("PYTHONUNBUFFERED", "1")  # Python engines: output reaches the log as it comes
