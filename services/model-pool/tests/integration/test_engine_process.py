@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from loadmaster.model_pool.engines.engine_process import EngineExitedError, EngineProcess, engine_env
+from loadmaster.model_pool.repository import ModelConfigError
 
 
 def _alive(pid: int) -> bool:
@@ -118,3 +119,21 @@ def test_no_engine_outlives_a_worker_killed_with_sigkill() -> None:
         if worker.poll() is None:
             worker.kill()
             worker.wait(10)
+
+
+def test_an_engine_that_never_gets_healthy_times_out_with_its_output() -> None:
+    process = EngineProcess(["sh", "-c", "echo still loading; sleep 30"], env=dict(os.environ), name="slow")
+    process.start()
+    try:
+        _until(lambda: process.tail() == "still loading")
+        with pytest.raises(TimeoutError, match=r"not healthy at http://127\.0\.0\.1:9/health within 0s"):
+            process.wait_healthy("http://127.0.0.1:9/health", timeout_s=0.3)
+    finally:
+        process.stop(grace_s=1.0)
+    assert not _alive(process.pid)
+
+
+def test_a_command_that_cannot_start_is_a_config_error() -> None:
+    process = EngineProcess(["no-such-engine-binary", "--port", "1"], env=dict(os.environ), name="x")
+    with pytest.raises(ModelConfigError, match="command: cannot start 'no-such-engine-binary'"):
+        process.start()

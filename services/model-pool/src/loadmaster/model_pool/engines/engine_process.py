@@ -135,7 +135,7 @@ class EngineProcess:
     def start(self) -> None:
         try:
             self._process = subprocess.Popen(
-                die_with_parent([_executable(self.argv[0]), *self.argv[1:]]),
+                die_with_parent([_executable(self.argv[0], self._cwd), *self.argv[1:]]),
                 env=self._env,
                 cwd=self._cwd,
                 stdin=subprocess.DEVNULL,
@@ -237,13 +237,19 @@ class EngineProcess:
                 log.exception("[engine %s] exit handler failed", self.name)
 
 
-def _executable(name: str) -> str:
-    """`name` as found on PATH, else beside this Python (a virtual environment's console
-    scripts, such as `transformers`, when the worker runs without the venv on PATH)."""
-    if os.sep in name or shutil.which(name) is not None:
+def _executable(name: str, cwd: str | None) -> str:
+    """The program to run: a path (relative ones from the engine's working directory, the
+    model folder), else `name` as found on PATH, else beside this Python (a virtual
+    environment's console scripts, such as `transformers`, when the venv is not on PATH)."""
+    if os.sep in name:
+        path = Path(cwd or ".") / name
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    elif shutil.which(name) is not None:
         return name
-    beside = Path(sys.executable).with_name(name)
-    return str(beside) if beside.exists() else name
+    elif (beside := Path(sys.executable).with_name(name)).exists():
+        return str(beside)
+    raise ModelConfigError(f"command: cannot start {name!r}: no such executable")
 
 
 def _wait_group_gone(pgid: int, pids: Collection[int], *, timeout_s: float) -> bool:
