@@ -198,15 +198,20 @@ class EngineProcess:
             return None
         self._stopping = True
         pids = self.group_pids()
-        if process.poll() is None:
-            signal_group(process, signal.SIGTERM)
-            try:
-                process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("[engine %s] still running %.1fs after SIGTERM: SIGKILL", self.name, grace_s)
+        deadline = time.monotonic() + grace_s
+        signal_group(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Its workers may still be shutting down after the leader: the rest of the grace is theirs.
+        if not _wait_group_gone(
+            process.pid, pids, timeout_s=max(0.0, deadline - time.monotonic()), kill=False
+        ):
+            log.warning("[engine %s] still running %.1fs after SIGTERM: SIGKILL", self.name, grace_s)
         signal_group(process, signal.SIGKILL)  # whatever of the group is left (the leader may be gone)
         process.wait()
-        if not _wait_group_gone(process.pid, pids, timeout_s=grace_s):
+        if not _wait_group_gone(process.pid, pids, timeout_s=grace_s, kill=True):
             log.error("[engine %s] processes of its group survive SIGKILL: %s", self.name, sorted(pids))
         if self._pump is not None:
             self._pump.join(timeout=grace_s)
@@ -252,13 +257,13 @@ def _executable(name: str, cwd: str | None) -> str:
     raise ModelConfigError(f"command: cannot start {name!r}: no such executable")
 
 
-def _wait_group_gone(pgid: int, pids: Collection[int], *, timeout_s: float) -> bool:
+def _wait_group_gone(pgid: int, pids: Collection[int], *, timeout_s: float, kill: bool) -> bool:
     """Until no process of group `pgid` is left running (a zombie waiting for init to reap
-    it holds no memory): SIGKILL again what is left, at most `timeout_s`."""
+    it holds no memory), at most `timeout_s`; with `kill`, SIGKILL again what is left."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(pgid, signal.SIGKILL if kill else 0)
         except (ProcessLookupError, PermissionError):
             return True
         if not any(_running(pid) for pid in pids):
