@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.model_pool.crash_backoff import CrashBackoff
 from loadmaster.model_pool.engines import engine_class
 from loadmaster.model_pool.engines._proxy_streams import ProxyStream, openai_response_format, request_body
@@ -152,6 +153,8 @@ def test_response_format_passes_through_in_openais_shape() -> None:
         "json_schema": {"name": "thing", "schema": json.loads(schema)},
     }
     assert openai_response_format(_Format("json_schema", "{}"))["json_schema"]["name"] == "response"  # type: ignore[index]
+    with pytest.raises(InvalidArgumentError, match=r"response_format\.json_schema\.schema: not JSON"):
+        openai_response_format(_Format("json_schema", "{nope"))
 
 
 # ---- SSE chunks -> events ---------------------------------------------------------------------

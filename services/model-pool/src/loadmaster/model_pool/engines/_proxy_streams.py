@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.model_pool.generation import (
     FinishReason,
     GenerationEnd,
@@ -48,12 +49,13 @@ def openai_response_format(value: Any) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if kind == "json_schema":
         schema = getattr(value, "schema", "")
+        try:
+            parsed = json.loads(schema) if isinstance(schema, str) else schema
+        except ValueError as error:
+            raise InvalidArgumentError(f"response_format.json_schema.schema: not JSON ({error})") from None
         return {
             "type": "json_schema",
-            "json_schema": {
-                "name": getattr(value, "name", "") or "response",
-                "schema": json.loads(schema) if isinstance(schema, str) else schema,
-            },
+            "json_schema": {"name": getattr(value, "name", "") or "response", "schema": parsed},
         }
     return None
 
