@@ -3,7 +3,8 @@
 gpu-broker. Streams go through the worker's ZMQ data port as the gateway sends them: chat
 and text prompts are proxied and stream back as chunks; killing the engine fails the stream
 in flight with its exit status and leaves the slot IDLE; the next load starts it again;
-unloading stops the whole process group before the lease is released."""
+unloading (here: eviction for a model that needs the memory) stops the whole process group
+before the lease is released."""
 
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def process_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(built, root / "tiny-chat" / "artifacts")
     (root / MODEL).mkdir()
     shutil.copy(EXAMPLES / "models" / MODEL / "config.yaml", root / MODEL / "config.yaml")
+    shutil.copytree(EXAMPLES / "models" / "double", root / "big-double")  # needs the engine's memory
+    config = (root / "big-double" / "config.yaml").read_text()
+    (root / "big-double" / "config.yaml").write_text(config.replace("vram_mb: 16", "vram_mb: 64"))
     return root
 
 
@@ -141,11 +145,11 @@ def _engine(worker: Any) -> OpenAIProcessEngine:
     return engine
 
 
-async def test_engine_process_streams_then_stops_before_its_lease_is_released(
+async def test_engine_process_streams_then_is_evicted_and_stopped_before_its_lease_is_released(
     real_broker: BrokerAt, process_repo: Path, start_worker: Any, streams_to: Any
 ) -> None:
     async with (
-        real_broker() as (address, stub),
+        real_broker(total_mb=100) as (address, stub),  # room for one of the two 64 MB models
         start_worker(process_repo, preload=[], broker_address=address) as worker,
     ):
         await worker.pool.load(MODEL)
@@ -179,12 +183,13 @@ async def test_engine_process_streams_then_stops_before_its_lease_is_released(
             await original(lease)
 
         worker.pool._lease_client.release = release
-        await worker.pool.unload(MODEL)
+        await worker.pool.load("big-double")  # does not fit beside the engine: evicts it
         assert released == [True]
         assert not _group_alive(pid)
-        assert worker.pool.status(MODEL).state is ModelState.IDLE
+        status = worker.pool.status(MODEL)
+        assert status.state is ModelState.IDLE and status.evictions == 1
         leases = (await stub.ListLeases(gpu_broker_pb2.ListLeasesRequest(holder="worker-test"))).leases
-        assert list(leases) == []
+        assert [lease.labels["model"] for lease in leases] == ["big-double"]
 
 
 @pytest.mark.slow
