@@ -255,3 +255,14 @@ async def test_with_internal_credentials_requests_and_cancels_are_signed(
     [(_, _, envelope)] = [sent for sent in workers.sent if sent[1] == GENERATE_CANCEL_FRAME]
     cancel = model_pool_pb2.CancelGeneration.FromString(envelope)
     assert worker.verify_envelope(cancel.metadata, "cancel:g") == Identity.parse("gateway/g1")
+
+
+async def test_models_served_by_engine_processes_are_generative(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    views = {"tiny-chat-process": ModelView("tiny-chat-process", "READY", backend="openai_process")}
+
+    async def models() -> dict[str, ModelView]:
+        return views
+
+    assert await GenerationPort(parts[0], models).models() == {"tiny-chat-process": "READY"}

@@ -33,10 +33,10 @@ from rich.table import Table
 from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.cli._output import stdout_console
-from loadmaster.cli._process import die_with_parent
-from loadmaster.cli._process import signal_group as _signal_group
 from loadmaster.client.gpu_lease import GpuLease
 from loadmaster.common import internal_auth
+from loadmaster.common.child_processes import die_with_parent
+from loadmaster.common.child_processes import signal_group as _signal_group
 from loadmaster.common.errors import LoadmasterError, from_grpc_error
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from loadmaster.cli._process import die_with_parent, signal_group
 from loadmaster.cli.redis_server import EmbeddedRedis
 from loadmaster.common import internal_auth
+from loadmaster.common.child_processes import die_with_parent, signal_group
 from loadmaster.common.config import Settings, load_settings
 from loadmaster.common.grpc_client import wait_for_health_sync
 from loadmaster.common.ports import free_port

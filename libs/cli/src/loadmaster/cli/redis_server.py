@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadmaster.cli._process import die_with_parent
+from loadmaster.common.child_processes import die_with_parent
 from loadmaster.common.ports import free_port
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Collection, Iterable, Mapping
 
 from loadmaster.common.clock import Clock
 
-__all__ = ["freed", "process_used_mb", "snapshot", "wait_freed"]
+__all__ = ["freed", "process_used_mb", "processes_used_mb", "snapshot", "wait_freed", "wait_processes_gone"]
 
 log = logging.getLogger(__name__)
 
@@ -77,3 +78,48 @@ async def wait_freed(
             return True
         await clock.sleep(every_s)
     return False
+
+
+def processes_used_mb(gpus: Iterable[int], pids: Collection[int]) -> tuple[int, int] | None:
+    """(how many of `pids` NVML lists on `gpus`, the MB they hold there): an engine process
+    and its children. None when NVML cannot say (no pynvml, no NVIDIA driver)."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        listed = used = 0
+        for gpu in gpus:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid in pids:
+                    listed += 1
+                    used += int(process.usedGpuMemory or 0)
+        return listed, used >> 20
+    except Exception as error:
+        log.debug("NVML could not read GPUs %s: %s", list(gpus), error)
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def wait_processes_gone(
+    gpus: Collection[int], pids: Collection[int], *, timeout_s: float, every_s: float = 0.1
+) -> bool:
+    """Block (an engine's unload runs on its own thread) until NVML lists none of `pids` on
+    `gpus`, at most `timeout_s`. True at once where NVML cannot say (CPU, no driver)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = processes_used_mb(gpus, pids)
+        if seen is None or seen[0] == 0:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(every_s)

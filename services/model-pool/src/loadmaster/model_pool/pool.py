@@ -24,6 +24,7 @@ releasing leases and reacting to a lost lease or a failed engine, in `release.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Coroutine, Mapping
@@ -42,6 +43,7 @@ from loadmaster.model_pool import memory
 from loadmaster.model_pool._waiting import settle
 from loadmaster.model_pool.admission import GenerationAdmission, InferResult, _Admission, _Loaded
 from loadmaster.model_pool.batcher import Batcher, Instance, batch_policy
+from loadmaster.model_pool.crash_backoff import CrashBackoff
 from loadmaster.model_pool.engines import Engine, EngineContext, engine_class
 from loadmaster.model_pool.eviction import EvictionCounters, Resident
 from loadmaster.model_pool.instances import free_instances, load_instance
@@ -138,6 +140,7 @@ class ModelPool(_Admission, _Release):
         )
         self._load_retry_s = load_retry_s
         self._load_backoff: dict[str, tuple[float, float]] = {}  # model -> (next attempt at, delay)
+        self.crash_backoff = CrashBackoff(first_s=load_retry_s[0], max_s=load_retry_s[1])
         self._slots: dict[str, Slot] = {}
         self._loaded: dict[str, _Loaded] = {}
         self._ops: dict[str, _Operation] = {}
@@ -337,7 +340,12 @@ class ModelPool(_Admission, _Release):
             slot.set_lease(lease.lease_id, device=device, mb_per_gpu=dict(lease.mb_per_gpu))
             if device.startswith("cuda"):
                 memory_before = await asyncio.to_thread(memory.snapshot, lease.gpus)
-            context = EngineContext(device=device, threads=self._threads)
+            context = EngineContext(
+                device=device,
+                threads=self._threads,
+                gpus=tuple(lease.gpus),
+                on_failure=self._failure_reporter(model_id, slot.generation),
+            )
             for index in range(count):  # each loaded and warmed up on its own thread before READY
                 await load_instance(built, cls, spec, context, name=f"model-{model_id}-{index}")
             if self._keeper.lease(model_id) is None:
@@ -382,6 +390,29 @@ class ModelPool(_Admission, _Release):
             policy.max_batch_size,
             slot.load_time_ms,
         )
+
+    def _failure_reporter(self, model_id: str, generation: int) -> Callable[[str], None]:
+        """An engine's `on_failure`, callable from any thread: back on the loop, the crash is
+        counted (repeated ones delay the next load) and the model unloaded."""
+        loop = asyncio.get_running_loop()
+
+        def crashed(reason: str) -> None:
+            slot = self._slots.get(model_id)
+            if slot is None or slot.state is not ModelState.READY or slot.generation != generation:
+                return  # a failed load says so itself; a report about an earlier load is stale
+            now = self._clock.monotonic()
+            delay = self.crash_backoff.crashed(model_id, now=now)
+            if delay > 0:
+                self._load_backoff[model_id] = (now + delay, delay)
+                count = self.crash_backoff.crashes(model_id, now=now)
+                reason = f"{reason}; {count} crashes, next load in {delay:.1f}s"
+            self.engine_failed(model_id, generation, reason)
+
+        def report(reason: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the worker is gone
+                loop.call_soon_threadsafe(crashed, reason)
+
+        return report
 
     # ---- eviction ------------------------------------------------------------
 

@@ -6,7 +6,7 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers
+    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | openai_process
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -48,6 +48,7 @@ __all__ = [
     "ModelRepository",
     "ModelSpec",
     "OnnxModelConfig",
+    "OpenAIProcessModelConfig",
     "PythonModelConfig",
     "RayServeModelConfig",
     "TensorRTModelConfig",
@@ -222,6 +223,42 @@ class TransformersModelConfig(_BaseModelConfig):
     seed: int = 0  # the manager-wide seed (requests without one draw theirs at random)
 
 
+class OpenAIProcessModelConfig(_BaseModelConfig):
+    """A model served by an external OpenAI-compatible engine process (llama-server, vLLM,
+    SGLang, `transformers serve`) that the worker starts, health-polls, proxies and stops
+    (docs/engine-processes.md)."""
+
+    backend: Literal["openai_process"]
+    # The engine's command line, a template: {model_path} {port} {host} {gpus} {num_gpus}
+    # are filled in (a string is split like a shell would; no shell runs it).
+    command: str | tuple[str, ...]
+    # {model_path}: relative to the model folder (may point outside it: only the engine reads it).
+    path: str = Field(default=".", min_length=1)
+    host: str = "127.0.0.1"
+    health_path: str = "/health"  # polled until it answers 200; `/v1/models` for engines without /health
+    load_timeout_s: float = Field(default=300.0, gt=0)
+    stop_grace_s: float = Field(default=10.0, gt=0)  # SIGTERM, then SIGKILL the process group
+    # The `model` the engine is asked for; default: the first id its /v1/models lists.
+    served_model: str | None = None
+    max_sequences: int = Field(default=32, ge=1, le=4096)  # streams sent to the engine at once
+    request_timeout_s: float = Field(default=600.0, gt=0)  # longest silence inside one stream
+    env: dict[str, str] = Field(default_factory=dict)  # added to the engine's environment
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, command: str | tuple[str, ...]) -> str | tuple[str, ...]:
+        if not (command.split() if isinstance(command, str) else command):
+            raise ValueError("command is empty")
+        return command
+
+    @field_validator("instances")
+    @classmethod
+    def _one_instance(cls, instances: int) -> int:
+        if instances != 1:
+            raise ValueError("an engine process is one instance (run more workers for more copies)")
+        return instances
+
+
 AnyModelConfig = (
     PythonModelConfig
     | TorchModelConfig
@@ -229,6 +266,7 @@ AnyModelConfig = (
     | TensorRTModelConfig
     | RayServeModelConfig
     | TransformersModelConfig
+    | OpenAIProcessModelConfig
 )
 # One entry per engine; the `backend` field picks the class.
 ModelConfig = Annotated[AnyModelConfig, Field(discriminator="backend")]

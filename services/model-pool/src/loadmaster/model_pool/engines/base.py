@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -40,6 +40,10 @@ ESTIMATE_FACTOR = 1.3
 class EngineContext:
     device: str  # "cpu" or "cuda:N" (already resolved against the lease)
     threads: int = 1  # intra-op threads, for engines that have such a knob
+    gpus: tuple[int, ...] = ()  # every GPU of the lease (several for a split lease)
+    # Called from any thread when a loaded engine can no longer serve (its process exited):
+    # the pool unloads the model and says why. None: nobody listens.
+    on_failure: Callable[[str], None] | None = None
 
 
 class Engine(ABC):

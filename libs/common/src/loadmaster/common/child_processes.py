@@ -1,4 +1,7 @@
-"""Child-process hygiene shared by the launcher and the embedded Redis."""
+"""Child-process hygiene: the launcher's services, the embedded Redis, `gpu lease -- CMD` and
+the model pool's engine processes all start their children this way: in a session of their
+own (`start_new_session=True`, so the child's whole process group can be signalled) and
+wrapped by `die_with_parent`, so no child outlives a parent killed with SIGKILL."""
 
 from __future__ import annotations
 
