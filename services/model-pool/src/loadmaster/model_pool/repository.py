@@ -6,7 +6,7 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers
+    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | diffusers
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -39,6 +39,7 @@ from loadmaster.common.errors import FailedPreconditionError, InvalidArgumentErr
 __all__ = [
     "CONFIG_FILE",
     "DTYPES",
+    "DiffusersModelConfig",
     "ModelConfig",
     "ModelConfigError",
     "ModelRepository",
@@ -204,6 +205,25 @@ class TransformersModelConfig(_BaseModelConfig):
     seed: int = 0  # the manager-wide seed (requests without one draw theirs at random)
 
 
+class DiffusersModelConfig(_BaseModelConfig):
+    """A diffusers pipeline folder (model_index.json, a UNet and a scheduler) that makes images
+    (engines/diffusers.py, docs/images.md)."""
+
+    backend: Literal["diffusers"]
+    path: str = Field(default=".", min_length=1)  # the pipeline folder, relative to the model folder
+    steps: int = Field(default=4, ge=1, le=1000)  # denoising steps per image
+    sizes: tuple[str, ...] = ("64x64", "128x128", "256x256", "512x512")  # WIDTHxHEIGHT it makes
+    max_images: int = Field(default=4, ge=1, le=64)  # images per request (OpenAI's `n`)
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes(cls, sizes: tuple[str, ...]) -> tuple[str, ...]:
+        for size in sizes:
+            if not re.fullmatch(r"[1-9][0-9]{0,4}x[1-9][0-9]{0,4}", size):
+                raise ValueError(f"size {size!r} is not WIDTHxHEIGHT")
+        return sizes
+
+
 AnyModelConfig = (
     PythonModelConfig
     | TorchModelConfig
@@ -211,6 +231,7 @@ AnyModelConfig = (
     | TensorRTModelConfig
     | RayServeModelConfig
     | TransformersModelConfig
+    | DiffusersModelConfig
 )
 # One entry per engine; the `backend` field picks the class.
 ModelConfig = Annotated[AnyModelConfig, Field(discriminator="backend")]

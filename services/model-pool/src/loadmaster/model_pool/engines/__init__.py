@@ -21,6 +21,7 @@ ENGINES: dict[str, str] = {
     "tensorrt": "loadmaster.model_pool.engines.tensorrt:TensorRTEngine",
     "ray_serve": "loadmaster.model_pool.engines.ray_serve:RayServeEngine",
     "transformers": "loadmaster.model_pool.engines.transformers:TransformersEngine",
+    "diffusers": "loadmaster.model_pool.engines.diffusers:DiffusersEngine",
 }
 
 
