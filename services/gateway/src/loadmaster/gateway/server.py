@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import zmq.asyncio
 
@@ -24,9 +25,14 @@ from loadmaster.gateway.frontends.grpc import (
     receive_options,
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
+from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
+from loadmaster.gateway.image_jobs import ImageJobs
+from loadmaster.gateway.images import ImageGenerator
+from loadmaster.gateway.jobs import RedisJobStore
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
 from loadmaster.gateway.statistics import StatisticsSource
+from loadmaster.gateway.validation import off_loop
 from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
 from loadmaster.v1 import inference_pb2, inference_pb2_grpc
 
@@ -104,6 +110,30 @@ class Gateway:
             settings.gateway.limits,
             gateway_id=self.gateway_id,
         )
+        images = settings.gateway.images
+        self.images = ImageGenerator(
+            self.dispatcher, settings.gateway.limits, default_timeout_ms=images.timeout_ms
+        )
+        self.image_jobs: ImageJobs | None = None
+        if settings.redis_url:  # async jobs live in Redis; without one, only synchronous requests
+
+            async def render(request: Any, pngs: list[bytes], created: int) -> str:
+                return await off_loop(render_images, request, pngs, created)
+
+            async def generate(request: Any, request_id: str, client_id: str) -> list[bytes]:
+                return await self.images.generate(request, request_id=request_id, client_id=client_id)
+
+            self.image_jobs = ImageJobs(
+                RedisJobStore.connect(
+                    settings.redis_url, prefix=images.job_key_prefix, ttl_s=images.job_ttl_s
+                ),
+                generate,
+                render,
+                job_error,
+                images,
+                owner=self.gateway_id,
+                clock=clock,
+            )
         app = build_app(
             settings.gateway,
             self.dispatcher,
@@ -113,6 +143,9 @@ class Gateway:
             self.auth,
             self.admin,
             gateway_id=self.gateway_id,
+            extra_routes=image_routes(
+                self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id
+            ),
         )
         self.http = HttpFrontend(
             app,
@@ -130,6 +163,8 @@ class Gateway:
         self.dispatcher.start()
         self.scheduler.start()
         await self.edge.start()
+        if self.image_jobs is not None:
+            await self.image_jobs.start()
         await self.http.start()
 
     async def drain(self, grace_left_s: float) -> None:
@@ -145,6 +180,8 @@ class Gateway:
     async def stop(self) -> None:
         await self.http.close()
         await self.edge.close()
+        if self.image_jobs is not None:
+            await self.image_jobs.close()
         await self.catalog.close()
         await self.statistics.close()
         await self.admin.close()

@@ -22,7 +22,7 @@ import functools
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import h11
@@ -151,6 +151,7 @@ def build_app(
     admin: SchedulerAdmin,
     *,
     gateway_id: str,
+    extra_routes: Sequence[Route] = (),
 ) -> Starlette:
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
@@ -361,6 +362,7 @@ def build_app(
         ]
     generations = GenerationPort(dispatcher.generations, catalog.models)
     routes += openai_routes(generations, auth, gateway_id=gateway_id)
+    routes += extra_routes  # the image API (frontends/openai_images.py), wired in server.py
     return Starlette(routes=routes)
 
 

@@ -103,9 +103,9 @@ class DiffusersEngine(Engine):
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device {self._device} requested but CUDA is not available")
         pipeline = DiffusionPipeline.from_pretrained(str(folder), local_files_only=True)
-        unet = getattr(pipeline, "unet", None)
+        unet: Any = getattr(pipeline, "unet", None)
         scheduler = getattr(pipeline, "scheduler", None)
-        if not isinstance(unet, UNet2DModel) or scheduler is None:
+        if not _is_instance(unet, UNet2DModel) or scheduler is None:
             raise ModelConfigError(
                 f"model '{self.spec.model_id}': {folder} is a {type(pipeline).__name__}; the diffusers "
                 "engine runs unconditional UNet2DModel pipelines (DDPM/DDIM)"
@@ -161,7 +161,9 @@ class DiffusersEngine(Engine):
             )
         n = _scalar(inputs, "n", "iu")
         if not 1 <= n <= self._max_images:
-            raise InvalidArgumentError(f"n: {n} images asked, model '{self.spec.model_id}' makes 1..{self._max_images}")
+            raise InvalidArgumentError(
+                f"n: {n} images asked, model '{self.spec.model_id}' makes 1..{self._max_images}"
+            )
         seed = _scalar(inputs, "seed", "iu") if "seed" in inputs else -1
         if seed < 0:
             seed = secrets.randbits(63)
@@ -180,12 +182,16 @@ class DiffusersEngine(Engine):
             for step in scheduler.timesteps:
                 noise = unet(sample, step).sample
                 sample = scheduler.step(noise, step, sample, generator=generator).prev_sample
-            pixels = ((sample / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-            pixels = pixels.permute(0, 2, 3, 1).cpu().numpy()  # NCHW -> NHWC
+            scaled = ((sample / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+            pixels = scaled.permute(0, 2, 3, 1).cpu().numpy()  # NCHW -> NHWC
         images = np.empty((n,), dtype=object)
         for index in range(n):
             images[index] = _png(pixels[index])
         return {"images": images}
+
+
+def _is_instance(value: Any, cls: type) -> bool:
+    return isinstance(value, cls)  # a helper, so `value` stays `Any` for the type checker
 
 
 def _png(pixels: np.ndarray) -> bytes:
