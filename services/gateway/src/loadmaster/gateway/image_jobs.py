@@ -58,6 +58,12 @@ class ImageJobs:
         self._clock = clock or SystemClock()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    def drain(self) -> None:
+        """The gateway is stopping: a job that fails from now on (the dispatcher refuses new
+        calls while draining) stays unfinished, for the next gateway to run."""
+        self._stopping = True
 
     async def start(self) -> None:
         await self._store.mark_alive(self._owner, ttl_s=self._settings.owner_ttl_s)
@@ -109,6 +115,9 @@ class ImageJobs:
                 images = await self._generate(request, job.job_id, job.client)
                 body = await self._render(request, images, int(self._clock.time()))
             except (LoadmasterError, ValueError) as error:
+                if self._stopping:
+                    log.info("image job %s left for the next gateway (%s)", job.job_id, error)
+                    return
                 await self._finish(job, error=self._failure(error))
                 return
             await self._finish(job, result_json=body)

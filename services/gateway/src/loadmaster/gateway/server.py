@@ -172,6 +172,8 @@ class Gateway:
         front end are answered `unavailable`, and those in flight get `grace_left_s` to finish
         while every link stays open."""
         self.readiness.draining = True
+        if self.image_jobs is not None:
+            self.image_jobs.drain()  # jobs that cannot finish now are left for the next gateway
         self.kserve_grpc.drain()  # ModelStreamInfer streams end once their requests are answered
         left = await self.dispatcher.drain(grace_left_s)
         if left:
