@@ -75,7 +75,9 @@ def test_the_openai_client_gets_pngs_of_the_size_asked(client: openai.OpenAI) ->
     assert reply.data is not None and len(reply.data) == 2
     images = [png(item.b64_json or "") for item in reply.data]
     assert [image.size for image in images] == [(64, 64), (64, 64)]
-    again = client.images.generate(model=MODEL, prompt="a red square", size="64x64", n=2, extra_body={"x_seed": 5})
+    again = client.images.generate(
+        model=MODEL, prompt="a red square", size="64x64", n=2, extra_body={"x_seed": 5}
+    )
     assert again.data is not None and again.data[0].b64_json == reply.data[0].b64_json  # seeded
 
 
@@ -115,7 +117,9 @@ def test_a_size_the_gateway_takes_but_the_model_cannot_make_is_a_400_naming_size
     with pytest.raises(openai.BadRequestError) as caught:
         client.images.generate(model=MODEL, prompt="x", size="1024x1024")
     assert "size 1024x1024" in caught.value.message and "tiny-diffusion" in caught.value.message
-    assert client.images.generate(model=MODEL, prompt="still serving", size="64x64").data  # and it keeps serving
+    assert client.images.generate(
+        model=MODEL, prompt="still serving", size="64x64"
+    ).data  # and it keeps serving
 
 
 def test_an_unknown_model_is_an_error_not_a_hang(client: openai.OpenAI) -> None:
@@ -130,7 +134,9 @@ def test_an_async_job_returns_an_id_at_once_then_its_result(base_url: str) -> No
     assert done["status"] == "succeeded", done
     assert [png(item["b64_json"]).size for item in done["result"]["data"]] == [(64, 64)] * 2
     assert done["attempts"] == 1 and done["expires_at"] > time.time()
-    failed = poll(base_url, submit(base_url, size="1024x1024", x_async=True)["id"], until={"succeeded", "failed"})
+    failed = poll(
+        base_url, submit(base_url, size="1024x1024", x_async=True)["id"], until={"succeeded", "failed"}
+    )
     assert failed["status"] == "failed" and failed["error"]["status"] == 400
     assert "size 1024x1024" in failed["error"]["message"]
     missing = httpx.get(f"{base_url}/jobs/imgjob-nope", timeout=10)

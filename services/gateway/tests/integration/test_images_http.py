@@ -70,13 +70,17 @@ def test_a_finished_job_is_kept_for_the_ttl_then_gone(gateway: GatewayProcess) -
     url = f"{gateway.http_url}/v1/jobs/{submitted.json()['id']}"
     finished = poll(url, lambda r: r.status_code == 200 and r.json()["status"] == "failed")
     job = finished.json()
-    assert job["status"] == "failed" and job["error"]["status"] == 503 and job["error"]["code"] == "unavailable"
+    assert (
+        job["status"] == "failed" and job["error"]["status"] == 503 and job["error"]["code"] == "unavailable"
+    )
     assert job["finished_at"] >= job["created"] and job["expires_at"] <= time.time() + JOB_TTL_S + 1
     gone = poll(url, lambda r: r.status_code == 404, timeout_s=JOB_TTL_S + 5)
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "job_id"
 
 
-def test_without_redis_async_jobs_are_refused_and_sync_requests_still_go(no_redis_gateway: GatewayProcess) -> None:
+def test_without_redis_async_jobs_are_refused_and_sync_requests_still_go(
+    no_redis_gateway: GatewayProcess,
+) -> None:
     refused = httpx.post(
         no_redis_gateway.http_url + "/v1/images/generations",
         json={"model": "m", "prompt": "x", "size": "256x256", "x_async": True},

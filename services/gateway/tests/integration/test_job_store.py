@@ -68,7 +68,9 @@ async def test_a_job_is_taken_over_only_once_its_owner_lapsed(store: RedisJobSto
     assert await store.claim(job.job_id, owner="gw-b") is None  # gw-a is alive
     await store.mark_gone("gw-a")
     taken = await store.claim(job.job_id, owner="gw-b")
-    assert taken is not None and taken.owner == "gw-b" and taken.state is JobState.QUEUED and taken.attempts == 2
+    assert (
+        taken is not None and taken.owner == "gw-b" and taken.state is JobState.QUEUED and taken.attempts == 2
+    )
     await store.mark_alive("gw-b", ttl_s=30)
     assert await store.claim(job.job_id, owner="gw-c") is None  # gw-b holds it now, alive
     assert await store.claim(job.job_id, owner="gw-b") is None  # its own job: nothing to take
@@ -95,7 +97,11 @@ async def test_a_finished_job_expires_after_the_ttl(store: RedisJobStore) -> Non
     await store.create(job)
     await store.finish(job.job_id, owner="gw-a", error={"message": "no", "status": 400}, finished_s=1.0)
     failed = await store.get(job.job_id)
-    assert failed is not None and failed.state is JobState.FAILED and failed.error == {"message": "no", "status": 400}
+    assert (
+        failed is not None
+        and failed.state is JobState.FAILED
+        and failed.error == {"message": "no", "status": 400}
+    )
     deadline = time.monotonic() + 5
     while await store.get(job.job_id) is not None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

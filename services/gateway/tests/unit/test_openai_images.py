@@ -33,8 +33,16 @@ def refused(**body: object) -> OpenAIError:
 
 
 def test_a_full_body_becomes_the_request() -> None:
-    request, run_async = parse(n=3, size="512x256", x_seed=7, x_priority=0, user="u", response_format="b64_json")
-    assert (request.model, request.prompt, request.n, request.width, request.height) == ("m", "a cat", 3, 512, 256)
+    request, run_async = parse(
+        n=3, size="512x256", x_seed=7, x_priority=0, user="u", response_format="b64_json"
+    )
+    assert (request.model, request.prompt, request.n, request.width, request.height) == (
+        "m",
+        "a cat",
+        3,
+        512,
+        256,
+    )
     assert (request.seed, request.priority, request.user, request.size) == (7, 0, "u", "512x256")
     assert run_async is False
     assert ImageRequest.from_dict(json.loads(json.dumps(request.as_dict()))) == request

@@ -20,7 +20,12 @@ from PIL import Image
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.model_pool.engines import EngineContext, engine_class
 from loadmaster.model_pool.engines.diffusers import DiffusersEngine
-from loadmaster.model_pool.repository import DiffusersModelConfig, ModelConfigError, ModelRepository, parse_config
+from loadmaster.model_pool.repository import (
+    DiffusersModelConfig,
+    ModelConfigError,
+    ModelRepository,
+    parse_config,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 
@@ -37,7 +42,9 @@ def load_make_models() -> Any:
 def tiny_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tiny") / "models"
     (root / "tiny-diffusion").mkdir(parents=True)
-    shutil.copy(EXAMPLES / "models" / "tiny-diffusion" / "config.yaml", root / "tiny-diffusion" / "config.yaml")
+    shutil.copy(
+        EXAMPLES / "models" / "tiny-diffusion" / "config.yaml", root / "tiny-diffusion" / "config.yaml"
+    )
     load_make_models().build(["tiny-diffusion"], root=root)
     return root
 
@@ -55,7 +62,9 @@ def engine(tiny_repo: Path) -> Iterator[DiffusersEngine]:
     instance.unload()
 
 
-def inputs(*, width: int = 64, height: int = 64, n: int = 1, seed: int = 3, prompt: bytes = b"a cat") -> dict[str, Any]:
+def inputs(
+    *, width: int = 64, height: int = 64, n: int = 1, seed: int = 3, prompt: bytes = b"a cat"
+) -> dict[str, Any]:
     return {
         "prompt": np.array([prompt], dtype=object),
         "size": np.array([width, height], dtype=np.int32),

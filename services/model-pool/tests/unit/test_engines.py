@@ -25,7 +25,7 @@ def make_model(root: Path, model_id: str, config: str, files: dict[str, str] | N
 
 
 def test_registry() -> None:
-    assert set(ENGINES) == {"python", "torch", "onnx", "tensorrt", "ray_serve", "transformers"}
+    assert set(ENGINES) == {"python", "torch", "onnx", "tensorrt", "ray_serve", "transformers", "diffusers"}
     assert engine_class("python") is PythonEngine
     assert engine_class("torch") is TorchEngine
     with pytest.raises(ModelConfigError, match="no engine for backend 'caffe'"):
