@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from loadmaster.common.ports import free_port
+
 from .conftest import GatewayProcess
 
 JOB_TTL_S = 1.0
@@ -91,3 +93,16 @@ def test_without_redis_async_jobs_are_refused_and_sync_requests_still_go(
     with pytest.raises(openai.APIStatusError) as caught:
         client(no_redis_gateway).images.generate(model="m", prompt="x", size="256x256")
     assert caught.value.status_code == 503  # it reached the dispatcher: no scheduler here
+
+
+def test_with_redis_down_the_gateway_starts_and_async_jobs_are_a_clear_503(
+    start_gateway: Callable[..., GatewayProcess],
+) -> None:
+    gateway = start_gateway(redis_url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    refused = httpx.post(
+        gateway.http_url + "/v1/images/generations",
+        json={"model": "m", "prompt": "x", "size": "256x256", "x_async": True},
+        timeout=30,
+    )
+    assert refused.status_code == 503 and "Redis" in refused.json()["error"]["message"]
+    assert httpx.get(gateway.http_url + "/v1/jobs/imgjob-x", timeout=30).status_code == 503

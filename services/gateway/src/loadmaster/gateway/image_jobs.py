@@ -66,7 +66,8 @@ class ImageJobs:
         self._stopping = True
 
     async def start(self) -> None:
-        await self._store.mark_alive(self._owner, ttl_s=self._settings.owner_ttl_s)
+        """Start the keep-up loop; its first step marks this gateway alive. Redis being down
+        does not stop the gateway from starting: synchronous requests need no Redis."""
         self._loop_task = asyncio.create_task(self._keep_up(), name="image-jobs")
 
     async def close(self) -> None:

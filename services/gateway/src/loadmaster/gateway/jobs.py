@@ -18,13 +18,17 @@ decides when to call it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel
+from redis.exceptions import RedisError
 
+from loadmaster.common.errors import UnavailableError
 from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 
 __all__ = ["Job", "JobState", "RedisJobStore"]
@@ -146,7 +150,7 @@ class RedisJobStore:
         return f"{self._prefix}:active"
 
     async def create(self, job: Job) -> None:
-        """Store a new job as unfinished, owned by `job.owner`."""
+        """Store a new job as unfinished, owned by `job.owner`; `UnavailableError` without Redis."""
         fields = {
             "kind": job.kind,
             "state": job.state.value,
@@ -156,10 +160,11 @@ class RedisJobStore:
             "created_s": repr(job.created_s),
             "request": json.dumps(job.request, separators=(",", ":")),
         }
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._job_key(job.job_id), mapping=fields)  # type: ignore[arg-type]
-            pipe.sadd(self._active_key, job.job_id)
-            await pipe.execute()
+        with _unavailable():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(self._job_key(job.job_id), mapping=fields)  # type: ignore[arg-type]
+                pipe.sadd(self._active_key, job.job_id)
+                await pipe.execute()
 
     async def start(self, job_id: str, *, owner: str) -> bool:
         """queued -> running, when `owner` still holds the job."""
@@ -197,11 +202,13 @@ class RedisJobStore:
         return bool(written)
 
     async def get(self, job_id: str) -> Job | None:
+        """The job, None when unknown or expired; `UnavailableError` without Redis."""
         key = self._job_key(job_id)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(key)
-            pipe.pttl(key)
-            raw, ttl_ms = await pipe.execute()
+        with _unavailable():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hgetall(key)
+                pipe.pttl(key)
+                raw, ttl_ms = await pipe.execute()
         if not raw:
             return None
         fields = {_text(k): _text(v) for k, v in raw.items()}
@@ -253,3 +260,14 @@ class RedisJobStore:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+@contextmanager
+def _unavailable() -> Iterator[None]:
+    """Redis errors on a request's path: a clear 503, not an internal error."""
+    try:
+        yield
+    except RedisError as error:
+        raise UnavailableError(
+            f"the job store (Redis) is unreachable: {type(error).__name__}: {error}"
+        ) from None
