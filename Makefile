@@ -9,7 +9,7 @@ CONFIG ?= examples/loadmaster.yaml
 
 DISTS := libs/proto libs/common libs/client libs/cli \
          services/gpu-broker services/metrics services/scheduler services/gateway \
-         services/model-pool[torch,onnx,transformers,openai_process,transformers-serve]
+         services/model-pool[torch,onnx,transformers,openai_process,transformers-serve,diffusers]
 PYPROJECTS := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated

@@ -57,7 +57,7 @@ def first_token_s(url: str, model: str) -> float:
     raise RuntimeError(f"{model}: no token in the reply")
 
 
-def wait_idle(stub: model_pool_pb2_grpc.ModelPoolStub, model: str) -> None:
+def wait_idle(stub: model_pool_pb2_grpc.ModelPoolServiceStub, model: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         status = stub.Status(model_pool_pb2.StatusRequest(), timeout=5)
@@ -87,7 +87,7 @@ def main() -> None:
         url = f"http://{gateway.http_host}:{gateway.http_port}/v1/chat/completions"
         try:
             with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
-                stub = model_pool_pb2_grpc.ModelPoolStub(channel)
+                stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
                 for model, kind in MODELS.items():
                     cold: list[float] = []
                     for attempt in range(args.repeat + 1):

@@ -18,6 +18,8 @@ order of float sums).
                                         the repo's docs (models/tiny-chat/tokenizer_corpus.json)
                                         and a chat template (backend: transformers)
     tiny-chat-b the same shape and tokenizer, other random weights (a second LLM for ladders)
+    tiny-diffusion  a diffusers folder   random-weight UNet2DModel (channels 8/16, no attention)
+                                        with a DDIM scheduler (backend: diffusers)
 """
 
 from __future__ import annotations
@@ -224,6 +226,30 @@ def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
     return artifact / "model.safetensors"
 
 
+def build_tiny_diffusion(folder: Path) -> Path:
+    """A tiny random-weight unconditional UNet with a DDIM scheduler, saved as a diffusers
+    pipeline folder (noise-like images, the real diffusion path; a few steps on CPU)."""
+    from diffusers import DDIMPipeline, DDIMScheduler, UNet2DModel
+
+    artifact = folder / "artifacts"
+    torch.manual_seed(0)
+    unet = UNet2DModel(
+        sample_size=64,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+        add_attention=False,  # attention over every pixel is what makes big sizes slow
+    )
+    DDIMPipeline(unet=unet.eval(), scheduler=DDIMScheduler(num_train_timesteps=1000)).save_pretrained(
+        artifact
+    )
+    return artifact / "unet" / "diffusion_pytorch_model.safetensors"
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "policy": build_policy,
     "policy-onnx": build_policy_onnx,
@@ -231,6 +257,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "tiny-chat": build_tiny_chat,
     # tiny-chat's shape and tokenizer, other random weights: a second LLM for model ladders.
     "tiny-chat-b": functools.partial(build_tiny_chat, seed=1),
+    "tiny-diffusion": build_tiny_diffusion,
 }
 
 

@@ -170,11 +170,11 @@ def test_gateway_image_installs_no_torch_and_no_model_pool() -> None:
 def test_model_pool_image_installs_pinned_torch_and_the_engine_extras() -> None:
     runs = [i.args for i in instructions_of("model-pool") if i.keyword == "RUN" and "pip install" in i.args]
     torch_step = next((n for n, run in enumerate(runs) if "torch==2.13.0" in run), None)
-    extras = "services/model-pool[torch,onnx,transformers,openai_process]"
+    extras = "services/model-pool[torch,onnx,transformers,openai_process,diffusers]"
     extras_step = next((n for n, run in enumerate(runs) if extras in run), None)
     assert torch_step is not None, "torch==2.13.0 is not installed"
     assert extras_step is not None, (
-        "the model-pool is not installed with [torch,onnx,transformers,openai_process]"
+        "the model-pool is not installed with [torch,onnx,transformers,openai_process,diffusers]"
     )
     assert torch_step <= extras_step, "pin torch before the extras resolve it"
 

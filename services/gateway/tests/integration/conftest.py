@@ -53,7 +53,11 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     started: list[GatewayProcess] = []
 
     def start(
-        gateway: dict[str, Any] | None = None, *, log_level: str = "INFO", scheduler_address: str = ""
+        gateway: dict[str, Any] | None = None,
+        *,
+        log_level: str = "INFO",
+        scheduler_address: str = "",
+        redis_url: str = "",
     ) -> GatewayProcess:
         grpc_port, http_port, edge_port = free_port(), free_port(), free_port()
         config = {
@@ -70,11 +74,14 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
             "scheduler": {"address": scheduler_address or f"127.0.0.1:{free_port()}"},
             "metrics": {"enabled": False},
         }
+        if redis_url:
+            config["redis_url"] = redis_url
         index = len(started)
         config_path = tmp_path / f"gateway-{index}.yaml"
         config_path.write_text(yaml.safe_dump(config))
         log_path = tmp_path / f"gateway-{index}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LOADMASTER_")}
+        # Redis only when asked for (async image jobs): REDIS_URL would turn them on.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOADMASTER_") and k != "REDIS_URL"}
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "loadmaster.gateway", "--config", str(config_path)],

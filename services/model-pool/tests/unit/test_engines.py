@@ -33,6 +33,7 @@ def test_registry() -> None:
         "ray_serve",
         "transformers",
         "openai_process",
+        "diffusers",
     }
     assert engine_class("python") is PythonEngine
     assert engine_class("torch") is TorchEngine

@@ -44,6 +44,7 @@ __all__ = [
     "GatewaySettings",
     "GpuBrokerSettings",
     "GpuSpec",
+    "ImagesSettings",
     "InternalAuthSettings",
     "LeaseTiming",
     "LimitsSettings",
@@ -177,6 +178,26 @@ class SharedMemorySettings(_Section):
     quarantine_s: float = Field(default=30.0, gt=0)
 
 
+def _image_sizes() -> list[str]:
+    return ["64x64", "128x128", "256x256", "512x512", "1024x1024"]
+
+
+class ImagesSettings(_Section):
+    """`POST /v1/images/generations` and its async jobs (docs/images.md). Jobs live in Redis
+    (`redis_url`) under `job_key_prefix`; a finished job's result stays `job_ttl_s`. A gateway
+    marks itself alive every `owner_ttl_s` / 3; another gateway re-runs the unfinished jobs of
+    one whose mark lapsed (checked every `recover_interval_s`), at most `max_attempts` times."""
+
+    sizes: list[str] = Field(default_factory=_image_sizes)  # WIDTHxHEIGHT accepted (the model may narrow)
+    max_n: int = Field(default=4, ge=1, le=10)
+    timeout_ms: float = Field(default=120_000.0, gt=0)  # a request's deadline unless x_deadline_ms
+    job_ttl_s: float = Field(default=3600.0, gt=0)
+    job_key_prefix: str = "loadmaster:jobs"
+    owner_ttl_s: float = Field(default=10.0, gt=0)
+    recover_interval_s: float = Field(default=5.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+
+
 class GatewaySettings(ServiceEndpoint):
     address: str = "127.0.0.1:8001"
     gateway_id: str = ""  # default: <hostname>-<pid>
@@ -199,6 +220,7 @@ class GatewaySettings(ServiceEndpoint):
     # Gateway -> worker data links: ZMTP heartbeats find a worker that died without closing.
     worker_heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
     worker_heartbeat_timeout_ms: int = Field(default=3000, ge=0)
+    images: ImagesSettings = ImagesSettings()
 
 
 class DeadlineSettings(_Section):

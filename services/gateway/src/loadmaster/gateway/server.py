@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import zmq.asyncio
 
@@ -24,12 +25,17 @@ from loadmaster.gateway.frontends.grpc import (
     receive_options,
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
+from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
+from loadmaster.gateway.image_jobs import ImageJobs
+from loadmaster.gateway.images import ImageGenerator
+from loadmaster.gateway.jobs import RedisJobStore
 from loadmaster.gateway.kserve_protocol import SERVICE_NAME as KSERVE_SERVICE_NAME
 from loadmaster.gateway.kserve_protocol import inference_pb2_grpc
 from loadmaster.gateway.ladders import ladders_from
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.scheduler_link import SchedulerLink
 from loadmaster.gateway.statistics import StatisticsSource
+from loadmaster.gateway.validation import off_loop
 from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
 
 __all__ = ["Gateway", "GatewayServer", "build"]
@@ -106,6 +112,30 @@ class Gateway:
             settings.gateway.limits,
             gateway_id=self.gateway_id,
         )
+        images = settings.gateway.images
+        self.images = ImageGenerator(
+            self.dispatcher, settings.gateway.limits, default_timeout_ms=images.timeout_ms
+        )
+        self.image_jobs: ImageJobs | None = None
+        if settings.redis_url:  # async jobs live in Redis; without one, only synchronous requests
+
+            async def render(request: Any, pngs: list[bytes], created: int) -> str:
+                return await off_loop(render_images, request, pngs, created)
+
+            async def generate(request: Any, request_id: str, client_id: str) -> list[bytes]:
+                return await self.images.generate(request, request_id=request_id, client_id=client_id)
+
+            self.image_jobs = ImageJobs(
+                RedisJobStore.connect(
+                    settings.redis_url, prefix=images.job_key_prefix, ttl_s=images.job_ttl_s
+                ),
+                generate,
+                render,
+                job_error,
+                images,
+                owner=self.gateway_id,
+                clock=clock,
+            )
         app = build_app(
             settings.gateway,
             self.dispatcher,
@@ -116,6 +146,9 @@ class Gateway:
             self.admin,
             gateway_id=self.gateway_id,
             ladders=ladders_from(settings.models.aliases),
+            extra_routes=image_routes(
+                self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id
+            ),
         )
         self.http = HttpFrontend(
             app,
@@ -133,6 +166,8 @@ class Gateway:
         self.dispatcher.start()
         self.scheduler.start()
         await self.edge.start()
+        if self.image_jobs is not None:
+            await self.image_jobs.start()
         await self.http.start()
 
     async def drain(self, grace_left_s: float) -> None:
@@ -140,6 +175,8 @@ class Gateway:
         front end are answered `unavailable`, and those in flight get `grace_left_s` to finish
         while every link stays open."""
         self.readiness.draining = True
+        if self.image_jobs is not None:
+            self.image_jobs.drain()  # jobs that cannot finish now are left for the next gateway
         self.kserve_grpc.drain()  # ModelStreamInfer streams end once their requests are answered
         left = await self.dispatcher.drain(grace_left_s)
         if left:
@@ -148,6 +185,8 @@ class Gateway:
     async def stop(self) -> None:
         await self.http.close()
         await self.edge.close()
+        if self.image_jobs is not None:
+            await self.image_jobs.close()
         await self.catalog.close()
         await self.statistics.close()
         await self.admin.close()

@@ -6,7 +6,7 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | openai_process
+    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | openai_process | diffusers
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -43,6 +43,7 @@ __all__ = [
     "CATEGORY_BY_BACKEND",
     "CONFIG_FILE",
     "DTYPES",
+    "DiffusersModelConfig",
     "ModelConfig",
     "ModelConfigError",
     "ModelRepository",
@@ -259,6 +260,25 @@ class OpenAIProcessModelConfig(_BaseModelConfig):
         return instances
 
 
+class DiffusersModelConfig(_BaseModelConfig):
+    """A diffusers pipeline folder (model_index.json, a UNet and a scheduler) that makes images
+    (engines/diffusers.py, docs/images.md)."""
+
+    backend: Literal["diffusers"]
+    path: str = Field(default=".", min_length=1)  # the pipeline folder, relative to the model folder
+    steps: int = Field(default=4, ge=1, le=1000)  # denoising steps per image
+    sizes: tuple[str, ...] = ("64x64", "128x128", "256x256", "512x512")  # WIDTHxHEIGHT it makes
+    max_images: int = Field(default=4, ge=1, le=64)  # images per request (OpenAI's `n`)
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes(cls, sizes: tuple[str, ...]) -> tuple[str, ...]:
+        for size in sizes:
+            if not re.fullmatch(r"[1-9][0-9]{0,4}x[1-9][0-9]{0,4}", size):
+                raise ValueError(f"size {size!r} is not WIDTHxHEIGHT")
+        return sizes
+
+
 AnyModelConfig = (
     PythonModelConfig
     | TorchModelConfig
@@ -267,6 +287,7 @@ AnyModelConfig = (
     | RayServeModelConfig
     | TransformersModelConfig
     | OpenAIProcessModelConfig
+    | DiffusersModelConfig
 )
 # One entry per engine; the `backend` field picks the class.
 ModelConfig = Annotated[AnyModelConfig, Field(discriminator="backend")]

@@ -22,7 +22,7 @@ import functools
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import h11
@@ -153,6 +153,7 @@ def build_app(
     *,
     gateway_id: str,
     ladders: Mapping[str, Ladder] | None = None,
+    extra_routes: Sequence[Route] = (),
 ) -> Starlette:
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
@@ -363,6 +364,7 @@ def build_app(
         ]
     generations = GenerationPort(dispatcher.generations, catalog.models, ladders=ladders)
     routes += openai_routes(generations, auth, gateway_id=gateway_id)
+    routes += extra_routes  # the image API (frontends/openai_images.py), wired in server.py
     return Starlette(routes=routes)
 
 
