@@ -108,6 +108,15 @@ class _NonBlockingQueueHandler(logging.handlers.QueueHandler):
                 log.warning("audit: the writer is behind; %d record(s) dropped so far", self.dropped)
 
 
+class _Listener(logging.handlers.QueueListener):
+    def __init__(self, records: queue.Queue[Any], *handlers: logging.Handler) -> None:
+        super().__init__(records, *handlers)
+        self._records = records
+
+    def enqueue_sentinel(self) -> None:
+        self._records.put(None)  # QueueListener's sentinel; on close, in a thread: waits for room
+
+
 class AuditLog:
     """`write(record)` from the event loop; `start()` opens the file, `close()` drains and closes."""
 
@@ -116,7 +125,7 @@ class AuditLog:
         self.path = path
         self._records: queue.Queue[Any] = queue.Queue(settings.queue_size)
         self._handler = _NonBlockingQueueHandler(self._records)
-        self._listener: logging.handlers.QueueListener | None = None
+        self._listener: _Listener | None = None
 
     @property
     def dropped(self) -> int:
@@ -132,7 +141,7 @@ class AuditLog:
             encoding="utf-8",
         )
         writer.setFormatter(_RecordFormatter(debug_mode=self._settings.debug_mode))
-        self._listener = logging.handlers.QueueListener(self._records, writer)
+        self._listener = _Listener(self._records, writer)
         self._listener.start()
         log.info("audit log: %s", self.path)
 

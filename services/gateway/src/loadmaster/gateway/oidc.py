@@ -93,7 +93,8 @@ class JwksKeys:
             if now - self._fetched_at >= self._cache_s:
                 self._refresh()  # in the background: the current keys still verify
             return key
-        if self._tried_at is None or now - self._tried_at >= self._refetch_interval_s or self._refreshing:
+        in_flight = self._refreshing is not None and not self._refreshing.done()
+        if in_flight or self._tried_at is None or now - self._tried_at >= self._refetch_interval_s:
             await asyncio.shield(self._refresh())
             key = self._keys.get(kid)
         if key is None:
