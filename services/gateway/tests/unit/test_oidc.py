@@ -52,13 +52,22 @@ class Issuer:
             "iss": ISSUER,
             "aud": AUDIENCE,
             "sub": "alice",
-            "exp": int(time.time()) + 60,
+            "exp": int(time.time()) + 3600,
             "scope": "loadmaster:infer",
         }
         body |= claims
         return jwt.encode(
             {k: v for k, v in body.items() if v is not None}, private, algorithm=alg, headers={"kid": kid}
         )
+
+
+async def fetched(issuer: Issuer, count: int) -> None:
+    """Wait (bounded) for the background refresh to have fetched `count` times in all."""
+    for _ in range(500):
+        if issuer.fetches >= count and not any(t.get_name() == "jwks-fetch" for t in asyncio.all_tasks()):
+            break
+        await asyncio.sleep(0.01)
+    assert issuer.fetches == count
 
 
 def verifier(issuer: Issuer, clock: FakeClock, **settings: Any) -> OidcVerifier:
@@ -74,12 +83,14 @@ def verifier(issuer: Issuer, clock: FakeClock, **settings: Any) -> OidcVerifier:
 
 async def test_a_good_token_gives_its_subject_and_mapped_scopes() -> None:
     issuer = Issuer()
-    claims = await verifier(issuer, FakeClock()).verify(issuer.token(scope="openid loadmaster:infer other"))
+    claims = await verifier(issuer, FakeClock(epoch=time.time())).verify(
+        issuer.token(scope="openid loadmaster:infer other")
+    )
     assert (claims.subject, claims.scopes) == ("alice", frozenset({"infer"}))
 
 
 async def test_the_key_set_is_fetched_once_and_an_unknown_kid_refetches_at_most_once_per_interval() -> None:
-    issuer, clock = Issuer(), FakeClock()
+    issuer, clock = Issuer(), FakeClock(epoch=time.time())
     check = verifier(issuer, clock, jwks_refetch_interval_s=30)
     await check.verify(issuer.token())
     await check.verify(issuer.token())
@@ -97,31 +108,28 @@ async def test_the_key_set_is_fetched_once_and_an_unknown_kid_refetches_at_most_
 
 async def test_concurrent_tokens_share_one_fetch() -> None:
     issuer = Issuer()
-    check = verifier(issuer, FakeClock())
+    check = verifier(issuer, FakeClock(epoch=time.time()))
     results = await asyncio.gather(*(check.verify(issuer.token(sub=f"s{i}")) for i in range(10)))
     assert [r.subject for r in results] == [f"s{i}" for i in range(10)] and issuer.fetches == 1
 
 
 async def test_a_stale_set_is_refreshed_in_the_background_and_kept_when_the_refresh_fails() -> None:
-    issuer, clock = Issuer(), FakeClock()
+    issuer, clock = Issuer(), FakeClock(epoch=time.time())
     check = verifier(issuer, clock, jwks_cache_s=300)
-    await check.verify(issuer.token())
+    await check.verify(issuer.token(sub="s1"))
     clock.advance(301)
     issuer.fail = True
-    await check.verify(issuer.token())  # answered from the old keys while the refresh runs
-    await asyncio.sleep(0.05)
-    assert issuer.fetches == 2
-    await check.verify(issuer.token())  # still fine: a failed refresh keeps the keys
+    await check.verify(issuer.token(sub="s2"))  # answered from the old keys while the refresh runs
+    await fetched(issuer, 2)
+    await check.verify(issuer.token(sub="s3"))  # still fine: a failed refresh keeps the keys
+    await fetched(issuer, 3)  # the set is still stale: another try, failing too
     issuer.fail = False
     issuer.published = []  # the issuer dropped r1: after the next refresh it is gone
-    await check.verify(issuer.token())
-    for _ in range(100):
-        if issuer.fetches == 4:
-            break
-        await asyncio.sleep(0.01)
+    await check.verify(issuer.token(sub="s4"))
+    await fetched(issuer, 4)
     clock.advance(31)
     with pytest.raises(UnauthenticatedError, match="not in the issuer's key set"):
-        await check.verify(issuer.token())
+        await check.verify(issuer.token(sub="late"))  # another token: a verified one is remembered
 
 
 @pytest.mark.parametrize(
@@ -138,12 +146,12 @@ async def test_a_stale_set_is_refreshed_in_the_background_and_kept_when_the_refr
 async def test_bad_claims_are_refused_naming_the_problem(claims: dict[str, Any], message: str) -> None:
     issuer = Issuer()
     with pytest.raises(UnauthenticatedError, match=message):
-        await verifier(issuer, FakeClock()).verify(issuer.token(**claims))
+        await verifier(issuer, FakeClock(epoch=time.time())).verify(issuer.token(**claims))
 
 
 async def test_alg_none_and_hs256_and_missing_kid_are_refused() -> None:
     issuer = Issuer()
-    check = verifier(issuer, FakeClock())
+    check = verifier(issuer, FakeClock(epoch=time.time()))
     body = {"iss": ISSUER, "aud": AUDIENCE, "sub": "eve", "exp": int(time.time()) + 60}
     with pytest.raises(UnauthenticatedError, match="'none' is not accepted"):
         await check.verify(jwt.encode(body, None, algorithm="none", headers={"kid": "r1"}))
@@ -172,7 +180,7 @@ def test_an_issuer_without_an_audience_is_a_configuration_error() -> None:
 
 
 async def test_the_authenticator_takes_keys_and_tokens_with_scopes_and_a_bucket_per_subject() -> None:
-    issuer, clock = Issuer(), FakeClock()
+    issuer, clock = Issuer(), FakeClock(epoch=time.time())
     settings = OidcSettings(issuer=ISSUER, audience=[AUDIENCE], rate_per_s=1.0, burst=2)
     keys = JwksKeys(issuer.fetch, cache_s=300, refetch_interval_s=30, clock=clock)
     auth = Authenticator(
@@ -210,3 +218,17 @@ async def test_with_oidc_alone_a_token_is_required() -> None:
         await auth.authenticate(None, "infer")
     with pytest.raises(UnauthenticatedError, match="not a JWT"):
         await auth.authenticate("lm_anything", "infer")
+
+
+async def test_a_verified_token_is_remembered_until_it_expires() -> None:
+    issuer, clock = Issuer(), FakeClock(epoch=time.time())
+    check = verifier(issuer, clock, leeway_s=30)
+    exp = int(time.time()) + 60
+    token = issuer.token(exp=exp)
+    assert (await check.verify(token)).subject == "alice"
+    issuer.published = []
+    issuer.keys["r1"] = None  # a second full verification could not even sign: the cache answers
+    assert (await check.verify(token)).subject == "alice"
+    clock.advance(exp + 30 - clock.time())  # the fake clock reaches the token's exp + leeway
+    with pytest.raises(UnauthenticatedError, match="expired"):
+        await check.verify(token)

@@ -46,7 +46,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CONTENT_FILTER = "content_filter"  # OpenAI's finish_reason for a completion its filter stopped
-INLINE_CHARS = 64 << 10  # prompts up to this many characters are scanned on the event loop
+INLINE_CHARS = 2048  # prompts up to this many characters are scanned on the event loop (< 1 ms)
 
 
 class PolicyRefusedError(InvalidArgumentError):
