@@ -128,3 +128,11 @@ def test_a_webhook_answer_without_a_decision_is_an_error(body: object) -> None:
 def test_a_bad_pattern_is_a_configuration_error_naming_it() -> None:
     with pytest.raises(ValueError, match=r"blocked_patterns\[1\] is not a regular expression"):
         GuardrailSettings(blocked_patterns=["ok", "(unclosed"])
+
+
+def test_a_text_whose_length_lower_casing_changes_still_matches_in_the_right_place() -> None:
+    blocklist = Blocklist(WORDS, [])
+    text = "İİ FORBIDDEN"  # 'İ'.lower() is two characters
+    match = blocklist.find(text)
+    assert match is not None and text[match.start : match.end] == "FORBIDDEN"
+    assert screened(["İ ok ", "FORB", "IDDEN x"]) == ("İ ok ", "blocked_words")
