@@ -30,10 +30,12 @@ import httpx
 import jwt
 import openai
 import pytest
+import tritonclient.grpc as triton_grpc
 import zmq
 import zmq.asyncio
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
+from tritonclient.utils import InferenceServerException
 
 from loadmaster.common.config import load_settings
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REPLIES_FRAME, GENERATE_REQUEST_FRAME
@@ -282,6 +284,7 @@ SAID_FORBIDDEN = "say:safe text |for|bidden| more"  # the blocked word arrives s
 @dataclass(frozen=True, slots=True)
 class Gateway:
     http_url: str
+    grpc_address: str
     audit_path: Path
 
     def client(self, token: str, **options: Any) -> openai.OpenAI:
@@ -335,7 +338,7 @@ def start_policy_gateway(
         "audit": {"enabled": True, "path": str(audit_path)},
     }
     process = start_gateway(config, scheduler_address=backend.scheduler_address)
-    gateway = Gateway(process.http_url, audit_path)
+    gateway = Gateway(process.http_url, process.grpc_address, audit_path)
     eventually(lambda: httpx.get(gateway.http_url + "/readyz").status_code == 200, timeout_s=20)
     return gateway
 
@@ -380,6 +383,25 @@ def test_api_keys_keep_working_beside_tokens(gateway: Gateway) -> None:
     assert index.status_code == 200 and {m["name"] for m in index.json()} == {MODEL, "double"}
     with pytest.raises(openai.AuthenticationError, match="API key is not valid"):
         gateway.client("lm_not-a-key").models.list()
+
+
+def test_tokens_work_on_kserve_http_and_grpc_too(gateway: Gateway, provider: IdentityProvider) -> None:
+    token = provider.token(provider.published[0], sub="kserve-user")
+    http = httpx.post(gateway.http_url + "/v2/repository/index", headers={"authorization": f"Bearer {token}"})
+    assert http.status_code == 200 and MODEL in {m["name"] for m in http.json()}
+    client = triton_grpc.InferenceServerClient(gateway.grpc_address)
+    try:
+        index = client.get_model_repository_index(headers={"authorization": f"Bearer {token}"}, as_json=True)
+        assert MODEL in {m["name"] for m in index["models"]}
+        expired = provider.token(provider.published[0], exp=int(time.time()) - 3600)
+        with pytest.raises(InferenceServerException) as raised:
+            client.get_model_repository_index(headers={"authorization": f"Bearer {expired}"})
+        assert raised.value.status() == "StatusCode.UNAUTHENTICATED" and "expired" in raised.value.message()
+        with pytest.raises(InferenceServerException) as raised:
+            client.load_model(MODEL, headers={"authorization": f"Bearer {token}"})  # infer scope only
+        assert raised.value.status() == "StatusCode.PERMISSION_DENIED"
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize(
