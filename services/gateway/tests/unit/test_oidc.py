@@ -232,3 +232,7 @@ async def test_a_verified_token_is_remembered_until_it_expires() -> None:
     clock.advance(exp + 30 - clock.time())  # the fake clock reaches the token's exp + leeway
     with pytest.raises(UnauthenticatedError, match="expired"):
         await check.verify(token)
+
+
+def test_one_audience_may_be_written_as_a_string() -> None:
+    assert OidcSettings(issuer=ISSUER, audience="svc").audience == ["svc"]

@@ -197,6 +197,11 @@ class OidcSettings(_Section):
     def enabled(self) -> bool:
         return bool(self.issuer)
 
+    @field_validator("audience", mode="before")
+    @classmethod
+    def _one_audience(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _audience_named(self) -> OidcSettings:
         if self.issuer and not self.audience:
