@@ -15,9 +15,10 @@ from jwt import PyJWK
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
 from loadmaster.common.clock import FakeClock
-from loadmaster.common.config import ApiKeySettings, OidcSettings
+from loadmaster.common.config import ApiKeySettings, GatewaySettings, OidcSettings
 from loadmaster.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
 from loadmaster.gateway.auth import Authenticator, hash_key
+from loadmaster.gateway.exposure import exposed_without_auth
 from loadmaster.gateway.oidc import JwksKeys, OidcVerifier, looks_like_jwt, scopes_from_claims
 
 ISSUER = "https://id.example"
@@ -236,3 +237,14 @@ async def test_a_verified_token_is_remembered_until_it_expires() -> None:
 
 def test_one_audience_may_be_written_as_a_string() -> None:
     assert OidcSettings(issuer=ISSUER, audience="svc").audience == ["svc"]
+
+
+def test_oidc_alone_counts_as_authentication_for_the_exposure_warning() -> None:
+    settings = GatewaySettings.model_validate(
+        {
+            "address": "0.0.0.0:8001",
+            "http_host": "0.0.0.0",
+            "auth": {"oidc": {"issuer": ISSUER, "audience": AUDIENCE}},
+        }
+    )
+    assert exposed_without_auth(settings) == []
