@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +33,7 @@ from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 __all__ = [
     "AliasSettings",
     "ApiKeySettings",
+    "AuditSettings",
     "AuthSettings",
     "BatchSettings",
     "CategoryKeepAliveSettings",
@@ -44,6 +46,7 @@ __all__ = [
     "GatewaySettings",
     "GpuBrokerSettings",
     "GpuSpec",
+    "GuardrailSettings",
     "ImagesSettings",
     "InternalAuthSettings",
     "LeaseTiming",
@@ -52,6 +55,8 @@ __all__ = [
     "ModelPoolSettings",
     "ModelSettings",
     "ModelsSettings",
+    "OidcSettings",
+    "PolicyWebhookSettings",
     "ResponseTrackingSettings",
     "SchedulerSettings",
     "ServiceEndpoint",
@@ -159,11 +164,107 @@ class CurveSettings(_Section):
         return bool(self.server_secret_key)
 
 
+def _signature_algorithms() -> list[Literal["RS256", "ES256"]]:
+    return ["RS256", "ES256"]
+
+
+def _default_scope_map() -> dict[str, list[Literal["infer", "admin"]]]:
+    return {"loadmaster:infer": ["infer"], "loadmaster:admin": ["admin"]}
+
+
+class OidcSettings(_Section):
+    """OIDC / JWT bearer tokens beside API keys (loadmaster.gateway.oidc; docs/security.md).
+
+    Tokens are verified as RS256 or ES256 against the issuer's JWKS (`jwks_url`, else the
+    `jwks_uri` of `<issuer>/.well-known/openid-configuration`); `iss`, `aud`, `exp` and `nbf`
+    are checked. The values of `scopes_claim` (a space-separated string or a list; a dotted
+    path such as `realm_access.roles` reaches into objects) map to Loadmaster scopes through
+    `scope_map`. `rate_per_s`/`burst` is a token bucket per subject, as for API keys."""
+
+    issuer: str = ""  # empty = OIDC off
+    audience: list[str] = Field(default_factory=list)
+    jwks_url: str = ""
+    algorithms: list[Literal["RS256", "ES256"]] = Field(default_factory=_signature_algorithms)
+    subject_claim: str = "sub"
+    scopes_claim: str = "scope"
+    scope_map: dict[str, list[Literal["infer", "admin"]]] = Field(default_factory=_default_scope_map)
+    leeway_s: float = Field(default=30.0, ge=0)
+    rate_per_s: float = Field(default=0.0, ge=0)  # per subject; 0 = unlimited
+    burst: int = Field(default=0, ge=0)
+    max_subjects: int = Field(default=100_000, ge=1)  # rate-limit buckets kept (least recent go)
+    jwks_cache_s: float = Field(default=300.0, gt=0)  # keys older than this are refreshed
+    jwks_refetch_interval_s: float = Field(default=30.0, ge=0)  # unknown kid: at most one fetch per
+    jwks_timeout_s: float = Field(default=5.0, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.issuer)
+
+    @field_validator("audience", mode="before")
+    @classmethod
+    def _one_audience(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _audience_named(self) -> OidcSettings:
+        if self.issuer and not self.audience:
+            raise ValueError(
+                "audience must name this service when issuer is set (else any token of the issuer is taken)"
+            )
+        return self
+
+
 class AuthSettings(_Section):
     """API keys for HTTP (`Authorization: Bearer`) and gRPC (`authorization` metadata); empty = open."""
 
     api_keys: list[ApiKeySettings] = Field(default_factory=list)
     curve: CurveSettings = CurveSettings()
+    oidc: OidcSettings = OidcSettings()
+
+
+class PolicyWebhookSettings(_Section):
+    """An HTTP POST of each generation's metadata that answers `{"allow": bool, "reason": str}`."""
+
+    url: str = ""  # empty = no webhook
+    timeout_ms: float = Field(default=500.0, gt=0)
+    fail_open: bool = False  # on a timeout or a bad answer: allow (True) or refuse (False)
+
+
+class GuardrailSettings(_Section):
+    """Blocklists on prompts and completions of the OpenAI API, and the policy webhook
+    (loadmaster.gateway.guardrails; docs/security.md). Words match whole words, ignoring case;
+    patterns are Python regular expressions. A stream holds back `stream_holdback_chars` (at
+    least the longest word) so that no part of a blocked match is sent before it is seen."""
+
+    blocked_words: list[str] = Field(default_factory=list)
+    blocked_patterns: list[str] = Field(default_factory=list)
+    check_prompts: bool = True
+    check_completions: bool = True
+    stream_holdback_chars: int = Field(default=64, ge=0)
+    webhook: PolicyWebhookSettings = PolicyWebhookSettings()
+
+    @field_validator("blocked_patterns")
+    @classmethod
+    def _compiles(cls, patterns: list[str]) -> list[str]:
+        for index, pattern in enumerate(patterns):
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"blocked_patterns[{index}] is not a regular expression: {error}") from None
+        return patterns
+
+
+class AuditSettings(_Section):
+    """One JSON line per OpenAI API request (loadmaster.gateway.audit; docs/audit.md). Prompts
+    and completions are written as SHA-256 hashes unless `debug_mode`; the file rotates at
+    `max_file_bytes`, keeping `backup_count` old files."""
+
+    enabled: bool = False
+    path: Path = Path("audit/gateway-audit.jsonl")  # relative: to the config file's folder
+    max_file_bytes: int = Field(default=100 << 20, ge=1024)
+    backup_count: int = Field(default=10, ge=0)
+    queue_size: int = Field(default=10_000, ge=1)  # records waiting for the writer; more are dropped
+    debug_mode: bool = False
 
 
 class SharedMemorySettings(_Section):
@@ -221,6 +322,8 @@ class GatewaySettings(ServiceEndpoint):
     worker_heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
     worker_heartbeat_timeout_ms: int = Field(default=3000, ge=0)
     images: ImagesSettings = ImagesSettings()
+    guardrails: GuardrailSettings = GuardrailSettings()
+    audit: AuditSettings = AuditSettings()
 
 
 class DeadlineSettings(_Section):

@@ -4,6 +4,10 @@ Keys are configured by their SHA-256 only (API keys are long random strings,
 so a plain hash is enough; the key itself is never stored nor logged). An
 `Authenticator` with no keys lets every call through (open mode, for
 loopback). Errors name the problem, never the key.
+
+With an `OidcVerifier`, a bearer token that is a JWT is verified by it instead
+(`authenticate`, async: the issuer's key set may have to be fetched); its scopes
+come from the token, and each subject has a token bucket of its own.
 """
 
 from __future__ import annotations
@@ -11,14 +15,26 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.config import ApiKeySettings
+from loadmaster.common.config import ApiKeySettings, OidcSettings
 from loadmaster.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+from loadmaster.gateway.oidc import OidcVerifier, looks_like_jwt
 
-__all__ = ["ADMIN", "INFER", "Authenticator", "TokenBucket", "bearer_token", "hash_key", "new_api_key"]
+__all__ = [
+    "ADMIN",
+    "INFER",
+    "Authenticator",
+    "Principal",
+    "TokenBucket",
+    "bearer_token",
+    "hash_key",
+    "new_api_key",
+]
 
 INFER = "infer"
 ADMIN = "admin"
@@ -58,6 +74,14 @@ class TokenBucket:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who made a call: an API key's name, a token's subject, or nobody (open mode)."""
+
+    name: str
+    method: Literal["none", "api_key", "oidc"]
+
+
 @dataclass(slots=True)
 class _Key:
     name: str
@@ -67,8 +91,18 @@ class _Key:
 
 
 class Authenticator:
-    def __init__(self, keys: Sequence[ApiKeySettings], *, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        keys: Sequence[ApiKeySettings],
+        *,
+        clock: Clock | None = None,
+        oidc: OidcVerifier | None = None,
+        oidc_settings: OidcSettings | None = None,
+    ) -> None:
         self._clock = clock or SystemClock()
+        self._oidc = oidc
+        self._oidc_settings = oidc_settings or OidcSettings()
+        self._subjects: OrderedDict[str, TokenBucket] = OrderedDict()  # least recently used first
         now = self._clock.monotonic()
         self._keys: dict[bytes, _Key] = {}
         for key in keys:
@@ -81,7 +115,51 @@ class Authenticator:
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return bool(self._keys) or self._oidc is not None
+
+    async def authenticate(self, token: str | None, scope: str, *, charge: bool = True) -> Principal:
+        """Who may make a call needing `scope` with `token` (an API key or, with OIDC on, a JWT);
+        else the matching error. Charging is as for `authorize`."""
+        if self._oidc is None or not token or not looks_like_jwt(token):
+            if self._oidc is not None and not self._keys:
+                if not token:
+                    raise UnauthenticatedError("a bearer token is required (Authorization: Bearer <token>)")
+                raise UnauthenticatedError("the bearer token is not a JWT")
+            name = self.authorize(token, scope, charge=charge)
+            return Principal(name, "api_key" if self._keys else "none")
+        claims = await self._oidc.verify(token)
+        if scope not in claims.scopes:
+            raise PermissionDeniedError(
+                f"the token of '{claims.subject}' lacks the '{scope}' scope "
+                f"(claim '{self._oidc_settings.scopes_claim}')"
+            )
+        bucket = self._subject_bucket(claims.subject)
+        if charge and bucket is not None and not bucket.take(self._clock.monotonic()):
+            raise ResourceExhaustedError(
+                f"subject '{claims.subject}' exceeded its rate limit of "
+                f"{self._oidc_settings.rate_per_s:g} requests/s"
+            )
+        return Principal(claims.subject, "oidc")
+
+    def _subject_bucket(self, subject: str) -> TokenBucket | None:
+        settings = self._oidc_settings
+        bucket = self._subjects.get(subject)
+        if bucket is None:
+            if settings.rate_per_s <= 0:
+                return None
+            capacity = float(settings.burst or max(1.0, settings.rate_per_s))
+            bucket = self._subjects[subject] = TokenBucket(
+                settings.rate_per_s, capacity, capacity, self._clock.monotonic()
+            )
+            if len(self._subjects) > settings.max_subjects:
+                self._subjects.popitem(last=False)
+        else:
+            self._subjects.move_to_end(subject)
+        return bucket
+
+    async def close(self) -> None:
+        if self._oidc is not None:
+            await self._oidc.close()
 
     def authorize(self, token: str | None, scope: str, *, charge: bool = True) -> str:
         """The key's name if `token` may make a call needing `scope`; else the matching error.

@@ -19,7 +19,7 @@ def _host_of(address: str) -> str:
 def exposed_without_auth(settings: GatewaySettings) -> list[str]:
     """Front ends that listen on a non-loopback address with no authentication configured."""
     exposed: list[str] = []
-    has_keys = bool(settings.auth.api_keys)
+    has_keys = bool(settings.auth.api_keys) or settings.auth.oidc.enabled  # keys or tokens
     if not has_keys and not is_loopback(settings.http_host):
         exposed.append(f"HTTP on {settings.http_host}:{settings.http_port}")
     if not has_keys and not is_loopback(_host_of(settings.listen_address)):

@@ -1,5 +1,7 @@
 """Is the gateway ready to serve: it is not shutting down, its scheduler session is up and at
-least one model is READY."""
+least one model is READY. Each report also names the generative models that are READY
+(`ready_generative_models`), so a load balancer can route a model's requests to the gateways
+that can answer them; `/readyz?model=<id>` answers 503 unless that model is READY."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from dataclasses import dataclass
 
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.gateway.catalog import ModelCatalog
+from loadmaster.gateway.generations import GENERATIVE_BACKENDS
 from loadmaster.gateway.scheduler_link import SchedulerLink
 
 __all__ = ["Readiness", "ReadinessReport"]
@@ -17,6 +20,7 @@ class ReadinessReport:
     scheduler_connected: bool
     ready_models: tuple[str, ...] = ()
     reason: str = ""
+    ready_generative_models: tuple[str, ...] = ()
 
     @property
     def ready(self) -> bool:
@@ -27,8 +31,12 @@ class ReadinessReport:
             "ready": self.ready,
             "scheduler_connected": self.scheduler_connected,
             "ready_models": list(self.ready_models),
+            "ready_generative_models": list(self.ready_generative_models),
             "reason": self.reason,
         }
+
+    def serves(self, model: str) -> bool:
+        return self.ready and model in self.ready_models
 
 
 class Readiness:
@@ -36,8 +44,13 @@ class Readiness:
         self._scheduler = scheduler
         self._catalog = catalog
         self.draining = False  # set once on SIGTERM: never ready again
+        self.last: ReadinessReport | None = None  # the latest report, for probes that cannot wait
 
     async def check(self) -> ReadinessReport:
+        self.last = report = await self._check()
+        return report
+
+    async def _check(self) -> ReadinessReport:
         if self.draining:
             return ReadinessReport(self._scheduler.connected, reason="the gateway is shutting down")
         if not self._scheduler.connected:
@@ -47,4 +60,5 @@ class Readiness:
         except LoadmasterError as error:
             return ReadinessReport(False, reason=error.message)
         ready = tuple(name for name, view in views.items() if view.ready)
-        return ReadinessReport(True, ready, "" if ready else "no model is READY")
+        generative = tuple(name for name in ready if views[name].backend in GENERATIVE_BACKENDS)
+        return ReadinessReport(True, ready, "" if ready else "no model is READY", generative)

@@ -14,6 +14,7 @@ from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.admin import SchedulerAdmin
+from loadmaster.gateway.audit import AuditLog
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
@@ -26,13 +27,16 @@ from loadmaster.gateway.frontends.grpc import (
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
+from loadmaster.gateway.guardrails import Guardrails
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageGenerator
 from loadmaster.gateway.jobs import RedisJobStore
 from loadmaster.gateway.kserve_protocol import SERVICE_NAME as KSERVE_SERVICE_NAME
 from loadmaster.gateway.kserve_protocol import inference_pb2_grpc
 from loadmaster.gateway.ladders import ladders_from
+from loadmaster.gateway.oidc import OidcVerifier
 from loadmaster.gateway.readiness import Readiness
+from loadmaster.gateway.request_policy import GatewayPolicy
 from loadmaster.gateway.scheduler_link import SchedulerLink
 from loadmaster.gateway.statistics import StatisticsSource
 from loadmaster.gateway.validation import off_loop
@@ -101,7 +105,21 @@ class Gateway:
         self.catalog = ModelCatalog(settings.scheduler.address)
         self.statistics = StatisticsSource(settings.metrics.address if settings.metrics.enabled else None)
         self.readiness = Readiness(self.scheduler, self.catalog)
-        self.auth = Authenticator(settings.gateway.auth.api_keys)
+        oidc = settings.gateway.auth.oidc
+        self.auth = Authenticator(
+            settings.gateway.auth.api_keys,
+            oidc=OidcVerifier(oidc, clock=clock) if oidc.enabled else None,
+            oidc_settings=oidc,
+            clock=clock,
+        )
+        audit = settings.gateway.audit
+        self.audit = (
+            AuditLog(audit, path=audit.path if audit.path.is_absolute() else settings.config_dir / audit.path)
+            if audit.enabled
+            else None
+        )
+        self.guardrails = Guardrails(settings.gateway.guardrails)
+        self.policy = GatewayPolicy(self.guardrails, self.audit, clock=clock)
         self.admin = SchedulerAdmin(settings.scheduler.address)
         self.kserve_grpc = KServeGrpcServicer(
             self.dispatcher,
@@ -149,6 +167,7 @@ class Gateway:
             extra_routes=image_routes(
                 self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id
             ),
+            policy=self.policy,
         )
         self.http = HttpFrontend(
             app,
@@ -162,6 +181,8 @@ class Gateway:
     async def start(self) -> None:
         warn_if_exposed(self._settings.gateway)
         await asyncio.to_thread(self.shm.reserve)  # before any request can use it
+        if self.audit is not None:
+            await asyncio.to_thread(self.audit.start)  # opens the file: a bad path fails the start
         self.telemetry.start()
         self.dispatcher.start()
         self.scheduler.start()
@@ -190,6 +211,10 @@ class Gateway:
         await self.catalog.close()
         await self.statistics.close()
         await self.admin.close()
+        await self.auth.close()
+        await self.guardrails.close()
+        if self.audit is not None:
+            await asyncio.to_thread(self.audit.close)  # after the HTTP server: every record is in
         await self.scheduler.close()
         await self.dispatcher.close()
         await self.workers.close()

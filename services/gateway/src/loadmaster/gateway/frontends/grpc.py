@@ -246,7 +246,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self._auth.authorize(_token(context), INFER)
+        await self._auth.authenticate(_token(context), INFER)
         _check_version(request.name, request.version)
         view = await self._catalog.model(request.name)
         signature = await self._catalog.signature(request.name)
@@ -268,7 +268,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self._auth.authorize(_token(context), INFER)
+        await self._auth.authenticate(_token(context), INFER)
         _check_version(request.name, request.version)
         view = await self._catalog.model(request.name)
         return inference_pb2.ModelConfigResponse(
@@ -276,7 +276,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self._auth.authorize(_token(context), INFER)
+        await self._auth.authenticate(_token(context), INFER)
         if request.name:
             await self._catalog.model(request.name)  # NotFoundError for an unknown model
         stats = await self._statistics.model_statistics(request.name)
@@ -287,7 +287,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
     # -- repository ------------------------------------------------------------------
 
     async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self._auth.authorize(_token(context), INFER)
+        await self._auth.authenticate(_token(context), INFER)
         views = (await self._catalog.models()).values()
         Index = inference_pb2.RepositoryIndexResponse.ModelIndex  # noqa: N806
         return inference_pb2.RepositoryIndexResponse(
@@ -299,19 +299,19 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self._auth.authorize(_token(context), ADMIN)
+        await self._auth.authenticate(_token(context), ADMIN)
         await self._catalog.load(request.model_name)
         return inference_pb2.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self._auth.authorize(_token(context), ADMIN)
+        await self._auth.authenticate(_token(context), ADMIN)
         await self._catalog.unload(request.model_name)
         return inference_pb2.RepositoryModelUnloadResponse()
 
     # -- inference -------------------------------------------------------------------
 
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        client = self._auth.authorize(_token(context), INFER)
+        client = (await self._auth.authenticate(_token(context), INFER)).name
         return await self._infer(request, client=client, deadline_s=context.time_remaining())
 
     def drain(self) -> None:
@@ -328,7 +328,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         has been written, so gRPC flow control holds back a client that sends without reading,
         instead of the gateway buffering its requests or its replies."""
         token = _token(context)
-        self._auth.authorize(token, INFER, charge=False)
+        await self._auth.authenticate(token, INFER, charge=False)
         replies: asyncio.Queue[inference_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
         slots = asyncio.Semaphore(self._limits.max_stream_inflight)
@@ -337,7 +337,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 if isinstance(request, Undecodable):
                     raise InvalidArgumentError(request.reason)
-                client = self._auth.authorize(token, INFER)
+                client = (await self._auth.authenticate(token, INFER)).name
                 response = await self._infer(request, client=client, deadline_s=None)
                 reply = inference_pb2.ModelStreamInferResponse(infer_response=response)
             except LoadmasterError as error:

@@ -3,7 +3,8 @@
 Routes: `/v2/health/{live,ready}`, `/v2`, `/v2/models/{m}[/versions/{v}][/ready|/config|/stats|/infer]`,
 `/v2/models/stats`, `/v2/repository/index`, `/v2/repository/models/{m}/{load,unload}`; the admin
 routes `/admin/queues` and `/admin/strategy` (POST {"strategy", "policy"}); and the probes
-`/livez`, `/readyz` (503 until the scheduler is connected and a model is READY), `/healthz`;
+`/livez`, `/readyz` (503 until the scheduler is connected and a model is READY; with
+`?model=<id>`, until that model is READY), `/healthz`, each naming the READY generative models;
 and the OpenAI-compatible API (`/v1/...`, frontends/openai.py) over the dispatcher's generations.
 Errors are `LoadmasterError`s mapped to a status in one handler (`{"error": message}` bodies). A
 client that disconnects while its request waits cancels it in the dispatcher. A W3C `traceparent`
@@ -18,6 +19,7 @@ than `INLINE_BODY_BYTES` are parsed and checked on the validation threads, off t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -62,7 +64,7 @@ from loadmaster.gateway.frontends.kserve import (
     parse_timeout_ms,
     tensor_metadata,
 )
-from loadmaster.gateway.frontends.openai import openai_routes
+from loadmaster.gateway.frontends.openai import RequestPolicy, openai_routes
 from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.ladders import Ladder
 from loadmaster.gateway.readiness import Readiness
@@ -82,6 +84,7 @@ INLINE_BODY_BYTES = 64 << 10  # infer bodies up to this size are parsed on the e
 STREAM_REPLY_BYTES = 1 << 20
 REPLY_CHUNK_BYTES = 1 << 20
 MODEL_VERSION = "1"  # the one version each model is served at
+LIVEZ_CHECK_S = 0.5  # /livez waits this long at most for a fresh readiness check
 
 
 class RequestTimeoutError(LoadmasterError):
@@ -154,6 +157,7 @@ def build_app(
     gateway_id: str,
     ladders: Mapping[str, Ladder] | None = None,
     extra_routes: Sequence[Route] = (),
+    policy: RequestPolicy | None = None,
 ) -> Starlette:
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
@@ -161,15 +165,25 @@ def build_app(
     async def read_body(request: Request, limit: int) -> bytes | memoryview:
         return await _read_body(request, limit, timeout_s=limits.http_body_timeout_s)
 
-    def authorize(request: Request, scope: str) -> str:
-        return auth.authorize(bearer_token(request.headers.get("authorization")), scope)
+    async def authorize(request: Request, scope: str) -> str:
+        return (await auth.authenticate(bearer_token(request.headers.get("authorization")), scope)).name
 
     async def livez(request: Request) -> Response:
-        return JSONResponse({"live": True})
+        # Always 200, and never slow: the models are a fresh check's, or the latest one's when
+        # the scheduler is slow to answer.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LIVEZ_CHECK_S):
+                await readiness.check()
+        last = readiness.last
+        return JSONResponse(
+            {"live": True, "ready_generative_models": list(last.ready_generative_models) if last else []}
+        )
 
     async def readyz(request: Request) -> Response:
         report = await readiness.check()
-        return JSONResponse(report.as_dict(), status_code=200 if report.ready else 503)
+        model = request.query_params.get("model")
+        ready = report.serves(model) if model else report.ready
+        return JSONResponse(report.as_dict(), status_code=200 if ready else 503)
 
     async def healthz(request: Request) -> Response:
         report = await readiness.check()
@@ -185,7 +199,7 @@ def build_app(
         return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS})
 
     async def model_metadata(request: Request) -> Response:
-        authorize(request, INFER)
+        await authorize(request, INFER)
         view = await catalog.model(request.path_params["model"])
         signature = await catalog.signature(view.name)
 
@@ -210,14 +224,14 @@ def build_app(
         return Response(status_code=200 if view.ready else 503)
 
     async def model_config(request: Request) -> Response:
-        authorize(request, INFER)
+        await authorize(request, INFER)
         view = await catalog.model(request.path_params["model"])
         return JSONResponse(
             {"name": view.name, "platform": view.backend, "backend": view.backend, "max_batch_size": 0}
         )
 
     async def model_stats(request: Request) -> Response:
-        authorize(request, INFER)
+        await authorize(request, INFER)
         name = request.path_params.get("model", "")
         if name:
             await catalog.model(name)  # NotFoundError for an unknown model
@@ -227,7 +241,7 @@ def build_app(
         return JSONResponse({"model_stats": stats})
 
     async def repository_index(request: Request) -> Response:
-        authorize(request, INFER)
+        await authorize(request, INFER)
         ready_only = False
         raw = bytes(await read_body(request, limits.max_envelope_bytes))
         if raw.strip():
@@ -243,21 +257,21 @@ def build_app(
         )
 
     async def repository_load(request: Request) -> Response:
-        authorize(request, ADMIN)
+        await authorize(request, ADMIN)
         await catalog.load(request.path_params["model"])
         return Response(status_code=200)
 
     async def repository_unload(request: Request) -> Response:
-        authorize(request, ADMIN)
+        await authorize(request, ADMIN)
         await catalog.unload(request.path_params["model"])
         return Response(status_code=200)
 
     async def admin_queues(request: Request) -> Response:
-        authorize(request, ADMIN)
+        await authorize(request, ADMIN)
         return JSONResponse(await admin.queues())
 
     async def admin_strategy(request: Request) -> Response:
-        authorize(request, ADMIN)
+        await authorize(request, ADMIN)
         body = parse_json_object(await read_body(request, limits.max_envelope_bytes))
         strategy, policy = body.get("strategy"), body.get("policy", "")
         if not isinstance(strategy, str) or not strategy or not isinstance(policy, str):
@@ -279,7 +293,7 @@ def build_app(
         )
 
     async def infer(request: Request) -> Response:
-        client = authorize(request, INFER)
+        client = await authorize(request, INFER)
         model_name = request.path_params["model"]
         header_length = request.headers.get(HEADER_LENGTH)
         # The JSON part is bounded on its own; binary tensor data may follow it up to the payload limit.
@@ -363,7 +377,7 @@ def build_app(
             route(prefix + "/infer", infer, ("POST",)),
         ]
     generations = GenerationPort(dispatcher.generations, catalog.models, ladders=ladders)
-    routes += openai_routes(generations, auth, gateway_id=gateway_id)
+    routes += openai_routes(generations, auth, gateway_id=gateway_id, policy=policy)
     routes += extra_routes  # the image API (frontends/openai_images.py), wired in server.py
     return Starlette(routes=routes)
 

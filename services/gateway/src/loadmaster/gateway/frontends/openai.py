@@ -8,7 +8,10 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 queued when its deadline passed); an error after a stream began is a final `error` event.
 
 A client that disconnects cancels its generation: the chunk iterator is closed, and the
-port frees the sequence. The existing API keys, scopes and rate limits apply (`infer` scope).
+port frees the sequence. The existing API keys (or OIDC tokens), scopes and rate limits
+apply (`infer` scope). A `RequestPolicy` watches each completion request: its guardrails
+may refuse it or stop its completion (finish_reason `content_filter`), and it writes the
+audit record (loadmaster.gateway.request_policy).
 
 Each completion request has a span, `gateway.openai`, parented on the caller's W3C
 `traceparent` header when it sent one; it is current while the generation starts (the port's
@@ -32,7 +35,7 @@ from starlette.routing import Route
 
 from loadmaster.common import tracing
 from loadmaster.common.errors import InternalError, LoadmasterError
-from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
+from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
 from loadmaster.gateway.frontends.openai_schema import (
     DONE_EVENT,
     GenerationRequest,
@@ -49,7 +52,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_completion,
 )
 
-__all__ = ["Finished", "Generations", "TextChunk", "openai_routes"]
+__all__ = ["Finished", "Generations", "RequestPolicy", "RequestWatch", "TextChunk", "openai_routes"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,42 @@ class Generations(Protocol):
         ...
 
 
+class RequestWatch(Protocol):
+    """One completion request, seen by the gateway's policy: told who asked, asked to admit
+    the request, and given its events to pass on (checked, recorded); `failed` ends it early."""
+
+    def authenticated(self, principal: Principal) -> None: ...
+
+    async def admit(self, generation: GenerationRequest, *, client_id: str) -> None: ...
+
+    def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]: ...
+
+    def failed(self, error: BaseException) -> None: ...
+
+
+class RequestPolicy(Protocol):
+    def open(self, *, endpoint: str, request_id: str) -> RequestWatch: ...
+
+
+class _Unwatched:
+    """No guardrails, no audit."""
+
+    def open(self, *, endpoint: str, request_id: str) -> RequestWatch:
+        return self
+
+    def authenticated(self, principal: Principal) -> None:
+        pass
+
+    async def admit(self, generation: GenerationRequest, *, client_id: str) -> None:
+        pass
+
+    def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+        return events
+
+    def failed(self, error: BaseException) -> None:
+        pass
+
+
 def _error_response(error: Exception) -> Response:
     if isinstance(error, OpenAIError):
         return JSONResponse(error.body(), status_code=error.status)
@@ -121,14 +160,27 @@ async def _until_disconnected(request: Request) -> None:
 
 
 def openai_routes(
-    generations: Generations, auth: Authenticator, *, gateway_id: str, clock: Callable[[], float] = time.time
+    generations: Generations,
+    auth: Authenticator,
+    *,
+    gateway_id: str,
+    clock: Callable[[], float] = time.time,
+    policy: RequestPolicy | None = None,
 ) -> list[Route]:
     ids = (f"{gateway_id}-{n}" for n in itertools.count(1))
+    policy = policy or _Unwatched()
 
     async def run(request: Request, parse: Callable[[bytes], GenerationRequest], *, chat: bool) -> Response:
-        key_name = auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
-        generation = parse(await _read_body(request))
         request_id = ("chatcmpl-" if chat else "cmpl-") + next(ids)
+        watch = policy.open(endpoint="chat.completions" if chat else "completions", request_id=request_id)
+        try:
+            principal = await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
+            watch.authenticated(principal)
+            generation = parse(await _read_body(request))
+        except Exception as error:
+            watch.failed(error)
+            raise
+        key_name = principal.name
         span = tracing.start_request_span(
             "gateway.openai",
             request_id=request_id,
@@ -138,8 +190,9 @@ def openai_routes(
         )
         try:
             with trace.use_span(span, end_on_exit=False):
-                response = await respond(request, generation, request_id, key_name, chat=chat)
+                response = await respond(request, generation, request_id, key_name, watch, chat=chat)
         except Exception as error:
+            watch.failed(error)
             tracing.end_span(span, error_code=_edge_code(error))
             raise
         if isinstance(response, StreamingResponse):
@@ -149,10 +202,17 @@ def openai_routes(
         return response
 
     async def respond(
-        request: Request, generation: GenerationRequest, request_id: str, key_name: str, *, chat: bool
+        request: Request,
+        generation: GenerationRequest,
+        request_id: str,
+        key_name: str,
+        watch: RequestWatch,
+        *,
+        chat: bool,
     ) -> Response:
         client_id = generation.client_id or generation.user or key_name or "openai"
-        events = generations.generate(generation, request_id=request_id, client_id=client_id)
+        await watch.admit(generation, client_id=client_id)
+        events = watch.watch(generations.generate(generation, request_id=request_id, client_id=client_id))
         created = int(clock())
         if generation.stream:
             first = await anext(events)  # errors before the first chunk are HTTP statuses
@@ -196,14 +256,14 @@ def openai_routes(
         return await run(request, parse_completion, chat=False)
 
     async def list_models(request: Request) -> Response:
-        auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
+        await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
         served = await generations.models()
         return JSONResponse(
             {"object": "list", "data": [model_card(m, state=s) for m, s in sorted(served.items())]}
         )
 
     async def get_model(request: Request) -> Response:
-        auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
+        await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
         model_id = request.path_params["model"]
         state = (await generations.models()).get(model_id)
         if state is None:

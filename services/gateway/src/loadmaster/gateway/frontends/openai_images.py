@@ -175,7 +175,7 @@ def image_routes(
         return await off_loop(render_images, request, images, created)
 
     async def generations(request: Request) -> Response:
-        key_name = auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
+        key_name = (await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)).name
         image_request, run_async = parse_image_request(await _read_body(request), settings)
         client_id = image_request.client_id or image_request.user or key_name or "openai"
         if run_async:
@@ -204,7 +204,7 @@ def image_routes(
         )
 
     async def get_job(request: Request) -> Response:
-        key_name = auth.authorize(bearer_token(request.headers.get("authorization")), INFER)
+        key_name = (await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)).name
         if jobs is None:
             raise UnavailableError("async jobs need Redis: set redis_url (or REDIS_URL) on the gateway")
         job_id = request.path_params["job_id"]
