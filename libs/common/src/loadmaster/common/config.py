@@ -240,6 +240,9 @@ class SchedulerSettings(ServiceEndpoint):
     # request of each more urgent client with a steady cadence; if this one would make it late,
     # keep the slot free for it until it arrives (at most one service time). Needs lookahead >= 1.
     reservation: bool = True
+    # VRAM gate (docs/vram-gate.md): requests for a model whose load found no GPU memory wait
+    # in the queue; the load is tried again this often (and whenever a worker frees memory).
+    vram_gate_retry_ms: float = Field(default=1000.0, gt=0)
 
 
 class ModelPoolSettings(ServiceEndpoint):

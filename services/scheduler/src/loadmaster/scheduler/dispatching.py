@@ -348,8 +348,18 @@ class GrantDispatcher:
     # ---- cold starts: which worker loads a model that requests wait for ------------
 
     def _maybe_load(self, model_id: str) -> None:
-        if self.queues.depth(model_id) and model_id not in self._loads and not self._registry.holds(model_id):
-            self._command_load(model_id)
+        loads = self._loads
+        if not self.queues.depth(model_id):
+            if loads.gating:
+                loads.ungate(model_id)  # nobody waits for it any more
+            return
+        if model_id in loads or self._registry.holds(model_id):
+            if loads.gating and self._registry.grant_candidates(model_id):
+                loads.ungate(model_id)  # it found memory and is READY
+            return
+        if loads.blocked(model_id, self._clock.monotonic()):
+            return  # the VRAM gate: its last load found no memory; the next try is at retry_at
+        self._command_load(model_id)
 
     def _command_load(self, model_id: str) -> None:
         candidates = self._registry.load_candidates(model_id, busy=lambda m: self.queues.depth(m) > 0)
@@ -358,7 +368,8 @@ class GrantDispatcher:
             return  # nobody can load it now; waiters expire unless a worker turns up
         record = self._registry.get(worker_id)
         assert record is not None
-        self._loads.commanded(model_id, worker_id, record.slots.get(model_id))
+        self._loads.commanded(model_id, worker_id, record.slots.get(model_id), now=self._clock.monotonic())
+        self._loads.attempting(model_id)
         log.info("commanding worker %s to load model %s", worker_id, model_id)
         self._out.command(worker_id, LoadModel(model_id))
         self._telemetry.record("loads_commanded", 1, {"model": model_id, "worker": worker_id})
