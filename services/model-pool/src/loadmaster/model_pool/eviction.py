@@ -8,18 +8,18 @@
 
 Rules, in order: only READY models; never a pinned one; never one with a request in
 flight; never one whose priority is above the incoming model's; never one loaded less
-than its `min_resident_s` ago (anti-thrash).
+than its `min_resident_s` ago (anti-thrash). A model that holds a lease but is not READY
+(`state` "loading" or "unloading") is never a victim: the load waits for it to settle.
+Among the rest: lowest priority first,
+then least recently used, then the larger model. The pool evicts one victim at a time
+and tries its lease again, until the lease fits.
 
 The warm bump (`WarmBump`, docs/vram-gate.md): a model of the incoming model's priority
 that is in use (a request in flight, or one finished less than `idle_s` ago: its next
 request is on its way) is served first; the load waits for it until `until`. From then
 on, models in use of the incoming priority or below are victims even with requests in
 flight: their unload drains them first, so nothing in flight is cut, and the cold model's
-requests never starve. A model that holds a lease but is not READY
-(`state` "loading" or "unloading") is never a victim: the load waits for it to settle.
-Among the rest: lowest priority first,
-then least recently used, then the larger model. The pool evicts one victim at a time
-and tries its lease again, until the lease fits.
+requests never starve.
 
 `plan_evictions` looks at the whole load first: with the broker's free memory per GPU it
 picks the victims that together make room on one GPU, and none at all when even every

@@ -60,7 +60,9 @@ class ModelPoolServer(GrpcServer):
         lease_client: LeaseClient | None,
     ) -> None:
         pool_settings = settings.model_pool
-        super().__init__("model-pool", pool_settings.listen_address, grace_s=pool_settings.shutdown_grace_s)
+        super().__init__(
+            "model-pool", pool_settings.listen_address, grace_s=pool_settings.shutdown_grace_s
+        )
         self.settings = settings
         self.worker_id = pool_settings.worker_id or default_instance_id()
         self.data_endpoint = ""  # known once started
