@@ -127,3 +127,16 @@ def test_a_request_that_expires_while_its_model_loads_says_so(g: Harness) -> Non
     g.advance(1.0)
     (reject,) = g.rejects()
     assert reject.error_code == EXPIRED and "still loading" in reject.message
+
+
+def test_a_model_that_can_never_fit_is_refused_at_once_not_gated(g: Harness) -> None:
+    g.worker("w1", ["m"])
+    g.enqueue("r")
+    g.report("w1", {"m": LOADING})
+    never = (
+        "no GPU memory for model 'm' (64 MB) and nothing can be evicted: no evictable model "
+        "(64 MB can never fit on node 'local': even with no leases the most it could get is 26 MB)"
+    )
+    g.report("w1", {"m": IDLE}, error=never)
+    (reject,) = g.rejects()
+    assert reject.error_code == errors_pb2.ERROR_CODE_UNAVAILABLE and "can never fit" in reject.message

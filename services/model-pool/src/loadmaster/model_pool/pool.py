@@ -56,7 +56,7 @@ from loadmaster.model_pool.leases import (
 )
 from loadmaster.model_pool.release import _Release
 from loadmaster.model_pool.repository import ModelRepository
-from loadmaster.model_pool.room import Room
+from loadmaster.model_pool.room import Room, may_fit_later
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
 
 __all__ = [
@@ -293,9 +293,9 @@ class ModelPool(_Admission, _Release):
         operation = self._start(model_id, "load", self._do_load(slot))
         try:
             await asyncio.shield(operation.task)
-        except ResourceExhaustedError:
-            raise  # no memory now: trying again costs little (the VRAM gate paces it)
-        except LoadmasterError:
+        except LoadmasterError as error:
+            if isinstance(error, ResourceExhaustedError) and may_fit_later(error):
+                raise  # no memory now: trying again costs little (the VRAM gate paces it)
             delay = self._load_retry_s[0] if backoff is None else min(backoff[1] * 2, self._load_retry_s[1])
             self._load_backoff[model_id] = (self._clock.monotonic() + delay, delay)
             raise

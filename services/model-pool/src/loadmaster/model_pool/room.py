@@ -37,7 +37,16 @@ from loadmaster.model_pool.eviction import (
 )
 from loadmaster.model_pool.leases import Lease, LeaseClient, gpus_for_device
 
-__all__ = ["Room"]
+__all__ = ["Room", "may_fit_later"]
+
+# The broker's words for a request larger than the GPU could ever give (gpu_broker manager.py).
+_NEVER_FITS = "can never fit"
+
+
+def may_fit_later(refusal: ResourceExhaustedError) -> bool:
+    """A refusal for memory that memory freed later could cure (not a model too big for the GPU)."""
+    return _NEVER_FITS not in refusal.message
+
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,9 @@ MEMORY_ERROR = "no GPU memory for model"
 
 
 def is_memory_error(error: str) -> bool:
-    return error.startswith(MEMORY_ERROR)
+    """The load found no memory now, and memory freed later could make room (not a model that
+    can never fit: the broker says so, and its waiters are refused at once)."""
+    return error.startswith(MEMORY_ERROR) and "can never fit" not in error
 
 
 def load_outlasts(
