@@ -76,8 +76,11 @@ def shared_gpu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
 
 
 class BrokerAudit(threading.Thread):
-    """Reads the broker's Redis state every few ms: per GPU, the leases' MB (from each lease
-    hash) and the GPU hash's own count must both stay within the card."""
+    """Audits the broker's Redis state two ways. Every 10 ms it reads a snapshot: per GPU, the
+    leases' MB (from each lease hash) and the GPU hash's own count must both stay within the
+    card. And it replays the broker's event channel, which every script publishes to from
+    inside the script (the exact serial history of the books): after each event, the MB
+    booked on GPU 0 must stay within the card. So no moment between samples escapes."""
 
     def __init__(self, url: str, prefix: str) -> None:
         super().__init__(daemon=True)
@@ -85,20 +88,38 @@ class BrokerAudit(threading.Thread):
         self._prefix = prefix
         self._done = threading.Event()
         self.samples = 0
+        self.events: list[dict[str, Any]] = []
         self.max_promised_mb = 0
         self.holders_seen: set[str] = set()
         self.violations: list[str] = []
+        self._listener = self._redis.pubsub()
+        self._listener.subscribe(f"{prefix}:events")
+        assert self._listener.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+        self._booked = self.sample()  # the books when the replay starts (idle: nothing moves)
 
     def run(self) -> None:
         while not self._done.is_set():
             try:
                 self.sample()
+                while (message := self._listener.get_message(timeout=0.01)) is not None:
+                    if message["type"] == "message":
+                        self.replay(json.loads(message["data"]))
             except redis.RedisError as error:  # the suite is stopping
                 self.violations.append(f"redis: {error}")
                 return
-            self._done.wait(0.01)
 
-    def sample(self) -> None:
+    def replay(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        sign = {"acquired": 1, "released": -1, "expired": -1}.get(str(event["kind"]), 0)
+        for part in str(event["lease"]["alloc"]).split(","):
+            index, _, mb = part.partition("=")
+            if index == "0" and mb:
+                self._booked += sign * int(mb)
+        self.max_promised_mb = max(self.max_promised_mb, self._booked)
+        if self._booked > TOTAL_MB:
+            self.violations.append(f"after a {event['kind']} event: {self._booked} MB booked")
+
+    def sample(self) -> int:
         gpu_key = f"{self._prefix}:gpu:local:0"
         with self._redis.pipeline(transaction=True) as pipe:  # one consistent snapshot (MULTI)
             pipe.hgetall(gpu_key)
@@ -123,10 +144,12 @@ class BrokerAudit(threading.Thread):
         self.max_promised_mb = max(self.max_promised_mb, by_leases, counted)
         if by_leases > TOTAL_MB or counted > limit or limit > TOTAL_MB:
             self.violations.append(f"{by_leases} MB in leases, {counted} MB counted, limit {limit}")
+        return by_leases
 
     def stop(self) -> None:
         self._done.set()
         self.join(5)
+        self._listener.close()
 
 
 def _infer(http: str, model: str, value: float, *, timeout_us: int | None = None) -> httpx.Response:
@@ -199,6 +222,8 @@ def test_a_load_waits_for_a_training_job_and_is_served_when_it_ends(
             training.wait(10)
         audit.stop()
     assert audit.samples > 50
+    kinds = [(e["kind"], json.loads(e["lease"].get("labels") or "{}").get("model")) for e in audit.events]
+    assert ("acquired", "big") in kinds and ("released", None) in kinds  # big's grant, the job's release
     assert not audit.violations, audit.violations[:5]
     assert {"big", "idle", "training"} <= audit.holders_seen  # the audit saw all three holders
     assert audit.max_promised_mb <= TOTAL_MB
