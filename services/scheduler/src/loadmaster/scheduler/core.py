@@ -45,7 +45,7 @@ from loadmaster.scheduler.domain import (
     WorkerHello,
     WorkerView,
 )
-from loadmaster.scheduler.loads import LoadTracker, freed_memory, is_memory_error, load_outlasts
+from loadmaster.scheduler.loads import LoadTracker
 from loadmaster.scheduler.lookahead import Lookahead
 from loadmaster.scheduler.outbound import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
@@ -174,22 +174,8 @@ class SchedulerCore:
         previous = self._registry.report(worker_id, slots, free_mb=free_mb)
         self._dispatcher.reopen_windows(worker_id)  # the report rebuilt the worker's grant candidates
         self._credits.revoke_stale(worker_id, slots)
-        current = {slot.model_id: slot for slot in slots}
-        failures = self._loads.observe(worker_id, previous, current)
-        now = self._clock.monotonic()
-        if self._loads.gating and freed_memory(previous, current, failures):
-            self._loads.retry_all(now)  # an unload gave memory back: gated loads try again now
+        failures = self._dispatcher.load_outcomes(worker_id, previous, {s.model_id: s for s in slots})
         for model_id, error in failures.items():
-            if self._registry.holds(model_id):
-                continue
-            if is_memory_error(error) and self._queues.depth(model_id):
-                # The VRAM gate: its waiters stay queued until memory frees or they expire.
-                first = self._loads.gated(model_id) is None
-                self._loads.gate(model_id, error, now=now, retry_s=self._config.vram_gate_retry_ms / 1000.0)
-                if first:
-                    log.info("model %s waits for GPU memory on %s: %s", model_id, worker_id, error)
-                    self._telemetry.record("vram_gate_waits", 1, {"model": model_id})
-                continue
             log.warning("model %s failed to load on worker %s: %s", model_id, worker_id, error)
             self._reject_waiters(model_id, f"model {model_id!r} failed to load on {worker_id}: {error}")
         self._dispatcher.dispatch(self._queues.waiting_models())
@@ -371,7 +357,7 @@ class SchedulerCore:
         if 0 < info.timeout_ms < ttl_ms:
             ttl_ms = info.timeout_ms
         ttl_s = ttl_ms / 1000.0
-        if credit_id is None and (slow := self._load_outlasts(model_id, ttl_ms, now)) is not None:
+        if credit_id is None and (slow := self._dispatcher.load_outlasts(model_id, ttl_ms, now)) is not None:
             self._stats_for(model_id).expired += 1
             self._telemetry.record("requests_expired", 1, {"model": model_id})
             self._telemetry.record("requests_dropped", 1, {"model": model_id, "reason": "expired"})
@@ -603,33 +589,11 @@ class SchedulerCore:
         self._telemetry.record("requests_dropped", 1, {"model": model_id, "reason": "expired"})
         now = self._clock.monotonic()
         waited_ms = (now - request.enqueued_at) * 1000.0
-        why = ""
-        if (gate := self._loads.gated(model_id)) is not None:
-            why = (
-                f": it was waiting for GPU memory to load the model "
-                f"(for {(now - gate.since) * 1000.0:.0f} ms; {gate.reason})"
-            )
-        elif not self._registry.grant_candidates(model_id) and (
-            model_id in self._loads or self._registry.holds(model_id)
-        ):
-            why = ": the model was still loading"
         self._reject_key(
             request.key,
             errors_pb2.ERROR_CODE_EXPIRED,
-            f"expired after waiting {waited_ms:.0f} ms for model {model_id!r}{why}",
-        )
-
-    def _load_outlasts(self, model_id: str, ttl_ms: float, now: float) -> str | None:
-        """Load time counts against the deadline: the refusal for a request that cannot wait for
-        `model_id`'s load (None: warm, waiting for memory, no estimate, or time enough)."""
-        if self._registry.grant_candidates(model_id) or self._loads.gated(model_id) is not None:
-            return None
-        return load_outlasts(
-            model_id,
-            load_ms=self._registry.load_time_ms(model_id),
-            commanded_at=self._loads.commanded_at(model_id),
-            ttl_ms=ttl_ms,
-            now=now,
+            f"expired after waiting {waited_ms:.0f} ms for model {model_id!r}"
+            f"{self._dispatcher.waiting_for(model_id, now)}",
         )
 
     def _reject_key(self, key: RequestKey, error_code: int, message: str) -> None:
