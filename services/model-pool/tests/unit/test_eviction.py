@@ -7,6 +7,7 @@ from loadmaster.model_pool.eviction import (
     EvictionCounters,
     Incoming,
     Resident,
+    WarmBump,
     choose_victim,
     idle_models,
     next_idle_deadline,
@@ -186,3 +187,37 @@ def test_a_load_that_may_split_evicts_for_room_over_all_gpus_together() -> None:
     assert len(plan.victims) == 1 and plan.gpu is None
     plan = plan_evictions(residents, incoming=Incoming("x", 1), mb=1100, free_mb=free, now=1000.0, split=True)
     assert plan.victims == () and not plan.worth_waiting  # 1000 MB at most: evict nothing
+
+
+# ---- the warm bump (docs/vram-gate.md) -----------------------------------------------
+
+
+def test_the_warm_bump_keeps_a_model_in_use_until_its_bound() -> None:
+    bump = WarmBump(until=1005.0, idle_s=0.25)
+    incoming = Incoming("x", priority=1)
+    used_just_now = resident("warm", last_used=999.9)  # idle between two requests of a stream
+    busy = resident("busy", inflight=1)
+    for r in (used_just_now, busy):
+        choice = choose_victim([r], incoming=incoming, now=1000.0, bump=bump)
+        assert choice.victim is None and choice.waiting == (r.model_id,)  # its requests go first
+        plan = plan_evictions([r], incoming=incoming, mb=400, free_mb={0: 0}, now=1000.0, bump=bump)
+        assert plan.victims == () and plan.worth_waiting
+        # The bound: from `until` on, it goes (drained first when busy), so the cold model
+        # does not starve behind a model that never stops being used.
+        assert choose_victim([r], incoming=incoming, now=1005.0, bump=bump).victim == r.model_id
+        plan = plan_evictions([r], incoming=incoming, mb=400, free_mb={0: 0}, now=1005.0, bump=bump)
+        assert plan.victims == (r.model_id,)
+    # Without the bump a model idle for a moment goes at once, and a busy one is waited for.
+    assert choose_victim([used_just_now], incoming=incoming, now=1000.0).victim == "warm"
+    assert choose_victim([busy], incoming=incoming, now=1005.0).waiting == ("busy",)
+
+
+def test_the_warm_bump_is_among_equal_priority_and_in_use_models_only() -> None:
+    bump = WarmBump(until=1005.0, idle_s=0.25)
+    idle = resident("idle", last_used=999.0)  # its last request finished a second ago
+    assert choose_victim([idle], incoming=Incoming("x", 1), now=1000.0, bump=bump).victim == "idle"
+    lower = resident("lower", priority=0, last_used=999.9)  # in use, but of lower priority
+    assert choose_victim([lower], incoming=Incoming("x", 1), now=1000.0, bump=bump).victim == "lower"
+    higher = resident("higher", priority=2, inflight=1)
+    choice = choose_victim([higher], incoming=Incoming("x", 1), now=1006.0, bump=bump)
+    assert choice.victim is None and "higher" in choice.refused  # never, bound or not

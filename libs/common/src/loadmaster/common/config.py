@@ -375,6 +375,9 @@ class SchedulerSettings(ServiceEndpoint):
     # request of each more urgent client with a steady cadence; if this one would make it late,
     # keep the slot free for it until it arrives (at most one service time). Needs lookahead >= 1.
     reservation: bool = True
+    # VRAM gate (docs/vram-gate.md): requests for a model whose load found no GPU memory wait
+    # in the queue; the load is tried again this often (and whenever a worker frees memory).
+    vram_gate_retry_ms: float = Field(default=1000.0, gt=0)
 
 
 class ModelPoolSettings(ServiceEndpoint):
@@ -390,6 +393,11 @@ class ModelPoolSettings(ServiceEndpoint):
     inference_threads: int = Field(default=4, ge=1)
     # A load that needs room waits this long for busy or recently loaded models to become evictable.
     eviction_wait_s: float = Field(default=10.0, ge=0)
+    # The warm bump (docs/vram-gate.md): a load that needs the memory of a model of its own
+    # priority that is in use (a request in flight, or one finished less than warm_bump_idle_ms
+    # ago) waits for it up to warm_bump_max_ms, then drains and evicts it. 0 = no bump.
+    warm_bump_max_ms: float = Field(default=2000.0, ge=0)
+    warm_bump_idle_ms: float = Field(default=250.0, ge=0)
     # A model too big for one GPU may be leased across several GPUs of the node (one atomic lease).
     allow_split: bool = True
 

@@ -14,6 +14,13 @@ Among the rest: lowest priority first,
 then least recently used, then the larger model. The pool evicts one victim at a time
 and tries its lease again, until the lease fits.
 
+The warm bump (`WarmBump`, docs/vram-gate.md): a model of the incoming model's priority
+that is in use (a request in flight, or one finished less than `idle_s` ago: its next
+request is on its way) is served first; the load waits for it until `until`. From then
+on, models in use of the incoming priority or below are victims even with requests in
+flight: their unload drains them first, so nothing in flight is cut, and the cold model's
+requests never starve.
+
 `plan_evictions` looks at the whole load first: with the broker's free memory per GPU it
 picks the victims that together make room on one GPU, and none at all when even every
 evictable model could not (say another holder has the rest of the card): a load that
@@ -35,6 +42,7 @@ __all__ = [
     "EvictionPlan",
     "Incoming",
     "Resident",
+    "WarmBump",
     "choose_victim",
     "idle_models",
     "next_idle_deadline",
@@ -78,6 +86,18 @@ class Incoming:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmBump:
+    """Until monotonic `until`, a load does not evict models in use of its own priority
+    (in use: a request in flight, or one finished less than `idle_s` ago)."""
+
+    until: float
+    idle_s: float
+
+    def in_use(self, r: Resident, now: float) -> bool:
+        return r.inflight > 0 or now - r.last_used < self.idle_s
+
+
+@dataclass(frozen=True, slots=True)
 class EvictionChoice:
     victim: str | None
     waiting: tuple[str, ...] = ()
@@ -88,7 +108,9 @@ class EvictionChoice:
         return self.victim is None and bool(self.waiting)
 
 
-def choose_victim(residents: Iterable[Resident], *, incoming: Incoming, now: float) -> EvictionChoice:
+def choose_victim(
+    residents: Iterable[Resident], *, incoming: Incoming, now: float, bump: WarmBump | None = None
+) -> EvictionChoice:
     eligible: list[Resident] = []
     waiting: list[str] = []
     refused: dict[str, str] = {}
@@ -103,7 +125,13 @@ def choose_victim(residents: Iterable[Resident], *, incoming: Incoming, now: flo
             refused[r.model_id] = "pinned"
         elif r.priority > incoming.priority:
             refused[r.model_id] = f"priority {r.priority} > {incoming.priority}"
-        elif r.state == "loading" or r.inflight > 0 or now - r.loaded_at < r.min_resident_s:
+        elif r.state == "loading" or now - r.loaded_at < r.min_resident_s:
+            waiting.append(r.model_id)
+        elif (
+            bump is not None and now < bump.until and r.priority == incoming.priority and bump.in_use(r, now)
+        ):
+            waiting.append(r.model_id)  # warm and in demand: its requests go first, until the bound
+        elif r.inflight > 0 and (bump is None or now < bump.until):
             waiting.append(r.model_id)
         else:
             eligible.append(r)
@@ -140,11 +168,12 @@ def plan_evictions(
     free_mb: Mapping[int, int],
     now: float,
     split: bool = False,
+    bump: WarmBump | None = None,
 ) -> EvictionPlan:
     """The fewest victims (in `choose_victim`'s order) that make room for `mb` on one GPU,
     given the broker's `free_mb` per GPU; with `split` (the load may spread over the GPUs),
     else those that make room over all GPUs together; no victims when no set of evictions could."""
-    choice = choose_victim(residents, incoming=incoming, now=now)
+    choice = choose_victim(residents, incoming=incoming, now=now, bump=bump)
     by_id = {r.model_id: r for r in residents}
     blocked = set(choice.waiting) | set(choice.refused) | {incoming.model_id}
     eligible = sorted(

@@ -37,6 +37,7 @@ from loadmaster.common.errors import (
     InternalError,
     LoadmasterError,
     NotFoundError,
+    ResourceExhaustedError,
     UnavailableError,
 )
 from loadmaster.model_pool import memory
@@ -57,7 +58,7 @@ from loadmaster.model_pool.leases import (
 )
 from loadmaster.model_pool.release import _Release
 from loadmaster.model_pool.repository import ModelRepository
-from loadmaster.model_pool.room import Room
+from loadmaster.model_pool.room import Room, may_fit_later
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
 
 __all__ = [
@@ -99,11 +100,13 @@ class ModelPool(_Admission, _Release):
         allow_split: bool = True,
         renewal_client: Callable[[], LeaseClient] | None = None,
         load_retry_s: tuple[float, float] = (0.5, 30.0),
+        warm_bump_s: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """`renewal_client` makes the client the lease keeper's thread renews with (a gRPC
         client binds to one event loop: give it its own); default: `lease_client` itself.
         `load_retry_s`: (first, most) seconds a failed load of a model waits before the next
-        attempt, doubling in between."""
+        attempt, doubling in between (not after a refusal for memory: the scheduler's VRAM gate
+        paces those). `warm_bump_s`: (bound, idle) of the warm bump (room.py)."""
         self.repository = repository
         self._models = models
         self._lease_client = lease_client
@@ -124,6 +127,8 @@ class ModelPool(_Admission, _Release):
             ttl_s=lease_ttl_s,
             wait_s=eviction_wait_s,
             allow_split=allow_split,
+            bump_s=warm_bump_s[0],
+            bump_idle_s=warm_bump_s[1],
         )
         self._keep_alive = KeepAlive(
             residents=self._residents,
@@ -291,7 +296,9 @@ class ModelPool(_Admission, _Release):
         operation = self._start(model_id, "load", self._do_load(slot))
         try:
             await asyncio.shield(operation.task)
-        except LoadmasterError:
+        except LoadmasterError as error:
+            if isinstance(error, ResourceExhaustedError) and may_fit_later(error):
+                raise  # no memory now: trying again costs little (the VRAM gate paces it)
             delay = self._load_retry_s[0] if backoff is None else min(backoff[1] * 2, self._load_retry_s[1])
             self._load_backoff[model_id] = (self._clock.monotonic() + delay, delay)
             raise

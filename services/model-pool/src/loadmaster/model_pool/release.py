@@ -11,13 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from loadmaster.common.clock import Clock
-from loadmaster.common.errors import LoadmasterError
+from loadmaster.common.errors import LoadmasterError, ResourceExhaustedError
 from loadmaster.model_pool import memory
 from loadmaster.model_pool.admission import _Loaded
 from loadmaster.model_pool.batcher import Instance
 from loadmaster.model_pool.eviction import EvictionCounters
 from loadmaster.model_pool.instances import free_instances
 from loadmaster.model_pool.leases import Lease, LeaseClient, WorkerLeases
+from loadmaster.model_pool.room import may_fit_later
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
 
 log = logging.getLogger("loadmaster.model_pool.pool")
@@ -52,7 +53,10 @@ class _Release:
         lease: Lease | None,
     ) -> str:
         """Free what a failed load took (engines, threads, lease); returns the error text."""
-        if isinstance(error, LoadmasterError):
+        if isinstance(error, ResourceExhaustedError) and may_fit_later(error):
+            message = error.message  # no memory yet: the scheduler's VRAM gate retries (not an error)
+            log.info("loading model %s found no room: %s", model_id, message)
+        elif isinstance(error, LoadmasterError):
             message = error.message
             log.error("loading model %s failed: %s", model_id, message)
         else:

@@ -11,6 +11,10 @@ the load fails at once, and nothing was unloaded for it). When nothing may go ye
 waiting would make room (a busy or young model, one still loading, one unloading), the load
 waits for `changed()` or a young model's coming of age, up to `wait_s`; then it fails with
 an error that names what holds the memory and why.
+
+The warm bump (eviction.WarmBump, docs/vram-gate.md): for `bump_s` from the start of a load,
+models of its priority that are in use keep serving and the load waits for them; after
+that they are drained and evicted. The load's wait is `bump_s` + `wait_s` in all.
 """
 
 from __future__ import annotations
@@ -26,13 +30,23 @@ from loadmaster.model_pool.eviction import (
     EvictionPlan,
     Incoming,
     Resident,
+    WarmBump,
     choose_victim,
     no_room_message,
     plan_evictions,
 )
 from loadmaster.model_pool.leases import Lease, LeaseClient, gpus_for_device
 
-__all__ = ["Room"]
+__all__ = ["Room", "may_fit_later"]
+
+# The broker's words for a request larger than the GPU could ever give (gpu_broker manager.py).
+_NEVER_FITS = "can never fit"
+
+
+def may_fit_later(refusal: ResourceExhaustedError) -> bool:
+    """A refusal for memory that memory freed later could cure (not a model too big for the GPU)."""
+    return _NEVER_FITS not in refusal.message
+
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +62,8 @@ class Room:
         ttl_s: float,
         wait_s: float,
         allow_split: bool,
+        bump_s: float = 0.0,
+        bump_idle_s: float = 0.0,
     ) -> None:
         self._lease_client = lease_client
         self._residents = residents  # READY models, and those settling (loading with a lease, unloading)
@@ -56,6 +72,8 @@ class Room:
         self._ttl_s = ttl_s
         self._wait_s = wait_s
         self._allow_split = allow_split
+        self._bump_s = bump_s  # the warm bump's bound
+        self._bump_idle_s = bump_idle_s  # a model used this recently is still in use
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
 
@@ -66,8 +84,13 @@ class Room:
     async def acquire(self, model_id: str, priority: int, *, mb: int, device: str) -> Lease:
         gpus = gpus_for_device(device)
         labels = {"model": model_id}
+        bump = (
+            WarmBump(until=self._clock.monotonic() + self._bump_s, idle_s=self._bump_idle_s)
+            if self._bump_s > 0
+            else None
+        )
         async with self._lock:
-            deadline = self._clock.monotonic() + self._wait_s
+            deadline = max(self._clock.monotonic(), bump.until if bump else 0.0) + self._wait_s
             raced = 0  # the broker refused what its inventory then showed free
             while True:
                 try:
@@ -80,10 +103,12 @@ class Room:
                 now = self._clock.monotonic()
                 incoming = Incoming(model_id, priority, tuple(gpus))
                 plan = await self._plan(
-                    residents, incoming, mb=mb, now=now, split=self._allow_split and not gpus
+                    residents, incoming, mb=mb, now=now, split=self._allow_split and not gpus, bump=bump
                 )
                 choice = (
-                    plan.choice if plan is not None else choose_victim(residents, incoming=incoming, now=now)
+                    plan.choice
+                    if plan is not None
+                    else choose_victim(residents, incoming=incoming, now=now, bump=bump)
                 )
                 if plan is None and choice.victim is not None:  # no inventory: one victim at a time
                     await self._evict(choice.victim, model_id)
@@ -99,7 +124,7 @@ class Room:
                 waiting = choice.worth_waiting if plan is None else plan.worth_waiting
                 if waiting and now < deadline:
                     log.info("load of %s waits for %s", model_id, ", ".join(choice.waiting))
-                    await self._wait(residents, deadline=deadline, now=now)
+                    await self._wait(residents, deadline=deadline, now=now, bump=bump)
                     continue
                 if self._allow_split and not gpus:
                     try:  # too big for any single GPU: one atomic lease over several
@@ -114,7 +139,14 @@ class Room:
                 )
 
     async def _plan(
-        self, residents: list[Resident], incoming: Incoming, *, mb: int, now: float, split: bool
+        self,
+        residents: list[Resident],
+        incoming: Incoming,
+        *,
+        mb: int,
+        now: float,
+        split: bool,
+        bump: WarmBump | None,
     ) -> EvictionPlan | None:
         """The evictions that make room, from the broker's free memory; None without it."""
         try:
@@ -122,13 +154,23 @@ class Room:
         except LoadmasterError as error:
             log.warning("no GPU inventory from the broker (%s); evicting one model at a time", error)
             return None
-        return plan_evictions(residents, incoming=incoming, mb=mb, free_mb=free, now=now, split=split)
+        return plan_evictions(
+            residents, incoming=incoming, mb=mb, free_mb=free, now=now, split=split, bump=bump
+        )
 
-    async def _wait(self, residents: list[Resident], *, deadline: float, now: float) -> None:
-        """Until `changed()`, a young model comes of age, or `deadline`."""
+    async def _wait(
+        self, residents: list[Resident], *, deadline: float, now: float, bump: WarmBump | None
+    ) -> None:
+        """Until `changed()`, a young model comes of age, an idle model stops counting as in
+        use, the warm bump ends, or `deadline`."""
         wake_at = deadline
+        if bump is not None and now < bump.until:
+            wake_at = min(wake_at, bump.until)
         for r in residents:
             if r.state == "ready" and r.inflight == 0 and now - r.loaded_at < r.min_resident_s:
                 wake_at = min(wake_at, r.loaded_at + r.min_resident_s)
+            idle_from = r.last_used + bump.idle_s if bump is not None else 0.0
+            if bump is not None and r.state == "ready" and r.inflight == 0 and now < idle_from < bump.until:
+                wake_at = min(wake_at, idle_from)
         self._changed.clear()
         await event_or_timeout(self._changed, self._clock, wake_at - now)

@@ -89,6 +89,7 @@ class ModelPoolServer(GrpcServer):
             clock=clock,
             metrics=self.telemetry,
             eviction_wait_s=pool_settings.eviction_wait_s,
+            warm_bump_s=(pool_settings.warm_bump_max_ms / 1000.0, pool_settings.warm_bump_idle_ms / 1000.0),
             allow_split=pool_settings.allow_split,
             # The keeper's thread renews over a channel of its own (None: an injected double).
             renewal_client=broker_client if lease_client is None else None,

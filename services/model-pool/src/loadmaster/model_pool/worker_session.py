@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.errors import LoadmasterError
+from loadmaster.common.errors import LoadmasterError, ResourceExhaustedError
 from loadmaster.common.grpc_client import aio_channel
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.slots import SlotStatus
@@ -149,6 +149,8 @@ class WorkerSession:
         async def run() -> None:
             try:
                 await work
+            except ResourceExhaustedError as error:  # no room yet: the scheduler retries
+                log.info("%s (scheduler command) found no room: %s", what, error.message)
             except LoadmasterError as error:
                 log.warning("%s (scheduler command) failed: %s", what, error.message)
             except Exception:

@@ -62,6 +62,9 @@ class CoreConfig:
     lookahead_margin_ms: float = 0.5
     # Reservations (see reservations.py; they need the lookahead's estimates).
     reservation: bool = True
+    # The VRAM gate (loads.py): a load refused for want of GPU memory is commanded again this
+    # often while requests wait for the model (sooner when a worker frees memory).
+    vram_gate_retry_ms: float = 1000.0
     _policies: dict[str, ModelPolicy] = field(default_factory=dict, compare=False, repr=False)
 
     def policy(self, model_id: str) -> ModelPolicy:
@@ -116,6 +119,7 @@ class CoreConfig:
             lookahead=s.lookahead,
             lookahead_margin_ms=s.lookahead_margin_ms,
             reservation=s.reservation,
+            vram_gate_retry_ms=s.vram_gate_retry_ms,
         )
 
 

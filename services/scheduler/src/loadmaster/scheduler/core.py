@@ -174,11 +174,10 @@ class SchedulerCore:
         previous = self._registry.report(worker_id, slots, free_mb=free_mb)
         self._dispatcher.reopen_windows(worker_id)  # the report rebuilt the worker's grant candidates
         self._credits.revoke_stale(worker_id, slots)
-        failures = self._loads.observe(worker_id, previous, {slot.model_id: slot for slot in slots})
+        failures = self._dispatcher.load_outcomes(worker_id, previous, {s.model_id: s for s in slots})
         for model_id, error in failures.items():
             log.warning("model %s failed to load on worker %s: %s", model_id, worker_id, error)
-            if not self._registry.holds(model_id):
-                self._reject_waiters(model_id, f"model {model_id!r} failed to load on {worker_id}: {error}")
+            self._reject_waiters(model_id, f"model {model_id!r} failed to load on {worker_id}: {error}")
         self._dispatcher.dispatch(self._queues.waiting_models())
 
     def remove_worker(self, worker_id: str) -> None:
@@ -213,6 +212,9 @@ class SchedulerCore:
         lapses = self._dispatcher.next_hold_lapse()
         if lapses is not None and (wake is None or lapses < wake):
             wake = lapses
+        retry = self._loads.next_retry()  # a load behind the VRAM gate tries again
+        if retry is not None and (wake is None or retry < wake):
+            wake = retry
         rule = self._queues.ordering.batch
         if rule is not None:
             now = self._clock.monotonic()
@@ -244,6 +246,8 @@ class SchedulerCore:
         if self._queues.ordering.batch is not None or self._lookahead.active or held:
             # due batches, due lookahead windows, lapsed holds
             self._dispatcher.dispatch(self._queues.waiting_models())
+        elif self._loads.gating:
+            self._dispatcher.dispatch(self._loads.due(now))  # loads behind the VRAM gate
 
     # ---- admin -------------------------------------------------------------------
 
@@ -353,6 +357,12 @@ class SchedulerCore:
         if 0 < info.timeout_ms < ttl_ms:
             ttl_ms = info.timeout_ms
         ttl_s = ttl_ms / 1000.0
+        if credit_id is None and (slow := self._dispatcher.load_outlasts(model_id, ttl_ms, now)) is not None:
+            self._stats_for(model_id).expired += 1
+            self._telemetry.record("requests_expired", 1, {"model": model_id})
+            self._telemetry.record("requests_dropped", 1, {"model": model_id, "reason": "expired"})
+            self._reject_key(key, errors_pb2.ERROR_CODE_EXPIRED, slow)
+            return
         # Positional, in Request's field order: a class called with keywords packs them into
         # a dict first, which doubles the cost of this call (once per request).
         request = Request(
@@ -577,11 +587,13 @@ class SchedulerCore:
         self._stats_for(model_id).expired += 1
         self._telemetry.record("requests_expired", 1, {"model": model_id})
         self._telemetry.record("requests_dropped", 1, {"model": model_id, "reason": "expired"})
-        waited_ms = (self._clock.monotonic() - request.enqueued_at) * 1000.0
+        now = self._clock.monotonic()
+        waited_ms = (now - request.enqueued_at) * 1000.0
         self._reject_key(
             request.key,
             errors_pb2.ERROR_CODE_EXPIRED,
-            f"expired after waiting {waited_ms:.0f} ms for model {model_id!r}",
+            f"expired after waiting {waited_ms:.0f} ms for model {model_id!r}"
+            f"{self._dispatcher.waiting_for(model_id, now)}",
         )
 
     def _reject_key(self, key: RequestKey, error_code: int, message: str) -> None:

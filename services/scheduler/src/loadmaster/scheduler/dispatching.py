@@ -5,7 +5,9 @@ requests wait for.
 and credits stay in `core.SchedulerCore`, which owns one and calls `dispatch` with the
 models whose queues or workers changed. Per strategy scope it grants queue heads (opening
 lookahead windows and holding slots for reservations on the way), lends the free slots of
-models with empty queues as dispatch credits, and commands loads. It shares the core's
+models with empty queues as dispatch credits, and commands loads: a load refused for GPU
+memory keeps its waiters behind the VRAM gate and is commanded again later, and a request
+that cannot wait for its model's load is refused at admission (docs/vram-gate.md). It shares the core's
 bookkeeping (passed in, never re-bound by either side) and owns what only dispatch keeps:
 the slots held for reservations and the grants placed in one dispatch.
 """
@@ -20,8 +22,8 @@ from loadmaster.common.clock import Clock
 from loadmaster.scheduler import placement
 from loadmaster.scheduler.config import CoreConfig
 from loadmaster.scheduler.credits import CreditBook
-from loadmaster.scheduler.domain import Grant, LoadModel, Request, RequestKey
-from loadmaster.scheduler.loads import LoadTracker
+from loadmaster.scheduler.domain import Grant, LoadModel, Request, RequestKey, SlotStatus
+from loadmaster.scheduler.loads import LoadTracker, freed_memory, is_memory_error, load_outlasts
 from loadmaster.scheduler.lookahead import Lookahead
 from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
@@ -347,9 +349,71 @@ class GrantDispatcher:
 
     # ---- cold starts: which worker loads a model that requests wait for ------------
 
+    def load_outcomes(
+        self, worker_id: str, previous: Mapping[str, SlotStatus], current: Mapping[str, SlotStatus]
+    ) -> dict[str, str]:
+        """A worker's new report: settle its loads. A load refused for memory that could free up
+        puts its model behind the VRAM gate (its waiters stay queued); an unload lets gated
+        loads try again at once. Returns model -> error of the failures that end their waiters."""
+        loads = self._loads
+        failures = loads.observe(worker_id, previous, current)
+        now = self._clock.monotonic()
+        if loads.gating and freed_memory(previous, current, failures):
+            loads.retry_all(now)  # an unload gave memory back
+        final: dict[str, str] = {}
+        for model_id, error in failures.items():
+            if self._registry.holds(model_id):
+                continue
+            if is_memory_error(error) and self.queues.depth(model_id):
+                first = loads.gated(model_id) is None
+                loads.gate(model_id, error, now=now, retry_s=self._config.vram_gate_retry_ms / 1000.0)
+                if first:
+                    log.info("model %s waits for GPU memory on %s: %s", model_id, worker_id, error)
+                    self._telemetry.record("vram_gate_waits", 1, {"model": model_id})
+                continue
+            final[model_id] = error
+        return final
+
+    def load_outlasts(self, model_id: str, ttl_ms: float, now: float) -> str | None:
+        """Load time counts against the deadline: the refusal for a request that cannot wait for
+        `model_id`'s load (None: warm, waiting for memory, no estimate, or time enough)."""
+        if self._registry.grant_candidates(model_id) or self._loads.gated(model_id) is not None:
+            return None
+        return load_outlasts(
+            model_id,
+            load_ms=self._registry.load_time_ms(model_id),
+            commanded_at=self._loads.commanded_at(model_id),
+            ttl_ms=ttl_ms,
+            now=now,
+        )
+
+    def waiting_for(self, model_id: str, now: float) -> str:
+        """What a request for `model_id` that expires now was waiting for, as the end of its
+        message: GPU memory (the VRAM gate), a load in progress, or nothing known ("")."""
+        if (gate := self._loads.gated(model_id)) is not None:
+            return (
+                f": it was waiting for GPU memory to load the model "
+                f"(for {(now - gate.since) * 1000.0:.0f} ms; {gate.reason})"
+            )
+        if not self._registry.grant_candidates(model_id) and (
+            model_id in self._loads or self._registry.holds(model_id)
+        ):
+            return ": the model was still loading"
+        return ""
+
     def _maybe_load(self, model_id: str) -> None:
-        if self.queues.depth(model_id) and model_id not in self._loads and not self._registry.holds(model_id):
-            self._command_load(model_id)
+        loads = self._loads
+        if not self.queues.depth(model_id):
+            if loads.gating:
+                loads.ungate(model_id)  # nobody waits for it any more
+            return
+        if model_id in loads or self._registry.holds(model_id):
+            if loads.gating and self._registry.grant_candidates(model_id):
+                loads.ungate(model_id)  # it found memory and is READY
+            return
+        if loads.blocked(model_id, self._clock.monotonic()):
+            return  # the VRAM gate: its last load found no memory; the next try is at retry_at
+        self._command_load(model_id)
 
     def _command_load(self, model_id: str) -> None:
         candidates = self._registry.load_candidates(model_id, busy=lambda m: self.queues.depth(m) > 0)
@@ -358,7 +422,8 @@ class GrantDispatcher:
             return  # nobody can load it now; waiters expire unless a worker turns up
         record = self._registry.get(worker_id)
         assert record is not None
-        self._loads.commanded(model_id, worker_id, record.slots.get(model_id))
+        self._loads.commanded(model_id, worker_id, record.slots.get(model_id), now=self._clock.monotonic())
+        self._loads.attempting(model_id)
         log.info("commanding worker %s to load model %s", worker_id, model_id)
         self._out.command(worker_id, LoadModel(model_id))
         self._telemetry.record("loads_commanded", 1, {"model": model_id, "worker": worker_id})

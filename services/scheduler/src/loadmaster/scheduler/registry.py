@@ -159,6 +159,13 @@ class WorkerRegistry:
         if candidate is not None:
             candidate.inflight = left
 
+    def load_time_ms(self, model_id: str) -> float:
+        """The longest last load of `model_id` any connected worker reported (0: none known)."""
+        return max(
+            (w.slots[model_id].load_time_ms for w in self._workers.values() if model_id in w.slots),
+            default=0.0,
+        )
+
     def inflight(self, model_id: str) -> int:
         return sum(w.inflight.get(model_id, 0) for w in self._workers.values())
 
