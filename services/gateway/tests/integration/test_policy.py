@@ -175,11 +175,11 @@ class Backend:
         self._stop = asyncio.Event()
         self._serving = asyncio.ensure_future(self._serve())
         self._channel = aio_channel(self.scheduler_address)
-        self._session = scheduler_pb2_grpc.SchedulerStub(self._channel).WorkerSession()
+        self._session = scheduler_pb2_grpc.SchedulerServiceStub(self._channel).WorkerSession()
         hello = scheduler_pb2.WorkerHello(
             worker_id=WORKER_ID, data_endpoint=self.data_endpoint, repository=[MODEL, "double"]
         )
-        await self._session.write(scheduler_pb2.WorkerMessage(hello=hello))
+        await self._session.write(scheduler_pb2.WorkerSessionRequest(hello=hello))
         slots = [
             model_pool_pb2.ModelSlotStatus(
                 model_id=MODEL,
@@ -197,7 +197,7 @@ class Backend:
             ),
         ]
         await self._session.write(
-            scheduler_pb2.WorkerMessage(report=scheduler_pb2.WorkerReport(models=slots))
+            scheduler_pb2.WorkerSessionRequest(report=scheduler_pb2.WorkerReport(models=slots))
         )
 
     async def _serve(self) -> None:
