@@ -114,3 +114,10 @@ def test_pages_still_referenced_are_never_evicted() -> None:
 def test_a_negative_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="max_cached_blocks"):
         PrefixCacheMonitor(max_cached_blocks=-1)
+
+
+def test_a_cache_without_the_hooks_is_left_alone_and_counts_nothing() -> None:
+    monitor = PrefixCacheMonitor(max_cached_blocks=2)
+    monitor.instrument(object())  # another transformers: served, just not counted
+    monitor.attach(object())
+    assert monitor.stats() == PrefixCacheStats()

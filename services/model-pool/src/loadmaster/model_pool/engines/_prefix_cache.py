@@ -33,6 +33,8 @@ __all__ = ["PrefixCacheMonitor", "PrefixCacheStats"]
 
 log = logging.getLogger(__name__)
 
+_WRAPPED = ("search_prefix_match", "evict_cached_blocks", "free_blocks", "cache_allocators")
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixCacheStats:
@@ -62,8 +64,12 @@ class PrefixCacheMonitor:
     # ---- wiring -------------------------------------------------------------------
 
     def attach(self, manager: Any) -> None:
-        """Instrument every cache `manager` builds (it builds one on its thread when started)."""
-        create = manager._create_batch_processor
+        """Instrument every cache `manager` builds (it builds one on its thread when started).
+        A transformers without the hooks this relies on is served without counters, not refused."""
+        create = getattr(manager, "_create_batch_processor", None)
+        if create is None:
+            log.warning("prefix cache: this transformers has no _create_batch_processor; no counters")
+            return
 
         def create_and_instrument() -> Any:
             processor = create()
@@ -75,6 +81,9 @@ class PrefixCacheMonitor:
     def instrument(self, cache: Any) -> None:
         """Wrap `cache`'s prefix match, pressure eviction and block release (idempotent)."""
         if self._cache is cache:
+            return
+        if not all(hasattr(cache, name) for name in _WRAPPED):
+            log.warning("prefix cache: this transformers' cache lacks %s; no counters", ", ".join(_WRAPPED))
             return
         self._cache = cache
         search = cache.search_prefix_match
@@ -99,8 +108,11 @@ class PrefixCacheMonitor:
             tables = [list(a.block_table.get(request_id, ())) for a in cache.cache_allocators.values()]
             free(request_id, no_cache)
             if self._budget is not None:
-                for allocator, table in zip(cache.cache_allocators.values(), tables, strict=True):
-                    self._trim(allocator, table)
+                try:  # on the manager's thread: an error here must not stop its loop
+                    for allocator, table in zip(cache.cache_allocators.values(), tables, strict=True):
+                        self._trim(allocator, table)
+                except Exception:
+                    log.exception("prefix cache: keeping cached pages under the budget failed")
 
         cache.search_prefix_match = search_prefix_match
         cache.evict_cached_blocks = evict_cached_blocks
