@@ -136,6 +136,14 @@ _MODEL_POOL = _of(
     MetricSpec("resumptions", _C, "Paused sequences resumed", ("model",)),
     MetricSpec("kv_cache_blocks_used", _G, "KV-cache blocks in use", ("model",)),
     MetricSpec("kv_cache_blocks_total", _G, "KV-cache blocks the engine holds", ("model",)),
+    # prefix reuse (docs/prefix-reuse.md); unlike vLLM's, queries and hits count requests
+    MetricSpec("prefix_cache_queries", _C, "Prompts matched against the prefix cache", ("model",)),
+    MetricSpec("prefix_cache_hits", _C, "Prompts that reused cached KV pages of a prefix", ("model",)),
+    MetricSpec(
+        "prefix_cache_reused_tokens", _C, "Prompt tokens whose KV came from the prefix cache", ("model",)
+    ),
+    MetricSpec("prefix_cache_evicted_blocks", _C, "Cached prefix KV pages evicted", ("model",)),
+    MetricSpec("prefix_cache_blocks", _G, "KV pages held only for prefix reuse", ("model",)),
 )
 _GPU_BROKER = _of(
     "gpu-broker",

@@ -46,6 +46,7 @@ from loadmaster.common.errors import (
 )
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FRAME
 from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.gateway.affinity import prefix_affinity_key
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
@@ -158,6 +159,7 @@ class GenerationStreams:
                 timeout_ms=request.deadline_ms or 0.0,
                 payload_bytes=message.ByteSize(),
                 client_type="openai",
+                affinity_key=prefix_affinity_key(request),
             )
         )
         return stream

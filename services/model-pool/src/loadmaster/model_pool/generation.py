@@ -186,6 +186,12 @@ class GenerationStats:
     kv_blocks_total: int
     preemptions: int = 0
     streams_open: int = 0
+    # prefix reuse (engines/_prefix_cache.py): counters since load, and pages cached now
+    prefix_lookups: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
+    prefix_blocks_evicted: int = 0
+    prefix_blocks_cached: int = 0
 
 
 @dataclass(slots=True)

@@ -47,6 +47,7 @@ from loadmaster.model_pool.generation import (
     GenerationEnd,
     GenerationEvent,
     GenerationRequest,
+    GenerationStats,
     TokenChunk,
     Usage,
 )
@@ -107,6 +108,7 @@ class GenerationPort:
         self._flush_scheduled = False
         self.preemptions = 0
         self.resumptions = 0
+        self._prefix_seen: dict[str, tuple[int, ...]] = {}  # model -> the engine's last prefix counters
 
     @property
     def open_streams(self) -> int:
@@ -335,7 +337,7 @@ class GenerationPort:
         if model is not None:
             model.streams.pop(request_id, None)
             self._act(model, model.sequencer.finished(request_id))
-            self._record_sequences(stream.model_id, model)
+            self._record_sequences(stream.model_id, model, engine=stream.admission.engine)
 
     # ---- answering ----------------------------------------------------------------
 
@@ -380,11 +382,11 @@ class GenerationPort:
 
     # ---- metrics ------------------------------------------------------------------
 
-    def _record_sequences(self, model_id: str, model: _Model) -> None:
+    def _record_sequences(self, model_id: str, model: _Model, *, engine: Any = None) -> None:
         self._record("sequences_running", float(model.sequencer.running), model_id)
         self._record("sequences_waiting", float(model.sequencer.waiting), model_id)
         stream = next(iter(model.streams.values()), None)
-        stats = getattr(getattr(stream, "admission", None), "engine", None)
+        stats = engine or getattr(getattr(stream, "admission", None), "engine", None)
         if stats is not None:
             try:
                 snapshot = stats.stats()
@@ -392,6 +394,32 @@ class GenerationPort:
                 return
             self._record("kv_cache_blocks_used", float(snapshot.kv_blocks_used), model_id)
             self._record("kv_cache_blocks_total", float(snapshot.kv_blocks_total), model_id)
+            if isinstance(snapshot, GenerationStats):
+                self._record_prefix(model_id, snapshot)
+
+    def _record_prefix(self, model_id: str, snapshot: GenerationStats) -> None:
+        """The engine's prefix counters are cumulative since its load: record what they grew by
+        (all of them after a reload, when they start again below what was seen)."""
+        counters = (
+            snapshot.prefix_lookups,
+            snapshot.prefix_hits,
+            snapshot.prefix_tokens_reused,
+            snapshot.prefix_blocks_evicted,
+        )
+        seen = self._prefix_seen.get(model_id, (0, 0, 0, 0))
+        if any(now < before for now, before in zip(counters, seen, strict=True)):
+            seen = (0, 0, 0, 0)
+        self._prefix_seen[model_id] = counters
+        names = (
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "prefix_cache_reused_tokens",
+            "prefix_cache_evicted_blocks",
+        )
+        for name, now, before in zip(names, counters, seen, strict=True):
+            if now > before:
+                self._record(name, float(now - before), model_id)
+        self._record("prefix_cache_blocks", float(snapshot.prefix_blocks_cached), model_id)
 
     def _record(self, name: str, value: float, model_id: str) -> None:
         if self._metrics is not None:

@@ -222,6 +222,11 @@ class TransformersModelConfig(_BaseModelConfig):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_context_tokens: int | None = Field(default=None, ge=1)  # default: the model's own
     seed: int = 0  # the manager-wide seed (requests without one draw theirs at random)
+    # Prefix reuse (docs/prefix-reuse.md): full KV pages of earlier prompts are shared, not
+    # recomputed; at most `prefix_cache_max_blocks` pages are kept for reuse alone (LRU;
+    # None: all of them until the cache runs short, then transformers drops them all).
+    prefix_caching: bool = True
+    prefix_cache_max_blocks: int | None = Field(default=None, ge=0)
 
 
 class OpenAIProcessModelConfig(_BaseModelConfig):

@@ -137,12 +137,13 @@ class GrantDispatcher:
             self._expire(head)
         return None
 
-    def _pick_worker(self, model_id: str, *, ahead: bool = True) -> str | None:
+    def _pick_worker(self, model_id: str, *, ahead: bool = True, affinity_key: str = "") -> str | None:
         return placement.pick_grant_worker(
             self._registry.grant_candidates(model_id),
             max_inflight=self._config.max_inflight(model_id),
             rng=self._rng,
             ahead=ahead,
+            affinity_key=affinity_key,
         )
 
     # ---- lookahead windows (lookahead.py) ------------------------------------------
@@ -232,7 +233,10 @@ class GrantDispatcher:
         self._held.pop(model_id, None)
         while (entry := self._head(model_id, now)) is not None:
             worker_id = placement.pick_grant_worker(
-                self._registry.grant_candidates(model_id), max_inflight=max_inflight, rng=self._rng
+                self._registry.grant_candidates(model_id),
+                max_inflight=max_inflight,
+                rng=self._rng,
+                affinity_key=entry[1].info.affinity_key,
             )
             front = False
             if worker_id is None:
@@ -259,7 +263,11 @@ class GrantDispatcher:
             best: tuple[tuple[float, ...], Request, str] | None = None
             for model_id in list(active):
                 entry = self._head(model_id, now)
-                worker_id = self._pick_worker(model_id) if entry is not None else None
+                worker_id = (
+                    self._pick_worker(model_id, affinity_key=entry[1].info.affinity_key)
+                    if entry is not None
+                    else None
+                )
                 if entry is None or worker_id is None:
                     active.discard(model_id)
                 elif best is None or entry[0] < best[0]:

@@ -82,6 +82,7 @@ class RequestInfo:
     payload_bytes: int = 0
     client_type: str = ""
     trace_context: dict[str, str] | None = None  # set only while tracing
+    affinity_key: str = ""  # requests with the same key favour the same worker (placement.py)
 
 
 @dataclass(slots=True)  # hot path: not frozen (see the module docstring)

@@ -6,7 +6,12 @@ Grants go to a worker holding the model READY with room under its per-model
 `max_inflight` (or in its open lookahead window, lookahead.py): the fewest grants in flight wins; ties are broken by power-of-two
 choices (two tied workers drawn at random, the one whose own report shows less load
 wins), which spreads load without herding when several schedulers or stale reports
-are in play. Loads go to the worker best able to take the model: enough free leased
+are in play. A request with an `affinity_key` (the gateway's hash of a generation's prompt
+prefix, docs/prefix-reuse.md) goes instead to the worker its key ranks first by rendezvous
+hashing among those with room and at most `affinity_slack` grants more than the least busy:
+requests sharing a prompt prefix meet on the worker whose KV cache holds it, a worker joining or
+leaving moves only the keys it wins or held, and a hot prefix spills over rather than queue.
+Placement never reorders requests: the strategy picks the request, this picks its worker. Loads go to the worker best able to take the model: enough free leased
 memory first (most free first), else the fewest models it could not evict (busy, pinned
 or with waiters), then the fewest models held; a worker where this model just failed to
 load comes last. `free_mb` 0 means "not reported".
@@ -14,6 +19,7 @@ load comes last. `free_mb` 0 means "not reported".
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 __all__ = [
     "GrantCandidate",
     "LoadCandidate",
+    "affinity_rank",
     "pick_batch_worker",
     "pick_grant_worker",
     "pick_load_worker",
@@ -56,15 +63,22 @@ def pick_grant_worker(
     max_inflight: int,
     rng: random.Random | None = None,
     ahead: bool = True,
+    affinity_key: str = "",
+    affinity_slack: int | None = None,
 ) -> str | None:
     """The candidate with the fewest grants in flight, if it has room (under max_inflight, plus
-    its open lookahead window when `ahead`); ties by power of two."""
+    its open lookahead window when `ahead`); ties by power of two. With an `affinity_key`, the
+    roomy candidate the key ranks first (`affinity_rank`) among those at most `affinity_slack`
+    (default max(1, max_inflight // 4)) grants busier than the least busy."""
     best: GrantCandidate | None = None
     tied: list[GrantCandidate] | None = None  # a list only when candidates tie (this runs per grant)
+    roomy: list[GrantCandidate] | None = [] if affinity_key else None
     for candidate in candidates:
         inflight = candidate.inflight
         if inflight >= max_inflight and not (ahead and inflight < max_inflight + candidate.ahead):
             continue  # no room
+        if roomy is not None:
+            roomy.append(candidate)
         if best is None or inflight < best.inflight:
             best = candidate
             tied = None
@@ -74,10 +88,23 @@ def pick_grant_worker(
             tied.append(candidate)
     if best is None:
         return None
+    if roomy is not None and len(roomy) > 1:
+        slack = max(1, max_inflight // 4) if affinity_slack is None else affinity_slack
+        limit = best.inflight + slack
+        return max(
+            (c for c in roomy if c.inflight <= limit), key=lambda c: affinity_rank(affinity_key, c.worker_id)
+        ).worker_id
     if tied is None:
         return best.worker_id
     a, b = (rng or random).sample(tied, 2)
     return min((a, b), key=lambda c: (c.reported_load, c.worker_id)).worker_id
+
+
+def affinity_rank(key: str, worker_id: str) -> int:
+    """Rendezvous (highest-random-weight) score of `worker_id` for `key`: stable across
+    processes and restarts (blake2b, not the salted `hash`)."""
+    digest = hashlib.blake2b(f"{key}\x00{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def pick_batch_worker(candidates: Iterable[GrantCandidate], *, max_inflight: int) -> tuple[str, int] | None:

@@ -66,6 +66,7 @@ def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
         payload_bytes=pb.payload_bytes,
         client_type=pb.client_type,
         trace_context=dict(pb.trace_context) if pb.trace_context else None,
+        affinity_key=pb.affinity_key,
     )
 
 

@@ -43,6 +43,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
 from loadmaster.model_pool.engines import _seeded_sampling
+from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
 from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
 from loadmaster.model_pool.generation import GenerationRequest, GenerationStats, SamplingParams
@@ -114,6 +115,7 @@ class TransformersEngine(Engine):
         self._model: Any = None
         self._tokenizer: Any = None
         self._manager: Any = None
+        self._prefix = PrefixCacheMonitor()
         self._streams: dict[str, StreamState] = {}
         self._submitted = 0
         self._preemptions = 0
@@ -183,11 +185,14 @@ class TransformersEngine(Engine):
             per_request_processors=True,
             seed=config.seed,
             auto_switch_to_flash=False,
+            allow_block_sharing=config.prefix_caching,  # prefix reuse: _prefix_cache.py
         )
         manager = self._model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
         )
         _seeded_sampling.install(manager.logit_processor)
+        self._prefix = PrefixCacheMonitor(max_cached_blocks=config.prefix_cache_max_blocks)
+        self._prefix.attach(manager)
         manager.start()
         self._manager = manager
 
@@ -351,6 +356,7 @@ class TransformersEngine(Engine):
         cache = processor.cache
         total = int(getattr(cache, "num_blocks", 0))
         free_fraction = float(cache.compute_free_capacity(relative=True))
+        prefix = self._prefix.stats()
         return GenerationStats(
             running=len(scheduler.active_requests),
             waiting=len(scheduler.waiting_requests) + manager.input_queue.qsize(),
@@ -358,6 +364,11 @@ class TransformersEngine(Engine):
             kv_blocks_total=total,
             streams_open=len(self._streams),
             preemptions=self._preemptions,
+            prefix_lookups=prefix.lookups,
+            prefix_hits=prefix.hits,
+            prefix_tokens_reused=prefix.tokens_reused,
+            prefix_blocks_evicted=prefix.blocks_evicted,
+            prefix_blocks_cached=prefix.blocks_cached,
         )
 
     # ---- helpers --------------------------------------------------------
