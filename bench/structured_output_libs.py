@@ -1,7 +1,7 @@
 """Grammar libraries for structured output, compared on tiny-chat's vocabulary.
 
 For xgrammar, outlines-core and llguidance (whichever are installed): the time to build the
-tokenizer-side state once, to compile a JSON schema (a small one and a nested one, plus
+tokenizer-side state once (the library's import not included), to compile a JSON schema (a small one and a nested one, plus
 `json_object`), and the per-token cost of filling the next-token mask while a sequence of
 tokens the grammar allows is consumed (the work our logits processor adds per decode step).
 Prints a table and writes bench/results/structured_output_libs.json.
@@ -14,6 +14,7 @@ Needs `make models` (tiny-chat's tokenizer). One CPU thread.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import statistics
@@ -81,6 +82,11 @@ def _byte_vocab(tokenizer: Any) -> dict[bytes, list[int]]:
     return out
 
 
+def _unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """An int32 bitmask row (bit t%32 of word t//32 = token t allowed) -> bool [vocab]."""
+    return ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab].bool()
+
+
 class Walker:
     """One library: compile(schema) -> matcher; mask(matcher) -> allowed ids; advance(matcher, id)."""
 
@@ -98,7 +104,7 @@ class XGrammar(Walker):
     name = "xgrammar"
 
     def setup(self, tokenizer: Any) -> None:
-        import xgrammar as xgr
+        import xgrammar as xgr  # installed --no-deps here: its requirements pull triton
 
         self.xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(
@@ -118,9 +124,7 @@ class XGrammar(Walker):
 
     def mask(self, matcher: Any) -> torch.Tensor:
         matcher.fill_next_token_bitmask(self.bitmask)
-        logits = torch.zeros(1, self.vocab)
-        self.xgr.apply_token_bitmask_inplace(logits, self.bitmask)
-        return logits[0] == 0
+        return _unpack(self.bitmask[0], self.vocab)
 
     def advance(self, matcher: Any, token: int) -> None:
         assert matcher.accept_token(token)
@@ -133,15 +137,13 @@ class LLGuidance(Walker):
     name = "llguidance"
 
     def setup(self, tokenizer: Any) -> None:
-        import llguidance
+        import llguidance  # not llguidance.torch: it imports torch._dynamo (seconds)
         import llguidance.hf
-        import llguidance.torch
 
         self.llg = llguidance
-        self.llt = llguidance.torch
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
         self.vocab = len(tokenizer)
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab)
+        self.bitmask = torch.full((1, (self.vocab + 31) // 32), -1, dtype=torch.int32)
 
     def compile(self, schema: dict[str, Any] | None) -> Any:
         grammar = self.llg.LLMatcher.grammar_from_json_schema(
@@ -156,10 +158,9 @@ class LLGuidance(Walker):
         return self.llg.LLMatcher(self.tokenizer, compiled)
 
     def mask(self, matcher: Any) -> torch.Tensor:
-        self.llt.fill_next_token_bitmask(matcher, self.bitmask, 0)
-        logits = torch.zeros(1, self.vocab)
-        self.llt.apply_token_bitmask_inplace(logits, self.bitmask)
-        return logits[0] == 0
+        row = self.bitmask[0]
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        return _unpack(row, self.vocab)
 
     def advance(self, matcher: Any, token: int) -> None:
         assert matcher.consume_token(token), matcher.get_error()
@@ -224,6 +225,12 @@ def _walk(walker: Walker, compiled: Any, *, tokens: int, rng: random.Random, eos
 
 
 def measure(walker: Walker, tokenizer: Any, *, tokens: int, repeats: int) -> dict[str, Any]:
+    for module in {
+        "xgrammar": ["xgrammar"],
+        "outlines-core": ["outlines_core", "outlines_core.json_schema"],
+        "llguidance": ["llguidance", "llguidance.hf"],
+    }[walker.name]:
+        importlib.import_module(module)  # imported before the clock starts
     began = time.perf_counter()
     walker.setup(tokenizer)
     row: dict[str, Any] = {"setup_ms": (time.perf_counter() - began) * 1e3}

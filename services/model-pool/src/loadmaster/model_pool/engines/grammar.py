@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
@@ -151,8 +150,12 @@ class Constraint:
             self.base = self.consumed
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bits of the next token into `bitmask[row]` (CPU int32,
+        contiguous). `llguidance.torch` does the same, but importing it imports
+        torch._dynamo (seconds) for a compiled helper we do not use."""
+        target = bitmask[row]
         with self.lock:
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+            self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
 
 
 class GrammarMask(ContinuousBatchingLogitsProcessor):
@@ -198,10 +201,9 @@ class GrammarMask(ContinuousBatchingLogitsProcessor):
             constraint = self._live.get(request.state.request_id)
             if constraint is None:
                 continue
-            if self._bitmask is None:
-                self._bitmask = llguidance.torch.allocate_token_bitmask(
-                    len(requests_with_new_token), self._vocab_size
-                )
+            if self._bitmask is None:  # every bit set: unconstrained rows keep every token
+                words = (self._vocab_size + 31) // 32
+                self._bitmask = torch.full((len(requests_with_new_token), words), -1, dtype=torch.int32)
             constraint.catch_up(request.state.generated_tokens, offset=constraint.base)
             constraint.fill(self._bitmask, row)
             flags[row] = 1
