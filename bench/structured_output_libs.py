@@ -8,7 +8,10 @@ Prints a table and writes bench/results/structured_output_libs.json.
 
     .venv/bin/python bench/structured_output_libs.py [--tokens 200] [--repeats 5]
 
-Needs `make models` (tiny-chat's tokenizer). One CPU thread.
+Needs `make models` (tiny-chat's tokenizer). One CPU thread. Only llguidance is a project
+dependency; to compare, install the others by hand (xgrammar without its dependencies, which
+would pull triton and another torch):
+    .venv/bin/pip install outlines-core && .venv/bin/pip install --no-deps xgrammar apache-tvm-ffi
 """
 
 from __future__ import annotations
