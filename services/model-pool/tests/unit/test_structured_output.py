@@ -192,7 +192,7 @@ async def test_random_schemas_always_give_valid_json(engine: TransformersEngine,
     temperatures = [rng.choice([0.0, 0.7, 1.0]) for _ in schemas]
     replies = await asyncio.gather(
         *(
-            reply(engine, request(f"prop-{i}", schema_format(schema), temperature=t, seed=i))
+            reply(engine, request(f"prop-{i}", schema_format(schema), max_tokens=512, temperature=t, seed=i))
             for i, (schema, t) in enumerate(zip(schemas, temperatures, strict=True))
         )
     )
