@@ -21,9 +21,10 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.model_pool.engines import EngineContext
+from loadmaster.model_pool.engines import EngineContext, grammar
 from loadmaster.model_pool.engines.transformers import TransformersEngine
 from loadmaster.model_pool.generation import (
     FinishReason,
@@ -295,3 +296,16 @@ async def test_a_preempted_and_resumed_sequence_keeps_its_grammar(engine: Transf
     assert end.finish_reason is FinishReason.STOP and end.preemptions == 1
     value = json.loads("".join(text))
     jsonschema.validate(value, long_form)
+
+
+def test_a_manager_that_cannot_take_a_grammar_refuses_response_format(engine: TransformersEngine) -> None:
+    """Async batching (the next step prepared before this one's token is known) and CUDA
+    graphs (a replayed, stale mask) are GPU choices of the manager; with either, a
+    response_format is refused instead of being enforced wrongly. The CPU manager has neither."""
+    assert grammar.refusal(engine._manager.continuous_batching_config) is None
+    assert "asynchronous" in str(grammar.refusal(ContinuousBatchingConfig(use_async_batching=True)))
+    graphs = ContinuousBatchingConfig(use_async_batching=False, use_cuda_graph=True)
+    assert "CUDA graphs" in str(grammar.refusal(graphs))
+    refusing = grammar.JsonGrammars(engine._tokenizer, vocab_size=1024, eos_ids=[2], refused="reason")
+    with pytest.raises(InvalidArgumentError, match="response_format: not available on this model: reason"):
+        refusing.constraint(ResponseFormat(kind="json_object"))

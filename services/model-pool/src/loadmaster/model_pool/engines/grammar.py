@@ -45,7 +45,7 @@ from loadmaster.model_pool.generation import FinishReason, GenerationEnd, Genera
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["CheckedStream", "Constraint", "GrammarMask", "JsonGrammars", "install"]
+__all__ = ["CheckedStream", "Constraint", "GrammarMask", "JsonGrammars", "install", "refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,10 @@ class JsonGrammars:
     """Compiles response formats against one model's tokenizer (thread-safe; the tokenizer
     conversion, about a second, happens on the first constrained request)."""
 
-    def __init__(self, tokenizer: Any, *, vocab_size: int, eos_ids: Collection[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, *, vocab_size: int, eos_ids: Collection[int], refused: str | None = None
+    ) -> None:
+        self._refused = refused  # why this model's manager cannot take a grammar, if it cannot
         self._hf_tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_ids = sorted(eos_ids)
@@ -82,6 +85,8 @@ class JsonGrammars:
         """The llguidance grammar of a response format; `InvalidArgumentError` naming the
         problem when the schema is not JSON or llguidance cannot compile it."""
         response_format.check()
+        if self._refused:
+            raise InvalidArgumentError(f"response_format: not available on this model: {self._refused}")
         where = "response_format.json_schema.schema"
         schema: Any = _JSON_OBJECT
         if response_format.kind == "json_schema":
@@ -248,6 +253,18 @@ class CheckedStream(GenerationStream):
                 error=f"structured output: the grammar rejected a generated token ({broken})",
             )
         return event
+
+
+def refusal(config: Any) -> str | None:
+    """Why a manager built with this (resolved) `ContinuousBatchingConfig` cannot enforce a
+    grammar, or None. With async batching the next step is prepared before the current one's
+    token is known (so no matcher can say what may follow); a captured CUDA graph would replay
+    a stale mask. Both are GPU-only choices; the CPU path has neither."""
+    if getattr(config, "use_async_batching", False):
+        return "its continuous batching is asynchronous (set use_async_batching off to serve response_format)"
+    if any(getattr(config, "cuda_graph_booleans", (False, False))):
+        return "its continuous batching captures CUDA graphs (turn them off to serve response_format)"
+    return None
 
 
 def install(processors: Any, mask: GrammarMask) -> None:

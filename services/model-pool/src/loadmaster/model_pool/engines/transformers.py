@@ -198,7 +198,10 @@ class TransformersEngine(Engine):
         self._prefix = PrefixCacheMonitor(max_cached_blocks=config.prefix_cache_max_blocks)
         self._prefix.attach(manager)
         self._grammars = grammar.JsonGrammars(
-            self._tokenizer, vocab_size=self._vocab_size, eos_ids=self._eos_ids
+            self._tokenizer,
+            vocab_size=self._vocab_size,
+            eos_ids=self._eos_ids,
+            refused=grammar.refusal(manager.continuous_batching_config),
         )
         self._grammar_mask = grammar.GrammarMask(self._vocab_size)
         grammar.install(manager.logit_processor, self._grammar_mask)
