@@ -133,3 +133,21 @@ def test_a_bad_response_format_names_the_field(kind: str, schema: str, words: st
     )
     with pytest.raises(InvalidArgumentError, match=words):
         request_from_proto(message)
+
+
+def test_a_wire_response_format_reaches_engine_processes_in_openais_shape() -> None:
+    """The worker's domain value is what the engine-process pass-through reads."""
+    from loadmaster.model_pool.engines._proxy_streams import openai_response_format
+
+    message = model_pool_pb2.GenerateRequest(
+        request_id="r",
+        prompt_text="x",
+        sampling=model_pool_pb2.SamplingParams(max_tokens=5),
+        response_format=model_pool_pb2.ResponseFormat(
+            type="json_schema", json_schema='{"type":"integer"}', name="n"
+        ),
+    )
+    assert openai_response_format(request_from_proto(message).response_format) == {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": {"type": "integer"}},
+    }
