@@ -6,6 +6,7 @@ before the first chunk, a deadline that passed while queued."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -266,3 +267,27 @@ async def test_models_served_by_engine_processes_are_generative(
         return views
 
     assert await GenerationPort(parts[0], models).models() == {"tiny-chat-process": "READY"}
+
+
+async def test_response_format_travels_to_the_worker(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, workers = parts
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    formats = {
+        "s": {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}},
+        "o": {"type": "json_object"},
+        "t": {"type": "text"},
+    }
+    for request_id, response_format in formats.items():
+        body = json.loads(BODY) | {"response_format": response_format}
+        events = streams.generate(parse_chat(json.dumps(body).encode()), request_id=request_id, client_id="c")
+        pending = asyncio.ensure_future(anext(events))
+        await settle()
+        streams.on_grant(grant(request_id))
+        pending.cancel()
+    sent = {message.request_id: message for message in workers.requests()}
+    assert sent["s"].response_format.type == "json_schema" and sent["s"].response_format.name == "thing"
+    assert json.loads(sent["s"].response_format.json_schema) == schema
+    assert sent["o"].response_format.type == "json_object" and not sent["o"].response_format.json_schema
+    assert not sent["t"].HasField("response_format")  # free text: nothing to enforce

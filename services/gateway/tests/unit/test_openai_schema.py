@@ -80,6 +80,13 @@ def test_a_chat_body_becomes_a_generation_request_without_extensions_or_unknown_
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"x_priority": -1}, "x_priority", "greater than or equal to 0"),
         ({"model": ""}, "model", "at least 1 character"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not one of"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema: an object"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+            "response_format",
+            "json_schema.schema: a JSON Schema",
+        ),
     ],
 )
 def test_bad_chat_bodies_are_400s_naming_the_field(fields: dict[str, object], param: str, words: str) -> None:

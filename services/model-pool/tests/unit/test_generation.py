@@ -215,3 +215,24 @@ def test_warper_branch_free_path_gives_the_same_answer() -> None:
     ):
         args = torch.tensor(rows, dtype=torch.int32)
         assert torch.equal(warp(logits, args, branch=True), warp(logits, args, branch=False))
+
+
+def _unmix32(value: int) -> int:
+    """The inverse of murmur3's 32-bit finaliser (`mix32`)."""
+    value ^= value >> 16
+    value = (value * 0x7ED1B41D) & 0xFFFFFFFF
+    value ^= (value >> 13) ^ (value >> 26)
+    value = (value * 0xA5CB9243) & 0xFFFFFFFF
+    return value ^ (value >> 16)
+
+
+def test_gumbel_noise_is_finite_so_a_removed_token_is_never_drawn() -> None:
+    """The key whose hash is all ones drew +inf noise at token 0, and the sampler then chose
+    token 0 although a warper (or a structured-output grammar) had set it to -inf."""
+    key = _unmix32(0xFFFFFFFF)
+    assert mix32(key) == 0xFFFFFFFF
+    noise = gumbel_noise(torch.tensor([key]), 4)
+    assert torch.isfinite(noise).all()
+    scores = torch.tensor([[float("-inf"), -3.0, float("-inf"), float("-inf")]])
+    chosen = SeededGumbelSampler()(scores, torch.tensor([key], dtype=torch.int32))
+    assert torch.isfinite(chosen[0]).nonzero().flatten().tolist() == [1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.model_pool.generation import FinishReason, GenerationEnd, TokenChunk, Usage
+from loadmaster.model_pool.generation import FinishReason, GenerationEnd, ResponseFormat, TokenChunk, Usage
 from loadmaster.model_pool.generation_wire import (
     StreamOrder,
     StreamOrderError,
@@ -99,3 +99,55 @@ def test_cancelled_and_error_terminals() -> None:
     assert late_reply.error.error_code == errors_pb2.ERROR_CODE_UNAVAILABLE
     assert "unloaded" in late_reply.error.error_message
     assert (late_reply.error.retryable, early_reply.error.retryable) == (False, True)  # not after tokens
+
+
+def test_response_format_comes_through_and_text_means_none() -> None:
+    message = model_pool_pb2.GenerateRequest(
+        request_id="r", prompt_text="x", sampling=model_pool_pb2.SamplingParams(max_tokens=5)
+    )
+    assert request_from_proto(message).response_format is None
+    message.response_format.type = "text"
+    assert request_from_proto(message).response_format is None
+    message.response_format.type = "json_schema"
+    message.response_format.json_schema = '{"type": "integer"}'
+    message.response_format.name = "n"
+    assert request_from_proto(message).response_format == ResponseFormat(
+        kind="json_schema", schema='{"type": "integer"}', name="n"
+    )
+    message.response_format.type = "json_object"
+    assert request_from_proto(message).response_format == ResponseFormat(
+        kind="json_object", schema='{"type": "integer"}', name="n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "schema", "words"),
+    [("yaml", "", "response_format.type: 'yaml'"), ("json_schema", "", "json_schema.schema: missing")],
+)
+def test_a_bad_response_format_names_the_field(kind: str, schema: str, words: str) -> None:
+    message = model_pool_pb2.GenerateRequest(
+        request_id="r",
+        prompt_text="x",
+        sampling=model_pool_pb2.SamplingParams(max_tokens=5),
+        response_format=model_pool_pb2.ResponseFormat(type=kind, json_schema=schema),
+    )
+    with pytest.raises(InvalidArgumentError, match=words):
+        request_from_proto(message)
+
+
+def test_a_wire_response_format_reaches_engine_processes_in_openais_shape() -> None:
+    """The worker's domain value is what the engine-process pass-through reads."""
+    from loadmaster.model_pool.engines._proxy_streams import openai_response_format
+
+    message = model_pool_pb2.GenerateRequest(
+        request_id="r",
+        prompt_text="x",
+        sampling=model_pool_pb2.SamplingParams(max_tokens=5),
+        response_format=model_pool_pb2.ResponseFormat(
+            type="json_schema", json_schema='{"type":"integer"}', name="n"
+        ),
+    )
+    assert openai_response_format(request_from_proto(message).response_format) == {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": {"type": "integer"}},
+    }

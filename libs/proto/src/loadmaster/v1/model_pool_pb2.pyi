@@ -256,7 +256,7 @@ class PinResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class GenerateRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: PromptTokens
@@ -284,7 +285,18 @@ class GenerateRequest(_message.Message):
     generation: int
     priority: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("type", "json_schema", "name")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    json_schema: str
+    name: str
+    def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class PromptTokens(_message.Message):
     __slots__ = ("ids",)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -384,7 +385,21 @@ def _message(
         )
     else:
         message.prompt_text = request.prompt or ""
+    _response_format(message.response_format, request.response_format)
     return message
+
+
+def _response_format(wire: model_pool_pb2.ResponseFormat, value: dict[str, Any] | None) -> None:
+    """OpenAI's `response_format` (checked by the schema) onto the worker's request."""
+    kind = (value or {}).get("type")
+    if kind not in ("json_object", "json_schema"):
+        return
+    assert value is not None
+    wire.type = kind
+    if kind == "json_schema":
+        spec = value["json_schema"]
+        wire.json_schema = json.dumps(spec["schema"], separators=(",", ":"))
+        wire.name = str(spec.get("name") or "")
 
 
 class GenerationPort:

@@ -35,6 +35,7 @@ __all__ = [
     "GenerationEvent",
     "GenerationRequest",
     "GenerationStats",
+    "ResponseFormat",
     "SamplingParams",
     "StopMatcher",
     "TokenChunk",
@@ -103,6 +104,25 @@ def _finite(value: object) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """Structured output: the reply must be JSON (`json_object`) or JSON valid against
+    `schema` (`json_schema`, the schema as JSON text). The engine enforces it while decoding
+    (`engines/grammar.py`); a schema it cannot compile is an `InvalidArgumentError`."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: str = ""
+    name: str = ""
+
+    def check(self) -> None:
+        if self.kind not in ("json_object", "json_schema"):
+            raise InvalidArgumentError(
+                f"response_format.type: {self.kind!r} is not one of text, json_object, json_schema"
+            )
+        if self.kind == "json_schema" and not self.schema:
+            raise InvalidArgumentError("response_format.json_schema.schema: missing")
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One generation: exactly one of `prompt_token_ids`, `prompt` (text) or `messages`
     (rendered with the model's chat template, with the assistant's turn opened)."""
@@ -112,6 +132,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    response_format: ResponseFormat | None = None
 
     def check(self) -> None:
         if not self.request_id:
@@ -137,6 +158,8 @@ class GenerationRequest:
                     )
                 if not isinstance(message.content, str):
                     raise InvalidArgumentError(f"messages[{index}].content: not a string")
+        if self.response_format is not None:
+            self.response_format.check()
         self.params.check()
 
 

@@ -20,6 +20,7 @@ from loadmaster.model_pool.generation import (
     GenerationEnd,
     GenerationEvent,
     GenerationRequest,
+    ResponseFormat,
     SamplingParams,
 )
 from loadmaster.v1 import errors_pb2, model_pool_pb2
@@ -56,9 +57,17 @@ def request_from_proto(message: model_pool_pb2.GenerateRequest) -> GenerationReq
         messages=tuple(ChatMessage(m.role, m.content) for m in message.messages.messages)
         if kind == "messages"
         else None,
+        response_format=_response_format(message),
     )
     request.check()
     return request
+
+
+def _response_format(message: model_pool_pb2.GenerateRequest) -> ResponseFormat | None:
+    if not message.HasField("response_format") or message.response_format.type in ("", "text"):
+        return None
+    wire = message.response_format
+    return ResponseFormat(kind=wire.type, schema=wire.json_schema, name=wire.name)
 
 
 def reply_to_proto(

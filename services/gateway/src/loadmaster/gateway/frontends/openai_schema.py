@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 DONE_EVENT = b"data: [DONE]\n\n"
 
 # OpenAI error `type` per HTTP status (the `openai` client maps the status to its exception
@@ -155,6 +156,24 @@ class _SamplingBody(_Body):
     def _n(cls, value: int | None) -> int | None:
         if value is not None and value != 1:
             raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`text`, `json_object`, or `json_schema` with `json_schema.schema` (an object or a
+        boolean): the worker compiles the schema and refuses one it cannot enforce."""
+        if value is None:
+            return None
+        kind = value.get("type")
+        if kind not in RESPONSE_FORMATS:
+            raise ValueError(f"type {kind!r} is not one of {', '.join(RESPONSE_FORMATS)}")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ValueError("json_schema: an object with 'name' and 'schema' is required")
+            if not isinstance(spec.get("schema"), dict | bool):
+                raise ValueError("json_schema.schema: a JSON Schema (an object) is required")
         return value
 
 

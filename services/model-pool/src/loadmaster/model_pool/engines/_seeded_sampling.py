@@ -90,7 +90,11 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B] int64 keys -> [B, V] float32 standard Gumbel noise, the same on every device."""
     index = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     bits = _mix32_tensor((keys.unsqueeze(-1) ^ _mul32(index, _GOLDEN).unsqueeze(0)) & _MASK32)
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # The top value, (2**24 - 0.5) / 2**24, rounds to 1.0 in float32 and would make the noise
+    # +inf: a token the warpers or a grammar set to -inf (finite after nan_to_num) would then
+    # win. Kept strictly below 1, so the noise is finite (at most ~16.6).
+    uniform = uniform.clamp_(max=1.0 - 2.0**-24)  # in (0, 1)
     return -torch.log(-torch.log(uniform))
 
 

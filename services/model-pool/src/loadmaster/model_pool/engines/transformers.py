@@ -18,7 +18,9 @@ What the engine adds to the manager (docs/generative.md has the reasons):
   sequence is then cancelled in the manager;
 - a terminal event on cancel (the manager delivers none);
 - per-request temperature / top_p and greedy decoding (exactly `argmax`), and per-request
-  seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`).
+  seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`);
+- structured output (`response_format` JSON / JSON Schema): a grammar mask of ours, first
+  in the same processor list (`grammar.py`, docs/structured-output.md).
 
 The pool's lifecycle applies unchanged: `estimate_mb` sizes the lease from the weights plus
 the KV budget (num_blocks x block_size x per-token KV bytes) when the config has no
@@ -42,7 +44,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
-from loadmaster.model_pool.engines import _seeded_sampling
+from loadmaster.model_pool.engines import _seeded_sampling, grammar
 from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
 from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
@@ -123,6 +125,8 @@ class TransformersEngine(Engine):
         self._eos_ids: frozenset[int] = frozenset()
         self._context_tokens = 0
         self._cache_tokens = 0
+        self._grammars: grammar.JsonGrammars | None = None
+        self._grammar_mask = grammar.GrammarMask(0)
 
     # ---- memory ---------------------------------------------------------
 
@@ -193,6 +197,14 @@ class TransformersEngine(Engine):
         _seeded_sampling.install(manager.logit_processor)
         self._prefix = PrefixCacheMonitor(max_cached_blocks=config.prefix_cache_max_blocks)
         self._prefix.attach(manager)
+        self._grammars = grammar.JsonGrammars(
+            self._tokenizer,
+            vocab_size=self._vocab_size,
+            eos_ids=self._eos_ids,
+            refused=grammar.refusal(manager.continuous_batching_config),
+        )
+        self._grammar_mask = grammar.GrammarMask(self._vocab_size)
+        grammar.install(manager.logit_processor, self._grammar_mask)
         manager.start()
         self._manager = manager
 
@@ -250,6 +262,7 @@ class TransformersEngine(Engine):
         self._running_manager()
         self._check_new_id(request.request_id)
         prompt = await asyncio.to_thread(self._prompt_ids, request)
+        constraint = await self._constraint(request)
         manager = self._running_manager()  # again: the model may have unloaded meanwhile
         self._check_new_id(request.request_id)  # and the same id may have arrived meanwhile
         limit = self.context_tokens
@@ -274,6 +287,8 @@ class TransformersEngine(Engine):
             sampling_kwargs=self._sampling_kwargs(request.params),
         )
         self._streams[request.request_id] = state
+        if constraint is not None:
+            self._grammar_mask.attach(internal_id, constraint)
         manager.register_result_handler(internal_id, state.on_output)
         try:
             accepted = manager.add_request(
@@ -289,7 +304,8 @@ class TransformersEngine(Engine):
         if accepted is None:  # the manager is stopping: it drops the request with a log line
             self._forget(state)
             raise UnavailableError(f"model '{self.spec.model_id}' is stopping; try another worker")
-        return GenerationStream(state, self.cancel)
+        stream = GenerationStream(state, self.cancel)
+        return stream if constraint is None else grammar.CheckedStream(stream, constraint)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """`submit` then iterate: events until the terminal one."""
@@ -334,6 +350,7 @@ class TransformersEngine(Engine):
             state.finish_length()
             return True
         self._submitted += 1
+        self._grammar_mask.move(state.internal_id, f"{request_id}#{self._submitted}", state.tokens)
         state.internal_id = f"{request_id}#{self._submitted}"
         state.resumed_at = len(state.tokens)
         manager.register_result_handler(state.internal_id, state.on_output)
@@ -389,6 +406,7 @@ class TransformersEngine(Engine):
         key = state.request_id
         if self._streams.get(key) is state:
             del self._streams[key]
+        self._grammar_mask.detach(state.internal_id)
         self._drop_handler(state.internal_id)
 
     def _drop_handler(self, internal_id: str) -> None:
@@ -420,6 +438,15 @@ class TransformersEngine(Engine):
             return list(tokenizer.encode(text, add_special_tokens=False))
         assert request.prompt is not None
         return list(tokenizer.encode(request.prompt, add_special_tokens=True))
+
+    async def _constraint(self, request: GenerationRequest) -> grammar.Constraint | None:
+        """The grammar state of a structured-output request (compiled in a thread)."""
+        if request.response_format is None:
+            return None
+        grammars = self._grammars
+        if grammars is None:
+            raise UnavailableError(f"model '{self.spec.model_id}' is not loaded")
+        return await asyncio.to_thread(grammars.constraint, request.response_format)
 
     def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)

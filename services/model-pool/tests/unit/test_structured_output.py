@@ -1,0 +1,311 @@
+"""Structured output in the transformers engine: `response_format` JSON / JSON Schema enforced
+while decoding (engines/grammar.py, llguidance), on CPU with the random-weight `tiny-chat`.
+
+Real parts: the real tokenizer and model, transformers' continuous-batching manager and its
+thread, llguidance. The property test runs 200 seeded random schemas (`random_schemas`)
+through the engine, greedy and sampled, and validates every reply with `jsonschema`.
+The whole module runs in about ten seconds (the 200 replies take two or three).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.model_pool.engines import EngineContext, grammar
+from loadmaster.model_pool.engines.transformers import TransformersEngine
+from loadmaster.model_pool.generation import (
+    FinishReason,
+    GenerationEnd,
+    GenerationRequest,
+    ResponseFormat,
+    SamplingParams,
+    TokenChunk,
+)
+from loadmaster.model_pool.repository import ModelRepository
+
+EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+# ---- a seeded generator of random JSON Schemas ------------------------------------------
+# Every schema is one llguidance can enforce and whose values are short: strings carry
+# `maxLength` (or an enum / a pattern), numbers bounds, arrays `maxItems`, nesting at most
+# three levels, so a random-weight model finishes the value well inside its `max_tokens`.
+# It mixes objects (required and optional properties, `additionalProperties: false`),
+# arrays, `anyOf`, nullable type lists, enums, consts, patterns, integers and numbers.
+
+_WORDS = ("id", "name", "tags", "score", "ok", "kind", "note", "items", "when", "owner", "size", "level")
+
+
+def _leaf(rng: random.Random) -> dict[str, Any]:
+    choice = rng.randrange(11)
+    if choice == 0:
+        return {"type": "string", "maxLength": rng.randint(0, 8)}
+    if choice == 1:
+        low = rng.randint(0, 3)
+        return {"type": "string", "minLength": low, "maxLength": low + rng.randint(0, 5)}
+    if choice == 2:
+        return {
+            "enum": rng.sample(
+                ["red", "green", "blue", "open", "closed", 1, 2.5, None, True], rng.randint(1, 4)
+            )
+        }
+    if choice == 3:
+        low = rng.randint(-100, 100)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 1000)}
+    if choice == 4:
+        return {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.25}
+    if choice == 5:
+        return {"type": "boolean"}
+    if choice == 6:
+        return {"type": "null"}
+    if choice == 7:
+        return {"const": rng.choice(["fixed", 7, False, None])}
+    if choice == 8:
+        return {
+            "type": "string",
+            "pattern": rng.choice(["^[a-z]{1,6}$", "^[0-9]{3}-[0-9]{2}$", "^(yes|no)$"]),
+        }
+    if choice == 9:
+        return {"type": ["string", "null"], "maxLength": rng.randint(1, 6)}
+    return {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """One schema; `depth` is how deep in the tree this one sits (at most 3 levels)."""
+    if depth >= 3 or rng.random() < 0.3 + 0.2 * depth:
+        return _leaf(rng)
+    kind = rng.randrange(4)
+    if kind <= 1:
+        names = rng.sample(_WORDS, rng.randint(1, 4))
+        properties = {name: random_schema(rng, depth + 1) for name in names}
+        required = [name for name in names if rng.random() < 0.7]
+        return {
+            "type": "object",
+            "properties": properties,
+            "required": required,
+            "additionalProperties": False,
+        }
+    if kind == 2:
+        low = rng.randint(0, 2)
+        return {
+            "type": "array",
+            "items": random_schema(rng, depth + 1),
+            "minItems": low,
+            "maxItems": low + rng.randint(0, 2),
+        }
+    return {"anyOf": [random_schema(rng, depth + 1), random_schema(rng, depth + 1)]}
+
+
+def random_schemas(count: int, *, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [random_schema(rng) for _ in range(count)]
+
+
+def load_make_models() -> Any:
+    spec = importlib.util.spec_from_file_location("_lm_make_models_structured", EXAMPLES / "make_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_greedy(engine: TransformersEngine, prompt: str, max_tokens: int) -> list[int]:
+    ids = engine._tokenizer.encode(prompt, add_special_tokens=True)
+    with torch.inference_mode():
+        out = engine._model.generate(
+            torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TransformersEngine]:
+    root = tmp_path_factory.mktemp("tiny-structured") / "models"
+    (root / "tiny-chat").mkdir(parents=True)
+    shutil.copy(EXAMPLES / "models" / "tiny-chat" / "config.yaml", root / "tiny-chat" / "config.yaml")
+    load_make_models().build(["tiny-chat"], root=root)
+    instance = TransformersEngine(
+        ModelRepository(root).spec("tiny-chat"), EngineContext(device="cpu", threads=1)
+    )
+    instance.load()
+    instance.warmup()
+    yield instance
+    instance.unload()
+
+
+def schema_format(schema: Any) -> ResponseFormat:
+    return ResponseFormat(kind="json_schema", schema=json.dumps(schema))
+
+
+def request(
+    request_id: str, response_format: ResponseFormat | None, *, prompt: str = "hello", **params: Any
+) -> GenerationRequest:
+    params.setdefault("max_tokens", 200)
+    params.setdefault("temperature", 0.0)
+    return GenerationRequest(
+        request_id, SamplingParams(**params), prompt=prompt, response_format=response_format
+    )
+
+
+async def reply(engine: TransformersEngine, req: GenerationRequest) -> tuple[str, list[int], GenerationEnd]:
+    text: list[str] = []
+    ids: list[int] = []
+    async with asyncio.timeout(60):
+        async for event in engine.generate(req):
+            if isinstance(event, TokenChunk):
+                text.append(event.text)
+                ids.extend(event.token_ids)
+            else:
+                return "".join(text), ids, event
+    raise AssertionError("the stream ended without a terminal event")
+
+
+@pytest.mark.parametrize("seed", [22])
+async def test_random_schemas_always_give_valid_json(engine: TransformersEngine, seed: int) -> None:
+    """200 seeded random schemas, all submitted at once (the manager runs 32 sequences at a
+    time), greedy or sampled with a seed: every reply ends "stop", parses and validates
+    (about 3 s here, so it stays in the default suite)."""
+    schemas = random_schemas(200, seed=seed)
+    rng = random.Random(seed)
+    temperatures = [rng.choice([0.0, 0.7, 1.0]) for _ in schemas]
+    replies = await asyncio.gather(
+        *(
+            reply(engine, request(f"prop-{i}", schema_format(schema), max_tokens=512, temperature=t, seed=i))
+            for i, (schema, t) in enumerate(zip(schemas, temperatures, strict=True))
+        )
+    )
+    for schema, (text, _, end) in zip(schemas, replies, strict=True):
+        assert end.finish_reason is FinishReason.STOP, (schema, text, end)
+        jsonschema.validate(json.loads(text), schema)
+
+
+async def test_json_object_replies_are_json_objects(engine: TransformersEngine) -> None:
+    replies = await asyncio.gather(
+        *(
+            reply(engine, request(f"obj-{i}", ResponseFormat(kind="json_object"), temperature=t, seed=i))
+            for i, t in enumerate([0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+        )
+    )
+    finished = [text for text, _, end in replies if end.finish_reason is FinishReason.STOP]
+    assert finished, "no json_object reply finished inside max_tokens"
+    for text, _, end in replies:
+        assert text.startswith("{")  # even a reply cut by max_tokens is the start of an object
+        if end.finish_reason is FinishReason.STOP:
+            assert isinstance(json.loads(text), dict)
+
+
+async def test_without_the_grammar_the_same_request_is_not_json(engine: TransformersEngine) -> None:
+    """The grammar is what makes the reply JSON: unconstrained, tiny-chat writes gibberish."""
+    text, _, _ = await reply(engine, request("free", None, max_tokens=24))
+    with pytest.raises(ValueError):
+        json.loads(text)
+    constrained, _, end = await reply(engine, request("bound", schema_format(PERSON), max_tokens=200))
+    assert end.finish_reason is FinishReason.STOP
+    jsonschema.validate(json.loads(constrained), PERSON)
+
+
+async def test_max_tokens_too_small_ends_with_length_and_a_prefix(engine: TransformersEngine) -> None:
+    text, ids, end = await reply(engine, request("short", schema_format(PERSON), max_tokens=3))
+    assert end.finish_reason is FinishReason.LENGTH and len(ids) == 3
+    assert text.startswith('{"')
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ('{"type": "array", "uniqueItems": true}', "uniqueItems"),
+        ('{"type": "strin"}', "strin"),
+        ('{"type": "string", "pattern": "(a"}', "unclosed group"),
+        ('{"$ref": "#/$defs/missing"}', "missing"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "object or a boolean"),
+    ],
+)
+async def test_a_schema_the_library_cannot_compile_is_refused_naming_it(
+    engine: TransformersEngine, schema: str, words: str
+) -> None:
+    before = engine.stats().streams_open
+    with pytest.raises(InvalidArgumentError) as caught:
+        await engine.submit(request("bad-schema", ResponseFormat(kind="json_schema", schema=schema)))
+    assert "response_format.json_schema.schema" in str(caught.value) and words in str(caught.value)
+    assert engine.stats().streams_open == before
+    text, _, _ = await reply(engine, request("after-bad", schema_format(PERSON)))  # still serving
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_unconstrained_batch_mates_are_untouched(engine: TransformersEngine) -> None:
+    """A free sequence decoding beside constrained ones gets exactly its greedy tokens."""
+    expected = await asyncio.to_thread(reference_greedy, engine, "mates", 24)
+    free, *constrained = await asyncio.gather(
+        reply(engine, request("mate-free", None, prompt="mates", max_tokens=24)),
+        *(
+            reply(engine, request(f"mate-{i}", schema_format(PERSON), seed=i, temperature=1.0))
+            for i in range(4)
+        ),
+    )
+    assert free[1] == expected
+    for text, _, end in constrained:
+        assert end.finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_a_preempted_and_resumed_sequence_keeps_its_grammar(engine: TransformersEngine) -> None:
+    long_form = {
+        "type": "array",
+        "items": {"type": "string", "minLength": 4, "maxLength": 6},
+        "minItems": 12,
+        "maxItems": 12,
+    }
+    stream = await engine.submit(request("preempted", schema_format(long_form), temperature=1.0, seed=7))
+    text: list[str] = []
+    async with asyncio.timeout(60):
+        async for event in stream:
+            if isinstance(event, TokenChunk):
+                text.append(event.text)
+                if len(text) == 4:
+                    assert engine.preempt("preempted")
+                    await asyncio.sleep(0.05)
+                    assert engine.resume("preempted")
+            else:
+                end = event
+    assert end.finish_reason is FinishReason.STOP and end.preemptions == 1
+    value = json.loads("".join(text))
+    jsonschema.validate(value, long_form)
+
+
+def test_a_manager_that_cannot_take_a_grammar_refuses_response_format(engine: TransformersEngine) -> None:
+    """Async batching (the next step prepared before this one's token is known) and CUDA
+    graphs (a replayed, stale mask) are GPU choices of the manager; with either, a
+    response_format is refused instead of being enforced wrongly. The CPU manager has neither."""
+    assert grammar.refusal(engine._manager.continuous_batching_config) is None
+    assert "asynchronous" in str(grammar.refusal(ContinuousBatchingConfig(use_async_batching=True)))
+    graphs = ContinuousBatchingConfig(use_async_batching=False, use_cuda_graph=True)
+    assert "CUDA graphs" in str(grammar.refusal(graphs))
+    refusing = grammar.JsonGrammars(engine._tokenizer, vocab_size=1024, eos_ids=[2], refused="reason")
+    with pytest.raises(InvalidArgumentError, match="response_format: not available on this model: reason"):
+        refusing.constraint(ResponseFormat(kind="json_object"))
