@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadmaster.scheduler.config import ModelPolicy
 from loadmaster.scheduler.domain import Grant, OverflowPolicy, Reject, RequestInfo, SlotState
 from loadmaster.scheduler.strategies import BatchRule, make_ordering
@@ -80,12 +82,14 @@ def test_silent_client_disconnects_once_and_loses_queued(make_harness: MakeHarne
     h.check()
 
 
-def test_a_waiting_openai_client_is_not_silent(make_harness: MakeHarness) -> None:
-    """The OpenAI front end watches its clients' connections: a generation that waits long in
-    the queue is not dropped for silence."""
+@pytest.mark.parametrize("client_type", ["openai", "kserve"])
+def test_a_waiting_connection_bound_client_is_not_silent(make_harness: MakeHarness, client_type: str) -> None:
+    """The OpenAI, KServe HTTP and gRPC front ends watch their clients' connections: a request
+    that waits long in the queue (a cold load, the VRAM gate) is not dropped for silence."""
     h = make_harness(disconnect_timeout_s=2.0, request_ttl_ms=60_000.0)
     h.worker("w", ["m"], ready=["m"])
-    h.enqueue_batch([_info("c1", "chat", client_type="openai"), _info("c2", "chat", client_type="openai")])
+    bound = {"client_type": client_type, "connection_bound": True}
+    h.enqueue_batch([_info("c1", "chat", **bound), _info("c2", "chat", **bound)])
     h.advance(5.0)
     assert _rejects(h, errors_pb2.ERROR_CODE_CANCELLED) == [] and h.core.active_clients == 0
     h.complete("c1")

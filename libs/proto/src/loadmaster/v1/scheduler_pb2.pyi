@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "client_id", "model_id", "priority", "urgency", "steps_remaining", "received_unix_ns", "timeout_ms", "payload_bytes", "client_type", "trace_context", "credit_id", "affinity_key")
+    __slots__ = ("request_id", "client_id", "model_id", "priority", "urgency", "steps_remaining", "received_unix_ns", "timeout_ms", "payload_bytes", "client_type", "trace_context", "credit_id", "affinity_key", "connection_bound")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class RequestInfo(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
     AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    CONNECTION_BOUND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     client_id: str
     model_id: str
@@ -43,7 +44,8 @@ class RequestInfo(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     credit_id: str
     affinity_key: str
-    def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., urgency: _Optional[float] = ..., steps_remaining: _Optional[int] = ..., received_unix_ns: _Optional[int] = ..., timeout_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., client_type: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., credit_id: _Optional[str] = ..., affinity_key: _Optional[str] = ...) -> None: ...
+    connection_bound: bool
+    def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., urgency: _Optional[float] = ..., steps_remaining: _Optional[int] = ..., received_unix_ns: _Optional[int] = ..., timeout_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., client_type: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., credit_id: _Optional[str] = ..., affinity_key: _Optional[str] = ..., connection_bound: _Optional[bool] = ...) -> None: ...
 
 class Enqueue(_message.Message):
     __slots__ = ("request",)

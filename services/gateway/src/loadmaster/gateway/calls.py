@@ -22,6 +22,9 @@ class InferenceCall:
     inputs: Sequence[tensor_pb2.Tensor]
     payload: Any  # zmq.Frame, bytes or memoryview; forwarded to the worker without copying
     client_type: str = ""
+    # The front end holds a connection for the call and cancels it when that goes (KServe
+    # HTTP and gRPC, the image API): the scheduler never drops it for a silent client.
+    connection_bound: bool = False
     priority: int = 1
     urgency: float = 0.0
     steps_remaining: int | None = None

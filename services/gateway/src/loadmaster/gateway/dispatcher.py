@@ -214,6 +214,7 @@ class Dispatcher:
             timeout_ms=call.timeout_ms,
             payload_bytes=len(call.payload),
             client_type=call.client_type,
+            connection_bound=call.connection_bound,
             credit_id=credit_id,
         )
         if span.is_recording():

@@ -160,6 +160,7 @@ class GenerationStreams:
                 timeout_ms=request.deadline_ms or 0.0,
                 payload_bytes=message.ByteSize(),
                 client_type="openai",
+                connection_bound=True,  # the stream is cancelled when its HTTP client goes
                 affinity_key=prefix_affinity_key(request),
             )
         )

@@ -63,7 +63,6 @@ _OK = errors_pb2.ERROR_CODE_UNSPECIFIED
 _MAX_REPORT_WAIT_S = 1.0  # the most a late credit-run report moves its arrival back
 _UNAVAILABLE = errors_pb2.ERROR_CODE_UNAVAILABLE
 _CANCELLED = errors_pb2.ERROR_CODE_CANCELLED
-_CONNECTED_CLIENT_TYPES = frozenset({"openai"})  # no cadence, no silence timeout (see enqueue)
 
 
 class SchedulerCore:
@@ -339,10 +338,11 @@ class SchedulerCore:
         backlog = 0
         if client_id:
             arrived = now if credit_id is None else self._reached_gateway(info, now)
-            # A front end that holds its client's connection (the OpenAI API) cancels what a
-            # gone client left, and such a client waits for its answer instead of sending at
-            # a cadence: a generation queued behind long ones is not silence.
-            if info.client_type not in _CONNECTED_CLIENT_TYPES:
+            # A front end that holds its client's connection (HTTP, gRPC, the OpenAI API:
+            # `connection_bound`) cancels what a gone client left, and such a client waits for
+            # its answer instead of sending at a cadence: a request queued behind a cold load
+            # or the VRAM gate is not silence. Only edge clients are tracked.
+            if not info.connection_bound:
                 if self._clients.observe(client_id, arrived):
                     self._telemetry.record("active_clients", self._clients.active)
                 cadence_ms = self._clients.cadence_ms(client_id)

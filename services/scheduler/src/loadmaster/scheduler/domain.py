@@ -83,6 +83,7 @@ class RequestInfo:
     client_type: str = ""
     trace_context: dict[str, str] | None = None  # set only while tracing
     affinity_key: str = ""  # requests with the same key favour the same worker (placement.py)
+    connection_bound: bool = False  # its front end cancels it when the connection goes
 
 
 @dataclass(slots=True)  # hot path: not frozen (see the module docstring)

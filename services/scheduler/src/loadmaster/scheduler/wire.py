@@ -67,6 +67,7 @@ def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
         client_type=pb.client_type,
         trace_context=dict(pb.trace_context) if pb.trace_context else None,
         affinity_key=pb.affinity_key,
+        connection_bound=pb.connection_bound,
     )
 
 

@@ -240,6 +240,7 @@ def build_call(
         request_id=request_id,
         client_id=client_id,
         client_type="kserve",
+        connection_bound=True,  # the HTTP and gRPC front ends cancel it when the client goes
         model_id=model_id,
         inputs=descriptors,
         payload=payload,
