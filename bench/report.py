@@ -67,7 +67,8 @@ def _scenario_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def render() -> str:
-    results = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
+    # A result names its benchmark; one written without the harness is named after its file.
+    results = [{"benchmark": path.stem, **json.loads(path.read_text())} for path in sorted(RESULTS.glob("*.json"))]
     lines = ["# Benchmark results", ""]
     if results:
         machine = results[-1].get("machine", {})

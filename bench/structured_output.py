@@ -145,5 +145,6 @@ if __name__ == "__main__":
             f"  concurrency {concurrency:>2}: free {free:7.0f}  json_schema {bound:7.0f}  ({bound / free:.0%})"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results = {"benchmark": "structured_output", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results}
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
