@@ -18,9 +18,6 @@ from tritonclient.utils import InferenceServerException
 from loadmaster.cli.launcher import Suite
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-# Backends whose models are served on the OpenAI API (generation), not on ModelInfer.
-GENERATIVE_PLATFORMS = {"transformers", "openai_process", "diffusers"}
-
 
 @pytest.fixture()
 def client(suite: Suite) -> Iterator[triton.InferenceServerClient]:
@@ -68,17 +65,30 @@ def test_model_metadata_and_config(client: triton.InferenceServerClient) -> None
     assert "no-such-model" in raised.value.message()
 
 
-def test_every_tensor_model_reports_its_inputs_and_outputs(client: triton.InferenceServerClient) -> None:
-    # A generic KServe client or perf tool discovers every model's tensors. Generative models
-    # (served on the OpenAI API, not ModelInfer) are the documented exception.
+def test_every_model_reports_its_inputs_and_outputs(client: triton.InferenceServerClient) -> None:
+    # A generic KServe client or perf tool discovers every model's tensors: language models
+    # describe text_input / text_output (kserve_generative.py), images their tensors.
     index = client.get_model_repository_index(as_json=True)["models"]
     names = [m["name"] for m in index]
-    assert "double" in names and "echo" in names
+    assert {"double", "echo", "tiny-chat", "tiny-diffusion"} <= set(names)
     for name in names:
         metadata = client.get_model_metadata(name, as_json=True)
-        if metadata["platform"] in GENERATIVE_PLATFORMS:
-            continue
         assert metadata.get("inputs") and metadata.get("outputs"), name
+    chat = client.get_model_metadata("tiny-chat", as_json=True)
+    assert chat["inputs"][0] == {"name": "text_input", "datatype": "BYTES", "shape": ["1"]}
+    assert chat["outputs"] == [{"name": "text_output", "datatype": "BYTES", "shape": ["1"]}]
+
+
+def test_model_infer_on_a_language_model_generates_text(client: triton.InferenceServerClient) -> None:
+    prompt = triton.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"once upon a time"], dtype=object))
+    max_tokens = triton.InferInput("max_tokens", [1], "INT32")
+    max_tokens.set_data_from_numpy(np.array([5], dtype=np.int32))
+    result = client.infer("tiny-chat", [prompt, max_tokens], client_timeout=120)
+    (text,) = result.as_numpy("text_output").tolist()
+    assert isinstance(text, bytes) and text.decode()  # five tokens of tiny-chat's random words
+    again = client.infer("tiny-chat", [prompt, max_tokens], client_timeout=120)
+    assert again.as_numpy("text_output").tolist() == [text]  # greedy by default: the same words
 
 
 def test_model_metadata_lists_the_declared_inputs_and_outputs(client: triton.InferenceServerClient) -> None:

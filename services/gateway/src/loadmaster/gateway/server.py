@@ -27,10 +27,12 @@ from loadmaster.gateway.frontends.grpc import (
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
+from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.guardrails import Guardrails
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageGenerator
 from loadmaster.gateway.jobs import RedisJobStore
+from loadmaster.gateway.kserve_generative import GenerativeKServe
 from loadmaster.gateway.kserve_protocol import SERVICE_NAME as KSERVE_SERVICE_NAME
 from loadmaster.gateway.kserve_protocol import inference_pb2_grpc
 from loadmaster.gateway.ladders import ladders_from
@@ -129,6 +131,10 @@ class Gateway:
             self.auth,
             settings.gateway.limits,
             gateway_id=self.gateway_id,
+            generative=GenerativeKServe(
+                GenerationPort(self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)),
+                self.catalog.models,
+            ),
         )
         images = settings.gateway.images
         self.images = ImageGenerator(

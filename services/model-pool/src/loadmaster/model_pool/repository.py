@@ -73,6 +73,7 @@ DTYPES: dict[str, np.dtype] = {
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
     "bool": np.dtype(np.bool_),
+    "bytes": np.dtype(object),  # KServe BYTES: each element a byte string
 }
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # A model's category when its config names none (every other backend: "other"). The category
@@ -92,7 +93,7 @@ class TensorSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
-    dtype: Literal["float16", "float32", "float64", "bfloat16", "uint8", "int32", "int64", "bool"]
+    dtype: Literal["float16", "float32", "float64", "bfloat16", "uint8", "int32", "int64", "bool", "bytes"]
     shape: tuple[int, ...] | None = None  # None = any shape; -1 = any size on that axis
 
     @field_validator("shape")
@@ -420,5 +421,8 @@ def zeros_for(specs: Sequence[TensorSpec]) -> dict[str, np.ndarray] | None:
         shape = tuple(1 if dim == -1 else dim for dim in spec.shape)
         if math.prod(shape) > (64 << 20):
             return None
-        out[spec.name] = np.zeros(shape, dtype=spec.numpy_dtype)
+        if spec.dtype == "bytes":
+            out[spec.name] = np.full(shape, b"", dtype=object)  # empty byte strings
+        else:
+            out[spec.name] = np.zeros(shape, dtype=spec.numpy_dtype)
     return out

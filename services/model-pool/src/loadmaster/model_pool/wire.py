@@ -244,6 +244,7 @@ _SPEC_DTYPES = {
     "int32": tensor_pb2.DTYPE_INT32,
     "int64": tensor_pb2.DTYPE_INT64,
     "bool": tensor_pb2.DTYPE_BOOL,
+    "bytes": tensor_pb2.DTYPE_BYTES,
 }
 
 

@@ -49,6 +49,7 @@ from loadmaster.gateway.frontends.kserve import (
     parse_timeout_ms,
     tensor_metadata,
 )
+from loadmaster.gateway.kserve_generative import GenerativeKServe, with_generative_tensors
 from loadmaster.gateway.kserve_protocol import inference_pb2, inference_pb2_grpc, model_config_pb2
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
@@ -214,8 +215,10 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         limits: LimitsSettings,
         *,
         gateway_id: str,
+        generative: GenerativeKServe | None = None,
     ) -> None:
         self._dispatcher = dispatcher
+        self._generative = generative
         self._catalog = catalog
         self._statistics = statistics
         self._readiness = readiness
@@ -249,7 +252,7 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
         await self._auth.authenticate(_token(context), INFER)
         _check_version(request.name, request.version)
         view = await self._catalog.model(request.name)
-        signature = await self._catalog.signature(request.name)
+        signature = with_generative_tensors(view, await self._catalog.signature(request.name))
 
         def listed(specs: Any) -> list[Any]:
             return [
@@ -419,7 +422,10 @@ class KServeGrpcServicer(inference_pb2_grpc.GRPCInferenceServiceServicer):
             call = await off_loop(self._call, request, raw, client=client, deadline_s=deadline_s)
         else:
             call = self._call(request, raw, client=client, deadline_s=deadline_s)
-        result = await dispatch(self._dispatcher, call)
+        if self._generative is not None:  # text_input for a generative model: a generation
+            result = await self._generative.answer(self._dispatcher, call)
+        else:
+            result = await dispatch(self._dispatcher, call)
         outputs = outputs_of(result, [output.name for output in request.outputs])
         Output = inference_pb2.ModelInferResponse.InferOutputTensor  # noqa: N806
         return inference_pb2.ModelInferResponse(

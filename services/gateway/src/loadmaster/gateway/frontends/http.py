@@ -58,7 +58,6 @@ from loadmaster.gateway.frontends.kserve import (
     SERVER_VERSION,
     build_call,
     check_parameters,
-    dispatch,
     outputs_of,
     parse_priority,
     parse_timeout_ms,
@@ -66,6 +65,7 @@ from loadmaster.gateway.frontends.kserve import (
 )
 from loadmaster.gateway.frontends.openai import RequestPolicy, openai_routes
 from loadmaster.gateway.generations import GenerationPort
+from loadmaster.gateway.kserve_generative import GenerativeKServe, with_generative_tensors
 from loadmaster.gateway.ladders import Ladder
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
@@ -161,6 +161,8 @@ def build_app(
 ) -> Starlette:
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
+    generations = GenerationPort(dispatcher.generations, catalog.models, ladders=ladders)
+    generative = GenerativeKServe(generations, catalog.models)  # KServe text_input on LLMs
 
     async def read_body(request: Request, limit: int) -> bytes | memoryview:
         return await _read_body(request, limit, timeout_s=limits.http_body_timeout_s)
@@ -201,7 +203,7 @@ def build_app(
     async def model_metadata(request: Request) -> Response:
         await authorize(request, INFER)
         view = await catalog.model(request.path_params["model"])
-        signature = await catalog.signature(view.name)
+        signature = with_generative_tensors(view, await catalog.signature(view.name))
 
         def listed(specs: Any) -> list[dict[str, Any]]:
             return [
@@ -305,7 +307,7 @@ def build_app(
         else:
             parsed, call = prepare(body, header_length, **ids_and_client)
         del body  # the call holds what it needs: a refused request's buffers go with its reply
-        work = asyncio.ensure_future(dispatch(dispatcher, call))
+        work = asyncio.ensure_future(generative.answer(dispatcher, call))  # tensors, or text_input
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -376,7 +378,6 @@ def build_app(
             route(prefix + "/stats", model_stats),
             route(prefix + "/infer", infer, ("POST",)),
         ]
-    generations = GenerationPort(dispatcher.generations, catalog.models, ladders=ladders)
     routes += openai_routes(generations, auth, gateway_id=gateway_id, policy=policy)
     routes += extra_routes  # the image API (frontends/openai_images.py), wired in server.py
     return Starlette(routes=routes)
