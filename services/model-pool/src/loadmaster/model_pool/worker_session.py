@@ -48,7 +48,7 @@ class WorkerSession:
         identity: WorkerIdentity,
         clock: Clock | None = None,
         min_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
+        max_backoff_s: float = 1.0,  # a standby scheduler that took over is found within a second
         stable_after_s: float = 5.0,
     ) -> None:
         self._address = address
