@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -273,7 +274,10 @@ async def serve_as_leader(
         clock=clock,
     )
     try:
-        lease = await election.acquire()
+        lease = await _acquire_unless_stopped(election)
+        if lease is None:
+            log.info("stopped while standing by")
+            return
         server = build(settings)
         holding = asyncio.create_task(election.hold(lease), name="leader-lease")
         serving = asyncio.create_task(server.run(), name="scheduler-server")
@@ -292,3 +296,19 @@ async def serve_as_leader(
         await store.close()
     if lost:
         raise LeadershipLostError(f"leader lease token {lease.token} lost")
+
+
+async def _acquire_unless_stopped(election: LeaderElection) -> Leadership | None:
+    """`election.acquire()`, or None on SIGTERM/SIGINT while standing by (nothing to drain)."""
+    acquiring = asyncio.create_task(election.acquire(), name="leader-lease-acquire")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(sig, acquiring.cancel)
+    try:
+        return await acquiring
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if acquiring.cancelled() and (current is None or current.cancelling() == 0):
+            return None
+        raise
