@@ -259,6 +259,10 @@ async def serve_as_leader(
         raise FailedPreconditionError(
             "scheduler.leader_lease.enabled: needs redis_url (the lease lives in Redis)"
         )
+    if settings.scheduler.listen is None and "," in settings.scheduler.address:
+        raise FailedPreconditionError(
+            "scheduler.listen: needed when scheduler.address lists several schedulers (this one's own)"
+        )
     store = RedisLeaderStore.connect(
         settings.redis_url,
         key_prefix=lease_settings.key_prefix,
