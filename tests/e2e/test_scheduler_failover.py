@@ -3,8 +3,9 @@
 Two schedulers share the leader lease in the embedded Redis; a gateway, a model-pool and a
 gpu-broker reach them through one gRPC target listing both. A client sends requests one after
 another through the edge while the leader is killed with SIGKILL: every request gets a reply
-(errors are replies, and must be retryable `unavailable`), the standby takes the lease and
-serves within 5 s of the kill, and the worker keeps its loaded model (same generation).
+(errors are replies, and must be retryable `unavailable`); while no scheduler leads, the
+gateway serves every request on its last shares (dispatch credits); the standby takes the lease
+and serves within 5 s of the kill, and the worker keeps its loaded model (same generation).
 """
 
 from __future__ import annotations
@@ -197,7 +198,13 @@ def test_killing_the_leader_under_load_fails_over_within_5s(suite: tuple[Suite, 
         + (f" (sent {errors[0].sent - killed:.2f}..{errors[-1].sent - killed:.2f})" if errors else "")
         + f", {len(missing)} without a reply"
     )
+    leaderless = [r for r in after if killed + 0.2 <= r.sent <= killed + lease_taken_s]
     assert not missing, f"{len(missing)} requests got no reply"
+    assert leaderless, "no request was sent while no scheduler led"
+    failed = [r for r in leaderless if r.error is not None]
+    assert not failed, (
+        f"{len(failed)} of {len(leaderless)} failed while no scheduler led: the gateway's shares serve"
+    )
     assert all(isinstance(r.error, UnavailableError) for r in errors), {type(r.error) for r in errors}
     assert lease_taken_s < FAILOVER_LIMIT_S
     assert standby_serving_s < FAILOVER_LIMIT_S
