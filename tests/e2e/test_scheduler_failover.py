@@ -163,7 +163,10 @@ def test_killing_the_leader_under_load_fails_over_within_5s(suite: tuple[Suite, 
     load = threading.Thread(target=_load, args=(running.settings.gateway.edge.bind, stop, replies))
     load.start()
     try:
-        time.sleep(1.0)  # steady state first
+        for _ in range(200):  # steady state first: 50 replies, within 20 s
+            if len(replies) >= 50:
+                break
+            time.sleep(0.1)
         assert replies and all(r.error is None for r in replies), "errors before the kill"
         killed, killed_unix = time.monotonic(), time.time()
         os.killpg(leader.process.pid, signal.SIGKILL)
