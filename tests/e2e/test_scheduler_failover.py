@@ -188,7 +188,7 @@ def test_killing_the_leader_under_load_fails_over_within_5s(suite: tuple[Suite, 
     missing = [r for r in replies if isinstance(r.error, NoReplyError)]
     first_error = min((r.sent for r in errors), default=None)
     if first_error is None:
-        restored_s = 0.0  # no request failed at all
+        restored_s = 0.0  # no request failed at all: service never stopped
     else:
         restored = [r for r in after if r.error is None and r.sent > first_error]
         assert restored, "no request succeeded after the kill"
@@ -209,6 +209,7 @@ def test_killing_the_leader_under_load_fails_over_within_5s(suite: tuple[Suite, 
         f"{len(failed)} of {len(leaderless)} failed while no scheduler led: the gateway's shares serve"
     )
     assert all(isinstance(r.error, UnavailableError) for r in errors), {type(r.error) for r in errors}
+    assert len(errors) <= 0.05 * len(after), f"{len(errors)} of {len(after)} failed: too many"
     assert lease_taken_s < FAILOVER_LIMIT_S
     assert standby_serving_s < FAILOVER_LIMIT_S
     assert max(gateway_back_s, worker_back_s) < FAILOVER_LIMIT_S

@@ -131,6 +131,9 @@ class Dispatcher:
         self._credits: dict[str, _Credit] = {}
         # model -> idle credits, the longest idle first (rotating spreads calls over them)
         self._idle_credits: dict[str, list[_Credit]] = {}
+        # The last scheduler session that granted or lent anything: until the current one has,
+        # its scheduler may know no worker yet, and the credits of the session before still serve.
+        self._heard_session = 0
         # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
@@ -200,10 +203,13 @@ class Dispatcher:
             call, on_result, span=span, session=self._scheduler.session
         )
         credit_id = ""
+        earlier = False  # on an earlier session's share: this session's scheduler never hears of it
         credit = self._idle_credit(call.model_id)
         if credit is not None and self._run_on_credit(pending, credit):  # the worker first
             credit_id = credit.credit_id
-        if not connected:  # served on the lost scheduler's share, or not at all
+            earlier = credit.session != self._scheduler.session
+            pending.session = credit.session
+        if not connected or earlier:  # served on the lost scheduler's share, or not at all
             if not credit_id:
                 self._finish(
                     pending, self._failed(call, UnavailableError("scheduler unreachable; try again shortly"))
@@ -246,6 +252,7 @@ class Dispatcher:
     # -- scheduler callbacks -------------------------------------------------------------
 
     def on_grant(self, grant: scheduler_pb2.Grant) -> None:
+        self._heard_session = self._scheduler.session
         if self.generations.on_grant(grant):
             return
         pending = self._pending.get(grant.request_id)
@@ -280,6 +287,7 @@ class Dispatcher:
         self._release_credit(pending)
 
     def on_credit(self, credit: scheduler_pb2.Credit) -> None:
+        self._heard_session = self._scheduler.session
         lent = _Credit(
             credit_id=credit.credit_id,
             model_id=credit.model_id,
@@ -304,9 +312,10 @@ class Dispatcher:
 
     def on_scheduler_lost(self) -> None:
         """Calls still waiting for a grant will never get one: answer them now. The lost
-        session's credits stay usable until a session opens again (the scheduler is away, its
-        workers may not be: docs/deploy.md, "Scheduler failover"); the next session drops them
-        unreturned, since its scheduler (perhaps a standby that took over) never lent them."""
+        session's credits stay usable while no scheduler serves (the scheduler is away, its
+        workers may not be: docs/deploy.md, "Scheduler failover"), until the next session first
+        grants or lends something; then they are dropped unreturned, since its scheduler
+        (perhaps a standby that took over) never lent them."""
         self.generations.on_scheduler_lost()
         waiting = [p for p in self._pending.values() if not p.worker_id]
         for pending in waiting:
@@ -487,12 +496,17 @@ class Dispatcher:
             self._idle_credits[credit.model_id].append(credit)
 
     def _idle_credit(self, model_id: str) -> _Credit | None:
-        """An idle credit for `model_id` (the longest idle), dropping those an earlier session lent."""
+        """An idle credit for `model_id` (the longest idle), dropping those an earlier session
+        lent once the current session has granted or lent anything."""
         idle = self._idle_credits.get(model_id)
         scheduler = self._scheduler
         while idle:
             credit = idle.pop(0)
-            if not scheduler.connected or credit.session == scheduler.session:
+            if (
+                not scheduler.connected
+                or credit.session == scheduler.session
+                or self._heard_session != scheduler.session
+            ):
                 return credit
             self._credits.pop(credit.credit_id, None)
         return None
