@@ -1,5 +1,6 @@
-"""Kill and restart the scheduler: the gateway answers `unavailable` within 1 s meanwhile,
-reconnects by itself, and serves again without being restarted."""
+"""Kill and restart the scheduler: meanwhile the gateway serves on its last shares (dispatch
+credits) and answers `unavailable` within 1 s what they cannot serve; it reconnects by itself
+and serves again without being restarted."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def test_gateway_survives_a_scheduler_restart(make_suite) -> None:
         killed_at = time.monotonic()
         time.sleep(0.2)
         started = time.monotonic()
-        down = _ask(model, 2.0)
+        down = _ask(model, 2.0)  # served on the gateway's last share (docs/deploy.md, "Scheduler failover")
+        assert down["x"][0] == 4.0, down
+        unshared = conn.model("echo")  # no share of this one: nothing can serve it meanwhile
+        down = _ask(unshared, 2.0)
         assert down.get("error_code") == "unavailable", down
         assert time.monotonic() - started < 1.0
         assert time.monotonic() - killed_at < 1.5

@@ -325,16 +325,67 @@ async def test_an_unreachable_credit_worker_falls_back_to_the_scheduler(parts) -
     assert results == []
 
 
-async def test_losing_the_scheduler_voids_credits_but_running_calls_still_finish(parts) -> None:
+async def test_a_new_scheduler_session_voids_credits_but_running_calls_still_finish(parts) -> None:
     dispatcher, scheduler, _workers, results = parts
     dispatcher.on_credit(_credit())
     dispatcher.submit(_call("r1"), results.append)
     dispatcher.on_scheduler_lost()
     assert results == []  # it is running on the worker, not waiting for a grant
+    scheduler.session = 2  # a session to a scheduler (perhaps another one) opened meanwhile ...
+    echo = _credit("e1")
+    echo.model_id = "echo"
+    dispatcher.on_credit(echo)  # ... and its scheduler knows a worker
     dispatcher.on_worker_reply(_ok("r1"), b"")
     assert results[0].ok and scheduler.returned == []
     dispatcher.submit(_call("r2"), results.append)
     assert scheduler.enqueued[-1].credit_id == ""  # the old session's credit is gone
+    assert scheduler.returned == []  # and never returned to a scheduler that did not lend it
+
+
+async def test_while_the_scheduler_is_away_calls_run_on_the_lost_session_s_credits(parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.on_scheduler_lost()
+    scheduler.connected = False
+    dispatcher.submit(_call("r1"), results.append)
+    assert [request.request_id for _, request in workers.sent] == ["r1"]  # straight to the worker
+    assert scheduler.enqueued == []
+    dispatcher.submit(_call("r2"), results.append)  # the share is busy: no other way to serve it
+    assert [(r.request_id, r.error.edge_code) for r in results if r.error] == [("r2", "unavailable")]
+    dispatcher.on_worker_reply(_ok("r1"), b"out")
+    assert [r.request_id for r in results if r.ok] == ["r1"]
+    dispatcher.submit(_call("r3"), results.append)  # the credit is idle again: reused
+    dispatcher.on_worker_reply(_ok("r3"), b"out")
+    assert [r.request_id for r in results if r.ok] == ["r1", "r3"]
+    other = InferenceCall(request_id="r4", client_id="c", model_id="echo", inputs=[], payload=b"")
+    dispatcher.submit(other, results.append)  # no share of that model
+    assert results[-1].request_id == "r4" and results[-1].error.edge_code == "unavailable"
+
+    scheduler.connected, scheduler.session = True, 2  # the standby took over; no worker yet
+    dispatcher.submit(_call("r5"), results.append)  # still on the old share, unreported
+    assert workers.sent[-1][1].request_id == "r5" and scheduler.enqueued == []
+    dispatcher.on_worker_reply(_ok("r5"), b"out")
+    assert results[-1].request_id == "r5" and results[-1].ok
+    dispatcher.on_credit(_credit("n1"))  # the new leader knows the worker and lends its own
+    dispatcher.submit(_call("r6"), results.append)
+    assert [(e.request_id, e.credit_id) for e in scheduler.enqueued] == [("r6", "n1")]
+    dispatcher.on_worker_reply(_ok("r6"), b"out")
+    dispatcher.submit(_call("r7"), results.append)  # n1 runs r7; c1 was dropped, not used
+    dispatcher.submit(_call("r8"), results.append)
+    assert [(e.request_id, e.credit_id) for e in scheduler.enqueued[1:]] == [("r7", "n1"), ("r8", "")]
+    assert scheduler.returned == []  # c1 never goes back to a scheduler that did not lend it
+
+
+async def test_a_call_on_an_earlier_session_s_share_is_answered_when_its_worker_dies(parts) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.on_scheduler_lost()
+    scheduler.session = 2  # reconnected; the new scheduler has granted nothing yet
+    dispatcher.submit(_call("r1"), results.append)  # on c1, which the new scheduler never lent
+    dispatcher.on_worker_lost("tcp://w1")
+    # The new scheduler never heard of r1 and will not re-grant it: answered now, not left hanging.
+    assert [(r.request_id, r.error.edge_code) for r in results if r.error] == [("r1", "unavailable")]
+    assert dispatcher.inflight == 0
 
 
 async def test_a_lost_worker_s_calls_wait_for_the_scheduler_s_regrant(parts, clock) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "GuardrailSettings",
     "ImagesSettings",
     "InternalAuthSettings",
+    "LeaderLeaseSettings",
     "LeaseTiming",
     "LimitsSettings",
     "MetricsSettings",
@@ -346,6 +347,26 @@ class BatchSettings(_Section):
     max_wait_ms: float = Field(default=5.0, ge=0)
 
 
+class LeaderLeaseSettings(_Section):
+    """Scheduler failover (docs/deploy.md, "Scheduler failover"): with `enabled`, a scheduler
+    serves only while it holds the leader lease in Redis (`redis_url`); a standby waits, polling
+    every `poll_interval_ms`, and takes over once the leader's lease lapses (`ttl_ms` after its
+    last renewal, at worst). Clients list every scheduler in `scheduler.address` as one gRPC
+    target (`ipv4:10.0.0.1:50051,10.0.0.2:50051`); each scheduler binds its own `listen`."""
+
+    enabled: bool = False
+    ttl_ms: int = Field(default=2000, ge=100)
+    renew_interval_ms: int = Field(default=500, gt=0)
+    poll_interval_ms: int = Field(default=250, gt=0)
+    key_prefix: str = "loadmaster:scheduler"
+
+    @model_validator(mode="after")
+    def _renew_well_within_ttl(self) -> LeaderLeaseSettings:
+        if self.renew_interval_ms * 2 > self.ttl_ms:
+            raise ValueError("renew_interval_ms: at most half of ttl_ms (one lost renewal must not end it)")
+        return self
+
+
 class SchedulerSettings(ServiceEndpoint):
     address: str = "127.0.0.1:50051"
     # model_deadline | deadline_aware | tiered_deadline | batch_optimized | priority_tiered | round_robin
@@ -378,6 +399,7 @@ class SchedulerSettings(ServiceEndpoint):
     # VRAM gate (docs/vram-gate.md): requests for a model whose load found no GPU memory wait
     # in the queue; the load is tried again this often (and whenever a worker frees memory).
     vram_gate_retry_ms: float = Field(default=1000.0, gt=0)
+    leader_lease: LeaderLeaseSettings = LeaderLeaseSettings()  # failover to a standby scheduler
 
 
 class ModelPoolSettings(ServiceEndpoint):

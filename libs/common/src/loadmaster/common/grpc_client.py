@@ -12,7 +12,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loadmaster.common import internal_auth, tracing
 from loadmaster.common.grpc_server import GRPC_OPTIONS
 
-__all__ = ["CLIENT_OPTIONS", "aio_channel", "check_health", "wait_for_health", "wait_for_health_sync"]
+__all__ = [
+    "CLIENT_OPTIONS",
+    "FRESH_CONNECT_OPTIONS",
+    "aio_channel",
+    "check_health",
+    "wait_for_health",
+    "wait_for_health_sync",
+]
 
 
 # Internal peers restart (deploys, crashes): reconnect within a second or two of their return
@@ -25,12 +32,19 @@ CLIENT_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    """A channel with the suite's options; traced when tracing is on (`loadmaster.common.tracing`);
-    its calls carry this process's internal credential when it has one (`internal_auth`)."""
+# For a channel made afresh at each reconnect (the scheduler sessions): its own subchannels,
+# so it tries every address of its target at once instead of inheriting the reconnect backoff
+# (up to max_reconnect_backoff_ms) of the process-wide subchannel an earlier channel left.
+FRESH_CONNECT_OPTIONS: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
+
+
+def aio_channel(address: str, *, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
+    """A channel with the suite's options (and `options`); traced when tracing is on
+    (`loadmaster.common.tracing`); its calls carry this process's internal credential when it
+    has one (`internal_auth`)."""
     return grpc.aio.insecure_channel(
         address,
-        options=CLIENT_OPTIONS,
+        options=[*CLIENT_OPTIONS, *(options or [])],
         interceptors=[*tracing.client_interceptors(), *internal_auth.client_interceptors()],
     )
 

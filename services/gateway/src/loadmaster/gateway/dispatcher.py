@@ -103,6 +103,7 @@ class _Credit:
     request_ttl_ms: float
     running: str | None = None  # request id
     revoked: bool = False
+    session: int = 0  # the scheduler session that lent it
 
 
 class Dispatcher:
@@ -130,6 +131,9 @@ class Dispatcher:
         self._credits: dict[str, _Credit] = {}
         # model -> idle credits, the longest idle first (rotating spreads calls over them)
         self._idle_credits: dict[str, list[_Credit]] = {}
+        # The last scheduler session that granted or lent anything: until the current one has,
+        # its scheduler may know no worker yet, and the credits of the session before still serve.
+        self._heard_session = 0
         # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
@@ -185,7 +189,8 @@ class Dispatcher:
         if self._draining:
             on_result(self._failed(call, UnavailableError("the gateway is shutting down; retry elsewhere")))
             return
-        if not self._scheduler.connected:
+        connected = self._scheduler.connected
+        if not connected and not self._idle_credits.get(call.model_id):
             on_result(self._failed(call, UnavailableError("scheduler unreachable; try again shortly")))
             return
         if call.request_id in self._pending:
@@ -198,11 +203,18 @@ class Dispatcher:
             call, on_result, span=span, session=self._scheduler.session
         )
         credit_id = ""
-        idle = self._idle_credits.get(call.model_id)
-        if idle:  # the worker first; the scheduler hears of it after
-            credit = idle.pop(0)
-            if self._run_on_credit(pending, credit):
-                credit_id = credit.credit_id
+        earlier = False  # on an earlier session's share: this session's scheduler never hears of it
+        credit = self._idle_credit(call.model_id)
+        if credit is not None and self._run_on_credit(pending, credit):  # the worker first
+            credit_id = credit.credit_id
+            earlier = credit.session != self._scheduler.session
+            pending.session = credit.session
+        if not connected or earlier:  # served on the lost scheduler's share, or not at all
+            if not credit_id:
+                self._finish(
+                    pending, self._failed(call, UnavailableError("scheduler unreachable; try again shortly"))
+                )
+            return
         info = scheduler_pb2.RequestInfo(
             request_id=call.request_id,
             client_id=call.client_id,
@@ -241,6 +253,7 @@ class Dispatcher:
     # -- scheduler callbacks -------------------------------------------------------------
 
     def on_grant(self, grant: scheduler_pb2.Grant) -> None:
+        self._heard_session = self._scheduler.session
         if self.generations.on_grant(grant):
             return
         pending = self._pending.get(grant.request_id)
@@ -275,6 +288,7 @@ class Dispatcher:
         self._release_credit(pending)
 
     def on_credit(self, credit: scheduler_pb2.Credit) -> None:
+        self._heard_session = self._scheduler.session
         lent = _Credit(
             credit_id=credit.credit_id,
             model_id=credit.model_id,
@@ -282,6 +296,7 @@ class Dispatcher:
             data_endpoint=credit.data_endpoint,
             generation=credit.generation,
             request_ttl_ms=credit.request_ttl_ms,
+            session=self._scheduler.session,
         )
         self._credits[lent.credit_id] = lent
         self._idle_credits.setdefault(lent.model_id, []).append(lent)
@@ -298,12 +313,11 @@ class Dispatcher:
 
     def on_scheduler_lost(self) -> None:
         """Calls still waiting for a grant will never get one: answer them now. The lost
-        session's credits are void (calls running on them still get their replies)."""
+        session's credits stay usable while no scheduler serves (the scheduler is away, its
+        workers may not be: docs/deploy.md, "Scheduler failover"), until the next session first
+        grants or lends something; then they are dropped unreturned, since its scheduler
+        (perhaps a standby that took over) never lent them."""
         self.generations.on_scheduler_lost()
-        self._credits.clear()
-        self._idle_credits.clear()
-        for pending in self._pending.values():
-            pending.credit = None
         waiting = [p for p in self._pending.values() if not p.worker_id]
         for pending in waiting:
             self._finish(pending, self._failed(pending.call, UnavailableError("scheduler connection lost")))
@@ -482,8 +496,27 @@ class Dispatcher:
         elif credit.credit_id in self._credits:
             self._idle_credits[credit.model_id].append(credit)
 
+    def _idle_credit(self, model_id: str) -> _Credit | None:
+        """An idle credit for `model_id` (the longest idle), dropping those an earlier session
+        lent once the current session has granted or lent anything."""
+        idle = self._idle_credits.get(model_id)
+        scheduler = self._scheduler
+        while idle:
+            credit = idle.pop(0)
+            if (
+                not scheduler.connected
+                or credit.session == scheduler.session
+                or self._heard_session != scheduler.session
+            ):
+                return credit
+            self._credits.pop(credit.credit_id, None)
+        return None
+
     def _give_back(self, credit: _Credit) -> None:
-        if self._credits.pop(credit.credit_id, None) is not None:
+        if (
+            self._credits.pop(credit.credit_id, None) is not None
+            and credit.session == self._scheduler.session
+        ):
             self._scheduler.return_credit(credit.credit_id)
 
     def _arm(self, pending: _Pending, deadline_unix_ns: int) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.grpc_client import FRESH_CONNECT_OPTIONS, aio_channel
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerLink"]
@@ -223,7 +223,7 @@ class SchedulerLink:
         backoff = 0.05
         while not self._closing:
             try:
-                async with aio_channel(self._address) as channel:
+                async with aio_channel(self._address, options=FRESH_CONNECT_OPTIONS) as channel:
                     await asyncio.wait_for(channel.channel_ready(), self._connect_timeout_s)
                     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                     self._outbox = _Outbox()

@@ -20,7 +20,7 @@ import grpc
 
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import LoadmasterError, ResourceExhaustedError
-from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.grpc_client import FRESH_CONNECT_OPTIONS, aio_channel
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.slots import SlotStatus
 from loadmaster.model_pool.wire import slot_status_pb
@@ -48,7 +48,7 @@ class WorkerSession:
         identity: WorkerIdentity,
         clock: Clock | None = None,
         min_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
+        max_backoff_s: float = 1.0,  # a standby scheduler that took over is found within a second
         stable_after_s: float = 5.0,
     ) -> None:
         self._address = address
@@ -112,7 +112,7 @@ class WorkerSession:
         while True:
             opened = self._clock.monotonic()
             try:
-                async with aio_channel(self._address) as channel:
+                async with aio_channel(self._address, options=FRESH_CONNECT_OPTIONS) as channel:
                     call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession(self._messages())
                     self.sessions += 1
                     async for command in call:
