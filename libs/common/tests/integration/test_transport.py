@@ -13,7 +13,7 @@ import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import TestCa
 
-from loadmaster.common import transport
+from loadmaster.common import healthcheck, transport
 from loadmaster.common.config import load_settings
 from loadmaster.common.grpc_client import aio_channel, check_health, wait_for_health_sync
 from loadmaster.common.grpc_server import GrpcServer
@@ -43,7 +43,10 @@ def encrypted(tmp_path: Path) -> Iterator[TestCa]:
         transport.setup(transport.Transport())
 
 
-async def test_grpc_server_speaks_tls_and_refuses_plaintext(encrypted: TestCa) -> None:
+async def test_grpc_server_speaks_tls_and_refuses_plaintext(
+    encrypted: TestCa, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LOADMASTER_INTERNAL_AUTH__TLS_CA_FILE", raising=False)
     address = f"127.0.0.1:{free_port()}"
     server = GrpcServer("test", address)
     await server.start()
@@ -56,6 +59,10 @@ async def test_grpc_server_speaks_tls_and_refuses_plaintext(encrypted: TestCa) -
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=3)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The container probe: TLS with --tls-ca (or its environment variable), refused without.
+        probe = healthcheck.main
+        assert await asyncio.to_thread(probe, [address, "--tls-ca", str(encrypted.ca_file)]) == 0
+        assert await asyncio.to_thread(probe, [address, "--timeout", "1"]) == 1
         # A certificate from another CA is not trusted.
         (encrypted.folder / "other").mkdir()
         other = TestCa(encrypted.folder / "other")
