@@ -52,7 +52,7 @@ PREFIX = "loadmaster:gpu"
 # gives the measured time; this is the ceiling: 15 s plus margin for a loaded machine.
 MOVE_BOUND_S = 20.0
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def _run(*command: str) -> None:
