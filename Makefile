@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: run test test-all install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel node protoc
+.PHONY: run test test-all install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel node protoc haproxy
 
 run: install models
 	$(VENV)/bin/loadmaster up --config $(CONFIG)
@@ -23,7 +23,7 @@ run: install models
 test: install models chromium kubectl node protoc lint typecheck
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: install models chromium kubectl node protoc redis-sentinel lint typecheck $(RAY_STAMP)
+test-all: install models chromium kubectl node protoc redis-sentinel haproxy lint typecheck $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -49,6 +49,15 @@ chromium:
 	@if [ ! -x /usr/bin/chromium ]; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 			|| echo "chromium could not be installed: the dashboard browser test will skip"; \
+	fi
+
+# Debian's HAProxy, for the slow test of three gateways behind one address
+# (tests/e2e/multihost/test_haproxy_gateways.py); installed only when missing (the test skips
+# with a reason where it cannot be installed).
+haproxy:
+	@if ! command -v haproxy >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null) \
+			|| echo "haproxy could not be installed: the load-balanced gateways test will skip"; \
 	fi
 
 # kubectl renders deploy/kubernetes (kustomize) in tests/integration/test_kubernetes_manifests.py;

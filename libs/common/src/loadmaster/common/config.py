@@ -568,6 +568,13 @@ class InternalAuthSettings(_Section):
     admin_token_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     insecure: bool = False
     max_clock_skew_s: float = Field(default=30.0, gt=0)
+    # Encryption between hosts (loadmaster.common.transport): TLS on every gRPC server (cert and
+    # key) and channel (the CA that signed the servers' certificates); CurveZMQ on data ports
+    # with keys derived from the secret.
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    data_port_curve: bool = False
 
 
 _yaml_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_data", default=None)

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loadmaster.common import internal_auth, tracing
+from loadmaster.common import internal_auth, tracing, transport
 from loadmaster.common.grpc_server import GRPC_OPTIONS
 
 __all__ = [
@@ -41,12 +41,13 @@ FRESH_CONNECT_OPTIONS: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool
 def aio_channel(address: str, *, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
     """A channel with the suite's options (and `options`); traced when tracing is on
     (`loadmaster.common.tracing`); its calls carry this process's internal credential when it
-    has one (`internal_auth`)."""
-    return grpc.aio.insecure_channel(
-        address,
-        options=[*CLIENT_OPTIONS, *(options or [])],
-        interceptors=[*tracing.client_interceptors(), *internal_auth.client_interceptors()],
-    )
+    has one (`internal_auth`); TLS when the process has a CA for it (`transport`)."""
+    interceptors = [*tracing.client_interceptors(), *internal_auth.client_interceptors()]
+    merged = [*CLIENT_OPTIONS, *(options or [])]
+    tls = transport.channel_credentials()
+    if tls is not None:
+        return grpc.aio.secure_channel(address, tls, options=merged, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=merged, interceptors=interceptors)
 
 
 async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 1.0) -> bool:
@@ -90,7 +91,12 @@ def wait_for_health_sync(address: str, *, timeout_s: float, service: str = "") -
     own, so callers that later run grpc.aio in a loop of theirs are not left with a closed one."""
     deadline = time.monotonic() + timeout_s
     backoff = 0.02
-    with grpc.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+    tls = transport.channel_credentials()
+    with (
+        grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        if tls is None
+        else grpc.secure_channel(address, tls, options=CLIENT_OPTIONS)
+    ) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             remaining = deadline - time.monotonic()

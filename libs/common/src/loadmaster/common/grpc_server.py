@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from loadmaster.common import internal_auth, tracing
+from loadmaster.common import internal_auth, tracing, transport
 from loadmaster.common.errors import ERROR_CODE_TRAILER, InternalError, LoadmasterError
 from loadmaster.common.reflection import enable_reflection
 
@@ -244,7 +244,12 @@ class GrpcServer:
         # Probes must not see SERVING (grpc_health's default for "") before the hooks have run.
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         internal_auth.check_listen(self.name, self._listen)
-        self.port = self.server.add_insecure_port(self._listen)
+        tls = transport.server_credentials()
+        self.port = (
+            self.server.add_insecure_port(self._listen)
+            if tls is None
+            else self.server.add_secure_port(self._listen, tls)
+        )
         if self.port == 0:
             raise RuntimeError(f"{self.name}: could not bind {self._listen}")
         await self.server.start()

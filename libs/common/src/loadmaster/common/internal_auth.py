@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from loadmaster.common import transport
 from loadmaster.common.addresses import is_local
 from loadmaster.common.config import InternalAuthSettings, Settings
 from loadmaster.common.credentials import (
@@ -421,7 +422,12 @@ class SyncClientAuthInterceptor(
 
 def sync_channel(address: str, options: Any = None) -> grpc.Channel:
     """A blocking channel that carries this process's credential (when it has one)."""
-    channel = grpc.insecure_channel(address, options=options)
+    tls = transport.channel_credentials()
+    channel = (
+        grpc.insecure_channel(address, options=options)
+        if tls is None
+        else grpc.secure_channel(address, tls, options=options)
+    )
     credentials = _process.credentials
     if credentials is None:
         return channel

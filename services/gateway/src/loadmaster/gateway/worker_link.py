@@ -35,6 +35,7 @@ import zmq
 from google.protobuf.message import DecodeError
 from zmq.utils.monitor import parse_monitor_message
 
+from loadmaster.common import transport
 from loadmaster.common.addresses import is_local
 from loadmaster.common.config import SharedMemorySettings
 from loadmaster.common.errors import UnavailableError
@@ -102,6 +103,7 @@ class WorkerLinks:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, self._send_hwm)
         socket.setsockopt(zmq.RCVHWM, 0)
+        transport.apply_curve_client(socket)  # CurveZMQ when internal_auth.data_port_curve
         if self._heartbeat_ivl_ms > 0:
             socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ivl_ms)
             socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_timeout_ms or 3 * self._heartbeat_ivl_ms)

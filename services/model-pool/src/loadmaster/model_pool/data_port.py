@@ -57,7 +57,7 @@ import zmq
 from google.protobuf.message import DecodeError
 from opentelemetry.trace import SpanKind
 
-from loadmaster.common import internal_auth, tracing
+from loadmaster.common import internal_auth, tracing, transport
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     InvalidArgumentError,
@@ -182,6 +182,7 @@ class DataPort:
         sock.setsockopt(zmq.RCVHWM, self._hwm)
         sock.setsockopt(zmq.SNDHWM, self._hwm)
         sock.setsockopt(zmq.LINGER, 1000)
+        transport.apply_curve_server(sock)  # CurveZMQ when internal_auth.data_port_curve
         try:
             sock.bind(self._bind)
         except zmq.ZMQError as error:
