@@ -18,7 +18,7 @@
 #
 # Environment: BASE_IMAGE, REDIS_IMAGE, PROMETHEUS_IMAGE, IMAGE_TAG (dev), TORCH_INDEX_URL
 # (a CUDA index for GPU workers, e.g. https://download.pytorch.org/whl/cu128; implies
-# WHEELHOUSE=0 for the model-pool), WHEELHOUSE (1), PIP (the host pip for the wheelhouse),
+# WHEELHOUSE=0 for the model-pool), WHEELHOUSE (1), WHEELHOUSE_PORT (51019), PIP (the host pip for the wheelhouse),
 # SERVICES (the service images to build, default all five).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,7 @@ LOCAL_BASE=loadmaster/base:bookworm-py3.11
 LOCAL_REDIS=loadmaster/redis:bookworm
 LOCAL_PROMETHEUS=loadmaster/prometheus:bookworm
 WHEEL_DIR=build/wheelhouse
+WHEELHOUSE_PORT=${WHEELHOUSE_PORT:-51019}
 mkdir -p build
 export DOCKER_BUILDKIT=0  # the classic builder: no frontend image to pull, --network host works
 
@@ -95,7 +96,13 @@ if [ "$WHEELHOUSE" = 1 ]; then
     "./services/model-pool[torch,onnx,transformers]" >build/wheelhouse.log 2>&1 \
     || { tail -30 build/wheelhouse.log >&2; echo "make images: the wheelhouse failed" >&2; exit 1; }
   note "$(find "$WHEEL_DIR" -name '*.whl' | wc -l) wheels, $(du -sh "$WHEEL_DIR" | cut -f1)"
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # A fixed port: the URL is a build argument, and build arguments are part of the classic
+  # builder's cache key, so a port that changed would rebuild every image from its first RUN.
+  port=$WHEELHOUSE_PORT
+  if ! python3 -c "import socket, sys; socket.socket().bind(('127.0.0.1', $port))" 2>/dev/null; then
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    note "port $WHEELHOUSE_PORT is taken: serving on $port (the build cache will not match)"
+  fi
   python3 -m http.server --bind 127.0.0.1 --directory "$WHEEL_DIR" "$port" >/dev/null 2>&1 &
   server_pid=$!
   for _ in $(seq 50); do curl -fs -o /dev/null "http://127.0.0.1:$port/" && break; sleep 0.1; done

@@ -29,6 +29,9 @@ case "$kind" in
 esac
 
 root=$(mktemp -d "${TMPDIR:-/tmp}/loadmaster-rootfs.XXXXXX")
+# mktemp makes the folder 0700, and it becomes the image's `/`: the services' own user
+# (uid 10001) could not even find python.
+chmod 755 "$root"
 trap 'rm -rf "$root"' EXIT
 
 say "debootstrap --variant=minbase --include=$include $suite ($mirror) into $root"

@@ -131,6 +131,8 @@ def test_make_images_builds_every_image_compose_runs(stack: list[str], images: f
             "docker",
             "run",
             "--rm",
+            "--network",
+            "none",
             "--entrypoint",
             "python",
             "loadmaster/model-pool:dev",
