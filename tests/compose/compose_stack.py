@@ -25,8 +25,12 @@ PROJECT = "loadmaster"
 HEALTH_TIMEOUT_S = 600
 
 
-def run(args: list[str], *, timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False)
+def run(
+    args: list[str], *, timeout_s: float = 120, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False, env=env
+    )
     if check and done.returncode != 0:
         raise AssertionError(
             f"{' '.join(args)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

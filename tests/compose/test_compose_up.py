@@ -208,6 +208,7 @@ def test_two_workers_both_serve(stack: list[str]) -> None:
                 f"{container.ip}:50052",
             ],
             check=False,
+            env=_auth_env(),
         )
         assert out.returncode == 0, out.stderr
         print(f"loadmaster models list --worker {container.ip}:50052\n{out.stdout}")
