@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
 RAY_STAMP := $(VENV)/.installed-ray
 
-.PHONY: run test test-all install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel node protoc haproxy
+.PHONY: run test test-all test-compose images install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel node protoc haproxy docker-engine
 
 run: install models
 	$(VENV)/bin/loadmaster up --config $(CONFIG)
@@ -23,7 +23,7 @@ run: install models
 test: install models chromium kubectl node protoc lint typecheck
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: install models chromium kubectl node protoc redis-sentinel haproxy lint typecheck $(RAY_STAMP)
+test-all: install models chromium kubectl node protoc redis-sentinel haproxy docker-engine secrets lint typecheck $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -95,6 +95,28 @@ redis-sentinel:
 	@if [ ! -x /usr/bin/redis-sentinel ] || [ ! -x /usr/bin/redis-server ]; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-sentinel >/dev/null) \
 			|| echo "redis-sentinel could not be installed: the Sentinel failover test will skip"; \
+	fi
+
+# Every image compose.yaml runs (docker/build-images.sh says each step): the base, Redis and
+# Prometheus images pulled, or made from Debian packages (debootstrap) where no registry answers;
+# the five service images built from a host wheelhouse (CPU torch). Needs a running Docker engine.
+# docs/compose.md has the whole `docker compose up` path.
+images: install
+	PIP="$(PIP)" docker/build-images.sh
+
+# The slow compose test: starts a Docker engine if none runs (and stops it after), runs
+# `make images`, `docker compose up`, scales, kills, restarts Redis, `down -v`.
+test-compose: install models secrets docker-engine
+	$(PY) -m pytest tests/compose -m slow -v $(PYTEST_ARGS)
+
+# Debian's docker.io (dockerd, containerd, runc), debootstrap and docker-compose (1.29: the
+# compose plugin is used instead where `docker compose` answers); installed only when missing
+# (the compose test skips with a reason where they cannot be installed).
+docker-engine:
+	@if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null \
+		|| { ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; }; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap docker-compose >/dev/null) \
+			|| echo "docker.io/debootstrap/docker-compose could not be installed: the compose test will skip"; \
 	fi
 
 models: install $(MODELS_STAMP)

@@ -223,6 +223,9 @@ def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(artifact)
+    # save_pretrained leaves the weights 0600; the services' own user in the containers
+    # (compose mounts examples/ read-only) must read them too.
+    (artifact / "model.safetensors").chmod(0o644)
     return artifact / "model.safetensors"
 
 

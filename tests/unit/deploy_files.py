@@ -156,6 +156,32 @@ def is_dockerignored(relative: str, patterns: list[str]) -> bool:
     return ignored
 
 
+_COMPOSE_VARIABLE = re.compile(r"\$\{(\w+):-([^}]*)\}")
+
+
+def compose_default(value: object) -> str:
+    """A compose value with each `${VAR:-default}` replaced by its default (no .env, no variable)."""
+    return _COMPOSE_VARIABLE.sub(lambda match: match.group(2), str(value))
+
+
+def build_arg_defaults(service: str) -> dict[str, str]:
+    """The Dockerfile's `ARG NAME=default` values (ARGs without a default are left out)."""
+    defaults: dict[str, str] = {}
+    for instruction in instructions_of(service):
+        if instruction.keyword == "ARG" and "=" in instruction.args:
+            name, _, value = instruction.args.partition("=")
+            defaults[name.strip()] = value.strip()
+    return defaults
+
+
+def base_image(service: str) -> str:
+    """The final stage's FROM, its `${ARG}` replaced by the ARG's default."""
+    froms = [i.args.split()[0] for i in instructions_of(service) if i.keyword == "FROM"]
+    assert froms, f"{service}: no FROM"
+    defaults = build_arg_defaults(service)
+    return re.sub(r"\$\{?(\w+)\}?", lambda match: defaults.get(match.group(1), match.group(0)), froms[-1])
+
+
 def services_of(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return compose["services"]
 

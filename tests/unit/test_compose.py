@@ -19,6 +19,7 @@ from deploy_files import (
     SERVICES,
     START_STAGES,
     _settings_for,
+    compose_default,
     depends_on,
     environment,
     healthcheck_command,
@@ -208,7 +209,7 @@ def test_services_reach_each_other_by_service_name(compose: dict[str, Any]) -> N
 
 def test_redis_is_durable_and_health_checked(compose: dict[str, Any]) -> None:
     redis = services_of(compose)["redis"]
-    assert str(redis["image"]).split(":")[0] in ("redis", "docker.io/library/redis")
+    assert compose_default(redis["image"]).split(":")[0] in ("redis", "docker.io/library/redis")
     command = redis["command"]
     words = shlex.split(command) if isinstance(command, str) else [str(w) for w in command]
     assert words[0] == "redis-server"
@@ -250,3 +251,33 @@ def test_prometheus_scrapes_the_metrics_http_port(
     assert f"metrics:{http_port}" in targets
     assert http_port in SERVICES["metrics"][2]
     assert "metrics" in depends_on(prometheus)
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_service_builds_from_the_base_image_variable_defaulting_to_slim_python(
+    compose: dict[str, Any], service: str
+) -> None:
+    """An air-gapped site builds from its own base (`make images` writes LOADMASTER_BASE_IMAGE to .env)."""
+    args = services_of(compose)[service]["build"]["args"]
+    assert args["BASE_IMAGE"] == "${LOADMASTER_BASE_IMAGE:-python:3.11-slim}"
+
+
+def test_redis_and_prometheus_images_are_variables_defaulting_to_the_registry_images(
+    compose: dict[str, Any],
+) -> None:
+    services = services_of(compose)
+    assert services["redis"]["image"] == "${LOADMASTER_REDIS_IMAGE:-redis:7.4}"
+    assert services["prometheus"]["image"] == "${LOADMASTER_PROMETHEUS_IMAGE:-prom/prometheus:v3.4.0}"
+    # Debian's redis-server (the local image) has no entrypoint that turns protected mode off.
+    words = [str(w) for w in services["redis"]["command"]]
+    assert words[words.index("--protected-mode") + 1] == "no"
+
+
+def test_model_pool_builds_cpu_torch_unless_told_otherwise(compose: dict[str, Any]) -> None:
+    args = services_of(compose)["model-pool"]["build"]["args"]
+    assert compose_default(args["TORCH_INDEX_URL"]) == "https://download.pytorch.org/whl/cpu"
+
+
+def test_compose_file_has_no_top_level_name_for_docker_compose_1(compose: dict[str, Any]) -> None:
+    """docker-compose 1.29 (Debian's) rejects `name:`; the project name comes from .env or -p."""
+    assert "name" not in compose

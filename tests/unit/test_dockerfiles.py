@@ -17,6 +17,8 @@ from deploy_files import (
     SERVICES,
     _installed_distributions,
     _normalize,
+    base_image,
+    build_arg_defaults,
     build_text,
     copy_sources,
     distribution_closure,
@@ -42,9 +44,22 @@ def import_providers() -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
 def test_dockerfile_exists_and_uses_the_slim_python_base(service: str) -> None:
+    assert base_image(service) == "python:3.11-slim"
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_base_image_is_a_build_argument(service: str) -> None:
     froms = [i.args.split()[0] for i in instructions_of(service) if i.keyword == "FROM"]
-    assert froms, f"{service}: no FROM"
-    assert froms[-1] == "python:3.11-slim"
+    assert froms == ["${BASE_IMAGE}"]
+    assert build_arg_defaults(service)["BASE_IMAGE"] == "python:3.11-slim"
+    # pip's settings reach the builds as arguments (make images' wheelhouse), never as ENV
+    args = {i.args.split("=")[0] for i in instructions_of(service) if i.keyword == "ARG"}
+    assert {"PIP_FIND_LINKS", "PIP_NO_INDEX"} <= args
+    assert not any("PIP_FIND_LINKS" in i.args for i in instructions_of(service) if i.keyword == "ENV")
+
+
+def test_model_pool_image_takes_cpu_torch_by_default() -> None:
+    assert build_arg_defaults("model-pool")["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
