@@ -65,3 +65,24 @@ def test_load_that_must_wait_moves_the_credits_after_the_pause(h: Harness) -> No
     h.enqueue("b5", session=B)
     h.complete("b5", session=B)
     assert _shares(h) == {A: 0, B: 4}
+
+
+def test_with_load_on_both_gateways_the_first_keeps_its_credits_and_the_second_gets_none(
+    h: Harness,
+) -> None:
+    """A 50/50 split (A runs 2 on its credits, B 2 through the queue, fitting the free
+    slots): the shares stay 4/0; two recent users mean nothing new is lent."""
+    credits = [cid for cid, (s, _) in h.lent.items() if s == A]
+    for step in range(50):  # 10 s in 0.2 s steps
+        runs = [f"a{step}.{i}" for i in range(2)]
+        for r, cid in zip(runs, credits, strict=False):
+            h.run(r, cid, session=A)
+        ids = [f"b{step}.{i}" for i in range(2)]
+        h.enqueue(*ids, session=B)
+        assert set(ids) <= set(h.granted_ids())
+        for r in ids:
+            h.complete(r, session=B)
+        for r in runs:
+            h.complete(r, session=A)
+        h.clock.advance(0.2)
+    assert _shares(h) == {A: 4, B: 0}
