@@ -66,14 +66,14 @@ async def _client(
 
 async def workers(address: str) -> dict[str, Any]:
     async with aio_channel(address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=10)
         return {"workers": [{"worker_id": w.worker_id} for w in reply.workers]}
 
 
 async def leases(address: str, seconds: float, clients: int) -> dict[str, Any]:
     async with aio_channel(address) as channel:
-        stub = gpu_broker_pb2_grpc.GpuBrokerStub(channel)
+        stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel)
         inventory = await stub.Inventory(gpu_broker_pb2.InventoryRequest(), timeout=10)
         free_mb = max(gpu.free_mb for gpu in inventory.gpus)
         lease_mb = free_mb // 3
