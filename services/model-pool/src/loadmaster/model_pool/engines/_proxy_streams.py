@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.model_pool.engines._token_streams import QueuedGeneration
 from loadmaster.model_pool.generation import (
     FinishReason,
     GenerationEnd,
@@ -164,44 +165,14 @@ class ProxyStream:
             self._sequence += 1
 
 
-class ProxyGeneration:
+class ProxyGeneration(QueuedGeneration):
     """What a caller iterates (as `engines._token_streams.GenerationStream`); leaving it
     early cancels the generation, which closes the connection to the engine."""
 
     def __init__(self, state: ProxyStream, cancel: Callable[[str], bool]) -> None:
+        super().__init__(state)
         self._state = state
         self._cancel = cancel
-        self._finished = False
 
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
-
-    def __aiter__(self) -> ProxyGeneration:
-        return self
-
-    async def __anext__(self) -> GenerationEvent:
-        if self._finished:
-            raise StopAsyncIteration
-        event = await self._state.events.get()
-        self._finished = isinstance(event, GenerationEnd)
-        return event
-
-    def ready(self) -> list[GenerationEvent]:
-        """Every event already queued, without waiting."""
-        out: list[GenerationEvent] = []
-        while not self._finished and not self._state.events.empty():
-            event = self._state.events.get_nowait()
-            out.append(event)
-            self._finished = isinstance(event, GenerationEnd)
-        return out
-
-    async def aclose(self) -> None:
-        if not self._state.done:
-            self._cancel(self._state.request_id)
-
-    async def __aenter__(self) -> ProxyGeneration:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    def _stop(self) -> None:
+        self._cancel(self._state.request_id)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Self
 
 from loadmaster.model_pool.generation import (
     FinishReason,
@@ -30,7 +30,7 @@ from loadmaster.model_pool.generation import (
     Usage,
 )
 
-__all__ = ["GenerationStream", "StreamState"]
+__all__ = ["GenerationStream", "QueuedGeneration", "StreamState"]
 
 _REPLACEMENT = "\ufffd"  # what a decoder returns for an incomplete UTF-8 sequence
 
@@ -136,7 +136,59 @@ class StreamState:
         self.on_done(self)
 
 
-class GenerationStream:
+class _Queued(Protocol):
+    request_id: str
+    done: bool
+    events: asyncio.Queue[GenerationEvent]
+
+
+class QueuedGeneration:
+    """Async iterator over the events a generation queues (`state.events`), up to and including
+    its `GenerationEnd`; leaving it early (`aclose`, the `async with` block) stops the
+    generation (`_stop`). The engines' streams differ only in how they stop one."""
+
+    def __init__(self, state: _Queued) -> None:
+        self._queued = state
+        self._finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self._queued.request_id
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._finished:
+            raise StopAsyncIteration
+        event = await self._queued.events.get()
+        self._finished = isinstance(event, GenerationEnd)
+        return event
+
+    def ready(self) -> list[GenerationEvent]:
+        """Every event already queued, without waiting: chunks of one loop turn travel together."""
+        out: list[GenerationEvent] = []
+        while not self._finished and not self._queued.events.empty():
+            event = self._queued.events.get_nowait()
+            out.append(event)
+            self._finished = isinstance(event, GenerationEnd)
+        return out
+
+    async def aclose(self) -> None:
+        if not self._queued.done:
+            self._stop()
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class GenerationStream(QueuedGeneration):
     """Async iterator over one generation's events; leaving it early cancels the generation.
 
     stream = await engine.submit(request)
@@ -145,44 +197,13 @@ class GenerationStream:
     """
 
     def __init__(self, state: StreamState, cancel: Callable[[str], bool]) -> None:
+        super().__init__(state)
         self._state = state
         self._cancel = cancel
-        self._finished = False
-
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
 
     @property
     def prompt_tokens(self) -> int:
         return self._state.prompt_tokens
 
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> GenerationEvent:
-        if self._finished:
-            raise StopAsyncIteration
-        event = await self._state.events.get()
-        if isinstance(event, GenerationEnd):
-            self._finished = True
-        return event
-
-    def ready(self) -> list[GenerationEvent]:
-        """Every event already queued, without waiting: chunks of one loop turn travel together."""
-        out: list[GenerationEvent] = []
-        while not self._finished and not self._state.events.empty():
-            event = self._state.events.get_nowait()
-            out.append(event)
-            self._finished = isinstance(event, GenerationEnd)
-        return out
-
-    async def aclose(self) -> None:
-        if not self._state.done:
-            self._state.cancel()
-
-    async def __aenter__(self) -> GenerationStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    def _stop(self) -> None:
+        self._state.cancel()
