@@ -123,6 +123,12 @@ class Gateway:
         self.guardrails = Guardrails(settings.gateway.guardrails)
         self.policy = GatewayPolicy(self.guardrails, self.audit, clock=clock)
         self.admin = SchedulerAdmin(settings.scheduler.address)
+        # One port for every front end: the OpenAI routes, and KServe's text_input on language
+        # models over HTTP and gRPC (one ladder router, one view of the model states).
+        self.generations = GenerationPort(
+            self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)
+        )
+        self.generative = GenerativeKServe(self.generations, self.catalog.models)
         self.kserve_grpc = KServeGrpcServicer(
             self.dispatcher,
             self.catalog,
@@ -131,10 +137,7 @@ class Gateway:
             self.auth,
             settings.gateway.limits,
             gateway_id=self.gateway_id,
-            generative=GenerativeKServe(
-                GenerationPort(self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)),
-                self.catalog.models,
-            ),
+            generative=self.generative,
         )
         images = settings.gateway.images
         self.images = ImageGenerator(
@@ -169,7 +172,8 @@ class Gateway:
             self.auth,
             self.admin,
             gateway_id=self.gateway_id,
-            ladders=ladders_from(settings.models.aliases),
+            generations=self.generations,
+            generative=self.generative,
             extra_routes=image_routes(
                 self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id
             ),

@@ -24,7 +24,7 @@ import functools
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import h11
@@ -66,7 +66,6 @@ from loadmaster.gateway.frontends.kserve import (
 from loadmaster.gateway.frontends.openai import RequestPolicy, openai_routes
 from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.kserve_generative import GenerativeKServe, with_generative_tensors
-from loadmaster.gateway.ladders import Ladder
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
 from loadmaster.gateway.validation import off_loop
@@ -155,14 +154,13 @@ def build_app(
     admin: SchedulerAdmin,
     *,
     gateway_id: str,
-    ladders: Mapping[str, Ladder] | None = None,
+    generations: GenerationPort,
+    generative: GenerativeKServe,
     extra_routes: Sequence[Route] = (),
     policy: RequestPolicy | None = None,
 ) -> Starlette:
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
-    generations = GenerationPort(dispatcher.generations, catalog.models, ladders=ladders)
-    generative = GenerativeKServe(generations, catalog.models)  # KServe text_input on LLMs
 
     async def read_body(request: Request, limit: int) -> bytes | memoryview:
         return await _read_body(request, limit, timeout_s=limits.http_body_timeout_s)
