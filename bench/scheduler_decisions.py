@@ -44,7 +44,7 @@ from loadmaster.scheduler.domain import (
     Submission,
     WorkerHello,
 )
-from loadmaster.scheduler.strategies import make_ordering
+from loadmaster.common.ordering import make_ordering
 
 TARGET_PER_S = 50_000
 ALL = [

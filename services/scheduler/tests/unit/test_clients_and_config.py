@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from loadmaster.common.config import load_settings
-from loadmaster.scheduler.clients import ClientTracker
+from loadmaster.common.ordering import get_policy, load_policy_modules
+from loadmaster.common.ordering.clients import ClientTracker
 from loadmaster.scheduler.config import CoreConfig, strategy_factory
 from loadmaster.scheduler.domain import OverflowPolicy
-from loadmaster.scheduler.strategies import get_policy, load_policy_modules
 
 
 def test_cadence_is_an_ewma_of_gaps() -> None:
@@ -49,7 +49,7 @@ def test_bad_alpha_is_a_clear_error() -> None:
 
 def test_policy_modules_register_their_policies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "site_policies.py").write_text(
-        "from loadmaster.scheduler.strategies import register_policy\n"
+        "from loadmaster.common.ordering import register_policy\n"
         "@register_policy('site-urgent-first')\n"
         "def urgent(r):\n    return 5.0 if r.urgency > 0.5 else 500.0\n"
     )

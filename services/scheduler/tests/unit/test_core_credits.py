@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from loadmaster.common.ordering import make_ordering
 from loadmaster.scheduler.domain import Completion, CreditRun, FinishedRun, RequestInfo, SlotState, Submission
-from loadmaster.scheduler.strategies import make_ordering
 from loadmaster.v1 import errors_pb2
 
 if TYPE_CHECKING:

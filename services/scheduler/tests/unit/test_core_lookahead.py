@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from loadmaster.common.ordering import BatchRule, make_ordering
 from loadmaster.scheduler.config import ModelPolicy
 from loadmaster.scheduler.domain import OverflowPolicy, SlotState
 from loadmaster.scheduler.lookahead import Lookahead
-from loadmaster.scheduler.strategies import BatchRule, make_ordering
 from loadmaster.v1 import errors_pb2
 
 if TYPE_CHECKING:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from loadmaster.common.ordering import BatchRule, make_ordering
 from loadmaster.scheduler.config import ModelPolicy
 from loadmaster.scheduler.domain import Grant, OverflowPolicy, Reject, RequestInfo, SlotState
-from loadmaster.scheduler.strategies import BatchRule, make_ordering
 from loadmaster.v1 import errors_pb2
 
 from .conftest import Harness, MakeHarness

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from loadmaster.common.ordering import make_ordering
 from loadmaster.scheduler.config import ModelPolicy
 from loadmaster.scheduler.domain import Grant, OverflowPolicy, Reject, Request, RequestInfo
 from loadmaster.scheduler.lookahead import Timing
 from loadmaster.scheduler.reservations import Hold, Reservations
-from loadmaster.scheduler.strategies import make_ordering
 
 if TYPE_CHECKING:
     from conftest import Harness, MakeHarness

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from loadmaster.common.ordering import PriorityOrdering, make_ordering
 from loadmaster.scheduler.domain import Request, RequestInfo
 from loadmaster.scheduler.queues import RequestQueues
-from loadmaster.scheduler.strategies import PriorityOrdering, make_ordering
 
 
 def _request(

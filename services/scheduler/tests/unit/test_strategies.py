@@ -7,9 +7,7 @@ from dataclasses import replace
 import pytest
 
 from loadmaster.common.clock import FakeClock
-from loadmaster.scheduler.domain import Request, RequestInfo
-from loadmaster.scheduler.queues import RequestQueues
-from loadmaster.scheduler.strategies import (
+from loadmaster.common.ordering import (
     BatchRule,
     DeadlineTerms,
     InferenceRequest,
@@ -17,6 +15,8 @@ from loadmaster.scheduler.strategies import (
     make_ordering,
     register_policy,
 )
+from loadmaster.scheduler.domain import Request, RequestInfo
+from loadmaster.scheduler.queues import RequestQueues
 
 _arrivals = iter(range(10**9))
 
@@ -230,7 +230,7 @@ def test_forget_client_drops_per_client_state() -> None:
 
 
 def test_slack_clamps_each_input_to_its_range() -> None:
-    from loadmaster.scheduler.strategies.deadline import slack_ms
+    from loadmaster.common.ordering.deadline import slack_ms
 
     terms = DeadlineTerms(priority_step_ms=100.0, urgency_weight=0.5, steps_horizon=8, service_ms=10.0)
     assert slack_ms(_req("u", urgency=1.5), terms) == 25.0  # urgency above 1 counts as 1

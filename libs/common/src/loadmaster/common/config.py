@@ -86,7 +86,7 @@ class ConfigError(InvalidArgumentError, ValueError):
 
 
 class DeadlineSettings(_Section):
-    """Terms of the deadline family's virtual deadline (see loadmaster.scheduler.strategies.deadline).
+    """Terms of the deadline family's virtual deadline (see loadmaster.common.ordering.deadline).
 
     virtual deadline = enqueued + min(budget, max(cadence, service_ms)) x urgency factor x steps factor
                        + priority x priority_step_ms + queued-by-the-same-client x service_ms

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loadmaster.common.config import ModelSettings, Settings
+from loadmaster.common.ordering import BatchRule, DeadlineTerms, Ordering, make_ordering
 from loadmaster.scheduler.domain import OverflowPolicy
-from loadmaster.scheduler.strategies import BatchRule, DeadlineTerms, Ordering, make_ordering
 
 __all__ = ["CoreConfig", "ModelPolicy", "StrategyFactory", "strategy_factory"]
 

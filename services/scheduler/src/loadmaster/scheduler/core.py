@@ -26,7 +26,8 @@ import random
 from collections.abc import Sequence
 
 from loadmaster.common.clock import Clock
-from loadmaster.scheduler.clients import ClientTracker
+from loadmaster.common.ordering import Ordering, make_ordering
+from loadmaster.common.ordering.clients import ClientTracker
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
 from loadmaster.scheduler.credits import CreditBook
 from loadmaster.scheduler.dispatching import GrantDispatcher
@@ -51,7 +52,6 @@ from loadmaster.scheduler.outbound import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
 from loadmaster.scheduler.reservations import Reservations
-from loadmaster.scheduler.strategies import Ordering, make_ordering
 from loadmaster.scheduler.tracking import ModelStats, Tracked
 from loadmaster.v1 import errors_pb2
 

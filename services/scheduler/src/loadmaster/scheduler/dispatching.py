@@ -19,6 +19,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 
 from loadmaster.common.clock import Clock
+from loadmaster.common.ordering import Scope
 from loadmaster.scheduler import placement
 from loadmaster.scheduler.config import CoreConfig
 from loadmaster.scheduler.credits import CreditBook
@@ -29,7 +30,6 @@ from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
 from loadmaster.scheduler.reservations import Reservations
-from loadmaster.scheduler.strategies import Scope
 from loadmaster.scheduler.tracking import ModelStats, Tracked
 
 __all__ = ["GrantDispatcher"]

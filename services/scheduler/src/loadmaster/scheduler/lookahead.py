@@ -48,8 +48,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from loadmaster.common.ordering import SortKey
 from loadmaster.scheduler.domain import RequestKey
-from loadmaster.scheduler.strategies import SortKey
 
 __all__ = ["Lookahead", "Timing"]
 

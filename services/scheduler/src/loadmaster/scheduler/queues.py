@@ -33,8 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadmaster.common.ordering.base import Ordering, SortKey
 from loadmaster.scheduler.domain import Request, RequestKey
-from loadmaster.scheduler.strategies.base import Ordering, SortKey
 
 __all__ = ["RequestQueues"]
 

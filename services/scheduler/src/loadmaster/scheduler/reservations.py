@@ -42,9 +42,9 @@ import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from loadmaster.common.ordering import SortKey
 from loadmaster.scheduler.domain import Request
 from loadmaster.scheduler.lookahead import Timing
-from loadmaster.scheduler.strategies import SortKey
 
 __all__ = ["Hold", "Reservations"]
 

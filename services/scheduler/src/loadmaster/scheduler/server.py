@@ -5,12 +5,12 @@ from __future__ import annotations
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.common.ordering import load_policy_modules
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.scheduler.config import CoreConfig, strategy_factory
 from loadmaster.scheduler.servicer import SchedulerServiceServicer
 from loadmaster.scheduler.sessions import SchedulerHub
-from loadmaster.scheduler.strategies import load_policy_modules
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "build"]

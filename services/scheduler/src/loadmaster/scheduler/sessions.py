@@ -22,6 +22,7 @@ from opentelemetry import trace
 from loadmaster.common import tracing
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import edge_code_name
+from loadmaster.common.ordering import Ordering
 from loadmaster.scheduler import strategies
 from loadmaster.scheduler.config import StrategyFactory
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore
@@ -37,7 +38,6 @@ from loadmaster.scheduler.domain import (
     WorkerHello,
 )
 from loadmaster.scheduler.outbound import Telemetry
-from loadmaster.scheduler.strategies import Ordering
 
 __all__ = ["DeadlineTimer", "GatewayLink", "Outbox", "SchedulerHub", "WorkerLink", "pump"]
 

@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from loadmaster.scheduler.domain import Request
-from loadmaster.scheduler.strategies.base import BatchRule, Scope, SortKey
+from loadmaster.common.ordering.base import BatchRule, Scope, SortKey
+from loadmaster.common.ordering.requests import Request
 
 __all__ = ["PriorityOrdering", "PriorityTieredOrdering"]
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from loadmaster.scheduler.domain import Request
-from loadmaster.scheduler.strategies.base import BatchRule, Scope, SortKey
-from loadmaster.scheduler.strategies.policies import InferenceRequest, Policy
+from loadmaster.common.ordering.base import BatchRule, Scope, SortKey
+from loadmaster.common.ordering.policies import InferenceRequest, Policy
+from loadmaster.common.ordering.requests import Request
 
 __all__ = ["DeadlineOrdering", "DeadlineTerms", "policy_view", "slack_ms"]
 

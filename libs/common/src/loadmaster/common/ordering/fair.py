@@ -7,8 +7,8 @@ of everyone and a client that floods waits its turn: one request per client per 
 
 from __future__ import annotations
 
-from loadmaster.scheduler.domain import Request
-from loadmaster.scheduler.strategies.base import BatchRule, Scope, SortKey
+from loadmaster.common.ordering.base import BatchRule, Scope, SortKey
+from loadmaster.common.ordering.requests import Request
 
 __all__ = ["BatchOrdering", "RoundRobinOrdering"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from loadmaster.scheduler.domain import Request
+from loadmaster.common.ordering.requests import Request
 
 __all__ = ["BatchRule", "Ordering", "Scope", "SortKey"]
 
