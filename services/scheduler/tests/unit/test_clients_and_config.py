@@ -76,6 +76,8 @@ def test_core_config_merges_per_model_and_per_client_settings() -> None:
         response_tracking={"cadence_alpha": 0.4, "disconnect_timeout_s": 3.0},
     )
     config = CoreConfig.from_settings(settings)
+    # What a gateway's local queue is sent of the client budgets (docs/data-path.md).
+    assert (config.default_latency_budget_ms, config.client_latency_budgets_ms) == (50.0, {"arm": 20.0})
     fast, other = config.policy("fast"), config.policy("other")
     assert (fast.latest_only, fast.request_ttl_ms, fast.overflow_policy, fast.max_queue_size) == (
         True,
@@ -90,7 +92,7 @@ def test_core_config_merges_per_model_and_per_client_settings() -> None:
     )
     # Credits: the global default, none for a latest_only model unless it asks for them.
     assert (other.dispatch_credits, fast.dispatch_credits, config.policy("eager").dispatch_credits) == (
-        4,
+        64,
         0,
         2,
     )
@@ -134,7 +136,7 @@ def test_a_bare_core_config_schedules_as_shipped(path: Path | None) -> None:
     assert {name: getattr(bare, name) for name in _SCALARS} == {
         name: getattr(shipped, name) for name in _SCALARS
     }
-    assert (bare.dispatch_credits, bare.lookahead, bare.reservation) == (4, 1, True)
+    assert (bare.dispatch_credits, bare.lookahead, bare.reservation) == (64, 1, True)
     mechanisms = ("dispatch_credits", "lookahead", "reservation", "max_queue_size", "request_ttl_ms")
     policy, shipped_policy = bare.policy("any"), shipped.policy("any")
     assert {m: getattr(policy, m) for m in mechanisms} == {m: getattr(shipped_policy, m) for m in mechanisms}

@@ -138,10 +138,12 @@ class SchedulerSettings(ServiceEndpoint):
     request_ttl_ms: float = Field(default=5000.0, gt=0)
     overflow_policy: Literal["drop_oldest", "reject_newest"] = "drop_oldest"
     max_retries: int = Field(default=1, ge=0)
-    # Dispatch credits (scheduler.proto): while a model's queue is empty and one gateway is its
-    # only user within `credit_window_s`, lend that gateway up to this many of the model's free
-    # worker slots so its requests skip the scheduler round trip. 0 = every request is granted.
-    dispatch_credits: int = Field(default=4, ge=0)
+    # Dispatch credits (scheduler.proto, docs/data-path.md): while a model's queue is empty and
+    # one gateway is its only user within `credit_window_s`, lend that gateway up to this many
+    # of the model's free worker slots so its requests skip the scheduler round trip. When they
+    # are all of the slots, the gateway also queues its own waiting requests (same strategy):
+    # keep it above a model's total slots for that. 0 = every request is granted here.
+    dispatch_credits: int = Field(default=64, ge=0)
     # The "only recent user" window; a revocation also pauses a model's credits this long.
     credit_window_s: float = Field(default=1.0, ge=0)
     # Timed lookahead (scheduler lookahead.py): while a model has waiters and a worker's slots

@@ -96,20 +96,30 @@ class FinishedRun(_message.Message):
     def __init__(self, request: _Optional[_Union[RequestInfo, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("hello", "enqueue", "complete", "cancel", "return_credit", "finished_run")
+    __slots__ = ("hello", "enqueue", "complete", "cancel", "return_credit", "finished_run", "local_queue_depth")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ENQUEUE_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     RETURN_CREDIT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_RUN_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     hello: SessionHello
     enqueue: _containers.RepeatedCompositeFieldContainer[Enqueue]
     complete: _containers.RepeatedCompositeFieldContainer[Complete]
     cancel: _containers.RepeatedCompositeFieldContainer[Cancel]
     return_credit: _containers.RepeatedCompositeFieldContainer[ReturnCredit]
     finished_run: _containers.RepeatedCompositeFieldContainer[FinishedRun]
-    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ..., finished_run: _Optional[_Iterable[_Union[FinishedRun, _Mapping]]] = ...) -> None: ...
+    local_queue_depth: _containers.RepeatedCompositeFieldContainer[LocalQueueDepth]
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ..., finished_run: _Optional[_Iterable[_Union[FinishedRun, _Mapping]]] = ..., local_queue_depth: _Optional[_Iterable[_Union[LocalQueueDepth, _Mapping]]] = ...) -> None: ...
+
+class LocalQueueDepth(_message.Message):
+    __slots__ = ("model_id", "waiting")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    waiting: int
+    def __init__(self, model_id: _Optional[str] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns", "attempt", "front_of_queue")
@@ -140,20 +150,53 @@ class Reject(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Credit(_message.Message):
-    __slots__ = ("credit_id", "model_id", "worker_id", "data_endpoint", "generation", "request_ttl_ms")
+    __slots__ = ("credit_id", "model_id", "worker_id", "data_endpoint", "generation", "request_ttl_ms", "local_queue")
     CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_QUEUE_FIELD_NUMBER: _ClassVar[int]
     credit_id: str
     model_id: str
     worker_id: str
     data_endpoint: str
     generation: int
     request_ttl_ms: float
-    def __init__(self, credit_id: _Optional[str] = ..., model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., request_ttl_ms: _Optional[float] = ...) -> None: ...
+    local_queue: LocalQueue
+    def __init__(self, credit_id: _Optional[str] = ..., model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., request_ttl_ms: _Optional[float] = ..., local_queue: _Optional[_Union[LocalQueue, _Mapping]] = ...) -> None: ...
+
+class LocalQueue(_message.Message):
+    __slots__ = ("strategy", "priority_step_ms", "urgency_weight", "steps_horizon", "service_ms", "latency_budget_ms", "client_latency_budget_ms", "cadence_alpha", "max_queue_size", "reject_newest")
+    class ClientLatencyBudgetMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    URGENCY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_HORIZON_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_LATENCY_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    CADENCE_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REJECT_NEWEST_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    priority_step_ms: float
+    urgency_weight: float
+    steps_horizon: int
+    service_ms: float
+    latency_budget_ms: float
+    client_latency_budget_ms: _containers.ScalarMap[str, float]
+    cadence_alpha: float
+    max_queue_size: int
+    reject_newest: bool
+    def __init__(self, strategy: _Optional[str] = ..., priority_step_ms: _Optional[float] = ..., urgency_weight: _Optional[float] = ..., steps_horizon: _Optional[int] = ..., service_ms: _Optional[float] = ..., latency_budget_ms: _Optional[float] = ..., client_latency_budget_ms: _Optional[_Mapping[str, float]] = ..., cadence_alpha: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., reject_newest: _Optional[bool] = ...) -> None: ...
 
 class RevokeCredit(_message.Message):
     __slots__ = ("credit_id",)

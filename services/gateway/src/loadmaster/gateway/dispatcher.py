@@ -16,6 +16,12 @@ or its worker failed the call retryably or never replied (returned as well).
 Reports of calls run on a credit (the run, and its end while the credit stays
 usable) may wait a few milliseconds for other messages: see `SchedulerLink`.
 
+While the gateway holds a model's whole share (its credits carry a `LocalQueue` spec), a call
+that finds no idle credit waits here, in `LocalQueues`, ranked by the scheduler's strategy,
+and takes the next credit that frees: the scheduler sees no queue and no round trip
+(docs/data-path.md). Such a call expires here on time, is cancelled here, and when the model's
+last credit is revoked it goes to the scheduler with the others, in their order.
+
 A worker that goes away (its data link disconnects: the process died, or ZMTP heartbeats
 found it silent) fails the calls it held as `unavailable`. When the scheduler session that
 knows them is up, it hears of the worker's end on its own stream and re-grants them (a
@@ -37,6 +43,7 @@ import asyncio
 import contextlib
 import heapq
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +57,7 @@ from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     ExpiredError,
     LoadmasterError,
+    OverflowError_,
     UnavailableError,
     edge_code_name,
     error_for_code,
@@ -58,6 +66,7 @@ from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback
 from loadmaster.gateway.generations import GenerationStreams
+from loadmaster.gateway.local_queue import LocalQueues
 from loadmaster.gateway.ports import SchedulerPort
 from loadmaster.gateway.worker_link import ShmPayloads
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
@@ -131,6 +140,12 @@ class Dispatcher:
         self._credits: dict[str, _Credit] = {}
         # model -> idle credits, the longest idle first (rotating spreads calls over them)
         self._idle_credits: dict[str, list[_Credit]] = {}
+        # Calls waiting for a credit of a model whose whole share this gateway holds, and the
+        # model's TTL (as its credits carry it); the expiry timer of the earliest.
+        self._local: LocalQueues[_Pending] = LocalQueues(self._clock)
+        self._local_ttl_ms: dict[str, float] = {}
+        self._local_timer: asyncio.TimerHandle | None = None
+        self._local_timer_at = math.inf
         # The last scheduler session that granted or lent anything: until the current one has,
         # its scheduler may know no worker yet, and the credits of the session before still serve.
         self._heard_session = 0
@@ -189,8 +204,11 @@ class Dispatcher:
         if self._draining:
             on_result(self._failed(call, UnavailableError("the gateway is shutting down; retry elsewhere")))
             return
-        connected = self._scheduler.connected
-        if not connected and not self._idle_credits.get(call.model_id):
+        if (
+            not self._scheduler.connected
+            and not self._idle_credits.get(call.model_id)
+            and not self._local.accepts(call.model_id)
+        ):
             on_result(self._failed(call, UnavailableError("scheduler unreachable; try again shortly")))
             return
         if call.request_id in self._pending:
@@ -202,19 +220,39 @@ class Dispatcher:
         pending = self._pending[call.request_id] = _Pending(
             call, on_result, span=span, session=self._scheduler.session
         )
-        credit_id = ""
-        earlier = False  # on an earlier session's share: this session's scheduler never hears of it
         credit = self._idle_credit(call.model_id)
-        if credit is not None and self._run_on_credit(pending, credit):  # the worker first
-            credit_id = credit.credit_id
-            earlier = credit.session != self._scheduler.session
-            pending.session = credit.session
-        if not connected or earlier:  # served on the lost scheduler's share, or not at all
-            if not credit_id:
-                self._finish(
-                    pending, self._failed(call, UnavailableError("scheduler unreachable; try again shortly"))
-                )
+        if credit is not None and self._start_on_credit(pending, credit):
             return
+        if self._local.accepts(call.model_id):
+            self._queue_locally(pending)
+        else:
+            self._to_scheduler(pending)
+
+    def _start_on_credit(self, pending: _Pending, credit: _Credit) -> bool:
+        """Send the call on an idle credit (the worker first) and report the run to the scheduler
+        that lent it, if that one still serves; False if the worker was unreachable."""
+        if not self._run_on_credit(pending, credit):
+            return False
+        pending.session = credit.session
+        scheduler = self._scheduler
+        if scheduler.connected and credit.session == scheduler.session:
+            scheduler.report_run(self._request_info(pending, credit.credit_id))
+        # else: run on a lost scheduler's share; this session's scheduler never hears of it
+        return True
+
+    def _to_scheduler(self, pending: _Pending) -> None:
+        """Queue the call with the scheduler (answered `unavailable` while none is connected)."""
+        if not self._scheduler.connected:
+            self._finish(
+                pending,
+                self._failed(pending.call, UnavailableError("scheduler unreachable; try again shortly")),
+            )
+            return
+        pending.session = self._scheduler.session
+        self._scheduler.enqueue(self._request_info(pending, ""))
+
+    def _request_info(self, pending: _Pending, credit_id: str) -> scheduler_pb2.RequestInfo:
+        call = pending.call
         info = scheduler_pb2.RequestInfo(
             request_id=call.request_id,
             client_id=call.client_id,
@@ -229,17 +267,88 @@ class Dispatcher:
             connection_bound=call.connection_bound,
             credit_id=credit_id,
         )
-        if span.is_recording():
-            tracing.inject(info.trace_context, span=span)
-        if credit_id:
-            self._scheduler.report_run(info)
-        else:
-            self._scheduler.enqueue(info)
+        if pending.span.is_recording():
+            tracing.inject(info.trace_context, span=pending.span)
+        return info
+
+    # -- the local queue (a model's whole share held here) ---------------------------
+
+    def _queue_locally(self, pending: _Pending) -> None:
+        call = pending.call
+        ttl_ms = self._local_ttl_ms.get(call.model_id, 0.0)
+        if call.timeout_ms > 0:
+            ttl_ms = min(ttl_ms, call.timeout_ms) if ttl_ms else call.timeout_ms
+        overflow = self._local.push(pending, call, ttl_ms)
+        if overflow is not None:
+            if overflow.refused:
+                self._finish(pending, self._failed(call, OverflowError_(overflow.message)))
+                return
+            if overflow.dropped is not None:
+                dropped = overflow.dropped
+                self._finish(dropped, self._failed(dropped.call, OverflowError_(overflow.message)))
+        self._local_changed(call.model_id)
+        self._arm_local_expiry()
+
+    def _serve_local(self, model_id: str) -> None:
+        """Start waiting calls on the model's idle credits."""
+        started = False
+        while self._local.waiting(model_id) and (credit := self._idle_credit(model_id)) is not None:
+            pending = self._local.pop(model_id)
+            assert pending is not None
+            started = True
+            if not self._start_on_credit(pending, credit):
+                self._to_scheduler(pending)  # its worker was unreachable (the credit went back)
+        if started:
+            self._local_changed(model_id)
+
+    def _local_changed(self, model_id: str) -> None:
+        """Tell the scheduler the model's local depth (it counts it in the model's queue depth)."""
+        self._scheduler.report_local_depth(model_id, self._local.waiting(model_id))
+
+    def _hand_over_local(self, model_id: str) -> None:
+        """The model's last usable credit is gone: its waiting calls go to the scheduler, in order."""
+        if not (self._local.waiting(model_id) or self._local.accepts(model_id)):
+            return
+        if any(c.model_id == model_id and not c.revoked for c in self._credits.values()):
+            return
+        self._local.configure(model_id, None)
+        waiting = self._local.take_all(model_id)
+        if waiting:
+            self._local_changed(model_id)
+        for pending in waiting:
+            self._to_scheduler(pending)
+
+    def _arm_local_expiry(self) -> None:
+        deadline = self._local.next_deadline()
+        if deadline is None or deadline >= self._local_timer_at:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (a unit test without a loop calls expire_local itself)
+            return
+        if self._local_timer is not None:
+            self._local_timer.cancel()
+        self._local_timer_at = deadline
+        self._local_timer = loop.call_later(max(0.0, deadline - self._clock.monotonic()), self.expire_local)
+
+    def expire_local(self) -> None:
+        """Answer `expired` to the local waiters whose deadline has passed; re-arm the timer."""
+        self._local_timer, self._local_timer_at = None, math.inf
+        expired = self._local.expired()
+        for pending, message in expired:
+            self._finish(pending, self._failed(pending.call, ExpiredError(message)))
+        for model_id in {pending.call.model_id for pending, _ in expired}:
+            self._local_changed(model_id)
+        self._arm_local_expiry()
 
     def cancel(self, request_id: str) -> None:
         """The caller went away: drop its queued request; no reply is sent."""
         pending = self._forget(request_id)
         if pending is None:
+            return
+        if self._local.remove(request_id) is not None:  # the scheduler never heard of it
+            tracing.end_span(pending.span, error_code="cancelled")
+            self._local_changed(pending.call.model_id)
             return
         self._disarm(pending)
         self._drop_shm(pending, answered=False)
@@ -300,6 +409,9 @@ class Dispatcher:
         )
         self._credits[lent.credit_id] = lent
         self._idle_credits.setdefault(lent.model_id, []).append(lent)
+        self._local_ttl_ms[lent.model_id] = lent.request_ttl_ms
+        self._local.configure(lent.model_id, credit.local_queue if credit.HasField("local_queue") else None)
+        self._serve_local(lent.model_id)
 
     def on_revoke(self, credit_id: str) -> None:
         credit = self._credits.get(credit_id)
@@ -307,9 +419,10 @@ class Dispatcher:
             return
         if credit.running is not None:
             credit.revoked = True  # returned when its call ends
-            return
-        self._idle_credits[credit.model_id].remove(credit)
-        self._give_back(credit)
+        else:
+            self._idle_credits[credit.model_id].remove(credit)
+            self._give_back(credit)
+        self._hand_over_local(credit.model_id)
 
     def on_scheduler_lost(self) -> None:
         """Calls still waiting for a grant will never get one: answer them now. The lost
@@ -318,7 +431,8 @@ class Dispatcher:
         grants or lends something; then they are dropped unreturned, since its scheduler
         (perhaps a standby that took over) never lent them."""
         self.generations.on_scheduler_lost()
-        waiting = [p for p in self._pending.values() if not p.worker_id]
+        local = self._local
+        waiting = [p for p in self._pending.values() if not p.worker_id and p.call.request_id not in local]
         for pending in waiting:
             self._finish(pending, self._failed(pending.call, UnavailableError("scheduler connection lost")))
 
@@ -467,6 +581,7 @@ class Dispatcher:
             )
         except UnavailableError:
             self._give_back(credit)
+            self._hand_over_local(credit.model_id)
             return False
         credit.running = call.request_id
         pending.credit = credit
@@ -493,8 +608,11 @@ class Dispatcher:
         credit.running = None
         if credit.revoked or give_back:
             self._give_back(credit)
+            self._hand_over_local(credit.model_id)
         elif credit.credit_id in self._credits:
             self._idle_credits[credit.model_id].append(credit)
+            if self._local.waiting(credit.model_id):
+                self._serve_local(credit.model_id)
 
     def _idle_credit(self, model_id: str) -> _Credit | None:
         """An idle credit for `model_id` (the longest idle), dropping those an earlier session
@@ -547,6 +665,7 @@ class Dispatcher:
             await self._clock.sleep(_WATCH_INTERVAL_S)
             try:
                 self._expire_overdue()
+                self._local.forget_silent_clients()
             except Exception:
                 log.exception("reply watchdog step failed")
 

@@ -52,7 +52,9 @@ class _Generations(Protocol):
     ) -> AsyncIterator[GenerationEvent]: ...
 
 
-def with_generative_tensors(view: ModelView, signature: model_pool_pb2.ModelSignature) -> model_pool_pb2.ModelSignature:
+def with_generative_tensors(
+    view: ModelView, signature: model_pool_pb2.ModelSignature
+) -> model_pool_pb2.ModelSignature:
     """`signature`, or for a generative model that declares no tensors, the text tensors above."""
     if view.backend not in GENERATIVE_BACKENDS or signature.inputs or signature.outputs:
         return signature
@@ -64,7 +66,9 @@ def with_generative_tensors(view: ModelView, signature: model_pool_pb2.ModelSign
 class GenerativeKServe:
     """Answers KServe calls that carry `text_input` for a generative model with a generation."""
 
-    def __init__(self, generations: _Generations, models: Callable[[], Awaitable[Mapping[str, ModelView]]]) -> None:
+    def __init__(
+        self, generations: _Generations, models: Callable[[], Awaitable[Mapping[str, ModelView]]]
+    ) -> None:
         self._generations = generations
         self._models = models
         self._ids = (f"kserve-gen-{n}" for n in itertools.count(1))
@@ -85,7 +89,9 @@ class GenerativeKServe:
         request = _request(call)
         text: list[str] = []
         model = call.model_id
-        async for event in self._generations.generate(request, request_id=next(self._ids), client_id=call.client_id):
+        async for event in self._generations.generate(
+            request, request_id=next(self._ids), client_id=call.client_id
+        ):
             if isinstance(event, TextChunk):
                 text.append(event.text)
             elif isinstance(event, Finished):

@@ -56,12 +56,19 @@ class _Outbox:
     cancels: list[scheduler_pb2.Cancel] = field(default_factory=list)
     returns: list[scheduler_pb2.ReturnCredit] = field(default_factory=list)
     finished: list[scheduler_pb2.FinishedRun] = field(default_factory=list)
+    depths: dict[str, int] = field(default_factory=dict)  # model -> its local queue's new depth
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     report_timer: asyncio.TimerHandle | None = None
 
     def __bool__(self) -> bool:
         return bool(
-            self.enqueues or self.runs or self.completes or self.cancels or self.returns or self.finished
+            self.enqueues
+            or self.runs
+            or self.completes
+            or self.cancels
+            or self.returns
+            or self.finished
+            or self.depths
         )
 
     def defer(self, delay_s: float) -> None:
@@ -136,6 +143,13 @@ class SchedulerLink:
         """Report a request already sent on the credit `request.credit_id` (sent later)."""
         self._outbox.runs[request.request_id] = scheduler_pb2.Enqueue(request=request)
         self._outbox.defer(self._report_delay_s)
+
+    def report_local_depth(self, model_id: str, waiting: int) -> None:
+        """How many requests wait in the gateway's local queue for the model (sent later: the
+        scheduler counts them in the model's queue depth)."""
+        if self.connected:
+            self._outbox.depths[model_id] = waiting
+            self._outbox.defer(self._report_delay_s)
 
     def complete(
         self,
@@ -212,6 +226,10 @@ class SchedulerLink:
                 del outbox.returns[:batch]
                 message.cancel.extend(outbox.cancels[:batch])
                 del outbox.cancels[:batch]
+                if outbox.depths:
+                    for model_id, waiting in outbox.depths.items():
+                        message.local_queue_depth.add(model_id=model_id, waiting=waiting)
+                    outbox.depths.clear()
                 if not (outbox.completes or outbox.finished):  # see _Outbox
                     for request_id in list(itertools.islice(outbox.runs, batch)):
                         message.enqueue.append(outbox.runs.pop(request_id))

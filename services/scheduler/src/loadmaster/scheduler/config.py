@@ -23,7 +23,7 @@ class ModelPolicy:
     latest_only: bool = False
     vram_mb: int | None = None
     # The mechanisms default to the shipped settings, as CoreConfig's do.
-    dispatch_credits: int = 4  # worker slots a sole gateway may borrow while the queue is empty
+    dispatch_credits: int = 64  # worker slots a sole gateway may borrow while the queue is empty
     lookahead: int = 1  # requests staged on a busy slot just before it frees (lookahead.py)
     reservation: bool = True  # hold a slot for a more urgent client about to send (reservations.py)
 
@@ -50,12 +50,16 @@ class CoreConfig:
     # Per-model overrides (None: the global values above for every model).
     model_policy: Callable[[str], ModelPolicy] | None = None
     latency_budget_ms: Callable[[str], float] = lambda client_id: 50.0
+    # What `latency_budget_ms` answers, as data a gateway's local queue can be sent: the
+    # default budget and the clients configured otherwise.
+    default_latency_budget_ms: float = 50.0
+    client_latency_budgets_ms: dict[str, float] = field(default_factory=dict)
     cadence_alpha: float = 0.3
     disconnect_timeout_s: float = 10.0
     # The mechanism defaults are the shipped settings' (`SchedulerSettings`): a bare
     # CoreConfig schedules as a deployed scheduler does. Tests that need one off say so.
     # Dispatch credits (see credits.py); 0 = off.
-    dispatch_credits: int = 4
+    dispatch_credits: int = 64
     credit_window_s: float = 1.0
     # Timed lookahead (see lookahead.py); 0 = off.
     lookahead: int = 1
@@ -112,6 +116,11 @@ class CoreConfig:
             max_inflight=max_inflight,  # type: ignore[arg-type]
             model_policy=model_policy,
             latency_budget_ms=budgets,  # type: ignore[arg-type]
+            default_latency_budget_ms=settings.clients.defaults.latency_budget_ms,
+            client_latency_budgets_ms={
+                client_id: settings.clients.for_client(client_id).latency_budget_ms
+                for client_id in settings.clients.known
+            },
             cadence_alpha=settings.response_tracking.cadence_alpha,
             disconnect_timeout_s=settings.response_tracking.disconnect_timeout_s,
             dispatch_credits=s.dispatch_credits,

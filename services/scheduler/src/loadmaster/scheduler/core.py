@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.ordering import Ordering, make_ordering
@@ -41,6 +41,7 @@ from loadmaster.scheduler.domain import (
     Request,
     RequestInfo,
     RequestKey,
+    SlotState,
     SlotStatus,
     Submission,
     WorkerHello,
@@ -136,6 +137,9 @@ class SchedulerCore:
             self._enqueue(session_id, info, touched)
         for request_id in batch.cancels:
             self._cancel((session_id, request_id))
+        for model_id, waiting in batch.local_depths:
+            self._credits.note_local_depth(session_id, model_id, waiting)
+            self._telemetry.record("queue_depth", self._depth(model_id), {"model": model_id})
         self._dispatcher.dispatch(touched)
 
     def accept_credits(self, session_id: int) -> None:
@@ -177,7 +181,7 @@ class SchedulerCore:
         for model_id, error in failures.items():
             log.warning("model %s failed to load on worker %s: %s", model_id, worker_id, error)
             self._reject_waiters(model_id, f"model {model_id!r} failed to load on {worker_id}: {error}")
-        self._dispatcher.dispatch(self._queues.waiting_models())
+        self._dispatcher.dispatch({*self._queues.waiting_models(), *_newly_ready(previous, slots)})
 
     def remove_worker(self, worker_id: str) -> None:
         """A worker's stream ended: re-queue (or reject) what it was granted, load elsewhere."""
@@ -267,8 +271,9 @@ class SchedulerCore:
         Returns how many moved."""
         moved = len(self._queues)
         self._queues = self._dispatcher.queues = self._queues.reordered(ordering)
-        if ordering.batch is not None:  # groups are formed centrally: no request may bypass them
-            self._credits.revoke_all()
+        # Gateways rank their local queues by the strategy their credits carry, and batch groups
+        # are formed centrally: take every credit back (re-lent with the new strategy).
+        self._credits.revoke_all()
         log.info("strategy switched to %s; %d waiting requests moved", ordering.name, moved)
         self._telemetry.record("strategy_switches", 1, {"strategy": ordering.name})
         self._dispatcher.dispatch(self._queues.waiting_models())
@@ -284,7 +289,7 @@ class SchedulerCore:
         return [
             QueueStats(
                 model_id=model_id,
-                depth=self._queues.depth(model_id),
+                depth=self._depth(model_id),
                 inflight=self._registry.inflight(model_id) - (idle := self._credits.idle(model_id)),
                 expired=stats.expired,
                 overflowed=stats.overflowed,
@@ -295,6 +300,10 @@ class SchedulerCore:
             )
             for model_id, stats in sorted(self._stats.items())
         ]
+
+    def _depth(self, model_id: str) -> int:
+        """Requests waiting for the model: here, and in its gateways' local queues."""
+        return self._queues.depth(model_id) + self._credits.local_depth(model_id)
 
     # ---- admission ---------------------------------------------------------------
 
@@ -604,3 +613,13 @@ class SchedulerCore:
         if stats is None:
             stats = self._stats[model_id] = ModelStats()
         return stats
+
+
+def _newly_ready(previous: Mapping[str, SlotStatus], slots: Sequence[SlotStatus]) -> list[str]:
+    """Models the report shows READY that were not (their free slots can be lent)."""
+    return [
+        slot.model_id
+        for slot in slots
+        if slot.state is SlotState.READY
+        and ((old := previous.get(slot.model_id)) is None or old.state is not SlotState.READY)
+    ]

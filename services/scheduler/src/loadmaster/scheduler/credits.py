@@ -1,17 +1,28 @@
-"""Dispatch credits: worker slots lent to a gateway while a model's queue is empty.
+"""Dispatch credits: worker slots lent to a gateway, so its requests skip the scheduler.
 
-The uncontended path should not pay a scheduler round trip per request. So while
-a model has no waiters and one gateway session is its only user within
-`window_s`, the core lends that session free slots of workers holding the model
-READY (up to the model's `dispatch_credits`). The gateway sends a request on an
-idle credit straight to the credit's worker and reports it afterwards (a
-`CreditRun`); the scheduler tracks it like a granted request. The moment a
-request has to wait in the model's queue, every credit for the model is revoked
-and lending pauses for `window_s`, so ordering is central again under contention.
+The uncontended path should not pay a scheduler round trip per request. So while a model
+has no waiters here and one gateway session is its only user within `window_s`, the core
+lends that session free slots of workers holding the model READY. The gateway sends a
+request on an idle credit straight to the credit's worker and reports it afterwards (a
+`CreditRun`, batched with others); the scheduler tracks it like a granted request.
 
-A lent slot counts against the worker's `max_inflight` until the gateway returns
-the credit (at once when it is idle, else when the request running on it ends),
-so a revocation never lets a worker be granted more than it may run.
+How many: with a per-model strategy a gateway can replicate (`local_queue_spec`), the
+session gets *every* free slot (its share is the whole model) and a `LocalQueueSpec`: it
+queues its own requests that find no idle credit and ranks them with the same strategy
+code (loadmaster.common.ordering), so the scheduler sees no queue for the model and the
+order is the one it would have kept (docs/data-path.md). With any other strategy (one
+global order, batch groups, a registered policy), at most `dispatch_credits` are lent and
+a request finding none idle is queued here, as before.
+
+The moment a request has to wait in the model's queue here (another gateway's, or one
+that found no credit), every credit for the model is revoked and lending pauses for
+`window_s`, so ordering is central again under contention between gateways. A gateway
+whose credits for a model are all revoked hands its locally queued requests to the
+scheduler in their local order.
+
+A lent slot counts against the worker's `max_inflight` until the gateway returns the
+credit (at once when it is idle, else when the request running on it ends), so a
+revocation never lets a worker be granted more than it may run.
 `CreditBook` keeps the credits, holds their slots in the worker registry and sends
 credits and revocations out; the core decides when to lend and revoke.
 """
@@ -21,11 +32,46 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 
-from loadmaster.scheduler.domain import Credit, RequestKey, SlotState, SlotStatus
+from loadmaster.common.ordering import DeadlineTerms, Ordering, Scope
+from loadmaster.scheduler.config import CoreConfig, ModelPolicy
+from loadmaster.scheduler.domain import (
+    Credit,
+    LocalQueueSpec,
+    OverflowPolicy,
+    RequestKey,
+    SlotState,
+    SlotStatus,
+)
 from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.registry import WorkerRegistry
 
-__all__ = ["CreditBook"]
+__all__ = ["CreditBook", "local_queue_spec"]
+
+# Strategies whose order a gateway can keep for one model's requests on its own: per-model
+# scope, no batch groups, no registered policy (a policy module is loaded by the scheduler only).
+_LOCAL_STRATEGIES = frozenset({"model_deadline", "priority_tiered", "round_robin", "priority"})
+
+
+def local_queue_spec(ordering: Ordering, policy: ModelPolicy, config: CoreConfig) -> LocalQueueSpec | None:
+    """How a gateway holding the model's whole share may queue for it, or None when it may not
+    (another strategy, or a model whose queue supersedes: `latest_only`)."""
+    if (
+        ordering.name not in _LOCAL_STRATEGIES
+        or ordering.scope is not Scope.MODEL
+        or ordering.batch is not None
+        or bool(getattr(ordering, "policy_name", ""))
+        or policy.latest_only
+    ):
+        return None
+    return LocalQueueSpec(
+        strategy=ordering.name,
+        terms=getattr(ordering, "terms", None) or DeadlineTerms(),
+        latency_budget_ms=config.default_latency_budget_ms,
+        client_latency_budget_ms=config.client_latency_budgets_ms,
+        cadence_alpha=config.cadence_alpha,
+        max_queue_size=policy.max_queue_size,
+        reject_newest=policy.overflow_policy is OverflowPolicy.REJECT_NEWEST,
+    )
 
 
 class CreditBook:
@@ -42,6 +88,7 @@ class CreditBook:
         self._users: dict[str, dict[int, float]] = {}  # model -> session -> last use (monotonic)
         self._paused_until: dict[str, float] = {}
         self._accepting: set[int] = set()
+        self._local_depths: dict[str, dict[int, int]] = {}  # model -> session -> waiting there
 
     def __len__(self) -> int:
         return len(self._credits)
@@ -57,6 +104,18 @@ class CreditBook:
         """Credits for the model not returned yet (revoked ones included)."""
         ids = self._by_model.get(model_id)
         return len(ids) if ids else 0
+
+    def note_local_depth(self, session_id: int, model_id: str, waiting: int) -> None:
+        """The session's gateway reports how many requests wait in its local queue."""
+        depths = self._local_depths.setdefault(model_id, {})
+        if waiting:
+            depths[session_id] = waiting
+        else:
+            depths.pop(session_id, None)
+
+    def local_depth(self, model_id: str) -> int:
+        depths = self._local_depths.get(model_id)
+        return sum(depths.values()) if depths else 0
 
     # ---- sessions and their use of models ---------------------------------------
 
@@ -90,17 +149,27 @@ class CreditBook:
     # ---- lending and taking back -----------------------------------------------
 
     def lend(
-        self, model_id: str, now: float, *, limit: int, ttl_ms: float, pick: Callable[[], str | None]
+        self,
+        model_id: str,
+        now: float,
+        *,
+        limit: int,
+        ttl_ms: float,
+        pick: Callable[[], str | None],
+        local_queue: Callable[[], LocalQueueSpec | None] = lambda: None,
     ) -> None:
         """Lend the model's free slots (`pick` names a worker with one, or None) to its only
-        recent gateway, until `limit` credits for it are out."""
+        recent gateway, until `limit` credits for it are out.
+
+        A gateway may queue locally (the credits carry `local_queue`'s spec) only while it holds
+        every slot of the model: else its queued requests would wait while a slot it was not
+        lent stays idle. So when `limit` leaves free slots unlent, the new credits carry no spec,
+        and credits that carried one are revoked (the gateway hands its queue to the scheduler)."""
         session_id = self.sole_user(model_id, now)
         if session_id is None:
             return
-        while self.lent(model_id) < limit:
-            worker_id = pick()
-            if worker_id is None:
-                return
+        lent: list[Credit] = []
+        while self.lent(model_id) < limit and (worker_id := pick()) is not None:
             record = self._registry.get(worker_id)
             assert record is not None
             credit = Credit(
@@ -115,6 +184,16 @@ class CreditBook:
             self._credits[credit.credit_id] = credit
             self._by_model.setdefault(model_id, set()).add(credit.credit_id)
             self._registry.acquire(worker_id, credit.slot_key, model_id)
+            lent.append(credit)
+        spec = local_queue() if pick() is None else None  # a whole share, or none to queue on
+        if spec is None and any(self._credits[i].local_queue for i in self._by_model.get(model_id, ())):
+            for credit in lent:  # never sent: take them back unseen
+                self._forget(credit)
+                self._registry.release(credit.worker_id, credit.slot_key)
+            self.revoke_model(model_id, now)
+            return
+        for credit in lent:
+            credit.local_queue = spec
             self._out.lend_credit(session_id, credit)
             self._telemetry.record("credits_lent", 1, {"model": model_id})
 
@@ -157,6 +236,8 @@ class CreditBook:
         self._accepting.discard(session_id)
         for users in self._users.values():
             users.pop(session_id, None)
+        for depths in self._local_depths.values():
+            depths.pop(session_id, None)
         freed: set[str] = set()
         for credit in [c for c in self._credits.values() if c.session_id == session_id]:
             self._forget(credit)

@@ -22,7 +22,7 @@ from loadmaster.common.clock import Clock
 from loadmaster.common.ordering import Scope
 from loadmaster.scheduler import placement
 from loadmaster.scheduler.config import CoreConfig
-from loadmaster.scheduler.credits import CreditBook
+from loadmaster.scheduler.credits import CreditBook, local_queue_spec
 from loadmaster.scheduler.domain import Grant, LoadModel, Request, RequestKey, SlotStatus
 from loadmaster.scheduler.loads import LoadTracker, freed_memory, is_memory_error, load_outlasts
 from loadmaster.scheduler.lookahead import Lookahead
@@ -116,6 +116,7 @@ class GrantDispatcher:
                     limit=policy.dispatch_credits,
                     ttl_ms=policy.request_ttl_ms,
                     pick=lambda m=model_id: self._pick_worker(m, ahead=False),
+                    local_queue=lambda p=policy: local_queue_spec(ordering, p, self._config),
                 )
             if model_id in self._stats:
                 self._telemetry.record("queue_depth", self.queues.depth(model_id), {"model": model_id})

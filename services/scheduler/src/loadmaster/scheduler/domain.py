@@ -11,10 +11,11 @@ enum values of errors.proto (plain ints), as everywhere in loadmaster.common.err
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from loadmaster.common.ordering.deadline import DeadlineTerms
 from loadmaster.common.ordering.requests import Request, RequestInfo, RequestKey
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "FinishedRun",
     "Grant",
     "LoadModel",
+    "LocalQueueSpec",
     "Outcome",
     "OverflowPolicy",
     "QueueStats",
@@ -174,6 +176,7 @@ class Credit:
     data_endpoint: str
     generation: int
     request_ttl_ms: float
+    local_queue: LocalQueueSpec | None = None  # the gateway may queue locally (a whole share)
     running: RequestKey | None = None  # the request the gateway runs on it now
     revoked: bool = False
 
@@ -181,6 +184,21 @@ class Credit:
     def slot_key(self) -> RequestKey:
         """The key the lent slot is held under in the worker registry."""
         return (CREDIT_SLOT_SESSION, self.credit_id)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalQueueSpec:
+    """How a gateway holding a model's whole share queues and ranks its own waiting requests
+    for it: the scheduler's per-model strategy and the inputs of its keys (`LocalQueue` in
+    scheduler.proto, docs/data-path.md)."""
+
+    strategy: str
+    terms: DeadlineTerms
+    latency_budget_ms: float
+    client_latency_budget_ms: Mapping[str, float]
+    cadence_alpha: float
+    max_queue_size: int
+    reject_newest: bool
 
 
 @dataclass(slots=True)
@@ -221,8 +239,15 @@ class Submission:
     runs: Sequence[CreditRun] = ()
     returns: Sequence[str] = ()
     finished: Sequence[FinishedRun] = ()
+    local_depths: Sequence[tuple[str, int]] = ()  # (model, requests waiting in the gateway's queue)
 
     def __bool__(self) -> bool:
         return bool(
-            self.enqueues or self.completes or self.cancels or self.runs or self.returns or self.finished
+            self.enqueues
+            or self.completes
+            or self.cancels
+            or self.runs
+            or self.returns
+            or self.finished
+            or self.local_depths
         )

@@ -14,6 +14,7 @@ from loadmaster.scheduler.domain import (
     FinishedRun,
     Grant,
     LoadModel,
+    LocalQueueSpec,
     Outcome,
     QueueStats,
     RequestInfo,
@@ -87,7 +88,8 @@ def submission(pb: scheduler_pb2.SessionRequest) -> Submission:
         FinishedRun(CreditRun(f.request.credit_id, _request_info(f.request)), _completion(f.complete))
         for f in pb.finished_run
     ]
-    return Submission(enqueues, completes, cancels, runs, returns, finished)
+    depths = [(d.model_id, d.waiting) for d in pb.local_queue_depth]
+    return Submission(enqueues, completes, cancels, runs, returns, finished, depths)
 
 
 def _completion(pb: scheduler_pb2.Complete) -> Completion:
@@ -98,6 +100,20 @@ def _completion(pb: scheduler_pb2.Complete) -> Completion:
         worker_id=pb.worker_id,
         inference_ms=pb.inference_ms,
     )
+
+
+def _local_queue(pb: scheduler_pb2.LocalQueue, spec: LocalQueueSpec) -> None:
+    terms = spec.terms
+    pb.strategy = spec.strategy
+    pb.priority_step_ms = terms.priority_step_ms
+    pb.urgency_weight = terms.urgency_weight
+    pb.steps_horizon = terms.steps_horizon
+    pb.service_ms = terms.service_ms
+    pb.latency_budget_ms = spec.latency_budget_ms
+    pb.client_latency_budget_ms.update(spec.client_latency_budget_ms)
+    pb.cadence_alpha = spec.cadence_alpha
+    pb.max_queue_size = spec.max_queue_size
+    pb.reject_newest = spec.reject_newest
 
 
 def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.SessionResponse:
@@ -112,6 +128,8 @@ def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.Sessio
                 generation=outcome.generation,
                 request_ttl_ms=outcome.request_ttl_ms,
             )
+            if (spec := outcome.local_queue) is not None:
+                _local_queue(response.credits[-1].local_queue, spec)
         elif isinstance(outcome, CreditRevoke):
             response.revokes.add(credit_id=outcome.credit_id)
         elif isinstance(outcome, Grant):

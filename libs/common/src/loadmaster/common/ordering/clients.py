@@ -33,6 +33,10 @@ class ClientTracker:
         self._active = 0
 
     @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @property
     def active(self) -> int:
         return self._active
 

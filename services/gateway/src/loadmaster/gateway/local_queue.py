@@ -1,0 +1,254 @@
+"""The gateway's own waiting room for models whose whole share of slots it holds.
+
+While this gateway is a model's only user, the scheduler lends it every slot of the model as
+dispatch credits, each carrying a `LocalQueue` spec (scheduler.proto). A call that then finds
+no idle credit waits here instead of in the scheduler's queue, ranked by the scheduler's own
+strategy code (`loadmaster.common.ordering`) with the same inputs: the client's latency budget,
+its cadence (the same EWMA, over the arrivals this gateway sees, which with one gateway are all
+of them), its calls already waiting, priority, urgency, steps. So the order is the one the
+scheduler would have kept, without a scheduler round trip per call (docs/data-path.md).
+
+Pure bookkeeping over an injected clock: the dispatcher pops the head when a credit frees,
+hands everything to the scheduler when its credits are revoked, and asks what expired.
+Removal is lazy: a heap entry is live while its token is in `_waiting`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from loadmaster.common.clock import Clock
+from loadmaster.common.ordering import ClientTracker, DeadlineTerms, Ordering, make_ordering
+from loadmaster.common.ordering.requests import Request, RequestInfo
+from loadmaster.gateway.calls import InferenceCall
+from loadmaster.v1 import scheduler_pb2
+
+__all__ = ["LocalQueues", "Overflow"]
+
+T = TypeVar("T")
+
+_DISCONNECT_TIMEOUT_S = 10.0  # a client silent this long is forgotten (its cadence starts afresh)
+
+
+@dataclass(frozen=True, slots=True)
+class Overflow(Generic[T]):
+    """What a push into a full queue did: refused the newcomer, or dropped `dropped` (the oldest)."""
+
+    refused: bool
+    dropped: T | None
+    message: str
+
+
+@dataclass(slots=True)
+class _Waiting(Generic[T]):
+    item: T
+    request: Request
+    key: tuple[float, ...]
+
+
+@dataclass(slots=True)
+class _ModelQueue:
+    spec: scheduler_pb2.LocalQueue
+    ordering: Ordering
+    heap: list[tuple[float, ...]] = field(default_factory=list)  # (*key, token)
+    arrivals: deque[int] = field(default_factory=deque)  # tokens, oldest first (drop_oldest)
+    size: int = 0
+
+
+class LocalQueues(Generic[T]):
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._models: dict[str, _ModelQueue] = {}
+        self._waiting: dict[int, _Waiting[T]] = {}  # token -> entry
+        self._tokens: dict[str, int] = {}  # request id -> token
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, token)
+        self._backlog: dict[tuple[str, str], int] = {}  # (client, model) -> its calls waiting here
+        self._clients = ClientTracker(cadence_alpha=0.3, disconnect_timeout_s=_DISCONNECT_TIMEOUT_S)
+        self._seq = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def waiting(self, model_id: str) -> int:
+        queue = self._models.get(model_id)
+        return queue.size if queue is not None else 0
+
+    def accepts(self, model_id: str) -> bool:
+        """New calls for the model may wait here."""
+        queue = self._models.get(model_id)
+        return queue is not None and bool(queue.spec.strategy)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tokens
+
+    def configure(self, model_id: str, spec: scheduler_pb2.LocalQueue | None) -> None:
+        """Queue the model's calls by `spec` from now on (the calls already waiting keep their
+        keys), or with None stop taking new ones (those waiting stay until taken)."""
+        queue = self._models.get(model_id)
+        if spec is None:
+            if queue is not None and not queue.size:
+                del self._models[model_id]
+            elif queue is not None:
+                queue.spec = scheduler_pb2.LocalQueue()  # draining: `accepts` says no below
+            return
+        if queue is not None and queue.spec == spec:
+            return
+        terms = DeadlineTerms(
+            priority_step_ms=spec.priority_step_ms,
+            urgency_weight=spec.urgency_weight,
+            steps_horizon=spec.steps_horizon,
+            service_ms=spec.service_ms,
+        )
+        ordering = make_ordering(spec.strategy, terms=terms)
+        if queue is None:
+            self._models[model_id] = _ModelQueue(spec, ordering)
+        else:
+            queue.spec, queue.ordering = spec, ordering
+        self._clients = _retuned(self._clients, spec.cadence_alpha)
+
+    def push(self, item: T, call: InferenceCall, ttl_ms: float) -> Overflow[T] | None:
+        """Queue `item` (for `call`, waiting at most `ttl_ms`); None, or what overflow did."""
+        model_id = call.model_id
+        queue = self._models[model_id]
+        spec = queue.spec
+        overflow: Overflow[T] | None = None
+        if spec.max_queue_size and queue.size >= spec.max_queue_size:
+            full = f"queue for model {model_id!r} is full ({spec.max_queue_size} waiting)"
+            if spec.reject_newest:
+                return Overflow(True, None, full)
+            oldest = self._pop_oldest(queue)
+            overflow = Overflow(False, oldest, f"{full}; dropped the oldest")
+        now = self._clock.monotonic()
+        client_id = call.client_id
+        cadence_ms: float | None = None
+        backlog = 0
+        if client_id:
+            if not call.connection_bound:
+                self._clients.observe(client_id, now)
+                cadence_ms = self._clients.cadence_ms(client_id)
+            backlog = self._backlog.get((client_id, model_id), 0)
+            self._backlog[(client_id, model_id)] = backlog + 1
+        token = next(self._seq)
+        ttl_s = ttl_ms / 1000.0
+        request = Request(
+            (0, call.request_id),
+            RequestInfo(
+                call.request_id,
+                model_id,
+                client_id,
+                call.priority,
+                call.urgency,
+                call.timeout_ms,
+                call.steps_remaining,
+            ),
+            token,  # arrival
+            now,  # enqueued_at
+            now + ttl_s,  # deadline
+            int((self._clock.time() + ttl_s) * 1e9),
+            spec.client_latency_budget_ms.get(client_id, spec.latency_budget_ms),
+            cadence_ms,
+            backlog,
+        )
+        key = queue.ordering.key(request)
+        self._waiting[token] = _Waiting(item, request, key)
+        self._tokens[call.request_id] = token
+        heapq.heappush(queue.heap, (*key, token))
+        queue.arrivals.append(token)
+        queue.size += 1
+        heapq.heappush(self._deadlines, (request.deadline, token))
+        return overflow
+
+    def pop(self, model_id: str) -> T | None:
+        """The model's next call in strategy order, or None."""
+        queue = self._models.get(model_id)
+        if queue is None:
+            return None
+        while queue.heap:
+            token = int(heapq.heappop(queue.heap)[-1])
+            entry = self._waiting.get(token)
+            if entry is not None:
+                queue.ordering.granted(entry.request, entry.key)
+                self._drop(token, queue)
+                return entry.item
+        return None
+
+    def remove(self, request_id: str) -> T | None:
+        token = self._tokens.get(request_id)
+        if token is None:
+            return None
+        entry = self._waiting[token]
+        self._drop(token, self._models[entry.request.model_id])
+        return entry.item
+
+    def take_all(self, model_id: str) -> list[T]:
+        """Every call waiting for the model, in strategy order (to hand to the scheduler)."""
+        taken: list[T] = []
+        while (item := self.pop(model_id)) is not None:
+            taken.append(item)
+        return taken
+
+    def next_deadline(self) -> float | None:
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1] not in self._waiting:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else None
+
+    def expired(self) -> list[tuple[T, str]]:
+        """Calls whose deadline has passed, each with the error message the scheduler gives."""
+        now = self._clock.monotonic()
+        out: list[tuple[T, str]] = []
+        while (deadline := self.next_deadline()) is not None and deadline <= now:
+            token = heapq.heappop(self._deadlines)[1]
+            entry = self._waiting[token]
+            request = entry.request
+            self._drop(token, self._models[request.model_id])
+            waited_ms = (now - request.enqueued_at) * 1000.0
+            out.append(
+                (entry.item, f"expired after waiting {waited_ms:.0f} ms for model {request.model_id!r}")
+            )
+        return out
+
+    def forget_silent_clients(self) -> None:
+        """Drop the cadence and ordering state of clients silent past the timeout."""
+        for client_id in self._clients.due_disconnects(self._clock.monotonic()):
+            for queue in self._models.values():
+                queue.ordering.forget_client(client_id)
+
+    def _pop_oldest(self, queue: _ModelQueue) -> T | None:
+        while queue.arrivals:
+            token = queue.arrivals.popleft()
+            entry = self._waiting.get(token)
+            if entry is not None:
+                self._drop(token, queue)
+                return entry.item
+        return None
+
+    def _drop(self, token: int, queue: _ModelQueue) -> None:
+        entry = self._waiting.pop(token)
+        request = entry.request
+        del self._tokens[request.request_id]
+        queue.size -= 1
+        client_id = request.info.client_id
+        if client_id:
+            stream = (client_id, request.model_id)
+            left = self._backlog[stream] - 1
+            if left:
+                self._backlog[stream] = left
+            else:
+                del self._backlog[stream]
+        if not queue.size:
+            queue.heap.clear()
+            queue.arrivals.clear()
+            if not queue.spec.strategy:  # stopped taking calls and now empty
+                del self._models[request.model_id]
+
+
+def _retuned(clients: ClientTracker, alpha: float) -> ClientTracker:
+    """The tracker with the scheduler's cadence weight (a new one when it differs)."""
+    if alpha <= 0.0 or alpha >= 1.0 or clients.alpha == alpha:
+        return clients
+    return ClientTracker(cadence_alpha=alpha, disconnect_timeout_s=_DISCONNECT_TIMEOUT_S)

@@ -1,0 +1,278 @@
+"""The dispatcher's local queue: while its credits carry a `LocalQueue` spec (the gateway holds
+the model's whole share), calls that find no idle credit wait in the gateway, not at the
+scheduler (docs/data-path.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from loadmaster.common.clock import FakeClock, SystemClock
+from loadmaster.common.telemetry import TelemetryReporter
+from loadmaster.gateway.calls import CallResult, InferenceCall
+from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
+
+
+class _SchedulerDouble:
+    """The scheduler session as the dispatcher sees it: records what it is told, in order."""
+
+    def __init__(self) -> None:
+        self.connected = True
+        self.session = 1
+        self.enqueued: list[scheduler_pb2.RequestInfo] = []
+        self.cancelled: list[str] = []
+        self.returned: list[str] = []
+        self.order: list[str] = []
+        self.depths: list[int] = []  # local depths reported, in order
+
+    def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
+        self.enqueued.append(request)
+        self.order.append(f"enqueue {request.request_id}")
+
+    def report_run(self, request: scheduler_pb2.RequestInfo) -> None:
+        self.enqueued.append(request)
+        self.order.append(f"run {request.request_id}")
+
+    def complete(self, request_id: str, **_: Any) -> None:
+        self.order.append(f"complete {request_id}")
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def return_credit(self, credit_id: str) -> None:
+        self.returned.append(credit_id)
+        self.order.append(f"return {credit_id}")
+
+    def report_local_depth(self, model_id: str, waiting: int) -> None:
+        self.depths.append(waiting)
+
+
+class _WorkersDouble:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, model_pool_pb2.InferRequest]] = []
+
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
+        self.sent.append((endpoint, model_pool_pb2.InferRequest.FromString(envelope)))
+
+
+Parts = tuple[Dispatcher, _SchedulerDouble, _WorkersDouble, list[CallResult]]
+
+
+def _dispatcher(clock: FakeClock | SystemClock) -> tuple[Dispatcher, _SchedulerDouble, _WorkersDouble]:
+    scheduler, workers = _SchedulerDouble(), _WorkersDouble()
+    dispatcher = Dispatcher(
+        scheduler=lambda _: scheduler,
+        workers=lambda _: workers,
+        telemetry=TelemetryReporter("gateway", "test", None),
+        clock=clock,
+    )
+    return dispatcher, scheduler, workers
+
+
+@pytest.fixture()
+async def parts() -> AsyncIterator[Parts]:
+    dispatcher, scheduler, workers = _dispatcher(FakeClock())
+    dispatcher.start()
+    results: list[CallResult] = []
+    yield dispatcher, scheduler, workers, results
+    await dispatcher.close()
+
+
+def _spec(**fields: object) -> scheduler_pb2.LocalQueue:
+    values: dict[str, object] = {
+        "strategy": "priority",
+        "priority_step_ms": 100.0,
+        "urgency_weight": 0.5,
+        "steps_horizon": 8,
+        "service_ms": 10.0,
+        "latency_budget_ms": 50.0,
+        "cadence_alpha": 0.3,
+        "max_queue_size": 100,
+    }
+    values.update(fields)
+    return scheduler_pb2.LocalQueue(**values)  # type: ignore[arg-type]
+
+
+def _credit(
+    credit_id: str, spec: scheduler_pb2.LocalQueue | None = None, ttl_ms: float = 500.0
+) -> scheduler_pb2.Credit:
+    credit = scheduler_pb2.Credit(
+        credit_id=credit_id,
+        model_id="double",
+        worker_id="w1",
+        data_endpoint="tcp://w1",
+        generation=3,
+        request_ttl_ms=ttl_ms,
+    )
+    credit.local_queue.CopyFrom(spec if spec is not None else _spec())
+    return credit
+
+
+def _call(request_id: str, *, client: str = "c", priority: int = 1, timeout_ms: float = 0.0) -> InferenceCall:
+    return InferenceCall(
+        request_id=request_id,
+        client_id=client,
+        model_id="double",
+        inputs=[],
+        payload=b"x",
+        priority=priority,
+        timeout_ms=timeout_ms,
+    )
+
+
+def _ok(request_id: str) -> model_pool_pb2.InferResponse:
+    return model_pool_pb2.InferResponse(request_id=request_id, model_id="double", worker_id="w1")
+
+
+def _sent(workers: _WorkersDouble) -> list[str]:
+    return [request.request_id for _, request in workers.sent]
+
+
+async def test_calls_beyond_the_credits_wait_in_the_gateway_and_take_the_next_free_credit(
+    parts: Parts,
+) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    for request_id in ("r1", "r2", "r3"):
+        dispatcher.submit(_call(request_id), results.append)
+    assert _sent(workers) == ["r1"]
+    assert scheduler.order == ["run r1"]  # r2 and r3 never reach the scheduler while they wait
+    assert scheduler.depths == [1, 2]  # ...which only hears how many wait here
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert _sent(workers) == ["r1", "r2"]
+    assert scheduler.order == ["run r1", "complete r1", "run r2"]
+    dispatcher.on_worker_reply(_ok("r2"), b"")
+    dispatcher.on_worker_reply(_ok("r3"), b"")
+    assert [r.request_id for r in results] == ["r1", "r2", "r3"] and all(r.ok for r in results)
+    assert [e.credit_id for e in scheduler.enqueued] == ["c1", "c1", "c1"]
+    assert dispatcher.inflight == 0
+
+
+async def test_the_local_queue_ranks_by_the_scheduler_strategy(parts: Parts) -> None:
+    dispatcher, _scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.submit(_call("busy"), results.append)
+    dispatcher.submit(_call("low", client="a", priority=2), results.append)
+    dispatcher.submit(_call("high", client="b", priority=0), results.append)
+    dispatcher.submit(_call("mid", client="c", priority=1), results.append)
+    for request_id in ("busy", "high", "mid"):
+        dispatcher.on_worker_reply(_ok(request_id), b"")
+    assert _sent(workers) == ["busy", "high", "mid", "low"]
+
+
+async def test_a_new_credit_starts_a_waiting_call(parts: Parts) -> None:
+    dispatcher, _scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.submit(_call("r2"), results.append)
+    dispatcher.on_credit(_credit("c2"))
+    assert _sent(workers) == ["r1", "r2"]
+
+
+async def test_revoking_the_last_credit_hands_the_waiting_calls_to_the_scheduler_in_order(
+    parts: Parts,
+) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.submit(_call("low", priority=2), results.append)
+    dispatcher.submit(_call("high", priority=0), results.append)
+    dispatcher.on_revoke("c1")
+    assert scheduler.order == ["run r1", "enqueue high", "enqueue low"]
+    dispatcher.submit(_call("later"), results.append)  # no share any more: straight to the scheduler
+    assert scheduler.order[-1] == "enqueue later"
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert scheduler.returned == ["c1"] and _sent(workers) == ["r1"]
+
+
+async def test_a_credit_without_a_spec_stops_local_queueing_but_serves_those_waiting(parts: Parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.submit(_call("r2"), results.append)
+    plain = _credit("c2")
+    plain.ClearField("local_queue")
+    dispatcher.on_credit(plain)  # starts r2
+    dispatcher.submit(_call("r3"), results.append)  # both busy, no local queue now
+    assert _sent(workers) == ["r1", "r2"]
+    assert scheduler.order[-1] == "enqueue r3"
+
+
+async def test_a_cancelled_waiting_call_is_never_sent_nor_reported(parts: Parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.submit(_call("r2"), results.append)
+    dispatcher.cancel("r2")
+    assert scheduler.depths == [1, 0]
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert _sent(workers) == ["r1"] and scheduler.cancelled == []
+    assert [r.request_id for r in results] == ["r1"] and dispatcher.inflight == 0
+
+
+async def test_a_full_local_queue_refuses_the_newest_or_drops_the_oldest(parts: Parts) -> None:
+    dispatcher, _scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit("c1", _spec(max_queue_size=2, reject_newest=True)))
+    for request_id in ("r1", "w1", "w2", "w3"):
+        dispatcher.submit(_call(request_id), results.append)
+    [refused] = results
+    assert refused.request_id == "w3" and refused.error is not None
+    assert (
+        refused.error.code == errors_pb2.ERROR_CODE_OVERFLOW and "full (2 waiting)" in refused.error.message
+    )
+
+    dispatcher2, _s, _w = _dispatcher(FakeClock())
+    dropped: list[CallResult] = []
+    dispatcher2.on_credit(_credit("c1", _spec(max_queue_size=2)))
+    for request_id in ("r1", "w1", "w2", "w3"):
+        dispatcher2.submit(_call(request_id), dropped.append)
+    [oldest] = dropped
+    assert oldest.request_id == "w1" and oldest.error is not None
+    assert "dropped the oldest" in oldest.error.message
+
+
+async def test_a_waiting_call_expires_on_time_with_the_scheduler_message() -> None:
+    dispatcher, scheduler, workers = _dispatcher(SystemClock())
+    done: dict[str, float] = {}
+    results: list[CallResult] = []
+
+    def record(result: CallResult) -> None:
+        done[result.request_id] = time.monotonic()
+        results.append(result)
+
+    dispatcher.on_credit(_credit("c1", ttl_ms=5000.0))
+    dispatcher.submit(_call("r1"), record)
+    started = time.monotonic()
+    dispatcher.submit(_call("r2", timeout_ms=50.0), record)  # its own, shorter timeout
+    for _ in range(100):  # bounded: 1 s at most
+        if "r2" in done:
+            break
+        await asyncio.sleep(0.01)
+    [expired] = results
+    assert expired.error is not None and expired.error.code == errors_pb2.ERROR_CODE_EXPIRED
+    assert "expired after waiting" in expired.error.message and "'double'" in expired.error.message
+    assert 0.05 <= done["r2"] - started < 0.5
+    assert _sent(workers) == ["r1"] and scheduler.order == ["run r1"]
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert _sent(workers) == ["r1"]  # the expired call is not sent afterwards
+
+
+async def test_losing_the_scheduler_keeps_the_waiting_calls_on_the_credits_left(parts: Parts) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.submit(_call("r2"), results.append)
+    scheduler.connected = False
+    dispatcher.on_scheduler_lost()
+    dispatcher.submit(_call("r3"), results.append)  # queued on the lost scheduler's share
+    assert results == []
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    dispatcher.on_worker_reply(_ok("r2"), b"")
+    dispatcher.on_worker_reply(_ok("r3"), b"")
+    assert [r.request_id for r in results] == ["r1", "r2", "r3"] and all(r.ok for r in results)
+    assert _sent(workers) == ["r1", "r2", "r3"]

@@ -1,0 +1,126 @@
+"""The whole share: a model's only gateway is lent every free slot, with a `LocalQueueSpec` so it
+queues its own waiting requests (docs/data-path.md); anything that breaks "whole" or "only"
+takes the share back."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from loadmaster.common.ordering import make_ordering
+from loadmaster.scheduler.domain import OverflowPolicy, SlotState, Submission
+
+if TYPE_CHECKING:
+    from conftest import Harness, MakeHarness
+
+READY = SlotState.READY
+A, B = 1, 2
+
+
+@pytest.fixture
+def h(make_harness: MakeHarness) -> Harness:
+    """4 slots per worker, a cap far above them; session A accepts credits and uses the model."""
+    h = make_harness(
+        max_inflight=lambda model_id: 4,
+        dispatch_credits=64,
+        credit_window_s=1.0,
+        default_latency_budget_ms=40.0,
+        client_latency_budgets_ms={"robot": 5.0},
+        max_queue_size=7,
+        overflow_policy=OverflowPolicy.REJECT_NEWEST,
+    )
+    h.core.accept_credits(A)
+    h.core.accept_credits(B)
+    h.worker("w1", ["m"], ready=["m"])
+    h.enqueue("a0", session=A)
+    h.complete("a0", session=A)
+    return h
+
+
+def _share(h: Harness, session: int = A) -> list[str]:
+    return sorted(cid for cid, (s, _) in h.lent.items() if s == session and cid not in h.revoked)
+
+
+def test_the_only_gateway_gets_every_free_slot_and_how_to_queue_for_the_model(h: Harness) -> None:
+    credits = [h.lent[cid][1] for cid in _share(h)]
+    assert len(credits) == 4
+    for credit in credits:
+        spec = credit.local_queue
+        assert spec is not None
+        assert spec.strategy == "model_deadline"
+        assert (spec.latency_budget_ms, dict(spec.client_latency_budget_ms)) == (40.0, {"robot": 5.0})
+        assert (spec.max_queue_size, spec.reject_newest) == (7, True)
+
+
+def test_a_worker_that_becomes_ready_is_lent_to_the_gateway_too(h: Harness) -> None:
+    h.worker("w2", ["m"])
+    assert len(_share(h)) == 4
+    h.report("w2", {"m": READY})
+    assert len(_share(h)) == 8
+    assert all(h.lent[cid][1].local_queue is not None for cid in _share(h))
+
+
+def test_a_cap_below_the_slots_lends_no_spec(make_harness: MakeHarness) -> None:
+    h = make_harness(max_inflight=lambda model_id: 4, dispatch_credits=2)
+    h.core.accept_credits(A)
+    h.worker("w1", ["m"], ready=["m"])
+    h.enqueue("a0", session=A)
+    h.complete("a0", session=A)
+    credits = [h.lent[cid][1] for cid in _share(h)]
+    assert len(credits) == 2 and all(c.local_queue is None for c in credits)
+
+
+def test_slots_the_cap_leaves_unlent_take_the_spec_back(make_harness: MakeHarness) -> None:
+    """A gateway queueing locally while a slot it was not lent idles would strand its calls."""
+    h = make_harness(max_inflight=lambda model_id: 4, dispatch_credits=4)
+    h.core.accept_credits(A)
+    h.worker("w1", ["m"], ready=["m"])
+    h.worker("w2", ["m"])
+    h.enqueue("a0", session=A)
+    h.complete("a0", session=A)
+    share = _share(h)
+    assert len(share) == 4 and all(h.lent[cid][1].local_queue is not None for cid in share)
+    h.report("w2", {"m": READY})  # 4 more slots, none lendable under the cap
+    assert sorted(h.revoked) == share
+
+
+def test_a_second_gateway_that_must_wait_takes_the_share_back(h: Harness) -> None:
+    share = _share(h)
+    h.enqueue("b1", session=B)  # every slot is lent to A: b1 waits, A's credits are revoked
+    assert "b1" not in h.granted_ids()
+    assert sorted(h.revoked) == share
+    h.return_credit(share[0])
+    assert "b1" in h.granted_ids()
+
+
+def test_a_strategy_switch_takes_every_credit_back_and_relends_by_the_new_one(h: Harness) -> None:
+    share = _share(h)
+    h.core.set_ordering(make_ordering("round_robin"))
+    assert sorted(h.revoked) == share
+    for cid in share:
+        h.return_credit(cid)  # each slot returned is lent again at once, by the new strategy
+    relent = _share(h)
+    assert len(relent) == 4 and {h.lent[cid][1].local_queue.strategy for cid in relent} == {"round_robin"}  # type: ignore[union-attr]
+
+
+def test_a_strategy_a_gateway_cannot_keep_lends_no_spec(h: Harness) -> None:
+    share = _share(h)
+    h.core.set_ordering(make_ordering("deadline_aware"))  # one global order across models
+    for cid in share:
+        h.return_credit(cid)
+    assert _share(h) == []  # credits with a spec were still out: lending paused for the window
+    h.advance(1.1)
+    h.enqueue("a1", session=A)
+    h.complete("a1", session=A)
+    relent = _share(h)
+    assert relent and all(h.lent[cid][1].local_queue is None for cid in relent)
+
+
+def test_requests_waiting_in_gateways_count_in_the_queue_depth(h: Harness) -> None:
+    h.core.submit(A, Submission(local_depths=[("m", 3)]))
+    h.core.submit(B, Submission(local_depths=[("m", 2)]))
+    assert [s.depth for s in h.core.queue_stats() if s.model_id == "m"] == [5]
+    h.core.submit(A, Submission(local_depths=[("m", 0)]))
+    h.core.close_session(B)
+    assert [s.depth for s in h.core.queue_stats() if s.model_id == "m"] == [0]
