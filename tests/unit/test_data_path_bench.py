@@ -71,6 +71,19 @@ def test_parse_collapsed_counts_self_inclusive_and_threads() -> None:
     assert profile.thread_counts == Counter({"MainThread": 9, "ThreadPoolExecutor-0_0": 3})
 
 
+def test_parse_collapsed_leaves_native_waits_out_when_asked() -> None:
+    lines = [
+        "thread (1): MainThread;run_forever (loop.c:1);uv_run (core.c:464);epoll_wait (libc.so.6) 7",
+        "thread (2): worker;_worker (x.py:1);PyThread_acquire_lock_timed (libpython);0x7f01 (libc.so.6) 2",
+        "thread (1): MainThread;run_forever (loop.c:1);encode (tensors.py:9);memcpy (libc.so.6) 1",
+    ]
+    kept = profile_data_path.parse_collapsed(lines, drop_waiting=True)
+    assert (kept.samples, kept.waiting) == (1, 9)
+    assert kept.self_counts == Counter({"memcpy (libc.so.6)": 1})
+    every = profile_data_path.parse_collapsed(lines)
+    assert (every.samples, every.waiting) == (10, 0)
+
+
 def test_top_frames_shares_skip_plumbing_and_estimate_us_per_request() -> None:
     counts = Counter({"run (asyncio/runners.py:118)": 10, "encode (tensors.py:1)": 5, "b": 3, "c": 2})
     rows = profile_data_path.top_frames(
