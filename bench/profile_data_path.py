@@ -399,6 +399,14 @@ def main() -> int:
             "cpu_us_per_request": cpu,
             "profiles_skipped": skipped,
             "profiles": profiles,
+            "tables": {
+                f"{name}: top self frames ({'GIL samples' if args.gil else 'all samples'})": [
+                    {"frame": row["frame"], "%": row["percent"], "~µs/request": row.get("us_per_request")}
+                    for row in summary["self"][:8]
+                ]
+                for name, summary in profiles.items()
+                if "self" in summary
+            },
         },
     )
     print(f"wrote {path}")

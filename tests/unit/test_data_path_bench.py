@@ -105,3 +105,10 @@ def test_report_renders_the_curve_table() -> None:
     assert "| clients | Loadmaster req/s | Inferential req/s |" in lines
     assert "| 2 | 1700.0 | 4000.0 |" in lines
     assert report._rows_table("empty", []) == []
+
+
+def test_skip_message_names_ptrace_only_when_that_is_the_cause() -> None:
+    denied = profile_data_path._why_skipped({"gateway": "Permission denied (os error 13)"})
+    assert "ptrace" in denied and "gateway: Permission denied" in denied
+    other = profile_data_path._why_skipped({"gateway": "Failed to find python version"})
+    assert "ptrace" not in other and other.startswith("py-spy failed on every process")
