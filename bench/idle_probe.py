@@ -18,6 +18,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,23 @@ def cpu_seconds(process: psutil.Process) -> float:
     except psutil.Error:
         return 0.0
     return float(times.user + times.system)
+
+
+def cpu_by_name(trees: Mapping[str, list[psutil.Process]]) -> dict[str, float]:
+    """CPU seconds (user + system) of each named process tree, now."""
+    return {name: sum(cpu_seconds(process) for process in processes) for name, processes in trees.items()}
+
+
+def cpu_us_per_request(
+    before: Mapping[str, float], after: Mapping[str, float], requests: int
+) -> dict[str, float]:
+    """CPU µs each named process spent per request between two `cpu_by_name` readings, and
+    their sum under "total"; every value is 0 when no request was served."""
+    per = {
+        name: round((after[name] - before[name]) / requests * 1e6, 1) if requests > 0 else 0.0
+        for name in before
+    }
+    return {**per, "total": round(sum(per.values()), 1)}
 
 
 def _voluntary_switches(pid: int) -> int:

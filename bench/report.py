@@ -2,7 +2,9 @@
 
 A result may carry `targets`: a list of {name, measured, target, unit, met}; those rows make
 the summary table. A result with `scenarios` (a list of rows, `make chaos`) gets them as one
-table. Everything else scalar at the top level is listed per benchmark.
+table. A result with `tables` ({title: list of rows, each a dict of column -> value}) gets each
+as a table of its own (compare_inferential's throughput curve). Everything else scalar at the
+top level is listed per benchmark.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ OUT = ROOT / "bench" / "RESULTS.md"
 def _scalars(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = []
     for key, value in data.items():
-        if key in {"benchmark", "when", "machine", "targets"}:
+        if key in {"benchmark", "when", "machine", "targets", "tables"}:
             continue
         if isinstance(value, dict) and len(value) <= 12:
             rows += _scalars(value, f"{prefix}{key}.")
@@ -66,6 +68,16 @@ def _scenario_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _rows_table(title: str, rows: list[dict[str, Any]]) -> list[str]:
+    """A titled table: one column per key of the first row."""
+    if not rows:
+        return []
+    columns = list(rows[0])
+    lines = [f"**{title}**", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(column)) for column in columns) + " |" for row in rows]
+    return [*lines, ""]
+
+
 def render() -> str:
     # A result names its benchmark; one written without the harness is named after its file.
     results = [{"benchmark": path.stem, **json.loads(path.read_text())} for path in sorted(RESULTS.glob("*.json"))]
@@ -93,6 +105,9 @@ def render() -> str:
         lines += [f"## {r['benchmark']}", "", f"Run {r.get('when', '?')}.", ""]
         if isinstance(r.get("scenarios"), list):
             lines += [*_scenario_table(r["scenarios"]), ""]
+        if isinstance(r.get("tables"), dict):
+            for title, rows in r["tables"].items():
+                lines += _rows_table(title, rows)
         rows = _scalars(r)
         if rows:
             lines += ["| value | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows[:40]]
