@@ -121,3 +121,21 @@ async def test_losing_the_session_drops_what_waited_and_its_timer(session) -> No
     link._mark_lost()
     assert timer.cancelled()
     assert not link._outbox  # the scheduler forgot the lost session's runs
+
+
+async def test_reports_that_arrive_while_a_message_is_written_wait_for_the_next_tick(session) -> None:
+    """Under load every write completion found a few new reports and sent them at once: one
+    stream message per request instead of one per report delay."""
+    link, outgoing = session
+    loop = asyncio.get_running_loop()
+    link.enqueue(_plain("q1"))
+    first = await asyncio.wait_for(anext(outgoing), 2.0)
+    assert _ids(first)["enqueue"] == ["q1"]
+    # While `first` is being written: a run is reported, and the local queue depth changes.
+    link.report_run(_run("r1", "c1"))
+    link.report_local_depth("double", 3)
+    started = loop.time()
+    second = await asyncio.wait_for(anext(outgoing), 2.0)
+    assert loop.time() - started >= _DELAY_S * 0.9
+    assert _ids(second)["enqueue"] == ["r1"]
+    assert [(d.model_id, d.waiting) for d in second.local_queue_depth] == [("double", 3)]

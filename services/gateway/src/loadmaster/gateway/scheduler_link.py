@@ -57,6 +57,7 @@ class _Outbox:
     returns: list[scheduler_pb2.ReturnCredit] = field(default_factory=list)
     finished: list[scheduler_pb2.FinishedRun] = field(default_factory=list)
     depths: dict[str, int] = field(default_factory=dict)  # model -> its local queue's new depth
+    urgent: bool = False  # holds something that cannot wait (an enqueue, cancel, return, Complete)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     report_timer: asyncio.TimerHandle | None = None
 
@@ -75,6 +76,11 @@ class _Outbox:
         """Send within `delay_s` (sooner if something that cannot wait comes first)."""
         if self.report_timer is None and not self.wake.is_set():
             self.report_timer = asyncio.get_running_loop().call_later(delay_s, self.wake.set)
+
+    def now(self) -> None:
+        """Something that cannot wait was added: send at once."""
+        self.urgent = True
+        self.wake.set()
 
     def sent(self) -> None:
         if self.report_timer is not None:
@@ -137,7 +143,7 @@ class SchedulerLink:
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
         """Queue a request for a grant."""
         self._outbox.enqueues.append(scheduler_pb2.Enqueue(request=request))
-        self._outbox.wake.set()
+        self._outbox.now()
 
     def report_run(self, request: scheduler_pb2.RequestInfo) -> None:
         """Report a request already sent on the credit `request.credit_id` (sent later)."""
@@ -181,17 +187,17 @@ class SchedulerLink:
         if deferred:
             outbox.defer(self._report_delay_s)
         else:
-            outbox.wake.set()
+            outbox.now()
 
     def cancel(self, request_id: str) -> None:
         if self.connected:
             self._outbox.cancels.append(scheduler_pb2.Cancel(request_id=request_id))
-            self._outbox.wake.set()
+            self._outbox.now()
 
     def return_credit(self, credit_id: str) -> None:
         if self.connected:
             self._outbox.returns.append(scheduler_pb2.ReturnCredit(credit_id=credit_id))
-            self._outbox.wake.set()
+            self._outbox.now()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -217,6 +223,7 @@ class SchedulerLink:
             outbox.wake.clear()
             outbox.sent()
             while outbox:
+                outbox.urgent = False
                 message = scheduler_pb2.SessionRequest()
                 message.complete.extend(outbox.completes[:batch])
                 del outbox.completes[:batch]
@@ -236,6 +243,12 @@ class SchedulerLink:
                     message.enqueue.extend(outbox.enqueues[:batch])
                     del outbox.enqueues[:batch]
                 yield message
+                if outbox and not outbox.urgent:
+                    # Only reports arrived while that message was written: they wait for the
+                    # next one like any report (else, under load, every write completion
+                    # would send a message of a few reports: one per request, not per 20 ms).
+                    outbox.defer(self._report_delay_s)
+                    break
 
     async def _run(self) -> None:
         backoff = 0.05
