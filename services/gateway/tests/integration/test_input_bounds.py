@@ -119,7 +119,9 @@ def test_a_shape_numpy_cannot_build_is_invalid_argument_on_every_front_end(gatew
     observation = edge_pb2.Observation(
         model_id="double",
         tensors=[
-            tensor_pb2.Tensor(key="x", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[0, 2**62], encoding=tensor_pb2.ENCODING_RAW)
+            tensor_pb2.Tensor(
+                key="x", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[0, 2**62], encoding=tensor_pb2.ENCODING_RAW
+            )
         ],
     )
     context = zmq.Context()
@@ -400,7 +402,11 @@ def _costly_observation(count: int = 1_000_000) -> tuple[edge_pb2.Observation, b
         prefix.tobytes() + (b"x" if length else b"") for prefix, length in zip(prefixes, lengths, strict=True)
     )
     tensor = tensor_pb2.Tensor(
-        key="s", dtype=tensor_pb2.DTYPE_BYTES, shape=[count], byte_length=len(payload), encoding=tensor_pb2.ENCODING_RAW
+        key="s",
+        dtype=tensor_pb2.DTYPE_BYTES,
+        shape=[count],
+        byte_length=len(payload),
+        encoding=tensor_pb2.ENCODING_RAW,
     )
     return edge_pb2.Observation(model_id="echo", tensors=[tensor]), payload
 

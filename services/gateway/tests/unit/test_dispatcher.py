@@ -32,8 +32,9 @@ class _SchedulerDouble:
         self.enqueued.append(request)
         self.order.append(f"enqueue {request.request_id}")
 
-    def report_run(self, request: scheduler_pb2.RequestInfo) -> None:
-        assert request.credit_id
+    def report_run(self, request_id: str, model_id: str, info: Any) -> None:
+        request = info()
+        assert request.credit_id and (request.request_id, request.model_id) == (request_id, model_id)
         self.enqueued.append(request)
         self.order.append(f"run {request.request_id}")
 

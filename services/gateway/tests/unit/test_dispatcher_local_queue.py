@@ -34,7 +34,8 @@ class _SchedulerDouble:
         self.enqueued.append(request)
         self.order.append(f"enqueue {request.request_id}")
 
-    def report_run(self, request: scheduler_pb2.RequestInfo) -> None:
+    def report_run(self, request_id: str, model_id: str, info: Any) -> None:
+        request = info()
         self.enqueued.append(request)
         self.order.append(f"run {request.request_id}")
 

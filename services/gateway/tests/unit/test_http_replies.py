@@ -24,8 +24,12 @@ from loadmaster.v1 import tensor_pb2
 def _outputs(payload: np.ndarray) -> list:  # type: ignore[type-arg]
     half = payload.nbytes // 2
     descriptors = [
-        tensor_pb2.Tensor(key="a", dtype=tensor_pb2.DTYPE_UINT8, shape=[half], byte_offset=0, byte_length=half),
-        tensor_pb2.Tensor(key="b", dtype=tensor_pb2.DTYPE_UINT8, shape=[half], byte_offset=half, byte_length=half),
+        tensor_pb2.Tensor(
+            key="a", dtype=tensor_pb2.DTYPE_UINT8, shape=[half], byte_offset=0, byte_length=half
+        ),
+        tensor_pb2.Tensor(
+            key="b", dtype=tensor_pb2.DTYPE_UINT8, shape=[half], byte_offset=half, byte_length=half
+        ),
     ]
     return outputs_of(CallResult(request_id="r", model_id="m", outputs=descriptors, payload=payload))
 

@@ -57,7 +57,9 @@ def bridge() -> tuple[GenerativeKServe, Generations, Catalog]:
 
 async def test_text_input_for_a_language_model_is_a_generation() -> None:
     kserve, generations, _ = bridge()
-    text = call("chat", {"text_input": np.array([b"hi"], dtype=object), "max_tokens": np.array([7], np.int32)})
+    text = call(
+        "chat", {"text_input": np.array([b"hi"], dtype=object), "max_tokens": np.array([7], np.int32)}
+    )
     assert await kserve.handles(text)
     result = await kserve.infer(text)
     assert decode_tensors(result.outputs, result.payload)["text_output"].tolist() == [b"once upon"]
@@ -77,13 +79,19 @@ async def test_tensor_calls_never_look_the_model_up() -> None:
     ("arrays", "message"),
     [
         ({"text_input": np.array([b"a", b"b"], dtype=object)}, "one prompt per request"),
-        ({"text_input": np.array([b"hi"], dtype=object), "other": np.zeros(1)}, "tensor 'other' is not an input"),
+        (
+            {"text_input": np.array([b"hi"], dtype=object), "other": np.zeros(1)},
+            "tensor 'other' is not an input",
+        ),
         ({"text_input": np.array([b"\xff"], dtype=object)}, "not UTF-8"),
         (
             {"text_input": np.array([b"hi"], dtype=object), "temperature": np.array([9.0], np.float32)},
             "tensor 'temperature': 9",
         ),
-        ({"text_input": np.array([b"hi"], dtype=object), "max_tokens": np.array([0], np.int32)}, "max_tokens"),
+        (
+            {"text_input": np.array([b"hi"], dtype=object), "max_tokens": np.array([0], np.int32)},
+            "max_tokens",
+        ),
     ],
 )
 async def test_bad_text_calls_name_the_tensor(arrays: dict[str, Any], message: str) -> None:

@@ -18,6 +18,10 @@ def _run(request_id: str, credit_id: str) -> scheduler_pb2.RequestInfo:
     return scheduler_pb2.RequestInfo(request_id=request_id, model_id="double", credit_id=credit_id)
 
 
+def _report(link: SchedulerLink, request_id: str, credit_id: str) -> None:
+    link.report_run(request_id, "double", lambda: _run(request_id, credit_id))
+
+
 def _plain(request_id: str) -> scheduler_pb2.RequestInfo:
     return scheduler_pb2.RequestInfo(request_id=request_id, model_id="double")
 
@@ -40,6 +44,7 @@ def _ids(message: scheduler_pb2.SessionRequest) -> dict[str, list[str]]:
         "finished": [f.request.request_id for f in message.finished_run],
         "return": [r.credit_id for r in message.return_credit],
         "enqueue": [e.request.request_id for e in message.enqueue],
+        "tally": [f"{t.model_id}/{t.worker_id}: {t.runs} runs, {t.failed} failed" for t in message.run_tally],
     }
 
 
@@ -47,35 +52,46 @@ async def test_credit_runs_wait_for_the_report_delay_and_leave_together(session)
     link, outgoing = session
     loop = asyncio.get_running_loop()
     started = loop.time()
-    link.report_run(_run("r1", "c1"))
+    _report(link, "r1", "c1")
     link.complete("r1", worker_id="w1", inference_ms=0.5, deferred=True)
-    link.report_run(_run("r2", "c1"))
-    link.complete("r2", deferred=True)
-    link.report_run(_run("r3", "c1"))  # still running when the message leaves
+    _report(link, "r2", "c1")
+    link.complete(
+        "r2", worker_id="w1", inference_ms=0.25, error_code=errors_pb2.ERROR_CODE_INTERNAL, deferred=True
+    )
+    _report(link, "r3", "c1")  # still running when the message leaves
     message = await asyncio.wait_for(anext(outgoing), 2.0)
     assert loop.time() - started >= _DELAY_S * 0.9
-    assert _ids(message) == {"complete": [], "finished": ["r1", "r2"], "return": [], "enqueue": ["r3"]}
-    first = message.finished_run[0]
-    assert (first.request.credit_id, first.complete.worker_id, first.complete.inference_ms) == (
-        "c1",
-        "w1",
-        0.5,
-    )
+    # r1 and r2 ended before their report left and need nothing more: counted, not listed
+    assert _ids(message) == {
+        "complete": [],
+        "finished": [],
+        "return": [],
+        "enqueue": ["r3"],
+        "tally": ["double/w1: 2 runs, 1 failed"],
+    }
+    assert message.run_tally[0].inference_ms == 0.75
+    assert message.enqueue[0].request.credit_id == "c1"
     assert not link._outbox
 
 
 async def test_a_report_that_cannot_wait_takes_the_waiting_runs_along_at_once(session) -> None:
     link, outgoing = session
-    link.report_run(_run("r1", "c1"))
+    _report(link, "r1", "c1")
     link.complete("r1", deferred=True)
     link.enqueue(_plain("r2"))  # needs a grant: no delay
     message = await asyncio.wait_for(anext(outgoing), _DELAY_S / 2)
-    assert _ids(message) == {"complete": [], "finished": ["r1"], "return": [], "enqueue": ["r2"]}
+    assert _ids(message) == {
+        "complete": [],
+        "finished": [],
+        "return": [],
+        "enqueue": ["r2"],
+        "tally": ["double/: 1 runs, 0 failed"],
+    }
 
 
 async def test_a_run_already_sent_is_completed_in_a_later_message(session) -> None:
     link, outgoing = session
-    link.report_run(_run("r1", "c1"))
+    _report(link, "r1", "c1")
     link.enqueue(_plain("r2"))
     assert _ids(await anext(outgoing))["enqueue"] == ["r1", "r2"]
     link.complete("r1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True)
@@ -83,13 +99,16 @@ async def test_a_run_already_sent_is_completed_in_a_later_message(session) -> No
     assert _ids(message)["complete"] == ["r1"] and message.complete[0].retryable
 
 
-async def test_a_finished_run_goes_before_its_credit_is_returned(session) -> None:
+async def test_a_run_that_failed_retryably_before_its_report_goes_whole_before_its_credit_returns(
+    session,
+) -> None:
     link, outgoing = session
-    link.report_run(_run("r1", "c1"))
-    link.complete("r1", deferred=True)
+    _report(link, "r1", "c1")
+    link.complete("r1", worker_id="w1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True)
     link.return_credit("c1")
     message = await asyncio.wait_for(anext(outgoing), _DELAY_S / 2)
-    assert _ids(message) == {"complete": [], "finished": ["r1"], "return": ["c1"], "enqueue": []}
+    assert _ids(message) == {"complete": [], "finished": ["r1"], "return": ["c1"], "enqueue": [], "tally": []}
+    assert message.finished_run[0].request.credit_id == "c1" and message.finished_run[0].complete.retryable
 
 
 async def test_a_credits_next_run_never_leaves_before_its_earlier_ends() -> None:
@@ -98,23 +117,23 @@ async def test_a_credits_next_run_never_leaves_before_its_earlier_ends() -> None
     outgoing = link._outgoing(link._outbox)
     await anext(outgoing)
     # r1 ran on c1 and r2 on c2; both runs were sent before they ended.
-    link.report_run(_run("r1", "c1"))
-    link.report_run(_run("r2", "c2"))
+    _report(link, "r1", "c1")
+    _report(link, "r2", "c2")
     link.enqueue(_plain("x"))
     assert _ids(await anext(outgoing))["enqueue"] == ["r1", "x"]  # one run, one enqueue
     assert _ids(await anext(outgoing))["enqueue"] == ["r2"]
     link.complete("r1")
     link.complete("r2")
-    link.report_run(_run("r3", "c1"))
+    _report(link, "r3", "c1")
     first, second = await anext(outgoing), await anext(outgoing)
     # One Complete per message (max_batch 1): r3 waits until no earlier end is left behind.
-    assert _ids(first) == {"complete": ["r1"], "finished": [], "return": [], "enqueue": []}
-    assert _ids(second) == {"complete": ["r2"], "finished": [], "return": [], "enqueue": ["r3"]}
+    assert _ids(first) == {"complete": ["r1"], "finished": [], "return": [], "enqueue": [], "tally": []}
+    assert _ids(second) == {"complete": ["r2"], "finished": [], "return": [], "enqueue": ["r3"], "tally": []}
 
 
 async def test_losing_the_session_drops_what_waited_and_its_timer(session) -> None:
     link, _outgoing = session
-    link.report_run(_run("r1", "c1"))
+    _report(link, "r1", "c1")
     link.complete("r1", deferred=True)
     timer = link._outbox.report_timer
     assert timer is not None
@@ -132,7 +151,7 @@ async def test_reports_that_arrive_while_a_message_is_written_wait_for_the_next_
     first = await asyncio.wait_for(anext(outgoing), 2.0)
     assert _ids(first)["enqueue"] == ["q1"]
     # While `first` is being written: a run is reported, and the local queue depth changes.
-    link.report_run(_run("r1", "c1"))
+    _report(link, "r1", "c1")
     link.report_local_depth("double", 3)
     started = loop.time()
     second = await asyncio.wait_for(anext(outgoing), 2.0)

@@ -66,7 +66,9 @@ def test_bad_timeout_metadata_names_the_field(value: str) -> None:
 def test_tensor_that_does_not_match_the_payload_names_the_tensor() -> None:
     observation = edge_pb2.Observation(model_id="double")
     observation.tensors.append(
-        tensor_pb2.Tensor(key="state", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[8], byte_offset=0, byte_length=32)
+        tensor_pb2.Tensor(
+            key="state", dtype=tensor_pb2.DTYPE_FLOAT32, shape=[8], byte_offset=0, byte_length=32
+        )
     )
     with pytest.raises(InvalidArgumentError, match="'state'"):
         observation_to_call(observation, b"\x00" * 16, request_id="r", limits=LIMITS)

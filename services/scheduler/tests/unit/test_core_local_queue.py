@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from loadmaster.common.ordering import make_ordering
-from loadmaster.scheduler.domain import OverflowPolicy, SlotState, Submission
+from loadmaster.scheduler.domain import OverflowPolicy, RunTally, SlotState, Submission
 
 if TYPE_CHECKING:
     from conftest import Harness, MakeHarness
@@ -124,3 +124,13 @@ def test_requests_waiting_in_gateways_count_in_the_queue_depth(h: Harness) -> No
     h.core.submit(A, Submission(local_depths=[("m", 0)]))
     h.core.close_session(B)
     assert [s.depth for s in h.core.queue_stats() if s.model_id == "m"] == [0]
+
+
+def test_tallied_runs_count_as_granted_and_as_use_of_the_model(h: Harness) -> None:
+    [before] = [s.granted for s in h.core.queue_stats() if s.model_id == "m"]
+    h.core.submit(B, Submission(tallies=[RunTally("m", "w1", runs=5, failed=1, inference_ms=2.0)]))
+    assert [s.granted for s in h.core.queue_stats() if s.model_id == "m"] == [before + 5]
+    # B used the model too: A is no longer its only user, so nothing more is lent to A
+    share = _share(h)
+    h.return_credit(share[0])
+    assert _share(h) == share[1:]

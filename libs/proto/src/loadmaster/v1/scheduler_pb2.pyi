@@ -95,8 +95,22 @@ class FinishedRun(_message.Message):
     complete: Complete
     def __init__(self, request: _Optional[_Union[RequestInfo, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ...) -> None: ...
 
+class RunTally(_message.Message):
+    __slots__ = ("model_id", "worker_id", "runs", "failed", "inference_ms")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_MS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    worker_id: str
+    runs: int
+    failed: int
+    inference_ms: float
+    def __init__(self, model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., runs: _Optional[int] = ..., failed: _Optional[int] = ..., inference_ms: _Optional[float] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("hello", "enqueue", "complete", "cancel", "return_credit", "finished_run", "local_queue_depth")
+    __slots__ = ("hello", "enqueue", "complete", "cancel", "return_credit", "finished_run", "local_queue_depth", "run_tally")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ENQUEUE_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +118,7 @@ class SessionRequest(_message.Message):
     RETURN_CREDIT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_RUN_FIELD_NUMBER: _ClassVar[int]
     LOCAL_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    RUN_TALLY_FIELD_NUMBER: _ClassVar[int]
     hello: SessionHello
     enqueue: _containers.RepeatedCompositeFieldContainer[Enqueue]
     complete: _containers.RepeatedCompositeFieldContainer[Complete]
@@ -111,7 +126,8 @@ class SessionRequest(_message.Message):
     return_credit: _containers.RepeatedCompositeFieldContainer[ReturnCredit]
     finished_run: _containers.RepeatedCompositeFieldContainer[FinishedRun]
     local_queue_depth: _containers.RepeatedCompositeFieldContainer[LocalQueueDepth]
-    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ..., finished_run: _Optional[_Iterable[_Union[FinishedRun, _Mapping]]] = ..., local_queue_depth: _Optional[_Iterable[_Union[LocalQueueDepth, _Mapping]]] = ...) -> None: ...
+    run_tally: _containers.RepeatedCompositeFieldContainer[RunTally]
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ..., finished_run: _Optional[_Iterable[_Union[FinishedRun, _Mapping]]] = ..., local_queue_depth: _Optional[_Iterable[_Union[LocalQueueDepth, _Mapping]]] = ..., run_tally: _Optional[_Iterable[_Union[RunTally, _Mapping]]] = ...) -> None: ...
 
 class LocalQueueDepth(_message.Message):
     __slots__ = ("model_id", "waiting")

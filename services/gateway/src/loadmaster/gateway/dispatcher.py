@@ -236,7 +236,10 @@ class Dispatcher:
         pending.session = credit.session
         scheduler = self._scheduler
         if scheduler.connected and credit.session == scheduler.session:
-            scheduler.report_run(self._request_info(pending, credit.credit_id))
+            credit_id = credit.credit_id
+            scheduler.report_run(
+                pending.call.request_id, pending.call.model_id, lambda: self._request_info(pending, credit_id)
+            )
         # else: run on a lost scheduler's share; this session's scheduler never hears of it
         return True
 

@@ -3,6 +3,7 @@ that `SchedulerLink` satisfies and unit tests stand in for."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from loadmaster.v1 import scheduler_pb2
@@ -39,7 +40,9 @@ class SchedulerSession(Protocol):
 class SchedulerPort(SchedulerSession, Protocol):
     """All the dispatcher sends on the scheduler session (`SchedulerLink`), credits included."""
 
-    def report_run(self, request: scheduler_pb2.RequestInfo) -> None: ...
+    def report_run(
+        self, request_id: str, model_id: str, info: Callable[[], scheduler_pb2.RequestInfo]
+    ) -> None: ...
 
     def return_credit(self, credit_id: str) -> None: ...
 

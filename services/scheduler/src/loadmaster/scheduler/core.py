@@ -41,6 +41,7 @@ from loadmaster.scheduler.domain import (
     Request,
     RequestInfo,
     RequestKey,
+    RunTally,
     SlotState,
     SlotStatus,
     Submission,
@@ -125,6 +126,8 @@ class SchedulerCore:
             self._complete(session_id, completion, touched)
         for done in batch.finished:  # before returns: a credit's runs end before it is handed back
             self._finished_run(session_id, done, touched)
+        for tally in batch.tallies:
+            self._tally(session_id, tally)
         for credit_id in batch.returns:
             credit = self._credits.give_back(session_id, credit_id)
             if credit is not None:
@@ -567,6 +570,20 @@ class SchedulerCore:
             self._complete(session_id, completion, touched)
         elif completion.error_code == _OK or not completion.retryable:
             self._cancel(tracked.request.key)
+
+    def _tally(self, session_id: int, tally: RunTally) -> None:
+        """Credit runs that ended before they were reported, counted: what a FinishedRun each
+        would have left behind (statistics, the session's use of the model), without admitting
+        each one (docs/data-path.md)."""
+        model_id = tally.model_id
+        self._stats_for(model_id).granted += tally.runs
+        self._telemetry.record(
+            "placement_decisions",
+            tally.runs,
+            {"model": model_id, "worker": tally.worker_id, "kind": "credit"},
+        )
+        if self._config.policy(model_id).dispatch_credits:
+            self._credits.note_use(model_id, session_id, self._clock.monotonic())
 
     def _start_on_credit(self, request: Request, credit: Credit, now: float) -> None:
         """Admit a request the gateway already sent to `credit`'s worker."""

@@ -35,6 +35,7 @@ __all__ = [
     "Request",
     "RequestInfo",
     "RequestKey",
+    "RunTally",
     "SlotState",
     "SlotStatus",
     "Submission",
@@ -224,6 +225,17 @@ class FinishedRun:
     completion: Completion
 
 
+@dataclass(slots=True)
+class RunTally:
+    """Credit runs that ended before the gateway reported them and need nothing more: counted."""
+
+    model_id: str
+    worker_id: str
+    runs: int
+    failed: int = 0
+    inference_ms: float = 0.0  # summed over the runs
+
+
 # ---- what one gateway message carries ------------------------------------------------
 
 
@@ -240,6 +252,7 @@ class Submission:
     returns: Sequence[str] = ()
     finished: Sequence[FinishedRun] = ()
     local_depths: Sequence[tuple[str, int]] = ()  # (model, requests waiting in the gateway's queue)
+    tallies: Sequence[RunTally] = ()
 
     def __bool__(self) -> bool:
         return bool(
@@ -250,4 +263,5 @@ class Submission:
             or self.returns
             or self.finished
             or self.local_depths
+            or self.tallies
         )

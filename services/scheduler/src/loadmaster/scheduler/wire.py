@@ -18,6 +18,7 @@ from loadmaster.scheduler.domain import (
     Outcome,
     QueueStats,
     RequestInfo,
+    RunTally,
     SlotState,
     SlotStatus,
     Submission,
@@ -89,7 +90,8 @@ def submission(pb: scheduler_pb2.SessionRequest) -> Submission:
         for f in pb.finished_run
     ]
     depths = [(d.model_id, d.waiting) for d in pb.local_queue_depth]
-    return Submission(enqueues, completes, cancels, runs, returns, finished, depths)
+    tallies = [RunTally(t.model_id, t.worker_id, t.runs, t.failed, t.inference_ms) for t in pb.run_tally]
+    return Submission(enqueues, completes, cancels, runs, returns, finished, depths, tallies)
 
 
 def _completion(pb: scheduler_pb2.Complete) -> Completion:
