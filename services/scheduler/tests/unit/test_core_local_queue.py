@@ -34,7 +34,7 @@ def h(make_harness: MakeHarness) -> Harness:
     h.core.accept_credits(B)
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("a0", session=A)
-    h.complete("a0", session=A)
+    h.complete("a0", session=A, inference_ms=0.2)
     return h
 
 
@@ -42,15 +42,19 @@ def _share(h: Harness, session: int = A) -> list[str]:
     return sorted(cid for cid, (s, _) in h.lent.items() if s == session and cid not in h.revoked)
 
 
+def _latest_spec(h: Harness, session: int = A):  # type: ignore[no-untyped-def]
+    """The spec of the credit lent last: the gateway queues by it (earlier credits may predate
+    the model's first measured inference time, and carry none)."""
+    return h.lent[max(_share(h, session), key=lambda cid: int(cid[1:]))][1].local_queue
+
+
 def test_the_only_gateway_gets_every_free_slot_and_how_to_queue_for_the_model(h: Harness) -> None:
-    credits = [h.lent[cid][1] for cid in _share(h)]
-    assert len(credits) == 4
-    for credit in credits:
-        spec = credit.local_queue
-        assert spec is not None
-        assert spec.strategy == "model_deadline"
-        assert (spec.latency_budget_ms, dict(spec.client_latency_budget_ms)) == (40.0, {"robot": 5.0})
-        assert (spec.max_queue_size, spec.reject_newest) == (7, True)
+    assert len(_share(h)) == 4
+    spec = _latest_spec(h)
+    assert spec is not None
+    assert spec.strategy == "model_deadline"
+    assert (spec.latency_budget_ms, dict(spec.client_latency_budget_ms)) == (40.0, {"robot": 5.0})
+    assert (spec.max_queue_size, spec.reject_newest) == (7, True)
 
 
 def test_a_worker_that_becomes_ready_is_lent_to_the_gateway_too(h: Harness) -> None:
@@ -58,7 +62,30 @@ def test_a_worker_that_becomes_ready_is_lent_to_the_gateway_too(h: Harness) -> N
     assert len(_share(h)) == 4
     h.report("w2", {"m": READY})
     assert len(_share(h)) == 8
-    assert all(h.lent[cid][1].local_queue is not None for cid in _share(h))
+    assert _latest_spec(h) is not None
+
+
+def test_a_model_whose_requests_are_long_keeps_the_scheduler_on_its_path(make_harness: MakeHarness) -> None:
+    """Lookahead and reservations win back more than a round trip costs on long requests."""
+    h = make_harness(max_inflight=lambda model_id: 4, local_queue_max_inference_ms=1.0)
+    h.core.accept_credits(A)
+    h.worker("w1", ["m"], ready=["m"])
+    h.enqueue("a0", session=A)
+    h.complete("a0", session=A, inference_ms=10.0)
+    credits = [h.lent[cid][1] for cid in _share(h)]
+    assert len(credits) == 4 and all(c.local_queue is None for c in credits)
+    unmeasured = make_harness(max_inflight=lambda model_id: 4)
+    unmeasured.core.accept_credits(A)
+    unmeasured.worker("w1", ["m"], ready=["m"])
+    unmeasured.enqueue("a0", session=A)
+    unmeasured.complete("a0", session=A)  # no inference time yet: not known to be short
+    assert all(c.local_queue is None for _, c in unmeasured.lent.values())
+    off = make_harness(max_inflight=lambda model_id: 4, lookahead=0, reservation=False)
+    off.core.accept_credits(A)
+    off.worker("w1", ["m"], ready=["m"])
+    off.enqueue("a0", session=A)
+    off.complete("a0", session=A, inference_ms=10.0)  # nothing central to keep: queued locally
+    assert off.lent and all(c.local_queue is not None for _, c in off.lent.values())
 
 
 def test_a_cap_below_the_slots_lends_no_spec(make_harness: MakeHarness) -> None:
@@ -66,7 +93,7 @@ def test_a_cap_below_the_slots_lends_no_spec(make_harness: MakeHarness) -> None:
     h.core.accept_credits(A)
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("a0", session=A)
-    h.complete("a0", session=A)
+    h.complete("a0", session=A, inference_ms=0.2)
     credits = [h.lent[cid][1] for cid in _share(h)]
     assert len(credits) == 2 and all(c.local_queue is None for c in credits)
 
@@ -78,9 +105,9 @@ def test_slots_the_cap_leaves_unlent_take_the_spec_back(make_harness: MakeHarnes
     h.worker("w1", ["m"], ready=["m"])
     h.worker("w2", ["m"])
     h.enqueue("a0", session=A)
-    h.complete("a0", session=A)
+    h.complete("a0", session=A, inference_ms=0.2)
     share = _share(h)
-    assert len(share) == 4 and all(h.lent[cid][1].local_queue is not None for cid in share)
+    assert len(share) == 4 and _latest_spec(h) is not None
     h.report("w2", {"m": READY})  # 4 more slots, none lendable under the cap
     assert sorted(h.revoked) == share
 
@@ -112,7 +139,7 @@ def test_a_strategy_a_gateway_cannot_keep_lends_no_spec(h: Harness) -> None:
     assert _share(h) == []  # credits with a spec were still out: lending paused for the window
     h.advance(1.1)
     h.enqueue("a1", session=A)
-    h.complete("a1", session=A)
+    h.complete("a1", session=A, inference_ms=0.2)
     relent = _share(h)
     assert relent and all(h.lent[cid][1].local_queue is None for cid in relent)
 

@@ -113,6 +113,7 @@ class _Credit:
     running: str | None = None  # request id
     revoked: bool = False
     session: int = 0  # the scheduler session that lent it
+    local: bool = False  # it carried a LocalQueue spec: its runs may be counted, not listed
 
 
 class Dispatcher:
@@ -238,7 +239,10 @@ class Dispatcher:
         if scheduler.connected and credit.session == scheduler.session:
             credit_id = credit.credit_id
             scheduler.report_run(
-                pending.call.request_id, pending.call.model_id, lambda: self._request_info(pending, credit_id)
+                pending.call.request_id,
+                pending.call.model_id,
+                lambda: self._request_info(pending, credit_id),
+                countable=credit.local,
             )
         # else: run on a lost scheduler's share; this session's scheduler never hears of it
         return True
@@ -402,6 +406,7 @@ class Dispatcher:
     def on_credit(self, credit: scheduler_pb2.Credit) -> None:
         self._heard_session = self._scheduler.session
         lent = _Credit(
+            local=credit.HasField("local_queue"),
             credit_id=credit.credit_id,
             model_id=credit.model_id,
             worker_id=credit.worker_id,

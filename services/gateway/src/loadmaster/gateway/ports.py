@@ -41,7 +41,12 @@ class SchedulerPort(SchedulerSession, Protocol):
     """All the dispatcher sends on the scheduler session (`SchedulerLink`), credits included."""
 
     def report_run(
-        self, request_id: str, model_id: str, info: Callable[[], scheduler_pb2.RequestInfo]
+        self,
+        request_id: str,
+        model_id: str,
+        info: Callable[[], scheduler_pb2.RequestInfo],
+        *,
+        countable: bool = False,
     ) -> None: ...
 
     def return_credit(self, credit_id: str) -> None: ...

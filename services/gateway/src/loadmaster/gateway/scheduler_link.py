@@ -50,6 +50,7 @@ class _Run(NamedTuple):
 
     model_id: str
     info: Callable[[], scheduler_pb2.RequestInfo]
+    countable: bool  # may end in a tally (else the scheduler wants each run: a FinishedRun)
 
 
 @dataclass(slots=True)
@@ -167,11 +168,18 @@ class SchedulerLink:
         self._outbox.now()
 
     def report_run(
-        self, request_id: str, model_id: str, info: Callable[[], scheduler_pb2.RequestInfo]
+        self,
+        request_id: str,
+        model_id: str,
+        info: Callable[[], scheduler_pb2.RequestInfo],
+        *,
+        countable: bool = False,
     ) -> None:
         """Report a request already sent on a credit; `info()` builds its RequestInfo (credit_id
-        set) if it is still running when the report leaves."""
-        self._outbox.runs[request_id] = _Run(model_id, info)
+        set) if it must be sent. `countable`: if it ends before its report leaves, it may be
+        counted in a tally (a credit with a local queue: the scheduler needs no run of that
+        model one by one; else its lookahead and reservations learn from each)."""
+        self._outbox.runs[request_id] = _Run(model_id, info, countable)
         self._outbox.defer(self._report_delay_s)
 
     def report_local_depth(self, model_id: str, waiting: int) -> None:
@@ -197,7 +205,7 @@ class SchedulerLink:
             return  # the scheduler forgot this session's requests when the stream broke
         outbox = self._outbox
         run = outbox.runs.pop(request_id, None)
-        if run is not None and not (error_code and retryable):  # ended before its report: counted
+        if run is not None and run.countable and not (error_code and retryable):  # ended before its report
             tally = outbox.tallies.get((run.model_id, worker_id))
             if tally is None:
                 tally = outbox.tallies[(run.model_id, worker_id)] = _Tally()

@@ -577,6 +577,10 @@ class SchedulerCore:
         each one (docs/data-path.md)."""
         model_id = tally.model_id
         self._stats_for(model_id).granted += tally.runs
+        if tally.runs > tally.failed:
+            self._lookahead.learn_inference(
+                model_id, tally.inference_ms / 1000.0 / (tally.runs - tally.failed)
+            )
         self._telemetry.record(
             "placement_decisions",
             tally.runs,

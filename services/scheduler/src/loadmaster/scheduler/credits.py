@@ -52,9 +52,17 @@ __all__ = ["CreditBook", "local_queue_spec"]
 _LOCAL_STRATEGIES = frozenset({"model_deadline", "priority_tiered", "round_robin", "priority"})
 
 
-def local_queue_spec(ordering: Ordering, policy: ModelPolicy, config: CoreConfig) -> LocalQueueSpec | None:
-    """How a gateway holding the model's whole share may queue for it, or None when it may not
-    (another strategy, or a model whose queue supersedes: `latest_only`)."""
+def local_queue_spec(
+    ordering: Ordering, policy: ModelPolicy, config: CoreConfig, inference_s: float | None
+) -> LocalQueueSpec | None:
+    """How a gateway holding the model's whole share may queue for it, or None when it may not:
+    another strategy, a model whose queue supersedes (`latest_only`), or one whose requests are
+    long enough (`inference_s`, measured; None unmeasured) that the lookahead and reservations,
+    which only the scheduler runs, win back more than its round trip costs."""
+    if (policy.lookahead or policy.reservation) and (
+        inference_s is None or inference_s * 1000.0 > config.local_queue_max_inference_ms
+    ):
+        return None
     if (
         ordering.name not in _LOCAL_STRATEGIES
         or ordering.scope is not Scope.MODEL

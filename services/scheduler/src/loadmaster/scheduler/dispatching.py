@@ -116,7 +116,9 @@ class GrantDispatcher:
                     limit=policy.dispatch_credits,
                     ttl_ms=policy.request_ttl_ms,
                     pick=lambda m=model_id: self._pick_worker(m, ahead=False),
-                    local_queue=lambda p=policy: local_queue_spec(ordering, p, self._config),
+                    local_queue=lambda m=model_id, p=policy: local_queue_spec(
+                        ordering, p, self._config, self._lookahead.inference_s(m)
+                    ),
                 )
             if model_id in self._stats:
                 self._telemetry.record("queue_depth", self.queues.depth(model_id), {"model": model_id})

@@ -290,6 +290,16 @@ class Lookahead:
                 heapq.heappush(places, start + inference_s)
         return starts, places
 
+    def inference_s(self, model_id: str) -> float | None:
+        """The model's measured inference time (an EWMA), predictable or not; None unmeasured."""
+        estimates = self._estimates.get(model_id)
+        return estimates.inference_s if estimates is not None else None
+
+    def learn_inference(self, model_id: str, inference_s: float) -> None:
+        """An inference time measured outside a grant (runs on a dispatch credit)."""
+        if inference_s > 0.0:
+            self._estimates.setdefault(model_id, _Estimates()).learn(inference_s, None)
+
     def timing(self, model_id: str) -> Timing | None:
         """The model's inference time, one-way path and jitter, once they are predictable."""
         estimates = self._estimates.get(model_id)
