@@ -98,7 +98,8 @@ if [ "$WHEELHOUSE" = 1 ]; then
     "async-timeout>=4.0.3" `# redis-py wants it below Python 3.11.3 (Debian has 3.11.2)` \
     ./libs/proto ./libs/common ./libs/client \
     ./services/gateway ./services/scheduler ./services/gpu-broker ./services/metrics \
-    "./services/model-pool[torch,onnx,transformers]" >build/wheelhouse.log 2>&1 \
+    "./services/model-pool[torch,onnx,transformers,diffusers]" `# the extras its Dockerfile installs` \
+    >build/wheelhouse.log 2>&1 \
     || { tail -30 build/wheelhouse.log >&2; echo "make images: the wheelhouse failed" >&2; exit 1; }
   note "$(find "$WHEEL_DIR" -name '*.whl' | wc -l) wheels, $(du -sh "$WHEEL_DIR" | cut -f1)"
   # A fixed port: the URL is a build argument, and build arguments are part of the classic
