@@ -5,7 +5,8 @@
 #     has it or can pull it; otherwise, for the default, a local Debian bookworm + Python 3.11 +
 #     pip image made with debootstrap and `docker import` (docker/debootstrap-image.sh).
 #  2. Redis ($REDIS_IMAGE, default redis:7.4) and Prometheus ($PROMETHEUS_IMAGE, default
-#     prom/prometheus:v3.4.0) the same way: pulled, or made from Debian's packages.
+#     prom/prometheus:v3.4.0) the same way: pulled, or made from Debian's packages; likewise
+#     HAProxy ($HAPROXY_IMAGE, default haproxy:2.6), the balancer in front of the gateways.
 #  3. A wheelhouse (build/wheelhouse): every wheel the images install, built on this host with
 #     its own pip settings (so torch is the local CPU wheel, never a CUDA download). The builds
 #     install from it alone, served on 127.0.0.1 while they run (--network host), so they need
@@ -14,9 +15,9 @@
 #  4. docker build of gateway, scheduler, model-pool, gpu-broker and metrics, tagged
 #     loadmaster/<service>:$IMAGE_TAG (what compose.yaml names).
 #  5. .env for compose (when absent or written by this script): the project name and the base,
-#     Redis and Prometheus images chosen above, so `docker compose up` runs these images.
+#     Redis, Prometheus and HAProxy images chosen above, so `docker compose up` runs these images.
 #
-# Environment: BASE_IMAGE, REDIS_IMAGE, PROMETHEUS_IMAGE, IMAGE_TAG (dev), TORCH_INDEX_URL
+# Environment: BASE_IMAGE, REDIS_IMAGE, PROMETHEUS_IMAGE, HAPROXY_IMAGE, IMAGE_TAG (dev), TORCH_INDEX_URL
 # (a CUDA index for GPU workers, e.g. https://download.pytorch.org/whl/cu128; implies
 # WHEELHOUSE=0 for the model-pool), WHEELHOUSE (1), WHEELHOUSE_PORT (51019), PIP (the host pip for the wheelhouse),
 # SERVICES (the service images to build, default all five).
@@ -26,6 +27,7 @@ cd "$(dirname "$0")/.."
 BASE_IMAGE=${BASE_IMAGE:-python:3.11-slim}
 REDIS_IMAGE=${REDIS_IMAGE:-redis:7.4}
 PROMETHEUS_IMAGE=${PROMETHEUS_IMAGE:-prom/prometheus:v3.4.0}
+HAPROXY_IMAGE=${HAPROXY_IMAGE:-haproxy:2.6}
 IMAGE_TAG=${IMAGE_TAG:-dev}
 WHEELHOUSE=${WHEELHOUSE:-1}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
@@ -34,6 +36,7 @@ SERVICES=${SERVICES:-gpu-broker metrics scheduler model-pool gateway}
 LOCAL_BASE=loadmaster/base:bookworm-py3.11
 LOCAL_REDIS=loadmaster/redis:bookworm
 LOCAL_PROMETHEUS=loadmaster/prometheus:bookworm
+LOCAL_HAPROXY=loadmaster/haproxy:bookworm
 WHEEL_DIR=build/wheelhouse
 WHEELHOUSE_PORT=${WHEELHOUSE_PORT:-51019}
 mkdir -p build
@@ -78,6 +81,8 @@ say "Redis image"
 resolve REDIS_IMAGE redis:7.4 "$LOCAL_REDIS" redis
 say "Prometheus image"
 resolve PROMETHEUS_IMAGE prom/prometheus:v3.4.0 "$LOCAL_PROMETHEUS" prometheus
+say "HAProxy image (the balancer in front of the gateways)"
+resolve HAPROXY_IMAGE haproxy:2.6 "$LOCAL_HAPROXY" haproxy
 
 build_args=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
 server_pid=
@@ -93,7 +98,8 @@ if [ "$WHEELHOUSE" = 1 ]; then
     "async-timeout>=4.0.3" `# redis-py wants it below Python 3.11.3 (Debian has 3.11.2)` \
     ./libs/proto ./libs/common ./libs/client \
     ./services/gateway ./services/scheduler ./services/gpu-broker ./services/metrics \
-    "./services/model-pool[torch,onnx,transformers]" >build/wheelhouse.log 2>&1 \
+    "./services/model-pool[torch,onnx,transformers,diffusers]" `# the extras its Dockerfile installs` \
+    >build/wheelhouse.log 2>&1 \
     || { tail -30 build/wheelhouse.log >&2; echo "make images: the wheelhouse failed" >&2; exit 1; }
   note "$(find "$WHEEL_DIR" -name '*.whl' | wc -l) wheels, $(du -sh "$WHEEL_DIR" | cut -f1)"
   # A fixed port: the URL is a build argument, and build arguments are part of the classic
@@ -142,16 +148,18 @@ COMPOSE_PROJECT_NAME=loadmaster
 LOADMASTER_BASE_IMAGE=$BASE_IMAGE
 LOADMASTER_REDIS_IMAGE=$REDIS_IMAGE
 LOADMASTER_PROMETHEUS_IMAGE=$PROMETHEUS_IMAGE
+LOADMASTER_HAPROXY_IMAGE=$HAPROXY_IMAGE
 ENV
   sed 's/^/    /' .env
 else
   note ".env exists and was not written by make images: add these lines to it yourself"
   note "COMPOSE_PROJECT_NAME=loadmaster LOADMASTER_BASE_IMAGE=$BASE_IMAGE"
   note "LOADMASTER_REDIS_IMAGE=$REDIS_IMAGE LOADMASTER_PROMETHEUS_IMAGE=$PROMETHEUS_IMAGE"
+  note "LOADMASTER_HAPROXY_IMAGE=$HAPROXY_IMAGE"
 fi
 
 say "images"
-for image in "$REDIS_IMAGE" "$PROMETHEUS_IMAGE" $(for s in $SERVICES; do echo "loadmaster/$s:$IMAGE_TAG"; done); do
+for image in "$REDIS_IMAGE" "$PROMETHEUS_IMAGE" "$HAPROXY_IMAGE" $(for s in $SERVICES; do echo "loadmaster/$s:$IMAGE_TAG"; done); do
   docker image ls "$image" --format '    {{.Repository}}:{{.Tag}}  {{.Size}}'
 done
 printf '\nmake images: done in %d s\n' "$(( $(date +%s) - started ))"

@@ -6,13 +6,16 @@
 #   docker/debootstrap-image.sh redis TAG    Debian bookworm + Debian's redis-server (7.0)
 #   docker/debootstrap-image.sh prometheus TAG
 #                                            Debian bookworm + Debian's prometheus (2.42) and wget
+#   docker/debootstrap-image.sh haproxy TAG  Debian bookworm + Debian's haproxy (2.6), laid out as
+#                                            the haproxy image: config at
+#                                            /usr/local/etc/haproxy/haproxy.cfg
 # debootstrap writes a minimal root file system into a temporary folder; `docker import` turns it
 # into a one-layer image. Runs as root (debootstrap chroots). Needs debootstrap and a Debian mirror
 # ($DEBIAN_MIRROR, default http://deb.debian.org/debian).
 set -euo pipefail
 
-kind=${1:?usage: $0 python|redis|prometheus TAG}
-tag=${2:?usage: $0 python|redis|prometheus TAG}
+kind=${1:?usage: $0 python|redis|prometheus|haproxy TAG}
+tag=${2:?usage: $0 python|redis|prometheus|haproxy TAG}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 suite=bookworm
 
@@ -25,7 +28,8 @@ case "$kind" in
   python) include=python3,python3-venv,ca-certificates ;;
   redis) include=redis-server ;;
   prometheus) include=prometheus,wget ;;
-  *) echo "$0: unknown kind $kind (python, redis or prometheus)" >&2; exit 2 ;;
+  haproxy) include=haproxy ;;
+  *) echo "$0: unknown kind $kind (python, redis, prometheus or haproxy)" >&2; exit 2 ;;
 esac
 
 root=$(mktemp -d "${TMPDIR:-/tmp}/loadmaster-rootfs.XXXXXX")
@@ -55,6 +59,11 @@ elif [ "$kind" = redis ]; then
   changes+=(--change 'WORKDIR /data'
             --change 'EXPOSE 6379'
             --change 'CMD ["redis-server", "--protected-mode", "no"]')
+elif [ "$kind" = haproxy ]; then
+  # As the haproxy image: the config where it looks (its STOPSIGNAL, SIGUSR1, is not a
+  # `docker import --change`: compose.yaml's stop_signal says it).
+  mkdir -p "$root/usr/local/etc/haproxy"
+  changes+=(--change 'CMD ["haproxy", "-W", "-db", "-f", "/usr/local/etc/haproxy/haproxy.cfg"]')
 else
   # As the prom/prometheus image: the binary is the entrypoint, its flags the command.
   mkdir -p "$root/prometheus"

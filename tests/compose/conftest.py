@@ -98,6 +98,7 @@ def stack(compose: list[str], images: float) -> Iterator[list[str]]:
                 "scheduler": 1,
                 "model-pool": 1,
                 "gateway": 1,
+                "balancer": 1,
                 "prometheus": 1,
             }
         )

@@ -37,7 +37,7 @@ def compose() -> dict[str, Any]:
 
 
 def test_compose_defines_the_suite(compose: dict[str, Any]) -> None:
-    assert set(services_of(compose)) == {*SERVICES, "redis", "prometheus"}
+    assert set(services_of(compose)) == {*SERVICES, "redis", "prometheus", "balancer"}
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
@@ -104,7 +104,31 @@ def test_no_host_port_is_published_twice(compose: dict[str, Any]) -> None:
             assert port not in seen, f"host port {port} published by {seen[port]} and {name}"
             seen[port] = name
     assert {5555, 8000, 8001, 9090} <= set(seen)
-    assert {seen[p] for p in (5555, 8000, 8001)} == {"gateway"}
+    assert {seen[p] for p in (5555, 8000, 8001)} == {"balancer"}
+
+
+def test_gateway_scales_behind_the_balancer(compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--scale gateway=N`: no fixed ports or names; HAProxy finds every replica by the service name
+    (Docker's DNS) on the ports the gateway listens on."""
+    services = services_of(compose)
+    gateway = services["gateway"]
+    assert not host_ports(gateway) and not gateway.get("ports")
+    assert "container_name" not in gateway and "hostname" not in gateway
+    balancer = services["balancer"]
+    assert depends_on(balancer) == {"gateway": "service_healthy"}
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in balancer["volumes"]}
+    config = (COMPOSE.parent / mounts["/usr/local/etc/haproxy/haproxy.cfg"]).read_text()
+    assert "nameserver engine 127.0.0.11:53" in config
+    settings = _settings_for(compose, "gateway", monkeypatch).gateway
+    listens = {
+        "gateways_edge": port_of(settings.edge.bind.removeprefix("tcp://")),
+        "gateways_grpc": port_of(settings.listen_address),
+        "gateways_http": settings.http_port,
+    }
+    for backend, port in listens.items():
+        section = config.split(f"backend {backend}\n", 1)[1].split("\n\n", 1)[0]
+        assert f"server-template gw 16 gateway:{port} check" in section, backend
+        assert ("", port) in host_ports(balancer)
 
 
 def test_model_pool_scales_no_fixed_ports_or_names(compose: dict[str, Any]) -> None:
