@@ -277,3 +277,18 @@ async def test_losing_the_scheduler_keeps_the_waiting_calls_on_the_credits_left(
     dispatcher.on_worker_reply(_ok("r3"), b"")
     assert [r.request_id for r in results] == ["r1", "r2", "r3"] and all(r.ok for r in results)
     assert _sent(workers) == ["r1", "r2", "r3"]
+
+
+async def test_a_call_the_scheduler_hands_back_queues_on_the_share(parts: Parts) -> None:
+    """Sent to the scheduler just before the credits arrived: it comes back with use_share."""
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.submit(_call("early"), results.append)  # no credit yet: to the scheduler
+    assert scheduler.order == ["enqueue early"]
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.submit(_call("r1"), results.append)  # takes the credit
+    dispatcher.on_reject(scheduler_pb2.Reject(request_id="early", use_share=True))
+    assert results == [] and _sent(workers) == ["r1"]  # not answered: waiting here now
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert _sent(workers) == ["r1", "early"]
+    dispatcher.on_worker_reply(_ok("early"), b"")
+    assert [r.request_id for r in results] == ["r1", "early"] and all(r.ok for r in results)

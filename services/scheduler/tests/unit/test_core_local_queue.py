@@ -161,3 +161,12 @@ def test_tallied_runs_count_as_granted_and_as_use_of_the_model(h: Harness) -> No
     share = _share(h)
     h.return_credit(share[0])
     assert _share(h) == share[1:]
+
+
+def test_the_share_holders_own_late_request_is_handed_back_not_queued(h: Harness) -> None:
+    """Sent before its gateway got the whole share: waiting here would take that share back."""
+    share = _share(h)
+    h.enqueue("late", session=A)
+    assert h.revoked == [] and _share(h) == share
+    [reject] = [r for r in h.rejects() if r.request_id == "late"]
+    assert reject.use_share

@@ -146,6 +146,11 @@ class SchedulerSettings(ServiceEndpoint):
     dispatch_credits: int = Field(default=64, ge=0)
     # The "only recent user" window; a revocation also pauses a model's credits this long.
     credit_window_s: float = Field(default=1.0, ge=0)
+    # A gateway holding a model's whole share queues its own waiting requests (docs/data-path.md)
+    # only for a model whose measured inference time is at most this: longer requests keep the
+    # scheduler's lookahead and reservations, which a scheduler round trip costs less than they
+    # win back (a model with both turned off is queued locally whatever its time). 0 = never.
+    local_queue_max_inference_ms: float = Field(default=1.0, ge=0)
     # Timed lookahead (scheduler lookahead.py): while a model has waiters and a worker's slots
     # for it are all busy, grant up to this many more requests to that worker just before a slot
     # is predicted to free, so the next request is there when the running one ends instead of a

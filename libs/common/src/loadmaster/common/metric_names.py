@@ -69,15 +69,27 @@ def _of(service: str, *specs: MetricSpec) -> tuple[MetricSpec, ...]:
 _GATEWAY = _of(
     "gateway",
     MetricSpec("e2e_latency_ms", _H, "Time from receiving a request to sending its reply", ("model", "code")),
-    MetricSpec("observation_staleness_ms", _H, "Age of an observation when it reached the gateway", ("model",)),
+    MetricSpec(
+        "observation_staleness_ms", _H, "Age of an observation when it reached the gateway", ("model",)
+    ),
     MetricSpec("payload_size_bytes", _H, "Payload bytes per request", ("model",)),
     MetricSpec(
-        "requests", _C, "Requests answered, by result code (ok or an error code)", ("model", "code"), known=_RESULT
+        "requests",
+        _C,
+        "Requests answered, by result code (ok or an error code)",
+        ("model", "code"),
+        known=_RESULT,
     ),
-    MetricSpec("observation_errors", _C, "Requests refused before queueing, by error code", ("code",), known=_CODE),
+    MetricSpec(
+        "observation_errors", _C, "Requests refused before queueing, by error code", ("code",), known=_CODE
+    ),
     MetricSpec("send_errors", _C, "Replies that could not be sent to a client"),
     MetricSpec(
-        "dispatch_errors", _C, "Failed sends to a worker's data port, by error code", ("model", "code"), known=_CODE
+        "dispatch_errors",
+        _C,
+        "Failed sends to a worker's data port, by error code",
+        ("model", "code"),
+        known=_CODE,
     ),
     MetricSpec("dispatch_retries", _C, "Requests re-queued after a retryable failure", ("model",)),
     MetricSpec("shm_payloads", _C, "Request payloads handed to a local worker in shared memory", ("model",)),
@@ -106,7 +118,10 @@ _SCHEDULER = _of(
     ),
     MetricSpec("request_retries", _C, "Granted requests queued again after a retryable failure", ("model",)),
     MetricSpec(
-        "placement_decisions", _C, "Placement choices, by kind (grant, load, credit)", ("model", "worker", "kind")
+        "placement_decisions",
+        _C,
+        "Placement choices, by kind (grant, load, credit)",
+        ("model", "worker", "kind"),
     ),
     MetricSpec("credits_lent", _C, "Worker slots lent to a gateway as dispatch credits", ("model",)),
     MetricSpec("credits_revoked", _C, "Dispatch credits revoked (a request had to wait)", ("model",)),
@@ -157,7 +172,9 @@ _GPU_BROKER = _of(
 )
 # Reported by every service's TelemetryReporter about its own process.
 _EVERY_SERVICE = (
-    MetricSpec("build_info", _G, "1, labelled with the version of the reporting service", ("version", "python")),
+    MetricSpec(
+        "build_info", _G, "1, labelled with the version of the reporting service", ("version", "python")
+    ),
     MetricSpec("process_cpu_seconds", _C, "CPU time (user + system) of the reporting process"),
     MetricSpec("process_resident_memory_bytes", _G, "Resident memory of the reporting process"),
     MetricSpec("process_open_fds", _G, "Open file descriptors of the reporting process"),

@@ -156,14 +156,16 @@ class Grant(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., front_of_queue: _Optional[bool] = ...) -> None: ...
 
 class Reject(_message.Message):
-    __slots__ = ("request_id", "error_code", "message")
+    __slots__ = ("request_id", "error_code", "message", "use_share")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    USE_SHARE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     error_code: _errors_pb2.ErrorCode
     message: str
-    def __init__(self, request_id: _Optional[str] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    use_share: bool
+    def __init__(self, request_id: _Optional[str] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., message: _Optional[str] = ..., use_share: _Optional[bool] = ...) -> None: ...
 
 class Credit(_message.Message):
     __slots__ = ("credit_id", "model_id", "worker_id", "data_endpoint", "generation", "request_ttl_ms", "local_queue")

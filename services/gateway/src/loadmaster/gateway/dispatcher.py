@@ -169,6 +169,17 @@ class Dispatcher:
     def inflight(self) -> int:
         return len(self._pending)
 
+    def shares(self) -> dict[str, dict[str, int]]:
+        """Per model: the dispatch credits held (not revoked) and the calls in the local queue."""
+        out: dict[str, dict[str, int]] = {}
+        for credit in self._credits.values():
+            if not credit.revoked:
+                entry = out.setdefault(credit.model_id, {"credits": 0, "waiting": 0})
+                entry["credits"] += 1
+        for model_id, entry in out.items():
+            entry["waiting"] = self._local.waiting(model_id)
+        return out
+
     def start(self) -> None:
         """Start the reply watchdog (on the running loop)."""
         if self._watchdog is None:
@@ -296,6 +307,18 @@ class Dispatcher:
         self._local_changed(call.model_id)
         self._arm_local_expiry()
 
+    def _requeue_on_share(self, pending: _Pending) -> None:
+        """A call the scheduler handed back: run it on an idle credit, or queue it locally (or,
+        if the share went meanwhile, queue it with the scheduler again)."""
+        model_id = pending.call.model_id
+        credit = self._idle_credit(model_id)
+        if credit is not None and self._start_on_credit(pending, credit):
+            return
+        if self._local.accepts(model_id):
+            self._queue_locally(pending)
+        else:
+            self._to_scheduler(pending)
+
     def _serve_local(self, model_id: str) -> None:
         """Start waiting calls on the model's idle credits."""
         started = False
@@ -399,6 +422,10 @@ class Dispatcher:
             return
         pending = self._pending.get(reject.request_id)
         if pending is None:
+            return
+        if reject.use_share:  # sent before this gateway got the model's whole share
+            if not pending.worker_id and pending.call.request_id not in self._local:
+                self._requeue_on_share(pending)
             return
         self._finish(pending, self._failed(pending.call, error_for_code(reject.error_code, reject.message)))
         self._release_credit(pending)

@@ -413,6 +413,11 @@ class SchedulerCore:
             if oldest is not None:
                 self._forget(oldest)
                 self._reject_key(oldest.key, errors_pb2.ERROR_CODE_OVERFLOW, f"{full}; dropped the oldest")
+        if self._credits.holds_share(session_id, model_id):
+            # Sent before its gateway got the model's whole share: it queues there (else it
+            # would wait here for a slot lent to that same gateway, and take its share back).
+            self._out.reject(session_id, Reject(info.request_id, _UNAVAILABLE, "queue it locally", True))
+            return
         self._tracked[key] = Tracked(request)
         if client_id:  # (not setdefault: its default would be built on every call)
             by_model = self._outstanding.get(client_id)

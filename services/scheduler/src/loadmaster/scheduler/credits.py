@@ -205,6 +205,16 @@ class CreditBook:
             self._out.lend_credit(session_id, credit)
             self._telemetry.record("credits_lent", 1, {"model": model_id})
 
+    def holds_share(self, session_id: int, model_id: str) -> bool:
+        """The session holds credits for the model that let it queue locally (none revoked)."""
+        ids = self._by_model.get(model_id)
+        if not ids:
+            return False
+        credits = [self._credits[i] for i in ids]
+        return all(c.session_id == session_id and not c.revoked for c in credits) and any(
+            c.local_queue is not None for c in credits
+        )
+
     def revoke_model(self, model_id: str, now: float) -> None:
         """A request waits for the model: revoke its credits and pause lending it."""
         ids = self._by_model.get(model_id)

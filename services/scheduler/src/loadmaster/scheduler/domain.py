@@ -126,6 +126,7 @@ class Reject:
     request_id: str
     error_code: int
     message: str
+    use_share: bool = False  # not an answer: queue it in the gateway's local queue
 
 
 Outcome = Grant | Reject

@@ -146,7 +146,10 @@ def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.Sessio
             )
         else:
             response.rejects.add(
-                request_id=outcome.request_id, error_code=outcome.error_code, message=outcome.message
+                request_id=outcome.request_id,
+                error_code=outcome.error_code,
+                message=outcome.message,
+                use_share=outcome.use_share,
             )
     return response
 

@@ -187,7 +187,9 @@ def build_app(
 
     async def healthz(request: Request) -> Response:
         report = await readiness.check()
-        return JSONResponse({"live": True, **report.as_dict(), "inflight": dispatcher.inflight})
+        return JSONResponse(
+            {"live": True, **report.as_dict(), "inflight": dispatcher.inflight, "shares": dispatcher.shares()}
+        )
 
     async def health_live(request: Request) -> Response:
         return Response(status_code=200)
