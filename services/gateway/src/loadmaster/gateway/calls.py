@@ -6,10 +6,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadmaster.common.errors import LoadmasterError
-from loadmaster.v1 import tensor_pb2
+from opentelemetry import trace
 
-__all__ = ["CallResult", "InferenceCall", "ResultCallback"]
+from loadmaster.common import tracing
+from loadmaster.common.errors import LoadmasterError
+from loadmaster.v1 import scheduler_pb2, tensor_pb2
+
+__all__ = ["CallResult", "InferenceCall", "ResultCallback", "request_info"]
 
 
 @dataclass(slots=True)
@@ -52,3 +55,24 @@ class CallResult:
 
 
 ResultCallback = Callable[[CallResult], None]
+
+
+def request_info(call: InferenceCall, credit_id: str, span: trace.Span) -> scheduler_pb2.RequestInfo:
+    """What the scheduler is told of a call (never its payload), with its trace context."""
+    info = scheduler_pb2.RequestInfo(
+        request_id=call.request_id,
+        client_id=call.client_id,
+        model_id=call.model_id,
+        priority=call.priority,
+        urgency=call.urgency,
+        steps_remaining=call.steps_remaining,
+        received_unix_ns=call.received_unix_ns,
+        timeout_ms=call.timeout_ms,
+        payload_bytes=len(call.payload),
+        client_type=call.client_type,
+        connection_bound=call.connection_bound,
+        credit_id=credit_id,
+    )
+    if span.is_recording():
+        tracing.inject(info.trace_context, span=span)
+    return info

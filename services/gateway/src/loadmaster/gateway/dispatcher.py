@@ -64,8 +64,9 @@ from loadmaster.common.errors import (
 )
 from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
-from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback
+from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback, request_info
 from loadmaster.gateway.generations import GenerationStreams
+from loadmaster.gateway.held_credits import HeldCredit, HeldCredits
 from loadmaster.gateway.local_queue import LocalQueues
 from loadmaster.gateway.ports import SchedulerPort
 from loadmaster.gateway.worker_link import ShmPayloads
@@ -92,28 +93,12 @@ class _Pending:
     worker_id: str = ""
     attempt: int = 0
     span: trace.Span = trace.INVALID_SPAN  # recording only while tracing is on
-    credit: _Credit | None = None  # the dispatch credit it runs on
+    credit: HeldCredit | None = None  # the dispatch credit it runs on
     endpoint: str = ""  # the data endpoint of worker_id
     shm: ShmSlot | None = None  # the payload's shared memory slot while a worker may read it
     session: int = 0  # the scheduler session that knows the call
     reply_deadline: float = 0.0  # clock.monotonic() by which its worker must reply (0: none)
     lost: bool = False  # its worker's data link dropped: the watchdog fails it retryably
-
-
-@dataclass(slots=True)
-class _Credit:
-    """A worker slot the scheduler lent this gateway (see scheduler.proto)."""
-
-    credit_id: str
-    model_id: str
-    worker_id: str
-    data_endpoint: str
-    generation: int
-    request_ttl_ms: float
-    running: str | None = None  # request id
-    revoked: bool = False
-    session: int = 0  # the scheduler session that lent it
-    local: bool = False  # it carried a LocalQueue spec: its runs may be counted, not listed
 
 
 class Dispatcher:
@@ -138,18 +123,13 @@ class Dispatcher:
         self._lost_grace_s = lost_grace_s
         self._shm = shm
         self._pending: dict[str, _Pending] = {}
-        self._credits: dict[str, _Credit] = {}
-        # model -> idle credits, the longest idle first (rotating spreads calls over them)
-        self._idle_credits: dict[str, list[_Credit]] = {}
+        self._credits = HeldCredits()
         # Calls waiting for a credit of a model whose whole share this gateway holds, and the
         # model's TTL (as its credits carry it); the expiry timer of the earliest.
         self._local: LocalQueues[_Pending] = LocalQueues(self._clock)
         self._local_ttl_ms: dict[str, float] = {}
         self._local_timer: asyncio.TimerHandle | None = None
         self._local_timer_at = math.inf
-        # The last scheduler session that granted or lent anything: until the current one has,
-        # its scheduler may know no worker yet, and the credits of the session before still serve.
-        self._heard_session = 0
         # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
@@ -171,14 +151,9 @@ class Dispatcher:
 
     def shares(self) -> dict[str, dict[str, int]]:
         """Per model: the dispatch credits held (not revoked) and the calls in the local queue."""
-        out: dict[str, dict[str, int]] = {}
-        for credit in self._credits.values():
-            if not credit.revoked:
-                entry = out.setdefault(credit.model_id, {"credits": 0, "waiting": 0})
-                entry["credits"] += 1
-        for model_id, entry in out.items():
-            entry["waiting"] = self._local.waiting(model_id)
-        return out
+        return {
+            m: {"credits": n, "waiting": self._local.waiting(m)} for m, n in self._credits.counts().items()
+        }
 
     def start(self) -> None:
         """Start the reply watchdog (on the running loop)."""
@@ -218,7 +193,7 @@ class Dispatcher:
             return
         if (
             not self._scheduler.connected
-            and not self._idle_credits.get(call.model_id)
+            and not self._credits.has_idle(call.model_id)
             and not self._local.accepts(call.model_id)
         ):
             on_result(self._failed(call, UnavailableError("scheduler unreachable; try again shortly")))
@@ -240,7 +215,7 @@ class Dispatcher:
         else:
             self._to_scheduler(pending)
 
-    def _start_on_credit(self, pending: _Pending, credit: _Credit) -> bool:
+    def _start_on_credit(self, pending: _Pending, credit: HeldCredit) -> bool:
         """Send the call on an idle credit (the worker first) and report the run to the scheduler
         that lent it, if that one still serves; False if the worker was unreachable."""
         if not self._run_on_credit(pending, credit):
@@ -252,7 +227,7 @@ class Dispatcher:
             scheduler.report_run(
                 pending.call.request_id,
                 pending.call.model_id,
-                lambda: self._request_info(pending, credit_id),
+                lambda: request_info(pending.call, credit_id, pending.span),
                 countable=credit.local,
             )
         # else: run on a lost scheduler's share; this session's scheduler never hears of it
@@ -267,27 +242,7 @@ class Dispatcher:
             )
             return
         pending.session = self._scheduler.session
-        self._scheduler.enqueue(self._request_info(pending, ""))
-
-    def _request_info(self, pending: _Pending, credit_id: str) -> scheduler_pb2.RequestInfo:
-        call = pending.call
-        info = scheduler_pb2.RequestInfo(
-            request_id=call.request_id,
-            client_id=call.client_id,
-            model_id=call.model_id,
-            priority=call.priority,
-            urgency=call.urgency,
-            steps_remaining=call.steps_remaining,
-            received_unix_ns=call.received_unix_ns,
-            timeout_ms=call.timeout_ms,
-            payload_bytes=len(call.payload),
-            client_type=call.client_type,
-            connection_bound=call.connection_bound,
-            credit_id=credit_id,
-        )
-        if pending.span.is_recording():
-            tracing.inject(info.trace_context, span=pending.span)
-        return info
+        self._scheduler.enqueue(request_info(pending.call, "", pending.span))
 
     # -- the local queue (a model's whole share held here) ---------------------------
 
@@ -339,7 +294,7 @@ class Dispatcher:
         """The model's last usable credit is gone: its waiting calls go to the scheduler, in order."""
         if not (self._local.waiting(model_id) or self._local.accepts(model_id)):
             return
-        if any(c.model_id == model_id and not c.revoked for c in self._credits.values()):
+        if self._credits.live(model_id):
             return
         self._local.configure(model_id, None)
         waiting = self._local.take_all(model_id)
@@ -392,7 +347,7 @@ class Dispatcher:
     # -- scheduler callbacks -------------------------------------------------------------
 
     def on_grant(self, grant: scheduler_pb2.Grant) -> None:
-        self._heard_session = self._scheduler.session
+        self._credits.heard(self._scheduler.session)
         if self.generations.on_grant(grant):
             return
         pending = self._pending.get(grant.request_id)
@@ -431,31 +386,16 @@ class Dispatcher:
         self._release_credit(pending)
 
     def on_credit(self, credit: scheduler_pb2.Credit) -> None:
-        self._heard_session = self._scheduler.session
-        lent = _Credit(
-            local=credit.HasField("local_queue"),
-            credit_id=credit.credit_id,
-            model_id=credit.model_id,
-            worker_id=credit.worker_id,
-            data_endpoint=credit.data_endpoint,
-            generation=credit.generation,
-            request_ttl_ms=credit.request_ttl_ms,
-            session=self._scheduler.session,
-        )
-        self._credits[lent.credit_id] = lent
-        self._idle_credits.setdefault(lent.model_id, []).append(lent)
+        lent = self._credits.add(credit, self._scheduler.session)
         self._local_ttl_ms[lent.model_id] = lent.request_ttl_ms
         self._local.configure(lent.model_id, credit.local_queue if credit.HasField("local_queue") else None)
         self._serve_local(lent.model_id)
 
     def on_revoke(self, credit_id: str) -> None:
-        credit = self._credits.get(credit_id)
+        credit = self._credits.revoke(credit_id)
         if credit is None:
             return
-        if credit.running is not None:
-            credit.revoked = True  # returned when its call ends
-        else:
-            self._idle_credits[credit.model_id].remove(credit)
+        if credit.running is None:  # else returned when its call ends
             self._give_back(credit)
         self._hand_over_local(credit.model_id)
 
@@ -599,7 +539,7 @@ class Dispatcher:
             raise
         self._arm(pending, deadline_ns)
 
-    def _run_on_credit(self, pending: _Pending, credit: _Credit) -> bool:
+    def _run_on_credit(self, pending: _Pending, credit: HeldCredit) -> bool:
         """Send the call on an idle credit; False (credit returned) if its worker is unreachable."""
         call = pending.call
         ttl_ms = credit.request_ttl_ms
@@ -644,32 +584,15 @@ class Dispatcher:
         if credit.revoked or give_back:
             self._give_back(credit)
             self._hand_over_local(credit.model_id)
-        elif credit.credit_id in self._credits:
-            self._idle_credits[credit.model_id].append(credit)
-            if self._local.waiting(credit.model_id):
-                self._serve_local(credit.model_id)
+        elif self._credits.idle_again(credit) and self._local.waiting(credit.model_id):
+            self._serve_local(credit.model_id)
 
-    def _idle_credit(self, model_id: str) -> _Credit | None:
-        """An idle credit for `model_id` (the longest idle), dropping those an earlier session
-        lent once the current session has granted or lent anything."""
-        idle = self._idle_credits.get(model_id)
+    def _idle_credit(self, model_id: str) -> HeldCredit | None:
         scheduler = self._scheduler
-        while idle:
-            credit = idle.pop(0)
-            if (
-                not scheduler.connected
-                or credit.session == scheduler.session
-                or self._heard_session != scheduler.session
-            ):
-                return credit
-            self._credits.pop(credit.credit_id, None)
-        return None
+        return self._credits.take_idle(model_id, connected=scheduler.connected, session=scheduler.session)
 
-    def _give_back(self, credit: _Credit) -> None:
-        if (
-            self._credits.pop(credit.credit_id, None) is not None
-            and credit.session == self._scheduler.session
-        ):
+    def _give_back(self, credit: HeldCredit) -> None:
+        if self._credits.forget(credit) and credit.session == self._scheduler.session:
             self._scheduler.return_credit(credit.credit_id)
 
     def _arm(self, pending: _Pending, deadline_unix_ns: int) -> None:

@@ -1,0 +1,112 @@
+"""The dispatch credits this gateway holds (scheduler.proto `Credit`): worker slots the scheduler
+lent it, which of them are idle, and which scheduler session lent each.
+
+Credits of a lost session stay usable while no scheduler serves (docs/deploy.md, "Scheduler
+failover"), until the next session first grants or lends something (`heard`); from then on
+they are dropped unreturned as they come up, since that session's scheduler never lent them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loadmaster.v1 import scheduler_pb2
+
+__all__ = ["HeldCredit", "HeldCredits"]
+
+
+@dataclass(slots=True)
+class HeldCredit:
+    """A worker slot the scheduler lent this gateway."""
+
+    credit_id: str
+    model_id: str
+    worker_id: str
+    data_endpoint: str
+    generation: int
+    request_ttl_ms: float
+    running: str | None = None  # request id
+    revoked: bool = False
+    session: int = 0  # the scheduler session that lent it
+    local: bool = False  # it carried a LocalQueue spec: its runs may be counted, not listed
+
+
+class HeldCredits:
+    def __init__(self) -> None:
+        self._credits: dict[str, HeldCredit] = {}
+        # model -> idle credits, the longest idle first (rotating spreads calls over them)
+        self._idle: dict[str, list[HeldCredit]] = {}
+        # The last scheduler session that granted or lent anything: until the current one has,
+        # its scheduler may know no worker yet, and the credits of the session before still serve.
+        self._heard_session = 0
+
+    def heard(self, session: int) -> None:
+        """The session granted or lent something: its scheduler serves."""
+        self._heard_session = session
+
+    def get(self, credit_id: str) -> HeldCredit | None:
+        return self._credits.get(credit_id)
+
+    def add(self, credit: scheduler_pb2.Credit, session: int) -> HeldCredit:
+        """A credit lent on `session`, idle until a call takes it."""
+        self._heard_session = session
+        held = HeldCredit(
+            credit_id=credit.credit_id,
+            model_id=credit.model_id,
+            worker_id=credit.worker_id,
+            data_endpoint=credit.data_endpoint,
+            generation=credit.generation,
+            request_ttl_ms=credit.request_ttl_ms,
+            session=session,
+            local=credit.HasField("local_queue"),
+        )
+        self._credits[held.credit_id] = held
+        self._idle.setdefault(held.model_id, []).append(held)
+        return held
+
+    def has_idle(self, model_id: str) -> bool:
+        return bool(self._idle.get(model_id))
+
+    def take_idle(self, model_id: str, *, connected: bool, session: int) -> HeldCredit | None:
+        """An idle credit for `model_id` (the longest idle), dropping those an earlier session
+        lent once the current `session` has granted or lent anything."""
+        idle = self._idle.get(model_id)
+        while idle:
+            credit = idle.pop(0)
+            if not connected or credit.session == session or self._heard_session != session:
+                return credit
+            self._credits.pop(credit.credit_id, None)
+        return None
+
+    def idle_again(self, credit: HeldCredit) -> bool:
+        """The credit's call ended and it is still held: idle again; False if it is gone."""
+        if credit.credit_id not in self._credits:
+            return False
+        self._idle[credit.model_id].append(credit)
+        return True
+
+    def revoke(self, credit_id: str) -> HeldCredit | None:
+        """Mark it revoked; an idle one leaves the idle list (to be returned at once)."""
+        credit = self._credits.get(credit_id)
+        if credit is None:
+            return None
+        credit.revoked = True
+        if credit.running is None:
+            self._idle[credit.model_id].remove(credit)
+        return credit
+
+    def forget(self, credit: HeldCredit) -> bool:
+        """Stop holding it; True if it was held (so it is to be returned)."""
+        return self._credits.pop(credit.credit_id, None) is not None
+
+    def live(self, model_id: str) -> bool:
+        """A credit for the model is held and not revoked."""
+        return any(c.model_id == model_id and not c.revoked for c in self._credits.values())
+
+    def counts(self) -> dict[str, int]:
+        """Per model, the credits held and not revoked."""
+        out: dict[str, int] = {}
+        for credit in self._credits.values():
+            if not credit.revoked:
+                out[credit.model_id] = out.get(credit.model_id, 0) + 1
+        return out
