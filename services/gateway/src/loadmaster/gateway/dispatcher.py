@@ -178,6 +178,9 @@ class Dispatcher:
         return pending
 
     async def close(self) -> None:
+        if self._local_timer is not None:
+            self._local_timer.cancel()
+            self._local_timer, self._local_timer_at = None, math.inf
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
