@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import write_result
 
 from loadmaster.common.clock import SystemClock
+from loadmaster.common.ordering import make_ordering
 from loadmaster.scheduler.config import CoreConfig
 from loadmaster.scheduler.core import SchedulerCore
 from loadmaster.scheduler.domain import (
@@ -44,7 +45,6 @@ from loadmaster.scheduler.domain import (
     Submission,
     WorkerHello,
 )
-from loadmaster.common.ordering import make_ordering
 
 TARGET_PER_S = 50_000
 ALL = [
