@@ -9,7 +9,7 @@ import pytest
 
 from loadmaster.cli._auth import use_credentials
 from loadmaster.cli.run_state import run_state_path, write_run_state
-from loadmaster.common import internal_auth
+from loadmaster.common import internal_auth, transport
 from loadmaster.common.config import load_settings
 
 
@@ -19,6 +19,7 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     monkeypatch.chdir(tmp_path)  # no .loadmaster/ next to the (default) config
     yield
     internal_auth.setup(None)
+    transport.setup(transport.Transport())
 
 
 def test_without_any_secret_calls_go_out_unsigned() -> None:
@@ -47,3 +48,13 @@ def test_the_secret_up_made_next_to_the_config_is_used(tmp_path: Path) -> None:
     internal_auth.ensure_run_secrets(tmp_path)
     use_credentials(config)
     assert internal_auth.current() is not None
+
+
+def test_a_config_naming_a_ca_makes_the_clis_channels_tls(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"-----BEGIN CERTIFICATE-----\nnot checked here\n-----END CERTIFICATE-----\n")
+    config = tmp_path / "loadmaster.yaml"
+    config.write_text(f"internal_auth:\n  tls_ca_file: {ca}\n")
+    use_credentials(config)
+    assert transport.current().tls_ca == ca.read_bytes()
+    assert transport.channel_credentials() is not None  # aio_channel / sync_channel use it
