@@ -1,0 +1,433 @@
+"""Expiry precision of the gateway's local queue: how late is the `expired` reply after the deadline?
+
+The local-queue counterpart of `scheduler_expiry.py` (which measures the scheduler's central
+queue with fake streams). Here the whole suite runs (real processes on free 127.0.0.1 ports) and
+model `sleep` is configured so that its requests wait in the gateway, not at the scheduler
+(docs/data-path.md): one slot (`max_inflight: 1`), lookahead and reservations off, so the
+scheduler lends the gateway its whole share (one dispatch credit, with a `LocalQueue` spec)
+whatever the measured inference time.
+
+- A busy client (priority 0) keeps the one slot taken: `ms=[BUSY_MS]` requests, two outstanding,
+  so one always waits in the local queue ahead of everything else when the running one ends.
+- `--clients` timed client processes (stock Inferential `Connection`s, priority 2) send, open loop
+  at `--rate` requests/s in total, `--requests` observations of `sleep` with metadata
+  `timeout_ms` drawn uniformly from 20..200 ms. Every one must come back `expired`; lateness =
+  reply received - (send time + timeout_ms), both on the client's clock (so both edge hops are in).
+  Replies are in order per (connection, model), so each timed client spreads its requests over a
+  pool of connections and sends on one only when the new deadline is no earlier than that
+  connection's last one (`pick_connection`): a reply is never held behind an earlier request
+  with a later deadline, and the figure is the queue's timer, not the reply order.
+- The gateway's `/healthz` (`shares.sleep.credits` / `waiting`) is polled through the run: the
+  run fails unless the gateway held the share in every sample and requests waited there, so the
+  bench cannot silently measure the central path instead.
+
+Targets: p99 lateness <= 10 ms (issue 20: "expiry on time"); every timed reply `expired`.
+
+    .venv/bin/python bench/local_expiry.py [--requests 4000] [--rate 300] [--clients 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import random
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import running_suite_handle, write_result
+
+MODEL = "sleep"
+TARGET_P99_MS = 10.0
+MIN_TIMEOUT_MS = 20.0
+MAX_TIMEOUT_MS = 200.0
+BUSY_MS = 2000.0
+BUSY_OUTSTANDING = 2
+CONNECTIONS = 24  # per timed client process: 16 carry 333 requests/s of 20..200 ms timeouts (unit test)
+POLL_S = 0.05  # /healthz
+DRAIN_S = 5.0  # after the last send, how long replies may take before they count as missing
+MAX_SEND_S = 60.0
+
+
+def pick_connection(last_deadlines: Sequence[float], deadline: float) -> int | None:
+    """The connection a request with `deadline` goes on: one whose last request's deadline is no
+    later (its reply then never waits behind an earlier request with a later deadline), the
+    latest such one (best fit: connections with early deadlines stay free for short timeouts);
+    None when every connection's last deadline is later."""
+    best: int | None = None
+    for index, last in enumerate(last_deadlines):
+        if last <= deadline and (best is None or last > last_deadlines[best]):
+            best = index
+    return best
+
+
+def lateness_summary(lateness_s: Sequence[float]) -> dict[str, float | int | None]:
+    """Count, p50/p99/max and min (negative: answered before its deadline) in ms."""
+    if not lateness_s:
+        return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None, "min_ms": None}
+    values = np.asarray(lateness_s, dtype=float) * 1000.0
+    return {
+        "count": int(values.size),
+        "p50_ms": round(float(np.percentile(values, 50)), 3),
+        "p99_ms": round(float(np.percentile(values, 99)), 3),
+        "max_ms": round(float(values.max()), 3),
+        "min_ms": round(float(values.min()), 3),
+    }
+
+
+# -- client processes ------------------------------------------------------------------------
+
+
+def _wait_until_wall(at: float) -> None:
+    while (left := at - time.time()) > 0.002:
+        time.sleep(left - 0.002)
+    while time.time() < at:
+        pass
+
+
+def busy_client(edge: str, busy_ms: float, ready: Any, stop: Any, out: Any) -> None:
+    """Keep the model's one slot taken: BUSY_OUTSTANDING long requests in flight until `stop`."""
+    from inferential import Connection
+
+    conn = Connection(server=edge, client_id="local-expiry-busy")
+    model = conn.model(MODEL, priority=0)
+    ms = np.array([busy_ms], dtype=np.float32)
+    codes: dict[str, int] = {}
+    outstanding = 0
+    for _ in range(BUSY_OUTSTANDING):
+        model.observe(ms=ms, priority=0)
+        outstanding += 1
+    ready.put("busy")
+    hard_end = time.monotonic() + MAX_SEND_S + 3 * busy_ms / 1000.0 + 30.0
+    while outstanding and time.monotonic() < hard_end:
+        result = model.get_result(timeout_ms=100)
+        if result is None:
+            continue
+        outstanding -= 1
+        code = str(result.get("error_code", "ok"))
+        codes[code] = codes.get(code, 0) + 1
+        if not stop.is_set():
+            model.observe(ms=ms, priority=0)
+            outstanding += 1
+    conn.close()
+    out.put(("busy", {"codes": codes, "unanswered": outstanding}))
+
+
+def timed_client(
+    edge: str,
+    index: int,
+    timeouts_ms: list[float],
+    rate_hz: float,
+    phase_s: float,
+    connections: int,
+    ready: Any,
+    go: Any,
+    start: Any,
+    out: Any,
+) -> None:
+    """Send `timeouts_ms` (one observation each) open loop at `rate_hz`; report every reply."""
+    import zmq
+    from inferential import Connection
+
+    conns = [Connection(server=edge, client_id=f"local-expiry-{index}-{k}") for k in range(connections)]
+    models = [conn.model(MODEL, priority=2) for conn in conns]
+    poller = zmq.Poller()
+    by_socket: dict[Any, int] = {}
+    for k, conn in enumerate(conns):
+        socket = conn._socket  # the stock client's DEALER: one poll over every connection
+        poller.register(socket, zmq.POLLIN)
+        by_socket[socket] = k
+    ms = np.array([0.0], dtype=np.float32)  # if one ever ran, it would answer at once, `ok`
+    outstanding: list[deque[tuple[float, float]]] = [deque() for _ in conns]  # (deadline, timeout)
+    last_deadline = [-np.inf] * connections
+    samples: list[tuple[float, float, str, str]] = []  # (timeout_ms, lateness_s, code, message)
+    skipped = 0
+    ready.put(index)
+    if not go.wait(60):
+        return
+    _wait_until_wall(start.value + phase_s)
+    period = 1.0 / rate_hz
+    t0 = time.monotonic()
+    next_send = t0
+    sent = 0
+    in_flight = 0
+    hard_end = t0 + len(timeouts_ms) * period + MAX_TIMEOUT_MS / 1000.0 + DRAIN_S
+    while True:
+        now = time.monotonic()
+        if sent < len(timeouts_ms) and now >= next_send:
+            timeout_ms = timeouts_ms[sent]
+            chosen = pick_connection(last_deadline, now + timeout_ms / 1000.0)
+            if chosen is None:
+                skipped += 1
+            else:
+                sent_at = time.monotonic()
+                models[chosen].observe(ms=ms, priority=2, timeout_ms=f"{timeout_ms:.3f}")
+                deadline = sent_at + timeout_ms / 1000.0
+                outstanding[chosen].append((deadline, timeout_ms))
+                last_deadline[chosen] = deadline
+                in_flight += 1
+            sent += 1
+            next_send += period
+            continue
+        if (sent >= len(timeouts_ms) and not in_flight) or now >= hard_end:
+            break
+        until = next_send if sent < len(timeouts_ms) else hard_end
+        events = poller.poll(max(0, math.ceil((until - now) * 1000.0)))
+        replied_at = time.monotonic()
+        for socket, _ in events:
+            k = by_socket[socket]
+            while (result := models[k].get_result(timeout_ms=0)) is not None:
+                deadline, timeout_ms = outstanding[k].popleft()
+                in_flight -= 1
+                code = str(result.get("error_code", "ok"))
+                samples.append((timeout_ms, replied_at - deadline, code, str(result.get("error", ""))))
+    for conn in conns:
+        conn.close()
+    out.put((index, {"samples": samples, "skipped": skipped, "unanswered": in_flight}))
+
+
+# -- the gateway's view ----------------------------------------------------------------------
+
+
+class ShareWatch:
+    """Polls the gateway's /healthz in a thread: the `sleep` share and local queue over time."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._http = httpx.Client()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="share-watch", daemon=True)
+        self.samples: list[tuple[int, int]] = []  # (credits, waiting)
+        self.errors = 0
+
+    def read(self) -> tuple[int, int]:
+        share = self._http.get(self._url, timeout=2.0).json().get("shares", {}).get(MODEL, {})
+        return int(share.get("credits", 0)), int(share.get("waiting", 0))
+
+    def wait_for(self, predicate: Any, timeout_s: float) -> tuple[int, int] | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seen = self.read()
+            if predicate(*seen):
+                return seen
+            time.sleep(POLL_S)
+        return None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._http.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.samples.append(self.read())
+            except httpx.HTTPError:
+                self.errors += 1
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def run(suite: Any, args: argparse.Namespace, slots: int) -> dict[str, Any]:
+    from inferential import Connection
+
+    gw = suite.settings.gateway
+    edge = gw.edge.bind
+    watch = ShareWatch(f"http://{gw.http_host}:{gw.http_port}/healthz")
+    # A first call makes this gateway the model's user: the scheduler lends it the whole share.
+    warm = Connection(server=edge, client_id="local-expiry-warm")
+    warm.model(MODEL).observe(ms=np.array([0.0], dtype=np.float32))
+    first = warm.model(MODEL).get_result(timeout_ms=10_000)
+    warm.close()
+    if first is None or "error" in first:
+        raise SystemExit(f"FAIL: the warm-up call to {MODEL!r} failed: {first}")
+    if watch.wait_for(lambda credits, waiting: credits == slots, 15.0) is None:
+        raise SystemExit(
+            f"FAIL: the gateway never held {MODEL!r}'s whole share ({slots} credits): its requests "
+            "would queue at the scheduler, not in the gateway; this bench measures the local queue only"
+        )
+    ctx = mp.get_context("spawn")
+    out, ready, go, stop, start = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Value("d", 0.0)
+    busy = ctx.Process(target=busy_client, args=(edge, args.busy_ms, ready, stop, out))
+    busy.start()
+    procs = [busy]
+    try:
+        ready.get(timeout=60)
+        if watch.wait_for(lambda credits, waiting: credits == slots and waiting >= 1, 15.0) is None:
+            raise SystemExit(
+                f"FAIL: the busy client's second request did not wait in the gateway's local queue "
+                f"(shares.{MODEL}.waiting stayed 0): the bench would not measure the local queue"
+            )
+        rng = random.Random(args.seed)
+        timeouts = [rng.uniform(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS) for _ in range(args.requests)]
+        per_client_rate = args.rate / args.clients
+        for i in range(args.clients):
+            procs.append(
+                ctx.Process(
+                    target=timed_client,
+                    args=(
+                        edge,
+                        i,
+                        timeouts[i :: args.clients],
+                        per_client_rate,
+                        i / args.rate,  # the clients' sends interleave
+                        args.connections,
+                        ready,
+                        go,
+                        start,
+                        out,
+                    ),
+                )
+            )
+            procs[-1].start()
+        for _ in range(args.clients):
+            ready.get(timeout=60)
+        watch.start()
+        start.value = time.time() + 0.3
+        go.set()
+        reports: dict[Any, dict[str, Any]] = {}
+        send_s = args.requests / args.rate
+        for _ in range(args.clients):
+            index, report = out.get(timeout=send_s + MAX_TIMEOUT_MS / 1000.0 + DRAIN_S + 60)
+            reports[index] = report
+        watch.stop()
+        stop.set()
+        name, busy_report = out.get(timeout=3 * args.busy_ms / 1000.0 + 30)
+        reports[name] = busy_report
+    finally:
+        stop.set()
+        for process in procs:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    samples = [s for i in range(args.clients) for s in reports[i]["samples"]]
+    codes: dict[str, int] = {}
+    for _, _, code, _ in samples:
+        codes[code] = codes.get(code, 0) + 1
+    expired = [lateness for _, lateness, code, _ in samples if code == "expired"]
+    messages = [message for _, _, code, message in samples if code == "expired"][:1]
+    unanswered = sum(reports[i]["unanswered"] for i in range(args.clients))
+    skipped = sum(reports[i]["skipped"] for i in range(args.clients))
+    credits_seen = [credits for credits, _ in watch.samples]
+    waiting_seen = [waiting for _, waiting in watch.samples]
+    buckets = {}
+    for low in range(int(MIN_TIMEOUT_MS), int(MAX_TIMEOUT_MS), 60):
+        high = low + 60
+        buckets[f"{low}-{high}ms"] = lateness_summary(
+            [lat for t, lat, code, _ in samples if code == "expired" and low <= t < high]
+        )
+    return {
+        "samples": samples,
+        "lateness": lateness_summary(expired),
+        "lateness_by_timeout": buckets,
+        "replies": codes,
+        "not_expired": len(samples) - len(expired) + unanswered,
+        "unanswered": unanswered,
+        "skipped_no_connection": skipped,
+        "example_message": messages[0] if messages else None,
+        "busy": reports.get("busy"),
+        "share": {
+            "polls": len(watch.samples),
+            "poll_errors": watch.errors,
+            "credits_min": min(credits_seen, default=0),
+            "credits_max": max(credits_seen, default=0),
+            "waiting_max": max(waiting_seen, default=0),
+            "waiting_mean": round(float(np.mean(waiting_seen)), 1) if waiting_seen else 0.0,
+        },
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--rate", type=float, default=300.0, help="timed requests/s, all clients together")
+    parser.add_argument("--clients", type=int, default=2, help="timed client processes")
+    parser.add_argument("--connections", type=int, default=CONNECTIONS, help="per timed client process")
+    parser.add_argument("--busy-ms", type=float, default=BUSY_MS)
+    parser.add_argument("--seed", type=int, default=20)
+    args = parser.parse_args()
+    if args.requests / args.rate > MAX_SEND_S:
+        parser.error(f"--requests / --rate is over {MAX_SEND_S:.0f} s of sending")
+    slots = 1
+    overrides = {
+        "models": {"known": {MODEL: {"max_inflight": slots, "lookahead": 0, "reservation": False}}},
+    }
+    with running_suite_handle(preload=[MODEL], overrides=overrides) as suite:
+        pid = suite.service("gateway").process.pid
+        print(
+            f"gateway pid {pid}; sending {args.requests} requests at {args.rate:.0f}/s from "
+            f"{args.clients} clients…",
+            flush=True,
+        )
+        result = run(suite, args, slots)
+    share = result["share"]
+    lateness = result["lateness"]
+    if share["credits_min"] != slots or share["waiting_max"] < 2:
+        print(f"FAIL: the share was not held locally through the run: {share}")
+        return 1
+    p99 = lateness["p99_ms"]
+    targets = [
+        {
+            "name": "local queue: expired reply - deadline, p99",
+            "measured": p99,
+            "target": TARGET_P99_MS,
+            "unit": "ms",
+            "met": p99 is not None and p99 <= TARGET_P99_MS,
+        },
+        {
+            "name": "local queue: timed replies not `expired` (other codes, ok, none)",
+            "measured": result["not_expired"],
+            "target": 0,
+            "unit": "",
+            "met": result["not_expired"] == 0 and result["skipped_no_connection"] == 0,
+        },
+    ]
+    samples = result.pop("samples")
+    path = write_result(
+        "local_expiry",
+        {
+            "model": MODEL,
+            "slots": slots,
+            "requests": args.requests,
+            "rate_rps": args.rate,
+            "clients": args.clients,
+            "connections_per_client": args.connections,
+            "timeout_ms_range": [MIN_TIMEOUT_MS, MAX_TIMEOUT_MS],
+            "busy_ms": args.busy_ms,
+            **result,
+            "targets": targets,
+        },
+    )
+    print(
+        f"replies: {result['replies']}; unanswered {result['unanswered']}; skipped {result['skipped_no_connection']}"
+    )
+    print(f"share during the run: {share}")
+    print(f"lateness (ms): {lateness}")
+    for bucket, summary in result["lateness_by_timeout"].items():
+        print(f"  timeout {bucket}: {summary}")
+    print(f"sample message: {result['example_message']!r}; {len(samples)} replies")
+    for t in targets:
+        print(
+            f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']} (target {t['target']} {t['unit']})"
+        )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
