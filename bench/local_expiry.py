@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
+import os
 import random
+import re
 import sys
 import threading
 import time
@@ -42,6 +44,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -69,6 +72,30 @@ def pick_connection(last_deadlines: Sequence[float], deadline: float) -> int | N
         if last <= deadline and (best is None or last > last_deadlines[best]):
             best = index
     return best
+
+
+_WAITED = re.compile(r"expired after waiting (\d+(?:\.\d+)?) ms")
+
+
+def gateway_waited_ms(message: str) -> float | None:
+    """The wait the gateway states in its `expired` message ("expired after waiting 39 ms for
+    model 'sleep'", whole ms), or None when the message says none."""
+    match = _WAITED.search(message)
+    return float(match.group(1)) if match else None
+
+
+def late_bunches(times_s: Sequence[float], gap_s: float = 0.05) -> list[tuple[float, int]]:
+    """Sorted event times grouped where less than `gap_s` apart: (first time, count) per group."""
+    bunches: list[tuple[float, int]] = []
+    previous: float | None = None
+    for at in times_s:
+        if previous is not None and at - previous < gap_s:
+            first, count = bunches[-1]
+            bunches[-1] = (first, count + 1)
+        else:
+            bunches.append((at, 1))
+        previous = at
+    return bunches
 
 
 def lateness_summary(lateness_s: Sequence[float]) -> dict[str, float | int | None]:
@@ -150,7 +177,8 @@ def timed_client(
     ms = np.array([0.0], dtype=np.float32)  # if one ever ran, it would answer at once, `ok`
     outstanding: list[deque[tuple[float, float]]] = [deque() for _ in conns]  # (deadline, timeout)
     last_deadline = [-np.inf] * connections
-    samples: list[tuple[float, float, str, str]] = []  # (timeout_ms, lateness_s, code, message)
+    # (timeout_ms, lateness_s, code, message, deadline_s after the clients' common start)
+    samples: list[tuple[float, float, str, str, float]] = []
     skipped = 0
     ready.put(index)
     if not go.wait(60):
@@ -190,7 +218,8 @@ def timed_client(
                 deadline, timeout_ms = outstanding[k].popleft()
                 in_flight -= 1
                 code = str(result.get("error_code", "ok"))
-                samples.append((timeout_ms, replied_at - deadline, code, str(result.get("error", ""))))
+                message = str(result.get("error", ""))
+                samples.append((timeout_ms, replied_at - deadline, code, message, deadline - t0 + phase_s))
     for conn in conns:
         conn.close()
     out.put((index, {"samples": samples, "skipped": skipped, "unanswered": in_flight}))
@@ -297,6 +326,8 @@ def run(suite: Any, args: argparse.Namespace, slots: int) -> dict[str, Any]:
         for _ in range(args.clients):
             ready.get(timeout=60)
         watch.start()
+        gateway = psutil.Process(suite.service("gateway").process.pid)
+        cpu_before, wall_before, load_before = sum(gateway.cpu_times()[:2]), time.monotonic(), os.getloadavg()
         start.value = time.time() + 0.3
         go.set()
         reports: dict[Any, dict[str, Any]] = {}
@@ -305,6 +336,8 @@ def run(suite: Any, args: argparse.Namespace, slots: int) -> dict[str, Any]:
             index, report = out.get(timeout=send_s + MAX_TIMEOUT_MS / 1000.0 + DRAIN_S + 60)
             reports[index] = report
         watch.stop()
+        cpu_s, wall_s = sum(gateway.cpu_times()[:2]) - cpu_before, time.monotonic() - wall_before
+        load_after = os.getloadavg()
         stop.set()
         name, busy_report = out.get(timeout=3 * args.busy_ms / 1000.0 + 30)
         reports[name] = busy_report
@@ -317,24 +350,49 @@ def run(suite: Any, args: argparse.Namespace, slots: int) -> dict[str, Any]:
                 process.join(5)
     samples = [s for i in range(args.clients) for s in reports[i]["samples"]]
     codes: dict[str, int] = {}
-    for _, _, code, _ in samples:
+    for _, _, code, *_ in samples:
         codes[code] = codes.get(code, 0) + 1
-    expired = [lateness for _, lateness, code, _ in samples if code == "expired"]
-    messages = [message for _, _, code, message in samples if code == "expired"][:1]
+    expired = [lateness for _, lateness, code, *_ in samples if code == "expired"]
+    messages = [message for _, _, code, message, _ in samples if code == "expired"][:1]
+    # The gateway's own part: the wait its message states (whole ms) minus the timeout, so
+    # within +-0.5 ms the time its timer fired after the deadline it computed on arrival.
+    gateway_late = [
+        (waited - timeout) / 1000.0
+        for timeout, _, code, message, _ in samples
+        if code == "expired" and (waited := gateway_waited_ms(message)) is not None
+    ]
     unanswered = sum(reports[i]["unanswered"] for i in range(args.clients))
     skipped = sum(reports[i]["skipped"] for i in range(args.clients))
     credits_seen = [credits for credits, _ in watch.samples]
     waiting_seen = [waiting for _, waiting in watch.samples]
+    # Each reply later than the target: when (s after the start), how late in all and by the
+    # gateway's own account; late replies bunched in time point at a stalled process.
+    late = [
+        {
+            "at_s": round(at, 3),
+            "timeout_ms": round(timeout, 1),
+            "late_ms": round(lateness * 1000.0, 2),
+            "gateway_late_ms": None
+            if (waited := gateway_waited_ms(message)) is None
+            else round(waited - timeout, 1),
+        }
+        for timeout, lateness, code, message, at in sorted(samples, key=lambda s: s[4])
+        if code == "expired" and lateness * 1000.0 > TARGET_P99_MS
+    ]
     buckets = {}
     for low in range(int(MIN_TIMEOUT_MS), int(MAX_TIMEOUT_MS), 60):
         high = low + 60
         buckets[f"{low}-{high}ms"] = lateness_summary(
-            [lat for t, lat, code, _ in samples if code == "expired" and low <= t < high]
+            [lat for t, lat, code, *_ in samples if code == "expired" and low <= t < high]
         )
     return {
         "samples": samples,
         "lateness": lateness_summary(expired),
+        "gateway_timer_lateness_1ms_resolution": lateness_summary(gateway_late),
+        "gateway_cpu_percent_of_one_core": round(100.0 * cpu_s / wall_s, 1),
+        "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "lateness_by_timeout": buckets,
+        "late_replies": late,
         "replies": codes,
         "not_expired": len(samples) - len(expired) + unanswered,
         "unanswered": unanswered,
@@ -418,8 +476,27 @@ def main() -> int:
     )
     print(f"share during the run: {share}")
     print(f"lateness (ms): {lateness}")
+    print(
+        f"  of which the gateway's timer (its message, whole ms): {result['gateway_timer_lateness_1ms_resolution']}"
+    )
+    print(
+        f"gateway CPU {result['gateway_cpu_percent_of_one_core']} % of one core; "
+        f"load average {result['load_average_1min_before_after']}"
+    )
     for bucket, summary in result["lateness_by_timeout"].items():
         print(f"  timeout {bucket}: {summary}")
+    late = result["late_replies"]
+    if late:
+        bunches = late_bunches([r["at_s"] for r in late])
+        print(
+            f"{len(late)} replies over {TARGET_P99_MS:.0f} ms late, in {len(bunches)} bunches (start s, count):"
+        )
+        print(f"  {bunches[:12]}")
+        gateway_part = [r["gateway_late_ms"] for r in late if r["gateway_late_ms"] is not None]
+        print(
+            f"  gateway's own part of those: median {np.median(gateway_part) if gateway_part else None} ms, "
+            f"over {TARGET_P99_MS:.0f} ms in {sum(1 for g in gateway_part if g > TARGET_P99_MS)}"
+        )
     print(f"sample message: {result['example_message']!r}; {len(samples)} replies")
     for t in targets:
         print(

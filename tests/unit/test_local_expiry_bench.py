@@ -47,3 +47,18 @@ def test_lateness_summary_in_ms() -> None:
     assert summary["min_ms"] == -0.5
     assert summary["p99_ms"] is not None and 1.0 < summary["p99_ms"] < 20.0
     assert lateness_summary([])["p99_ms"] is None
+
+
+def test_gateway_waited_ms_reads_the_expired_message() -> None:
+    from local_expiry import gateway_waited_ms
+
+    assert gateway_waited_ms("expired after waiting 39 ms for model 'sleep'") == 39.0
+    assert gateway_waited_ms("expired after waiting 7.5 ms for model 'm'") == 7.5
+    assert gateway_waited_ms("queue for model 'sleep' is full") is None
+
+
+def test_late_bunches_groups_events_closer_than_the_gap() -> None:
+    from local_expiry import late_bunches
+
+    assert late_bunches([]) == []
+    assert late_bunches([1.0, 1.01, 1.05, 2.0, 2.2, 2.21], gap_s=0.05) == [(1.0, 3), (2.0, 1), (2.2, 2)]
