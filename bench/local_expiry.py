@@ -60,6 +60,7 @@ CONNECTIONS = 24  # per timed client process: 16 carry 333 requests/s of 20..200
 POLL_S = 0.05  # /healthz
 DRAIN_S = 5.0  # after the last send, how long replies may take before they count as missing
 MAX_SEND_S = 60.0
+STALL_S = 0.005  # a timed client that sends this late after its schedule was not running
 
 
 def pick_connection(last_deadlines: Sequence[float], deadline: float) -> int | None:
@@ -180,6 +181,7 @@ def timed_client(
     # (timeout_ms, lateness_s, code, message, deadline_s after the clients' common start)
     samples: list[tuple[float, float, str, str, float]] = []
     skipped = 0
+    stalls: list[tuple[float, float]] = []  # (at_s, ms): sends this late, the client itself stalled
     ready.put(index)
     if not go.wait(60):
         return
@@ -193,6 +195,8 @@ def timed_client(
     while True:
         now = time.monotonic()
         if sent < len(timeouts_ms) and now >= next_send:
+            if now - next_send > STALL_S:
+                stalls.append((round(next_send - t0 + phase_s, 3), round((now - next_send) * 1000.0, 1)))
             timeout_ms = timeouts_ms[sent]
             chosen = pick_connection(last_deadline, now + timeout_ms / 1000.0)
             if chosen is None:
@@ -222,7 +226,7 @@ def timed_client(
                 samples.append((timeout_ms, replied_at - deadline, code, message, deadline - t0 + phase_s))
     for conn in conns:
         conn.close()
-    out.put((index, {"samples": samples, "skipped": skipped, "unanswered": in_flight}))
+    out.put((index, {"samples": samples, "skipped": skipped, "unanswered": in_flight, "stalls": stalls}))
 
 
 # -- the gateway's view ----------------------------------------------------------------------
@@ -328,6 +332,7 @@ def run(suite: Any, args: argparse.Namespace, slots: int) -> dict[str, Any]:
         watch.start()
         gateway = psutil.Process(suite.service("gateway").process.pid)
         cpu_before, wall_before, load_before = sum(gateway.cpu_times()[:2]), time.monotonic(), os.getloadavg()
+        psutil.cpu_times_percent()  # starts the machine-wide window read below
         start.value = time.time() + 0.3
         go.set()
         reports: dict[Any, dict[str, Any]] = {}
@@ -338,6 +343,7 @@ def run(suite: Any, args: argparse.Namespace, slots: int) -> dict[str, Any]:
         watch.stop()
         cpu_s, wall_s = sum(gateway.cpu_times()[:2]) - cpu_before, time.monotonic() - wall_before
         load_after = os.getloadavg()
+        machine = psutil.cpu_times_percent()
         stop.set()
         name, busy_report = out.get(timeout=3 * args.busy_ms / 1000.0 + 30)
         reports[name] = busy_report
@@ -391,8 +397,12 @@ def run(suite: Any, args: argparse.Namespace, slots: int) -> dict[str, Any]:
         "gateway_timer_lateness_1ms_resolution": lateness_summary(gateway_late),
         "gateway_cpu_percent_of_one_core": round(100.0 * cpu_s / wall_s, 1),
         "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
+        "machine_cpu_percent": {
+            key: round(float(getattr(machine, key, 0.0)), 1) for key in ("user", "system", "idle", "steal")
+        },
         "lateness_by_timeout": buckets,
         "late_replies": late,
+        "client_stalls": {str(i): reports[i]["stalls"] for i in range(args.clients)},
         "replies": codes,
         "not_expired": len(samples) - len(expired) + unanswered,
         "unanswered": unanswered,
@@ -481,7 +491,7 @@ def main() -> int:
     )
     print(
         f"gateway CPU {result['gateway_cpu_percent_of_one_core']} % of one core; "
-        f"load average {result['load_average_1min_before_after']}"
+        f"load average {result['load_average_1min_before_after']}; machine CPU % {result['machine_cpu_percent']}"
     )
     for bucket, summary in result["lateness_by_timeout"].items():
         print(f"  timeout {bucket}: {summary}")
@@ -497,6 +507,11 @@ def main() -> int:
             f"  gateway's own part of those: median {np.median(gateway_part) if gateway_part else None} ms, "
             f"over {TARGET_P99_MS:.0f} ms in {sum(1 for g in gateway_part if g > TARGET_P99_MS)}"
         )
+    stalls = sorted(stall for per in result["client_stalls"].values() for stall in per)
+    print(
+        f"timed clients sent over {STALL_S * 1000:.0f} ms behind schedule {len(stalls)} times "
+        f"(at s, ms): {stalls[:12]}"
+    )
     print(f"sample message: {result['example_message']!r}; {len(samples)} replies")
     for t in targets:
         print(
