@@ -170,3 +170,21 @@ def test_the_share_holders_own_late_request_is_handed_back_not_queued(h: Harness
     assert h.revoked == [] and _share(h) == share
     [reject] = [r for r in h.rejects() if r.request_id == "late"]
     assert reject.use_share
+
+
+def test_a_model_that_turns_out_long_gets_its_local_queue_taken_back(h: Harness) -> None:
+    """Qualified by a short first request, it must not keep a local queue once its runs are long."""
+    share = _share(h)
+    assert _latest_spec(h) is not None
+    for _ in range(30):  # bounded: the EWMA of the inference time passes 1 ms well before
+        h.core.submit(A, Submission(tallies=[RunTally("m", "w1", runs=1, inference_ms=50.0)]))
+        if h.revoked:
+            break
+    assert sorted(h.revoked) == share
+    for cid in share:
+        h.return_credit(cid)
+    h.advance(1.1)
+    h.enqueue("a1", session=A)
+    h.complete("a1", session=A, inference_ms=50.0)
+    relent = _share(h)
+    assert relent and all(h.lent[cid][1].local_queue is None for cid in relent)

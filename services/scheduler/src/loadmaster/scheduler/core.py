@@ -29,7 +29,7 @@ from loadmaster.common.clock import Clock
 from loadmaster.common.ordering import Ordering, make_ordering
 from loadmaster.common.ordering.clients import ClientTracker
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
-from loadmaster.scheduler.credits import CreditBook
+from loadmaster.scheduler.credits import CreditBook, too_long_for_local
 from loadmaster.scheduler.dispatching import GrantDispatcher
 from loadmaster.scheduler.domain import (
     Completion,
@@ -511,6 +511,8 @@ class SchedulerCore:
             if credit is not None:
                 credit.running = None  # the slot stays lent until the gateway returns it
             tracked.credit_id = None
+            if completion.error_code == _OK:
+                self._learned(tracked.request.model_id, completion.inference_ms)
         else:
             self._registry.release(tracked.worker_id, key)
             if self._lookahead.active:
@@ -583,9 +585,7 @@ class SchedulerCore:
         model_id = tally.model_id
         self._stats_for(model_id).granted += tally.runs
         if tally.runs > tally.failed:
-            self._lookahead.learn_inference(
-                model_id, tally.inference_ms / 1000.0 / (tally.runs - tally.failed)
-            )
+            self._learned(model_id, tally.inference_ms / (tally.runs - tally.failed))
         self._telemetry.record(
             "placement_decisions",
             tally.runs,
@@ -593,6 +593,15 @@ class SchedulerCore:
         )
         if self._config.policy(model_id).dispatch_credits:
             self._credits.note_use(model_id, session_id, self._clock.monotonic())
+
+    def _learned(self, model_id: str, inference_ms: float) -> None:
+        """An inference time measured on a credit. A model that turns out too long for a local
+        queue gets its credits back: they are lent again without one (docs/data-path.md)."""
+        self._lookahead.learn_inference(model_id, inference_ms / 1000.0)
+        if self._credits.queue_locally(model_id) and too_long_for_local(
+            self._config.policy(model_id), self._config, self._lookahead.inference_s(model_id)
+        ):
+            self._credits.revoke_model(model_id, self._clock.monotonic())
 
     def _start_on_credit(self, request: Request, credit: Credit, now: float) -> None:
         """Admit a request the gateway already sent to `credit`'s worker."""

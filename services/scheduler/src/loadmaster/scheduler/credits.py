@@ -45,11 +45,20 @@ from loadmaster.scheduler.domain import (
 from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.registry import WorkerRegistry
 
-__all__ = ["CreditBook", "local_queue_spec"]
+__all__ = ["CreditBook", "local_queue_spec", "too_long_for_local"]
 
 # Strategies whose order a gateway can keep for one model's requests on its own: per-model
 # scope, no batch groups, no registered policy (a policy module is loaded by the scheduler only).
 _LOCAL_STRATEGIES = frozenset({"model_deadline", "priority_tiered", "round_robin", "priority"})
+
+
+def too_long_for_local(policy: ModelPolicy, config: CoreConfig, inference_s: float | None) -> bool:
+    """The model's requests (`inference_s`, measured; None unmeasured) are long enough that the
+    lookahead and reservations, which only the scheduler runs, win back more than its round
+    trip costs (a model with both turned off never is)."""
+    return bool(policy.lookahead or policy.reservation) and (
+        inference_s is None or inference_s * 1000.0 > config.local_queue_max_inference_ms
+    )
 
 
 def local_queue_spec(
@@ -59,9 +68,7 @@ def local_queue_spec(
     another strategy, a model whose queue supersedes (`latest_only`), or one whose requests are
     long enough (`inference_s`, measured; None unmeasured) that the lookahead and reservations,
     which only the scheduler runs, win back more than its round trip costs."""
-    if (policy.lookahead or policy.reservation) and (
-        inference_s is None or inference_s * 1000.0 > config.local_queue_max_inference_ms
-    ):
+    if too_long_for_local(policy, config, inference_s):
         return None
     if (
         ordering.name not in _LOCAL_STRATEGIES
@@ -214,6 +221,10 @@ class CreditBook:
         return all(c.session_id == session_id and not c.revoked for c in credits) and any(
             c.local_queue is not None for c in credits
         )
+
+    def queue_locally(self, model_id: str) -> bool:
+        """A credit out for the model lets its gateway queue locally."""
+        return any(self._credits[i].local_queue is not None for i in self._by_model.get(model_id, ()))
 
     def revoke_model(self, model_id: str, now: float) -> None:
         """A request waits for the model: revoke its credits and pause lending it."""
