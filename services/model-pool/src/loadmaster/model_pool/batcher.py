@@ -123,7 +123,7 @@ class Instance:
 
 # What a request comes to: its outputs and timing, or the error that answers it.
 BatchOutcome = tuple[dict[str, np.ndarray], BatchTiming] | BaseException
-Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
+Signature = tuple[tuple[str, np.dtype, tuple[int, ...]], ...]
 
 
 @dataclass(slots=True)
@@ -161,10 +161,17 @@ def rows(inputs: Arrays) -> int | None:
 
 def signature(inputs: Arrays) -> Signature:
     """What must match for requests to be stacked: names, dtypes, shapes after dim 0."""
+    # The dtype itself, not its `.str` (a new string per call): equal dtypes compare equal, and
+    # decoded inputs share one dtype object per wire dtype, so the comparison is an identity.
     if len(inputs) == 1:  # the usual case, without a list to sort
         ((name, array),) = inputs.items()
-        return ((name, array.dtype.str, array.shape[1:]),)
-    return tuple(sorted((name, array.dtype.str, array.shape[1:]) for name, array in inputs.items()))
+        return ((name, array.dtype, array.shape[1:]),)
+    # Names are unique, so sorting never compares the dtypes (which do not order).
+    return tuple(sorted(((name, array.dtype, array.shape[1:]) for name, array in inputs.items()), key=_first))
+
+
+def _first(entry: tuple[str, np.dtype, tuple[int, ...]]) -> str:
+    return entry[0]
 
 
 def stack(requests: Sequence[Arrays]) -> dict[str, np.ndarray]:
