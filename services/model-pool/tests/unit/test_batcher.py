@@ -6,8 +6,8 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +29,7 @@ from loadmaster.model_pool.batcher import (
     take_batch,
 )
 from loadmaster.model_pool.engines.base import Engine, EngineContext
+from loadmaster.model_pool.instance_thread import InstanceThread
 from loadmaster.model_pool.repository import ModelSpec, parse_config
 
 
@@ -73,12 +74,12 @@ def engine() -> Doubler:
 
 def make(
     engine: Doubler, policy: BatchPolicy, clock: FakeClock, sizes: list[int]
-) -> tuple[Batcher, ThreadPoolExecutor]:
-    executor = ThreadPoolExecutor(max_workers=1)
+) -> tuple[Batcher, InstanceThread]:
+    executor = InstanceThread("test-instance")
     batcher = Batcher(
         "m",
         policy,
-        instances=[Instance(engine=engine, executor=executor)],
+        instances=[Instance(engine=engine, thread=executor)],
         clock=clock,
         on_batch=lambda size, ms: sizes.append(size),
     )
@@ -263,6 +264,48 @@ async def test_an_instance_runs_the_next_ready_request_without_the_loop(engine: 
     assert sizes == [1, 1]
     await batcher.close()
     executor.shutdown()
+
+
+async def test_a_chain_of_batches_wakes_the_loop_once(engine: Doubler) -> None:
+    """Batches that finish on the instance's thread before the loop looks share one wake-up
+    (one call_soon_threadsafe, not one per batch), and are answered in order, once each."""
+    clock, sizes = FakeClock(), []
+    batcher, thread = make(engine, BatchPolicy(max_batch_size=1), clock, sizes)
+    loop = asyncio.get_running_loop()
+    wakeups: list[object] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(callback: Any, *args: Any, **kwargs: Any) -> Any:
+        wakeups.append(callback)
+        return real(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        futures = [submit(batcher, x(i), received=clock.monotonic()) for i in range(4)]
+        await asyncio.sleep(0)  # the pump hands the first batch over; the rest queue behind it
+        # The loop is blocked here until the chain of four batches is over on the thread.
+        assert thread.submit(lambda: None).result(timeout=5) is None
+        assert engine.calls == [1, 1, 1, 1]
+        assert len(wakeups) == 1
+        outputs = await asyncio.gather(*futures)
+    finally:
+        loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+    assert [o["y"].item() for o, _ in outputs] == [0.0, 2.0, 4.0, 6.0]
+    assert len(wakeups) == 1
+    assert sizes == [1, 1, 1, 1]
+    await batcher.close()
+    thread.shutdown()
+
+
+async def test_a_batch_for_a_shut_down_instance_thread_is_answered_with_an_error(engine: Doubler) -> None:
+    clock = FakeClock()
+    batcher, thread = make(engine, BatchPolicy(max_batch_size=1), clock, [])
+    thread.shutdown()
+    assert thread.join(5)
+    with pytest.raises(InternalError, match="shut down"):
+        await submit(batcher, x(1), received=clock.monotonic())
+    assert engine.calls == []
+    await batcher.close()
 
 
 async def test_a_front_of_queue_request_runs_before_those_waiting(engine: Doubler) -> None:

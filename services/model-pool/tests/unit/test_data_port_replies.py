@@ -13,6 +13,7 @@ import zmq
 
 from loadmaster.common.errors import NotFoundError
 from loadmaster.common.tensors import decode_tensors, encode_tensors
+from loadmaster.model_pool import wire
 from loadmaster.model_pool.data_port import DataPort
 from loadmaster.model_pool.pool import InferResult
 from loadmaster.model_pool.wire import ResultEncoder, result_reply
@@ -65,6 +66,33 @@ def test_each_batch_gets_its_own_latency_size_and_time() -> None:
             np.testing.assert_array_equal(outputs["y"], result.outputs["y"])
             stamps.append(reply.outputs[0].timestamp_ns)
     assert stamps[0] == stamps[1] and stamps[1] < stamps[2] == stamps[3]  # one time per batch
+
+
+def test_unbatched_results_of_one_layout_reuse_the_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that runs one request per call (batch size 1) encodes its first reply in full and
+    every next one of the same layout from the template, each with its own fields and time."""
+    built: list[str] = []
+    real = wire.result_reply
+
+    def counting(result: InferResult, **kwargs: Any) -> Any:
+        built.append(kwargs["request_id"])
+        return real(result, **kwargs)
+
+    monkeypatch.setattr(wire, "result_reply", counting)
+    encoder = ResultEncoder("w1")
+    stamps = []
+    for number in range(4):
+        result = _batch(1, batch_id=10 + number, inference_ms=1.0 + number)[0]
+        envelope, payload = encoder.encode(result, request_id=f"u{number}", model_id="m")
+        reply, outputs = _parsed(envelope, payload)
+        expected, _ = real(result, request_id=f"u{number}", model_id="m", worker_id="w1")
+        stamps.append(reply.outputs[0].timestamp_ns)
+        for tensor in (*reply.outputs, *expected.outputs):
+            tensor.timestamp_ns = 0  # the only field allowed to differ
+        assert reply == expected
+        np.testing.assert_array_equal(outputs["y"], result.outputs["y"])
+    assert built == ["u0"]
+    assert stamps == sorted(stamps) and stamps[0] > 0
 
 
 def test_another_shape_or_a_strided_slice_is_encoded_afresh() -> None:

@@ -19,14 +19,17 @@ request of that batch runs again on its own, so only the request at fault fails.
 
 The hot path costs per batch, not per request: submissions only append to the queue
 and schedule one look at it for the next loop iteration (so a burst received in one
-go is batched whole), a batch reaches its instance's thread with one executor submit
-and comes back with one loop wake-up, and every request of it is answered by a plain
-callback in that same wake-up (no Future or Task per request). Only a partial batch
-waiting for company holds a timer task. An instance that finishes a batch while the
+go is batched whole), a batch reaches its instance's thread with one `InstanceThread.post`
+(a `SimpleQueue.put`: no Future, work item or semaphore), and every request of it is
+answered by a plain callback on the loop (no Future or Task per request). Only a partial
+batch waiting for company holds a timer task. An instance that finishes a batch while the
 next one is ready in the queue runs it straight away on its thread: going back to the
 loop for it would leave the model idle for a wake-up of each thread (0.3-0.5 ms on a
 loaded 2-core machine, 5 % of a 10 ms model). The queue is shared with the instances'
-threads under a lock for that.
+threads under a lock for that. Finished batches go back the same way, through a list
+under that lock (`_finished`): the thread that adds to an empty list wakes the loop with
+one `call_soon_threadsafe`, and every batch that finishes before the loop has taken the
+list rides on that wake-up (a chain of batches, or several instances, cost one).
 
 The stacking and splitting are pure functions (`stack`, `split`, `take_batch`).
 """
@@ -40,7 +43,6 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +58,7 @@ from loadmaster.common.errors import (
 )
 from loadmaster.common.tensors import wire_dtype
 from loadmaster.model_pool.engines.base import Engine
+from loadmaster.model_pool.instance_thread import InstanceThread
 
 __all__ = [
     "BatchOutcome",
@@ -115,12 +118,12 @@ class Instance:
     """One engine copy with its own thread."""
 
     engine: Engine
-    executor: ThreadPoolExecutor
+    thread: InstanceThread
 
 
 # What a request comes to: its outputs and timing, or the error that answers it.
 BatchOutcome = tuple[dict[str, np.ndarray], BatchTiming] | BaseException
-Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
+Signature = tuple[tuple[str, np.dtype, tuple[int, ...]], ...]
 
 
 @dataclass(slots=True)
@@ -133,6 +136,10 @@ class _Item:
     signature: Signature = ()
     front: bool = False  # queued ahead of the others (Grant.front_of_queue)
 
+
+# A batch that ran, for the loop to answer: its instance, requests, engine calls (size, ms),
+# each request's outcome, and whether its instance is free again.
+_Finished = tuple[Instance, list[_Item], list[tuple[int, float]], list[BatchOutcome], bool]
 
 # Stands for a result in the list being filled while its batch runs; never delivered.
 _NOT_RUN = InternalError("not run")
@@ -154,10 +161,17 @@ def rows(inputs: Arrays) -> int | None:
 
 def signature(inputs: Arrays) -> Signature:
     """What must match for requests to be stacked: names, dtypes, shapes after dim 0."""
+    # The dtype itself, not its `.str` (a new string per call): equal dtypes compare equal, and
+    # decoded inputs share one dtype object per wire dtype, so the comparison is an identity.
     if len(inputs) == 1:  # the usual case, without a list to sort
         ((name, array),) = inputs.items()
-        return ((name, array.dtype.str, array.shape[1:]),)
-    return tuple(sorted((name, array.dtype.str, array.shape[1:]) for name, array in inputs.items()))
+        return ((name, array.dtype, array.shape[1:]),)
+    # Names are unique, so sorting never compares the dtypes (which do not order).
+    return tuple(sorted(((name, array.dtype, array.shape[1:]) for name, array in inputs.items()), key=_first))
+
+
+def _first(entry: tuple[str, np.dtype, tuple[int, ...]]) -> str:
+    return entry[0]
 
 
 def stack(requests: Sequence[Arrays]) -> dict[str, np.ndarray]:
@@ -254,6 +268,10 @@ class Batcher:
         # `_take` a full look).
         self._rows = 0
         self._mixed = False
+        # Under the lock: batches finished on the instances' threads, for the loop to answer,
+        # and whether a wake-up of the loop for them is on its way.
+        self._finished: list[_Finished] = []
+        self._finish_scheduled = False
 
     def start(self) -> None:
         """Start taking batches (requests submitted before wait until then)."""
@@ -392,15 +410,26 @@ class Batcher:
         self._pump()
 
     def _launch(self, instance: Instance, batch: list[_Item]) -> None:
-        """One executor submit; each batch's results come back in one loop wake-up."""
+        """One post to the instance's thread; the results come back through `_finished`."""
         try:
-            instance.executor.submit(self._run_chain, instance, batch)
-        except BaseException as error:  # the executor itself failed: every request hears it
+            instance.thread.post(self._run_chain, instance, batch)
+        except BaseException as error:  # the thread is gone (shut down): every request hears it
             self._free.append(instance)
             self._answer(batch, [error] * len(batch), [])
             return
         self._busy += 1
         self._idle.clear()
+
+    def _finish_all(self) -> None:
+        """On the loop: answer every batch finished since the last look, in the order they ended."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+            self._finish_scheduled = False
+        for entry in finished:
+            try:
+                self._finish(*entry)
+            except Exception:
+                log.exception("batcher of %s failed a step", self.model_id)
 
     def _finish(
         self,
@@ -440,8 +469,8 @@ class Batcher:
     # ---- on the instance's thread -----------------------------------------------
 
     def _run_chain(self, instance: Instance, batch: list[_Item]) -> None:
-        """Run `batch`, then each next batch that is ready when this one ends, posting every
-        batch's results to the loop as it ends; the last post frees the instance."""
+        """Run `batch`, then each next batch that is ready when this one ends, handing every
+        batch's results to the loop as it ends; the last one frees the instance."""
         loop = self._loop
         assert loop is not None
         while True:
@@ -452,11 +481,15 @@ class Batcher:
                 results = [error] * len(batch)
             with self._lock:
                 following = self._take(on_loop=False)
-            try:
-                loop.call_soon_threadsafe(self._finish, instance, batch, calls, results, following is None)
-            except RuntimeError:  # the loop is closed: nobody is left to answer
-                log.warning("model %s finished a batch after its event loop closed", self.model_id)
-                return
+                self._finished.append((instance, batch, calls, results, following is None))
+                wake = not self._finish_scheduled
+                self._finish_scheduled = True
+            if wake:
+                try:
+                    loop.call_soon_threadsafe(self._finish_all)
+                except RuntimeError:  # the loop is closed: nobody is left to answer
+                    log.warning("model %s finished a batch after its event loop closed", self.model_id)
+                    return
             if following is None:
                 return
             batch = following

@@ -1,4 +1,4 @@
-"""Engine instances: copies of one model's engine, each on its own single-thread executor.
+"""Engine instances: copies of one model's engine, each on its own thread (`InstanceThread`).
 
 An engine's methods run on its instance's thread only, never on the event loop (see
 engines/base.py), so a slow load or model never stalls the worker and engines may keep
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 from loadmaster.model_pool.batcher import Instance
 from loadmaster.model_pool.engines import Engine, EngineContext
+from loadmaster.model_pool.instance_thread import InstanceThread
 from loadmaster.model_pool.repository import ModelSpec
 
 __all__ = ["free_instances", "load_instance"]
@@ -31,10 +31,14 @@ async def load_instance(
 ) -> None:
     """Add one instance to `built`, then load it and run its warm-up (config inputs, or zeros from
     the declared inputs) on its thread. It joins `built` first, so a failed load frees it too."""
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-    engine = cls(spec, context)
-    built.append(Instance(engine=engine, executor=executor))
-    await asyncio.get_running_loop().run_in_executor(executor, _load_and_warm, engine)
+    thread = InstanceThread(name)
+    try:
+        engine = cls(spec, context)
+    except BaseException:
+        thread.shutdown()
+        raise
+    built.append(Instance(engine=engine, thread=thread))
+    await asyncio.wrap_future(thread.submit(_load_and_warm, engine))
 
 
 async def free_instances(model_id: str, instances: list[Instance]) -> None:
@@ -42,8 +46,8 @@ async def free_instances(model_id: str, instances: list[Instance]) -> None:
     for instance in instances:
         try:
             # Queued behind a load still running on that thread, so it frees what it built.
-            await asyncio.wrap_future(instance.executor.submit(instance.engine.unload))
+            await asyncio.wrap_future(instance.thread.submit(instance.engine.unload))
         except Exception:
             log.exception("unloading an instance of %s failed", model_id)
         finally:
-            instance.executor.shutdown(wait=False)
+            instance.thread.shutdown()

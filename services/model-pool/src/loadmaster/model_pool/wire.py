@@ -118,9 +118,11 @@ class ResultEncoder:
     batch's outputs has the same dtypes, shapes and offsets when their rows match), so one
     reply is kept as a template and each next one sets those two fields on it and
     serializes it, with its own payload. The next batch of the same model, size and output
-    layout reuses the template too, with its own latency and output timestamps. Anything
-    else (another layout or row count, string outputs, a non-contiguous slice) is encoded
-    from scratch by `result_reply`, which makes a new template when it can be shared.
+    layout reuses the template too, with its own latency and output timestamps; so does
+    each next request of a model that runs one request per call (batch size 1), which
+    then builds no descriptors or reply message per request. Anything else (another
+    layout or row count, string outputs, a non-contiguous slice) is encoded from scratch
+    by `result_reply`, which makes a new template when it can be shared.
     """
 
     def __init__(self, worker_id: str) -> None:
@@ -143,8 +145,8 @@ class ResultEncoder:
         reply, payload = result_reply(
             result, request_id=request_id, model_id=model_id, worker_id=self._worker_id
         )
-        # Only a batch's results can share it; string tensors have their own lengths and offsets.
-        shareable = result.batch_size > 1 and tensor_pb2.DTYPE_BYTES not in [t.dtype for t in reply.outputs]
+        # String tensors have their own lengths and offsets: never shared.
+        shareable = tensor_pb2.DTYPE_BYTES not in [t.dtype for t in reply.outputs]
         self._key = key if shareable else None
         self._layout = _layout(result, model_id) if shareable else None
         if shareable:
@@ -186,13 +188,17 @@ def _payload(outputs: dict[str, Any]) -> Any:
 # Payloads from this size on, and every BYTES tensor (checked element by element), are
 # decoded off the event loop: the loop also answers other clients and reports to the scheduler.
 DECODE_OFF_LOOP_BYTES = 64 << 10
+_BYTES = int(tensor_pb2.DTYPE_BYTES)
 
 
 def decode_off_loop(descriptors: Sequence[tensor_pb2.Tensor], payload: Any) -> bool:
     """Whether decoding these inputs may take long enough to hold up an event loop."""
     if len(payload) >= DECODE_OFF_LOOP_BYTES:
         return True
-    return any(descriptor.dtype == tensor_pb2.DTYPE_BYTES for descriptor in descriptors)
+    for descriptor in descriptors:  # noqa: SIM110 (not any(<genexpr>): half the cost, every request)
+        if descriptor.dtype == _BYTES:
+            return True
+    return False
 
 
 # Outputs of strings from this many elements (or bytes) on are encoded off the event loop: each
@@ -202,11 +208,12 @@ ENCODE_OFF_LOOP_ELEMENTS = 1024
 
 def encode_off_loop(outputs: Mapping[str, Any]) -> bool:
     """Whether encoding these outputs may take long enough to hold up an event loop."""
-    return any(
-        array.dtype.kind in "OSU"
-        and (array.size >= ENCODE_OFF_LOOP_ELEMENTS or array.nbytes >= DECODE_OFF_LOOP_BYTES)
-        for array in outputs.values()
-    )
+    for array in outputs.values():  # a loop, not any(<genexpr>): on every reply
+        if array.dtype.kind in "OSU" and (
+            array.size >= ENCODE_OFF_LOOP_ELEMENTS or array.nbytes >= DECODE_OFF_LOOP_BYTES
+        ):
+            return True
+    return False
 
 
 async def handle_infer(
