@@ -292,3 +292,22 @@ async def test_a_call_the_scheduler_hands_back_queues_on_the_share(parts: Parts)
     assert _sent(workers) == ["r1", "early"]
     dispatcher.on_worker_reply(_ok("early"), b"")
     assert [r.request_id for r in results] == ["r1", "early"] and all(r.ok for r in results)
+
+
+async def test_an_earlier_sessions_credit_does_not_keep_calls_waiting_here(parts: Parts) -> None:
+    """After a scheduler restart the new session's credits are revoked (its worker died): a
+    credit the lost session lent is no longer usable, so waiting calls go to the new scheduler."""
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("old"))
+    dispatcher.submit(_call("r1"), results.append)  # runs on the old session's credit
+    scheduler.session = 2  # the scheduler was restarted: a new session
+    dispatcher.on_scheduler_lost()
+    dispatcher.on_credit(_credit("new"))  # the new scheduler lends (and so serves)
+    dispatcher.submit(_call("r2"), results.append)  # on the new credit
+    dispatcher.submit(_call("r3"), results.append)  # waits here
+    assert scheduler.order[-1] == "run r2"
+    dispatcher.on_revoke("new")  # the new credit's worker died
+    assert scheduler.order[-1] == "enqueue r3"  # not held for the old session's credit
+    dispatcher.submit(_call("r4"), results.append)
+    assert scheduler.order[-1] == "enqueue r4"
+    assert _sent(workers) == ["r1", "r2"]

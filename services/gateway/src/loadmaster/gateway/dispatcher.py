@@ -213,10 +213,19 @@ class Dispatcher:
         credit = self._idle_credit(call.model_id)
         if credit is not None and self._start_on_credit(pending, credit):
             return
-        if self._local.accepts(call.model_id):
+        if self._may_queue_locally(call.model_id):
             self._queue_locally(pending)
         else:
             self._to_scheduler(pending)
+
+    def _may_queue_locally(self, model_id: str) -> bool:
+        """The model's calls may wait here: its credits carried a local queue and one is still
+        usable (the last may have gone unannounced: an earlier session's, dropped once a new
+        session's scheduler serves; then the waiting calls go to it)."""
+        if not self._local.accepts(model_id):
+            return False
+        self._hand_over_local(model_id)  # (a no-op while a usable credit is held)
+        return self._local.accepts(model_id)
 
     def _start_on_credit(self, pending: _Pending, credit: HeldCredit) -> bool:
         """Send the call on an idle credit (the worker first) and report the run to the scheduler
@@ -272,7 +281,7 @@ class Dispatcher:
         credit = self._idle_credit(model_id)
         if credit is not None and self._start_on_credit(pending, credit):
             return
-        if self._local.accepts(model_id):
+        if self._may_queue_locally(model_id):
             self._queue_locally(pending)
         else:
             self._to_scheduler(pending)
@@ -297,7 +306,8 @@ class Dispatcher:
         """The model's last usable credit is gone: its waiting calls go to the scheduler, in order."""
         if not (self._local.waiting(model_id) or self._local.accepts(model_id)):
             return
-        if self._credits.live(model_id):
+        scheduler = self._scheduler
+        if self._credits.live(model_id, connected=scheduler.connected, session=scheduler.session):
             return
         self._local.configure(model_id, None)
         waiting = self._local.take_all(model_id)

@@ -67,13 +67,17 @@ class HeldCredits:
     def has_idle(self, model_id: str) -> bool:
         return bool(self._idle.get(model_id))
 
+    def _usable(self, credit: HeldCredit, connected: bool, session: int) -> bool:
+        """Lent by the current `session`, or by an earlier one while none other serves."""
+        return not connected or credit.session == session or self._heard_session != session
+
     def take_idle(self, model_id: str, *, connected: bool, session: int) -> HeldCredit | None:
         """An idle credit for `model_id` (the longest idle), dropping those an earlier session
         lent once the current `session` has granted or lent anything."""
         idle = self._idle.get(model_id)
         while idle:
             credit = idle.pop(0)
-            if not connected or credit.session == session or self._heard_session != session:
+            if self._usable(credit, connected, session):
                 return credit
             self._credits.pop(credit.credit_id, None)
         return None
@@ -99,9 +103,12 @@ class HeldCredits:
         """Stop holding it; True if it was held (so it is to be returned)."""
         return self._credits.pop(credit.credit_id, None) is not None
 
-    def live(self, model_id: str) -> bool:
-        """A credit for the model is held and not revoked."""
-        return any(c.model_id == model_id and not c.revoked for c in self._credits.values())
+    def live(self, model_id: str, *, connected: bool, session: int) -> bool:
+        """A credit for the model is held, not revoked, and usable (see `take_idle`)."""
+        return any(
+            c.model_id == model_id and not c.revoked and self._usable(c, connected, session)
+            for c in self._credits.values()
+        )
 
     def counts(self) -> dict[str, int]:
         """Per model, the credits held and not revoked."""
