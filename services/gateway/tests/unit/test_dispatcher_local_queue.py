@@ -15,6 +15,7 @@ from loadmaster.common.clock import FakeClock, SystemClock
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.held_credits import OLD_SHARE_GRACE_S
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
 
@@ -311,3 +312,20 @@ async def test_an_earlier_sessions_credit_does_not_keep_calls_waiting_here(parts
     dispatcher.submit(_call("r4"), results.append)
     assert scheduler.order[-1] == "enqueue r4"
     assert _sent(workers) == ["r1", "r2"]
+
+
+async def test_a_lost_sessions_share_serves_a_bounded_time_after_a_new_session_opens() -> None:
+    """Served on old credits with a local queue, the gateway sends the new scheduler nothing to
+    grant; without a bound it would serve on them (and their worker, maybe dead) for ever."""
+    clock = FakeClock()
+    dispatcher, scheduler, workers = _dispatcher(clock)
+    results: list[CallResult] = []
+    dispatcher.on_credit(_credit("old"))
+    scheduler.session = 2  # a new scheduler: it has lent and granted nothing yet
+    dispatcher.on_scheduler_lost()
+    dispatcher.submit(_call("r1"), results.append)  # still on the lost session's share
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert _sent(workers) == ["r1"] and not [o for o in scheduler.order if o.startswith(("enqueue", "run"))]
+    clock.advance(OLD_SHARE_GRACE_S + 0.1)
+    dispatcher.submit(_call("r2"), results.append)  # the grace is over: to the new scheduler
+    assert _sent(workers) == ["r1"] and scheduler.order[-1] == "enqueue r2"

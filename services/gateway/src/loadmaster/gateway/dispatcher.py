@@ -123,7 +123,7 @@ class Dispatcher:
         self._lost_grace_s = lost_grace_s
         self._shm = shm
         self._pending: dict[str, _Pending] = {}
-        self._credits = HeldCredits()
+        self._credits = HeldCredits(self._clock)
         # Calls waiting for a credit of a model whose whole share this gateway holds, and the
         # model's TTL (as its credits carry it); the expiry timer of the earliest.
         self._local: LocalQueues[_Pending] = LocalQueues(self._clock)

@@ -2,17 +2,27 @@
 lent it, which of them are idle, and which scheduler session lent each.
 
 Credits of a lost session stay usable while no scheduler serves (docs/deploy.md, "Scheduler
-failover"), until the next session first grants or lends something (`heard`); from then on
-they are dropped unreturned as they come up, since that session's scheduler never lent them.
+failover"), until the next session first grants or lends something (`heard`), and at most
+`OLD_SHARE_GRACE_S` after that session opened; from then on they are dropped unreturned as they
+come up, since that session's scheduler never lent them. (The bound matters: a gateway serving
+everything on old credits, with a local queue, sends the new scheduler nothing to grant, so it
+would never hear from it; and an old credit's worker may die with nobody left to revoke it.)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from loadmaster.common.clock import Clock
 from loadmaster.v1 import scheduler_pb2
 
-__all__ = ["HeldCredit", "HeldCredits"]
+__all__ = ["OLD_SHARE_GRACE_S", "HeldCredit", "HeldCredits"]
+
+# How long after a new scheduler session opens the lost session's credits may still serve:
+# the new scheduler's workers reconnect to it within ~1 s of the gateway (scheduler failover
+# test: gateway 2.1 s, worker 2.5 s after the kill).
+OLD_SHARE_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -32,7 +42,11 @@ class HeldCredit:
 
 
 class HeldCredits:
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock, *, old_share_grace_s: float = OLD_SHARE_GRACE_S) -> None:
+        self._clock = clock
+        self._old_share_grace_s = old_share_grace_s
+        self._session = 0  # the newest session seen, and since when (monotonic)
+        self._session_since = -math.inf
         self._credits: dict[str, HeldCredit] = {}
         # model -> idle credits, the longest idle first (rotating spreads calls over them)
         self._idle: dict[str, list[HeldCredit]] = {}
@@ -68,8 +82,17 @@ class HeldCredits:
         return bool(self._idle.get(model_id))
 
     def _usable(self, credit: HeldCredit, connected: bool, session: int) -> bool:
-        """Lent by the current `session`, or by an earlier one while none other serves."""
-        return not connected or credit.session == session or self._heard_session != session
+        """Lent by the current `session`, or by an earlier one while none other serves (no
+        session connected, or the current one has not granted or lent anything yet, for at most
+        the grace after it opened)."""
+        if not connected or credit.session == session:
+            return True
+        if self._heard_session == session:
+            return False
+        now = self._clock.monotonic()
+        if session != self._session:
+            self._session, self._session_since = session, now
+        return now - self._session_since < self._old_share_grace_s
 
     def take_idle(self, model_id: str, *, connected: bool, session: int) -> HeldCredit | None:
         """An idle credit for `model_id` (the longest idle), dropping those an earlier session
