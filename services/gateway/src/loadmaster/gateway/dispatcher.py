@@ -13,14 +13,10 @@ credit's worker and reports it to the scheduler as already running. A credit is
 idle again once its call has ended, unless it was revoked (then it is returned)
 or its worker failed the call retryably or never replied (returned as well).
 
-Reports of calls run on a credit (the run, and its end while the credit stays
-usable) may wait a few milliseconds for other messages: see `SchedulerLink`.
+Reports of calls run on a credit may wait a few milliseconds: see `SchedulerLink`.
 
-While the gateway holds a model's whole share (its credits carry a `LocalQueue` spec), a call
-that finds no idle credit waits here, in `LocalQueues`, ranked by the scheduler's strategy,
-and takes the next credit that frees: the scheduler sees no queue and no round trip
-(docs/data-path.md). Such a call expires here on time, is cancelled here, and when the model's
-last credit is revoked it goes to the scheduler with the others, in their order.
+While the gateway holds a model's whole share, a call that finds no idle credit waits here
+(`LocalShare`) for the next credit that frees, with no scheduler round trip (docs/data-path.md).
 
 A worker that goes away (its data link disconnects: the process died, or ZMTP heartbeats
 found it silent) fails the calls it held as `unavailable`. When the scheduler session that
@@ -43,11 +39,10 @@ import asyncio
 import contextlib
 import heapq
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -57,7 +52,6 @@ from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     ExpiredError,
     LoadmasterError,
-    OverflowError_,
     UnavailableError,
     edge_code_name,
     error_for_code,
@@ -67,8 +61,8 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback, request_info
 from loadmaster.gateway.generations import GenerationStreams
 from loadmaster.gateway.held_credits import HeldCredit, HeldCredits
-from loadmaster.gateway.local_queue import LocalQueues
-from loadmaster.gateway.ports import SchedulerPort
+from loadmaster.gateway.local_share import LocalShare
+from loadmaster.gateway.ports import SchedulerPort, WorkerPort
 from loadmaster.gateway.worker_link import ShmPayloads
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
@@ -78,12 +72,6 @@ log = logging.getLogger(__name__)
 
 _NOT_FOUND = edge_code_name(errors_pb2.ERROR_CODE_NOT_FOUND)
 _WATCH_INTERVAL_S = 0.25  # how often the reply watchdog looks for overdue calls
-
-
-class WorkerPort(Protocol):
-    """Where the dispatcher sends requests to workers (`WorkerLinks`)."""
-
-    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None: ...
 
 
 @dataclass(slots=True)
@@ -124,12 +112,6 @@ class Dispatcher:
         self._shm = shm
         self._pending: dict[str, _Pending] = {}
         self._credits = HeldCredits(self._clock)
-        # Calls waiting for a credit of a model whose whole share this gateway holds, and the
-        # model's TTL (as its credits carry it); the expiry timer of the earliest.
-        self._local: LocalQueues[_Pending] = LocalQueues(self._clock)
-        self._local_ttl_ms: dict[str, float] = {}
-        self._local_timer: asyncio.TimerHandle | None = None
-        self._local_timer_at = math.inf
         # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
@@ -137,6 +119,16 @@ class Dispatcher:
         self._drained: asyncio.Event | None = None  # set once draining and nothing is in flight
         self._scheduler = scheduler(self)
         self._workers = workers(self)
+        # Calls waiting for a credit of a model whose whole share this gateway holds.
+        self._local: LocalShare[_Pending] = LocalShare(
+            clock=self._clock,
+            scheduler=self._scheduler,
+            credits=self._credits,
+            take=self._idle_credit,
+            start=self._start_on_credit,
+            to_scheduler=self._to_scheduler,
+            fail=lambda pending, error: self._finish(pending, self._failed(pending.call, error)),
+        )
         # Generation streams (OpenAI API) share the scheduler session and the worker links.
         self.generations = GenerationStreams(
             scheduler=self._scheduler,
@@ -178,9 +170,7 @@ class Dispatcher:
         return pending
 
     async def close(self) -> None:
-        if self._local_timer is not None:
-            self._local_timer.cancel()
-            self._local_timer, self._local_timer_at = None, math.inf
+        self._local.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -213,19 +203,10 @@ class Dispatcher:
         credit = self._idle_credit(call.model_id)
         if credit is not None and self._start_on_credit(pending, credit):
             return
-        if self._may_queue_locally(call.model_id):
-            self._queue_locally(pending)
+        if self._local.may_queue(call.model_id):
+            self._local.queue(pending)
         else:
             self._to_scheduler(pending)
-
-    def _may_queue_locally(self, model_id: str) -> bool:
-        """The model's calls may wait here: its credits carried a local queue and one is still
-        usable (the last may have gone unannounced: an earlier session's, dropped once a new
-        session's scheduler serves; then the waiting calls go to it)."""
-        if not self._local.accepts(model_id):
-            return False
-        self._hand_over_local(model_id)  # (a no-op while a usable credit is held)
-        return self._local.accepts(model_id)
 
     def _start_on_credit(self, pending: _Pending, credit: HeldCredit) -> bool:
         """Send the call on an idle credit (the worker first) and report the run to the scheduler
@@ -256,24 +237,6 @@ class Dispatcher:
         pending.session = self._scheduler.session
         self._scheduler.enqueue(request_info(pending.call, "", pending.span))
 
-    # -- the local queue (a model's whole share held here) ---------------------------
-
-    def _queue_locally(self, pending: _Pending) -> None:
-        call = pending.call
-        ttl_ms = self._local_ttl_ms.get(call.model_id, 0.0)
-        if call.timeout_ms > 0:
-            ttl_ms = min(ttl_ms, call.timeout_ms) if ttl_ms else call.timeout_ms
-        overflow = self._local.push(pending, call, ttl_ms)
-        if overflow is not None:
-            if overflow.refused:
-                self._finish(pending, self._failed(call, OverflowError_(overflow.message)))
-                return
-            if overflow.dropped is not None:
-                dropped = overflow.dropped
-                self._finish(dropped, self._failed(dropped.call, OverflowError_(overflow.message)))
-        self._local_changed(call.model_id)
-        self._arm_local_expiry()
-
     def _requeue_on_share(self, pending: _Pending) -> None:
         """A call the scheduler handed back: run it on an idle credit, or queue it locally (or,
         if the share went meanwhile, queue it with the scheduler again)."""
@@ -281,63 +244,10 @@ class Dispatcher:
         credit = self._idle_credit(model_id)
         if credit is not None and self._start_on_credit(pending, credit):
             return
-        if self._may_queue_locally(model_id):
-            self._queue_locally(pending)
+        if self._local.may_queue(model_id):
+            self._local.queue(pending)
         else:
             self._to_scheduler(pending)
-
-    def _serve_local(self, model_id: str) -> None:
-        """Start waiting calls on the model's idle credits."""
-        started = False
-        while self._local.waiting(model_id) and (credit := self._idle_credit(model_id)) is not None:
-            pending = self._local.pop(model_id)
-            assert pending is not None
-            started = True
-            if not self._start_on_credit(pending, credit):
-                self._to_scheduler(pending)  # its worker was unreachable (the credit went back)
-        if started:
-            self._local_changed(model_id)
-
-    def _local_changed(self, model_id: str) -> None:
-        """Tell the scheduler the model's local depth (it counts it in the model's queue depth)."""
-        self._scheduler.report_local_depth(model_id, self._local.waiting(model_id))
-
-    def _hand_over_local(self, model_id: str) -> None:
-        """The model's last usable credit is gone: its waiting calls go to the scheduler, in order."""
-        if not (self._local.waiting(model_id) or self._local.accepts(model_id)):
-            return
-        scheduler = self._scheduler
-        if self._credits.live(model_id, connected=scheduler.connected, session=scheduler.session):
-            return
-        self._local.configure(model_id, None)
-        waiting = self._local.take_all(model_id)
-        if waiting:
-            self._local_changed(model_id)
-        for pending in waiting:
-            self._to_scheduler(pending)
-
-    def _arm_local_expiry(self) -> None:
-        deadline = self._local.next_deadline()
-        if deadline is None or deadline >= self._local_timer_at:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # (a unit test without a loop calls expire_local itself)
-            return
-        if self._local_timer is not None:
-            self._local_timer.cancel()
-        self._local_timer_at = deadline
-        self._local_timer = loop.call_later(max(0.0, deadline - self._clock.monotonic()), self.expire_local)
-
-    def expire_local(self) -> None:
-        """Answer `expired` to the local waiters whose deadline has passed; re-arm the timer."""
-        self._local_timer, self._local_timer_at = None, math.inf
-        expired = self._local.expired()
-        for pending, message in expired:
-            self._finish(pending, self._failed(pending.call, ExpiredError(message)))
-        for model_id in {pending.call.model_id for pending, _ in expired}:
-            self._local_changed(model_id)
-        self._arm_local_expiry()
 
     def cancel(self, request_id: str) -> None:
         """The caller went away: drop its queued request; no reply is sent."""
@@ -346,7 +256,6 @@ class Dispatcher:
             return
         if self._local.remove(request_id) is not None:  # the scheduler never heard of it
             tracing.end_span(pending.span, error_code="cancelled")
-            self._local_changed(pending.call.model_id)
             return
         self._disarm(pending)
         self._drop_shm(pending, answered=False)
@@ -400,9 +309,9 @@ class Dispatcher:
 
     def on_credit(self, credit: scheduler_pb2.Credit) -> None:
         lent = self._credits.add(credit, self._scheduler.session)
-        self._local_ttl_ms[lent.model_id] = lent.request_ttl_ms
-        self._local.configure(lent.model_id, credit.local_queue if credit.HasField("local_queue") else None)
-        self._serve_local(lent.model_id)
+        spec = credit.local_queue if credit.HasField("local_queue") else None
+        self._local.configure(lent.model_id, spec, lent.request_ttl_ms)
+        self._local.serve(lent.model_id)
 
     def on_revoke(self, credit_id: str) -> None:
         credit = self._credits.revoke(credit_id)
@@ -410,7 +319,7 @@ class Dispatcher:
             return
         if credit.running is None:  # else returned when its call ends
             self._give_back(credit)
-        self._hand_over_local(credit.model_id)
+        self._local.hand_over(credit.model_id)
 
     def on_scheduler_lost(self) -> None:
         """Calls still waiting for a grant will never get one: answer them now. The lost
@@ -569,7 +478,7 @@ class Dispatcher:
             )
         except UnavailableError:
             self._give_back(credit)
-            self._hand_over_local(credit.model_id)
+            self._local.hand_over(credit.model_id)
             return False
         credit.running = call.request_id
         pending.credit = credit
@@ -596,9 +505,9 @@ class Dispatcher:
         credit.running = None
         if credit.revoked or give_back:
             self._give_back(credit)
-            self._hand_over_local(credit.model_id)
+            self._local.hand_over(credit.model_id)
         elif self._credits.idle_again(credit) and self._local.waiting(credit.model_id):
-            self._serve_local(credit.model_id)
+            self._local.serve(credit.model_id)
 
     def _idle_credit(self, model_id: str) -> HeldCredit | None:
         scheduler = self._scheduler

@@ -1,14 +1,14 @@
-"""What the dispatcher and the generation streams need from the scheduler session: protocols
-that `SchedulerLink` satisfies and unit tests stand in for."""
+"""What the dispatcher and the generation streams need from the scheduler session and the worker
+links: protocols that `SchedulerLink` and `WorkerLinks` satisfy and unit tests stand in for."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from loadmaster.v1 import scheduler_pb2
 
-__all__ = ["SchedulerPort", "SchedulerSession"]
+__all__ = ["SchedulerPort", "SchedulerSession", "WorkerPort"]
 
 
 class SchedulerSession(Protocol):
@@ -52,3 +52,9 @@ class SchedulerPort(SchedulerSession, Protocol):
     def return_credit(self, credit_id: str) -> None: ...
 
     def report_local_depth(self, model_id: str, waiting: int) -> None: ...
+
+
+class WorkerPort(Protocol):
+    """Where the dispatcher sends requests to workers (`WorkerLinks`)."""
+
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None: ...

@@ -1,0 +1,168 @@
+"""The dispatcher's side of a whole share: calls waiting in the gateway for a model whose every
+slot it holds (docs/data-path.md), wired to the credits and the scheduler session.
+
+`LocalQueues` ranks and holds the calls; this module decides when they enter (the credits
+carried a local queue and one of them is still usable), when they leave (a credit frees, their
+deadline passes, the share goes: then to the scheduler, in order), and tells the scheduler the
+depth, which it counts in the model's queue depth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+from loadmaster.common.clock import Clock
+from loadmaster.common.errors import ExpiredError, LoadmasterError, OverflowError_
+from loadmaster.gateway.calls import InferenceCall
+from loadmaster.gateway.held_credits import HeldCredit, HeldCredits
+from loadmaster.gateway.local_queue import LocalQueues
+from loadmaster.gateway.ports import SchedulerPort
+from loadmaster.v1 import scheduler_pb2
+
+__all__ = ["LocalShare"]
+
+
+class _HasCall(Protocol):
+    @property
+    def call(self) -> InferenceCall: ...
+
+
+P = TypeVar("P", bound=_HasCall)
+
+
+class LocalShare(Generic[P]):
+    """`take(model)` gives an idle usable credit; `start(p, credit)` runs a call on it (False:
+    its worker was unreachable and the credit went back); `to_scheduler(p)` queues a call with
+    the scheduler; `fail(p, error)` answers it."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        scheduler: SchedulerPort,
+        credits: HeldCredits,
+        take: Callable[[str], HeldCredit | None],
+        start: Callable[[P, HeldCredit], bool],
+        to_scheduler: Callable[[P], None],
+        fail: Callable[[P, LoadmasterError], None],
+    ) -> None:
+        self._clock = clock
+        self._scheduler = scheduler
+        self._credits = credits
+        self._take = take
+        self._start = start
+        self._to_scheduler = to_scheduler
+        self._fail = fail
+        self._queues: LocalQueues[P] = LocalQueues(clock)
+        self._ttl_ms: dict[str, float] = {}  # model -> its TTL, as its credits carry it
+        self._timer: asyncio.TimerHandle | None = None  # the expiry of the earliest deadline
+        self._timer_at = math.inf
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    def waiting(self, model_id: str) -> int:
+        return self._queues.waiting(model_id)
+
+    def accepts(self, model_id: str) -> bool:
+        return self._queues.accepts(model_id)
+
+    def configure(self, model_id: str, spec: scheduler_pb2.LocalQueue | None, ttl_ms: float) -> None:
+        """A credit for the model arrived: queue by its spec from now on (None: take no more)."""
+        self._ttl_ms[model_id] = ttl_ms
+        self._queues.configure(model_id, spec)
+
+    def may_queue(self, model_id: str) -> bool:
+        """The model's calls may wait here: its credits carried a local queue and one is still
+        usable (the last may have gone unannounced: an earlier session's, dropped once a new
+        session's scheduler serves; then the waiting calls go to it)."""
+        if not self._queues.accepts(model_id):
+            return False
+        self.hand_over(model_id)  # (a no-op while a usable credit is held)
+        return self._queues.accepts(model_id)
+
+    def queue(self, pending: P) -> None:
+        call = pending.call
+        ttl_ms = self._ttl_ms.get(call.model_id, 0.0)
+        if call.timeout_ms > 0:
+            ttl_ms = min(ttl_ms, call.timeout_ms) if ttl_ms else call.timeout_ms
+        overflow = self._queues.push(pending, call, ttl_ms)
+        if overflow is not None:
+            if overflow.refused:
+                self._fail(pending, OverflowError_(overflow.message))
+                return
+            if overflow.dropped is not None:
+                self._fail(overflow.dropped, OverflowError_(overflow.message))
+        self._changed(call.model_id)
+        self._arm()
+
+    def serve(self, model_id: str) -> None:
+        """Start waiting calls on the model's idle credits."""
+        started = False
+        while self._queues.waiting(model_id) and (credit := self._take(model_id)) is not None:
+            pending = self._queues.pop(model_id)
+            assert pending is not None
+            started = True
+            if not self._start(pending, credit):
+                self._to_scheduler(pending)  # its worker was unreachable (the credit went back)
+        if started:
+            self._changed(model_id)
+
+    def remove(self, request_id: str) -> P | None:
+        """Take a waiting call out (its caller went away); None if it is not waiting here."""
+        pending = self._queues.remove(request_id)
+        if pending is not None:
+            self._changed(pending.call.model_id)
+        return pending
+
+    def hand_over(self, model_id: str) -> None:
+        """The model's last usable credit is gone: its waiting calls go to the scheduler, in order."""
+        if not (self._queues.waiting(model_id) or self._queues.accepts(model_id)):
+            return
+        scheduler = self._scheduler
+        if self._credits.live(model_id, connected=scheduler.connected, session=scheduler.session):
+            return
+        self._queues.configure(model_id, None)
+        waiting = self._queues.take_all(model_id)
+        if waiting:
+            self._changed(model_id)
+        for pending in waiting:
+            self._to_scheduler(pending)
+
+    def expire(self) -> None:
+        """Answer `expired` to the waiting calls whose deadline has passed; re-arm the timer."""
+        self._timer, self._timer_at = None, math.inf
+        expired = self._queues.expired()
+        for pending, message in expired:
+            self._fail(pending, ExpiredError(message))
+        for model_id in {pending.call.model_id for pending, _ in expired}:
+            self._changed(model_id)
+        self._arm()
+
+    def forget_silent_clients(self) -> None:
+        self._queues.forget_silent_clients()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
+
+    def _changed(self, model_id: str) -> None:
+        """Tell the scheduler the model's local depth (it counts it in the model's queue depth)."""
+        self._scheduler.report_local_depth(model_id, self._queues.waiting(model_id))
+
+    def _arm(self) -> None:
+        deadline = self._queues.next_deadline()
+        if deadline is None or deadline >= self._timer_at:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (a unit test without a loop calls expire itself)
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = loop.call_later(max(0.0, deadline - self._clock.monotonic()), self.expire)
