@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.ordering import Ordering, make_ordering
@@ -42,7 +42,6 @@ from loadmaster.scheduler.domain import (
     RequestInfo,
     RequestKey,
     RunTally,
-    SlotState,
     SlotStatus,
     Submission,
     WorkerHello,
@@ -52,9 +51,9 @@ from loadmaster.scheduler.loads import LoadTracker
 from loadmaster.scheduler.lookahead import Lookahead
 from loadmaster.scheduler.outbound import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
-from loadmaster.scheduler.registry import WorkerRegistry
+from loadmaster.scheduler.registry import WorkerRegistry, newly_ready
 from loadmaster.scheduler.reservations import Reservations
-from loadmaster.scheduler.tracking import ModelStats, Tracked
+from loadmaster.scheduler.tracking import ModelStats, Tracked, reached_gateway
 from loadmaster.v1 import errors_pb2
 
 __all__ = ["CoreConfig", "ModelPolicy", "Outbound", "SchedulerCore", "Telemetry"]
@@ -62,7 +61,6 @@ __all__ = ["CoreConfig", "ModelPolicy", "Outbound", "SchedulerCore", "Telemetry"
 log = logging.getLogger(__name__)
 
 _OK = errors_pb2.ERROR_CODE_UNSPECIFIED
-_MAX_REPORT_WAIT_S = 1.0  # the most a late credit-run report moves its arrival back
 _UNAVAILABLE = errors_pb2.ERROR_CODE_UNAVAILABLE
 _CANCELLED = errors_pb2.ERROR_CODE_CANCELLED
 
@@ -184,7 +182,7 @@ class SchedulerCore:
         for model_id, error in failures.items():
             log.warning("model %s failed to load on worker %s: %s", model_id, worker_id, error)
             self._reject_waiters(model_id, f"model {model_id!r} failed to load on {worker_id}: {error}")
-        self._dispatcher.dispatch({*self._queues.waiting_models(), *_newly_ready(previous, slots)})
+        self._dispatcher.dispatch({*self._queues.waiting_models(), *newly_ready(previous, slots)})
 
     def remove_worker(self, worker_id: str) -> None:
         """A worker's stream ended: re-queue (or reject) what it was granted, load elsewhere."""
@@ -349,7 +347,7 @@ class SchedulerCore:
         cadence_ms: float | None = None
         backlog = 0
         if client_id:
-            arrived = now if credit_id is None else self._reached_gateway(info, now)
+            arrived = now if credit_id is None else reached_gateway(info, now, self._clock.time())
             # A front end that holds its client's connection (HTTP, gRPC, the OpenAI API:
             # `connection_bound`) cancels what a gone client left, and such a client waits for
             # its answer instead of sending at a cadence: a request queued behind a cold load
@@ -554,15 +552,6 @@ class SchedulerCore:
 
     # ---- dispatch credits ----------------------------------------------------------
 
-    def _reached_gateway(self, info: RequestInfo, now: float) -> float:
-        """When a credit run reached its gateway, on the monotonic clock: its report waits
-        up to the gateway's report delay, which the client's cadence must not see. Bounded,
-        so a gateway whose clock is off cannot move it far."""
-        if not info.received_unix_ns:
-            return now
-        waited = self._clock.time() - info.received_unix_ns / 1e9
-        return now - min(max(waited, 0.0), _MAX_REPORT_WAIT_S)
-
     def _finished_run(self, session_id: int, done: FinishedRun, touched: set[str]) -> None:
         """A credit run and its outcome at once: admitted as run on the credit, then completed.
         If the credit was gone by then, the request was queued instead: it stays queued only
@@ -648,13 +637,3 @@ class SchedulerCore:
         if stats is None:
             stats = self._stats[model_id] = ModelStats()
         return stats
-
-
-def _newly_ready(previous: Mapping[str, SlotStatus], slots: Sequence[SlotStatus]) -> list[str]:
-    """Models the report shows READY that were not (their free slots can be lent)."""
-    return [
-        slot.model_id
-        for slot in slots
-        if slot.state is SlotState.READY
-        and ((old := previous.get(slot.model_id)) is None or old.state is not SlotState.READY)
-    ]

@@ -12,13 +12,13 @@ rebuilt only after a hello, a report or a loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loadmaster.scheduler.domain import HOLDING_STATES, RequestKey, SlotState, SlotStatus, WorkerHello
 from loadmaster.scheduler.placement import GrantCandidate, LoadCandidate
 
-__all__ = ["WorkerRecord", "WorkerRegistry"]
+__all__ = ["WorkerRecord", "WorkerRegistry", "newly_ready"]
 
 
 @dataclass(slots=True)
@@ -179,3 +179,13 @@ class WorkerRegistry:
             for model_id, candidate in w.candidates.items():
                 ready.setdefault(model_id, []).append(candidate)
         self._ready = {model_id: tuple(candidates) for model_id, candidates in ready.items()}
+
+
+def newly_ready(previous: Mapping[str, SlotStatus], slots: Sequence[SlotStatus]) -> list[str]:
+    """Models a slot report shows READY that were not before it (their free slots can be lent)."""
+    return [
+        slot.model_id
+        for slot in slots
+        if slot.state is SlotState.READY
+        and ((old := previous.get(slot.model_id)) is None or old.state is not SlotState.READY)
+    ]

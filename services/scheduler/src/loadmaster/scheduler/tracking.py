@@ -5,9 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loadmaster.scheduler.domain import Request
+from loadmaster.scheduler.domain import Request, RequestInfo
 
-__all__ = ["ModelStats", "Tracked"]
+__all__ = ["ModelStats", "Tracked", "reached_gateway"]
+
+_MAX_REPORT_WAIT_S = 1.0  # the most a late credit-run report moves its arrival back
+
+
+def reached_gateway(info: RequestInfo, now: float, wall_now: float) -> float:
+    """When a credit run reached its gateway, on the monotonic clock (`now`; `wall_now` is the
+    same instant in Unix seconds): its report waits up to the gateway's report delay, which the
+    client's cadence must not see. Bounded, so a gateway whose clock is off cannot move it far."""
+    if not info.received_unix_ns:
+        return now
+    waited = wall_now - info.received_unix_ns / 1e9
+    return now - min(max(waited, 0.0), _MAX_REPORT_WAIT_S)
 
 
 @dataclass(slots=True)
