@@ -221,8 +221,11 @@ async def test_streams_beyond_the_sequences_wait_in_priority_order(
     chat_worker: tuple[ModelPoolServer, Streams],
 ) -> None:
     _, streams = chat_worker
-    for name in ("run-1", "run-2"):
-        await streams.generate(name, sampling=sampling(200), priority=0)  # priority 0: never preempted
+    # Priority 0: never preempted. Different lengths, so the sequences free one at a time (two
+    # freed in the same engine step start both waiters in one step, their first replies in
+    # whichever order the engine emits them, which says nothing about priority).
+    for name, tokens in (("run-1", 200), ("run-2", 400)):
+        await streams.generate(name, sampling=sampling(tokens), priority=0)
     await streams.until(lambda: len(streams.tokens("run-1")) >= 1 and len(streams.tokens("run-2")) >= 1)
     await streams.generate("wait-low", sampling=sampling(8), priority=3)
     await streams.generate("wait-high", sampling=sampling(8), priority=1)
