@@ -12,7 +12,9 @@ request (same arrival, same deadline) while attempts <= max_retries.
 
 While a model's queue is empty the core may lend its free worker slots to the
 model's only gateway as dispatch credits (credits.py); a request run on a credit
-is admitted already started, and any request that has to wait revokes them.
+is admitted already started (or, ended before its report, only counted: a RunTally),
+and any request that has to wait revokes them. With the model's whole share and short
+requests the gateway queues its own waiting requests (docs/data-path.md).
 
 Which queued request goes to which worker is decided by the core's `GrantDispatcher`
 (dispatching.py), which shares the core's bookkeeping.
