@@ -195,16 +195,23 @@ async def test_a_fake_worker_cannot_register_with_the_scheduler(
             models=[model_pool_pb2.ModelSlotStatus(model_id="double", state=READY)], free_mb=1_000
         )
     )
+    # The refusal comes at the call's start, before a message is read. The calls send nothing
+    # until it has come: a message sent as it arrives fails in the client ("Failed
+    # execute_batch"), and grpc then reports the client's INTERNAL, not the server's refusal.
     async with grpc.aio.insecure_channel(fleet.scheduler) as channel:  # no credentials
-        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession(iter([hello, report]))
+        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession()
         assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(asyncio.InvalidStateError):  # no hello or report can follow
+            await call.write(hello)
     # A training job's identity key authenticates it, but only model-pool identities register workers.
     job = Credentials.from_identity_key(fleet.credentials.identity_key(Identity("trainer", "job-7")))
     async with grpc.aio.insecure_channel(
         fleet.scheduler, interceptors=internal_auth.auth_interceptors(job)
     ) as channel:
-        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession(iter([hello, report]))
+        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession()
         assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(asyncio.InvalidStateError):
+            await call.write(report)
     _assert_logged(caplog, "/loadmaster.v1.SchedulerService/WorkerSession", identity="trainer/job-7")
     assert "impostor" not in await _workers(fleet)
     assert "worker-real" in await _workers(fleet)
