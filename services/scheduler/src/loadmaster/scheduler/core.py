@@ -10,14 +10,9 @@ Every admitted request ends exactly once: a Reject, or a Grant whose Complete is
 final (success or non-retryable failure). A retryable failure re-queues the
 request (same arrival, same deadline) while attempts <= max_retries.
 
-While a model's queue is empty the core may lend its free worker slots to the
-model's only gateway as dispatch credits (credits.py); a request run on a credit
-is admitted already started (or, ended before its report, only counted: a RunTally),
-and any request that has to wait revokes them. With the model's whole share and short
-requests the gateway queues its own waiting requests (docs/data-path.md).
-
-Which queued request goes to which worker is decided by the core's `GrantDispatcher`
-(dispatching.py), which shares the core's bookkeeping.
+The core lends a model's free slots to its only gateway as dispatch credits (credits.py,
+docs/data-path.md): runs on them are admitted already started, or only counted (RunTally).
+Which queued request goes to which worker is decided by its `GrantDispatcher` (dispatching.py).
 """
 
 from __future__ import annotations
@@ -55,7 +50,7 @@ from loadmaster.scheduler.outbound import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry, newly_ready
 from loadmaster.scheduler.reservations import Reservations
-from loadmaster.scheduler.tracking import ModelStats, Tracked, reached_gateway
+from loadmaster.scheduler.tracking import ModelStats, Outstanding, Tracked, reached_gateway
 from loadmaster.v1 import errors_pb2
 
 __all__ = ["CoreConfig", "ModelPolicy", "Outbound", "SchedulerCore", "Telemetry"]
@@ -89,7 +84,7 @@ class SchedulerCore:
         )
         self._tracked: dict[RequestKey, Tracked] = {}
         # client -> model -> its admitted requests not ended yet (queued or granted)
-        self._outstanding: dict[str, dict[str, set[RequestKey]]] = {}
+        self._outstanding = Outstanding()
         self._stats: dict[str, ModelStats] = {}
         self._loads = LoadTracker()
         self._arrivals = itertools.count()
@@ -207,39 +202,19 @@ class SchedulerCore:
     def next_deadline(self) -> float | None:
         """When the core next has time-driven work: the earliest waiting request's deadline,
         client liveness check or batch release (clock.monotonic scale)."""
-        wake = self._queues.next_deadline()
-        check = self._clients.next_check()
-        if check is not None and (wake is None or check < wake):
-            wake = check
+        now = self._clock.monotonic()
+        opens = None
         if self._lookahead.active and self._queues.ordering.batch is None:  # batches never stage
-            opens = self._lookahead.next_open(self._queues.waiting_models(), self._clock.monotonic())
-            if opens is not None and (wake is None or opens < wake):
-                wake = opens
-        lapses = self._dispatcher.next_hold_lapse()
-        if lapses is not None and (wake is None or lapses < wake):
-            wake = lapses
-        retry = self._loads.next_retry()  # a load behind the VRAM gate tries again
-        if retry is not None and (wake is None or retry < wake):
-            wake = retry
-        rule = self._queues.ordering.batch
-        if rule is not None:
-            now = self._clock.monotonic()
-            for model_id in self._queues.waiting_models():
-                if self._queues.depth(model_id) >= rule.max_batch_size:
-                    continue  # released as soon as a worker has room, not by time
-                oldest = self._queues.peek_oldest(model_id)
-                if oldest is None:
-                    continue
-                release = oldest.enqueued_at + rule.max_wait_s
-                # A group already due is waiting for room (a completion releases it), unless
-                # a worker has room now: then the dispatch that found it not yet due read the
-                # clock a moment before `release` (a timer fires up to 1 ms early), and
-                # without a wake-up here it would wait for its TTL.
-                if (release > now or self._dispatcher.batch_room(model_id)) and (
-                    wake is None or release < wake
-                ):
-                    wake = release
-        return wake
+            opens = self._lookahead.next_open(self._queues.waiting_models(), now)
+        times = (
+            self._queues.next_deadline(),
+            self._clients.next_check(),
+            opens,
+            self._dispatcher.next_hold_lapse(),
+            self._loads.next_retry(),  # a load behind the VRAM gate tries again
+            self._dispatcher.next_batch_release(now),
+        )
+        return min((t for t in times if t is not None), default=None)
 
     def expire_due(self) -> None:
         """The timer fired: expire due requests, mark silent clients, release due batches."""
@@ -360,9 +335,7 @@ class SchedulerCore:
                 cadence_ms = self._clients.cadence_ms(client_id)
             if policy.latest_only:
                 self._supersede(client_id, model_id)
-            by_model = self._outstanding.get(client_id)
-            if by_model is not None and (keys := by_model.get(model_id)) is not None:
-                backlog = len(keys)
+            backlog = len(self._outstanding.keys(client_id, model_id))
         if policy.dispatch_credits:
             self._credits.note_use(model_id, session_id, now)
         ttl_ms = policy.request_ttl_ms
@@ -419,14 +392,8 @@ class SchedulerCore:
             self._out.reject(session_id, Reject(info.request_id, _UNAVAILABLE, "queue it locally", True))
             return
         self._tracked[key] = Tracked(request)
-        if client_id:  # (not setdefault: its default would be built on every call)
-            by_model = self._outstanding.get(client_id)
-            if by_model is None:
-                by_model = self._outstanding[client_id] = {}
-            keys = by_model.get(model_id)
-            if keys is None:
-                keys = by_model[model_id] = set()
-            keys.add(key)
+        if client_id:
+            self._outstanding.add(client_id, model_id, key)
         self._queues.push(request)
         touched.add(model_id)
 
@@ -435,12 +402,12 @@ class SchedulerCore:
 
         Requests that arrived in the same gateway batch get their chance at a free worker
         first: a batch on the stream must not change what a one-by-one arrival would do."""
-        keys = self._outstanding.get(client_id, {}).get(model_id)
+        keys = self._outstanding.keys(client_id, model_id)
         if not keys:
             return
         if any(key in self._queues for key in keys):
             self._dispatcher.dispatch([model_id])
-        for key in list(self._outstanding.get(client_id, {}).get(model_id, ())):
+        for key in list(self._outstanding.keys(client_id, model_id)):
             request = self._queues.remove(key)
             if request is None:
                 continue  # granted: it runs
@@ -462,8 +429,7 @@ class SchedulerCore:
         self._telemetry.record("active_clients", self._clients.active)
         queued = [
             request
-            for keys in self._outstanding.get(client_id, {}).values()
-            for key in keys
+            for key in self._outstanding.of_client(client_id)
             if (request := self._queues.get(key)) is not None
         ]
         for request in sorted(queued, key=lambda r: r.arrival):  # answered in arrival order
@@ -487,15 +453,7 @@ class SchedulerCore:
         self._tracked.pop(key, None)
         client_id = request.info.client_id
         if client_id:
-            by_model = self._outstanding.get(client_id)
-            if by_model is not None:
-                keys = by_model.get(request.model_id)
-                if keys is not None:
-                    keys.discard(key)
-                    if not keys:
-                        del by_model[request.model_id]
-                        if not by_model:
-                            del self._outstanding[client_id]
+            self._outstanding.discard(client_id, request.model_id, key)
 
     # ---- completion --------------------------------------------------------------
 
@@ -604,7 +562,7 @@ class SchedulerCore:
         )
         client_id = request.info.client_id
         if client_id:
-            self._outstanding.setdefault(client_id, {}).setdefault(model_id, set()).add(key)
+            self._outstanding.add(client_id, model_id, key)
         self._stats_for(model_id).granted += 1
         self._telemetry.record("scheduling_wait_ms", 0.0, {"model": model_id})
         self._telemetry.record(

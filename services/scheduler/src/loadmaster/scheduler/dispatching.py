@@ -30,7 +30,7 @@ from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
 from loadmaster.scheduler.reservations import Reservations
-from loadmaster.scheduler.tracking import ModelStats, Tracked
+from loadmaster.scheduler.tracking import ModelStats, Outstanding, Tracked
 
 __all__ = ["GrantDispatcher"]
 
@@ -52,7 +52,7 @@ class GrantDispatcher:
         reservations: Reservations,
         loads: LoadTracker,
         tracked: Mapping[RequestKey, Tracked],
-        outstanding: Mapping[str, Mapping[str, set[RequestKey]]],
+        outstanding: Outstanding,
         stats: Mapping[str, ModelStats],
         expire: Callable[[Request], None],
         rng: random.Random,
@@ -227,8 +227,7 @@ class GrantDispatcher:
         return True
 
     def _queued(self, client_id: str, model_id: str) -> bool:
-        keys = self._outstanding.get(client_id, {}).get(model_id, ())
-        return any(key in self.queues for key in keys)
+        return any(key in self.queues for key in self._outstanding.keys(client_id, model_id))
 
     def _dispatch_model(self, model_id: str, now: float) -> None:
         max_inflight = self._config.max_inflight(model_id)
@@ -283,6 +282,27 @@ class GrantDispatcher:
                 active.discard(best[1].model_id)
                 continue
             self._grant_head((best[0], best[1]), best[2], now)
+
+    def next_batch_release(self, now: float) -> float | None:
+        """When the earliest waiting group is released by time (None: no batch rule, or none)."""
+        rule = self.queues.ordering.batch
+        if rule is None:
+            return None
+        earliest: float | None = None
+        for model_id in self.queues.waiting_models():
+            if self.queues.depth(model_id) >= rule.max_batch_size:
+                continue  # released as soon as a worker has room, not by time
+            oldest = self.queues.peek_oldest(model_id)
+            if oldest is None:
+                continue
+            release = oldest.enqueued_at + rule.max_wait_s
+            # A group already due is waiting for room (a completion releases it), unless a
+            # worker has room now: then the dispatch that found it not yet due read the clock
+            # a moment before `release` (a timer fires up to 1 ms early), and without a wake-up
+            # here it would wait for its TTL.
+            if (release > now or self.batch_room(model_id)) and (earliest is None or release < earliest):
+                earliest = release
+        return earliest
 
     def batch_room(self, model_id: str) -> bool:
         """Some worker holding `model_id` READY has a free slot for a group."""
