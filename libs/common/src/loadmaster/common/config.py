@@ -57,6 +57,7 @@ __all__ = [
     "DeadlineSettings",
     "EdgeSettings",
     "GatewaySettings",
+    "GenerationSettings",
     "GpuBrokerSettings",
     "GpuSpec",
     "GuardrailSettings",
@@ -76,6 +77,7 @@ __all__ = [
     "ServiceEndpoint",
     "Settings",
     "SharedMemorySettings",
+    "TenantSettings",
     "load_settings",
 ]
 
@@ -312,6 +314,29 @@ class ClientsSettings(_Section):
         return self.defaults.model_copy(update=entry.model_dump(exclude_unset=True))
 
 
+class TenantSettings(_Section):
+    """One tenant's share of generative service (docs/generation-scheduling.md): within a
+    priority class, backlogged tenants get service in proportion to their weights."""
+
+    weight: float = Field(default=1.0, gt=0)
+
+
+class GenerationSettings(_Section):
+    """How the worker's queue orders generations (docs/generation-scheduling.md).
+
+    Priority first (0 is the most urgent), then, within a priority, token fairness between
+    tenants (a virtual token counter: prompt tokens x 1 + output tokens x 2, divided by the
+    tenant's weight; the lowest backlogged counter goes next), then arrival."""
+
+    # Token fairness between tenants within a priority class; false: arrival order.
+    fairness: bool = True
+    # A lower-priority sequence yields its place after this many tokens while higher-priority
+    # work waits, and resumes later with nothing lost; 0 = off (it yields only to priority 0).
+    timeslice_tokens: int = Field(default=0, ge=0)
+    # A waiting generation rises one priority class after this long (bounds starvation).
+    promote_after_s: float = Field(default=10.0, gt=0)
+
+
 class ResponseTrackingSettings(_Section):
     cadence_alpha: float = Field(default=0.3, gt=0, lt=1)
     disconnect_timeout_s: float = Field(default=10.0, gt=0)
@@ -384,6 +409,9 @@ class Settings(BaseSettings):
     clients: ClientsSettings = ClientsSettings()
     response_tracking: ResponseTrackingSettings = ResponseTrackingSettings()
     internal_auth: InternalAuthSettings = InternalAuthSettings()
+    # Tenants by name (API keys name theirs; docs/generation-scheduling.md): {name: {weight: 1}}.
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+    generation: GenerationSettings = GenerationSettings()
     # The folder the YAML file was read from; relative paths in it resolve against this.
     config_dir: Path = Path(".")
 

@@ -88,6 +88,9 @@ class ApiKeySettings(_Section):
     scopes: list[Literal["infer", "admin"]] = Field(default_factory=_infer_only)
     rate_per_s: float = Field(default=0.0, ge=0)  # token-bucket refill; 0 = unlimited
     burst: int = Field(default=0, ge=0)  # bucket size; 0 = max(1, rate_per_s)
+    # Whose generations these are for token fairness (`tenants` at the top level gives weights);
+    # empty: the key's name.
+    tenant: str = ""
 
 
 class CurveSettings(_Section):

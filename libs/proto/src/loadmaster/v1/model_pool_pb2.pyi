@@ -256,7 +256,7 @@ class PinResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format", "tenant", "tenant_weight")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,8 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: PromptTokens
@@ -286,7 +288,9 @@ class GenerateRequest(_message.Message):
     priority: int
     metadata: _containers.ScalarMap[str, str]
     response_format: ResponseFormat
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    tenant: str
+    tenant_weight: float
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema", "name")
@@ -341,7 +345,7 @@ class GenerationUsage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("request_id", "model_id", "sequence", "chunk", "result", "error", "cancelled", "worker_id", "generation")
+    __slots__ = ("request_id", "model_id", "sequence", "chunk", "result", "error", "cancelled", "progress", "worker_id", "generation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +353,7 @@ class GenerateReply(_message.Message):
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -358,9 +363,20 @@ class GenerateReply(_message.Message):
     result: GenerationResult
     error: GenerationError
     cancelled: GenerationCancelled
+    progress: GenerationProgress
     worker_id: str
     generation: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., sequence: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., result: _Optional[_Union[GenerationResult, _Mapping]] = ..., error: _Optional[_Union[GenerationError, _Mapping]] = ..., cancelled: _Optional[_Union[GenerationCancelled, _Mapping]] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., sequence: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., result: _Optional[_Union[GenerationResult, _Mapping]] = ..., error: _Optional[_Union[GenerationError, _Mapping]] = ..., cancelled: _Optional[_Union[GenerationCancelled, _Mapping]] = ..., progress: _Optional[_Union[GenerationProgress, _Mapping]] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class GenerationProgress(_message.Message):
+    __slots__ = ("queued_ahead", "loading", "load_fraction")
+    QUEUED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    queued_ahead: int
+    loading: bool
+    load_fraction: float
+    def __init__(self, queued_ahead: _Optional[int] = ..., loading: _Optional[bool] = ..., load_fraction: _Optional[float] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text")

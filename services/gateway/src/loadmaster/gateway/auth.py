@@ -76,10 +76,14 @@ class TokenBucket:
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who made a call: an API key's name, a token's subject, or nobody (open mode)."""
+    """Who made a call: an API key's name, a token's subject, or nobody (open mode).
+
+    `tenant` is whose generations these are for token fairness: the key's `tenant` (else its
+    name) or the token's subject; empty in open mode (the request then names one)."""
 
     name: str
     method: Literal["none", "api_key", "oidc"]
+    tenant: str = ""
 
 
 @dataclass(slots=True)
@@ -105,6 +109,7 @@ class Authenticator:
         self._subjects: OrderedDict[str, TokenBucket] = OrderedDict()  # least recently used first
         now = self._clock.monotonic()
         self._keys: dict[bytes, _Key] = {}
+        self._tenants: dict[str, str] = {}  # key name -> tenant
         for key in keys:
             bucket = None
             if key.rate_per_s > 0:
@@ -112,6 +117,7 @@ class Authenticator:
                 bucket = TokenBucket(key.rate_per_s, capacity, capacity, now)
             digest = bytes.fromhex(key.sha256)
             self._keys[digest] = _Key(key.name, digest, frozenset(key.scopes), bucket)
+            self._tenants[key.name] = key.tenant or key.name
 
     @property
     def enabled(self) -> bool:
@@ -126,7 +132,9 @@ class Authenticator:
                     raise UnauthenticatedError("a bearer token is required (Authorization: Bearer <token>)")
                 raise UnauthenticatedError("the bearer token is not a JWT")
             name = self.authorize(token, scope, charge=charge)
-            return Principal(name, "api_key" if self._keys else "none")
+            if not self._keys:
+                return Principal(name, "none")
+            return Principal(name, "api_key", self._tenants.get(name, name))
         claims = await self._oidc.verify(token)
         if scope not in claims.scopes:
             raise PermissionDeniedError(
@@ -139,7 +147,7 @@ class Authenticator:
                 f"subject '{claims.subject}' exceeded its rate limit of "
                 f"{self._oidc_settings.rate_per_s:g} requests/s"
             )
-        return Principal(claims.subject, "oidc")
+        return Principal(claims.subject, "oidc", claims.subject)
 
     def _subject_bucket(self, subject: str) -> TokenBucket | None:
         settings = self._oidc_settings
