@@ -1,7 +1,7 @@
 """Generation streams on a real worker's ZMQ data port with `tiny-chat` (backend transformers):
 order and exactly-once, chunks of one loop turn in one message, the admission held for the
-stream's life, cancel, bad input, and preemption of a low-priority sequence for a
-priority-0 one (max_sequences 2 here, so two streams fill the model)."""
+stream's life, cancel, bad input, a waiting stream's progress replies, and a priority-0 one
+pausing a low-priority sequence (max_sequences 2 here, so two streams fill the model)."""
 
 from __future__ import annotations
 
@@ -189,11 +189,13 @@ async def test_bad_input_is_one_error_reply_naming_the_field(
     assert "(2048 tokens)" in streams.replies["long"][0].error.error_message
 
 
-async def test_a_priority_0_stream_preempts_the_lowest_priority_sequence(
+async def test_a_priority_0_stream_pauses_the_lowest_priority_sequence_keeping_its_cache(
     chat_worker: tuple[ModelPoolServer, Streams],
 ) -> None:
     worker, streams = chat_worker
     port = worker.data_port.generations
+    engine = worker.pool._loaded[MODEL].instances[0].engine
+    before = engine.scheduling()
     await streams.generate("solo", sampling=sampling(300), priority=2)  # the uninterrupted reference
     await streams.until(lambda: streams.ended("solo"))
     await streams.generate("low-old", sampling=sampling(300), priority=2)
@@ -202,19 +204,36 @@ async def test_a_priority_0_stream_preempts_the_lowest_priority_sequence(
     assert port.sequences(MODEL) == (2, 0)
     await streams.generate("urgent", sampling=sampling(16), priority=0)
     await streams.until(lambda: streams.ended("urgent"))
-    # served while both low-priority streams were still unfinished: it took the newest one's sequence
+    # served while both low-priority streams were still unfinished: it took the newest one's place
     assert not streams.ended("low-old") and not streams.ended("low-new")
     assert streams.terminal("urgent").result.usage.completion_tokens == 16
     await streams.until(lambda: streams.ended("low-old") and streams.ended("low-new"))
-    assert (port.preemptions, port.resumptions) == (1, 1)
-    assert streams.terminal("low-new").result.preemptions == 1
-    assert streams.terminal("low-old").result.preemptions == 0
+    after = engine.scheduling()
+    assert (after.preemptions - before.preemptions, after.resumes - before.resumes) == (1, 1)
+    assert after.kv_recomputed == before.kv_recomputed  # it kept its cache while paused
     # resumed without losing or repeating a token. (Compared over the first 100 tokens, past
     # the pause: far into a random model's output, batches of other shapes round differently
     # and a near-tie can flip; docs/generative.md, "Limits".)
     assert len(streams.tokens("low-new")) == 300
     assert streams.tokens("low-new")[:100] == streams.tokens("low-old")[:100] == streams.tokens("solo")[:100]
     assert port.sequences(MODEL) == (0, 0) and worker.pool.status(MODEL).inflight == 0
+
+
+async def test_a_waiting_stream_is_told_its_place_before_its_first_token(
+    chat_worker: tuple[ModelPoolServer, Streams],
+) -> None:
+    _, streams = chat_worker
+    for name in ("busy-1", "busy-2"):  # fill both places with priority 0 (never paused)
+        await streams.generate(name, sampling=sampling(1500), priority=0)
+    await streams.until(lambda: len(streams.tokens("busy-1")) >= 1 and len(streams.tokens("busy-2")) >= 1)
+    await streams.generate("waits", sampling=sampling(4), priority=1)
+    await streams.until(lambda: any(r.HasField("progress") for r in streams.replies.get("waits", [])))
+    [progress] = [r for r in streams.replies["waits"] if r.HasField("progress")]
+    assert progress.progress.queued_ahead == 0 and progress.sequence == 0
+    for name in ("busy-1", "busy-2"):
+        await streams.cancel(name)
+    await streams.until(lambda: streams.ended("waits"))
+    assert streams.terminal("waits").result.usage.completion_tokens == 4
 
 
 async def test_streams_beyond_the_sequences_wait_in_priority_order(

@@ -15,6 +15,7 @@ from loadmaster.common.errors import NotFoundError
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.model_pool import wire
 from loadmaster.model_pool.data_port import DataPort
+from loadmaster.model_pool.generation_order import OrderPolicy
 from loadmaster.model_pool.pool import InferResult
 from loadmaster.model_pool.wire import ResultEncoder, result_reply
 from loadmaster.v1 import errors_pb2, model_pool_pb2
@@ -122,6 +123,8 @@ class _FakeSocket:
 
 class _FakePool:
     """Admits every request for "m" and keeps its callback; anything else is not found."""
+
+    order_policy = OrderPolicy()
 
     def __init__(self) -> None:
         self.done: list[Callable[[InferResult | BaseException], None]] = []

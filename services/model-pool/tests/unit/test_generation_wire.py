@@ -151,3 +151,30 @@ def test_a_wire_response_format_reaches_engine_processes_in_openais_shape() -> N
         "type": "json_schema",
         "json_schema": {"name": "n", "schema": {"type": "integer"}},
     }
+
+
+def test_progress_replies_stand_outside_the_order_and_only_before_the_first_chunk() -> None:
+    order = StreamOrder()
+    progress = model_pool_pb2.GenerateReply(request_id="r")
+    progress.progress.queued_ahead = 3
+    assert order.accept(progress) is False and order.accept(progress) is False
+    chunk = reply_to_proto(TokenChunk("r", 0, (1,), "a"), model_id="m")
+    assert order.accept(chunk) is False
+    with pytest.raises(StreamOrderError, match="progress after the stream began"):
+        order.accept(progress)
+
+
+def test_priority_tenant_and_weight_reach_the_engine() -> None:
+    message = model_pool_pb2.GenerateRequest(
+        request_id="r",
+        model_id="m",
+        prompt_text="hi",
+        sampling=model_pool_pb2.SamplingParams(max_tokens=2),
+        priority=2,
+        tenant="acme",
+        tenant_weight=2.5,
+    )
+    request = request_from_proto(message)
+    assert (request.priority, request.tenant, request.tenant_weight) == (2, "acme", 2.5)
+    message.tenant_weight = 0.0  # unset
+    assert request_from_proto(message).tenant_weight == 1.0

@@ -10,6 +10,7 @@ The whole module runs in about ten seconds (the 200 replies take two or three).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import random
@@ -274,28 +275,37 @@ async def test_unconstrained_batch_mates_are_untouched(engine: TransformersEngin
         jsonschema.validate(json.loads(text), PERSON)
 
 
-async def test_a_preempted_and_resumed_sequence_keeps_its_grammar(engine: TransformersEngine) -> None:
+async def test_a_sequence_paused_for_an_urgent_one_keeps_its_grammar(engine: TransformersEngine) -> None:
     long_form = {
         "type": "array",
         "items": {"type": "string", "minLength": 4, "maxLength": 6},
         "minItems": 12,
         "maxItems": 12,
     }
-    stream = await engine.submit(request("preempted", schema_format(long_form), temperature=1.0, seed=7))
-    text: list[str] = []
-    async with asyncio.timeout(60):
-        async for event in stream:
-            if isinstance(event, TokenChunk):
-                text.append(event.text)
-                if len(text) == 4:
-                    assert engine.preempt("preempted")
-                    await asyncio.sleep(0.05)
-                    assert engine.resume("preempted")
-            else:
-                end = event
-    assert end.finish_reason is FinishReason.STOP and end.preemptions == 1
-    value = json.loads("".join(text))
-    jsonschema.validate(value, long_form)
+    spec = dataclasses.replace(engine.spec, config=engine.spec.config.model_copy(update={"max_sequences": 1}))
+    single = TransformersEngine(spec, EngineContext(device="cpu", threads=1))
+    await asyncio.to_thread(single.load)
+    try:
+        low = dataclasses.replace(
+            request("paused", schema_format(long_form), temperature=1.0, seed=7), priority=2
+        )
+        stream = await single.submit(low)
+        text: list[str] = []
+        async with asyncio.timeout(60):
+            async for event in stream:
+                if isinstance(event, TokenChunk):
+                    text.append(event.text)
+                    if len(text) == 4:  # an urgent request takes its place for a while
+                        urgent = dataclasses.replace(request("urgent", None, max_tokens=6), priority=0)
+                        async for _ in await single.submit(urgent):
+                            pass
+                else:
+                    end = event
+        assert end.finish_reason is FinishReason.STOP and single.scheduling().preemptions == 1
+        value = json.loads("".join(text))
+        jsonschema.validate(value, long_form)
+    finally:
+        await asyncio.to_thread(single.unload)
 
 
 def test_a_manager_that_cannot_take_a_grammar_refuses_response_format(engine: TransformersEngine) -> None:

@@ -7,6 +7,7 @@ manager and its background thread. Few tokens each, so the module runs in second
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -30,6 +31,7 @@ from loadmaster.model_pool.generation import (
     SamplingParams,
     TokenChunk,
 )
+from loadmaster.model_pool.generation_order import OrderPolicy
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.repository import ModelRepository, TransformersModelConfig
 
@@ -231,36 +233,110 @@ async def test_seed_reproduces_a_sampled_reply_whatever_its_batch_mates(engine: 
     assert token_ids(other) != token_ids(alone)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-async def test_preempt_and_resume_neither_lose_nor_repeat_a_token(
-    engine: TransformersEngine, temperature: float
+# ---- the scheduler inside the manager (engines/_cb_scheduler.py) ---------------------
+
+
+@pytest.fixture
+def small_engine(tiny_repo: Path, request: pytest.FixtureRequest) -> Iterator[TransformersEngine]:
+    """tiny-chat with `max_sequences` places and an order policy (the test's param)."""
+    sequences, policy = request.param
+    spec = ModelRepository(tiny_repo).spec("tiny-chat")
+    config = spec.config.model_copy(update={"max_sequences": sequences})
+    spec = dataclasses.replace(spec, config=config)
+    instance = TransformersEngine(spec, EngineContext(device="cpu", threads=1, order_policy=policy))
+    instance.load()
+    yield instance
+    instance.unload()
+
+
+def ranked(request_id: str, priority: int, *, tenant: str = "t", **params: Any) -> GenerationRequest:
+    base = request(request_id, temperature=1.0, seed=7, **params)
+    return dataclasses.replace(base, priority=priority, tenant=tenant)
+
+
+async def first_tokens_in_order(engine: TransformersEngine, requests: list[GenerationRequest]) -> list[str]:
+    """Submit all, one after another (so they arrive in this order), then the order in which
+    their first tokens came."""
+    order: list[str] = []
+    streams = [await engine.submit(req) for req in requests]
+
+    async def read(stream: Any) -> None:
+        async for event in stream:
+            if isinstance(event, TokenChunk) and stream.request_id not in order:
+                order.append(stream.request_id)
+
+    async with asyncio.timeout(60):
+        await asyncio.gather(*(read(stream) for stream in streams))
+    return order
+
+
+@pytest.mark.parametrize("small_engine", [(2, OrderPolicy())], indirect=True)
+async def test_a_priority_0_request_pauses_a_lower_one_which_keeps_its_cache_and_its_tokens(
+    small_engine: TransformersEngine,
 ) -> None:
-    whole, _ = await collect(engine, request("whole", temperature=temperature, seed=42, max_tokens=24))
-    stream = await engine.submit(request("pre", temperature=temperature, seed=42, max_tokens=24))
-    events: list[Any] = [await asyncio.wait_for(stream.__anext__(), 30)]
-    before = engine.stats().preemptions
-    assert engine.preempt("pre") is True
-    assert engine.preempt("pre") is False  # already out
-    await wait_until_no_sequence(engine)  # its slot is free while it is preempted
-    events += stream.ready()
-    assert engine.resume("pre") is True
-    async with asyncio.timeout(30):
-        events += [event async for event in stream]
-    chunks = [e for e in events if isinstance(e, TokenChunk)]
-    end = events[-1]
-    assert [e.sequence for e in events] == list(range(len(events)))
-    assert token_ids(chunks) == token_ids(whole)
-    assert isinstance(end, GenerationEnd) and end.finish_reason is FinishReason.LENGTH
-    assert (end.preemptions, end.usage.completion_tokens) == (1, 24)
-    assert engine.stats().preemptions == before + 1
+    engine = small_engine
+    whole, _ = await collect(engine, ranked("whole", 2, max_tokens=120))
+    low = [await engine.submit(ranked(name, 2, max_tokens=120)) for name in ("low-old", "low-new")]
+    for stream in low:  # both are running
+        await asyncio.wait_for(stream.__anext__(), 30)
+    _, end = await collect(engine, ranked("urgent", 0, max_tokens=8))
+    assert end.usage.completion_tokens == 8
+    scheduling = engine.scheduling()
+    assert scheduling.preemptions >= 1 and scheduling.kv_recomputed == 0 and scheduling.urgent_steps >= 1
+    results = []
+    for stream in low:
+        async with asyncio.timeout(60):
+            results.append([event async for event in stream])
+    for events in results:  # neither finished before the urgent one; none lost or repeated a token
+        assert isinstance(events[-1], GenerationEnd) and events[-1].usage.completion_tokens == 120
+    # the paused one went on exactly where it stopped: its tokens are the uninterrupted run's
+    # (the first chunk was read above, so compare from the second token on)
+    assert token_ids([e for e in results[1] if isinstance(e, TokenChunk)]) == token_ids(whole)[-119:]
+    assert engine.scheduling().resumes >= 1
 
 
-async def wait_until_no_sequence(engine: TransformersEngine) -> None:
-    for _ in range(300):  # bounded: 3 s
-        if engine.stats().running == 0 and engine.stats().waiting == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"the preempted sequence still holds a slot: {engine.stats()}")
+@pytest.mark.parametrize("small_engine", [(1, OrderPolicy(timeslice_tokens=4))], indirect=True)
+async def test_with_timeslices_lower_priority_work_yields_to_better_work_and_resumes(
+    small_engine: TransformersEngine,
+) -> None:
+    engine = small_engine
+    whole, _ = await collect(engine, ranked("whole", 3, max_tokens=60))
+    low = await engine.submit(ranked("low", 3, max_tokens=60))
+    await asyncio.wait_for(low.__anext__(), 30)
+    await collect(engine, ranked("better", 1, max_tokens=6))  # priority 1: only a slice lets it in
+    assert engine.scheduling().yields >= 1
+    async with asyncio.timeout(60):
+        rest = [event async for event in low]
+    assert isinstance(rest[-1], GenerationEnd) and rest[-1].usage.completion_tokens == 60
+    assert token_ids([e for e in rest if isinstance(e, TokenChunk)]) == token_ids(whole)[-59:]
+    assert engine.scheduling().resumes >= 1
+
+
+@pytest.mark.parametrize("small_engine", [(1, OrderPolicy())], indirect=True)
+async def test_with_one_place_the_tenant_served_least_goes_next(small_engine: TransformersEngine) -> None:
+    engine = small_engine
+    hog = await engine.submit(ranked("hog", 1, tenant="a", max_tokens=30))
+    await asyncio.wait_for(hog.__anext__(), 30)  # tenant a is being served
+    queued = [ranked(f"a{i}", 1, tenant="a", max_tokens=2) for i in range(3)] + [
+        ranked("b0", 1, tenant="b", max_tokens=2)
+    ]
+    order = await first_tokens_in_order(engine, queued)
+    assert order.index("b0") == 0, order  # b arrived last but was served least
+    snapshot = engine.scheduling()
+    assert snapshot.output_tokens["a"] > snapshot.output_tokens["b"] > 0
+
+
+@pytest.mark.parametrize("small_engine", [(1, OrderPolicy(fairness=False))], indirect=True)
+async def test_with_fairness_off_the_same_workload_is_served_in_arrival_order(
+    small_engine: TransformersEngine,
+) -> None:
+    engine = small_engine
+    hog = await engine.submit(ranked("hog", 1, tenant="a", max_tokens=30))
+    await asyncio.wait_for(hog.__anext__(), 30)
+    queued = [ranked(f"a{i}", 1, tenant="a", max_tokens=2) for i in range(3)] + [
+        ranked("b0", 1, tenant="b", max_tokens=2)
+    ]
+    assert await first_tokens_in_order(engine, queued) == ["a0", "a1", "a2", "b0"]
 
 
 async def test_chat_messages_use_the_chat_template(engine: TransformersEngine) -> None:

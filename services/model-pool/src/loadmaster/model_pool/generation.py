@@ -125,7 +125,10 @@ class ResponseFormat:
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One generation: exactly one of `prompt_token_ids`, `prompt` (text) or `messages`
-    (rendered with the model's chat template, with the assistant's turn opened)."""
+    (rendered with the model's chat template, with the assistant's turn opened).
+
+    `priority` (0 is the most urgent), `tenant` and `tenant_weight` decide its place in the
+    engine's queue (generation_order.py)."""
 
     request_id: str
     params: SamplingParams
@@ -133,6 +136,9 @@ class GenerationRequest:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     response_format: ResponseFormat | None = None
+    priority: int = 1
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
     def check(self) -> None:
         if not self.request_id:
@@ -193,7 +199,6 @@ class GenerationEnd:
     finish_reason: FinishReason
     usage: Usage
     error: str = ""
-    preemptions: int = 0  # times the sequence was paused for other work and resumed
 
 
 GenerationEvent = TokenChunk | GenerationEnd

@@ -9,11 +9,15 @@ live in loadmaster.common.framing), so one ROUTER socket carries tensors and str
 
 A GenerateRequest is admitted on its model's slot (`ModelPool.open_generation`) and holds
 that admission until its terminal reply, so `max_inflight`, keep-alive and eviction count
-it and never unload a model mid-stream. The model's `Sequencer` decides when it runs: at
-most the engine's `max_sequences` at once, the most urgent first, and a priority-0 stream
-may take the sequence of the lowest-priority one (engine.preempt / engine.resume). Each
+it and never unload a model mid-stream. One queue orders it (docs/generation-scheduling.md):
+an engine that orders its own generations (`orders_generations`: the transformers engine,
+whose scheduler inside the batching loop pauses lower-priority sequences for urgent ones)
+gets every stream at once; for any other engine the model's `Sequencer` admits at most its
+`max_sequences`, in the same order (priority class, tenant counter, arrival). Each
 running stream has one task that reads its engine stream; the replies of every stream that
 are ready in one loop turn go out together, one GenerateReplies per gateway (`_flush`).
+A stream that waits gets a `progress` reply (the requests ahead of it) within a second of
+arriving, then at most once a second while that number changes.
 
 Nothing here grows with the input on the loop: prompts are tokenised by the engine in a
 thread; the loop parses the envelope (bounded by the gateway's body limit) and moves
@@ -51,9 +55,10 @@ from loadmaster.model_pool.generation import (
     TokenChunk,
     Usage,
 )
+from loadmaster.model_pool.generation_order import OrderPolicy
 from loadmaster.model_pool.generation_wire import reply_to_proto, request_from_proto
 from loadmaster.model_pool.pool import GenerationAdmission, ModelPool
-from loadmaster.model_pool.sequencing import Action, ActionKind, Sequencer
+from loadmaster.model_pool.sequencing import Sequencer
 from loadmaster.v1 import errors_pb2, model_pool_pb2
 
 __all__ = ["GenerationPort"]
@@ -62,6 +67,9 @@ log = logging.getLogger(__name__)
 
 _CANCEL_PREFIX = "cancel:"  # a CancelGeneration's credential is signed over this + the request id
 Sender = Callable[[bytes, bytes], None]  # (identity, GenerateReplies bytes)
+PROGRESS_TICK_S = 0.25  # how often waiting streams are looked at
+PROGRESS_FIRST_S = 0.5  # a stream still waiting this long after it arrived gets its first progress reply
+PROGRESS_EVERY_S = 1.0  # then at most one per this long, while its place changes
 
 
 @dataclass(slots=True, eq=False)
@@ -69,7 +77,6 @@ class _Stream:
     identity: bytes
     request: GenerationRequest
     model_id: str
-    priority: int
     admission: GenerationAdmission
     received: float  # clock.monotonic()
     started: float = 0.0
@@ -79,11 +86,13 @@ class _Stream:
     cancel_reason: str = ""  # set when cancelled before the engine had it
     sent: int = 0  # replies queued so far (the next sequence number)
     ended: bool = False
+    ahead_sent: int = -1  # the queue position its last progress reply gave
+    progress_at: float = 0.0  # when that reply was sent
 
 
 @dataclass(slots=True)
 class _Model:
-    sequencer: Sequencer
+    sequencer: Sequencer | None  # None: the engine orders its own generations
     streams: dict[str, _Stream] = field(default_factory=dict)
 
 
@@ -96,28 +105,38 @@ class GenerationPort:
         send: Sender,
         clock: Clock | None = None,
         metrics: Any = None,
+        policy: OrderPolicy | None = None,
     ) -> None:
         self._pool = pool
         self._worker_id = worker_id
         self._send = send
         self._clock = clock or SystemClock()
         self._metrics = metrics
+        self._policy = policy or pool.order_policy
         self._models: dict[str, _Model] = {}
         self._streams: dict[str, _Stream] = {}
         self._outbox: dict[bytes, list[model_pool_pb2.GenerateReply]] = {}
         self._flush_scheduled = False
-        self.preemptions = 0
-        self.resumptions = 0
+        self._progress_task: asyncio.Task[None] | None = None
         self._prefix_seen: dict[str, tuple[int, ...]] = {}  # model -> the engine's last prefix counters
+        self._scheduling_seen: dict[str, tuple[int, ...]] = {}  # model -> the engine's last pause counts
 
     @property
     def open_streams(self) -> int:
         return len(self._streams)
 
     def sequences(self, model_id: str) -> tuple[int, int]:
-        """(running, waiting) sequences of `model_id` here."""
+        """(running, waiting) generations of `model_id` here."""
         model = self._models.get(model_id)
-        return (model.sequencer.running, model.sequencer.waiting) if model else (0, 0)
+        if model is None:
+            return (0, 0)
+        if model.sequencer is not None:
+            return (model.sequencer.running, model.sequencer.waiting)
+        stream = next(iter(model.streams.values()), None)
+        if stream is None:
+            return (0, 0)
+        stats = stream.admission.engine.stats()
+        return (stats.running, stats.waiting)
 
     # ---- receiving (on the loop) --------------------------------------------------
 
@@ -179,16 +198,33 @@ class GenerationPort:
         except Exception as error:
             self._refuse(identity, request_id, model_id, error)
             return
-        stream = _Stream(
-            identity, request, model_id, message.priority, admission, received=self._clock.monotonic()
-        )
-        model = self._models.get(model_id)
-        if model is None or (not model.streams and model.sequencer.capacity != admission.sequences):
-            model = self._models[model_id] = _Model(Sequencer(capacity=admission.sequences))
+        now = self._clock.monotonic()
+        stream = _Stream(identity, request, model_id, admission, received=now)
+        model = self._model(model_id, admission)
         model.streams[request_id] = stream
         self._streams[request_id] = stream
-        self._act(model, model.sequencer.arrive(request_id, message.priority))
+        if model.sequencer is None:
+            self._start(model, stream)
+        else:
+            started = model.sequencer.arrive(
+                request_id, priority=request.priority, tenant=request.tenant, weight=request.tenant_weight, now=now
+            )
+            self._start_all(model, started)
+        self._watch_progress()
         self._record_sequences(model_id, model)
+
+    def _model(self, model_id: str, admission: GenerationAdmission) -> _Model:
+        """The model's bookkeeping; made anew while idle (a reload may change its engine)."""
+        ordered = bool(getattr(admission.engine, "orders_generations", False))
+        model = self._models.get(model_id)
+        stale = model is not None and not model.streams and (
+            (model.sequencer is None) != ordered
+            or (model.sequencer is not None and model.sequencer.capacity != admission.sequences)
+        )
+        if model is None or stale:
+            sequencer = None if ordered else Sequencer(admission.sequences, self._policy)
+            model = self._models[model_id] = _Model(sequencer)
+        return model
 
     def cancel(self, request_id: str, reason: str) -> None:
         """Idempotent: an unknown or finished stream is left alone."""
@@ -200,7 +236,7 @@ class GenerationPort:
             stream.admission.engine.cancel(request_id)  # its task sends the cancelled terminal
             return
         stream.cancel_reason = reason
-        if model.sequencer.is_waiting(request_id) and stream.task is None:
+        if stream.task is None and model.sequencer is not None and model.sequencer.is_waiting(request_id):
             usage = Usage(prompt_tokens=0, completion_tokens=0)
             self._terminal(stream, GenerationEnd(request_id, 0, FinishReason.CANCELLED, usage, reason))
         # else: being submitted; the task cancels it once the engine has it
@@ -212,33 +248,21 @@ class GenerationPort:
         tasks = [s.task for s in self._streams.values() if s.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
+        if self._progress_task is not None:
+            self._progress_task.cancel()
         self._flush()
 
-    # ---- the sequencer's decisions ------------------------------------------------
+    # ---- starting -----------------------------------------------------------------
 
-    def _act(self, model: _Model, actions: list[Action]) -> None:
-        for action in actions:
-            stream = model.streams.get(action.request_id)
-            if stream is None:
-                continue
-            engine = stream.admission.engine
-            if action.kind is ActionKind.PREEMPT:
-                if engine.preempt(action.request_id):
-                    self.preemptions += 1
-                    self._record("preemptions", 1.0, stream.model_id)
-            elif action.kind is ActionKind.RESUME:
-                try:
-                    engine.resume(action.request_id)
-                except LoadmasterError as error:
-                    engine.cancel(action.request_id)
-                    log.warning("resuming %s failed: %s", action.request_id, error.message)
-                self.resumptions += 1
-                self._record("resumptions", 1.0, stream.model_id)
-            else:
-                stream.started = self._clock.monotonic()
-                stream.task = asyncio.create_task(
-                    self._run(model, stream), name=f"generate-{action.request_id}"
-                )
+    def _start_all(self, model: _Model, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            stream = model.streams.get(request_id)
+            if stream is not None:
+                self._start(model, stream)
+
+    def _start(self, model: _Model, stream: _Stream) -> None:
+        stream.started = self._clock.monotonic()
+        stream.task = asyncio.create_task(self._run(model, stream), name=f"generate-{stream.request.request_id}")
 
     # ---- one stream ---------------------------------------------------------------
 
@@ -255,7 +279,8 @@ class GenerationPort:
         stream.engine_stream = engine_stream
         if stream.cancel_reason:
             engine.cancel(request_id)
-        self._act(model, model.sequencer.submitted(request_id))
+        if model.sequencer is not None:
+            model.sequencer.charge_prompt(request_id, getattr(engine_stream, "prompt_tokens", 0))
         try:
             async for first in engine_stream:
                 events: list[GenerationEvent] = [first, *engine_stream.ready()]
@@ -266,7 +291,8 @@ class GenerationPort:
                         return
                     tokens += len(event.token_ids)
                     self._chunk(stream, event)
-                self._act(model, model.sequencer.progressed(request_id, tokens))
+                if model.sequencer is not None:
+                    model.sequencer.progressed(request_id, tokens)
         except Exception as error:  # never leave a stream without its terminal
             log.exception("generation %s failed", request_id)
             engine.cancel(request_id)
@@ -281,10 +307,57 @@ class GenerationPort:
                     ),
                 )
 
+    # ---- where waiting streams stand ----------------------------------------------
+
+    def _watch_progress(self) -> None:
+        if self._progress_task is None or self._progress_task.done():
+            self._progress_task = asyncio.create_task(self._progress_loop(), name="generation-progress")
+
+    async def _progress_loop(self) -> None:
+        """While any stream waits for its first token: each gets a progress reply within
+        PROGRESS_FIRST_S of arriving, then at most once per PROGRESS_EVERY_S while its place
+        changes. Ends when no stream is open."""
+        while self._streams:
+            await asyncio.sleep(PROGRESS_TICK_S)
+            try:
+                self._send_progress(self._clock.monotonic())
+            except Exception:
+                log.exception("generation progress failed")
+
+    def _send_progress(self, now: float) -> None:
+        for model in self._models.values():
+            for stream in model.streams.values():
+                if stream.ended or stream.first_token or now - stream.received < PROGRESS_FIRST_S:
+                    continue
+                ahead = self._ahead(model, stream, now)
+                if ahead is None or ahead == stream.ahead_sent:
+                    continue
+                if stream.ahead_sent >= 0 and now - stream.progress_at < PROGRESS_EVERY_S:
+                    continue
+                stream.ahead_sent, stream.progress_at = ahead, now
+                reply = model_pool_pb2.GenerateReply(
+                    request_id=stream.request.request_id,
+                    model_id=stream.model_id,
+                    worker_id=self._worker_id,
+                    generation=stream.admission.generation,
+                )
+                reply.progress.queued_ahead = ahead
+                self._outbox.setdefault(stream.identity, []).append(reply)  # no sequence number
+                self._schedule_flush()
+
+    def _ahead(self, model: _Model, stream: _Stream, now: float) -> int | None:
+        request_id = stream.request.request_id
+        if model.sequencer is not None:
+            return model.sequencer.position(request_id, now)
+        position = getattr(stream.admission.engine, "queue_position", None)
+        return position(request_id) if position is not None else None
+
     def _chunk(self, stream: _Stream, event: TokenChunk) -> None:
         now = self._clock.monotonic()
         if not stream.first_token:
             stream.first_token = now
+            labels = {"model": stream.model_id, "priority": str(stream.request.priority)}
+            self._record_labels("generation_queue_wait_ms", (now - stream.received) * 1e3, labels)
         self._queue(
             stream,
             reply_to_proto(
@@ -334,9 +407,13 @@ class GenerationPort:
         if usage.prompt_tokens or usage.completion_tokens:
             self._record("prompt_tokens", float(usage.prompt_tokens), stream.model_id)
             self._record("output_tokens", float(usage.completion_tokens), stream.model_id)
+            tenant = {"model": stream.model_id, "tenant": stream.request.tenant or "-"}
+            self._record_labels("tenant_prompt_tokens", float(usage.prompt_tokens), tenant)
+            self._record_labels("tenant_output_tokens", float(usage.completion_tokens), tenant)
         if model is not None:
             model.streams.pop(request_id, None)
-            self._act(model, model.sequencer.finished(request_id))
+            if model.sequencer is not None:
+                self._start_all(model, model.sequencer.finished(request_id, self._clock.monotonic()))
             self._record_sequences(stream.model_id, model, engine=stream.admission.engine)
 
     # ---- answering ----------------------------------------------------------------
@@ -383,19 +460,49 @@ class GenerationPort:
     # ---- metrics ------------------------------------------------------------------
 
     def _record_sequences(self, model_id: str, model: _Model, *, engine: Any = None) -> None:
-        self._record("sequences_running", float(model.sequencer.running), model_id)
-        self._record("sequences_waiting", float(model.sequencer.waiting), model_id)
+        if self._metrics is None:
+            return
         stream = next(iter(model.streams.values()), None)
         stats = engine or getattr(getattr(stream, "admission", None), "engine", None)
-        if stats is not None:
-            try:
-                snapshot = stats.stats()
-            except Exception:
-                return
-            self._record("kv_cache_blocks_used", float(snapshot.kv_blocks_used), model_id)
-            self._record("kv_cache_blocks_total", float(snapshot.kv_blocks_total), model_id)
-            if isinstance(snapshot, GenerationStats):
-                self._record_prefix(model_id, snapshot)
+        if model.sequencer is not None:
+            self._record("sequences_running", float(model.sequencer.running), model_id)
+            self._record("sequences_waiting", float(model.sequencer.waiting), model_id)
+        if stats is None:
+            return
+        try:
+            snapshot = stats.stats()
+        except Exception:
+            return
+        if model.sequencer is None:
+            self._record("sequences_running", float(snapshot.running), model_id)
+            self._record("sequences_waiting", float(snapshot.waiting), model_id)
+        self._record("kv_cache_blocks_used", float(snapshot.kv_blocks_used), model_id)
+        self._record("kv_cache_blocks_total", float(snapshot.kv_blocks_total), model_id)
+        if isinstance(snapshot, GenerationStats):
+            self._record_prefix(model_id, snapshot)
+        scheduling = getattr(stats, "scheduling", None)
+        if scheduling is not None:
+            self._record_scheduling(model_id, scheduling())
+
+    def _record_scheduling(self, model_id: str, snapshot: Any) -> None:
+        """The engine scheduler's counts since its load (`_cb_scheduler.SchedulerSnapshot`):
+        record what they grew by, and the largest gap between backlogged tenants' counters."""
+        counts = (
+            snapshot.preemptions,
+            snapshot.yields,
+            snapshot.resumes,
+            snapshot.kv_kept,
+            snapshot.kv_recomputed,
+        )
+        seen = self._scheduling_seen.get(model_id, (0,) * len(counts))
+        if any(now < before for now, before in zip(counts, seen, strict=True)):
+            seen = (0,) * len(counts)  # reloaded: counting again from zero
+        self._scheduling_seen[model_id] = counts
+        names = ("preemptions", "yields", "resumptions", "kv_kept", "kv_recomputed")
+        for name, now, before in zip(names, counts, seen, strict=True):
+            if now > before:
+                self._record(name, float(now - before), model_id)
+        self._record("tenant_counter_gap", float(snapshot.counter_gap), model_id)
 
     def _record_prefix(self, model_id: str, snapshot: GenerationStats) -> None:
         """The engine's prefix counters are cumulative since its load: record what they grew by
@@ -422,5 +529,8 @@ class GenerationPort:
         self._record("prefix_cache_blocks", float(snapshot.prefix_blocks_cached), model_id)
 
     def _record(self, name: str, value: float, model_id: str) -> None:
+        self._record_labels(name, value, {"model": model_id})
+
+    def _record_labels(self, name: str, value: float, labels: dict[str, str]) -> None:
         if self._metrics is not None:
-            self._metrics.record(name, value, {"model": model_id})
+            self._metrics.record(name, value, labels)

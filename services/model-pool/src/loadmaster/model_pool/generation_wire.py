@@ -58,6 +58,9 @@ def request_from_proto(message: model_pool_pb2.GenerateRequest) -> GenerationReq
         if kind == "messages"
         else None,
         response_format=_response_format(message),
+        priority=message.priority,
+        tenant=message.tenant,
+        tenant_weight=message.tenant_weight if message.tenant_weight > 0 else 1.0,
     )
     request.check()
     return request
@@ -104,19 +107,24 @@ def reply_to_proto(
     else:
         reply.result.finish_reason = _FINISH[event.finish_reason]
         reply.result.usage.CopyFrom(usage)
-        reply.result.preemptions = event.preemptions
     return reply
 
 
 @dataclass(slots=True)
 class StreamOrder:
-    """Checks one request's replies: sequence 0, 1, 2, ... then one terminal, then nothing."""
+    """Checks one request's replies: sequence 0, 1, 2, ... then one terminal, then nothing.
+    A `progress` reply (a waiting stream's place) is outside that order: it is only checked
+    not to follow a chunk or the terminal."""
 
     expected: int = 0
     finished: bool = False
 
     def accept(self, reply: model_pool_pb2.GenerateReply) -> bool:
         """True when `reply` is the terminal; raise `StreamOrderError` when the order is broken."""
+        if reply.WhichOneof("kind") == "progress":
+            if self.expected or self.finished:
+                raise StreamOrderError(f"request {reply.request_id}: progress after the stream began")
+            return False
         if self.finished:
             raise StreamOrderError(f"request {reply.request_id}: reply {reply.sequence} after the terminal")
         if reply.sequence != self.expected:

@@ -47,6 +47,7 @@ from loadmaster.model_pool.batcher import Batcher, Instance, batch_policy
 from loadmaster.model_pool.crash_backoff import CrashBackoff
 from loadmaster.model_pool.engines import Engine, EngineContext, engine_class
 from loadmaster.model_pool.eviction import EvictionCounters, Resident
+from loadmaster.model_pool.generation_order import OrderPolicy
 from loadmaster.model_pool.instances import free_instances, load_instance
 from loadmaster.model_pool.keep_alive import KeepAlive, keep_alive_for
 from loadmaster.model_pool.leases import (
@@ -101,17 +102,20 @@ class ModelPool(_Admission, _Release):
         renewal_client: Callable[[], LeaseClient] | None = None,
         load_retry_s: tuple[float, float] = (0.5, 30.0),
         warm_bump_s: tuple[float, float] = (0.0, 0.0),
+        order_policy: OrderPolicy | None = None,
     ) -> None:
         """`renewal_client` makes the client the lease keeper's thread renews with (a gRPC
         client binds to one event loop: give it its own); default: `lease_client` itself.
         `load_retry_s`: (first, most) seconds a failed load of a model waits before the next
         attempt, doubling in between (not after a refusal for memory: the scheduler's VRAM gate
-        paces those). `warm_bump_s`: (bound, idle) of the warm bump (room.py)."""
+        paces those). `warm_bump_s`: (bound, idle) of the warm bump (room.py). `order_policy`:
+        how generative engines order their generations (generation_order.py)."""
         self.repository = repository
         self._models = models
         self._lease_client = lease_client
         self._device = device
         self._threads = threads
+        self._order_policy = order_policy or OrderPolicy()
         self._lease_ttl_s = lease_ttl_s
         self._clock = clock or SystemClock()
         self._metrics = metrics
@@ -157,6 +161,11 @@ class ModelPool(_Admission, _Release):
             self._slot(model_id)
 
     # ---- queries ----------------------------------------------------------
+
+    @property
+    def order_policy(self) -> OrderPolicy:
+        """How generations are ordered (`generation:` settings; generation_order.py)."""
+        return self._order_policy
 
     @property
     def closing(self) -> bool:
@@ -352,6 +361,7 @@ class ModelPool(_Admission, _Release):
                 threads=self._threads,
                 gpus=tuple(lease.gpus),
                 on_failure=self._failure_reporter(model_id, slot.generation),
+                order_policy=self._order_policy,
             )
             for index in range(count):  # each loaded and warmed up on its own thread before READY
                 await load_instance(built, cls, spec, context, name=f"model-{model_id}-{index}")

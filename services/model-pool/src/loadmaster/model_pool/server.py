@@ -24,6 +24,7 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.common.tensors import TensorLimits
 from loadmaster.model_pool.data_port import DataPort, advertised_endpoint
 from loadmaster.model_pool.engines import engine_class
+from loadmaster.model_pool.generation_order import OrderPolicy
 from loadmaster.model_pool.leases import AsyncLeaseClient, LeaseClient
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.repository import ModelRepository
@@ -91,6 +92,11 @@ class ModelPoolServer(GrpcServer):
             eviction_wait_s=pool_settings.eviction_wait_s,
             warm_bump_s=(pool_settings.warm_bump_max_ms / 1000.0, pool_settings.warm_bump_idle_ms / 1000.0),
             allow_split=pool_settings.allow_split,
+            order_policy=OrderPolicy(
+                fairness=settings.generation.fairness,
+                timeslice_tokens=settings.generation.timeslice_tokens,
+                promote_after_s=settings.generation.promote_after_s,
+            ),
             # The keeper's thread renews over a channel of its own (None: an injected double).
             renewal_client=broker_client if lease_client is None else None,
         )

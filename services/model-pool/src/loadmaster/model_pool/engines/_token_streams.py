@@ -6,8 +6,8 @@
 multi-byte character split over tokens is emitted whole), looks for stop strings and
 queues `TokenChunk`s, then exactly one `GenerationEnd`. Every path that ends a stream —
 eos, max_tokens, a stop string, cancel, a failed request, unload — goes through `_end`,
-which runs once. A preempted stream stays open (`paused`); on resume the manager counts its
-generated tokens from zero again, so `resumed_at` says where the new ones start.
+which runs once. A sequence paused for other work stays in the manager (its scheduler,
+`_cb_scheduler.py`, leaves it out of the batch), so its outputs simply continue.
 
 `GenerationStream` is what a caller iterates; closing it early cancels the generation.
 """
@@ -46,14 +46,10 @@ class StreamState:
     on_done: Callable[[StreamState], None]
     cancel_in_manager: Callable[[str], None]
     loop: asyncio.AbstractEventLoop
-    prompt_ids: tuple[int, ...] = ()
-    sampling_kwargs: dict[str, Any] = field(default_factory=dict)  # the same on every resume
+    sampling_kwargs: dict[str, Any] = field(default_factory=dict)
     events: asyncio.Queue[GenerationEvent] = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)
     done: bool = False
-    paused: bool = False  # preempted: not in the manager, stream still open
-    preemptions: int = 0
-    resumed_at: int = 0  # len(tokens) when the current submission started
     _sequence: int = 0
     _prefix_offset: int = 0
     _read_offset: int = 0
@@ -65,15 +61,15 @@ class StreamState:
     # ---- from the manager (on the loop) ----------------------------------
 
     def on_output(self, output: Any) -> None:
-        if self.done or self.paused or output.request_id != self.internal_id:
-            return  # late output of a cancelled or preempted submission
+        if self.done or output.request_id != self.internal_id:
+            return  # late output of a cancelled submission
         if output.error:
             self._end(FinishReason.ERROR, str(output.error))
             return
         generated = output.generated_tokens
         chunk_ids: list[int] = []
         chunk_text: list[str] = []
-        for token in generated[len(self.tokens) - self.resumed_at :]:
+        for token in generated[len(self.tokens) :]:
             self.tokens.append(token)
             chunk_ids.append(token)
             text, stopped = self._stops.feed(self._text_delta())
@@ -95,14 +91,8 @@ class StreamState:
 
     def cancel(self) -> None:
         if not self.done:
-            if not self.paused:
-                self.cancel_in_manager(self.internal_id)
+            self.cancel_in_manager(self.internal_id)
             self._end(FinishReason.CANCELLED)
-
-    def finish_length(self) -> None:
-        """End a resumed stream that has nothing left to generate."""
-        self._chunk([], self._stops.flush())
-        self._end(FinishReason.LENGTH)
 
     def fail_threadsafe(self, message: str) -> None:
         """End the stream with an error from any thread (unload runs on the executor)."""
@@ -131,7 +121,7 @@ class StreamState:
             return
         self.done = True
         usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.tokens))
-        end = GenerationEnd(self.request_id, self._sequence, reason, usage, error, self.preemptions)
+        end = GenerationEnd(self.request_id, self._sequence, reason, usage, error)
         self.events.put_nowait(end)
         self.on_done(self)
 

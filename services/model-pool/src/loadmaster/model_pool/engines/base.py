@@ -21,12 +21,13 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
+from loadmaster.model_pool.generation_order import OrderPolicy
 from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, zeros_for
 
 __all__ = ["ESTIMATE_FACTOR", "Engine", "EngineContext", "outputs_to_numpy", "warmup_inputs"]
@@ -44,6 +45,8 @@ class EngineContext:
     # Called from any thread when a loaded engine can no longer serve (its process exited):
     # the pool unloads the model and says why. None: nobody listens.
     on_failure: Callable[[str], None] | None = None
+    # How a generative engine that orders its own queue orders it (generation_order.py).
+    order_policy: OrderPolicy = field(default_factory=OrderPolicy)
 
 
 class Engine(ABC):

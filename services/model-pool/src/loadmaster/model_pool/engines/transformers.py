@@ -20,7 +20,11 @@ What the engine adds to the manager (docs/generative.md has the reasons):
 - per-request temperature / top_p and greedy decoding (exactly `argmax`), and per-request
   seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`);
 - structured output (`response_format` JSON / JSON Schema): a grammar mask of ours, first
-  in the same processor list (`grammar.py`, docs/structured-output.md).
+  in the same processor list (`grammar.py`, docs/structured-output.md);
+- the order of generations: our scheduler inside the manager (`_cb_scheduler.py`) runs the
+  most urgent first, is fair between tenants, and pauses lower-priority sequences (keeping
+  their KV cache) for urgent ones (docs/generation-scheduling.md). So the worker hands every
+  generation to the engine at once (`orders_generations`): one queue in front of the model.
 
 The pool's lifecycle applies unchanged: `estimate_mb` sizes the lease from the weights plus
 the KV budget (num_blocks x block_size x per-token KV bytes) when the config has no
@@ -44,7 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
-from loadmaster.model_pool.engines import _seeded_sampling, grammar
+from loadmaster.model_pool.engines import _cb_scheduler, _seeded_sampling, grammar
 from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
 from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
@@ -110,6 +114,7 @@ def _num_blocks(spec: ModelSpec, hf: Mapping[str, Any]) -> int:
 class TransformersEngine(Engine):
     backend = "transformers"
     estimate_factor = 1.2  # weights x this, plus the KV budget
+    orders_generations = True  # its scheduler orders and preempts: the worker queues nothing
 
     def __init__(self, spec: ModelSpec, context: EngineContext) -> None:
         super().__init__(spec, context)
@@ -120,7 +125,8 @@ class TransformersEngine(Engine):
         self._prefix = PrefixCacheMonitor()
         self._streams: dict[str, StreamState] = {}
         self._submitted = 0
-        self._preemptions = 0
+        self._infos: dict[str, _cb_scheduler.SequenceInfo] = {}  # internal id -> priority, tenant
+        self._scheduler_type = ""
         self._vocab_size = 0
         self._eos_ids: frozenset[int] = frozenset()
         self._context_tokens = 0
@@ -181,6 +187,7 @@ class TransformersEngine(Engine):
             pad_token_id=self._tokenizer.pad_token_id,
             max_new_tokens=16,
         )
+        self._scheduler_type = _cb_scheduler.install(self.context.order_policy, self._infos)
         batching = ContinuousBatchingConfig(
             page_size=config.block_size,
             num_blocks=num_blocks,
@@ -188,6 +195,7 @@ class TransformersEngine(Engine):
             max_requests_per_batch=config.max_sequences,
             per_request_processors=True,
             seed=config.seed,
+            scheduler_type=self._scheduler_type,
             auto_switch_to_flash=False,
             allow_block_sharing=config.prefix_caching,  # prefix reuse: _prefix_cache.py
         )
@@ -230,6 +238,8 @@ class TransformersEngine(Engine):
         self._streams.clear()
         if manager is not None:
             manager.stop(block=True, timeout=_STOP_TIMEOUT_S, hard_stop=True)  # fail the rest now
+        _cb_scheduler.uninstall(self._scheduler_type)
+        self._infos.clear()
         self._model = None
         self._tokenizer = None
         gc.collect()
@@ -283,10 +293,12 @@ class TransformersEngine(Engine):
             on_done=self._forget,
             cancel_in_manager=manager.cancel_request,
             loop=asyncio.get_running_loop(),
-            prompt_ids=tuple(prompt),
             sampling_kwargs=self._sampling_kwargs(request.params),
         )
         self._streams[request.request_id] = state
+        self._infos[internal_id] = _cb_scheduler.SequenceInfo(
+            request.priority, request.tenant, request.tenant_weight
+        )
         if constraint is not None:
             self._grammar_mask.attach(internal_id, constraint)
         manager.register_result_handler(internal_id, state.on_output)
@@ -300,6 +312,7 @@ class TransformersEngine(Engine):
             )
         except Exception:
             self._forget(state)
+            self._infos.pop(internal_id, None)
             raise
         if accepted is None:  # the manager is stopping: it drops the request with a log line
             self._forget(state)
@@ -321,47 +334,24 @@ class TransformersEngine(Engine):
         state.cancel()
         return True
 
-    def preempt(self, request_id: str) -> bool:
-        """Take a running sequence out of the manager (its slot and KV pages are freed at the
-        next step) and keep its stream open; `resume` puts it back. False when not running."""
+    def queue_position(self, request_id: str) -> int | None:
+        """How many generations are ahead of a waiting one in the engine's queue (None:
+        running, finished or unknown)."""
         state = self._streams.get(request_id)
-        manager = self._manager
-        if state is None or state.paused or manager is None:
-            return False
-        manager.cancel_request(state.internal_id)
-        self._drop_handler(state.internal_id)
-        state.paused = True
-        state.preemptions += 1
-        self._preemptions += 1
-        return True
+        scheduler = self._scheduler()
+        if state is None or scheduler is None:
+            return None
+        return scheduler.positions.get(state.internal_id)
 
-    def resume(self, request_id: str) -> bool:
-        """Re-submit a preempted sequence with prompt + its generated tokens as the prompt
-        (full KV pages come back from the prefix cache, the rest is recomputed). Its stream
-        goes on with the next sequence number, neither losing nor repeating a token; with
-        a seed it draws what it would have drawn uninterrupted. False when not preempted."""
-        state = self._streams.get(request_id)
-        if state is None or not state.paused:
-            return False
-        manager = self._running_manager()
-        state.paused = False
-        remaining = state.params.max_tokens - len(state.tokens)
-        if remaining <= 0:
-            state.finish_length()
-            return True
-        self._submitted += 1
-        self._grammar_mask.move(state.internal_id, f"{request_id}#{self._submitted}", state.tokens)
-        state.internal_id = f"{request_id}#{self._submitted}"
-        state.resumed_at = len(state.tokens)
-        manager.register_result_handler(state.internal_id, state.on_output)
-        manager.add_request(
-            [*state.prompt_ids, *state.tokens],
-            request_id=state.internal_id,
-            max_new_tokens=remaining,
-            streaming=True,
-            **state.sampling_kwargs,
-        )
-        return True
+    def scheduling(self) -> _cb_scheduler.SchedulerSnapshot:
+        """The scheduler's counts (preemptions, yields, KV kept/recomputed) and tenants."""
+        scheduler = self._scheduler()
+        return scheduler.snapshot if scheduler is not None else _cb_scheduler.SchedulerSnapshot()
+
+    def _scheduler(self) -> _cb_scheduler.PriorityScheduler | None:
+        processor = getattr(self._manager, "batch_processor", None)
+        scheduler = getattr(processor, "scheduler", None)
+        return scheduler if isinstance(scheduler, _cb_scheduler.PriorityScheduler) else None
 
     def stats(self) -> GenerationStats:
         """Sequences and KV blocks right now (read without a lock: a snapshot for metrics)."""
@@ -380,7 +370,7 @@ class TransformersEngine(Engine):
             kv_blocks_used=max(0, round((1.0 - free_fraction) * total)),
             kv_blocks_total=total,
             streams_open=len(self._streams),
-            preemptions=self._preemptions,
+            preemptions=self.scheduling().preemptions,
             prefix_lookups=prefix.lookups,
             prefix_hits=prefix.hits,
             prefix_tokens_reused=prefix.tokens_reused,

@@ -1,0 +1,279 @@
+"""The scheduler inside transformers' continuous-batching manager: priority, fairness, preemption.
+
+transformers' manager picks each step's batch with a `Scheduler` (FIFO or prefill-first);
+`install` registers this one instead, so the queue in front of the engine is the engine's
+own and it orders by Loadmaster's policy (`generation_order.py`, docs/generation-scheduling.md).
+It runs on the manager's thread, once per step, so an urgent request is seen at the very
+next step, with nothing a network hop or a loop turn away:
+
+- at most `max_requests_per_batch` (the model's `max_sequences`) sequences run; the rest
+  wait, ordered by (class, tenant counter, arrival);
+- a class-0 request that finds every place taken by lower-class work pauses the lowest-class
+  sequence (with `timeslice_tokens`, better-class work also takes the place of a sequence
+  that used its slice). A paused sequence keeps its KV cache: it simply is not in the batch
+  until it resumes, so no token is lost, repeated or recomputed. Only when the cache has no
+  room left for running work is a paused sequence's cache freed ("soft reset": it resumes
+  by prefilling its prompt and the tokens it has, which transformers supports; with our
+  seeded sampling it draws the same continuation);
+- while a class-0 request waits for its first token, the step carries only class-0 work:
+  the urgent prefill does not wait for a decode step over the whole batch;
+- output tokens are charged to their tenants' counters as each step is scheduled.
+
+Thread safety: the event loop writes a request's `SequenceInfo` into the shared `infos`
+dict before `add_request` and reads the snapshots this scheduler publishes (`positions`,
+`snapshot`), each replaced whole by one assignment; everything else is the manager thread's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers.generation.continuous_batching import scheduler as cb_scheduler
+from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
+
+from loadmaster.model_pool.generation_order import Entry, GenerationOrder, OrderPolicy, Transition
+
+__all__ = ["PriorityScheduler", "SchedulerSnapshot", "SequenceInfo", "install", "uninstall"]
+
+_CHILD = "__child#"  # transformers names the forks of a request `<id>__child#<i>`
+_STATUS_RANK = {RequestStatus.DECODING: 0, RequestStatus.PREFILLING: 1}
+_names = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInfo:
+    """What the scheduler needs to know of a request that the manager does not carry."""
+
+    priority: int = 1
+    tenant: str = ""
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSnapshot:
+    """Counts since load and the tenants' state, for metrics (`engine.stats()`)."""
+
+    running: int = 0
+    waiting: int = 0
+    paused: int = 0  # waiting with their KV cache kept
+    preemptions: int = 0
+    yields: int = 0
+    resumes: int = 0
+    kv_kept: int = 0  # pauses that kept the KV cache until the sequence resumed or ended
+    kv_recomputed: int = 0  # paused sequences whose cache was freed (they prefill again)
+    urgent_steps: int = 0  # steps that carried only class-0 work for an urgent first token
+    counter_gap: float = 0.0
+    counters: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    output_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class PriorityScheduler(cb_scheduler.Scheduler):
+    def __init__(
+        self,
+        cache: Any,
+        safety_margin: float | None,
+        max_requests_per_batch: int,
+        *,
+        policy: OrderPolicy,
+        infos: MutableMapping[str, SequenceInfo],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._policy = policy
+        self._infos = infos
+        self._clock = clock
+        self._order = GenerationOrder(policy)
+        self._paused: set[str] = set()  # request ids paused with their cache
+        self._last_batch: set[str] = set()
+        self._kv_recomputed = 0
+        self._urgent_steps = 0
+        self.positions: dict[str, int] = {}
+        self.snapshot = SchedulerSnapshot()
+        super().__init__(cache, 0.0 if safety_margin is None else safety_margin, max_requests_per_batch)
+
+    def reset(self) -> None:
+        super().reset()
+        self._order = GenerationOrder(self._policy)
+        self._paused = set()
+        self._last_batch = set()
+
+    # ---- membership (manager thread) ----------------------------------------------
+
+    def add_waiting_request(self, state: RequestState) -> None:
+        super().add_waiting_request(state)
+        request_id = state.request_id
+        if request_id in self._order:  # its cache was reclaimed (offloaded or reset): it waits again
+            self._paused.discard(request_id)
+            self._order.requeue(request_id, self._clock())
+            return
+        self._enter(request_id, state, self._clock())
+
+    def _enter(self, request_id: str, state: RequestState, now: float) -> Entry:
+        info = self._infos.get(request_id)
+        if info is None and _CHILD in request_id:
+            parent = self._order.entry(request_id.split(_CHILD, 1)[0])
+            if parent is not None:
+                info = SequenceInfo(parent.priority, parent.tenant, parent.weight)
+        info = info or SequenceInfo()
+        return self._order.add(
+            request_id,
+            priority=info.priority,
+            tenant=info.tenant,
+            weight=info.weight,
+            prompt_tokens=len(state.initial_tokens),
+            now=now,
+        )
+
+    def _sync(self, now: float) -> None:
+        """Forget requests that finished or were cancelled; adopt forks the manager made."""
+        for entry in list(self._order.running) + self._order.waiting:
+            request_id = entry.request_id
+            if request_id not in self.active_requests and request_id not in self.waiting_requests:
+                self._order.remove(request_id)
+                self._paused.discard(request_id)
+                self._infos.pop(request_id, None)
+        for request_id, state in self.active_requests.items():
+            if request_id not in self._order:  # a fork: running from birth
+                entry = self._enter(request_id, state, now)
+                entry.running = entry.started = True
+
+    def has_pending_requests(self) -> bool:
+        """Asked before each step; when nothing is left, the last ones leave the order now
+        (no step would run to notice), so what is published says the engine is idle."""
+        pending = super().has_pending_requests()
+        if not pending and len(self._order):
+            now = self._clock()
+            self._sync(now)
+            self._publish(now)
+        return pending
+
+    # ---- the step -----------------------------------------------------------------
+
+    def schedule_batch(self, token_budget: int, cache_budget: int) -> tuple[list[Any] | None, bool, int, int]:
+        now = self._clock()
+        self._sync(now)
+        plan = self._order.plan(
+            capacity=self.max_requests_per_batch,
+            now=now,
+            can_pause=True,
+            can_start=not self.block_new_requests,
+        )
+        for transition, request_id in plan.transitions:
+            if transition is Transition.PAUSE:
+                if request_id in self.active_requests:
+                    self._paused.add(request_id)
+            else:
+                self._paused.discard(request_id)
+        scheduled, allocation_failed, fast_path, q_tokens, kv_read = self._schedule(token_budget, cache_budget)
+        reclaimed = allocation_failed and self._reclaim_paused()
+        if reclaimed and not scheduled:  # room was made: try once more this step
+            scheduled, allocation_failed, fast_path, q_tokens, kv_read = self._schedule(token_budget, cache_budget)
+        self._last_batch = {future.state.request_id for future in scheduled}
+        for future in scheduled:
+            if future.has_new_token:
+                self._order.progressed(future.state.request_id, 1)
+        self._publish(now)
+        if not scheduled and allocation_failed and self.starved_requests:
+            return None, fast_path, 0, 0  # the manager offloads starved requests, then asks again
+        return scheduled, fast_path, q_tokens, kv_read
+
+    def _schedule(self, token_budget: int, cache_budget: int) -> tuple[list[Any], bool, bool, int, int]:
+        running = self._order.running
+        urgent = [entry for entry in running if entry.admitted_class == 0 and not self._has_first_token(entry)]
+        if urgent and any(entry.admitted_class > 0 for entry in running):
+            running = [entry for entry in running if entry.admitted_class == 0]
+            self._urgent_steps += 1
+        candidates = [
+            state
+            for entry in sorted(running, key=self._batch_key)
+            if (state := self._state(entry.request_id)) is not None
+        ]
+        removed: set[str] = set()
+        scheduled, failed, fast_path, q_tokens, kv_read = self._process_candidates(
+            candidates, token_budget, cache_budget, removed
+        )
+        self._cleanup_waiting_queue(removed)
+        return scheduled, failed, fast_path, q_tokens, kv_read
+
+    def _batch_key(self, entry: Entry) -> tuple[int, int, int]:
+        state = self._state(entry.request_id)
+        rank = _STATUS_RANK.get(state.status, 2) if state is not None else 3
+        return (entry.admitted_class, rank, entry.arrival)
+
+    def _state(self, request_id: str) -> RequestState | None:
+        return self.active_requests.get(request_id) or self.waiting_requests.get(request_id)
+
+    def _has_first_token(self, entry: Entry) -> bool:
+        state = self._state(entry.request_id)
+        return state is None or state.status == RequestStatus.DECODING or state.generated_len() > 0
+
+    def _reclaim_paused(self) -> bool:
+        """Free the cache of the paused sequence that will resume last (not one still in a
+        batch in flight): it waits again and prefills what it had when it resumes."""
+        now = self._clock()
+        candidates = [
+            entry
+            for request_id in self._paused
+            if request_id not in self._last_batch
+            and request_id in self.active_requests
+            and (entry := self._order.entry(request_id)) is not None
+        ]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda entry: self._order.key(entry, now))
+        state = self.active_requests[victim.request_id]
+        fresh = state.create_equivalent_initial_request()
+        state._status = RequestStatus.FINISHED  # as transformers' own soft reset: no lifespan bookkeeping
+        self.cache.free_blocks(victim.request_id)
+        del self.active_requests[victim.request_id]
+        self._paused.discard(victim.request_id)
+        self.waiting_requests[victim.request_id] = fresh
+        self.waiting_requests_order.append(victim.request_id)
+        self._kv_recomputed += 1
+        return True
+
+    # ---- what the event loop reads ------------------------------------------------
+
+    def _publish(self, now: float) -> None:
+        waiting = self._order.waiting
+        self.positions = self._order.positions(now) if waiting else {}
+        order = self._order
+        totals = order.totals
+        counters = order.counters
+        self.snapshot = SchedulerSnapshot(
+            running=len(order) - len(waiting),
+            waiting=len(waiting),
+            paused=len(self._paused),
+            preemptions=totals.preemptions,
+            yields=totals.yields,
+            resumes=totals.resumes,
+            kv_kept=max(0, totals.preemptions + totals.yields - self._kv_recomputed),
+            kv_recomputed=self._kv_recomputed,
+            urgent_steps=self._urgent_steps,
+            counter_gap=counters.gap(),
+            counters=counters.snapshot(),
+            prompt_tokens=dict(counters.prompt_tokens),
+            output_tokens=dict(counters.output_tokens),
+        )
+
+
+def install(policy: OrderPolicy, infos: MutableMapping[str, SequenceInfo]) -> str:
+    """Register a `PriorityScheduler` for one manager; returns the `scheduler_type` to give
+    its `ContinuousBatchingConfig` (the manager builds its scheduler on its own thread from
+    transformers' `SCHEDULER_MAPPING`). `uninstall` it when the manager stops."""
+    name = f"loadmaster-priority-{next(_names)}"
+
+    class Bound(PriorityScheduler):
+        def __init__(self, cache: Any, safety_margin: float | None, max_requests_per_batch: int) -> None:
+            super().__init__(cache, safety_margin, max_requests_per_batch, policy=policy, infos=infos)
+
+    cb_scheduler.SCHEDULER_MAPPING[name] = Bound
+    return name
+
+
+def uninstall(name: str) -> None:
+    cb_scheduler.SCHEDULER_MAPPING.pop(name, None)
