@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumen
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FRAME
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.catalog import ModelView
-from loadmaster.gateway.frontends.openai import Finished, TextChunk
+from loadmaster.gateway.frontends.openai import Finished, TextChunk, Waiting
 from loadmaster.gateway.frontends.openai_schema import parse_chat
 from loadmaster.gateway.generations import GenerationPort, GenerationStreams
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
@@ -291,3 +292,75 @@ async def test_response_format_travels_to_the_worker(
     assert json.loads(sent["s"].response_format.json_schema) == schema
     assert sent["o"].response_format.type == "json_object" and not sent["o"].response_format.json_schema
     assert not sent["t"].HasField("response_format")  # free text: nothing to enforce
+
+
+async def test_the_tenant_and_its_weight_travel_to_the_worker(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, workers = parts
+    streams.weights = {"acme": 3.0}.get  # type: ignore[assignment]
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm", tenant="acme")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    streams.on_grant(grant("g1"))
+    [sent] = workers.requests()
+    assert (sent.tenant, sent.tenant_weight) == ("acme", 3.0)
+    streams.on_replies(ENDPOINT, replies("g1", (0, "result", (3, 0))))
+    assert isinstance(await first, Finished)
+
+
+async def test_a_workers_progress_reply_becomes_waiting_before_the_first_chunk(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, _ = parts
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    streams.on_grant(grant("g1"))
+    progress = model_pool_pb2.GenerateReplies()
+    reply = progress.replies.add(request_id="g1", model_id="tiny-chat", worker_id="w1")
+    reply.progress.queued_ahead = 4
+    streams.on_replies(ENDPOINT, progress)
+    assert await asyncio.wait_for(first, 1) == Waiting(queued_ahead=4)
+    streams.on_replies(ENDPOINT, replies("g1", (0, "chunk", "hi"), (1, "result", (3, 1))))
+    assert await anext(events) == TextChunk("hi")
+    assert isinstance(await anext(events), Finished)
+
+
+async def test_a_stream_not_granted_while_its_model_loads_is_told_how_far_the_load_is(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, _ = parts
+    clock_ms = time.time() * 1000
+    views = iter(
+        [
+            ModelView("tiny-chat", "LOADING"),  # never measured: just "loading"
+            ModelView("tiny-chat", "LOADING", load_started_unix_ms=int(clock_ms - 1000), load_time_ms=4000),
+        ]
+    )
+
+    async def view(model_id: str) -> ModelView | None:
+        return next(views, ModelView("tiny-chat", "READY"))
+
+    streams.model_view = view
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm")
+    async with asyncio.timeout(5):
+        first = await anext(events)
+        second = await anext(events)
+    assert first == Waiting(loading=True)
+    # told about 1.5 s after it opened: (1 s before + 1.5 s) / 4 s, give or take a loaded machine
+    assert second.loading and second.load_fraction is not None and 0.55 <= second.load_fraction <= 0.95
+    await events.aclose()
+
+
+async def test_streams_not_granted_and_not_loading_count_the_streams_ahead_at_this_gateway(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, _ = parts
+    older = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm")
+    newer = streams.generate(parse_chat(BODY), request_id="g2", client_id="arm")
+    async with asyncio.timeout(5):
+        assert await anext(older) == Waiting(queued_ahead=0)
+        assert await anext(newer) == Waiting(queued_ahead=1)
+    await older.aclose()
+    await newer.aclose()

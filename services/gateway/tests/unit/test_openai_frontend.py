@@ -17,7 +17,7 @@ from loadmaster.common import tracing
 from loadmaster.common.config import ApiKeySettings
 from loadmaster.common.errors import ExpiredError, LoadmasterError, NotFoundError, UnavailableError
 from loadmaster.gateway.auth import Authenticator
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, openai_routes
+from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting, openai_routes
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
 
 
@@ -25,19 +25,29 @@ class Recorded:
     """Answers every request with `pieces`, or fails as told; remembers what it was asked."""
 
     def __init__(
-        self, pieces: list[str], *, fail_before: Exception | None = None, fail_after: int | None = None
+        self,
+        pieces: list[str],
+        *,
+        fail_before: Exception | None = None,
+        fail_after: int | None = None,
+        waiting: tuple[Waiting, ...] = (),
     ):
         self.pieces = pieces
         self.fail_before = fail_before
         self.fail_after = fail_after
+        self.waiting = waiting
         self.requests: list[tuple[GenerationRequest, str]] = []
+        self.tenants: list[str] = []
         self.closed: list[str] = []
 
     async def generate(
-        self, request: GenerationRequest, *, request_id: str, client_id: str
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncIterator[GenerationEvent]:
         self.requests.append((request, client_id))
+        self.tenants.append(tenant)
         try:
+            for waiting in self.waiting:
+                yield waiting
             if self.fail_before is not None:
                 raise self.fail_before
             for index, piece in enumerate(self.pieces):
@@ -185,10 +195,10 @@ class SeenSpans(Recorded):
         self.current: list[trace.SpanContext] = []
 
     async def generate(
-        self, request: GenerationRequest, *, request_id: str, client_id: str
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncIterator[GenerationEvent]:
         self.current.append(trace.get_current_span().get_span_context())
-        async for item in super().generate(request, request_id=request_id, client_id=client_id):
+        async for item in super().generate(request, request_id=request_id, client_id=client_id, tenant=tenant):
             yield item
 
 
@@ -217,3 +227,42 @@ async def test_without_a_traceparent_the_request_span_starts_a_trace(exported: I
     await client_for(Recorded(["a"])).completions.create(model="tiny-chat", prompt="hi")
     [span] = [s for s in exported.get_finished_spans() if s.name == "gateway.openai"]
     assert span.parent is None
+
+
+async def test_the_tenant_is_the_keys_tenant_else_its_name_else_user_else_the_client_id() -> None:
+    keys = [
+        ApiKeySettings(name="svc", sha256=hashlib.sha256(b"k").hexdigest(), tenant="acme"),
+        ApiKeySettings(name="plain", sha256=hashlib.sha256(b"p").hexdigest()),
+    ]
+    generations = Recorded(["x"])
+    await client_for(generations, keys).chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, user="alice", extra_body={"x_client_id": "arm"}
+    )
+    plain = client_for(generations, keys).with_options(api_key="p")
+    await plain.chat.completions.create(model="tiny-chat", messages=MESSAGES, user="alice")
+    open_mode = Recorded(["x"])
+    await client_for(open_mode).chat.completions.create(model="tiny-chat", messages=MESSAGES, user="bob")
+    await client_for(open_mode).chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, extra_body={"x_client_id": "arm-2"}
+    )
+    await client_for(open_mode).chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    assert generations.tenants == ["acme", "plain"]
+    assert open_mode.tenants == ["bob", "arm-2", "openai"]
+
+
+async def test_a_waiting_stream_says_where_it_stands_in_comment_lines_the_client_skips() -> None:
+    waiting = (Waiting(loading=True), Waiting(loading=True, load_fraction=0.456), Waiting(queued_ahead=3))
+    generations = Recorded(["he", "llo"], waiting=waiting)
+    app = Starlette(routes=openai_routes(generations, Authenticator([]), gateway_id="gw"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+        body = {"model": "tiny-chat", "messages": MESSAGES, "stream": True}
+        raw = (await http.post("/v1/chat/completions", json=body)).text
+    assert raw.index(": loading\n\n") < raw.index(": loading 45%\n\n") < raw.index(": queued 3\n\n") < raw.index("data:")
+    client = client_for(Recorded(["he", "llo"], waiting=waiting))
+    stream = await client.chat.completions.create(model="tiny-chat", messages=MESSAGES, stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    assert text == "hello"
+    collected = await client_for(Recorded(["ok"], waiting=waiting)).chat.completions.create(
+        model="tiny-chat", messages=MESSAGES
+    )
+    assert collected.choices[0].message.content == "ok"

@@ -103,7 +103,7 @@ class InferResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., error_message: _Optional[str] = ..., retryable: _Optional[bool] = ..., inference_latency_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ..., shm_unusable: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class ModelSlotStatus(_message.Message):
-    __slots__ = ("model_id", "state", "generation", "inflight", "max_inflight", "device", "vram_mb", "backend", "pinned", "last_used_unix_ms", "loaded_unix_ms", "load_time_ms", "error", "lease_id", "priority", "instances", "max_batch_size", "evictions", "reloads", "mb_per_gpu")
+    __slots__ = ("model_id", "state", "generation", "inflight", "max_inflight", "device", "vram_mb", "backend", "pinned", "last_used_unix_ms", "loaded_unix_ms", "load_time_ms", "error", "lease_id", "priority", "instances", "max_batch_size", "evictions", "reloads", "mb_per_gpu", "load_started_unix_ms")
     class MbPerGpuEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class ModelSlotStatus(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     RELOADS_FIELD_NUMBER: _ClassVar[int]
     MB_PER_GPU_FIELD_NUMBER: _ClassVar[int]
+    LOAD_STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     state: ModelState
     generation: int
@@ -151,7 +152,8 @@ class ModelSlotStatus(_message.Message):
     evictions: int
     reloads: int
     mb_per_gpu: _containers.ScalarMap[int, int]
-    def __init__(self, model_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., generation: _Optional[int] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., device: _Optional[str] = ..., vram_mb: _Optional[int] = ..., backend: _Optional[str] = ..., pinned: _Optional[bool] = ..., last_used_unix_ms: _Optional[int] = ..., loaded_unix_ms: _Optional[int] = ..., load_time_ms: _Optional[float] = ..., error: _Optional[str] = ..., lease_id: _Optional[str] = ..., priority: _Optional[int] = ..., instances: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., evictions: _Optional[int] = ..., reloads: _Optional[int] = ..., mb_per_gpu: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    load_started_unix_ms: int
+    def __init__(self, model_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., generation: _Optional[int] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., device: _Optional[str] = ..., vram_mb: _Optional[int] = ..., backend: _Optional[str] = ..., pinned: _Optional[bool] = ..., last_used_unix_ms: _Optional[int] = ..., loaded_unix_ms: _Optional[int] = ..., load_time_ms: _Optional[float] = ..., error: _Optional[str] = ..., lease_id: _Optional[str] = ..., priority: _Optional[int] = ..., instances: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., evictions: _Optional[int] = ..., reloads: _Optional[int] = ..., mb_per_gpu: _Optional[_Mapping[int, int]] = ..., load_started_unix_ms: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("model_id",)

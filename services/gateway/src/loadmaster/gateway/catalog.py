@@ -40,6 +40,8 @@ class ModelView:
     backend: str = ""
     workers: tuple[str, ...] = ()  # workers that hold it READY
     max_inflight: int = 0
+    load_started_unix_ms: int = 0  # LOADING: when the earliest load in progress began
+    load_time_ms: float = 0.0  # the last measured load's duration on any worker (0: none)
 
     @property
     def ready(self) -> bool:
@@ -67,7 +69,16 @@ def summarize(workers: Iterable[scheduler_pb2.WorkerInfo]) -> dict[str, ModelVie
         states = [_STATE_NAMES.get(slot.state, "UNAVAILABLE") for _, slot in held]
         state = "LOADING" if "LOADING" in states else (states[0] if states else "UNAVAILABLE")
         reason = next((slot.error for _, slot in held if slot.error), "" if held else "not loaded")
-        views[name] = ModelView(name, state, reason, backend)
+        started = [slot.load_started_unix_ms for _, slot in held if slot.load_started_unix_ms]
+        measured = [slot.load_time_ms for _, slot in held if slot.load_time_ms > 0]
+        views[name] = ModelView(
+            name,
+            state,
+            reason,
+            backend,
+            load_started_unix_ms=min(started, default=0),
+            load_time_ms=max(measured, default=0.0),
+        )
     return views
 
 

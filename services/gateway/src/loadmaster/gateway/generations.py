@@ -24,6 +24,14 @@ answered as `ExpiredError` (504).
 The socket reader never waits on a consumer: replies go to a per-stream buffer, bounded by
 the stream's max_tokens (a worker sends at most one chunk per token); a consumer that falls
 further behind than `MAX_BUFFERED` replies is cancelled rather than let grow.
+
+A stream that waits is told where it stands (`Waiting`, an SSE comment on the OpenAI route):
+at the worker, from its `progress` replies (the requests ahead of it in the engine's queue);
+before a grant, from here: its model loading (time since the load began / the last measured
+load time), else the streams of its model waiting at this gateway ahead of it. The first
+within `WAITING_FIRST_S`, then at most one per `WAITING_EVERY_S`, and only when it changed.
+Each stream carries its tenant and the tenant's weight to the worker's queue, which is fair
+between tenants within a priority (docs/generation-scheduling.md).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FR
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.affinity import prefix_affinity_key
 from loadmaster.gateway.catalog import ModelView
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
+from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
 from loadmaster.gateway.ladders import Ladder, LadderRouter, alias_states
 from loadmaster.gateway.ports import SchedulerSession
@@ -64,6 +72,8 @@ DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's own default is t
 DEFAULT_PRIORITY = 1  # as for tensor requests
 MAX_BUFFERED = 8192  # replies one stream may have waiting for its consumer
 CANCEL_GRACE_S = 10.0  # a cancelled stream's slot is completed by then even if the worker is silent
+WAITING_FIRST_S = 0.5  # a stream not granted this long after it was opened is told where it stands
+WAITING_EVERY_S = 1.0  # then at most once per this long, when that changed
 
 CANCEL_PREFIX = "cancel:"  # a CancelGeneration's credential is signed over this + the request id
 _FINISH = {model_pool_pb2.FINISH_REASON_STOP: "stop", model_pool_pb2.FINISH_REASON_LENGTH: "length"}
@@ -89,6 +99,8 @@ class _Stream:
     cancelling: bool = False
     done: bool = False
     cancel_timer: asyncio.TimerHandle | None = None
+    waiting_told: Waiting | None = None  # the last `Waiting` delivered
+    waiting_at: float = 0.0
 
 
 class GenerationStreams:
@@ -103,13 +115,20 @@ class GenerationStreams:
         telemetry: TelemetryReporter,
         clock: Clock | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        weights: Callable[[str], float] | None = None,
+        model_view: Callable[[str], Awaitable[ModelView | None]] | None = None,
     ) -> None:
+        """`weights`: a tenant's weight (the `tenants:` settings; 1 when unnamed). `model_view`:
+        a model's catalog view, for `Waiting` while its load runs (None: never told loading)."""
         self._scheduler = scheduler
         self._workers = workers
         self._telemetry = telemetry
         self._clock: Clock = clock or SystemClock()
         self._default_max_tokens = default_max_tokens
+        self.weights = weights or (lambda tenant: 1.0)
+        self.model_view = model_view
         self._streams: dict[str, _Stream] = {}
+        self._waiting_task: asyncio.Task[None] | None = None
 
     @property
     def open(self) -> int:
@@ -118,10 +137,11 @@ class GenerationStreams:
     # ---- the port ------------------------------------------------------------------
 
     async def generate(
-        self, request: GenerationRequest, *, request_id: str, client_id: str
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncGenerator[GenerationEvent, None]:
-        """Chunks, then one `Finished`; raises `LoadmasterError`. Closing it early cancels."""
-        stream = self._open(request, request_id=request_id, client_id=client_id)
+        """`Waiting` while it waits, chunks, then one `Finished`; raises `LoadmasterError`.
+        Closing it early cancels."""
+        stream = self._open(request, request_id=request_id, client_id=client_id, tenant=tenant or client_id)
         try:
             while True:
                 item = await stream.events.get()
@@ -141,14 +161,17 @@ class GenerationStreams:
             if not stream.done:
                 self._cancel(stream, "the client went away")
 
-    def _open(self, request: GenerationRequest, *, request_id: str, client_id: str) -> _Stream:
+    def _open(self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str) -> _Stream:
         if not self._scheduler.connected:
             raise UnavailableError("scheduler unreachable; try again shortly")
         if request_id in self._streams:
             raise UnavailableError(f"duplicate request id {request_id}")
         message = _message(request, request_id=request_id, default_max_tokens=self._default_max_tokens)
+        message.tenant = tenant
+        message.tenant_weight = self.weights(tenant)
         stream = _Stream(request_id, request.model, message, self._clock.monotonic(), self._scheduler.session)
         self._streams[request_id] = stream
+        self._watch_waiting()
         self._scheduler.enqueue(
             scheduler_pb2.RequestInfo(
                 request_id=request_id,
@@ -244,6 +267,10 @@ class GenerationStreams:
     # ---- internals -------------------------------------------------------------------
 
     def _accept(self, stream: _Stream, reply: model_pool_pb2.GenerateReply) -> None:
+        if reply.WhichOneof("kind") == "progress":
+            if stream.expected == 0:  # outside the ordered stream; meaningless once it began
+                self._tell_waiting(stream, Waiting(queued_ahead=reply.progress.queued_ahead))
+            return
         if reply.sequence != stream.expected:
             what = "repeated" if reply.sequence < stream.expected else "missing"
             raise InternalError(
@@ -297,6 +324,47 @@ class GenerationStreams:
             )
             return
         raise InternalError(f"stream broken: reply {reply.sequence} carries nothing")
+
+    # ---- where waiting streams stand -------------------------------------------------
+
+    def _tell_waiting(self, stream: _Stream, waiting: Waiting) -> None:
+        stream.waiting_told, stream.waiting_at = waiting, self._clock.monotonic()
+        self._deliver(stream, waiting)
+
+    def _watch_waiting(self) -> None:
+        if self._waiting_task is None or self._waiting_task.done():
+            self._waiting_task = asyncio.create_task(self._waiting_loop(), name="generation-waiting")
+
+    async def _waiting_loop(self) -> None:
+        """While streams wait for a grant: tell each where it stands (ends with the last stream)."""
+        while self._streams:
+            await asyncio.sleep(WAITING_FIRST_S / 2)
+            try:
+                await self._tell_ungranted(self._clock.monotonic())
+            except Exception:
+                log.exception("telling waiting generations where they stand failed")
+
+    async def _tell_ungranted(self, now: float) -> None:
+        ungranted: dict[str, list[_Stream]] = {}
+        for stream in self._streams.values():  # in the order they were opened
+            if not stream.worker_id and not stream.done and not stream.cancelling:
+                ungranted.setdefault(stream.model_id, []).append(stream)
+        for model_id, streams in ungranted.items():
+            due = [
+                (ahead, stream)
+                for ahead, stream in enumerate(streams)
+                if now - stream.received >= WAITING_FIRST_S
+                and (stream.waiting_told is None or now - stream.waiting_at >= WAITING_EVERY_S)
+            ]
+            if not due:
+                continue
+            view = await self.model_view(model_id) if self.model_view is not None else None
+            for ahead, stream in due:
+                if stream.worker_id or stream.done:  # granted or ended while the view was read
+                    continue
+                waiting = _waiting(view, ahead, now_unix_ms=self._clock.time() * 1000)
+                if waiting != stream.waiting_told:
+                    self._tell_waiting(stream, waiting)
 
     def _retry(self, stream: _Stream, error: LoadmasterError) -> None:
         """Before its first chunk, a retryable failure goes back to the scheduler (re-granted or rejected)."""
@@ -361,6 +429,16 @@ class GenerationStreams:
             del self._streams[stream.request_id]
 
 
+def _waiting(view: ModelView | None, ahead: int, *, now_unix_ms: float) -> Waiting:
+    """A stream not granted yet: its model loading, else the streams ahead of it here."""
+    if view is None or view.state != "LOADING":
+        return Waiting(queued_ahead=ahead)
+    if view.load_time_ms <= 0 or not view.load_started_unix_ms:
+        return Waiting(loading=True)
+    fraction = max(0.0, now_unix_ms - view.load_started_unix_ms) / view.load_time_ms
+    return Waiting(loading=True, load_fraction=min(0.99, fraction))
+
+
 def _message(
     request: GenerationRequest, *, request_id: str, default_max_tokens: int
 ) -> model_pool_pb2.GenerateRequest:
@@ -423,18 +501,18 @@ class GenerationPort:
         self._router = LadderRouter(ladders or {}, self._states, clock=clock)
 
     def generate(
-        self, request: GenerationRequest, *, request_id: str, client_id: str
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncIterator[GenerationEvent]:
         if self._router.is_alias(request.model):
-            return self._routed(request, request_id=request_id, client_id=client_id)
-        return self._streams.generate(request, request_id=request_id, client_id=client_id)
+            return self._routed(request, request_id=request_id, client_id=client_id, tenant=tenant)
+        return self._streams.generate(request, request_id=request_id, client_id=client_id, tenant=tenant)
 
     async def _routed(
-        self, request: GenerationRequest, *, request_id: str, client_id: str
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str
     ) -> AsyncIterator[GenerationEvent]:
         model = await self._router.route(request.model)
         routed = dataclasses.replace(request, model=model)
-        events = self._streams.generate(routed, request_id=request_id, client_id=client_id)
+        events = self._streams.generate(routed, request_id=request_id, client_id=client_id, tenant=tenant)
         async with contextlib.aclosing(events):  # closing this one cancels the stream at once
             async for item in events:
                 yield dataclasses.replace(item, model=model) if isinstance(item, TextChunk) else item

@@ -28,7 +28,7 @@ import httpx
 from loadmaster.common.config import GuardrailSettings
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
 from loadmaster.gateway.auth import Principal
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
+from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
 from loadmaster.gateway.validation import off_loop
 
@@ -243,6 +243,9 @@ class Guardrails:
         chunks = 0
         try:
             async for item in events:
+                if isinstance(item, Waiting):
+                    yield item
+                    continue
                 if isinstance(item, TextChunk):
                     chunks += 1
                     released, match = screen.feed(item.text)

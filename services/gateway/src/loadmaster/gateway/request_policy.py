@@ -66,7 +66,7 @@ class _Watch:
             async for item in events:
                 if isinstance(item, TextChunk):
                     self.parts.append(item.text)
-                else:
+                elif isinstance(item, Finished):
                     finished = item
                 yield item
         except Exception as error:

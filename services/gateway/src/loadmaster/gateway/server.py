@@ -10,13 +10,14 @@ import zmq.asyncio
 
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
+from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.admin import SchedulerAdmin
 from loadmaster.gateway.audit import AuditLog
 from loadmaster.gateway.auth import Authenticator
-from loadmaster.gateway.catalog import ModelCatalog
+from loadmaster.gateway.catalog import ModelCatalog, ModelView
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.edge import EdgeFrontend
@@ -125,6 +126,11 @@ class Gateway:
         self.admin = SchedulerAdmin(settings.scheduler.address)
         # One port for every front end: the OpenAI routes, and KServe's text_input on language
         # models over HTTP and gRPC (one ladder router, one view of the model states).
+        tenants = settings.tenants
+        self.dispatcher.generations.weights = lambda tenant: (
+            tenants[tenant].weight if tenant in tenants else 1.0
+        )
+        self.dispatcher.generations.model_view = self._model_view
         self.generations = GenerationPort(
             self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)
         )
@@ -187,6 +193,13 @@ class Gateway:
             keep_alive_s=settings.gateway.limits.http_keep_alive_s,
         )
         self._settings = settings
+
+    async def _model_view(self, model_id: str) -> ModelView | None:
+        """A model's catalog view (for telling a waiting stream how its model's load goes)."""
+        try:
+            return (await self.catalog.models()).get(model_id)
+        except LoadmasterError:
+            return None
 
     async def start(self) -> None:
         warn_if_exposed(self._settings.gateway)

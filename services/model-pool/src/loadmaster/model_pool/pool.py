@@ -341,6 +341,16 @@ class ModelPool(_Admission, _Release):
             cls = await asyncio.to_thread(self._engines, spec.backend)
             model = self._models.for_model(model_id)
             policy = batch_policy(spec.config, model)
+            sequences = int(getattr(spec.config, "max_sequences", 0) or 0)
+            if getattr(cls, "orders_generations", False) and model.max_inflight <= sequences:
+                log.warning(
+                    "model '%s': max_inflight %d is not above its %d sequences: streams beyond them "
+                    "wait in the scheduler, where urgent ones cannot take a lower-priority place "
+                    "(docs/generation-scheduling.md)",
+                    model_id,
+                    model.max_inflight,
+                    sequences,
+                )
             count = model.instances or spec.config.instances
             device = spec.config.device or self._device
             mb = model.vram_mb

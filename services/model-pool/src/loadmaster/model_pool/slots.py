@@ -62,6 +62,7 @@ class SlotStatus:
     load_time_ms: float
     error: str
     lease_id: str
+    load_started_unix_ms: int = 0  # the load in progress began (LOADING only)
     instances: int = 1
     max_batch_size: int = 1
     evictions: int = 0
@@ -97,7 +98,8 @@ class Slot:
         self.error = ""
         self.last_used_unix_ms = 0
         self.loaded_unix_ms = 0
-        self.load_time_ms = 0.0
+        self.load_time_ms = 0.0  # the last load's duration (kept while the next one runs)
+        self.load_started_unix_ms = 0
         self.instances = 1
         self.max_batch_size = 1
         self.evictions = 0
@@ -125,6 +127,7 @@ class Slot:
         self.error = ""
         self.lease_id = ""
         self._load_started = self._clock.monotonic()
+        self.load_started_unix_ms = int(self._clock.time() * 1000)
         return self.generation
 
     def set_placement(self, *, backend: str, device: str, vram_mb: int) -> None:
@@ -217,6 +220,7 @@ class Slot:
             last_used_unix_ms=self.last_used_unix_ms,
             loaded_unix_ms=self.loaded_unix_ms,
             load_time_ms=self.load_time_ms,
+            load_started_unix_ms=self.load_started_unix_ms if self.state is ModelState.LOADING else 0,
             error=self.error,
             lease_id=self.lease_id,
             instances=self.instances,

@@ -58,6 +58,7 @@ def slot_status_pb(status: SlotStatus) -> model_pool_pb2.ModelSlotStatus:
         last_used_unix_ms=status.last_used_unix_ms,
         loaded_unix_ms=status.loaded_unix_ms,
         load_time_ms=status.load_time_ms,
+        load_started_unix_ms=status.load_started_unix_ms,
         error=status.error,
         lease_id=status.lease_id,
         priority=status.priority,

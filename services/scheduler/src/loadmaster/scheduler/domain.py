@@ -105,6 +105,7 @@ class SlotStatus:
     last_used_unix_ms: int = 0
     loaded_unix_ms: int = 0
     load_time_ms: float = 0.0
+    load_started_unix_ms: int = 0
     error: str = ""
     lease_id: str = ""
     priority: int = 0

@@ -52,7 +52,15 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_completion,
 )
 
-__all__ = ["Finished", "Generations", "RequestPolicy", "RequestWatch", "TextChunk", "openai_routes"]
+__all__ = [
+    "Finished",
+    "Generations",
+    "RequestPolicy",
+    "RequestWatch",
+    "TextChunk",
+    "Waiting",
+    "openai_routes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +85,35 @@ class Finished:
     model: str = ""  # the model that answered, when it differs from the one asked (an alias)
 
 
-GenerationEvent = TextChunk | Finished
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Where a stream that has not started stands (docs/generation-scheduling.md): `queued_ahead`
+    requests ahead of it, or its model loading (`load_fraction` of the last measured load time,
+    None when none was measured). A stream shows it as an SSE comment; nothing else does."""
+
+    queued_ahead: int = 0
+    loading: bool = False
+    load_fraction: float | None = None
+
+    def comment(self) -> bytes:
+        if not self.loading:
+            return f": queued {self.queued_ahead}\n\n".encode()
+        if self.load_fraction is None:
+            return b": loading\n\n"
+        return f": loading {min(99, int(self.load_fraction * 100))}%\n\n".encode()
+
+
+GenerationEvent = TextChunk | Finished | Waiting
 
 
 class Generations(Protocol):
     """What the front end needs from the rest of the gateway."""
 
     def generate(
-        self, request: GenerationRequest, *, request_id: str, client_id: str
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncIterator[GenerationEvent]:
-        """Chunks, then one `Finished`; raises `LoadmasterError`. Closing it early cancels."""
+        """`Waiting` while it waits, chunks, then one `Finished`; raises `LoadmasterError`.
+        Closing it early cancels."""
         ...
 
     async def models(self) -> dict[str, str]:
@@ -180,7 +207,6 @@ def openai_routes(
         except Exception as error:
             watch.failed(error)
             raise
-        key_name = principal.name
         span = tracing.start_request_span(
             "gateway.openai",
             request_id=request_id,
@@ -190,7 +216,7 @@ def openai_routes(
         )
         try:
             with trace.use_span(span, end_on_exit=False):
-                response = await respond(request, generation, request_id, key_name, watch, chat=chat)
+                response = await respond(request, generation, request_id, principal, watch, chat=chat)
         except Exception as error:
             watch.failed(error)
             tracing.end_span(span, error_code=_edge_code(error))
@@ -205,24 +231,30 @@ def openai_routes(
         request: Request,
         generation: GenerationRequest,
         request_id: str,
-        key_name: str,
+        principal: Principal,
         watch: RequestWatch,
         *,
         chat: bool,
     ) -> Response:
-        client_id = generation.client_id or generation.user or key_name or "openai"
+        client_id = generation.client_id or generation.user or principal.name or "openai"
+        tenant = principal.tenant or generation.user or generation.client_id or client_id
         await watch.admit(generation, client_id=client_id)
-        events = watch.watch(generations.generate(generation, request_id=request_id, client_id=client_id))
+        events = watch.watch(
+            generations.generate(generation, request_id=request_id, client_id=client_id, tenant=tenant)
+        )
         created = int(clock())
         if generation.stream:
-            first = await anext(events)  # errors before the first chunk are HTTP statuses
+            # Errors before the first event are HTTP statuses; a stream that waits starts at
+            # once, with comment lines that say where it stands (the client ignores them).
+            first = await anext(events)
+            model = "" if isinstance(first, Waiting) else first.model
             return StreamingResponse(
                 _stream(events, first, generation, request_id=request_id, created=created, chat=chat),
                 media_type="text/event-stream",
                 headers={
                     "Cache-Control": "no-cache",
                     "X-Accel-Buffering": "no",
-                    "X-Loadmaster-Model": first.model or generation.model,
+                    "X-Loadmaster-Model": model or generation.model,
                 },
             )
         collect = asyncio.ensure_future(_collect(events))
@@ -295,7 +327,8 @@ async def _collect(events: AsyncIterator[GenerationEvent]) -> tuple[str, Finishe
         async for item in events:
             if isinstance(item, Finished):
                 return "".join(parts), item
-            parts.append(item.text)
+            if isinstance(item, TextChunk):
+                parts.append(item.text)
     finally:
         await _close(events)
     raise InternalError("the generation ended without a final result")
@@ -341,11 +374,19 @@ async def _stream(
         return event(completion_chunk(request_id=request_id, model=model, created=created, text=text))
 
     try:
-        model = first.model or model  # an alias's stream is the chosen model's from the start
+        item: GenerationEvent | None = first
+        while isinstance(item, Waiting):
+            yield item.comment()
+            item = await anext(events, None)
+        if item is None:
+            raise InternalError("the generation ended without a final result")
+        model = item.model or model  # an alias's stream is the chosen model's from the start
         if chat:
             yield text_event("", role=True)
-        item: GenerationEvent | None = first
         while item is not None:
+            if isinstance(item, Waiting):  # not after the stream began; nothing to show
+                item = await anext(events, None)
+                continue
             if isinstance(item, Finished):
                 model = item.model or model
                 if chat:
