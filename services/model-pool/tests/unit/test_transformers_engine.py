@@ -295,6 +295,28 @@ async def test_a_priority_0_request_pauses_a_lower_one_which_keeps_its_cache_and
     assert engine.scheduling().resumes >= 1
 
 
+@pytest.mark.parametrize("small_engine", [(8, OrderPolicy())], indirect=True)
+async def test_while_urgent_work_runs_a_step_carries_few_lower_priority_sequences(
+    small_engine: TransformersEngine,
+) -> None:
+    """With 8 places, a step carries at most 2 (a quarter) lower-priority sequences while a
+    priority-0 one runs: the step an urgent request waits for stays short."""
+    engine = small_engine
+    low = [await engine.submit(ranked(f"low-{i}", 2, max_tokens=400)) for i in range(8)]
+    for stream in low:
+        await asyncio.wait_for(stream.__anext__(), 30)
+    tokens_before = engine.scheduling().output_tokens["t"]
+    _, end = await collect(engine, ranked("urgent", 0, tenant="u", max_tokens=40))
+    snapshot = engine.scheduling()
+    lower_tokens = snapshot.output_tokens["t"] - tokens_before
+    assert end.usage.completion_tokens == 40
+    # 40 urgent steps (and its prefill step alone): at most 2 lower sequences in each, plus
+    # the step that was running when it came (8) and the urgent hold's slack after it ended
+    assert lower_tokens <= 2 * 40 + 8 + 16, lower_tokens
+    for stream in low:
+        await stream.aclose()
+
+
 @pytest.mark.parametrize("small_engine", [(1, OrderPolicy(timeslice_tokens=4))], indirect=True)
 async def test_with_timeslices_lower_priority_work_yields_to_better_work_and_resumes(
     small_engine: TransformersEngine,

@@ -17,6 +17,10 @@ next step, with nothing a network hop or a loop turn away:
   seeded sampling it draws the same continuation);
 - while a class-0 request waits for its first token, the step carries only class-0 work:
   the urgent prefill does not wait for a decode step over the whole batch;
+- while urgent work runs, and for `URGENT_HOLD_S` after the last of it, a step carries at
+  most `URGENT_LOW_SHARE` of the places' worth of lower-class sequences (those that waited
+  longest for a step first), so the step an urgent arrival waits for is short; lower-class
+  work gives up throughput only while urgent work is about;
 - output tokens are charged to their tenants' counters as each step is scheduled.
 
 Thread safety: the event loop writes a request's `SequenceInfo` into the shared `infos`
@@ -41,6 +45,8 @@ __all__ = ["PriorityScheduler", "SchedulerSnapshot", "SequenceInfo", "install", 
 
 _CHILD = "__child#"  # transformers names the forks of a request `<id>__child#<i>`
 _STATUS_RANK = {RequestStatus.DECODING: 0, RequestStatus.PREFILLING: 1}
+URGENT_HOLD_S = 1.0  # steps stay short this long after the last class-0 sequence was seen
+URGENT_LOW_SHARE = 0.25  # of max_requests_per_batch: lower-class sequences per step meanwhile
 _names = itertools.count()
 
 
@@ -91,6 +97,9 @@ class PriorityScheduler(cb_scheduler.Scheduler):
         self._last_batch: set[str] = set()
         self._kv_recomputed = 0
         self._urgent_steps = 0
+        self._steps = 0
+        self._last_step: dict[str, int] = {}  # request id -> the step it last ran in
+        self._urgent_seen = float("-inf")  # when a class-0 sequence last ran or waited
         self.positions: dict[str, int] = {}
         self.snapshot = SchedulerSnapshot()
         super().__init__(cache, 0.0 if safety_margin is None else safety_margin, max_requests_per_batch)
@@ -136,6 +145,7 @@ class PriorityScheduler(cb_scheduler.Scheduler):
                 self._order.remove(request_id)
                 self._paused.discard(request_id)
                 self._infos.pop(request_id, None)
+                self._last_step.pop(request_id, None)
         for request_id, state in self.active_requests.items():
             if request_id not in self._order:  # a fork: running from birth
                 entry = self._enter(request_id, state, now)
@@ -182,11 +192,7 @@ class PriorityScheduler(cb_scheduler.Scheduler):
         return scheduled, fast_path, q_tokens, kv_read
 
     def _schedule(self, token_budget: int, cache_budget: int) -> tuple[list[Any], bool, bool, int, int]:
-        running = self._order.running
-        urgent = [entry for entry in running if entry.admitted_class == 0 and not self._has_first_token(entry)]
-        if urgent and any(entry.admitted_class > 0 for entry in running):
-            running = [entry for entry in running if entry.admitted_class == 0]
-            self._urgent_steps += 1
+        running = self._step_members(self._order.running)
         candidates = [
             state
             for entry in sorted(running, key=self._batch_key)
@@ -197,8 +203,26 @@ class PriorityScheduler(cb_scheduler.Scheduler):
             candidates, token_budget, cache_budget, removed
         )
         self._cleanup_waiting_queue(removed)
+        self._steps += 1
+        for future in scheduled:
+            self._last_step[future.state.request_id] = self._steps
         return scheduled, failed, fast_path, q_tokens, kv_read
 
+    def _step_members(self, running: list[Entry]) -> list[Entry]:
+        """Who is in this step: everyone, unless urgent (class-0) work is about."""
+        now = self._clock()
+        urgent = [entry for entry in running if entry.admitted_class == 0]
+        if urgent or any(entry.priority == 0 for entry in self._order.waiting):
+            self._urgent_seen = now
+        lower = [entry for entry in running if entry.admitted_class > 0]
+        if not lower or now - self._urgent_seen > URGENT_HOLD_S:
+            return running
+        if any(not self._has_first_token(entry) for entry in urgent):
+            self._urgent_steps += 1
+            return urgent  # an urgent prefill: nothing else in its step
+        cap = max(1, int(self.max_requests_per_batch * URGENT_LOW_SHARE))
+        lower.sort(key=lambda entry: (entry.admitted_class, self._last_step.get(entry.request_id, 0), entry.arrival))
+        return urgent + lower[:cap]
     def _batch_key(self, entry: Entry) -> tuple[int, int, int]:
         state = self._state(entry.request_id)
         rank = _STATUS_RANK.get(state.status, 2) if state is not None else 3
