@@ -50,3 +50,14 @@ def test_finishing_an_unknown_or_waiting_stream_frees_nothing_twice() -> None:
     assert sequencer.finished("b", 0.0) == []
     assert sequencer.finished("zzz", 0.0) == []
     assert (sequencer.running, sequencer.waiting) == (1, 0)
+
+
+def test_service_a_tenant_got_on_other_workers_counts_here() -> None:
+    sequencer = Sequencer(capacity=1)
+    arrive(sequencer, "busy", 1, "c")
+    arrive(sequencer, "a0", 1, "a")
+    arrive(sequencer, "b0", 1, "b")
+    sequencer.set_remote_service({"a": 1000.0})  # a was served plenty elsewhere
+    assert sequencer.finished("busy", 0.0) == ["b0"]
+    sequencer.charge_prompt("b0", 4)
+    assert sequencer.tenant_service() == {"b": 4.0}

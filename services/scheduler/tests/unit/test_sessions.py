@@ -13,6 +13,7 @@ from loadmaster.scheduler.core import CoreConfig
 from loadmaster.scheduler.domain import (
     Grant,
     Reject,
+    RemoteService,
     RequestInfo,
     SlotState,
     SlotStatus,
@@ -120,3 +121,17 @@ async def test_hub_routes_outcomes_and_expires_on_time_without_polling() -> None
     hub.disconnect_worker(worker)
     await hub.stop()
     assert gateway.outbox.closed and worker.outbox.closed
+
+
+async def test_the_hub_tells_each_worker_what_tenants_got_on_the_others() -> None:
+    hub = SchedulerHub(CoreConfig(request_ttl_ms=5000.0, max_inflight=lambda m: 1), clock=SystemClock())
+    first = hub.connect_worker(WorkerHello("w1", "tcp://w1", repository=("chat",)))
+    second = hub.connect_worker(WorkerHello("w2", "tcp://w2", repository=("chat",)))
+    hub.tenant_service(first, {"chat": {"a": 120.0}})
+    hub.tenant_service(second, {"chat": {"b": 30.0}})
+    [to_first] = await first.outbox.take_all()
+    assert to_first == RemoteService({"chat": {"b": 30.0}})
+    hub.disconnect_worker(second)  # what it gave no longer counts
+    [after] = await first.outbox.take_all()
+    assert after == RemoteService({"chat": {}})
+    await hub.stop()

@@ -257,12 +257,35 @@ class WorkerReport(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[_model_pool_pb2.ModelSlotStatus, _Mapping]]] = ..., free_mb: _Optional[int] = ...) -> None: ...
 
 class WorkerSessionRequest(_message.Message):
-    __slots__ = ("hello", "report")
+    __slots__ = ("hello", "report", "tenant_service")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SERVICE_FIELD_NUMBER: _ClassVar[int]
     hello: WorkerHello
     report: WorkerReport
-    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ...) -> None: ...
+    tenant_service: TenantServices
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., report: _Optional[_Union[WorkerReport, _Mapping]] = ..., tenant_service: _Optional[_Union[TenantServices, _Mapping]] = ...) -> None: ...
+
+class TenantService(_message.Message):
+    __slots__ = ("model_id", "service")
+    class ServiceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    service: _containers.ScalarMap[str, float]
+    def __init__(self, model_id: _Optional[str] = ..., service: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class TenantServices(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[TenantService]
+    def __init__(self, models: _Optional[_Iterable[_Union[TenantService, _Mapping]]] = ...) -> None: ...
 
 class LoadCommand(_message.Message):
     __slots__ = ("model_id",)
@@ -277,12 +300,14 @@ class UnloadCommand(_message.Message):
     def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
 class WorkerSessionResponse(_message.Message):
-    __slots__ = ("load", "unload")
+    __slots__ = ("load", "unload", "remote_service")
     LOAD_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_SERVICE_FIELD_NUMBER: _ClassVar[int]
     load: LoadCommand
     unload: UnloadCommand
-    def __init__(self, load: _Optional[_Union[LoadCommand, _Mapping]] = ..., unload: _Optional[_Union[UnloadCommand, _Mapping]] = ...) -> None: ...
+    remote_service: TenantServices
+    def __init__(self, load: _Optional[_Union[LoadCommand, _Mapping]] = ..., unload: _Optional[_Union[UnloadCommand, _Mapping]] = ..., remote_service: _Optional[_Union[TenantServices, _Mapping]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -65,6 +65,7 @@ class TenantCounters:
         self._counter: dict[str, float] = {}
         self._backlog: dict[str, int] = {}  # tenant -> generations waiting or running here
         self._remote: dict[str, float] = {}  # weighted service the tenant got on other workers
+        self.service: dict[str, float] = {}  # weighted service given here (what other workers hear)
         self.prompt_tokens: dict[str, int] = {}
         self.output_tokens: dict[str, int] = {}
 
@@ -96,11 +97,17 @@ class TenantCounters:
 
     def charge_prompt(self, tenant: str, tokens: int, weight: float) -> None:
         self.prompt_tokens[tenant] = self.prompt_tokens.get(tenant, 0) + tokens
-        self._counter[tenant] = self._counter.get(tenant, 0.0) + tokens * PROMPT_TOKEN_COST / weight
+        self._charge(tenant, tokens * PROMPT_TOKEN_COST / weight)
 
     def charge_output(self, tenant: str, tokens: int, weight: float) -> None:
         self.output_tokens[tenant] = self.output_tokens.get(tenant, 0) + tokens
-        self._counter[tenant] = self._counter.get(tenant, 0.0) + tokens * OUTPUT_TOKEN_COST / weight
+        self._charge(tenant, tokens * OUTPUT_TOKEN_COST / weight)
+
+    def _charge(self, tenant: str, amount: float) -> None:
+        if amount <= 0:
+            return
+        self._counter[tenant] = self._counter.get(tenant, 0.0) + amount
+        self.service[tenant] = self.service.get(tenant, 0.0) + amount
 
     def set_remote(self, service: dict[str, float]) -> None:
         """The weighted service each tenant got from this model on other workers (so a tenant

@@ -138,6 +138,30 @@ class GenerationPort:
         stats = stream.admission.engine.stats()
         return (stats.running, stats.waiting)
 
+    def tenant_service(self) -> dict[str, dict[str, float]]:
+        """Per model served here: the weighted service each tenant got (cumulative)."""
+        out: dict[str, dict[str, float]] = {}
+        for model_id, model in self._models.items():
+            if model.sequencer is not None:
+                service = model.sequencer.tenant_service()
+            else:
+                engine = self._pool.generative_engine(model_id)
+                service = engine.tenant_service() if engine is not None else {}
+            if service:
+                out[model_id] = service
+        return out
+
+    def set_remote_service(self, models: dict[str, dict[str, float]]) -> None:
+        """What each tenant got from each model on the other workers (the scheduler's exchange)."""
+        for model_id, service in models.items():
+            model = self._models.get(model_id)
+            if model is not None and model.sequencer is not None:
+                model.sequencer.set_remote_service(service)
+                continue
+            engine = self._pool.generative_engine(model_id)
+            if engine is not None:
+                engine.set_remote_service(service)
+
     # ---- receiving (on the loop) --------------------------------------------------
 
     def handle(self, identity: bytes, kind: bytes, envelope: Any) -> None:

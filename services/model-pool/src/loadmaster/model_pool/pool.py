@@ -171,6 +171,14 @@ class ModelPool(_Admission, _Release):
     def closing(self) -> bool:
         return self._closing
 
+    def generative_engine(self, model_id: str) -> Any:
+        """The loaded engine of a generative model that orders its own generations, else None."""
+        loaded = self._loaded.get(model_id)
+        if loaded is None or not loaded.instances:
+            return None
+        engine = loaded.instances[0].engine
+        return engine if getattr(engine, "orders_generations", False) else None
+
     def statuses(self) -> list[SlotStatus]:
         return [self._slots[model_id].status() for model_id in sorted(self._slots)]
 

@@ -54,6 +54,12 @@ class Sequencer:
         if entry is not None and tokens > 0:
             self._order.counters.charge_prompt(entry.tenant, tokens, entry.weight)
 
+    def tenant_service(self) -> dict[str, float]:
+        return dict(self._order.counters.service)
+
+    def set_remote_service(self, service: dict[str, float]) -> None:
+        self._order.counters.set_remote(service)
+
     def finished(self, request_id: str, now: float) -> list[str]:
         """The generation ended (or was cancelled while waiting): its place, if any, is free."""
         if self._order.remove(request_id) is None:

@@ -147,6 +147,7 @@ class ModelPoolServer(GrpcServer):
                 grpc_endpoint=self.grpc_endpoint,
                 node=pool_settings.node,
             ),
+            generations=self.data_port.generations,
             clock=self._clock,
         )
         self.session.start()

@@ -4,17 +4,21 @@ On connect: a hello (worker id, data and gRPC endpoints, node, the models in the
 repository), then a full `WorkerReport`; after that a full report whenever a slot
 changes state (changes that arrive together are coalesced into one report). Load
 and Unload commands are obeyed as background tasks, so a slow load never stalls
-the stream. When the stream drops (or the scheduler is not up yet) the session
+the stream. Every `TENANT_SERVICE_EVERY_S`, when it changed, the weighted service the
+worker's generative models gave each tenant goes up too; the scheduler answers with what
+each tenant got on the other workers (`remote_service`), for fairness across workers
+(docs/generation-scheduling.md). When the stream drops (or the scheduler is not up yet) the session
 reconnects with exponential backoff and starts again with hello + report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -29,6 +33,16 @@ from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 __all__ = ["WorkerIdentity", "WorkerSession"]
 
 log = logging.getLogger(__name__)
+
+TENANT_SERVICE_EVERY_S = 0.5
+
+
+class TenantServices(Protocol):
+    """The generation port's side of fairness across workers."""
+
+    def tenant_service(self) -> dict[str, dict[str, float]]: ...
+
+    def set_remote_service(self, models: dict[str, dict[str, float]]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +64,7 @@ class WorkerSession:
         min_backoff_s: float = 0.1,
         max_backoff_s: float = 1.0,  # a standby scheduler that took over is found within a second
         stable_after_s: float = 5.0,
+        generations: TenantServices | None = None,
     ) -> None:
         self._address = address
         self._pool = pool
@@ -58,6 +73,8 @@ class WorkerSession:
         self._min_backoff_s = min_backoff_s
         self._max_backoff_s = max_backoff_s
         self._stable_after_s = stable_after_s
+        self._generations = generations
+        self._service_sent: dict[str, dict[str, float]] = {}
         self._dirty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._commands: set[asyncio.Task[Any]] = set()
@@ -98,14 +115,30 @@ class WorkerSession:
         )
         return scheduler_pb2.WorkerSessionRequest(report=report)
 
+    def _tenant_service(self) -> scheduler_pb2.WorkerSessionRequest | None:
+        """The tenants' service, when it changed since the last one sent."""
+        if self._generations is None:
+            return None
+        service = self._generations.tenant_service()
+        if service == self._service_sent:
+            return None
+        self._service_sent = service
+        models = [scheduler_pb2.TenantService(model_id=m, service=s) for m, s in sorted(service.items())]
+        return scheduler_pb2.WorkerSessionRequest(tenant_service=scheduler_pb2.TenantServices(models=models))
+
     async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerSessionRequest]:
         self._dirty.clear()
+        self._service_sent = {}  # a new session (maybe a new scheduler) hears it all again
         yield self._hello()
         yield self._report()
         while True:
-            await self._dirty.wait()
-            self._dirty.clear()
-            yield self._report()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), TENANT_SERVICE_EVERY_S)
+            if self._dirty.is_set():
+                self._dirty.clear()
+                yield self._report()
+            if (service := self._tenant_service()) is not None:
+                yield service
 
     async def _run(self) -> None:
         backoff = self._min_backoff_s
@@ -142,6 +175,10 @@ class WorkerSession:
                 self._pool.unload(command.unload.model_id, reason="scheduler command"),
                 f"unload {command.unload.model_id}",
             )
+        elif kind == "remote_service":
+            if self._generations is not None:
+                models = {m.model_id: dict(m.service) for m in command.remote_service.models}
+                self._generations.set_remote_service(models)
         else:
             log.warning("ignoring an unknown worker command: %s", kind)
 

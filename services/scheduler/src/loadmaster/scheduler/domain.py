@@ -32,6 +32,7 @@ __all__ = [
     "OverflowPolicy",
     "QueueStats",
     "Reject",
+    "RemoteService",
     "Request",
     "RequestInfo",
     "RequestKey",
@@ -143,7 +144,14 @@ class UnloadModel:
     model_id: str
 
 
-WorkerCommand = LoadModel | UnloadModel
+@dataclass(frozen=True, slots=True)
+class RemoteService:
+    """What each tenant got from each model on the other workers (tenant_service.py)."""
+
+    models: dict[str, dict[str, float]]
+
+
+WorkerCommand = LoadModel | UnloadModel | RemoteService
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,11 @@ class SchedulerServiceServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self._hub.disconnect_worker(link)
 
     def _report(self, link: WorkerLink, message: scheduler_pb2.WorkerSessionRequest) -> None:
-        if message.WhichOneof("kind") != "report":
+        kind = message.WhichOneof("kind")
+        if kind == "tenant_service":
+            self._hub.tenant_service(link, wire.tenant_services(message.tenant_service))
+            return
+        if kind != "report":
             raise InvalidArgumentError("a WorkerSession sends one hello, then reports")
         self._hub.report(link, wire.slot_statuses(message.report), free_mb=message.report.free_mb)
 

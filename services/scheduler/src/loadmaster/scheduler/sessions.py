@@ -32,12 +32,14 @@ from loadmaster.scheduler.domain import (
     Grant,
     Outcome,
     Reject,
+    RemoteService,
     SlotStatus,
     Submission,
     WorkerCommand,
     WorkerHello,
 )
 from loadmaster.scheduler.outbound import Telemetry
+from loadmaster.scheduler.tenant_service import TenantServiceExchange
 
 __all__ = ["DeadlineTimer", "GatewayLink", "Outbox", "SchedulerHub", "WorkerLink", "pump"]
 
@@ -191,6 +193,7 @@ class SchedulerHub:
         self.core = SchedulerCore(config, clock=clock, outbound=self, ordering=ordering, telemetry=telemetry)
         self._sessions: dict[int, GatewayLink] = {}
         self._workers: dict[str, WorkerLink] = {}
+        self._tenant_service = TenantServiceExchange()
         self._session_ids = itertools.count(1)
         self._timer = DeadlineTimer(clock, self._on_timer)
         self._stopped = False
@@ -270,6 +273,18 @@ class SchedulerHub:
         self.core.update_worker(link.worker_id, slots, free_mb=free_mb)
         self._rearm()
 
+    def tenant_service(self, link: WorkerLink, service: dict[str, dict[str, float]]) -> None:
+        """A worker's service per tenant: tell the others that serve those models."""
+        if self._workers.get(link.worker_id) is not link:
+            return
+        self._send_remote(self._tenant_service.report(link.worker_id, service))
+
+    def _send_remote(self, updates: dict[str, dict[str, dict[str, float]]]) -> None:
+        for worker_id, models in updates.items():
+            other = self._workers.get(worker_id)
+            if other is not None:
+                other.outbox.put(RemoteService(models))
+
     # ---- admin -------------------------------------------------------------------
 
     def set_strategy(self, name: str, policy: str | None = None) -> tuple[str, int]:
@@ -286,6 +301,7 @@ class SchedulerHub:
             return
         del self._workers[link.worker_id]
         self.core.remove_worker(link.worker_id)
+        self._send_remote(self._tenant_service.forget(link.worker_id))
         self._rearm()
         log.info("worker %s disconnected", link.worker_id)
 

@@ -17,6 +17,7 @@ from loadmaster.scheduler.domain import (
     LocalQueueSpec,
     Outcome,
     QueueStats,
+    RemoteService,
     RequestInfo,
     RunTally,
     SlotState,
@@ -214,8 +215,20 @@ def _slot_pb(slot: SlotStatus) -> model_pool_pb2.ModelSlotStatus:
 def worker_command(command: WorkerCommand) -> scheduler_pb2.WorkerSessionResponse:
     if isinstance(command, LoadModel):
         return scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id=command.model_id))
+    if isinstance(command, RemoteService):
+        return scheduler_pb2.WorkerSessionResponse(remote_service=tenant_services_pb(command.models))
     assert isinstance(command, UnloadModel)
     return scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id=command.model_id))
+
+
+def tenant_services(pb: scheduler_pb2.TenantServices) -> dict[str, dict[str, float]]:
+    return {m.model_id: dict(m.service) for m in pb.models}
+
+
+def tenant_services_pb(models: dict[str, dict[str, float]]) -> scheduler_pb2.TenantServices:
+    return scheduler_pb2.TenantServices(
+        models=[scheduler_pb2.TenantService(model_id=m, service=s) for m, s in sorted(models.items())]
+    )
 
 
 def list_workers_response(workers: Sequence[WorkerView]) -> scheduler_pb2.ListWorkersResponse:

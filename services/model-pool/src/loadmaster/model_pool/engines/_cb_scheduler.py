@@ -74,6 +74,7 @@ class SchedulerSnapshot:
     urgent_steps: int = 0  # steps that carried only class-0 work for an urgent first token
     counter_gap: float = 0.0
     counters: dict[str, float] = field(default_factory=dict)
+    service: dict[str, float] = field(default_factory=dict)  # weighted, given here
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     output_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -100,6 +101,7 @@ class PriorityScheduler(cb_scheduler.Scheduler):
         self._steps = 0
         self._last_step: dict[str, int] = {}  # request id -> the step it last ran in
         self._urgent_seen = float("-inf")  # when a class-0 sequence last ran or waited
+        self.remote_service: dict[str, float] | None = None  # set by the loop, applied at the next step
         self.positions: dict[str, int] = {}
         self.snapshot = SchedulerSnapshot()
         super().__init__(cache, 0.0 if safety_margin is None else safety_margin, max_requests_per_batch)
@@ -166,6 +168,9 @@ class PriorityScheduler(cb_scheduler.Scheduler):
     def schedule_batch(self, token_budget: int, cache_budget: int) -> tuple[list[Any] | None, bool, int, int]:
         now = self._clock()
         self._sync(now)
+        remote, self.remote_service = self.remote_service, None
+        if remote is not None:
+            self._order.counters.set_remote(remote)
         plan = self._order.plan(
             capacity=self.max_requests_per_batch,
             now=now,
@@ -280,6 +285,7 @@ class PriorityScheduler(cb_scheduler.Scheduler):
             urgent_steps=self._urgent_steps,
             counter_gap=counters.gap(),
             counters=counters.snapshot(),
+            service=dict(counters.service),
             prompt_tokens=dict(counters.prompt_tokens),
             output_tokens=dict(counters.output_tokens),
         )

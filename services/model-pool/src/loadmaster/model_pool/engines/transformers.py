@@ -348,6 +348,17 @@ class TransformersEngine(Engine):
         scheduler = self._scheduler()
         return scheduler.snapshot if scheduler is not None else _cb_scheduler.SchedulerSnapshot()
 
+    def set_remote_service(self, service: dict[str, float]) -> None:
+        """What each tenant got from this model on other workers (the scheduler's exchange):
+        its counters add it from the next step on."""
+        scheduler = self._scheduler()
+        if scheduler is not None:
+            scheduler.remote_service = dict(service)
+
+    def tenant_service(self) -> dict[str, float]:
+        """The weighted service this engine gave each tenant since it loaded."""
+        return dict(self.scheduling().service)
+
     def _scheduler(self) -> _cb_scheduler.PriorityScheduler | None:
         processor = getattr(self._manager, "batch_processor", None)
         scheduler = getattr(processor, "scheduler", None)
