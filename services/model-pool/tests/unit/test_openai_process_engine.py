@@ -5,6 +5,7 @@ backoff after repeated crashes. (The real engine process: tests/integration.)"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,3 +230,11 @@ def test_repeated_crashes_back_off_doubling_and_are_forgotten_after_the_window()
     assert backoff.crashes("m", now=50.0) == 6
     assert backoff.crashed("m", now=200.0) == 0.0  # the old ones left the window
     assert backoff.crashes("m", now=200.0) == 1
+
+
+def test_the_priority_travels_only_to_engines_that_take_one() -> None:
+    request = dataclasses.replace(
+        GenerationRequest("r", SamplingParams(max_tokens=2), prompt="x"), priority=0
+    )
+    assert "priority" not in request_body(request, model="m")[1]
+    assert request_body(request, model="m", forward_priority=True)[1]["priority"] == 0

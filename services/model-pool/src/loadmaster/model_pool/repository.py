@@ -248,6 +248,10 @@ class OpenAIProcessModelConfig(_BaseModelConfig):
     # The `model` the engine is asked for; default: the first id its /v1/models lists.
     served_model: str | None = None
     max_sequences: int = Field(default=32, ge=1, le=4096)  # streams sent to the engine at once
+    # Send each request's priority as the body's `priority` (vLLM's, with
+    # `--scheduling-policy priority`; 0 is the most urgent in both). Off: the engine would
+    # refuse a field it does not know (llama-server, `transformers serve`).
+    forward_priority: bool = False
     request_timeout_s: float = Field(default=600.0, gt=0)  # longest silence inside one stream
     env: dict[str, str] = Field(default_factory=dict)  # added to the engine's environment
 

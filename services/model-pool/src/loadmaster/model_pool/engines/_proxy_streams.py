@@ -62,12 +62,17 @@ def openai_response_format(value: Any) -> dict[str, Any] | None:
 
 
 def request_body(
-    request: GenerationRequest, *, model: str, response_format: dict[str, Any] | None = None
+    request: GenerationRequest,
+    *,
+    model: str,
+    response_format: dict[str, Any] | None = None,
+    forward_priority: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of the OpenAI request for `request`: chat messages go to
     /v1/chat/completions, a text prompt or prompt token ids to /v1/completions. Only fields
     every OpenAI-compatible engine knows are sent (some, like `transformers serve`, refuse
-    unknown ones with 422)."""
+    unknown ones with 422), and `priority` when the engine takes one (`forward_priority`:
+    vLLM with `--scheduling-policy priority`, where lower also runs first)."""
     params = request.params
     body: dict[str, Any] = {
         "model": model,
@@ -83,6 +88,8 @@ def request_body(
         body["stop"] = list(params.stop)
     if response_format is not None:
         body["response_format"] = response_format
+    if forward_priority:
+        body["priority"] = request.priority
     if request.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
         return "/v1/chat/completions", body

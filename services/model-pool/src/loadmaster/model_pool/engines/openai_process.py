@@ -199,7 +199,12 @@ class OpenAIProcessEngine(Engine):
         self._loop = asyncio.get_running_loop()
         # Structured output (issue 22): the engine enforces `response_format` itself.
         response_format = openai_response_format(getattr(request, "response_format", None))
-        path, body = request_body(request, model=self._served, response_format=response_format)
+        path, body = request_body(
+            request,
+            model=self._served,
+            response_format=response_format,
+            forward_priority=self._config.forward_priority,
+        )
         state = ProxyStream(request.request_id, request.params.stop, self._forget)
         self._streams[request.request_id] = state
         state.task = asyncio.create_task(
@@ -216,12 +221,6 @@ class OpenAIProcessEngine(Engine):
         if state.task is not None:
             state.task.cancel()
         return True
-
-    def preempt(self, request_id: str) -> bool:
-        return False  # an engine process schedules its own sequences
-
-    def resume(self, request_id: str) -> bool:
-        return False
 
     def stats(self) -> GenerationStats:
         return GenerationStats(
