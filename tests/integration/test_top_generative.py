@@ -73,3 +73,42 @@ async def test_top_shows_tokens_per_second_and_time_to_first_token_of_a_generati
     assert "generative models (last 10 s)" in frame.output
     (row,) = [line for line in frame.output.splitlines() if "tiny-chat" in line and "32" in line]
     assert "11" in row and "35.80" in row, row
+
+
+async def test_top_shows_how_the_queue_ordered_generations(metrics: MetricsServer, tmp_path: Path) -> None:
+    chat = {"model": "tiny-chat"}
+    samples: list[tuple[str, float, dict[str, str]]] = [
+        ("tenant_output_tokens", 100.0, {**chat, "tenant": "acme"}),
+        ("tenant_output_tokens", 20.0, {**chat, "tenant": "beta"}),
+        ("tenant_prompt_tokens", 30.0, {**chat, "tenant": "acme"}),
+        ("generation_queue_wait_ms", 12.0, {**chat, "priority": "0"}),
+        ("generation_queue_wait_ms", 900.0, {**chat, "priority": "2"}),
+        ("preemptions", 3.0, chat),
+        ("yields", 2.0, chat),
+        ("resumptions", 5.0, chat),
+        ("kv_kept", 4.0, chat),
+        ("kv_recomputed", 1.0, chat),
+        ("tenant_counter_gap", 42.0, chat),
+        ("output_tokens", 120.0, chat),
+    ]
+    await _report(metrics, "model-pool", samples, sent=len(samples))
+    config = tmp_path / "loadmaster.yaml"
+    config.write_text(f"metrics:\n  http_host: 127.0.0.1\n  http_port: {metrics.http_port}\n")
+    runner = CliRunner()
+    as_json = await asyncio.to_thread(runner.invoke, app, ["top", "-c", str(config), "--json", "--summary", "10"])
+    assert as_json.exit_code == 0, as_json.output
+    summary = json.loads(as_json.output)["generative"]["tiny-chat"]["summary"]
+    assert summary["tenants"] == {
+        "acme": {"output_tokens_per_s": 10.0, "prompt_tokens_per_s": 3.0},
+        "beta": {"output_tokens_per_s": 2.0},
+    }
+    assert summary["wait_to_first_token_by_priority"]["0"]["p50_ms"] == 12.0
+    assert (summary["preemptions"], summary["yields"], summary["resumptions"]) == (3, 2, 5)
+    assert (summary["kv_kept"], summary["kv_recomputed"], summary["tenant_counter_gap"]) == (4, 1, 42.0)
+    frame = await asyncio.to_thread(
+        runner.invoke, app, ["top", "-c", str(config), "--once", "--summary", "10"], terminal_width=220
+    )
+    assert frame.exit_code == 0, frame.output
+    assert "generation scheduling" in frame.output
+    (row,) = [line for line in frame.output.splitlines() if "acme:10" in line]
+    assert "3/2/5" in row and "4/1" in row and "p0:12" in row, row

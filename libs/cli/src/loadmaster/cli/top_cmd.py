@@ -119,7 +119,8 @@ def render(doc: dict[str, Any], *, source: str = "", expand: bool = True) -> Gro
                 str(slot["vram_mb"]),
             )
     header = Text.assemble(("loadmaster top", "bold"), "  ", (source, "dim"))
-    tables = [models, generative, gpus, workers] if generative is not None else [models, gpus, workers]
+    scheduling = _scheduling_table(doc, expand=expand)
+    tables = [models, *(t for t in (generative, scheduling) if t is not None), gpus, workers]
     return Group(header, *tables)
 
 
@@ -141,6 +142,33 @@ def _generative_table(doc: dict[str, Any], *, expand: bool) -> Table | None:
             _num(s.get("ttft_p50_ms"), 2),
             _num(s.get("ttft_p95_ms"), 2),
             Text(sparkline(model.get("tokens_per_s", [])), style="green"),
+        )
+    return table
+
+
+def _scheduling_table(doc: dict[str, Any], *, expand: bool) -> Table | None:
+    """How each generative model's queue ordered its work (docs/generation-scheduling.md):
+    the wait to a first token per priority, pauses and their KV cache, tokens/s per tenant
+    and the largest gap between backlogged tenants' counters; None when nothing generated."""
+    served = doc.get("generative") or {}
+    rows = [(name, model.get("summary") or {}) for name, model in served.items()]
+    rows = [(name, s) for name, s in rows if s.get("tenants") or s.get("wait_to_first_token_by_priority")]
+    if not rows:
+        return None
+    table = Table(title="generation scheduling", expand=expand)
+    for column in ("model", "wait to 1st token p50/p95 ms by priority", "preempt/yield/resume", "KV kept/recomputed",
+                   "tokens/s by tenant", "counter gap"):
+        table.add_column(column, justify="left" if column in ("model", "tokens/s by tenant") else "right")
+    for name, s in rows:
+        waits = s.get("wait_to_first_token_by_priority") or {}
+        tenants = s.get("tenants") or {}
+        table.add_row(
+            name,
+            " ".join(f"p{p}:{_num(w.get('p50_ms'))}/{_num(w.get('p95_ms'))}" for p, w in waits.items()) or "-",
+            f"{s.get('preemptions', 0)}/{s.get('yields', 0)}/{s.get('resumptions', 0)}",
+            f"{s.get('kv_kept', 0)}/{s.get('kv_recomputed', 0)}",
+            " ".join(f"{t}:{_num(v.get('output_tokens_per_s'))}" for t, v in tenants.items()) or "-",
+            _num(s.get("tenant_counter_gap")),
         )
     return table
 

@@ -14,6 +14,15 @@ bucket, `null` where a bucket has nothing to show:
 | tokens/s per model (generative) | `output_tokens{model}` (model-pool) | tokens generated per second |
 | time to first token per model | `time_to_first_token_ms{model}` (gateway) | p50 / p95 of its samples |
 
+Each generative model's `summary` also has its scheduling over the last `summary_s`
+(docs/generation-scheduling.md), from the model pool: tokens/s per tenant
+(`tenant_output_tokens`, `tenant_prompt_tokens{model, tenant}`, counted when a stream ends),
+the wait from arrival at the worker to the first token per priority
+(`generation_queue_wait_ms{model, priority}`: p50 / p95), the pauses and what became of the
+paused sequences' KV cache (`preemptions`, `yields`, `resumptions`, `kv_kept`,
+`kv_recomputed`: counts), and the largest gap between backlogged tenants' virtual counters
+(`tenant_counter_gap`, the last reading).
+
 `summary` holds the same per model over the last `summary_s` seconds. Model states per
 worker come from the scheduler's `ListWorkers` (the caller passes them in), else from the
 model-pool's `slot_state` samples. Pure code over `Windows`.
@@ -49,6 +58,42 @@ class SlotRow:
 class WorkerRow:
     worker_id: str
     slots: tuple[SlotRow, ...]
+
+
+_PAUSE_COUNTS = ("preemptions", "yields", "resumptions", "kv_kept", "kv_recomputed")
+
+
+def _scheduling(windows: Windows, model: str, cutoff: float, summary_s: float) -> dict[str, Any]:
+    """A generative model's scheduling since `cutoff` (the module docstring's last table)."""
+    tenants: dict[str, dict[str, float]] = {}
+    pairs = (("tenant_output_tokens", "output_tokens_per_s"), ("tenant_prompt_tokens", "prompt_tokens_per_s"))
+    for name, key in pairs:
+        for series in windows.series(name):
+            if _label(series, "model") != model:
+                continue
+            total = float(series.values_since(cutoff).sum())
+            tenants.setdefault(_label(series, "tenant"), {})[key] = round(total / summary_s, 3)
+    waits: dict[str, dict[str, float | None]] = {}
+    for series in windows.series("generation_queue_wait_ms"):
+        if _label(series, "model") != model:
+            continue
+        values = series.values_since(cutoff)
+        if values.size:
+            waits[_label(series, "priority")] = {
+                "p50_ms": _finite(float(np.percentile(values, 50))),
+                "p95_ms": _finite(float(np.percentile(values, 95))),
+            }
+    counts = {
+        name: sum(float(s.values_since(cutoff).sum()) for s in windows.series(name) if _label(s, "model") == model)
+        for name in _PAUSE_COUNTS
+    }
+    gaps = [s.last_value for s in windows.series("tenant_counter_gap") if _label(s, "model") == model]
+    return {
+        "tenants": dict(sorted(tenants.items())),
+        "wait_to_first_token_by_priority": dict(sorted(waits.items())),
+        **{name: int(value) for name, value in counts.items()},
+        "tenant_counter_gap": _finite(max(gaps)) if gaps else None,
+    }
 
 
 def _label(series: Series, key: str) -> str:
@@ -245,6 +290,7 @@ def snapshot(
                 "tokens_per_s": round(tokens_now / summary_s, 3),
                 "ttft_p50_ms": _finite(float(np.percentile(recent_ttft, 50))) if recent_ttft.size else None,
                 "ttft_p95_ms": _finite(float(np.percentile(recent_ttft, 95))) if recent_ttft.size else None,
+                **_scheduling(windows, model, summary_cutoff, summary_s),
             },
         }
 
