@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 from loadmaster.common.config import Settings
@@ -137,10 +139,14 @@ class AdminStore:
     def connect(cls, url: str, *, prefix: str, timeout_s: float = 2.0) -> AdminStore:
         """A store on `url` (redis:// or redis+sentinel://); each call gives up after `timeout_s`."""
         options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        sentinel_options = dict(options)
+        # A pooled connection that a Redis restart closed fails once: the call is made again on
+        # a new one (a compare-and-set that did run then answers ConflictError, never twice).
+        options["retry"] = Retry(ExponentialBackoff(cap=0.25, base=0.05), 2)
         if is_sentinel_url(url):
             target = parse_sentinel_url(url)
             sentinel = Sentinel(
-                list(target.sentinels), sentinel_kwargs={**options, "password": target.sentinel_password}
+                list(target.sentinels), sentinel_kwargs={**sentinel_options, "password": target.sentinel_password}
             )
             client = sentinel.master_for(
                 target.service_name,

@@ -220,6 +220,12 @@ class Authenticator:
         key = self._check(token, scope, charge=charge)
         return "" if key is None else key.name
 
+    def identify(self, token: str | None) -> Principal:
+        """Whose API key `token` is, without checking its scope, expiry or rate (to audit a
+        refused call); nobody when it is no key."""
+        key = self._keys.get(hashlib.sha256(token.encode()).digest()) if token else None
+        return Principal("", "none") if key is None else Principal(key.name, "api_key", key.tenant)
+
     def _check(self, token: str | None, scope: str, *, charge: bool) -> _Key | None:
         if not self.enabled:
             return None

@@ -186,7 +186,7 @@ def admin_routes(plane: AdminPlane, scheduler: SchedulerAdmin, auth: Authenticat
                     who = await auth.authenticate(token, ADMIN)
                 except LoadmasterError as error:
                     if method != "GET":  # who tried to change what: audited
-                        plane.refused(who, action, _target(request), error)
+                        plane.refused(auth.identify(token), action, _target(request), error)
                     raise
                 return JSONResponse(await handler(request, who), status_code=status)
             except Exception as error:
