@@ -5,7 +5,6 @@ line, its effect on the other gateway, a gateway started later, Redis down and b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
@@ -184,7 +183,9 @@ def test_every_verb_needs_the_admin_scope(
                 for line in _admin_lines(gateways["audit"], "b")
             )
 
-        _until(lambda: audited("unauthenticated", "") and audited("permission_denied", "reader"), "not audited")
+        _until(
+            lambda: audited("unauthenticated", "") and audited("permission_denied", "reader"), "not audited"
+        )
 
 
 def test_guardrails_reach_the_other_gateway_and_bad_patterns_are_refused(gateways: dict[str, Any]) -> None:

@@ -105,7 +105,9 @@ def test_replacing_the_keys_swaps_them_and_keeps_an_unchanged_bucket() -> None:
     clock = FakeClock()
     auth = Authenticator([_key("bot", "k", ["infer"], rate_per_s=1, burst=1)], clock=clock)
     auth.authorize("k", INFER)  # the one token of the bucket is spent
-    auth.replace_keys([_key("bot", "k", ["infer"], rate_per_s=1, burst=1), _key("new", "n", ["infer"])], required=True)
+    auth.replace_keys(
+        [_key("bot", "k", ["infer"], rate_per_s=1, burst=1), _key("new", "n", ["infer"])], required=True
+    )
     with pytest.raises(ResourceExhaustedError):
         auth.authorize("k", INFER)  # same limits: same bucket, still empty
     assert auth.authorize("n", INFER) == "new"

@@ -72,8 +72,18 @@ def test_rules_from_the_file_and_the_store_and_removal_by_id() -> None:
     word_id = rule_id("word", "secret")
     assert word_id == rule_id("word", "secret") != rule_id("pattern", "secret")
     stored = {
-        word_id: {"id": word_id, "kind": "word", "value": "secret", "source": "config", "removed_unix_s": NOW},
-        rule_id("pattern", r"\d{4}"): {"id": rule_id("pattern", r"\d{4}"), "kind": "pattern", "value": r"\d{4}"},
+        word_id: {
+            "id": word_id,
+            "kind": "word",
+            "value": "secret",
+            "source": "config",
+            "removed_unix_s": NOW,
+        },
+        rule_id("pattern", r"\d{4}"): {
+            "id": rule_id("pattern", r"\d{4}"),
+            "kind": "pattern",
+            "value": r"\d{4}",
+        },
         "g-bad": {"id": "g-bad", "kind": "pattern", "value": "("},  # does not compile: ignored
     }
     rules = effective_rules(["secret", "other"], [], stored)

@@ -146,7 +146,8 @@ class AdminStore:
         if is_sentinel_url(url):
             target = parse_sentinel_url(url)
             sentinel = Sentinel(
-                list(target.sentinels), sentinel_kwargs={**sentinel_options, "password": target.sentinel_password}
+                list(target.sentinels),
+                sentinel_kwargs={**sentinel_options, "password": target.sentinel_password},
             )
             client = sentinel.master_for(
                 target.service_name,
