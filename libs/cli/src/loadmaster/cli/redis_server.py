@@ -131,6 +131,8 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            # The server holds the folder's lock too, until it has exited (after its launcher).
+            pass_fds=(self._lock,) if self._lock is not None else (),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

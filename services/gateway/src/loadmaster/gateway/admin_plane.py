@@ -144,8 +144,8 @@ class AdminPlane:
         """Apply what is stored before the gateway serves (a revoked key must not pass for the
         first milliseconds); without Redis at start, the YAML's until it comes."""
         self._install(self.view)
-        if self._watcher is not None:
-            await self._watcher.start(first_read_timeout_s=first_read_timeout_s)
+        if self._watcher is not None and await self._watcher.start(first_read_timeout_s=first_read_timeout_s):
+            self._warned = True  # the file and the store were compared on the state read at start
 
     async def close(self) -> None:
         if self._watcher is not None:
@@ -566,5 +566,7 @@ def _view_or_none(record: KeyRecord | None) -> dict[str, Any] | None:
 
 
 def _short(value: Any) -> str:
+    if value is None:
+        return "not set"
     text = repr(value)
     return text if len(text) <= 200 else text[:197] + "..."
