@@ -44,7 +44,7 @@ from loadmaster.common.runtime_config import (
 )
 from loadmaster.gateway.admin import SchedulerAdmin
 from loadmaster.gateway.audit import AdminRecord, AuditLog
-from loadmaster.gateway.auth import Authenticator, Principal, new_api_key
+from loadmaster.gateway.auth import Authenticator, KeyTable, Principal, new_api_key
 from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.guardrails import Blocklist, Guardrails
 from loadmaster.gateway.keyring import (
@@ -76,6 +76,7 @@ class RuntimeView:
     version: int
     settings: Settings
     keys: Sequence[ApiKeySettings]
+    key_table: KeyTable
     key_records: Mapping[str, KeyRecord]
     rules: Rules
     blocklist: Blocklist
@@ -174,6 +175,7 @@ class AdminPlane:
             version=state.version,
             settings=merged,
             keys=keys,
+            key_table=self._auth.prepare_keys(keys),
             key_records=records,
             rules=rules,
             blocklist=Blocklist(rules.words, rules.patterns),
@@ -186,7 +188,7 @@ class AdminPlane:
         if view.version > 0 and not self._warned:
             self._warned = True
             self._warn_overrides(view)
-        self._auth.replace_keys(view.keys, required=view.settings.gateway.auth.keys_required)
+        self._auth.use_keys(view.key_table, required=view.settings.gateway.auth.keys_required)
         self._guardrails.use_blocklist(view.blocklist)
         self._generations.set_ladders(ladders_from(view.settings.models.aliases))
         changed = view.version != self.view.version

@@ -30,6 +30,7 @@ __all__ = [
     "INFER",
     "SUITE_ADMIN",
     "Authenticator",
+    "KeyTable",
     "Principal",
     "TokenBucket",
     "bearer_token",
@@ -101,6 +102,22 @@ class _Key:
     bucket: TokenBucket | None = field(default=None)
 
 
+@dataclass(frozen=True, slots=True)
+class KeyTable:
+    keys: dict[bytes, _Key]
+    buckets: dict[str, TokenBucket | None]
+
+
+def _bucket_for(key: ApiKeySettings, old: TokenBucket | None, now: float) -> TokenBucket | None:
+    """A key's token bucket: `old` while the limits stay the same, else a full new one."""
+    if key.rate_per_s <= 0:
+        return None
+    capacity = float(key.burst or max(1.0, key.rate_per_s))
+    if old is not None and old.rate_per_s == key.rate_per_s and old.capacity == capacity:
+        return old
+    return TokenBucket(key.rate_per_s, capacity, capacity, now)
+
+
 class Authenticator:
     """Checks bearer tokens against API keys (by their SHA-256), OIDC tokens and, for the
     `admin` scope, the suite's admin credential.
@@ -132,12 +149,18 @@ class Authenticator:
 
     def replace_keys(self, keys: Sequence[ApiKeySettings], *, required: bool) -> None:
         """Serve `keys` from now on (several digests may share a name: a rotated key's grace)."""
+        self.use_keys(self.prepare_keys(keys), required=required)
+
+    def prepare_keys(self, keys: Sequence[ApiKeySettings]) -> KeyTable:
+        """The table `use_keys` swaps in; its cost grows with the keys, so the admin plane makes
+        it on a thread (it only reads the current buckets, to keep those of unchanged keys)."""
         now = self._clock.monotonic()
+        current = dict(self._buckets)
         buckets: dict[str, TokenBucket | None] = {}
         table: dict[bytes, _Key] = {}
         for key in keys:
             if key.name not in buckets:
-                buckets[key.name] = self._bucket_for(key, now)
+                buckets[key.name] = _bucket_for(key, current.get(key.name), now)
             digest = bytes.fromhex(key.sha256)
             table[digest] = _Key(
                 key.name,
@@ -147,16 +170,10 @@ class Authenticator:
                 key.expires_unix_s,
                 buckets[key.name],
             )
-        self._keys, self._buckets, self._required = table, buckets, required
+        return KeyTable(table, buckets)
 
-    def _bucket_for(self, key: ApiKeySettings, now: float) -> TokenBucket | None:
-        if key.rate_per_s <= 0:
-            return None
-        capacity = float(key.burst or max(1.0, key.rate_per_s))
-        old = self._buckets.get(key.name)
-        if old is not None and old.rate_per_s == key.rate_per_s and old.capacity == capacity:
-            return old
-        return TokenBucket(key.rate_per_s, capacity, capacity, now)
+    def use_keys(self, table: KeyTable, *, required: bool) -> None:
+        self._keys, self._buckets, self._required = table.keys, table.buckets, required
 
     @property
     def enabled(self) -> bool:
