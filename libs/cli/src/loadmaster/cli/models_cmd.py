@@ -254,7 +254,9 @@ def pin(
                 if error.status not in (0, 503):
                     raise fail(error) from None
                 errors.print(
-                    f"[yellow]pin not stored (it lasts until the worker restarts): {error.message}[/yellow]"
+                    f"pin not stored (it lasts until the worker restarts): {error.message}",
+                    style="yellow",
+                    markup=False,
                 )
     for endpoint in holders:
         _say(endpoint, _call(endpoint, "Pin", pb.PinRequest(model_id=model, pinned=not off), _TIMEOUT_S))

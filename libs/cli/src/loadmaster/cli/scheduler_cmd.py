@@ -78,7 +78,11 @@ def use(
             except AdminError as error:
                 if error.status != 0:
                     raise fail(error) from None
-                console.print(f"[yellow]{error.message}; asking the scheduler directly (not stored)[/yellow]")
+                console.print(
+                    f"{error.message}; asking the scheduler directly (not stored)",
+                    style="yellow",
+                    markup=False,
+                )
             else:
                 stored = "" if switched["persisted"] else " (not stored: the gateway has no Redis)"
                 typer.echo(
