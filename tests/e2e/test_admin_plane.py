@@ -4,7 +4,8 @@ and started again on the same config (the embedded Redis keeps its data in redis
 
 Checked: a key added works at both gateways and a revoked one is refused at both (bounded
 generously; bench/admin_plane.py measures the delay); keys, guardrails, the strategy, a pin
-and `models.allow_cloud_fallback` are the same after the restart."""
+and `models.allow_cloud_fallback` are the same after the restart; a pin changed as a runtime
+setting reaches the worker."""
 
 from __future__ import annotations
 
@@ -233,6 +234,19 @@ def test_changes_reach_every_gateway_and_survive_a_restart_of_up(config: Path, l
         assert code == 0, out
         code, out = cli(config, "scheduler", "queues", "--json")
         assert json.loads(out)["strategy"] == "model_deadline", out
+
+        def pinned() -> bool:
+            _, listed = cli(config, "models", "list", "--json")
+            return any(
+                m["pinned"]
+                for w in json.loads(listed)["workers"]
+                for m in w["models"]
+                if m["model_id"] == "double"
+            )
+
+        code, out = cli(config, "config", "set", "models.known.double.pin", "false")  # no call to the worker
+        assert code == 0, out
+        _within(lambda: not pinned(), "the worker did not take the unpin from the runtime settings")
     finally:
         again.stop()
     started = (logs / "up-2.log").read_text(errors="replace")
