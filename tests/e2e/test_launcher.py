@@ -24,6 +24,7 @@ LOADMASTER = [sys.executable, "-m", "loadmaster.cli.main"]
 def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     overrides = free_port_overrides()
     overrides["model_pool"]["preload"] = ["double"]
+    overrides["redis"] = {"data_dir": str(tmp_path / "redis")}  # `up` keeps Redis's data there
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env.update(to_env(overrides))
     log = (tmp_path / "up.log").open("wb")

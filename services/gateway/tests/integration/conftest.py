@@ -58,6 +58,7 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
         log_level: str = "INFO",
         scheduler_address: str = "",
         redis_url: str = "",
+        top_level: dict[str, Any] | None = None,
     ) -> GatewayProcess:
         grpc_port, http_port, edge_port = free_port(), free_port(), free_port()
         config = {
@@ -76,6 +77,7 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
         }
         if redis_url:
             config["redis_url"] = redis_url
+        config.update(top_level or {})
         index = len(started)
         config_path = tmp_path / f"gateway-{index}.yaml"
         config_path.write_text(yaml.safe_dump(config))

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from loadmaster.common.config import AuditSettings
-from loadmaster.gateway.audit import AuditLog, AuditRecord
+from loadmaster.gateway.audit import AdminRecord, AuditLog, AuditRecord
 
 
 def record(request_id: str, *, prompt: str | None = "hello", completion: str | None = "world") -> AuditRecord:
@@ -96,3 +96,26 @@ def test_a_writer_that_cannot_keep_up_drops_and_counts_instead_of_blocking(tmp_p
     gate.set()
     audit.close()
     assert 5 <= len(lines(tmp_path / "audit.jsonl")) <= 6
+
+
+def test_admin_changes_are_written_even_with_request_auditing_off(tmp_path: Path) -> None:
+    path = tmp_path / "audit" / "gateway-audit.jsonl"
+    audit = AuditLog(AuditSettings(enabled=False), path=path)
+    audit.start()
+    assert not path.parent.exists()  # nothing is made until an admin change comes
+    audit.write(
+        AdminRecord(
+            time_unix_s=1_700_000_000.0,
+            action="keys.revoke",
+            target="svc",
+            outcome="ok",
+            subject="ops",
+            auth="api_key",
+            old={"state": "active"},
+            new={"state": "revoked"},
+        )
+    )
+    audit.close()
+    (line,) = lines(path)
+    assert line["kind"] == "admin" and line["action"] == "keys.revoke" and line["subject"] == "ops"
+    assert (line["old"], line["new"]) == ({"state": "active"}, {"state": "revoked"})

@@ -90,3 +90,47 @@ def test_curve_allow_list() -> None:
     allowed = AllowedClients(frozenset({b"key-a"}))
     assert allowed.callback("*", b"key-a")
     assert not allowed.callback("*", b"key-b")
+
+
+def test_keys_are_not_required_unless_configured_so() -> None:
+    assert Authenticator([_key("a", "k", ["infer"])], required=False).authorize(None, ADMIN) == ""
+    strict = Authenticator([], required=True)
+    with pytest.raises(UnauthenticatedError, match="required"):
+        strict.authorize(None, INFER)
+    with pytest.raises(UnauthenticatedError, match="not valid"):
+        strict.authorize("anything", INFER)
+
+
+def test_replacing_the_keys_swaps_them_and_keeps_an_unchanged_bucket() -> None:
+    clock = FakeClock()
+    auth = Authenticator([_key("bot", "k", ["infer"], rate_per_s=1, burst=1)], clock=clock)
+    auth.authorize("k", INFER)  # the one token of the bucket is spent
+    auth.replace_keys(
+        [_key("bot", "k", ["infer"], rate_per_s=1, burst=1), _key("new", "n", ["infer"])], required=True
+    )
+    with pytest.raises(ResourceExhaustedError):
+        auth.authorize("k", INFER)  # same limits: same bucket, still empty
+    assert auth.authorize("n", INFER) == "new"
+    auth.replace_keys([_key("bot", "k", ["infer"], rate_per_s=5, burst=5)], required=True)
+    assert auth.authorize("k", INFER) == "bot"  # new limits: a full bucket
+    with pytest.raises(UnauthenticatedError, match="not valid"):
+        auth.authorize("n", INFER)  # gone with the replacement
+
+
+def test_an_expired_key_is_refused_naming_the_reason() -> None:
+    clock = FakeClock()
+    auth = Authenticator([_key("temp", "k", ["infer"], expires_unix_s=clock.time() + 10)], clock=clock)
+    assert auth.authorize("k", INFER) == "temp"
+    clock.advance(10)
+    with pytest.raises(UnauthenticatedError, match="'temp' has expired"):
+        auth.authorize("k", INFER)
+
+
+async def test_the_suite_admin_credential_passes_for_the_admin_scope_only() -> None:
+    auth = Authenticator([_key("reader", "k1", ["infer"])], admin_token=lambda token: token == "suite-secret")
+    principal = await auth.authenticate("suite-secret", ADMIN)
+    assert (principal.name, principal.method) == ("suite-admin", "admin_token")
+    with pytest.raises(UnauthenticatedError):
+        await auth.authenticate("suite-secret", INFER)
+    with pytest.raises(PermissionDeniedError):
+        await auth.authenticate("k1", ADMIN)

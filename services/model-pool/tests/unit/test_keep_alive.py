@@ -168,3 +168,31 @@ async def test_a_request_restarts_the_idle_clock(repo: Path, leases: Any) -> Non
         assert pool.status("double").state is ModelState.IDLE
     finally:
         await pool.close()
+
+
+async def test_pins_and_keep_alive_changed_at_run_time_apply_to_the_running_pool(
+    repo: Path, leases: Any
+) -> None:
+    """`use_models` (the admin plane's runtime settings): a changed pin applies at once, a pin
+    made through `pin()` stays while its setting does not change, a loaded model's keep-alive
+    is read again."""
+    clock = FakeClock()
+    pool = ModelPool(
+        ModelRepository(repo),
+        models=ModelsSettings(),
+        lease_client=leases,
+        clock=clock,
+        engines=lambda backend: StandInLLM if backend == "transformers" else engine_class(backend),
+    )
+    try:
+        await pool.load("double")  # category other: never unloaded for idleness
+        pool.pin("chat")
+        pool.use_models(ModelsSettings(known={"double": ModelSettings(keep_alive_s=5.0, pin=True)}))
+        assert pool.status("double").pinned and pool.status("chat").pinned
+        pool.use_models(ModelsSettings(known={"double": ModelSettings(keep_alive_s=5.0)}))
+        assert not pool.status("double").pinned and pool.status("chat").pinned
+        clock.advance(5.0)
+        await until_idle(pool, "double")
+        assert pool.status("double").state is ModelState.IDLE  # the new keep-alive applied
+    finally:
+        await pool.close()

@@ -1,6 +1,8 @@
 """Start the whole suite on one machine as child processes, and stop it without orphans.
 
-Order: Redis (`REDIS_URL`, else an embedded redis-server) -> gpu-broker -> metrics
+Order: Redis (`REDIS_URL`, else an embedded redis-server: for `loadmaster up` it keeps its
+data in `redis.data_dir`, default `.loadmaster/redis` beside the config, so what was changed
+at run time survives a restart; docs/admin.md) -> gpu-broker -> metrics
 -> scheduler -> model-pool -> gateway; each is started with
 `python -m loadmaster.<svc> [--config PATH]` (no config: the built-in defaults) in its own
 process group and waited on through gRPC health before the next one starts. Children also
@@ -111,6 +113,9 @@ class Suite:
     # `loadmaster up`: when the config names no internal secret, make one (and an admin token)
     # under .loadmaster/ next to the config and give it to every child (docs/security.md).
     make_credentials: bool = False
+    # `loadmaster up`: the embedded Redis keeps its data in `redis.data_dir` (else: a temporary
+    # folder, removed at stop, as tests want).
+    persist_redis: bool = False
     settings: Settings = field(init=False)
     redis: EmbeddedRedis | None = field(init=False, default=None)
     processes: list[ServiceProcess] = field(init=False, default_factory=list)
@@ -130,6 +135,14 @@ class Suite:
             }
             self.settings = load_settings(self.config_path, **self.overrides)
             self._admin_token_file = admin_file
+
+    @property
+    def redis_data_dir(self) -> Path | None:
+        """Where the embedded Redis keeps its data (None: a temporary folder)."""
+        if not self.persist_redis:
+            return None
+        folder = self.settings.redis.data_dir
+        return folder if folder.is_absolute() else self.settings.config_dir / folder
 
     @property
     def env(self) -> dict[str, str]:
@@ -158,8 +171,10 @@ class Suite:
         say = progress or (lambda message: None)
         try:
             if not self.settings.redis_url:
-                say("starting embedded redis-server")
-                self.redis = EmbeddedRedis()  # assigned first: stop() cleans up a failed start
+                data_dir = self.redis_data_dir
+                say(f"starting embedded redis-server (data: {data_dir or 'a temporary folder'})")
+                # Assigned first: stop() cleans up a failed start.
+                self.redis = EmbeddedRedis(data_dir=str(data_dir) if data_dir is not None else None)
                 self.redis.start()
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
             for spec in SERVICES:

@@ -22,7 +22,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loadmaster.cli import chat_cmd, gpu_cmd, keys_cmd, models_cmd, scheduler_cmd, top_cmd
+from loadmaster.cli import (
+    chat_cmd,
+    config_cmd,
+    gpu_cmd,
+    guardrails_cmd,
+    keys_cmd,
+    models_cmd,
+    scheduler_cmd,
+    top_cmd,
+)
 from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._config import EXIT_FAILURE, ConfigOption, config_problem, settings_from
 from loadmaster.cli._output import print_json, stdout_console
@@ -37,6 +46,8 @@ app.add_typer(gpu_cmd.app, name="gpu")
 app.add_typer(scheduler_cmd.app, name="scheduler")
 app.add_typer(keys_cmd.app, name="keys")
 app.add_typer(models_cmd.app, name="models")
+app.add_typer(guardrails_cmd.app, name="guardrails")
+app.add_typer(config_cmd.app, name="config")
 app.command("top")(top_cmd.top)
 app.command("chat")(chat_cmd.chat)
 console = Console(stderr=True)
@@ -84,7 +95,7 @@ def up(
     dependency order (gateway, workers, scheduler, metrics, broker, Redis), each drained within
     its shutdown_grace_s. Exits 1 when a service failed or did not stop cleanly."""
     try:
-        suite = Suite(config, workers=workers, make_credentials=True)
+        suite = Suite(config, workers=workers, make_credentials=True, persist_redis=True)
     except ConfigError as error:
         raise config_problem(error) from None
     stop = threading.Event()
@@ -100,7 +111,11 @@ def up(
     try:
         write_run_state(
             state_path,
-            {"pid": os.getpid(), "redis_url": suite.settings.redis_url, "internal_auth": suite.credential_files},
+            {
+                "pid": os.getpid(),
+                "redis_url": suite.settings.redis_url,
+                "internal_auth": suite.credential_files,
+            },
         )
     except OSError as error:  # status then needs REDIS_URL to find this suite's Redis
         console.print(f"[yellow]run state not written:[/yellow] {error}")

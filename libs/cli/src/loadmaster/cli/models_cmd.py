@@ -6,7 +6,9 @@ when the scheduler cannot be reached, `model_pool.address` of the config is used
 device, memory, batching, last use, in flight, evictions); `load` / `unload` / `pin`
 go to the worker that holds the model (load: the one given, else the first that has
 it in its repository). Each change reaches the scheduler's placement through the
-worker's next report.
+worker's next report. `pin` is also stored through the gateway's admin API (as the runtime
+setting `models.known.NAME.pin`), so every worker, and every worker started later, holds the
+model pinned (docs/admin.md); with `--worker` only that worker is asked and nothing is stored.
 
 `list --json` prints `{"workers": [{"endpoint", "worker_id", "free_mb", "evictions",
 "models": [{"model_id", "state", ...}]}]}` for scripts.
@@ -28,6 +30,7 @@ from rich.table import Table
 from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.cli._output import print_json, stdout_console
+from loadmaster.cli.admin_client import AdminError, ApiKeyOption, GatewayOption, admin_client, fail
 from loadmaster.common import internal_auth
 from loadmaster.common.config import Settings
 from loadmaster.common.errors import LoadmasterError, from_grpc_error
@@ -67,7 +70,9 @@ def worker_endpoints(settings: Settings, worker: str | None = None) -> list[str]
 
 def _status(endpoint: str) -> pb.StatusResponse:
     with internal_auth.sync_channel(endpoint) as channel:
-        return model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(pb.StatusRequest(), timeout=_TIMEOUT_S)
+        return model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(
+            pb.StatusRequest(), timeout=_TIMEOUT_S
+        )
 
 
 def _statuses(endpoints: list[str]) -> list[tuple[str, pb.StatusResponse]]:
@@ -231,9 +236,27 @@ def pin(
     config: ConfigOption = None,
     worker: WorkerOption = None,
     off: Annotated[bool, typer.Option("--off", help="unpin instead")] = False,
+    gateway: GatewayOption = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
-    """Pin MODEL (never evicted, never unloaded when idle) on the workers that hold it or can load it."""
+    """Pin MODEL (never evicted, never unloaded when idle) on the workers that hold it or can
+    load it, and store the pin so it holds across restarts."""
     settings = settings_from(config)
     use_credentials(settings)
-    for endpoint in _holder(settings, model, worker, loaded=True):
+    holders = _holder(settings, model, worker, loaded=True)
+    if worker is None:
+        with admin_client(config, gateway, api_key) as client:
+            try:
+                client.call(
+                    "PUT", "/admin/v1/config", body={"key": f"models.known.{model}.pin", "value": not off}
+                )
+            except AdminError as error:
+                if error.status not in (0, 503):
+                    raise fail(error) from None
+                errors.print(
+                    f"pin not stored (it lasts until the worker restarts): {error.message}",
+                    style="yellow",
+                    markup=False,
+                )
+    for endpoint in holders:
         _say(endpoint, _call(endpoint, "Pin", pb.PinRequest(model_id=model, pinned=not off), _TIMEOUT_S))

@@ -6,11 +6,16 @@ It keeps an append-only file (`appendonly yes`, `appendfsync everysec`: a killed
 comes back with its data, at most the last second lost on a machine crash) and requires a
 password, generated on first start and kept in the data folder (mode 0600), so a server
 restarted on the same folder takes the same password and its clients' `REDIS_URL` stays
-valid. `url` carries the password: services get it through `REDIS_URL`."""
+valid. `url` carries the password: services get it through `REDIS_URL`.
+
+A data folder that is given (not a temporary one) is locked while the server runs
+(`redis.lock`, an exclusive `flock`), so two suites started on one folder cannot write one
+append-only file at once: the second start fails naming the folder."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -33,6 +38,7 @@ __all__ = ["EmbeddedRedis", "redis_server_binary"]
 # within 1/hz s instead of 0.1 s.
 HZ = 1
 PASSWORD_FILE = "redis.password"
+LOCK_FILE = "redis.lock"
 
 
 def redis_server_binary() -> str:
@@ -67,6 +73,7 @@ class EmbeddedRedis:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="loadmaster-redis-")
         self.password = password or _stored_password(Path(self.data_dir))
         self.process: subprocess.Popen[bytes] | None = None
+        self._lock: int | None = None
 
     @property
     def url(self) -> str:
@@ -80,7 +87,22 @@ class EmbeddedRedis:
         """The server's exit status once it has exited (killed: minus the signal), else None."""
         return None if self.process is None else self.process.poll()
 
+    def _take_folder(self) -> None:
+        if self._owns_dir or self._lock is not None:
+            return
+        fd = os.open(Path(self.data_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(
+                f"the Redis data folder {self.data_dir} is in use by another suite; stop it, or give "
+                "this one its own folder (redis.data_dir, or REDIS_URL for a Redis of your own)"
+            ) from None
+        self._lock = fd
+
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        self._take_folder()
         args = [
             redis_server_binary(),
             "--bind",
@@ -109,6 +131,8 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            # The server holds the folder's lock too, until it has exited (after its launcher).
+            pass_fds=(self._lock,) if self._lock is not None else (),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -155,6 +179,9 @@ class EmbeddedRedis:
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.process = None
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
         if self._owns_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 

@@ -1,7 +1,10 @@
 """`loadmaster scheduler use NAME [--policy P]` and `loadmaster scheduler queues`.
 
-`use` switches the running scheduler's ordering strategy (the `SetStrategy` admin RPC):
-waiting requests move to the new queues, none is lost. `queues` prints each model's
+`use` switches the running scheduler's ordering strategy: waiting requests move to the new
+queues, none is lost. It goes through the gateway's admin API, which makes the switch on the
+scheduler (the `SetStrategy` admin RPC) and stores it, so it holds across restarts
+(docs/admin.md); with `--address`, or when no gateway answers, it asks that scheduler
+directly and nothing is stored. `queues` prints each model's
 queue (depth, in flight, granted, expired, overflowed, superseded, dropped); `--json`
 prints `{"strategy", "policy", "active_clients", "queues": [{"model_id", "depth", ...}]}`.
 """
@@ -19,6 +22,7 @@ from rich.table import Table
 from loadmaster.cli._auth import use_credentials
 from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.cli._output import print_json, stdout_console
+from loadmaster.cli.admin_client import AdminError, ApiKeyOption, GatewayOption, admin_client, fail
 from loadmaster.common import internal_auth
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -60,8 +64,32 @@ def use(
     ] = None,
     config: ConfigOption = None,
     address: AddressOption = None,
+    gateway: GatewayOption = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
-    """Switch the scheduler's strategy; waiting requests move over."""
+    """Switch the scheduler's strategy (stored: it holds across restarts); waiting requests move over."""
+    suffix = f" (policy {policy})" if policy else ""
+    if address is None:
+        with admin_client(config, gateway, api_key) as client:
+            try:
+                switched = client.call(
+                    "POST", "/admin/v1/strategy", body={"strategy": name, "policy": policy or ""}
+                )
+            except AdminError as error:
+                if error.status != 0:
+                    raise fail(error) from None
+                console.print(
+                    f"{error.message}; asking the scheduler directly (not stored)",
+                    style="yellow",
+                    markup=False,
+                )
+            else:
+                stored = "" if switched["persisted"] else " (not stored: the gateway has no Redis)"
+                typer.echo(
+                    f"strategy {switched['previous']} -> {switched['strategy']}{suffix}; "
+                    f"{switched['moved']} waiting requests moved{stored}"
+                )
+                return
     target = _address(config, address)
     with internal_auth.sync_channel(target) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
@@ -71,7 +99,6 @@ def use(
             )
         except grpc.RpcError as exc:
             raise _fail(exc, target) from None
-    suffix = f" (policy {policy})" if policy else ""
     typer.echo(f"strategy {reply.previous} -> {reply.strategy}{suffix}; {reply.moved} waiting requests moved")
 
 

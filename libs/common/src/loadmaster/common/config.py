@@ -72,6 +72,7 @@ __all__ = [
     "ModelsSettings",
     "OidcSettings",
     "PolicyWebhookSettings",
+    "RedisSettings",
     "ResponseTrackingSettings",
     "SchedulerSettings",
     "ServiceEndpoint",
@@ -291,6 +292,9 @@ class ModelsSettings(_Section):
     # Names for model ladders (OpenAI API): {alias: {models: [primary, fallback, ...]}}.
     aliases: dict[str, AliasSettings] = Field(default_factory=dict)
     category_keep_alive_s: CategoryKeepAliveSettings = CategoryKeepAliveSettings()
+    # A ladder may fall back to a hosted (remote) model only while this is true; a remote
+    # primary, or a request naming a remote model, is always served (docs/ladders.md).
+    allow_cloud_fallback: bool = True
 
     def for_model(self, model_id: str) -> ModelSettings:
         entry = self.known.get(model_id)
@@ -335,6 +339,15 @@ class GenerationSettings(_Section):
     timeslice_tokens: int = Field(default=0, ge=0)
     # A waiting generation rises one priority class after this long (bounds starvation).
     promote_after_s: float = Field(default=10.0, gt=0)
+
+
+class RedisSettings(_Section):
+    """The embedded redis-server of `loadmaster up` (used when no `redis_url` is given) keeps its
+    data in `data_dir` (relative: to the config file's folder), so settings changed at run time
+    survive a restart. `admin_key_prefix` names the keys of the admin plane (docs/admin.md)."""
+
+    data_dir: Path = Path(".loadmaster/redis")
+    admin_key_prefix: str = "loadmaster:admin"
 
 
 class ResponseTrackingSettings(_Section):
@@ -400,6 +413,7 @@ class Settings(BaseSettings):
     # One line per record: "logfmt" (key=value, quoted and escaped) or "json" (one object per line).
     log_format: Literal["logfmt", "json"] = "logfmt"
     redis_url: str | None = None  # also read from REDIS_URL (see _RedisUrlSource)
+    redis: RedisSettings = RedisSettings()
     gateway: GatewaySettings = GatewaySettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     model_pool: ModelPoolSettings = ModelPoolSettings()

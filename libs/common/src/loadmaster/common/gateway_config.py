@@ -91,6 +91,8 @@ class ApiKeySettings(_Section):
     # Whose generations these are for token fairness (`tenants` at the top level gives weights);
     # empty: the key's name.
     tenant: str = ""
+    # The key is refused from this time on (Unix seconds); None = never expires.
+    expires_unix_s: float | None = Field(default=None, gt=0)
 
 
 class CurveSettings(_Section):
@@ -156,11 +158,19 @@ class OidcSettings(_Section):
 
 
 class AuthSettings(_Section):
-    """API keys for HTTP (`Authorization: Bearer`) and gRPC (`authorization` metadata); empty = open."""
+    """API keys for HTTP (`Authorization: Bearer`) and gRPC (`authorization` metadata).
+
+    `required`: whether calls need a key (or an OIDC token); None = exactly when `api_keys`
+    lists keys here. Keys added at run time (docs/admin.md) never turn it on by themselves."""
 
     api_keys: list[ApiKeySettings] = Field(default_factory=list)
+    required: bool | None = None
     curve: CurveSettings = CurveSettings()
     oidc: OidcSettings = OidcSettings()
+
+    @property
+    def keys_required(self) -> bool:
+        return self.required if self.required is not None else bool(self.api_keys)
 
 
 class PolicyWebhookSettings(_Section):

@@ -1,4 +1,5 @@
-"""The audit trail: one JSON line per OpenAI API request, written off the request path.
+"""The audit trail: one JSON line per OpenAI API request, and one per admin change (docs/admin.md),
+written off the request path.
 
 An `AuditRecord` is put on a bounded queue (`logging.handlers.QueueHandler`) and returns at
 once; a `QueueListener` thread turns it into JSON, hashing the prompt and the completion
@@ -23,7 +24,7 @@ from typing import Any
 
 from loadmaster.common.config import AuditSettings
 
-__all__ = ["AuditLog", "AuditRecord", "format_record"]
+__all__ = ["AdminRecord", "AuditLog", "AuditRecord", "format_admin_record", "format_record"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,34 @@ class AuditRecord:
     completion: str | None = field(default=None, repr=False)
 
 
+@dataclass(slots=True)
+class AdminRecord:
+    """One admin change (or refused attempt): who, what, and the values before and after.
+    Key records carry only a prefix of their hash, never the key."""
+
+    time_unix_s: float
+    action: str  # `keys.add`, `keys.update`, `keys.revoke`, `guardrails.add`, `config.set` …
+    target: str  # the key's name, the guardrail's id, the setting's path
+    outcome: str  # `ok`, or the error code the caller got
+    subject: str = ""
+    auth: str = ""  # none | api_key | oidc | admin_token
+    old: Any = None
+    new: Any = None
+    error: str = ""
+    gateway_id: str = ""
+
+
+def format_admin_record(record: AdminRecord) -> str:
+    fields: dict[str, Any] = asdict(record)
+    fields.pop("time_unix_s")
+    line = {
+        "time": datetime.fromtimestamp(record.time_unix_s, UTC).isoformat(timespec="milliseconds"),
+        "kind": "admin",
+        **fields,
+    }
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
 def format_record(record: AuditRecord, *, debug_mode: bool) -> str:
     """The JSON line (called on the writer thread)."""
     fields: dict[str, Any] = asdict(record)
@@ -82,8 +111,18 @@ class _RecordFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry = record.msg
+        if isinstance(entry, AdminRecord):
+            return format_admin_record(entry)
         assert isinstance(entry, AuditRecord)
         return format_record(entry, debug_mode=self._debug_mode)
+
+
+class _FolderMakingFileHandler(logging.handlers.RotatingFileHandler):
+    """Opened at its first record when `delay`: the folder is made then."""
+
+    def _open(self) -> Any:
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
 
 
 class _NonBlockingQueueHandler(logging.handlers.QueueHandler):
@@ -118,7 +157,10 @@ class _Listener(logging.handlers.QueueListener):
 
 
 class AuditLog:
-    """`write(record)` from the event loop; `start()` opens the file, `close()` drains and closes."""
+    """`write(record)` from the event loop; `start()` opens the file, `close()` drains and closes.
+
+    With request auditing off (`enabled: false`) the log still takes admin changes
+    (`write_admin`); its file is then opened only when the first one comes."""
 
     def __init__(self, settings: AuditSettings, *, path: Path) -> None:
         self._settings = settings
@@ -133,19 +175,19 @@ class AuditLog:
 
     def start(self) -> None:
         """Blocking (it creates the folder and opens the file): call it in a thread."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        writer = logging.handlers.RotatingFileHandler(
+        writer = _FolderMakingFileHandler(
             self.path,
             maxBytes=self._settings.max_file_bytes,
             backupCount=self._settings.backup_count,
             encoding="utf-8",
+            delay=not self._settings.enabled,
         )
         writer.setFormatter(_RecordFormatter(debug_mode=self._settings.debug_mode))
         self._listener = _Listener(self._records, writer)
         self._listener.start()
         log.info("audit log: %s", self.path)
 
-    def write(self, record: AuditRecord) -> None:
+    def write(self, record: AuditRecord | AdminRecord) -> None:
         self._handler.handle(logging.LogRecord("loadmaster.audit", logging.INFO, "", 0, record, None, None))
 
     def close(self) -> None:

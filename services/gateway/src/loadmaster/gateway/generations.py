@@ -500,6 +500,10 @@ class GenerationPort:
         self._models = models
         self._router = LadderRouter(ladders or {}, self._states, clock=clock)
 
+    def set_ladders(self, ladders: Mapping[str, Ladder]) -> None:
+        """Route aliases by `ladders` from now on (the admin plane changes them at run time)."""
+        self._router.ladders = dict(ladders)
+
     def generate(
         self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncIterator[GenerationEvent]:

@@ -155,11 +155,19 @@ class Guardrails:
     def __init__(self, settings: GuardrailSettings, *, http: httpx.AsyncClient | None = None) -> None:
         self._settings = settings
         self.blocklist = Blocklist(settings.blocked_words, settings.blocked_patterns)
-        self._holdback = max(
-            self.blocklist.longest_word, settings.stream_holdback_chars if self.blocklist.has_patterns else 0
-        )
+        self._holdback = self._holdback_for(self.blocklist)
         self._webhook = settings.webhook
         self._http = http
+
+    def _holdback_for(self, blocklist: Blocklist) -> int:
+        return max(
+            blocklist.longest_word, self._settings.stream_holdback_chars if blocklist.has_patterns else 0
+        )
+
+    def use_blocklist(self, blocklist: Blocklist) -> None:
+        """Check with `blocklist` from now on (the admin plane builds it off the event loop;
+        a stream already being screened keeps the list it started with)."""
+        self.blocklist, self._holdback = blocklist, self._holdback_for(blocklist)
 
     @property
     def screens_completions(self) -> bool:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq.asyncio
 
+from loadmaster.common import internal_auth
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
 from loadmaster.common.errors import LoadmasterError
@@ -15,11 +17,13 @@ from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.admin import SchedulerAdmin
+from loadmaster.gateway.admin_plane import AdminPlane
 from loadmaster.gateway.audit import AuditLog
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelCatalog, ModelView
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.exposure import warn_if_exposed
+from loadmaster.gateway.frontends.admin_http import admin_routes
 from loadmaster.gateway.frontends.edge import EdgeFrontend
 from loadmaster.gateway.frontends.grpc import (
     KServeGrpcServicer,
@@ -111,18 +115,19 @@ class Gateway:
         oidc = settings.gateway.auth.oidc
         self.auth = Authenticator(
             settings.gateway.auth.api_keys,
+            required=settings.gateway.auth.required,
             oidc=OidcVerifier(oidc, clock=clock) if oidc.enabled else None,
             oidc_settings=oidc,
             clock=clock,
+            admin_token=_admin_token_check(),
         )
         audit = settings.gateway.audit
-        self.audit = (
-            AuditLog(audit, path=audit.path if audit.path.is_absolute() else settings.config_dir / audit.path)
-            if audit.enabled
-            else None
+        # Always there: admin changes are audited even when request auditing is off.
+        self.audit = AuditLog(
+            audit, path=audit.path if audit.path.is_absolute() else settings.config_dir / audit.path
         )
         self.guardrails = Guardrails(settings.gateway.guardrails)
-        self.policy = GatewayPolicy(self.guardrails, self.audit, clock=clock)
+        self.policy = GatewayPolicy(self.guardrails, self.audit if audit.enabled else None, clock=clock)
         self.admin = SchedulerAdmin(settings.scheduler.address)
         # One port for every front end: the OpenAI routes, and KServe's text_input on language
         # models over HTTP and gRPC (one ladder router, one view of the model states).
@@ -135,6 +140,16 @@ class Gateway:
             self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)
         )
         self.generative = GenerativeKServe(self.generations, self.catalog.models)
+        self.admin_plane = AdminPlane(
+            settings,
+            auth=self.auth,
+            guardrails=self.guardrails,
+            generations=self.generations,
+            scheduler=self.admin,
+            audit=self.audit,
+            gateway_id=self.gateway_id,
+            store=AdminPlane.connect_store(settings),
+        )
         self.kserve_grpc = KServeGrpcServicer(
             self.dispatcher,
             self.catalog,
@@ -176,13 +191,13 @@ class Gateway:
             self.statistics,
             self.readiness,
             self.auth,
-            self.admin,
             gateway_id=self.gateway_id,
             generations=self.generations,
             generative=self.generative,
-            extra_routes=image_routes(
-                self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id
-            ),
+            extra_routes=[
+                *image_routes(self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id),
+                *admin_routes(self.admin_plane, self.admin, self.auth),
+            ],
             policy=self.policy,
         )
         self.http = HttpFrontend(
@@ -204,8 +219,9 @@ class Gateway:
     async def start(self) -> None:
         warn_if_exposed(self._settings.gateway)
         await asyncio.to_thread(self.shm.reserve)  # before any request can use it
-        if self.audit is not None:
-            await asyncio.to_thread(self.audit.start)  # opens the file: a bad path fails the start
+        # Opens the file (when request auditing is on): a bad path fails the start.
+        await asyncio.to_thread(self.audit.start)
+        await self.admin_plane.start()  # the stored keys and settings, before anything is served
         self.telemetry.start()
         self.dispatcher.start()
         self.scheduler.start()
@@ -236,8 +252,8 @@ class Gateway:
         await self.admin.close()
         await self.auth.close()
         await self.guardrails.close()
-        if self.audit is not None:
-            await asyncio.to_thread(self.audit.close)  # after the HTTP server: every record is in
+        await self.admin_plane.close()
+        await asyncio.to_thread(self.audit.close)  # after the HTTP server: every record is in
         await self.scheduler.close()
         await self.dispatcher.close()
         await self.workers.close()
@@ -266,6 +282,14 @@ class GatewayServer(GrpcServer):
         self.on_start(self.gateway.start)
         self.on_drain(self.gateway.drain)
         self.on_stop(self.gateway.stop)
+
+
+def _admin_token_check() -> Callable[[str], bool] | None:
+    """Whether a bearer token is the suite's admin credential (`internal_auth`), when one is set."""
+    credentials = internal_auth.current()
+    if credentials is None:
+        return None
+    return lambda token: credentials.admin_verified({internal_auth.ADMIN_HEADER: token})
 
 
 async def build(settings: Settings, *, clock: Clock | None = None) -> GatewayServer:

@@ -204,6 +204,24 @@ class ModelPool(_Admission, _Release):
         self._keep_alive.poke()
         return slot.status()
 
+    def use_models(self, models: ModelsSettings) -> None:
+        """Deployment settings changed at run time (docs/admin.md): a model whose configured
+        `pin` changed is pinned or unpinned now (a pin set through `pin()` stays until its
+        setting changes); a loaded model's keep-alive is read again; the rest apply at the
+        next load."""
+        previous, self._models = self._models, models
+        for model_id, slot in self._slots.items():
+            pinned = models.for_model(model_id).pin
+            if pinned != previous.for_model(model_id).pin:
+                slot.pinned = pinned
+                self._changed(slot)
+            loaded = self._loaded.get(model_id)
+            if loaded is not None:
+                slot.keep_alive_s = keep_alive_for(models, loaded.spec)
+                if slot.keep_alive_s is not None and not self._closing:
+                    self._keep_alive.start()
+        self._keep_alive.poke()
+
     def _residents(self, *, settling: bool = False) -> list[Resident]:
         """READY models; with `settling`, also those holding a lease on the way in or out."""
         out = []

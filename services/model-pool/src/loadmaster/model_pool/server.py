@@ -15,6 +15,7 @@ import asyncio
 import logging
 import socket
 
+from loadmaster.common.admin_store import watch_settings
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
 from loadmaster.common.errors import LoadmasterError
@@ -115,6 +116,10 @@ class ModelPoolServer(GrpcServer):
             metrics=self.telemetry,
         )
         self.session: WorkerSession | None = None
+        # Pins and keep-alive changed at run time (docs/admin.md), applied as they come.
+        self.runtime = watch_settings(
+            settings, lambda merged: self.pool.use_models(merged.models), warn=("models.known.",)
+        )
         servicer = ModelPoolServiceServicer(
             self.pool,
             worker_id=self.worker_id,
@@ -133,6 +138,8 @@ class ModelPoolServer(GrpcServer):
     async def _started(self) -> None:
         pool_settings = self.settings.model_pool
         self.telemetry.start()
+        if self.runtime is not None:
+            await self.runtime.start()  # stored pins hold from the first load
         import_engines(self.pool.repository, pool_settings.preload)
         last_endpoint = await self.data_port.start()
         self.data_endpoint = advertised_endpoint(last_endpoint, configured=pool_settings.data_endpoint)
@@ -173,6 +180,8 @@ class ModelPoolServer(GrpcServer):
         await self.data_port.stop()
 
     async def _stopping_hook(self) -> None:
+        if self.runtime is not None:
+            await self.runtime.close()
         if self.session is not None:
             await self.session.stop()
         if self._owns_lease_client:

@@ -1,11 +1,11 @@
 """KServe v2 over HTTP (Starlette app served by uvicorn in the gateway's loop): translation only.
 
 Routes: `/v2/health/{live,ready}`, `/v2`, `/v2/models/{m}[/versions/{v}][/ready|/config|/stats|/infer]`,
-`/v2/models/stats`, `/v2/repository/index`, `/v2/repository/models/{m}/{load,unload}`; the admin
-routes `/admin/queues` and `/admin/strategy` (POST {"strategy", "policy"}); and the probes
+`/v2/models/stats`, `/v2/repository/index`, `/v2/repository/models/{m}/{load,unload}`; and the probes
 `/livez`, `/readyz` (503 until the scheduler is connected and a model is READY; with
 `?model=<id>`, until that model is READY), `/healthz`, each naming the READY generative models;
 and the OpenAI-compatible API (`/v1/...`, frontends/openai.py) over the dispatcher's generations.
+The admin API (`/admin/v1/...`, frontends/admin_http.py) comes in through `extra_routes`.
 Errors are `LoadmasterError`s mapped to a status in one handler (`{"error": message}` bodies). A
 client that disconnects while its request waits cancels it in the dispatcher. A W3C `traceparent`
 header is honoured: the request's span (the dispatcher's `gateway.request`) is its child.
@@ -40,7 +40,6 @@ from loadmaster.common import tracing
 from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError, NotFoundError
 from loadmaster.common.http_server import main_loop
-from loadmaster.gateway.admin import SchedulerAdmin
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelCatalog
@@ -151,7 +150,6 @@ def build_app(
     statistics: StatisticsSource,
     readiness: Readiness,
     auth: Authenticator,
-    admin: SchedulerAdmin,
     *,
     gateway_id: str,
     generations: GenerationPort,
@@ -268,18 +266,6 @@ def build_app(
         await catalog.unload(request.path_params["model"])
         return Response(status_code=200)
 
-    async def admin_queues(request: Request) -> Response:
-        await authorize(request, ADMIN)
-        return JSONResponse(await admin.queues())
-
-    async def admin_strategy(request: Request) -> Response:
-        await authorize(request, ADMIN)
-        body = parse_json_object(await read_body(request, limits.max_envelope_bytes))
-        strategy, policy = body.get("strategy"), body.get("policy", "")
-        if not isinstance(strategy, str) or not strategy or not isinstance(policy, str):
-            raise InvalidArgumentError('body must be {"strategy": <name>, "policy": <name, optional>}')
-        return JSONResponse(await admin.set_strategy(strategy, policy))
-
     def prepare(
         body: bytes | memoryview, header_length: str | None, **call: Any
     ) -> tuple[ParsedInfer, InferenceCall]:
@@ -367,8 +353,6 @@ def build_app(
         route("/v2/repository/index", repository_index, ("POST",)),
         route("/v2/repository/models/{model}/load", repository_load, ("POST",)),
         route("/v2/repository/models/{model}/unload", repository_unload, ("POST",)),
-        route("/admin/queues", admin_queues),
-        route("/admin/strategy", admin_strategy, ("POST",)),
     ]
     for prefix in (model, versioned):
         routes += [
