@@ -131,10 +131,6 @@ class Gateway:
         self.admin = SchedulerAdmin(settings.scheduler.address)
         # One port for every front end: the OpenAI routes, and KServe's text_input on language
         # models over HTTP and gRPC (one ladder router, one view of the model states).
-        tenants = settings.tenants
-        self.dispatcher.generations.weights = lambda tenant: (
-            tenants[tenant].weight if tenant in tenants else 1.0
-        )
         self.dispatcher.generations.model_view = self._model_view
         self.generations = GenerationPort(
             self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)
@@ -150,6 +146,8 @@ class Gateway:
             gateway_id=self.gateway_id,
             store=AdminPlane.connect_store(settings),
         )
+        # tenants' weights as set now (YAML, or at run time through the admin plane)
+        self.dispatcher.generations.weights = self.admin_plane.tenant_weight
         self.kserve_grpc = KServeGrpcServicer(
             self.dispatcher,
             self.catalog,
