@@ -282,7 +282,8 @@ async def test_a_sequence_paused_for_an_urgent_one_keeps_its_grammar(engine: Tra
         "minItems": 12,
         "maxItems": 12,
     }
-    spec = dataclasses.replace(engine.spec, config=engine.spec.config.model_copy(update={"max_sequences": 1}))
+    one = {"max_sequences": 1, "max_resident_sequences": 1}
+    spec = dataclasses.replace(engine.spec, config=engine.spec.config.model_copy(update=one))
     single = TransformersEngine(spec, EngineContext(device="cpu", threads=1))
     await asyncio.to_thread(single.load)
     try:

@@ -239,9 +239,10 @@ async def test_seed_reproduces_a_sampled_reply_whatever_its_batch_mates(engine: 
 @pytest.fixture
 def small_engine(tiny_repo: Path, request: pytest.FixtureRequest) -> Iterator[TransformersEngine]:
     """tiny-chat with `max_sequences` places and an order policy (the test's param)."""
-    sequences, policy = request.param
+    sequences, policy, *resident = request.param
     spec = ModelRepository(tiny_repo).spec("tiny-chat")
-    config = spec.config.model_copy(update={"max_sequences": sequences})
+    update = {"max_sequences": sequences, "max_resident_sequences": resident[0] if resident else sequences}
+    config = spec.config.model_copy(update=update)
     spec = dataclasses.replace(spec, config=config)
     instance = TransformersEngine(spec, EngineContext(device="cpu", threads=1, order_policy=policy))
     instance.load()
@@ -346,6 +347,33 @@ async def test_with_one_place_the_tenant_served_least_goes_next(small_engine: Tr
     assert order.index("b0") == 0, order  # b arrived last but was served least
     snapshot = engine.scheduling()
     assert snapshot.output_tokens["a"] > snapshot.output_tokens["b"] > 0
+
+
+@pytest.mark.parametrize("small_engine", [(2, OrderPolicy(), 4)], indirect=True)
+async def test_resident_sequences_share_the_steps_by_their_tenants_weights(
+    small_engine: TransformersEngine,
+) -> None:
+    """4 sequences hold their cache, 2 run per step: each place goes to the tenant whose
+    weighted counter is lowest, so the weight-2 tenant gets about two thirds of the tokens."""
+    engine = small_engine
+    streams = [
+        await engine.submit(dataclasses.replace(ranked(f"{tenant}-{i}", 1, tenant=tenant, max_tokens=600), tenant_weight=weight))
+        for tenant, weight in (("heavy", 2.0), ("light", 1.0))
+        for i in range(2)
+    ]
+    for stream in streams:
+        await asyncio.wait_for(stream.__anext__(), 30)
+    start = engine.scheduling().output_tokens
+    for _ in range(300):  # bounded: 3 s, until 200 more tokens were made
+        now = engine.scheduling().output_tokens
+        if sum(now.values()) - sum(start.values()) >= 200:
+            break
+        await asyncio.sleep(0.01)
+    heavy = now["heavy"] - start["heavy"]
+    light = now["light"] - start["light"]
+    assert 1.5 <= heavy / max(1, light) <= 2.5, (heavy, light)
+    for stream in streams:
+        await stream.aclose()
 
 
 @pytest.mark.parametrize("small_engine", [(1, OrderPolicy(fairness=False))], indirect=True)

@@ -35,7 +35,15 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from loadmaster.common.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
@@ -215,10 +223,14 @@ class TransformersModelConfig(_BaseModelConfig):
     path: str = Field(default=".", min_length=1)  # the HF folder, relative to the model folder
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    max_sequences: int = Field(default=32, ge=1, le=4096)  # concurrent sequences in a batch
+    max_sequences: int = Field(default=32, ge=1, le=4096)  # sequences in one step's batch
+    # Sequences that hold their KV cache and take turns in the steps (the engine picks each
+    # step's members: urgent first, then fair between tenants; docs/generation-scheduling.md).
+    # Default: max_sequences (every resident sequence runs in every step).
+    max_resident_sequences: int | None = Field(default=None, ge=1, le=16384)
     block_size: int = Field(default=256, ge=4)  # tokens per KV-cache page
     # KV-cache pages; the lease adds num_blocks x block_size x per-token KV bytes. Default:
-    # enough for max_sequences contexts of max_context_tokens, at most 4096 pages.
+    # enough for the resident sequences' contexts of max_context_tokens, at most 4096 pages.
     num_blocks: int | None = Field(default=None, ge=1)
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_context_tokens: int | None = Field(default=None, ge=1)  # default: the model's own
@@ -228,6 +240,19 @@ class TransformersModelConfig(_BaseModelConfig):
     # None: all of them until the cache runs short, then transformers drops them all).
     prefix_caching: bool = True
     prefix_cache_max_blocks: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _resident_holds_a_step(self) -> TransformersModelConfig:
+        if self.max_resident_sequences is not None and self.max_resident_sequences < self.max_sequences:
+            raise ValueError(
+                f"max_resident_sequences ({self.max_resident_sequences}) is below max_sequences "
+                f"({self.max_sequences}): every sequence of a step holds its cache"
+            )
+        return self
+
+    @property
+    def resident_sequences(self) -> int:
+        return self.max_resident_sequences or self.max_sequences
 
 
 class OpenAIProcessModelConfig(_BaseModelConfig):

@@ -6,8 +6,12 @@ own and it orders by Loadmaster's policy (`generation_order.py`, docs/generation
 It runs on the manager's thread, once per step, so an urgent request is seen at the very
 next step, with nothing a network hop or a loop turn away:
 
-- at most `max_requests_per_batch` (the model's `max_sequences`) sequences run; the rest
-  wait, ordered by (class, tenant counter, arrival);
+- at most `resident` sequences (the model's `max_resident_sequences`) hold their KV cache;
+  the rest wait, ordered by (class, tenant counter, arrival);
+- each step carries at most `max_requests_per_batch` (the model's `max_sequences`) of the
+  resident ones: by class, then fairly between tenants (each place to the tenant whose
+  counter, plus what the step already gives it, is lowest), a new sequence's prefill first
+  within a tenant, then the one that waited longest for a step;
 - a class-0 request that finds every place taken by lower-class work pauses the lowest-class
   sequence (with `timeslice_tokens`, better-class work also takes the place of a sequence
   that used its slice). A paused sequence keeps its KV cache: it simply is not in the batch
@@ -39,7 +43,13 @@ from typing import Any
 from transformers.generation.continuous_batching import scheduler as cb_scheduler
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
-from loadmaster.model_pool.generation_order import Entry, GenerationOrder, OrderPolicy, Transition
+from loadmaster.model_pool.generation_order import (
+    OUTPUT_TOKEN_COST,
+    Entry,
+    GenerationOrder,
+    OrderPolicy,
+    Transition,
+)
 
 __all__ = ["PriorityScheduler", "SchedulerSnapshot", "SequenceInfo", "install", "uninstall"]
 
@@ -89,8 +99,10 @@ class PriorityScheduler(cb_scheduler.Scheduler):
         policy: OrderPolicy,
         infos: MutableMapping[str, SequenceInfo],
         clock: Callable[[], float] = time.monotonic,
+        resident: int = 0,
     ) -> None:
         self._policy = policy
+        self._resident = max(resident, max_requests_per_batch)  # sequences holding their cache
         self._infos = infos
         self._clock = clock
         self._order = GenerationOrder(policy)
@@ -172,7 +184,7 @@ class PriorityScheduler(cb_scheduler.Scheduler):
         if remote is not None:
             self._order.counters.set_remote(remote)
         plan = self._order.plan(
-            capacity=self.max_requests_per_batch,
+            capacity=self._resident,
             now=now,
             can_pause=True,
             can_start=not self.block_new_requests,
@@ -214,20 +226,66 @@ class PriorityScheduler(cb_scheduler.Scheduler):
         return scheduled, failed, fast_path, q_tokens, kv_read
 
     def _step_members(self, running: list[Entry]) -> list[Entry]:
-        """Who is in this step: everyone, unless urgent (class-0) work is about."""
+        """Who is in this step (at most `max_requests_per_batch` of the resident sequences):
+        - a class-0 sequence waiting for its first token: class-0 work alone;
+        - else every class-0 sequence, then the rest by class and, within a class, fairly
+          between tenants: each place goes to the tenant whose counter, plus what this
+          step already gives it, is lowest; within a tenant a new sequence (its prefill) first,
+          then the one that waited longest for a step;
+        - while urgent work is about (and `URGENT_HOLD_S` after), at most `URGENT_LOW_SHARE`
+          of the places go to lower classes, so the next urgent arrival waits for a short step."""
         now = self._clock()
+        budget = self.max_requests_per_batch
         urgent = [entry for entry in running if entry.admitted_class == 0]
         if urgent or any(entry.priority == 0 for entry in self._order.waiting):
             self._urgent_seen = now
         lower = [entry for entry in running if entry.admitted_class > 0]
-        if not lower or now - self._urgent_seen > URGENT_HOLD_S:
-            return running
-        if any(not self._has_first_token(entry) for entry in urgent):
+        if lower and any(not self._has_first_token(entry) for entry in urgent):
             self._urgent_steps += 1
-            return urgent  # an urgent prefill: nothing else in its step
-        cap = max(1, int(self.max_requests_per_batch * URGENT_LOW_SHARE))
-        lower.sort(key=lambda entry: (entry.admitted_class, self._last_step.get(entry.request_id, 0), entry.arrival))
-        return urgent + lower[:cap]
+            return self._fair_share(urgent, budget)  # an urgent prefill: nothing else in its step
+        if len(running) <= budget and (not lower or now - self._urgent_seen > URGENT_HOLD_S):
+            return running
+        chosen = self._fair_share(urgent, budget)
+        room = budget - len(chosen)
+        if now - self._urgent_seen <= URGENT_HOLD_S:
+            room = min(room, max(1, int(self.max_requests_per_batch * URGENT_LOW_SHARE)))
+        return chosen + self._fair_share(lower, room)
+
+    def _fair_share(self, entries: list[Entry], places: int) -> list[Entry]:
+        """`places` of `entries`: by class, then (with fairness) weighted fair between tenants."""
+        if places <= 0:
+            return []
+        out: list[Entry] = []
+        by_class: dict[int, list[Entry]] = {}
+        for entry in entries:
+            by_class.setdefault(entry.admitted_class, []).append(entry)
+        for cls in sorted(by_class):
+            members = sorted(by_class[cls], key=self._turn_key)
+            room = places - len(out)
+            if len(members) <= room:
+                out += members
+                continue
+            if not self._policy.fairness:
+                out += members[:room]
+                break
+            queues: dict[str, list[Entry]] = {}
+            for entry in members:
+                queues.setdefault(entry.tenant, []).append(entry)
+            counters = self._order.counters
+            projected = {tenant: counters.counter(tenant) for tenant in queues}
+            for _ in range(room):
+                tenant = min((t for t in queues if queues[t]), key=lambda t: projected[t])
+                entry = queues[tenant].pop(0)
+                out.append(entry)
+                projected[tenant] += OUTPUT_TOKEN_COST / entry.weight
+            break
+        return out
+
+    def _turn_key(self, entry: Entry) -> tuple[int, int, int]:
+        """Within a tenant: a sequence still to be prefilled first, then the one that waited
+        longest for a step, then arrival."""
+        return (int(self._has_first_token(entry)), self._last_step.get(entry.request_id, 0), entry.arrival)
+
     def _batch_key(self, entry: Entry) -> tuple[int, int, int]:
         state = self._state(entry.request_id)
         rank = _STATUS_RANK.get(state.status, 2) if state is not None else 3
@@ -268,9 +326,16 @@ class PriorityScheduler(cb_scheduler.Scheduler):
     # ---- what the event loop reads ------------------------------------------------
 
     def _publish(self, now: float) -> None:
-        waiting = self._order.waiting
-        self.positions = self._order.positions(now) if waiting else {}
         order = self._order
+        waiting = order.waiting
+        # ahead of a stream without its first token: those that start before it, resident
+        # ones that have not had their turn yet first, then the waiting ones in order
+        unstarted = sorted(
+            (entry for entry in order.running if not self._has_first_token(entry)),
+            key=lambda entry: (entry.admitted_class, entry.arrival),
+        )
+        queue = unstarted + (order.ordered_waiting(now) if waiting else [])
+        self.positions = {entry.request_id: index for index, entry in enumerate(queue)}
         totals = order.totals
         counters = order.counters
         self.snapshot = SchedulerSnapshot(
@@ -291,7 +356,7 @@ class PriorityScheduler(cb_scheduler.Scheduler):
         )
 
 
-def install(policy: OrderPolicy, infos: MutableMapping[str, SequenceInfo]) -> str:
+def install(policy: OrderPolicy, infos: MutableMapping[str, SequenceInfo], *, resident: int = 0) -> str:
     """Register a `PriorityScheduler` for one manager; returns the `scheduler_type` to give
     its `ContinuousBatchingConfig` (the manager builds its scheduler on its own thread from
     transformers' `SCHEDULER_MAPPING`). `uninstall` it when the manager stops."""
@@ -299,7 +364,14 @@ def install(policy: OrderPolicy, infos: MutableMapping[str, SequenceInfo]) -> st
 
     class Bound(PriorityScheduler):
         def __init__(self, cache: Any, safety_margin: float | None, max_requests_per_batch: int) -> None:
-            super().__init__(cache, safety_margin, max_requests_per_batch, policy=policy, infos=infos)
+            super().__init__(
+                cache,
+                safety_margin,
+                max_requests_per_batch,
+                policy=policy,
+                infos=infos,
+                resident=max(resident, max_requests_per_batch),
+            )
 
     cb_scheduler.SCHEDULER_MAPPING[name] = Bound
     return name

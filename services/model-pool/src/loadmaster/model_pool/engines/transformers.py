@@ -108,7 +108,7 @@ def _num_blocks(spec: ModelSpec, hf: Mapping[str, Any]) -> int:
     if config.num_blocks is not None:
         return config.num_blocks
     per_sequence = math.ceil(_context_tokens(spec, hf) / config.block_size)
-    return min(_MAX_DEFAULT_BLOCKS, max(1, config.max_sequences * per_sequence))
+    return min(_MAX_DEFAULT_BLOCKS, max(1, config.resident_sequences * per_sequence))
 
 
 class TransformersEngine(Engine):
@@ -187,7 +187,9 @@ class TransformersEngine(Engine):
             pad_token_id=self._tokenizer.pad_token_id,
             max_new_tokens=16,
         )
-        self._scheduler_type = _cb_scheduler.install(self.context.order_policy, self._infos)
+        self._scheduler_type = _cb_scheduler.install(
+            self.context.order_policy, self._infos, resident=config.resident_sequences
+        )
         batching = ContinuousBatchingConfig(
             page_size=config.block_size,
             num_blocks=num_blocks,
