@@ -1,7 +1,7 @@
 """The official `openai` client against the real suite (gateway -> scheduler -> model-pool worker ->
 transformers engine) with `tiny-chat`: chat and text completions, sync and async, streaming and
-not; SSE framing and usage; cancellation on disconnect; 32 concurrent streams; bad input; and
-a priority-0 stream served ahead of a backlog of priority-2 streams.
+not; SSE framing and usage; cancellation on disconnect; 32 concurrent streams; bad input.
+Priorities and tenants: tests/e2e/test_generation_scheduling.py.
 
 tiny-chat is not preloaded: the first test that uses it pays for its cold load."""
 
@@ -18,9 +18,8 @@ import grpc
 import httpx
 import openai
 import pytest
-import yaml
 
-from loadmaster.cli.launcher import Suite, free_port_overrides
+from loadmaster.cli.launcher import Suite
 from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,93 +202,3 @@ async def test_32_concurrent_streams_each_get_their_own_tokens(
     together = await asyncio.gather(*(streamed(p) for p in prompts))
     assert list(together) == alone
     assert len(set(alone)) > 1
-
-
-@pytest.fixture(scope="module")
-def preempting_suite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
-    """The example suite with tiny-chat preloaded and 48 streams admitted to its 32 sequences,
-    so the worker holds a backlog and a priority-0 stream can preempt (docs/generative.md)."""
-    folder = tmp_path_factory.mktemp("preempting")
-    config = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    config["models"]["repository"] = str(MODELS_DIR)
-    config["models"]["known"][MODEL]["max_inflight"] = 48
-    config["model_pool"]["preload"] = [MODEL]
-    path = folder / "loadmaster.yaml"
-    path.write_text(yaml.safe_dump(config))
-    running = Suite(path, overrides=free_port_overrides(), log_dir=folder)
-    running.start(timeout_s=120)
-    try:
-        running.wait_for_models([MODEL], timeout_s=120)
-        yield running
-    finally:
-        running.stop()
-        for log in sorted(folder.glob("*.log")):
-            print(f"---- {log.name} (tail) ----\n" + "\n".join(log.read_text().splitlines()[-30:]))
-
-
-@pytest.mark.slow
-async def test_a_priority_0_stream_preempts_a_saturated_model(preempting_suite: Suite) -> None:
-    gateway = preempting_suite.settings.gateway
-    client = openai.AsyncOpenAI(
-        base_url=f"http://{gateway.http_host}:{gateway.http_port}/v1",
-        api_key="none",
-        max_retries=0,
-        timeout=120,
-    )
-    first_token: dict[str, float] = {}
-
-    # A prompt whose greedy reply runs to max_tokens (random weights may emit eos early):
-    # every priority-2 stream uses it, so each holds its sequence to the end.
-    for candidate in ("tell me more", "and then", "keep going", "a long story", "more words"):
-        probe = await client.chat.completions.create(
-            model=MODEL, messages=chat(candidate), max_tokens=600, temperature=0
-        )
-        if probe.choices[0].finish_reason == "length":
-            break
-    else:
-        pytest.skip("no candidate prompt runs to max_tokens")
-
-    async def run(name: str, priority: int, max_tokens: int) -> None:
-        stream = await client.chat.completions.create(
-            model=MODEL,
-            messages=chat(candidate),
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            extra_body={"x_priority": priority, "x_client_id": name},
-        )
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and name not in first_token:
-                first_token[name] = time.monotonic()
-
-    # 32 priority-2 streams hold every sequence; 8 more are admitted and wait at the worker
-    # (48 may be admitted: the urgent one is granted too and finds every sequence taken).
-    running = [asyncio.create_task(run(f"fill-{i}", 2, 600)) for i in range(32)]
-    for _ in range(500):  # bounded: until every sequence produced a token
-        if len(first_token) == 32:
-            break
-        await asyncio.sleep(0.02)
-    assert len(first_token) == 32
-    backlog = [asyncio.create_task(run(f"backlog-{i}", 2, 8)) for i in range(8)]
-    with grpc.insecure_channel(preempting_suite.settings.model_pool.address) as channel:
-        stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
-
-        def inflight() -> int:
-            reply = stub.Status(model_pool_pb2.StatusRequest(), timeout=5)
-            return next(m.inflight for m in reply.models if m.model_id == MODEL)
-
-        seen = []
-        for _ in range(500):  # bounded: until the worker holds the backlog too
-            seen.append(inflight())
-            if seen[-1] >= 40:
-                break
-            await asyncio.sleep(0.02)
-        assert seen[-1] == 40, f"worker inflight: {seen}, first tokens: {len(first_token)}"
-    sent = time.monotonic()
-    await run("urgent", 0, 8)
-    urgent = first_token["urgent"]
-    print(f"priority-0 first token after {(urgent - sent) * 1e3:.0f} ms")
-    before = [name for name, at in first_token.items() if name.startswith("backlog") and at <= urgent]
-    assert not before, f"priority-2 streams {before} got a token before the priority-0 one"
-    await asyncio.gather(*running, *backlog)
-    assert len(first_token) == 32 + 8 + 1
