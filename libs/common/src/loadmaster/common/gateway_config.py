@@ -63,6 +63,13 @@ class LimitsSettings(_Section):
     max_metadata_bytes: int = Field(default=16 << 10, ge=0)
     # Elements of one BYTES tensor: bounds the per-element work of checking and decoding it.
     max_bytes_elements: int = Field(default=1 << 20, ge=0)
+    # JPEG/PNG tensors (docs/robot-clients.md): pixels (H x W) of one image, checked by the
+    # gateway against the claimed shape and by the worker against the image's own header;
+    # progressive JPEG scans (each one a pass over the whole image); and the time one request's
+    # images may take to decode on the worker (past it: `invalid_argument` naming the tensor).
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
+    max_image_scans: int = Field(default=64, ge=1)
+    max_image_decode_ms: float = Field(default=250.0, gt=0)
     # The JSON part of an HTTP request (all of it without binary data): parsing it holds the
     # interpreter, ~110 MB/s here, so this bounds what one JSON body can stall. Binary tensor
     # data after the JSON header counts against max_payload_bytes instead.
