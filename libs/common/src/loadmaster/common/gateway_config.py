@@ -20,6 +20,7 @@ __all__ = [
     "CurveSettings",
     "EdgeSettings",
     "GatewaySettings",
+    "Gr00tSettings",
     "GuardrailSettings",
     "ImagesSettings",
     "LimitsSettings",
@@ -51,6 +52,19 @@ class EdgeSettings(_Section):
     # its payload meanwhile; past this many at once the next is refused (`resource_exhausted`),
     # so a flood of costly messages cannot hold unbounded memory.
     max_offloop_checks: int = Field(default=4, ge=1)
+
+
+class Gr00tSettings(_Section):
+    """The GR00T front end (frontends/gr00t.py, docs/robot-clients.md): a ZeroMQ ROUTER at `bind`
+    that serves GR00T's PolicyClient (REQ/REP, msgpack) with `model`; off while `model` is empty.
+    GR00T's own default port is 5555, the edge's, so this one defaults to 5557."""
+
+    bind: str = "tcp://127.0.0.1:5557"
+    model: str = ""  # empty = off
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.model)
 
 
 class LimitsSettings(_Section):
@@ -251,6 +265,7 @@ class GatewaySettings(ServiceEndpoint):
     address: str = "127.0.0.1:8001"
     gateway_id: str = ""  # default: <hostname>-<pid>
     edge: EdgeSettings = EdgeSettings()
+    gr00t: Gr00tSettings = Gr00tSettings()
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     limits: LimitsSettings = LimitsSettings()
