@@ -276,7 +276,7 @@ def image(key: str = "camera", **fields: object) -> tensor_pb2.Tensor:
 def test_image_tensors_pass_the_cheap_checks_and_need_a_decoder(encoding: int) -> None:
     desc = image(encoding=encoding)
     assert check_tensors([desc], bytes(100)) is None  # the gateway forwards it undecoded
-    with pytest.raises(InvalidArgumentError, match="'camera'.*decoded by model workers"):
+    with pytest.raises(InvalidArgumentError, match=r"'camera'.*decoded by model workers"):
         decode_tensors([desc], bytes(100))
     seen: list[tuple[str, bytes]] = []
 

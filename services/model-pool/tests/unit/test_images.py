@@ -11,7 +11,13 @@ from PIL import Image
 
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.tensors import TensorLimits, encode_tensors
-from loadmaster.model_pool.images import ImageDecoder, ImageLimits, decode_request, gpu_jpeg_decoder, image_format
+from loadmaster.model_pool.images import (
+    ImageDecoder,
+    ImageLimits,
+    decode_request,
+    gpu_jpeg_decoder,
+    image_format,
+)
 from loadmaster.v1 import tensor_pb2
 
 
@@ -36,7 +42,9 @@ def png(pixels: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def descriptor(data: bytes, shape: tuple[int, ...], encoding: int = tensor_pb2.ENCODING_JPEG) -> tensor_pb2.Tensor:
+def descriptor(
+    data: bytes, shape: tuple[int, ...], encoding: int = tensor_pb2.ENCODING_JPEG
+) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(
         key="camera", dtype=tensor_pb2.DTYPE_UINT8, shape=shape, byte_length=len(data), encoding=encoding
     )
@@ -76,8 +84,10 @@ def test_corrupt_images_are_refused_naming_the_tensor() -> None:
             DECODER.decode_tensor(descriptor(bad, (48, 64, 3)), memoryview(bad))
     damaged = bytearray(png(frame()))
     damaged[60:70] = bytes(10)  # inside the image data: the CRC no longer matches
-    with pytest.raises(InvalidArgumentError, match="tensor 'camera'.*PNG"):
-        DECODER.decode_tensor(descriptor(bytes(damaged), (48, 64, 3), tensor_pb2.ENCODING_PNG), memoryview(damaged))
+    with pytest.raises(InvalidArgumentError, match=r"tensor 'camera'.*PNG"):
+        DECODER.decode_tensor(
+            descriptor(bytes(damaged), (48, 64, 3), tensor_pb2.ENCODING_PNG), memoryview(damaged)
+        )
 
 
 def test_a_png_sent_as_jpeg_is_refused() -> None:

@@ -83,7 +83,13 @@ from loadmaster.common.framing import (
 from loadmaster.common.shm import ShmRegions, ShmUnavailableError
 from loadmaster.common.tensors import TensorLimits, decode_tensors, has_images
 from loadmaster.model_pool.generation_port import GenerationPort
-from loadmaster.model_pool.images import ImageDecoder, ImageLimits, decode_request, gpu_jpeg_decoder
+from loadmaster.model_pool.images import (
+    DEFAULT_IMAGE_LIMITS,
+    ImageDecoder,
+    ImageLimits,
+    decode_request,
+    gpu_jpeg_decoder,
+)
 from loadmaster.model_pool.pool import InferResult, ModelPool
 from loadmaster.model_pool.wire import (
     ResultEncoder,
@@ -167,7 +173,7 @@ class DataPort:
         max_pending: int = 10_000,
         hwm: int = 10_000,
         metrics: Any = None,
-        image_limits: ImageLimits = ImageLimits(),
+        image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
         image_threads: int = 2,
         image_decode_ms: float = 250.0,
     ) -> None:

@@ -40,7 +40,8 @@ from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.tensors import IMAGE_CHANNELS, TensorLimits, decode_tensors
 from loadmaster.v1 import tensor_pb2
 
-__all__ = ["ImageDecoder", "ImageLimits", "decode_request", "gpu_jpeg_decoder", "image_format"]
+__all__ = [
+    "DEFAULT_IMAGE_LIMITS","ImageDecoder", "ImageLimits", "decode_request", "gpu_jpeg_decoder", "image_format"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ _PNG_CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4}  # 8-bit modes only
 class ImageLimits:
     max_pixels: int = 40_000_000
     max_scans: int = 64
+
+
+DEFAULT_IMAGE_LIMITS = ImageLimits()
 
 
 def image_format(data: bytes | memoryview) -> str:
@@ -99,8 +103,8 @@ def gpu_jpeg_decoder(device: str) -> JpegDecode | None:
 class ImageDecoder:
     """Decodes JPEG and PNG tensors within `limits`; thread-safe (no state changes)."""
 
-    def __init__(self, limits: ImageLimits = ImageLimits(), *, gpu_jpeg: JpegDecode | None = None) -> None:
-        self.limits = limits
+    def __init__(self, limits: ImageLimits | None = None, *, gpu_jpeg: JpegDecode | None = None) -> None:
+        self.limits = limits or DEFAULT_IMAGE_LIMITS
         self._gpu_jpeg = gpu_jpeg
 
     # ---- the two ways in ---------------------------------------------------------
@@ -135,7 +139,11 @@ class ImageDecoder:
 
     def _any(self, name: str, data: Any, expected: tuple[int, ...]) -> np.ndarray:
         if not isinstance(data, bytes | bytearray | memoryview):
-            raise InvalidArgumentError(f"tensor '{name}': a compressed image is bytes, not {type(data).__name__}")
+            raise InvalidArgumentError(
+                f"tensor '{name}': a compressed image is bytes, not {type(data).__name__}"
+            )
+        if isinstance(data, bytearray):
+            data = bytes(data)
         kind = image_format(data)
         if kind == "jpeg":
             return self._jpeg(name, data, expected)
@@ -212,7 +220,7 @@ def decode_request(
     limits: TensorLimits,
     decoder: ImageDecoder,
     *,
-    declared: Mapping[str, tuple[int, ...] | None] = {},  # noqa: B006 (read only)
+    declared: Mapping[str, tuple[int, ...] | None] = {},
     on_tensor: Callable[[str], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Every input of a request, its images decoded: edge image tensors, and BYTES inputs the

@@ -22,9 +22,9 @@ from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.common.tensors import TensorLimits
-from loadmaster.model_pool.images import ImageLimits
 from loadmaster.model_pool.data_port import DataPort, advertised_endpoint
 from loadmaster.model_pool.engines import engine_class
+from loadmaster.model_pool.images import ImageLimits
 from loadmaster.model_pool.leases import AsyncLeaseClient, LeaseClient
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.repository import ModelRepository

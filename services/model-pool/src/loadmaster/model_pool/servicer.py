@@ -15,8 +15,8 @@ import grpc
 
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.tensors import TensorLimits
-from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.images import ImageLimits
+from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.wire import handle_infer, signature_pb, slot_status_pb
 from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
 

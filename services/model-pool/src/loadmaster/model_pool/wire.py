@@ -15,7 +15,13 @@ from typing import Any
 
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.common.tensors import TensorLimits, decode_tensors, encode_tensors, has_images
-from loadmaster.model_pool.images import ImageDecoder, ImageLimits, decode_request, gpu_jpeg_decoder
+from loadmaster.model_pool.images import (
+    DEFAULT_IMAGE_LIMITS,
+    ImageDecoder,
+    ImageLimits,
+    decode_request,
+    gpu_jpeg_decoder,
+)
 from loadmaster.model_pool.pool import InferResult, ModelPool
 from loadmaster.model_pool.repository import ModelSpec, TensorSpec
 from loadmaster.model_pool.slots import ModelState, SlotStatus
@@ -227,7 +233,7 @@ async def handle_infer(
     *,
     worker_id: str,
     limits: TensorLimits,
-    image_limits: ImageLimits = ImageLimits(),
+    image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
 ) -> tuple[model_pool_pb2.InferResponse, Any]:
     """Answer one InferRequest: (reply envelope, output payload). Failures are replies, never raised."""
     request_id, model_id = request.request_id, request.model_id
