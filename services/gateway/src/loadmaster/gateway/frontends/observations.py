@@ -216,7 +216,7 @@ def action_dict(result: CallResult, *, unbatch: bool) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for name, array in outputs.items():
         if unbatch and array.ndim and array.shape[0] == 1:
-            array = array[0]
+            array = array[0, ...]  # (a 0-d array, never a scalar)
         if array.dtype.kind == "O":  # BYTES: text where it is UTF-8
             flat[name] = _text(array)
         else:

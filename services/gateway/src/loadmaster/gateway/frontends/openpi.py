@@ -79,14 +79,18 @@ def _pack_numpy(value: Any) -> Any:
 def _unpack_numpy(value: dict[Any, Any]) -> Any:
     if b"__ndarray__" in value:
         try:
-            return np.ndarray(
-                buffer=value[b"data"], dtype=np.dtype(value[b"dtype"]), shape=tuple(value[b"shape"])
-            )
+            dtype = np.dtype(value[b"dtype"])
+            if dtype.hasobject:  # pointers read from a client's bytes: never
+                raise ValueError(f"dtype {dtype} holds Python objects")
+            return np.ndarray(buffer=value[b"data"], dtype=dtype, shape=tuple(value[b"shape"]))
         except (KeyError, TypeError, ValueError) as error:
             raise InvalidArgumentError(f"an array of the observation is malformed: {error}"[:200]) from None
     if b"__npgeneric__" in value:
         try:
-            return np.dtype(value[b"dtype"]).type(value[b"data"])
+            dtype = np.dtype(value[b"dtype"])
+            if dtype.hasobject:
+                raise ValueError(f"dtype {dtype} holds Python objects")
+            return dtype.type(value[b"data"])
         except (KeyError, TypeError, ValueError) as error:
             raise InvalidArgumentError(f"a scalar of the observation is malformed: {error}"[:200]) from None
     return value
