@@ -156,7 +156,7 @@ def test_gr00t_coding_reads_np_save_without_pickles() -> None:
     pickled = io.BytesIO()
     np.save(pickled, np.array([{"evil": 1}], dtype=object), allow_pickle=True)
     attack = msgpack.packb({"observation": {"__ndarray_class__": True, "as_npy": pickled.getvalue()}})
-    with pytest.raises(InvalidArgumentError, match="not np.save data"):
+    with pytest.raises(InvalidArgumentError, match=r"not np\.save data"):
         gr00t.unpack(attack)
     answer = gr00t.unpack(gr00t.pack([{"action": state}, {"model": "policy"}]))
     np.testing.assert_array_equal(answer[0]["action"], state)

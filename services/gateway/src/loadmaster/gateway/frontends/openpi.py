@@ -217,28 +217,33 @@ def openpi_routes(
         cancels the call (None); else (the result, the receive of the next message)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[CallResult] = loop.create_future()
+        left = False
 
         def on_result(result: CallResult) -> None:
             if not done.done():
                 done.set_result(result)
 
+        def on_message(receiving: asyncio.Future[Any]) -> None:
+            nonlocal left
+            if receiving.cancelled() or receiving.exception() is not None:
+                return
+            if receiving.result()["type"] == "websocket.disconnect" and not done.done():
+                left = True
+                dispatcher.cancel(call.request_id)  # (it answers nothing once cancelled)
+                done.cancel()
+            # else: a client that sends before its answer came (openpi's does not): in turn
+
         dispatcher.submit(call, on_result)
         receiving: asyncio.Future[Any] = asyncio.ensure_future(websocket.receive())
+        receiving.add_done_callback(on_message)
         try:
-            await asyncio.wait((done, receiving), return_when=asyncio.FIRST_COMPLETED)
+            result = await done
         except asyncio.CancelledError:
+            if left:
+                return None
             receiving.cancel()
             dispatcher.cancel(call.request_id)
             raise
-        if not done.done():
-            early = receiving.result()
-            if early["type"] == "websocket.disconnect":
-                dispatcher.cancel(call.request_id)
-                return None
-            # A client that sends before its answer came (openpi's does not): served in turn.
-            await done
-            receiving = asyncio.ensure_future(_value(early))
-        result = done.result()
         if result.error is not None:
             receiving.cancel()
             raise result.error
@@ -259,10 +264,6 @@ def openpi_routes(
         )
 
     return [WebSocketRoute("/openpi/{model}", endpoint)]
-
-
-async def _value(value: Any) -> Any:
-    return value
 
 
 def _answer(result: CallResult, batched: bool, timing: dict[str, float]) -> bytes:
