@@ -160,3 +160,37 @@ def test_gr00t_coding_reads_np_save_without_pickles() -> None:
         gr00t.unpack(attack)
     answer = gr00t.unpack(gr00t.pack([{"action": state}, {"model": "policy"}]))
     np.testing.assert_array_equal(answer[0]["action"], state)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.ones((1, 32), np.float32),
+        np.arange(6, dtype=">i8").reshape(2, 3),
+        np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        np.array(3.5),
+        np.zeros((0, 4), np.uint8),
+        np.array([True, False]),
+        np.array(["ab", "c"]),
+        np.zeros(3, dtype=[("a", "<f4")]),
+        np.arange(10)[::2],
+    ],
+    ids=lambda a: f"{a.dtype}-{a.shape}",
+)
+def test_gr00t_arrays_read_and_write_as_np_save_and_np_load_do(array: np.ndarray) -> None:
+    written = io.BytesIO()
+    np.save(written, array, allow_pickle=False)
+    read = gr00t.unpack(msgpack.packb({"__ndarray_class__": True, "as_npy": written.getvalue()}))
+    assert read.dtype == array.dtype and read.shape == array.shape and (read == array).all()
+    ours = msgpack.unpackb(gr00t.pack(array))["as_npy"]
+    back = np.load(io.BytesIO(ours), allow_pickle=False)
+    assert back.dtype == array.dtype and back.shape == array.shape and (back == array).all()
+    if array.flags.c_contiguous:
+        assert ours == written.getvalue()  # byte for byte what np.save writes
+
+
+def test_a_short_np_save_array_is_refused() -> None:
+    written = io.BytesIO()
+    np.save(written, np.ones(4, np.float32), allow_pickle=False)
+    with pytest.raises(InvalidArgumentError, match="15 data bytes"):
+        gr00t.unpack(msgpack.packb({"__ndarray_class__": True, "as_npy": written.getvalue()[:-1]}))
