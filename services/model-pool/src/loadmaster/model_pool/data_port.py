@@ -409,11 +409,9 @@ class DataPort:
             self._loop.call_later(left or self._image_decode_s, self._check_decode_time, entry)
             return
         limit_ms = self._image_decode_s * 1000.0
+        what = f"tensor '{entry.image}'" if entry.image else "the request's images"
         self._decoded(
-            entry,
-            InvalidArgumentError(
-                f"tensor '{entry.image}': decoding took longer than the limit of {limit_ms:.0f} ms"
-            ),
+            entry, InvalidArgumentError(f"{what}: decoding took longer than the limit of {limit_ms:.0f} ms")
         )
 
     def _decoded(self, entry: _OffLoop, outcome: Any) -> None:
