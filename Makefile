@@ -14,16 +14,19 @@ PYPROJECTS := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 STAMP := $(VENV)/.installed
 MODELS_STAMP := examples/models/.generated
 RAY_STAMP := $(VENV)/.installed-ray
+OPENPI_VENV := .venv-openpi
+OPENPI_STAMP := $(OPENPI_VENV)/.installed
+OPENPI_BENCH_STAMP := $(OPENPI_VENV)/.installed-bench
 
-.PHONY: run test test-all test-compose images install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel node protoc haproxy docker-engine
+.PHONY: run test test-all test-compose images install models secrets protos check-protos bench soak chaos lint typecheck clean chromium kubectl redis-sentinel node protoc haproxy docker-engine openpi
 
 run: install models
 	$(VENV)/bin/loadmaster up --config $(CONFIG)
 
-test: install models chromium kubectl node protoc lint typecheck
+test: install models openpi chromium kubectl node protoc lint typecheck
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: install models chromium kubectl node protoc redis-sentinel haproxy docker-engine secrets lint typecheck $(RAY_STAMP)
+test-all: install models openpi chromium kubectl node protoc redis-sentinel haproxy docker-engine secrets lint typecheck $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
@@ -42,6 +45,19 @@ $(STAMP): $(PY) $(PYPROJECTS) requirements-dev.txt
 $(RAY_STAMP): $(STAMP)
 	$(PIP) install --quiet -e "services/model-pool[torch,onnx,transformers,ray]"
 	touch $(RAY_STAMP)
+
+# openpi's client and server in their own environment (they pin numpy < 2): the robot-client
+# tests run the stock WebsocketClientPolicy there (they skip with a reason where it cannot be
+# made), and `make bench` adds torch for openpi-server's reference policy.
+openpi: $(OPENPI_STAMP)
+
+$(OPENPI_STAMP): requirements-openpi.txt
+	@($(PYTHON) -m venv $(OPENPI_VENV) && $(OPENPI_VENV)/bin/python -m pip install --quiet -r requirements-openpi.txt \
+		&& touch $@) || echo "openpi-client could not be installed: the openpi client tests will skip"
+
+$(OPENPI_BENCH_STAMP): $(OPENPI_STAMP) requirements-openpi-bench.txt
+	$(OPENPI_VENV)/bin/python -m pip install --quiet -r requirements-openpi-bench.txt
+	touch $@
 
 # Debian's chromium, for the dashboard's headless-browser test; installed only when missing
 # (the test skips with a reason where it cannot be installed).
@@ -140,7 +156,7 @@ secrets:
 check-protos: install
 	$(PY) libs/proto/generate.py --check
 
-bench: install models
+bench: install models $(OPENPI_BENCH_STAMP)
 	$(PY) bench/run_all.py
 
 soak: install models
@@ -160,4 +176,4 @@ typecheck: install
 	@for src in libs/*/src services/*/src; do $(VENV)/bin/mypy $$src || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(MODELS_STAMP)
+	rm -rf $(VENV) $(OPENPI_VENV) $(MODELS_STAMP)

@@ -62,6 +62,7 @@ def _start_gateway(suite: Any, logs: Path) -> tuple[subprocess.Popen[bytes], dic
                     "address": f"127.0.0.1:{ports['grpc']}",
                     "http_port": ports["http"],
                     "edge": {"bind": f"tcp://127.0.0.1:{ports['edge']}"},
+                    "gr00t": {"bind": f"tcp://127.0.0.1:{free_port()}"},  # (the suite's is taken)
                 }
             }
         ),

@@ -4,8 +4,8 @@
         --http-bind 0.0.0.0:8000 --gateway 10.0.0.11:5555:8001:8000 --gateway 10.0.0.12:5555:8001:8000 \
         > /etc/haproxy/haproxy.cfg
 
-Each `--gateway` is HOST:EDGE_PORT:GRPC_PORT:HTTP_PORT (the gateway's `edge.bind`, `address`
-and `http_port`).
+Each `--gateway` is HOST:EDGE_PORT:GRPC_PORT:HTTP_PORT[:GR00T_PORT] (the gateway's `edge.bind`,
+`address`, `http_port` and `gr00t.bind`); with `--gr00t-bind`, GR00T clients are balanced too.
 """
 
 from __future__ import annotations
@@ -24,15 +24,29 @@ class Gateway:
     edge_port: int
     grpc_port: int
     http_port: int
+    gr00t_port: int = 0  # 0: no GR00T front end
 
     @classmethod
     def parse(cls, text: str) -> Gateway:
-        host, edge, grpc, http = text.rsplit(":", 3)
-        return cls(host, int(edge), int(grpc), int(http))
+        if text.startswith("["):  # [IPv6]:...
+            host, _, rest = text.partition("]:")
+            host += "]"
+        else:
+            host, _, rest = text.partition(":")
+        ports = [int(port) for port in rest.split(":")]
+        if len(ports) not in (3, 4):
+            raise ValueError(f"--gateway is HOST:EDGE:GRPC:HTTP[:GR00T], not {text!r}")
+        return cls(host, *ports)
 
 
 def render(
-    gateways: list[Gateway], *, edge_bind: str, grpc_bind: str, http_bind: str, stats_socket: str = ""
+    gateways: list[Gateway],
+    *,
+    edge_bind: str,
+    grpc_bind: str,
+    http_bind: str,
+    stats_socket: str = "",
+    gr00t_bind: str = "",
 ) -> str:
     """The config; `stats_socket` adds HAProxy's runtime API (`show stat`: sessions per server)."""
     if not gateways:
@@ -43,7 +57,16 @@ def render(
             f"    server gw{i} {g.host}:{getattr(g, port_of)} check" for i, g in enumerate(gateways, 1)
         )
 
+    gr00t = ""
+    if gr00t_bind:
+        if not all(g.gr00t_port for g in gateways):
+            raise ValueError("--gr00t-bind needs every --gateway's GR00T port (HOST:EDGE:GRPC:HTTP:GR00T)")
+        gr00t = (
+            f"frontend gr00t\n    mode tcp\n    bind {gr00t_bind}\n    default_backend gateways_gr00t\n\n"
+            f"backend gateways_gr00t\n    mode tcp\n    balance leastconn\n{servers('gr00t_port')}\n\n"
+        )
     text = Template(TEMPLATE.read_text()).substitute(
+        GR00T_SECTION=gr00t,
         EDGE_BIND=edge_bind,
         GRPC_BIND=grpc_bind,
         HTTP_BIND=http_bind,
@@ -64,6 +87,7 @@ def main() -> None:
     parser.add_argument("--grpc-bind", default="0.0.0.0:8001")
     parser.add_argument("--http-bind", default="0.0.0.0:8000")
     parser.add_argument("--gateway", action="append", required=True, type=Gateway.parse)
+    parser.add_argument("--gr00t-bind", default="", help="e.g. 0.0.0.0:5557 (GR00T clients, TCP mode)")
     parser.add_argument("--stats-socket", default="")
     args = parser.parse_args()
     print(
@@ -73,6 +97,7 @@ def main() -> None:
             grpc_bind=args.grpc_bind,
             http_bind=args.http_bind,
             stats_socket=args.stats_socket,
+            gr00t_bind=args.gr00t_bind,
         )
     )
 

@@ -36,7 +36,7 @@ HEALTHCHECK_MODULE = "loadmaster.common.healthcheck"
 
 # compose service / services/<folder> -> (python package, settings section, ports the image serves)
 SERVICES: dict[str, tuple[str, str, set[int]]] = {
-    "gateway": ("gateway", "gateway", {5555, 8000, 8001}),
+    "gateway": ("gateway", "gateway", {5555, 5557, 8000, 8001}),
     "scheduler": ("scheduler", "scheduler", {50051}),
     "model-pool": ("model_pool", "model_pool", {50052, 5556}),
     "gpu-broker": ("gpu_broker", "gpu_broker", {50053}),

@@ -100,6 +100,7 @@ def balanced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obj
                             "address": f"127.0.0.1:{ports['grpc']}",
                             "http_port": ports["http"],
                             "edge": {"bind": f"tcp://127.0.0.1:{ports['edge']}"},
+                            "gr00t": {"bind": f"tcp://127.0.0.1:{free_port()}"},  # (the suite's is taken)
                         }
                     }
                 ),

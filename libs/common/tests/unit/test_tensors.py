@@ -11,6 +11,7 @@ from loadmaster.common.tensors import (
     check_tensors,
     decode_tensors,
     encode_tensors,
+    has_images,
     numpy_dtype,
     wire_dtype,
 )
@@ -255,10 +256,66 @@ def test_negative_dimensions_are_rejected() -> None:
     assert "negative" in assert_rejected([desc], bytes(8), "pose")
 
 
-@pytest.mark.parametrize("encoding", [tensor_pb2.ENCODING_JPEG, tensor_pb2.ENCODING_PNG, 9])
-def test_non_raw_encodings_are_rejected(encoding: int) -> None:
-    message = assert_rejected([descriptor("camera", encoding=encoding)], bytes(8), "camera")
-    assert "encoding" in message
+def test_unknown_encodings_are_rejected() -> None:
+    message = assert_rejected([descriptor("camera", encoding=9)], bytes(8), "camera")
+    assert "encoding 9" in message
+
+
+def image(key: str = "camera", **fields: object) -> tensor_pb2.Tensor:
+    values: dict[str, object] = {
+        "dtype": tensor_pb2.DTYPE_UINT8,
+        "shape": [480, 640, 3],
+        "byte_length": 100,
+        "encoding": tensor_pb2.ENCODING_JPEG,
+    }
+    values.update(fields)
+    return descriptor(key, **values)
+
+
+@pytest.mark.parametrize("encoding", [tensor_pb2.ENCODING_JPEG, tensor_pb2.ENCODING_PNG])
+def test_image_tensors_pass_the_cheap_checks_and_need_a_decoder(encoding: int) -> None:
+    desc = image(encoding=encoding)
+    assert check_tensors([desc], bytes(100)) is None  # the gateway forwards it undecoded
+    with pytest.raises(InvalidArgumentError, match=r"'camera'.*decoded by model workers"):
+        decode_tensors([desc], bytes(100))
+    seen: list[tuple[str, bytes]] = []
+
+    def decode(d: tensor_pb2.Tensor, data: memoryview) -> np.ndarray:
+        seen.append((d.key, bytes(data)))
+        return np.zeros(tuple(d.shape), np.uint8)
+
+    payload = bytes(range(50)) * 3
+    desc.byte_offset = 20
+    arrays = decode_tensors([desc], payload, decode_image=decode)
+    assert arrays["camera"].shape == (480, 640, 3)
+    assert seen == [("camera", payload[20:120])]  # the compressed slice, nothing else
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"dtype": tensor_pb2.DTYPE_FLOAT32}, "UINT8"),
+        ({"shape": [480, 640]}, "[height, width, channels]"),
+        ({"shape": [480, 640, 2]}, "channels 1, 3 or 4"),
+        ({"shape": [0, 640, 3]}, "[height, width, channels]"),
+        ({"shape": [8000, 8000, 3]}, "exceed the limit"),
+        ({"byte_length": 0}, "byte_length 0"),
+        ({"byte_length": 101}, "outside the 100-byte payload"),
+    ],
+)
+def test_bad_image_descriptors_are_refused_naming_the_tensor(fields: dict[str, object], expected: str) -> None:
+    message = assert_rejected([image(**fields)], bytes(100), "camera", max_image_pixels=40_000_000)
+    assert expected in message
+
+
+def test_has_images() -> None:
+    assert has_images([descriptor("x"), image()])
+    assert not has_images([descriptor("x"), descriptor("y", encoding=tensor_pb2.ENCODING_UNSPECIFIED)])
+
+
+def test_an_image_overlapping_another_tensor_is_refused() -> None:
+    message = assert_rejected([descriptor("x"), image(byte_offset=4, byte_length=8)], bytes(100))
+    assert "overlap" in message
 
 
 def test_check_accepts_what_decode_accepts_without_building_arrays() -> None:

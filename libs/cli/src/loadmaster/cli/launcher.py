@@ -83,6 +83,7 @@ def free_port_overrides(host: str = "127.0.0.1") -> dict[str, Any]:
             "address": f"{host}:{free_port()}",
             "http_port": free_port(),
             "edge": {"bind": f"tcp://{host}:{free_port()}"},
+            "gr00t": {"bind": f"tcp://{host}:{free_port()}"},
         },
     }
 
@@ -156,10 +157,13 @@ class Suite:
 
     def endpoints(self) -> dict[str, str]:
         s = self.settings
+        robots = {"GR00T (ZMQ)": s.gateway.gr00t.bind} if s.gateway.gr00t.enabled else {}
         return {
             "edge (ZMQ)": s.gateway.edge.bind,
+            **robots,
             "gateway gRPC": s.gateway.address,
             "gateway HTTP": f"http://{s.gateway.http_host}:{s.gateway.http_port}",
+            "openpi (WebSocket)": f"ws://{s.gateway.http_host}:{s.gateway.http_port}/openpi/<model>",
             "metrics": f"http://{s.metrics.http_host}:{s.metrics.http_port}/metrics",
             "scheduler": s.scheduler.address,
             "model-pool": s.model_pool.address,

@@ -181,6 +181,8 @@ class ModelPoolSettings(ServiceEndpoint):
     preload: list[str] = Field(default_factory=list)
     lease_ttl_s: float = Field(default=15.0, gt=0)
     inference_threads: int = Field(default=4, ge=1)
+    # Threads that decode JPEG/PNG tensors on this worker (libjpeg-turbo and zlib release the GIL).
+    image_decode_threads: int = Field(default=2, ge=1)
     # A load that needs room waits this long for busy or recently loaded models to become evictable.
     eviction_wait_s: float = Field(default=10.0, ge=0)
     # The warm bump (docs/vram-gate.md): a load that needs the memory of a model of its own

@@ -20,6 +20,7 @@ __all__ = [
     "CurveSettings",
     "EdgeSettings",
     "GatewaySettings",
+    "Gr00tSettings",
     "GuardrailSettings",
     "ImagesSettings",
     "LimitsSettings",
@@ -53,6 +54,19 @@ class EdgeSettings(_Section):
     max_offloop_checks: int = Field(default=4, ge=1)
 
 
+class Gr00tSettings(_Section):
+    """The GR00T front end (frontends/gr00t.py, docs/robot-clients.md): a ZeroMQ ROUTER at `bind`
+    that serves GR00T's PolicyClient (REQ/REP, msgpack) with `model`; off while `model` is empty.
+    GR00T's own default port is 5555, the edge's, so this one defaults to 5557."""
+
+    bind: str = "tcp://127.0.0.1:5557"
+    model: str = ""  # empty = off
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.model)
+
+
 class LimitsSettings(_Section):
     """What one request may carry; anything larger is answered `invalid_argument`."""
 
@@ -63,6 +77,13 @@ class LimitsSettings(_Section):
     max_metadata_bytes: int = Field(default=16 << 10, ge=0)
     # Elements of one BYTES tensor: bounds the per-element work of checking and decoding it.
     max_bytes_elements: int = Field(default=1 << 20, ge=0)
+    # JPEG/PNG tensors (docs/robot-clients.md): pixels (H x W) of one image, checked by the
+    # gateway against the claimed shape and by the worker against the image's own header;
+    # progressive JPEG scans (each one a pass over the whole image); and the time one request's
+    # images may take to decode on the worker (past it: `invalid_argument` naming the tensor).
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
+    max_image_scans: int = Field(default=64, ge=1)
+    max_image_decode_ms: float = Field(default=250.0, gt=0)
     # The JSON part of an HTTP request (all of it without binary data): parsing it holds the
     # interpreter, ~110 MB/s here, so this bounds what one JSON body can stall. Binary tensor
     # data after the JSON header counts against max_payload_bytes instead.
@@ -254,6 +275,7 @@ class GatewaySettings(ServiceEndpoint):
     address: str = "127.0.0.1:8001"
     gateway_id: str = ""  # default: <hostname>-<pid>
     edge: EdgeSettings = EdgeSettings()
+    gr00t: Gr00tSettings = Gr00tSettings()
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     limits: LimitsSettings = LimitsSettings()

@@ -3,6 +3,12 @@
 Decoding returns read-only zero-copy views into the payload after checking every
 descriptor against it (offsets, lengths, dtype x shape, overlaps, limits), so a
 bad envelope is answered `invalid_argument` naming the tensor, never a crash.
+
+Image tensors (encoding JPEG or PNG) describe their decoded pixels: dtype UINT8 and shape
+[H, W, C] with C in 1, 3, 4, while their payload slice holds the compressed bytes. Only
+the cheap checks happen here (shape, pixel count, lengths); decoding them needs an
+`ImageDecode` (the model worker's, loadmaster.model_pool.images), so a hop that only
+forwards the payload never decodes.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +26,9 @@ from loadmaster.v1 import tensor_pb2
 
 __all__ = [
     "ELEMENTS_PER_STEP",
+    "IMAGE_CHANNELS",
+    "IMAGE_ENCODINGS",
+    "ImageDecode",
     "TensorLimits",
     "bytes_element_spans",
     "check_bytes",
@@ -27,6 +36,7 @@ __all__ = [
     "decode_tensors",
     "deserialize_bytes",
     "encode_tensors",
+    "has_images",
     "numpy_dtype",
     "serialize_bytes",
     "shape_elements_at_most",
@@ -65,6 +75,12 @@ _FROM_NUMPY: dict[np.dtype, int] = {
     dtype: wire for wire, dtype in _TO_NUMPY.items() if wire != tensor_pb2.DTYPE_BFLOAT16
 }
 _ACCEPTED_ENCODINGS = (tensor_pb2.ENCODING_UNSPECIFIED, tensor_pb2.ENCODING_RAW)
+IMAGE_ENCODINGS = frozenset({tensor_pb2.ENCODING_JPEG, tensor_pb2.ENCODING_PNG})
+IMAGE_CHANNELS = (1, 3, 4)  # gray, RGB, RGBA
+_ENCODING_NAMES = {tensor_pb2.ENCODING_JPEG: "JPEG", tensor_pb2.ENCODING_PNG: "PNG"}
+# Decodes one image tensor (its descriptor, its compressed bytes) to uint8 [H, W, C] pixels,
+# checked against the descriptor; raises InvalidArgumentError naming the tensor.
+ImageDecode = Callable[[tensor_pb2.Tensor, memoryview], np.ndarray]
 _LENGTH = struct.Struct("<I")  # BYTES element prefix
 
 
@@ -74,6 +90,7 @@ class TensorLimits:
     max_tensors: int = 64
     max_dims: int = 8
     max_bytes_elements: int = 1 << 20  # elements of one BYTES tensor: bounds the per-element work
+    max_image_pixels: int = 40_000_000  # H x W of one JPEG/PNG tensor: bounds its decode
 
 
 def numpy_dtype(wire: int) -> np.dtype:
@@ -111,11 +128,23 @@ def decode_tensors(
     descriptors: Sequence[tensor_pb2.Tensor],
     payload: bytes | memoryview,
     limits: TensorLimits = TensorLimits(),
+    *,
+    decode_image: ImageDecode | None = None,
 ) -> dict[str, np.ndarray]:
-    """Validate `descriptors` against `payload` and return read-only views, keyed by tensor key."""
+    """Validate `descriptors` against `payload` and return read-only views, keyed by tensor key.
+
+    Image tensors are decoded by `decode_image`; without one they are refused."""
     arrays: dict[str, np.ndarray] = {}
-    _check(descriptors, payload, limits, arrays)
+    _check(descriptors, payload, limits, arrays, decode_image)
     return arrays
+
+
+def has_images(descriptors: Sequence[tensor_pb2.Tensor]) -> bool:
+    """Whether any descriptor is a compressed image (JPEG or PNG)."""
+    for desc in descriptors:  # noqa: SIM110 (a loop: on every request that reaches a worker)
+        if desc.encoding > tensor_pb2.ENCODING_RAW:
+            return True
+    return False
 
 
 def check_tensors(
@@ -125,7 +154,7 @@ def check_tensors(
 ) -> None:
     """Every check of `decode_tensors`, with the same errors, without building the arrays: for
     a hop that only forwards the payload (the gateway), views it would never read are waste."""
-    _check(descriptors, payload, limits, None)
+    _check(descriptors, payload, limits, None, None)
 
 
 def _check(
@@ -133,6 +162,7 @@ def _check(
     payload: bytes | memoryview,
     limits: TensorLimits,
     arrays: dict[str, np.ndarray] | None,
+    decode_image: ImageDecode | None,
 ) -> None:
     """Validate `descriptors` against `payload`; with `arrays`, also fill it with the views."""
     payload_len = len(payload)
@@ -144,6 +174,7 @@ def _check(
         raise InvalidArgumentError(f"{len(descriptors)} tensors exceed the limit of {limits.max_tensors}")
     keys: set[str] = set()
     spans: list[tuple[int, int, str]] = []
+    images: list[tensor_pb2.Tensor] = []
     for desc in descriptors:
         key = desc.key
         if not key:
@@ -151,10 +182,13 @@ def _check(
         if key in keys:
             raise InvalidArgumentError(f"tensor '{key}' appears more than once")
         keys.add(key)
-        if desc.encoding not in _ACCEPTED_ENCODINGS:
-            raise InvalidArgumentError(f"tensor '{key}': encoding {desc.encoding} is not supported (use RAW)")
         wire = desc.dtype
         offset, length = desc.byte_offset, desc.byte_length
+        if desc.encoding not in _ACCEPTED_ENCODINGS:
+            _check_image(desc, payload_len, limits)
+            spans.append((offset, offset + length, key))
+            images.append(desc)  # decoded once every descriptor has passed its checks
+            continue
         if wire == tensor_pb2.DTYPE_BYTES:
             elements = _decode_bytes_tensor(desc, payload, limits, build=arrays is not None)
             if arrays is not None and elements is not None:
@@ -195,6 +229,45 @@ def _check(
         for (_, prev_end, prev_key), (start, _, key) in itertools.pairwise(spans):
             if start < prev_end:
                 raise InvalidArgumentError(f"tensors '{prev_key}' and '{key}' overlap in the payload")
+    if arrays is not None:
+        for desc in images:
+            if decode_image is None:
+                raise InvalidArgumentError(
+                    f"tensor '{desc.key}': {_ENCODING_NAMES[desc.encoding]} tensors are decoded by model workers"
+                )
+            start = desc.byte_offset
+            arrays[desc.key] = decode_image(desc, memoryview(payload).cast("B")[start : start + desc.byte_length])
+
+
+def _check_image(desc: tensor_pb2.Tensor, payload_len: int, limits: TensorLimits) -> None:
+    """The cheap checks of a compressed image tensor: what it claims, and where its bytes lie."""
+    key = desc.key
+    name = _ENCODING_NAMES.get(desc.encoding)
+    if name is None:
+        raise InvalidArgumentError(
+            f"tensor '{key}': encoding {desc.encoding} is not supported (RAW, JPEG or PNG)"
+        )
+    if desc.dtype != tensor_pb2.DTYPE_UINT8:
+        raise InvalidArgumentError(
+            f"tensor '{key}': a {name} tensor has dtype UINT8 (its decoded pixels), not {_dtype_name(desc.dtype)}"
+        )
+    shape = tuple(desc.shape)
+    if len(shape) != 3 or shape[2] not in IMAGE_CHANNELS or shape[0] <= 0 or shape[1] <= 0:
+        raise InvalidArgumentError(
+            f"tensor '{key}': a {name} tensor has the decoded shape [height, width, channels] "
+            f"with channels 1, 3 or 4, not {list(shape)}"
+        )
+    if shape[0] * shape[1] > limits.max_image_pixels:
+        raise InvalidArgumentError(
+            f"tensor '{key}': {shape[0]} x {shape[1]} pixels exceed the limit of {limits.max_image_pixels}"
+        )
+    end = desc.byte_offset + desc.byte_length
+    if desc.byte_length == 0:
+        raise InvalidArgumentError(f"tensor '{key}': a {name} tensor needs its compressed bytes (byte_length 0)")
+    if end > payload_len:
+        raise InvalidArgumentError(
+            f"tensor '{key}': bytes [{desc.byte_offset}, {end}) lie outside the {payload_len}-byte payload"
+        )
 
 
 def encode_tensors(

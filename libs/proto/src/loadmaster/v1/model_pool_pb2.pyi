@@ -198,16 +198,18 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., any_shape: _Optional[bool] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
-    __slots__ = ("model_id", "backend", "inputs", "outputs")
+    __slots__ = ("model_id", "backend", "inputs", "outputs", "modality_config_json")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     backend: str
     inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, model_id: _Optional[str] = ..., backend: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    modality_config_json: str
+    def __init__(self, model_id: _Optional[str] = ..., backend: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., modality_config_json: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("worker_id", "data_endpoint", "models", "repository", "free_mb", "evictions", "leased_mb_per_gpu", "signatures")

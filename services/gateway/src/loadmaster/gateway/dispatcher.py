@@ -593,6 +593,8 @@ class Dispatcher:
             )
         code = "ok" if result.error is None else result.error.edge_code
         labels = {"model": call.model_id if code != _NOT_FOUND else "(unknown)", "code": code}
+        if call.client_type:  # the protocol (kserve, openpi, gr00t), or an edge client's own type
+            labels["client_type"] = call.client_type
         tracing.end_span(pending.span, error_code="" if result.error is None else code)
         self._telemetry.record("requests", 1, labels)
         self._telemetry.record("e2e_latency_ms", latency_ms, labels)

@@ -26,6 +26,9 @@ def exposed_without_auth(settings: GatewaySettings) -> list[str]:
         exposed.append(f"gRPC on {settings.listen_address}")
     if not settings.auth.curve.enabled and not is_loopback(_host_of(settings.edge.bind)):
         exposed.append(f"edge on {settings.edge.bind}")
+    gr00t = settings.gr00t
+    if gr00t.enabled and not has_keys and not is_loopback(_host_of(gr00t.bind)):
+        exposed.append(f"GR00T on {gr00t.bind}")
     return exposed
 
 

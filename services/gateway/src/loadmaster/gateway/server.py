@@ -25,6 +25,7 @@ from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.admin_http import admin_routes
 from loadmaster.gateway.frontends.edge import EdgeFrontend
+from loadmaster.gateway.frontends.gr00t import Gr00tFrontend
 from loadmaster.gateway.frontends.grpc import (
     KServeGrpcServicer,
     UndecodableRequestInterceptor,
@@ -32,6 +33,7 @@ from loadmaster.gateway.frontends.grpc import (
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
+from loadmaster.gateway.frontends.openpi import openpi_routes
 from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.guardrails import Guardrails
 from loadmaster.gateway.image_jobs import ImageJobs
@@ -45,6 +47,7 @@ from loadmaster.gateway.oidc import OidcVerifier
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.request_policy import GatewayPolicy
 from loadmaster.gateway.scheduler_link import SchedulerLink
+from loadmaster.gateway.signatures import Signatures
 from loadmaster.gateway.statistics import StatisticsSource
 from loadmaster.gateway.validation import off_loop
 from loadmaster.gateway.worker_link import ShmPayloads, WorkerLinks
@@ -110,6 +113,7 @@ class Gateway:
             gateway, self.dispatcher, self.telemetry, self.context, gateway_id=self.gateway_id, clock=clock
         )
         self.catalog = ModelCatalog(settings.scheduler.address)
+        self.signatures = Signatures(self.catalog, clock=clock)  # openpi and GR00T map dicts onto them
         self.statistics = StatisticsSource(settings.metrics.address if settings.metrics.enabled else None)
         self.readiness = Readiness(self.scheduler, self.catalog)
         oidc = settings.gateway.auth.oidc
@@ -195,8 +199,26 @@ class Gateway:
             extra_routes=[
                 *image_routes(self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id),
                 *admin_routes(self.admin_plane, self.admin, self.auth),
+                *openpi_routes(
+                    self.dispatcher, self.signatures, self.auth, gateway.limits, gateway_id=self.gateway_id
+                ),
             ],
             policy=self.policy,
+        )
+        self.gr00t = (
+            Gr00tFrontend(
+                gateway.gr00t,
+                self.dispatcher,
+                self.signatures,
+                self.auth,
+                gateway.limits,
+                self.context,
+                self.telemetry,
+                gateway_id=self.gateway_id,
+                curve=self.edge.curve,
+            )
+            if gateway.gr00t.enabled
+            else None
         )
         self.http = HttpFrontend(
             app,
@@ -204,6 +226,7 @@ class Gateway:
             port=settings.gateway.http_port,
             header_timeout_s=settings.gateway.limits.http_header_timeout_s,
             keep_alive_s=settings.gateway.limits.http_keep_alive_s,
+            ws_max_size=gateway.limits.max_payload_bytes + gateway.limits.max_envelope_bytes,
         )
         self._settings = settings
 
@@ -224,6 +247,8 @@ class Gateway:
         self.dispatcher.start()
         self.scheduler.start()
         await self.edge.start()
+        if self.gr00t is not None:
+            await self.gr00t.start()
         if self.image_jobs is not None:
             await self.image_jobs.start()
         await self.http.start()
@@ -242,6 +267,8 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.http.close()
+        if self.gr00t is not None:
+            await self.gr00t.close()
         await self.edge.close()
         if self.image_jobs is not None:
             await self.image_jobs.close()

@@ -59,6 +59,7 @@ def tensor_limits(limits: LimitsSettings) -> TensorLimits:
         max_tensors=limits.max_tensors,
         max_dims=limits.max_dims,
         max_bytes_elements=limits.max_bytes_elements,
+        max_image_pixels=limits.max_image_pixels,
     )
 
 

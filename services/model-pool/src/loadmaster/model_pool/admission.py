@@ -132,6 +132,20 @@ class _Admission:
             self._released(slot)
             raise
 
+    def image_inputs(self, model_id: str) -> tuple[dict[str, tuple[int, ...] | None], str]:
+        """The READY model's inputs declared `image: true` (name -> declared shape) and its
+        device, for decoding compressed images sent as BYTES; ({}, "cpu") when it has none."""
+        loaded = self._loaded.get(model_id)
+        if loaded is None:
+            return {}, "cpu"
+        declared = {spec.name: spec.shape for spec in loaded.spec.config.inputs if spec.image}
+        return declared, loaded.instances[0].engine.context.device if declared else "cpu"
+
+    def image_device(self, model_id: str) -> str:
+        """The device of the READY model (where its JPEG tensors may decode); "cpu" when unknown."""
+        loaded = self._loaded.get(model_id)
+        return loaded.instances[0].engine.context.device if loaded is not None else "cpu"
+
     async def infer(
         self,
         model_id: str,

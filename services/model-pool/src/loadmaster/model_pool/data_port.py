@@ -34,9 +34,14 @@ loop is safe.
 
 Large inputs (64 KiB and more) and BYTES tensors (checked element by element) are decoded on
 the port's one decoding thread, not on the loop: the loop also answers other requests, and a
-60 MB BYTES observation took seconds to check. Requests of a model whose earlier request is
-still being decoded there follow it through that thread, so a model's requests reach the
-pool in the order they arrived. The decoding queue is bounded by `max_pending` like the rest.
+60 MB BYTES observation took seconds to check. Compressed images (JPEG/PNG tensors, and BYTES
+inputs a model declares as images) are decoded on the image threads (`image_threads`, a few:
+libjpeg-turbo and zlib release the GIL, so eight camera frames decode side by side); a request
+whose images take longer than `image_decode_ms` to decode is answered `invalid_argument` naming
+the tensor, and its late result is dropped (images.py bounds the work itself: pixels, scans).
+Requests of a model whose earlier request is still being decoded follow it (`_off_loop`, one
+queue per model, admitted from its head as they finish), so a model's requests reach the pool
+in the order they arrived. The decoding queues are bounded by `max_pending` like the rest.
 
 Receiving is `loadmaster.common.framing.SocketReader` (shared with the gateway): ZMQ's
 descriptor is edge-triggered and a send may consume the signal of a message that arrived
@@ -50,7 +55,9 @@ import asyncio
 import functools
 import logging
 import socket
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -74,8 +81,15 @@ from loadmaster.common.framing import (
     split_router_frames,
 )
 from loadmaster.common.shm import ShmRegions, ShmUnavailableError
-from loadmaster.common.tensors import TensorLimits, decode_tensors
+from loadmaster.common.tensors import TensorLimits, decode_tensors, has_images
 from loadmaster.model_pool.generation_port import GenerationPort
+from loadmaster.model_pool.images import (
+    DEFAULT_IMAGE_LIMITS,
+    ImageDecoder,
+    ImageLimits,
+    decode_request,
+    gpu_jpeg_decoder,
+)
 from loadmaster.model_pool.pool import InferResult, ModelPool
 from loadmaster.model_pool.wire import (
     ResultEncoder,
@@ -101,6 +115,20 @@ _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 # flood of requests cannot starve the rest of the worker.
 _BURST = 256
 _GENERATION_FRAMES = frozenset({GENERATE_REQUEST_FRAME, GENERATE_CANCEL_FRAME})
+_BYTES = 9  # tensor_pb2.DTYPE_BYTES, as a plain int
+_PENDING: Any = object()  # an off-loop decode's outcome before it is known
+
+
+@dataclass(slots=True)
+class _OffLoop:
+    """A request being decoded off the loop; admitted once it and those ahead of it are done."""
+
+    request: model_pool_pb2.InferRequest
+    done: Any
+    received: float
+    outcome: Any = _PENDING  # the inputs, or the error that answers the request
+    started: float = 0.0  # when its decoding thread took it (0: still waiting for one)
+    image: str = ""  # the image it is decoding, for the time limit's error
 
 
 def advertised_endpoint(
@@ -145,6 +173,9 @@ class DataPort:
         max_pending: int = 10_000,
         hwm: int = 10_000,
         metrics: Any = None,
+        image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
+        image_threads: int = 2,
+        image_decode_ms: float = 250.0,
     ) -> None:
         self._pool = pool
         self._bind = bind
@@ -167,7 +198,12 @@ class DataPort:
         self._settled = asyncio.Event()  # set while nothing is pending
         self._settled.set()
         self._decoder: ThreadPoolExecutor | None = None  # large inputs are decoded here
-        self._decoding: dict[str, int] = {}  # model -> its requests on the decoding thread
+        self._image_pool: ThreadPoolExecutor | None = None  # compressed images are decoded here
+        self._image_threads = image_threads
+        self._image_limits = image_limits
+        self._image_decode_s = image_decode_ms / 1000.0
+        self._image_decoders: dict[str, ImageDecoder] = {}  # per device
+        self._off_loop: dict[str, deque[_OffLoop]] = {}  # model -> its requests being decoded, in order
         self.last_endpoint = ""
         self.generations = GenerationPort(
             pool, worker_id=worker_id, send=self._send_replies, clock=self._clock, metrics=metrics
@@ -219,9 +255,10 @@ class DataPort:
         if self._context is not None:
             self._context.term()
             self._context = None
-        if self._decoder is not None:
-            self._decoder.shutdown(wait=False, cancel_futures=True)
-            self._decoder = None
+        for executor in (self._decoder, self._image_pool):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+        self._decoder = self._image_pool = None
         self._regions.close()
 
     # ---- receiving -----------------------------------------------------------
@@ -282,7 +319,7 @@ class DataPort:
         try:
             if request.HasField("shm"):
                 payload = self._shm_payload(request.shm, payload)
-            if model_id in self._decoding or decode_off_loop(request.inputs, payload):
+            if model_id in self._off_loop or decode_off_loop(request.inputs, payload):
                 self._decode_off_loop(request, payload, done, received)
                 return
             inputs = decode_tensors(request.inputs, payload, self._limits)
@@ -303,41 +340,98 @@ class DataPort:
     def _decode_off_loop(
         self, request: model_pool_pb2.InferRequest, payload: Any, done: Any, received: float
     ) -> None:
-        if self._decoder is None:
-            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-port-decode")
-        model_id = request.model_id
-        self._decoding[model_id] = self._decoding.get(model_id, 0) + 1
+        """Decode on a thread: compressed images on the image threads (with the time limit),
+        anything else on the one decoding thread; admitted in arrival order per model."""
         loop = self._loop
         assert loop is not None
+        model_id = request.model_id
+        entry = _OffLoop(request, done, received)
+        declared: dict[str, tuple[int, ...] | None] = {}
+        images = has_images(request.inputs)
+        if not images and any(desc.dtype == _BYTES for desc in request.inputs):
+            declared, _ = self._pool.image_inputs(model_id)  # BYTES the model takes as images
+            images = any(desc.key in declared for desc in request.inputs)
+        if images:
+            decoder = self._image_decoder(self._pool.image_device(model_id))
+            executor = self._image_pool
+            if executor is None:
+                executor = self._image_pool = ThreadPoolExecutor(
+                    max_workers=self._image_threads, thread_name_prefix="data-port-images"
+                )
 
-        def decode() -> None:  # on the decoding thread
+            def named(key: str) -> None:
+                entry.image = key
+
+            def decode() -> Any:
+                return decode_request(
+                    request.inputs, payload, self._limits, decoder, declared=declared, on_tensor=named
+                )
+        else:
+            if self._decoder is None:
+                self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-port-decode")
+            executor = self._decoder
+
+            def decode() -> Any:
+                return decode_tensors(request.inputs, payload, self._limits)
+
+        def run() -> None:  # on the thread
+            entry.started = self._clock.monotonic()
             try:
-                outcome: Any = decode_tensors(request.inputs, payload, self._limits)
+                outcome: Any = decode()
             except Exception as error:
                 outcome = error
             try:
-                loop.call_soon_threadsafe(self._decoded, request, outcome, done, received)
+                loop.call_soon_threadsafe(self._decoded, entry, outcome)
             except RuntimeError:
                 pass  # the loop closed: nobody is left to answer
 
-        self._decoder.submit(decode)
+        self._off_loop.setdefault(model_id, deque()).append(entry)
+        executor.submit(run)
+        if images:
+            loop.call_later(self._image_decode_s, self._check_decode_time, entry)
 
-    def _decoded(
-        self, request: model_pool_pb2.InferRequest, outcome: Any, done: Any, received: float
-    ) -> None:
-        """On the loop: a request decoded on the decoding thread goes to the pool (or is answered)."""
-        model_id = request.model_id
-        left = self._decoding.get(model_id, 1) - 1
-        if left:
-            self._decoding[model_id] = left
-        else:
-            self._decoding.pop(model_id, None)
-        try:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            self._admit(request, outcome, done, received)
-        except Exception as error:
-            done(error)
+    def _image_decoder(self, device: str) -> ImageDecoder:
+        decoder = self._image_decoders.get(device)
+        if decoder is None:
+            decoder = self._image_decoders[device] = ImageDecoder(
+                self._image_limits, gpu_jpeg=gpu_jpeg_decoder(device)
+            )
+        return decoder
+
+    def _check_decode_time(self, entry: _OffLoop) -> None:
+        """On the loop, `image_decode_ms` after a request went to the image threads (and again
+        while it waits for one): a decode running longer than that answers the request."""
+        if entry.outcome is not _PENDING:
+            return
+        assert self._loop is not None
+        left = self._image_decode_s - (self._clock.monotonic() - entry.started) if entry.started else 0.0
+        if not entry.started or left > 0:
+            self._loop.call_later(left or self._image_decode_s, self._check_decode_time, entry)
+            return
+        limit_ms = self._image_decode_s * 1000.0
+        what = f"tensor '{entry.image}'" if entry.image else "the request's images"
+        self._decoded(
+            entry, InvalidArgumentError(f"{what}: decoding took longer than the limit of {limit_ms:.0f} ms")
+        )
+
+    def _decoded(self, entry: _OffLoop, outcome: Any) -> None:
+        """On the loop: a request decoded off the loop (or timed out) is done; admit (or answer)
+        every finished request at the head of its model's queue."""
+        if entry.outcome is not _PENDING:
+            return  # answered when its decode ran past the limit; this is the late result
+        entry.outcome = outcome
+        model_id = entry.request.model_id
+        queue = self._off_loop.get(model_id)
+        while queue and queue[0].outcome is not _PENDING:
+            head = queue.popleft()
+            try:
+                if isinstance(head.outcome, BaseException):
+                    raise head.outcome
+                self._admit(head.request, head.outcome, head.done, head.received)
+            except Exception as error:
+                head.done(error)
+        if not queue:
+            self._off_loop.pop(model_id, None)
 
     def _authenticated(self, request: model_pool_pb2.InferRequest, frames: list[Any]) -> bool:
         assert self._credentials is not None

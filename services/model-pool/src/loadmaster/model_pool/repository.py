@@ -103,6 +103,9 @@ class TensorSpec(BaseModel):
     name: str = Field(min_length=1)
     dtype: Literal["float16", "float32", "float64", "bfloat16", "uint8", "int32", "int64", "bool", "bytes"]
     shape: tuple[int, ...] | None = None  # None = any shape; -1 = any size on that axis
+    # A uint8 [H, W, C] (or [N, H, W, C]) input that also takes compressed images as a BYTES
+    # tensor, one JPEG or PNG per element, decoded on the worker (KServe clients; model_pool/images.py).
+    image: bool = False
 
     @field_validator("shape")
     @classmethod
@@ -110,6 +113,17 @@ class TensorSpec(BaseModel):
         if shape is not None and any(dim < -1 for dim in shape):
             raise ValueError("dimensions are sizes >= 0, or -1 for any size")
         return shape
+
+    @model_validator(mode="after")
+    def _image(self) -> TensorSpec:
+        if self.image:
+            if self.dtype != "uint8":
+                raise ValueError(f"image input '{self.name}' has dtype uint8 (its pixels)")
+            if self.shape is not None and (len(self.shape) not in (3, 4) or self.shape[-1] not in (-1, 1, 3, 4)):
+                raise ValueError(
+                    f"image input '{self.name}' has shape [H, W, C] or [N, H, W, C] with C 1, 3, 4 or -1"
+                )
+        return self
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -148,6 +162,9 @@ class _BaseModelConfig(BaseModel):
     # loaded while idle (None: models.known.<id>.keep_alive_s, else its category's default).
     category: Literal["llm", "vision", "diffusion", "other"] | None = None
     keep_alive_s: float | None = Field(default=None, gt=0)
+    # What GR00T clients get from `get_modality_config` (docs/robot-clients.md): modality name ->
+    # GR00T's ModalityConfig fields (delta_indices, modality_keys, ...), passed through as given.
+    modality_config: dict[str, dict[str, Any]] | None = None
 
     @field_validator("preferred_batch_sizes")
     @classmethod

@@ -26,6 +26,7 @@ from loadmaster.common.tensors import TensorLimits
 from loadmaster.model_pool.data_port import DataPort, advertised_endpoint
 from loadmaster.model_pool.engines import engine_class
 from loadmaster.model_pool.generation_order import OrderPolicy
+from loadmaster.model_pool.images import ImageLimits
 from loadmaster.model_pool.leases import AsyncLeaseClient, LeaseClient
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.repository import ModelRepository
@@ -106,7 +107,9 @@ class ModelPoolServer(GrpcServer):
             max_payload_bytes=limits.max_payload_bytes,
             max_tensors=limits.max_tensors,
             max_dims=limits.max_dims,
+            max_image_pixels=limits.max_image_pixels,
         )
+        image_limits = ImageLimits(max_pixels=limits.max_image_pixels, max_scans=limits.max_image_scans)
         self.data_port = DataPort(
             self.pool,
             bind=pool_settings.data_bind,
@@ -114,6 +117,9 @@ class ModelPoolServer(GrpcServer):
             limits=tensor_limits,
             clock=clock,
             metrics=self.telemetry,
+            image_limits=image_limits,
+            image_threads=pool_settings.image_decode_threads,
+            image_decode_ms=limits.max_image_decode_ms,
         )
         self.session: WorkerSession | None = None
         # Pins and keep-alive changed at run time (docs/admin.md), applied as they come.
@@ -125,6 +131,7 @@ class ModelPoolServer(GrpcServer):
             worker_id=self.worker_id,
             data_endpoint=lambda: self.data_endpoint,
             limits=tensor_limits,
+            image_limits=image_limits,
         )
         self.add_service(
             model_pool_pb2.DESCRIPTOR.services_by_name["ModelPoolService"].full_name,

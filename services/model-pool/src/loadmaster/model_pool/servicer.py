@@ -15,6 +15,7 @@ import grpc
 
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.tensors import TensorLimits
+from loadmaster.model_pool.images import ImageLimits
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.wire import handle_infer, signature_pb, slot_status_pb
 from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelPoolServiceServicer"]
 
 _DEFAULT_LIMITS = TensorLimits()
+_DEFAULT_IMAGE_LIMITS = ImageLimits()
 
 
 class ModelPoolServiceServicer(model_pool_pb2_grpc.ModelPoolServiceServicer):
@@ -34,17 +36,24 @@ class ModelPoolServiceServicer(model_pool_pb2_grpc.ModelPoolServiceServicer):
         worker_id: str,
         data_endpoint: Callable[[], str],
         limits: TensorLimits = _DEFAULT_LIMITS,
+        image_limits: ImageLimits = _DEFAULT_IMAGE_LIMITS,
     ) -> None:
         self._pool = pool
         self._worker_id = worker_id
         self._data_endpoint = data_endpoint
         self._limits = limits
+        self._image_limits = image_limits
 
     async def Infer(  # noqa: N802 - gRPC method name
         self, request: model_pool_pb2.InferRequest, context: grpc.aio.ServicerContext
     ) -> model_pool_pb2.InferResponse:
         reply, payload = await handle_infer(
-            self._pool, request, request.payload, worker_id=self._worker_id, limits=self._limits
+            self._pool,
+            request,
+            request.payload,
+            worker_id=self._worker_id,
+            limits=self._limits,
+            image_limits=self._image_limits,
         )
         reply.payload = bytes(payload)
         return reply

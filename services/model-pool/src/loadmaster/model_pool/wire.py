@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loadmaster.common.errors import InternalError, LoadmasterError
-from loadmaster.common.tensors import TensorLimits, decode_tensors, encode_tensors
+from loadmaster.common.tensors import TensorLimits, decode_tensors, encode_tensors, has_images
+from loadmaster.model_pool.images import (
+    DEFAULT_IMAGE_LIMITS,
+    ImageDecoder,
+    ImageLimits,
+    decode_request,
+    gpu_jpeg_decoder,
+)
 from loadmaster.model_pool.pool import InferResult, ModelPool
 from loadmaster.model_pool.repository import ModelSpec, TensorSpec
 from loadmaster.model_pool.slots import ModelState, SlotStatus
@@ -190,14 +198,16 @@ def _payload(outputs: dict[str, Any]) -> Any:
 # decoded off the event loop: the loop also answers other clients and reports to the scheduler.
 DECODE_OFF_LOOP_BYTES = 64 << 10
 _BYTES = int(tensor_pb2.DTYPE_BYTES)
+_RAW = int(tensor_pb2.ENCODING_RAW)
 
 
 def decode_off_loop(descriptors: Sequence[tensor_pb2.Tensor], payload: Any) -> bool:
-    """Whether decoding these inputs may take long enough to hold up an event loop."""
+    """Whether decoding these inputs may take long enough to hold up an event loop (BYTES
+    tensors, compressed images)."""
     if len(payload) >= DECODE_OFF_LOOP_BYTES:
         return True
     for descriptor in descriptors:  # noqa: SIM110 (not any(<genexpr>): half the cost, every request)
-        if descriptor.dtype == _BYTES:
+        if descriptor.dtype == _BYTES or descriptor.encoding > _RAW:
             return True
     return False
 
@@ -224,11 +234,18 @@ async def handle_infer(
     *,
     worker_id: str,
     limits: TensorLimits,
+    image_limits: ImageLimits = DEFAULT_IMAGE_LIMITS,
 ) -> tuple[model_pool_pb2.InferResponse, Any]:
     """Answer one InferRequest: (reply envelope, output payload). Failures are replies, never raised."""
     request_id, model_id = request.request_id, request.model_id
     try:
-        if decode_off_loop(request.inputs, payload):
+        declared, _ = pool.image_inputs(model_id)
+        if has_images(request.inputs) or declared:  # compressed images: decoded on a thread
+            decoder = ImageDecoder(image_limits, gpu_jpeg=gpu_jpeg_decoder(pool.image_device(model_id)))
+            inputs = await asyncio.to_thread(
+                decode_request, request.inputs, payload, limits, decoder, declared=declared
+            )
+        elif decode_off_loop(request.inputs, payload):
             inputs = await asyncio.to_thread(decode_tensors, request.inputs, payload, limits)
         else:
             inputs = decode_tensors(request.inputs, payload, limits)
@@ -272,4 +289,7 @@ def signature_pb(spec: ModelSpec) -> model_pool_pb2.ModelSignature:
         backend=spec.backend,
         inputs=[tensor(t) for t in spec.config.inputs],
         outputs=[tensor(t) for t in spec.config.outputs],
+        modality_config_json=(
+            json.dumps(spec.config.modality_config) if spec.config.modality_config is not None else ""
+        ),
     )

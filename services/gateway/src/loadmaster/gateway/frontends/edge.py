@@ -102,6 +102,11 @@ class EdgeFrontend:
         self._checking: set[asyncio.Task[None]] = set()  # observations checked off the loop
         self.endpoint = ""
 
+    @property
+    def curve(self) -> EdgeCurve:
+        """The edge's CurveZMQ server keys and ZAP handler (the GR00T socket shares them)."""
+        return self._curve
+
     async def start(self) -> None:
         socket: zmq.Socket[Any] = zmq.Socket(self._context, zmq.ROUTER)
         edge = self._settings.edge
