@@ -24,6 +24,12 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from loadmaster.common.client_config import (  # client profiles and cooldowns, re-exported
+    ClientMatchSettings,
+    ClientProfileSettings,
+    CooldownSettings,
+    check_profiles,
+)
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.gateway_config import (  # the gateway's sections, re-exported
     ApiKeySettings,
@@ -50,9 +56,12 @@ __all__ = [
     "AuthSettings",
     "BatchSettings",
     "CategoryKeepAliveSettings",
+    "ClientMatchSettings",
+    "ClientProfileSettings",
     "ClientSettings",
     "ClientsSettings",
     "ConfigError",
+    "CooldownSettings",
     "CurveSettings",
     "DeadlineSettings",
     "EdgeSettings",
@@ -291,6 +300,9 @@ class ModelsSettings(_Section):
     # Names for model ladders (OpenAI API): {alias: {models: [primary, fallback, ...]}}.
     aliases: dict[str, AliasSettings] = Field(default_factory=dict)
     category_keep_alive_s: CategoryKeepAliveSettings = CategoryKeepAliveSettings()
+    # A remote rung (backend remote_openai) in a ladder's fallback position is skipped while
+    # false; a remote primary, or a request naming a remote model, is served all the same.
+    allow_cloud_fallback: bool = True
 
     def for_model(self, model_id: str) -> ModelSettings:
         entry = self.known.get(model_id)
@@ -306,6 +318,19 @@ class ClientSettings(_Section):
 class ClientsSettings(_Section):
     defaults: ClientSettings = ClientSettings()
     known: dict[str, ClientSettings] = Field(default_factory=dict)
+    # Per-client defaults for generation requests, by name (docs/client-profiles.md).
+    profiles: dict[str, ClientProfileSettings] = Field(default_factory=dict)
+    # Every client's bound on requests per window (a profile's `cooldown` replaces it).
+    cooldown: CooldownSettings = CooldownSettings()
+    max_tracked_clients: int = Field(default=100_000, ge=1)  # cooldown states kept (least recent go)
+
+    @field_validator("profiles")
+    @classmethod
+    def _one_profile_per_match(
+        cls, profiles: dict[str, ClientProfileSettings]
+    ) -> dict[str, ClientProfileSettings]:
+        check_profiles(profiles)
+        return profiles
 
     def for_client(self, client_id: str) -> ClientSettings:
         entry = self.known.get(client_id)

@@ -37,6 +37,7 @@ from loadmaster.gateway.kserve_protocol import SERVICE_NAME as KSERVE_SERVICE_NA
 from loadmaster.gateway.kserve_protocol import inference_pb2_grpc
 from loadmaster.gateway.ladders import ladders_from
 from loadmaster.gateway.oidc import OidcVerifier
+from loadmaster.gateway.profiles import ClientPolicy
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.request_policy import GatewayPolicy
 from loadmaster.gateway.scheduler_link import SchedulerLink
@@ -54,6 +55,7 @@ class Gateway:
 
     def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
         clock = clock or SystemClock()
+        self._settings = settings
         self.gateway_id = settings.gateway.gateway_id or default_instance_id()
         self.telemetry = TelemetryReporter(
             "gateway",
@@ -121,12 +123,21 @@ class Gateway:
             else None
         )
         self.guardrails = Guardrails(settings.gateway.guardrails)
-        self.policy = GatewayPolicy(self.guardrails, self.audit, clock=clock)
+        # Settings the admin API may change at run time are read through self._settings per request.
+        self.policy = GatewayPolicy(
+            self.guardrails,
+            self.audit,
+            clock=clock,
+            clients=ClientPolicy(lambda: self._settings.clients, clock=clock),
+        )
         self.admin = SchedulerAdmin(settings.scheduler.address)
         # One port for every front end: the OpenAI routes, and KServe's text_input on language
         # models over HTTP and gRPC (one ladder router, one view of the model states).
         self.generations = GenerationPort(
-            self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)
+            self.dispatcher.generations,
+            self.catalog.models,
+            ladders=ladders_from(settings.models.aliases),
+            allow_cloud_fallback=lambda: self._settings.models.allow_cloud_fallback,
         )
         self.generative = GenerativeKServe(self.generations, self.catalog.models)
         self.kserve_grpc = KServeGrpcServicer(
@@ -186,7 +197,6 @@ class Gateway:
             header_timeout_s=settings.gateway.limits.http_header_timeout_s,
             keep_alive_s=settings.gateway.limits.http_keep_alive_s,
         )
-        self._settings = settings
 
     async def start(self) -> None:
         warn_if_exposed(self._settings.gateway)
