@@ -18,6 +18,8 @@ order of float sums).
                                         the repo's docs (models/tiny-chat/tokenizer_corpus.json)
                                         and a chat template (backend: transformers)
     tiny-chat-b the same shape and tokenizer, other random weights (a second LLM for ladders)
+    tiny-think  tiny-chat's weights and tokenizer with no chat template in the folder: its
+                config.yaml gives one (chat_template.jinja) that reads `enable_thinking`
     tiny-diffusion  a diffusers folder   random-weight UNet2DModel (channels 8/16, no attention)
                                         with a DDIM scheduler (backend: diffusers)
 """
@@ -177,8 +179,9 @@ def _tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
-    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path)."""
+def build_tiny_chat(folder: Path, *, seed: int = 0, template: bool = True) -> Path:
+    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path);
+    without `template`, the folder has no chat template (its config.yaml must give one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -197,7 +200,8 @@ def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    if template:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(artifact)
 
     torch.manual_seed(seed)
@@ -260,6 +264,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "tiny-chat": build_tiny_chat,
     # tiny-chat's shape and tokenizer, other random weights: a second LLM for model ladders.
     "tiny-chat-b": functools.partial(build_tiny_chat, seed=1),
+    # tiny-chat without a chat template of its own: config.yaml names chat_template.jinja.
+    "tiny-think": functools.partial(build_tiny_chat, template=False),
     "tiny-diffusion": build_tiny_diffusion,
 }
 

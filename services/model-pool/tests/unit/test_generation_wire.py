@@ -151,3 +151,23 @@ def test_a_wire_response_format_reaches_engine_processes_in_openais_shape() -> N
         "type": "json_schema",
         "json_schema": {"name": "n", "schema": {"type": "integer"}},
     }
+
+
+def test_chat_template_kwargs_come_through_as_an_object_or_are_refused_naming_the_field() -> None:
+    chat = model_pool_pb2.ChatMessages(messages=[model_pool_pb2.ChatMessage(role="user", content="hi")])
+    sampling = model_pool_pb2.SamplingParams(max_tokens=1)
+    message = model_pool_pb2.GenerateRequest(
+        request_id="r", messages=chat, sampling=sampling, chat_template_kwargs='{"enable_thinking":false}'
+    )
+    assert request_from_proto(message).chat_template_kwargs == {"enable_thinking": False}
+    message.chat_template_kwargs = ""
+    assert request_from_proto(message).chat_template_kwargs is None
+    for bad, words in (("[1]", "a JSON object"), ("{", "not JSON")):
+        message.chat_template_kwargs = bad
+        with pytest.raises(InvalidArgumentError, match=f"chat_template_kwargs: {words}"):
+            request_from_proto(message)
+    text = model_pool_pb2.GenerateRequest(
+        request_id="t", prompt_text="x", sampling=sampling, chat_template_kwargs='{"a":1}'
+    )
+    with pytest.raises(InvalidArgumentError, match="chat_template_kwargs: only chat messages"):
+        request_from_proto(text)

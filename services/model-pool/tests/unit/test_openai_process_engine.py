@@ -229,3 +229,13 @@ def test_repeated_crashes_back_off_doubling_and_are_forgotten_after_the_window()
     assert backoff.crashes("m", now=50.0) == 6
     assert backoff.crashed("m", now=200.0) == 0.0  # the old ones left the window
     assert backoff.crashes("m", now=200.0) == 1
+
+
+def test_chat_template_kwargs_are_sent_to_the_server_only_when_given() -> None:
+    messages = (ChatMessage("user", "hi"),)
+    plain = GenerationRequest("r", SamplingParams(max_tokens=2), messages=messages)
+    assert "chat_template_kwargs" not in request_body(plain, model="m")[1]  # some servers refuse the field
+    asked = GenerationRequest(
+        "r", SamplingParams(max_tokens=2), messages=messages, chat_template_kwargs={"enable_thinking": False}
+    )
+    assert request_body(asked, model="m")[1]["chat_template_kwargs"] == {"enable_thinking": False}
