@@ -321,14 +321,18 @@ class RemoteOpenAIModelConfig(_BaseModelConfig):
 
 
 class DiffusersModelConfig(_BaseModelConfig):
-    """A diffusers pipeline folder (model_index.json, a UNet and a scheduler) that makes images
-    (engines/diffusers.py, docs/images.md)."""
+    """A diffusers pipeline folder (its own model_index.json names the class: Stable Diffusion,
+    SDXL, SD3, FLUX, or an unconditional UNet) that makes images (engines/diffusers.py,
+    docs/images.md)."""
 
     backend: Literal["diffusers"]
     path: str = Field(default=".", min_length=1)  # the pipeline folder, relative to the model folder
     steps: int = Field(default=4, ge=1, le=1000)  # denoising steps per image
     sizes: tuple[str, ...] = ("64x64", "128x128", "256x256", "512x512")  # WIDTHxHEIGHT it makes
     max_images: int = Field(default=4, ge=1, le=64)  # images per request (OpenAI's `n`)
+    # Text-conditioned pipelines: how strongly the prompt steers (classifier-free guidance;
+    # > 1 runs the model twice per step). None: the pipeline's own default.
+    guidance_scale: float | None = Field(default=None, ge=0, le=50)
 
     @field_validator("sizes")
     @classmethod
