@@ -41,7 +41,8 @@ class CooldownSettings(_Section):
     """How fast one client may send generation requests: `rate_per_s` with bursts of up to
     `burst` (0: max(1, rate)); a request above that is refused with 429 and `Retry-After` (when
     the next one would pass), and with `cooldown_s` > 0 the client's requests are all refused
-    for that long from then on. `rate_per_s` 0: no cooldown."""
+    for that long from then on (or until its rate allows one, if that is later). `rate_per_s`
+    0: no cooldown."""
 
     rate_per_s: float = Field(default=0.0, ge=0)
     burst: int = Field(default=0, ge=0)
