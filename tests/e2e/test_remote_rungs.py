@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -30,6 +31,7 @@ from loadmaster.cli.launcher import Suite, free_port_overrides, to_env
 from loadmaster.common.child_processes import die_with_parent, signal_group
 from loadmaster.common.grpc_client import wait_for_health_sync
 from loadmaster.common.ports import free_port
+from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = ROOT / "examples" / "loadmaster.yaml"
@@ -115,6 +117,7 @@ def gateways(tmp_path_factory: pytest.TempPathFactory, remote: OpenAIStub) -> It
             "guarded": f"http://{gateway.http_host}:{gateway.http_port}",
             "open": f"http://127.0.0.1:{ports['http']}",
             "audit": str(folder / "audit.jsonl"),
+            "metrics": suite.settings.metrics.address,
         }
     finally:
         if second is not None:
@@ -204,6 +207,15 @@ def test_a_remote_primary_and_a_request_naming_the_remote_model_are_always_serve
             break
         time.sleep(0.1)
     assert len(cloud) >= 2 and all(line["completion_tokens"] > 0 for line in cloud)  # audited as any
+    with grpc.insecure_channel(gateways["metrics"]) as channel:
+        stub = metrics_pb2_grpc.MetricsServiceStub(channel)
+        for _ in range(50):  # bounded: reporters flush every 250 ms
+            request = metrics_pb2.GetStatsRequest(name="output_tokens", labels={"model": CLOUD})
+            if stub.GetStats(request, timeout=5).stats.sum > 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("no output_tokens of the remote model reached the metrics service")
 
 
 def test_with_the_guard_on_a_warm_local_fallback_still_answers(gateways: dict[str, str]) -> None:
