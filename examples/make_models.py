@@ -18,8 +18,13 @@ order of float sums).
                                         the repo's docs (models/tiny-chat/tokenizer_corpus.json)
                                         and a chat template (backend: transformers)
     tiny-chat-b the same shape and tokenizer, other random weights (a second LLM for ladders)
+    tiny-think  tiny-chat's weights and tokenizer with no chat template in the folder: its
+                config.yaml gives one (chat_template.jinja) that reads `enable_thinking`
     tiny-diffusion  a diffusers folder   random-weight UNet2DModel (channels 8/16, no attention)
                                         with a DDIM scheduler (backend: diffusers)
+    tiny-sd     a StableDiffusionPipeline folder: random-weight CLIP text encoder (2 layers) and
+                byte-level tokenizer, UNet2DConditionModel with cross-attention, AutoencoderKL,
+                DDIM scheduler (backend: diffusers): the prompt changes the picture
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -177,8 +183,9 @@ def _tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
-    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path)."""
+def build_tiny_chat(folder: Path, *, seed: int = 0, template: bool = True) -> Path:
+    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path);
+    without `template`, the folder has no chat template (its config.yaml must give one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -197,7 +204,8 @@ def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    if template:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(artifact)
 
     torch.manual_seed(seed)
@@ -253,6 +261,92 @@ def build_tiny_diffusion(folder: Path) -> Path:
     return artifact / "unet" / "diffusion_pytorch_model.safetensors"
 
 
+def _byte_level_clip_tokenizer() -> Any:
+    """A CLIP tokenizer whose vocabulary is CLIP's 256 byte symbols (each also as a word end)
+    and its two special tokens, with no merges: every character is a token. Built here, so
+    nothing is downloaded; any text tokenizes, and two prompts differ wherever their text does."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: index for index, symbol in enumerate(symbols)}
+    vocab.update({symbol + "</w>": len(symbols) + index for index, symbol in enumerate(symbols)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def build_tiny_sd(folder: Path) -> Path:
+    """A tiny random-weight text-to-image Stable Diffusion pipeline (fixed seed, nothing
+    downloaded): a 2-layer CLIP text encoder, a UNet2DConditionModel that reads the prompt
+    through cross-attention at its lower resolution, an AutoencoderKL with a latent 8x smaller
+    than the image (as Stable Diffusion's), and a DDIM scheduler."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    artifact = folder / "artifacts"
+    torch.manual_seed(0)
+    tokenizer = _byte_level_clip_tokenizer()
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=4,
+        norm_num_groups=4,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=64,
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    pipeline = StableDiffusionPipeline(
+        vae=vae.eval(),
+        text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer,
+        unet=unet.eval(),
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipeline.save_pretrained(artifact)
+    for weights in artifact.rglob("*.safetensors"):
+        weights.chmod(0o644)  # the services' own user in the containers reads them too
+    return artifact / "unet" / "diffusion_pytorch_model.safetensors"
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "policy": build_policy,
     "policy-onnx": build_policy_onnx,
@@ -260,7 +354,10 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "tiny-chat": build_tiny_chat,
     # tiny-chat's shape and tokenizer, other random weights: a second LLM for model ladders.
     "tiny-chat-b": functools.partial(build_tiny_chat, seed=1),
+    # tiny-chat without a chat template of its own: config.yaml names chat_template.jinja.
+    "tiny-think": functools.partial(build_tiny_chat, template=False),
     "tiny-diffusion": build_tiny_diffusion,
+    "tiny-sd": build_tiny_sd,
 }
 
 

@@ -1,8 +1,9 @@
 """Images through the real suite (gateway -> scheduler -> model-pool worker -> diffusers engine)
 with `tiny-diffusion`: the official `openai` client's `images.generate` and raw HTTP; bad
-`size`, `n` and `response_format`; async jobs in Redis, across a gateway restart.
+`size`, `n` and `response_format`; async jobs in Redis, across a gateway restart. With `tiny-sd`
+(a text-conditioned Stable Diffusion pipeline): the prompt changes the image, a seed reproduces it.
 
-tiny-diffusion is not preloaded: the first test that uses it pays for its cold load."""
+Neither model is preloaded: the first test that uses one pays for its cold load."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from PIL import Image
@@ -79,6 +81,29 @@ def test_the_openai_client_gets_pngs_of_the_size_asked(client: openai.OpenAI) ->
         model=MODEL, prompt="a red square", size="64x64", n=2, extra_body={"x_seed": 5}
     )
     assert again.data is not None and again.data[0].b64_json == reply.data[0].b64_json  # seeded
+
+
+def test_tiny_sd_draws_the_prompt_and_the_same_seed_and_prompt_draw_the_same_image(base_url: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)  # a cold load first
+
+    def draw(prompt: str, seed: int, **extra: Any) -> list[bytes]:
+        reply = client.images.generate(
+            model="tiny-sd", prompt=prompt, size="64x64", extra_body={"x_seed": seed}, **extra
+        )
+        assert reply.data is not None
+        return [base64.b64decode(image.b64_json or "") for image in reply.data]
+
+    lighthouse = draw("a lighthouse at dusk", 7)
+    assert draw("a lighthouse at dusk", 7) == lighthouse  # same seed and prompt: the same PNG
+    cat = draw("a red cat on a mat", 7)
+    assert cat != lighthouse  # same seed, another prompt: another picture
+    pixels = [
+        np.asarray(Image.open(io.BytesIO(d[0])).convert("RGB"), dtype=np.int16) for d in (lighthouse, cat)
+    ]
+    assert np.abs(pixels[0] - pixels[1]).mean() > 0.1  # the picture changed, not a pixel or two
+    assert draw("a lighthouse at dusk", 8) != lighthouse  # another seed, another picture
+    two = client.images.generate(model="tiny-sd", prompt="a boat", size="256x256", n=2)
+    assert two.data is not None and [png(image.b64_json or "").size for image in two.data] == [(256, 256)] * 2
 
 
 def test_raw_http_gets_openais_shape(base_url: str) -> None:

@@ -60,6 +60,32 @@ def test_alias_states_are_those_of_the_model_each_would_go_to() -> None:
     assert alias_states(ladders, states) == {"chat": "READY", "chat-big": "IDLE"}
 
 
+def test_skipped_fallbacks_are_passed_over_but_never_the_primary() -> None:
+    cold = {"big": "IDLE", "mid": "READY", "small": "READY"}
+    assert choose(LADDER, cold, skip={"mid"}) == "small"
+    assert choose(LADDER, cold, skip={"mid", "small"}) == "big"  # the primary loads instead
+    assert choose(LADDER, {"big": "READY", "mid": "READY"}, skip={"big"}) == "big"
+    assert alias_states({"chat": LADDER}, {"big": "IDLE", "mid": "READY"}, skip={"mid"}) == {"chat": "IDLE"}
+
+
+async def test_the_cloud_fallback_guard_is_asked_at_every_request() -> None:
+    allowed = [True]
+    states = {"big": "IDLE", "mid": "IDLE", "small": "READY"}
+    router = LadderRouter(
+        {"chat": LADDER},
+        Fleet(states),
+        clock=FakeClock(),
+        remote=lambda: {"small"},
+        allow_cloud_fallback=lambda: allowed[0],
+    )
+    assert await router.route("chat") == "small"
+    allowed[0] = False  # as the admin API would switch it: no restart, no new router
+    assert await router.route("chat") == "big"
+    assert await router.route("small") == "small"  # a request naming the remote model is served
+    allowed[0] = True
+    assert await router.route("chat") == "small"
+
+
 class Fleet:
     """The catalog's states, counting every look."""
 
@@ -150,7 +176,10 @@ class Workers:
 
 
 def views(**states: str) -> dict[str, ModelView]:
-    return {name: ModelView(name, state, backend="transformers") for name, state in states.items()}
+    return {
+        name: ModelView(name, state, backend="remote_openai" if name.startswith("cloud") else "transformers")
+        for name, state in states.items()
+    }
 
 
 class Gateway:
@@ -170,7 +199,17 @@ class Gateway:
             "chat": Ladder("chat", ("tiny-b", "tiny")),
             "chat-b": Ladder("chat-b", ("tiny-b", "tiny"), True),
         }
-        self.port = GenerationPort(self.streams, catalog, ladders=ladders, clock=FakeClock())
+        if "cloud" in states:  # a remote rung: the models named cloud* are remote_openai
+            ladders["chat-3"] = Ladder("chat-3", ("tiny-b", "tiny", "cloud"))
+            ladders["cloud-first"] = Ladder("cloud-first", ("cloud", "tiny"))
+        self.allow_cloud_fallback = True
+        self.port = GenerationPort(
+            self.streams,
+            catalog,
+            ladders=ladders,
+            clock=FakeClock(),
+            allow_cloud_fallback=lambda: self.allow_cloud_fallback,
+        )
         app = Starlette(routes=openai_routes(self.port, Authenticator([]), gateway_id="gw"))
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
         self.client = openai.AsyncOpenAI(
@@ -254,3 +293,24 @@ async def test_the_model_list_has_the_aliases_with_the_state_of_their_choice() -
     call = asyncio.ensure_future(gateway.client.completions.create(model="chat", prompt="p"))
     assert await gateway.answer("y") == "tiny-b"
     assert (await call).model == "tiny-b"
+
+
+async def test_a_remote_fallback_is_skipped_while_cloud_fallback_is_off() -> None:
+    gateway = Gateway(**{"tiny-b": "IDLE", "tiny": "IDLE", "cloud": "READY"})
+
+    async def served(model: str) -> str:
+        call = asyncio.ensure_future(gateway.client.chat.completions.create(model=model, messages=MESSAGES))
+        queued_for = await gateway.answer("x")
+        assert (await call).model == queued_for
+        return queued_for
+
+    assert await served("chat-3") == "cloud"  # allowed: the warm remote rung answers
+    gateway.allow_cloud_fallback = False
+    assert await served("chat-3") == "tiny-b"  # skipped: the cold primary loads instead
+    assert await served("cloud-first") == "cloud"  # a remote primary is always served
+    assert await served("cloud") == "cloud"  # and so is a request naming the remote model
+    listed = {m.id: m.x_state for m in (await gateway.client.models.list()).data}  # type: ignore[attr-defined]
+    assert listed["chat-3"] == "IDLE" and listed["cloud"] == "READY"  # the remote rung is listed
+    gateway.fleet = views(**{"tiny-b": "IDLE", "tiny": "READY", "cloud": "READY"})
+    await gateway.client.models.list()  # a fresh look
+    assert await served("chat-3") == "tiny"  # a local fallback is still taken

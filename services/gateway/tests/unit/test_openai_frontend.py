@@ -14,11 +14,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from starlette.applications import Starlette
 
 from loadmaster.common import tracing
-from loadmaster.common.config import ApiKeySettings
+from loadmaster.common.clock import FakeClock
+from loadmaster.common.config import ApiKeySettings, ClientsSettings, GuardrailSettings
 from loadmaster.common.errors import ExpiredError, LoadmasterError, NotFoundError, UnavailableError
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting, openai_routes
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.guardrails import Guardrails
+from loadmaster.gateway.profiles import ClientPolicy
+from loadmaster.gateway.request_policy import GatewayPolicy
 
 
 class Recorded:
@@ -62,8 +66,12 @@ class Recorded:
         return {"tiny-chat": "READY", "other": "IDLE"}
 
 
-def client_for(generations: Recorded, keys: list[ApiKeySettings] | None = None) -> openai.AsyncOpenAI:
-    app = Starlette(routes=openai_routes(generations, Authenticator(keys or []), gateway_id="gw"))
+def client_for(
+    generations: Recorded, keys: list[ApiKeySettings] | None = None, *, policy: GatewayPolicy | None = None
+) -> openai.AsyncOpenAI:
+    app = Starlette(
+        routes=openai_routes(generations, Authenticator(keys or []), gateway_id="gw", policy=policy)
+    )
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
     return openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="k", http_client=http, max_retries=0)
 
@@ -138,6 +146,9 @@ async def test_bad_bodies_are_400s_naming_the_field() -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=0)
     assert caught.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="'model' is a required property") as caught:
+        await client.chat.completions.create(model="", messages=MESSAGES)  # and no profile names one
+    assert caught.value.param == "model"
 
 
 async def test_a_failure_mid_stream_is_an_error_event_the_client_raises() -> None:
@@ -162,6 +173,42 @@ async def test_api_keys_scopes_and_rate_limits_apply() -> None:
     assert (await good.chat.completions.create(model="tiny-chat", messages=MESSAGES)).choices
     with pytest.raises(openai.RateLimitError):
         await good.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+
+
+async def test_a_profile_fills_the_request_and_a_cooldown_is_a_429_with_retry_after() -> None:
+    clients = ClientsSettings.model_validate(
+        {
+            "profiles": {
+                "bot": {
+                    "match": {"client_id": "bot"},
+                    "model": "tiny-chat",
+                    "max_tokens": 7,
+                    "system_prompt": "Be brief.",
+                    "cooldown": {"rate_per_s": 0.5, "burst": 1},
+                }
+            }
+        }
+    )
+    clock = FakeClock()
+    policy = GatewayPolicy(
+        Guardrails(GuardrailSettings()), None, clock=clock, clients=ClientPolicy(lambda: clients, clock=clock)
+    )
+    generations = Recorded(["a"])
+    client = client_for(generations, policy=policy)
+    reply = await client.chat.completions.create(
+        model="", messages=MESSAGES, extra_body={"x_client_id": "bot"}
+    )
+    assert reply.model == "tiny-chat"
+    request, client_id = generations.requests[0]
+    assert (request.model, request.max_tokens, client_id) == ("tiny-chat", 7, "bot")
+    assert request.messages == (("system", "Be brief."), ("user", "hi"))
+    with pytest.raises(openai.RateLimitError) as caught:
+        await client.chat.completions.create(model="", messages=MESSAGES, extra_body={"x_client_id": "bot"})
+    assert caught.value.response.headers["retry-after"] == "2"
+    assert caught.value.response.headers["retry-after-ms"] == "2000"
+    assert "client 'bot'" in caught.value.message
+    assert len(generations.requests) == 1  # the refused request never reached a model
+    await client.chat.completions.create(model="tiny-chat", messages=MESSAGES)  # another client: served
 
 
 async def test_models_are_listed_with_their_state() -> None:

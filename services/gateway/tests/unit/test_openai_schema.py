@@ -79,7 +79,12 @@ def test_a_chat_body_becomes_a_generation_request_without_extensions_or_unknown_
         ({"n": 2}, "n", "only n=1"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"x_priority": -1}, "x_priority", "greater than or equal to 0"),
-        ({"model": ""}, "model", "at least 1 character"),
+        (
+            {"chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs",
+            "'messages' is set by the server",
+        ),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "valid dictionary"),
         ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not one of"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema: an object"),
         (
@@ -95,6 +100,16 @@ def test_bad_chat_bodies_are_400s_naming_the_field(fields: dict[str, object], pa
     assert (caught.value.status, caught.value.param) == (400, param)
     assert words in caught.value.message
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_model_may_be_left_to_a_profile_and_template_kwargs_reach_the_request() -> None:
+    request = parse_chat(body(model="", chat_template_kwargs={"enable_thinking": False}))
+    assert request.model == ""  # the front end refuses it unless the client's profile names one
+    assert request.chat_template_kwargs == {"enable_thinking": False}
+    assert parse_chat(body()).chat_template_kwargs is None
+    with pytest.raises(OpenAIError, match="only chat completions render a chat template") as caught:
+        parse_completion(b'{"model": "m", "prompt": "x", "chat_template_kwargs": {"a": 1}}')
+    assert caught.value.param == "chat_template_kwargs"
 
 
 def test_missing_fields_and_broken_json_are_400s() -> None:

@@ -33,6 +33,7 @@ def test_registry() -> None:
         "ray_serve",
         "transformers",
         "openai_process",
+        "remote_openai",
         "diffusers",
     }
     assert engine_class("python") is PythonEngine

@@ -178,3 +178,21 @@ def test_priority_tenant_and_weight_reach_the_engine() -> None:
     assert (request.priority, request.tenant, request.tenant_weight) == (2, "acme", 2.5)
     message.tenant_weight = 0.0  # unset
     assert request_from_proto(message).tenant_weight == 1.0
+def test_chat_template_kwargs_come_through_as_an_object_or_are_refused_naming_the_field() -> None:
+    chat = model_pool_pb2.ChatMessages(messages=[model_pool_pb2.ChatMessage(role="user", content="hi")])
+    sampling = model_pool_pb2.SamplingParams(max_tokens=1)
+    message = model_pool_pb2.GenerateRequest(
+        request_id="r", messages=chat, sampling=sampling, chat_template_kwargs='{"enable_thinking":false}'
+    )
+    assert request_from_proto(message).chat_template_kwargs == {"enable_thinking": False}
+    message.chat_template_kwargs = ""
+    assert request_from_proto(message).chat_template_kwargs is None
+    for bad, words in (("[1]", "a JSON object"), ("{", "not JSON")):
+        message.chat_template_kwargs = bad
+        with pytest.raises(InvalidArgumentError, match=f"chat_template_kwargs: {words}"):
+            request_from_proto(message)
+    text = model_pool_pb2.GenerateRequest(
+        request_id="t", prompt_text="x", sampling=sampling, chat_template_kwargs='{"a":1}'
+    )
+    with pytest.raises(InvalidArgumentError, match="chat_template_kwargs: only chat messages"):
+        request_from_proto(text)

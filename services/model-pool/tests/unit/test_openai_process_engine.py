@@ -238,3 +238,11 @@ def test_the_priority_travels_only_to_engines_that_take_one() -> None:
     )
     assert "priority" not in request_body(request, model="m")[1]
     assert request_body(request, model="m", forward_priority=True)[1]["priority"] == 0
+def test_chat_template_kwargs_are_sent_to_the_server_only_when_given() -> None:
+    messages = (ChatMessage("user", "hi"),)
+    plain = GenerationRequest("r", SamplingParams(max_tokens=2), messages=messages)
+    assert "chat_template_kwargs" not in request_body(plain, model="m")[1]  # some servers refuse the field
+    asked = GenerationRequest(
+        "r", SamplingParams(max_tokens=2), messages=messages, chat_template_kwargs={"enable_thinking": False}
+    )
+    assert request_body(asked, model="m")[1]["chat_template_kwargs"] == {"enable_thinking": False}

@@ -24,6 +24,12 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from loadmaster.common.client_config import (  # client profiles and cooldowns, re-exported
+    ClientMatchSettings,
+    ClientProfileSettings,
+    CooldownSettings,
+    check_profiles,
+)
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.gateway_config import (  # the gateway's sections, re-exported
     ApiKeySettings,
@@ -50,9 +56,12 @@ __all__ = [
     "AuthSettings",
     "BatchSettings",
     "CategoryKeepAliveSettings",
+    "ClientMatchSettings",
+    "ClientProfileSettings",
     "ClientSettings",
     "ClientsSettings",
     "ConfigError",
+    "CooldownSettings",
     "CurveSettings",
     "DeadlineSettings",
     "EdgeSettings",
@@ -312,6 +321,19 @@ class ClientSettings(_Section):
 class ClientsSettings(_Section):
     defaults: ClientSettings = ClientSettings()
     known: dict[str, ClientSettings] = Field(default_factory=dict)
+    # Per-client defaults for generation requests, by name (docs/client-profiles.md).
+    profiles: dict[str, ClientProfileSettings] = Field(default_factory=dict)
+    # Every client's bound on requests per window (a profile's `cooldown` replaces it).
+    cooldown: CooldownSettings = CooldownSettings()
+    max_tracked_clients: int = Field(default=100_000, ge=1)  # cooldown states kept (least recent go)
+
+    @field_validator("profiles")
+    @classmethod
+    def _one_profile_per_match(
+        cls, profiles: dict[str, ClientProfileSettings]
+    ) -> dict[str, ClientProfileSettings]:
+        check_profiles(profiles)
+        return profiles
 
     def for_client(self, client_id: str) -> ClientSettings:
         entry = self.known.get(client_id)

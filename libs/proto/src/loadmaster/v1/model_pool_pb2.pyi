@@ -260,7 +260,7 @@ class PinResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format", "tenant", "tenant_weight")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format", "tenant", "tenant_weight", "chat_template_kwargs")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: PromptTokens
@@ -294,7 +295,8 @@ class GenerateRequest(_message.Message):
     response_format: ResponseFormat
     tenant: str
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    chat_template_kwargs: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema", "name")

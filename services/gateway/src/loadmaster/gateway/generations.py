@@ -59,7 +59,7 @@ from loadmaster.gateway.affinity import prefix_affinity_key
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
-from loadmaster.gateway.ladders import Ladder, LadderRouter, alias_states
+from loadmaster.gateway.ladders import REMOTE_BACKENDS, Ladder, LadderRouter, alias_states
 from loadmaster.gateway.ports import SchedulerSession
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
@@ -67,7 +67,7 @@ __all__ = ["GENERATIVE_BACKENDS", "GenerationPort", "GenerationStreams"]
 
 log = logging.getLogger(__name__)
 
-GENERATIVE_BACKENDS = frozenset({"transformers", "openai_process"})
+GENERATIVE_BACKENDS = frozenset({"transformers", "openai_process", "remote_openai"})
 DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's own default is the context's rest)
 DEFAULT_PRIORITY = 1  # as for tensor requests
 MAX_BUFFERED = 8192  # replies one stream may have waiting for its consumer
@@ -464,6 +464,8 @@ def _message(
         )
     else:
         message.prompt_text = request.prompt or ""
+    if request.chat_template_kwargs:
+        message.chat_template_kwargs = json.dumps(request.chat_template_kwargs, separators=(",", ":"))
     _response_format(message.response_format, request.response_format)
     return message
 
@@ -486,7 +488,8 @@ class GenerationPort:
     generative models (backend transformers) with their state, from the catalog.
 
     A request for an alias (`models.aliases`, gateway/ladders.py) goes to the model its ladder
-    picks: the stream runs under that model's id, and every event names it (`model`)."""
+    picks: the stream runs under that model's id, and every event names it (`model`). Remote
+    rungs are fallbacks only while `allow_cloud_fallback()` (asked per request) is true."""
 
     def __init__(
         self,
@@ -495,10 +498,18 @@ class GenerationPort:
         *,
         ladders: Mapping[str, Ladder] | None = None,
         clock: Clock | None = None,
+        allow_cloud_fallback: Callable[[], bool] = lambda: True,
     ) -> None:
         self._streams = streams
         self._models = models
-        self._router = LadderRouter(ladders or {}, self._states, clock=clock)
+        self._remote: frozenset[str] = frozenset()  # remote rungs, as of the last look
+        self._router = LadderRouter(
+            ladders or {},
+            self._states,
+            clock=clock,
+            remote=lambda: self._remote,
+            allow_cloud_fallback=allow_cloud_fallback,
+        )
 
     def set_ladders(self, ladders: Mapping[str, Ladder]) -> None:
         """Route aliases by `ladders` from now on (the admin plane changes them at run time)."""
@@ -522,14 +533,18 @@ class GenerationPort:
                 yield dataclasses.replace(item, model=model) if isinstance(item, TextChunk) else item
 
     async def _states(self) -> dict[str, str]:
-        return {name: view.state for name, view in (await self._models()).items()}
+        return self._seen(await self._models())
+
+    def _seen(self, views: Mapping[str, ModelView]) -> dict[str, str]:
+        self._remote = frozenset(name for name, view in views.items() if view.backend in REMOTE_BACKENDS)
+        return {name: view.state for name, view in views.items()}
 
     async def models(self) -> dict[str, str]:
         views = await self._models()
-        self._router.observe({name: view.state for name, view in views.items()})
+        self._router.observe(self._seen(views))
         served = {
             name: "IDLE" if view.state == "UNAVAILABLE" and view.reason in ("", "not loaded") else view.state
             for name, view in views.items()
             if view.backend in GENERATIVE_BACKENDS
         }
-        return {**served, **alias_states(self._router.ladders, served)}
+        return {**served, **alias_states(self._router.ladders, served, skip=self._router.skipped())}

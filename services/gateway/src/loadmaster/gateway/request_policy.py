@@ -1,5 +1,6 @@
-"""The OpenAI front end's `RequestPolicy`: guardrails around each completion request, and its
-audit record once it ends (however it ends: answered, refused, failed or abandoned)."""
+"""The OpenAI front end's `RequestPolicy`: the client's profile and cooldown (profiles.py) and
+guardrails around each completion request, and its audit record once it ends (however it
+ends: answered, refused, failed or abandoned)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,24 @@ from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, Reque
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest, OpenAIError
 from loadmaster.gateway.generations import DEFAULT_PRIORITY
 from loadmaster.gateway.guardrails import CONTENT_FILTER, Guardrails, prompt_text
+from loadmaster.gateway.profiles import ClientPolicy, apply_profile
 
 __all__ = ["GatewayPolicy"]
 
 
 class GatewayPolicy:
-    def __init__(self, guardrails: Guardrails, audit: AuditLog | None, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        guardrails: Guardrails,
+        audit: AuditLog | None,
+        *,
+        clock: Clock | None = None,
+        clients: ClientPolicy | None = None,
+    ) -> None:
         self.guardrails = guardrails
         self.audit = audit
         self.clock: Clock = clock or SystemClock()
+        self.clients = clients
 
     def open(self, *, endpoint: str, request_id: str) -> RequestWatch:
         return _Watch(self, endpoint, request_id, self.clock.time(), self.clock.monotonic())
@@ -44,9 +54,19 @@ class _Watch:
     def authenticated(self, principal: Principal) -> None:
         self.principal = principal
 
-    async def admit(self, generation: GenerationRequest, *, client_id: str) -> None:
+    async def admit(self, generation: GenerationRequest, *, client_id: str) -> GenerationRequest:
         self.generation, self.client_id = generation, client_id
         assert self.principal is not None
+        clients = self.policy.clients
+        if clients is not None:
+            principal = self.principal
+            profile = clients.profile(
+                client_id=client_id,
+                api_key=principal.name if principal.method == "api_key" else "",
+                tenant=principal.tenant,
+            )
+            clients.charge(client_id, profile)
+            generation = self.generation = apply_profile(generation, profile)
         await self.policy.guardrails.admit(
             generation,
             request_id=self.request_id,
@@ -54,6 +74,7 @@ class _Watch:
             client_id=client_id,
             endpoint=self.endpoint,
         )
+        return generation
 
     def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
         if self.policy.guardrails.screens_completions:

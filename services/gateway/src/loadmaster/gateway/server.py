@@ -44,6 +44,7 @@ from loadmaster.gateway.kserve_protocol import SERVICE_NAME as KSERVE_SERVICE_NA
 from loadmaster.gateway.kserve_protocol import inference_pb2_grpc
 from loadmaster.gateway.ladders import ladders_from
 from loadmaster.gateway.oidc import OidcVerifier
+from loadmaster.gateway.profiles import ClientPolicy
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.request_policy import GatewayPolicy
 from loadmaster.gateway.scheduler_link import SchedulerLink
@@ -60,8 +61,11 @@ log = logging.getLogger(__name__)
 class Gateway:
     """The running parts, for tests and the server's hooks."""
 
+    admin_plane: AdminPlane  # read by the policies below per request, so runtime changes reach them
+
     def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
         clock = clock or SystemClock()
+        self._settings = settings
         self.gateway_id = settings.gateway.gateway_id or default_instance_id()
         self.telemetry = TelemetryReporter(
             "gateway",
@@ -131,13 +135,22 @@ class Gateway:
             audit, path=audit.path if audit.path.is_absolute() else settings.config_dir / audit.path
         )
         self.guardrails = Guardrails(settings.gateway.guardrails)
-        self.policy = GatewayPolicy(self.guardrails, self.audit if audit.enabled else None, clock=clock)
+        # Settings the admin API may change at run time are read through the admin plane per request.
+        self.policy = GatewayPolicy(
+            self.guardrails,
+            self.audit if audit.enabled else None,
+            clock=clock,
+            clients=ClientPolicy(lambda: self.admin_plane.settings.clients, clock=clock),
+        )
         self.admin = SchedulerAdmin(settings.scheduler.address)
         # One port for every front end: the OpenAI routes, and KServe's text_input on language
         # models over HTTP and gRPC (one ladder router, one view of the model states).
         self.dispatcher.generations.model_view = self._model_view
         self.generations = GenerationPort(
-            self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)
+            self.dispatcher.generations,
+            self.catalog.models,
+            ladders=ladders_from(settings.models.aliases),
+            allow_cloud_fallback=lambda: self.admin_plane.settings.models.allow_cloud_fallback,
         )
         self.generative = GenerativeKServe(self.generations, self.catalog.models)
         self.admin_plane = AdminPlane(
@@ -228,7 +241,6 @@ class Gateway:
             keep_alive_s=settings.gateway.limits.http_keep_alive_s,
             ws_max_size=gateway.limits.max_payload_bytes + gateway.limits.max_envelope_bytes,
         )
-        self._settings = settings
 
     async def _model_view(self, model_id: str) -> ModelView | None:
         """A model's catalog view (for telling a waiting stream how its model's load goes)."""

@@ -53,7 +53,7 @@ class _Loaded:
     spec: ModelSpec
     instances: list[Instance]
     batcher: Batcher
-    lease: Lease
+    lease: Lease | None  # None: the model holds no GPU memory (a hosted API)
     memory_before: dict[int, int]  # NVML: this process's MB per leased GPU before the load
 
 
@@ -101,7 +101,7 @@ class _Admission:
         generation = slot.acquire()
         try:
             loaded = self._loaded[model_id]
-            if not self._keeper.live(model_id):
+            if loaded.lease is not None and not self._keeper.live(model_id):
                 raise UnavailableError(f"model '{model_id}' has no live GPU lease; not serving it")
             check_inputs(loaded.spec, inputs)
             if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
@@ -177,7 +177,7 @@ class _Admission:
         generation = slot.acquire()
         try:
             loaded = self._loaded[model_id]
-            if not self._keeper.live(model_id):
+            if loaded.lease is not None and not self._keeper.live(model_id):
                 raise UnavailableError(f"model '{model_id}' has no live GPU lease; not serving it")
             engine = loaded.instances[0].engine
             if not callable(getattr(engine, "submit", None)):

@@ -20,9 +20,10 @@ chunk boundaries and holds back text that could still become one.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from loadmaster.common.errors import InvalidArgumentError
 
@@ -139,6 +140,8 @@ class GenerationRequest:
     priority: int = 1
     tenant: str = ""
     tenant_weight: float = 1.0
+    # Extra variables for the chat template (`enable_thinking` …); chat messages only.
+    chat_template_kwargs: Mapping[str, Any] | None = None
 
     def check(self) -> None:
         if not self.request_id:
@@ -164,6 +167,11 @@ class GenerationRequest:
                     )
                 if not isinstance(message.content, str):
                     raise InvalidArgumentError(f"messages[{index}].content: not a string")
+        if self.chat_template_kwargs is not None:
+            if self.messages is None:
+                raise InvalidArgumentError("chat_template_kwargs: only chat messages are rendered with a template")
+            if not all(isinstance(key, str) for key in self.chat_template_kwargs):
+                raise InvalidArgumentError("chat_template_kwargs: keys are strings")
         if self.response_format is not None:
             self.response_format.check()
         self.params.check()

@@ -11,7 +11,9 @@ model_pool.proto and docs/generative.md.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from loadmaster.common.errors import InternalError, InvalidArgumentError
 from loadmaster.model_pool.generation import (
@@ -61,9 +63,22 @@ def request_from_proto(message: model_pool_pb2.GenerateRequest) -> GenerationReq
         priority=message.priority,
         tenant=message.tenant,
         tenant_weight=message.tenant_weight if message.tenant_weight > 0 else 1.0,
+        chat_template_kwargs=_template_kwargs(message),
     )
     request.check()
     return request
+
+
+def _template_kwargs(message: model_pool_pb2.GenerateRequest) -> dict[str, Any] | None:
+    if not message.chat_template_kwargs:
+        return None
+    try:
+        value = json.loads(message.chat_template_kwargs)
+    except ValueError as error:
+        raise InvalidArgumentError(f"chat_template_kwargs: not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError("chat_template_kwargs: a JSON object is required")
+    return value
 
 
 def _response_format(message: model_pool_pb2.GenerateRequest) -> ResponseFormat | None:

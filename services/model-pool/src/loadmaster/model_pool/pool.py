@@ -123,7 +123,7 @@ class ModelPool(_Admission, _Release):
         self.counters = EvictionCounters()
         self._room = Room(
             lease_client,
-            residents=functools.partial(self._residents, settling=True),
+            residents=functools.partial(self._residents, settling=True, holding=True),
             evict=lambda victim, incoming: self._evict(
                 victim, reason="capacity", detail=f"room for {incoming}"
             ),
@@ -192,7 +192,7 @@ class ModelPool(_Admission, _Release):
     def leased_mb_per_gpu(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for loaded in self._loaded.values():
-            for gpu, mb in loaded.lease.mb_per_gpu.items():
+            for gpu, mb in (loaded.lease.mb_per_gpu if loaded.lease else {}).items():
                 out[gpu] = out.get(gpu, 0) + mb
         return out
 
@@ -222,10 +222,13 @@ class ModelPool(_Admission, _Release):
                     self._keep_alive.start()
         self._keep_alive.poke()
 
-    def _residents(self, *, settling: bool = False) -> list[Resident]:
-        """READY models; with `settling`, also those holding a lease on the way in or out."""
+    def _residents(self, *, settling: bool = False, holding: bool = False) -> list[Resident]:
+        """READY models; with `settling`, also those holding a lease on the way in or out; with
+        `holding`, only those that hold memory (a remote model frees none by going)."""
         out = []
         for model_id, slot in self._slots.items():
+            if holding and slot.vram_mb <= 0:
+                continue
             if slot.state is ModelState.READY:
                 state = "ready"
             elif settling and slot.lease_id and slot.state is not ModelState.IDLE:
@@ -383,27 +386,31 @@ class ModelPool(_Admission, _Release):
             if mb is None:
                 mb = spec.config.vram_mb if spec.config.vram_mb is not None else cls.estimate_mb(spec) * count
             mb = max(1, mb)  # the broker leases whole, positive megabytes
+            if not cls.leases_memory:  # a hosted API: no lease, no device of ours
+                device, mb = "remote", 0
             slot.set_placement(backend=spec.backend, device=device, vram_mb=mb)
             slot.instances, slot.max_batch_size = count, policy.max_batch_size
             slot.keep_alive_s = keep_alive_for(self._models, spec)
-            lease = await self._room.acquire(model_id, slot.priority, mb=mb, device=device)
-            self._keeper.keep(model_id, lease)  # renewed from now on, also while loading
-            device = device_for_lease(device, lease)
-            slot.set_lease(lease.lease_id, device=device, mb_per_gpu=dict(lease.mb_per_gpu))
-            if device.startswith("cuda"):
-                memory_before = await asyncio.to_thread(memory.snapshot, lease.gpus)
+            if cls.leases_memory:
+                lease = await self._room.acquire(model_id, slot.priority, mb=mb, device=device)
+                self._keeper.keep(model_id, lease)  # renewed from now on, also while loading
+                device = device_for_lease(device, lease)
+                slot.set_lease(lease.lease_id, device=device, mb_per_gpu=dict(lease.mb_per_gpu))
+                if device.startswith("cuda"):
+                    memory_before = await asyncio.to_thread(memory.snapshot, lease.gpus)
             context = EngineContext(
                 device=device,
                 threads=self._threads,
-                gpus=tuple(lease.gpus),
+                gpus=tuple(lease.gpus) if lease is not None else (),
                 on_failure=self._failure_reporter(model_id, slot.generation),
                 order_policy=self._order_policy,
             )
             for index in range(count):  # each loaded and warmed up on its own thread before READY
                 await load_instance(built, cls, spec, context, name=f"model-{model_id}-{index}")
-            if self._keeper.lease(model_id) is None:
-                raise UnavailableError(f"the GPU lease of model '{model_id}' was lost while it loaded")
-            lease = self._keeper.lease(model_id) or lease  # a re-established one has a new id
+            if lease is not None:
+                if self._keeper.lease(model_id) is None:
+                    raise UnavailableError(f"the GPU lease of model '{model_id}' was lost while it loaded")
+                lease = self._keeper.lease(model_id) or lease  # a re-established one has a new id
         except BaseException as error:
             message = await self._abandon_load(model_id, error, instances=built, lease=lease)
             slot.load_failed(message)
@@ -418,7 +425,7 @@ class ModelPool(_Admission, _Release):
             instances=built,
             clock=self._clock,
             on_batch=lambda size, ms: self._record_batch(model_id, size, ms),
-            usable=functools.partial(self._keeper.live, model_id),
+            usable=functools.partial(self._keeper.live, model_id) if lease is not None else _always,
         )
         batcher.start()
         self._loaded[model_id] = _Loaded(
@@ -493,7 +500,8 @@ class ModelPool(_Admission, _Release):
             await free_instances(model_id, loaded.instances)
             await self._memory_freed(model_id, loaded)
         finally:
-            await self._release(model_id, lease)  # only after the engines freed their memory
+            if lease is not None:
+                await self._release(model_id, lease)  # only after the engines freed their memory
             slot.unloaded()
             self._changed(slot)
             self._record_leased()
@@ -518,7 +526,8 @@ class ModelPool(_Admission, _Release):
         except TimeoutError:
             log.error("models still busy after %.1fs at shutdown; releasing their leases", timeout_s)
             for model_id, loaded in list(self._loaded.items()):
-                await self._release(model_id, self._keeper.forget(model_id) or loaded.lease)
+                if (lease := self._keeper.forget(model_id) or loaded.lease) is not None:
+                    await self._release(model_id, lease)
         await self._keeper.close()
         for task in list(self._background):
             task.cancel()
@@ -541,3 +550,8 @@ class ModelPool(_Admission, _Release):
     def _record(self, name: str, value: float, labels: Mapping[str, str]) -> None:
         if self._metrics is not None:
             self._metrics.record(name, value, labels)
+
+
+def _always() -> bool:
+    """A model without a lease (a hosted API) is usable whenever it is loaded."""
+    return True

@@ -70,7 +70,7 @@ class _Release:
 
     async def _memory_freed(self, model_id: str, loaded: _Loaded) -> None:
         """On NVIDIA: wait (bounded) until NVML shows the model's memory gone from this process."""
-        if loaded.memory_before and not await memory.wait_freed(
+        if loaded.memory_before and loaded.lease is not None and not await memory.wait_freed(
             loaded.memory_before, dict(loaded.lease.mb_per_gpu), clock=self._clock
         ):
             log.warning(
@@ -91,7 +91,7 @@ class _Release:
         loaded = self._loaded.get(model_id)
         if loaded is None:
             return  # still loading: the load sees the lease gone and fails
-        if loaded.lease.lease_id != lease.lease_id:
+        if loaded.lease is None or loaded.lease.lease_id != lease.lease_id:
             return  # a late word about an earlier lease: the model was loaded again under another
         self._record("evictions", 1.0, {"model": model_id, "reason": "lease_lost"})
         self.counters.evicted(model_id, "lease_lost")

@@ -6,7 +6,8 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | openai_process | diffusers
+    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | openai_process
+                              # | remote_openai | diffusers
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -60,6 +61,7 @@ __all__ = [
     "OpenAIProcessModelConfig",
     "PythonModelConfig",
     "RayServeModelConfig",
+    "RemoteOpenAIModelConfig",
     "TensorRTModelConfig",
     "TensorSpec",
     "TorchModelConfig",
@@ -89,6 +91,7 @@ _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 CATEGORY_BY_BACKEND: dict[str, Literal["llm", "vision", "diffusion", "other"]] = {
     "transformers": "llm",
     "openai_process": "llm",
+    "remote_openai": "llm",
     "diffusers": "diffusion",
 }
 
@@ -257,6 +260,12 @@ class TransformersModelConfig(_BaseModelConfig):
     # None: all of them until the cache runs short, then transformers drops them all).
     prefix_caching: bool = True
     prefix_cache_max_blocks: int | None = Field(default=None, ge=0)
+    # The chat template, for a folder without one (or to replace its own): a file in the model
+    # folder (`chat_template.jinja`) or the template itself (text holding `{{` or `{%`).
+    chat_template: str | None = Field(default=None, min_length=1)
+    # Given to the chat template as `enable_thinking` (templates that read it switch a reasoning
+    # block on or off); None: not given. A request's `chat_template_kwargs` overrides it.
+    thinking: bool | None = None
 
     @model_validator(mode="after")
     def _resident_holds_a_step(self) -> TransformersModelConfig:
@@ -312,15 +321,64 @@ class OpenAIProcessModelConfig(_BaseModelConfig):
         return instances
 
 
+class RemoteOpenAIModelConfig(_BaseModelConfig):
+    """A model served by a hosted OpenAI-compatible API (docs/remote-models.md): the worker
+    proxies to it as it does to an engine process, with no process and no GPU lease."""
+
+    backend: Literal["remote_openai"]
+    # The API root as the OpenAI SDK takes it (`https://api.openai.com/v1`); http or https.
+    base_url: str = Field(pattern=r"^https?://[^\s/]+(/\S*)?$")
+    remote_model: str = Field(min_length=1)  # the `model` the API is asked for
+    # A file holding the API key (relative to the model folder, or absolute), read at each load;
+    # None: no Authorization header (a local server, or a gateway in front that adds one).
+    api_key_file: str | None = Field(default=None, min_length=1)
+    max_sequences: int = Field(default=32, ge=1, le=4096)  # streams sent to the API at once
+    request_timeout_s: float = Field(default=600.0, gt=0)  # longest silence inside one stream
+    # At load, GET <base_url>/models must answer 200: a wrong URL or key fails the load (the
+    # model is then not READY, so no ladder falls back to it) instead of every request.
+    check_on_load: bool = True
+    check_timeout_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("vram_mb")
+    @classmethod
+    def _no_memory(cls, vram_mb: int | None) -> int | None:
+        if vram_mb:
+            raise ValueError("a remote model holds no GPU memory (leave vram_mb out, or 0)")
+        return vram_mb
+
+    @field_validator("device")
+    @classmethod
+    def _no_device(cls, device: str | None) -> str | None:
+        if device is not None:
+            raise ValueError("a remote model runs on no device of this worker (leave device out)")
+        return device
+
+    @field_validator("instances")
+    @classmethod
+    def _one_instance(cls, instances: int) -> int:
+        if instances != 1:
+            raise ValueError("a remote model is one instance (max_sequences sets how many streams)")
+        return instances
+
+    @field_validator("base_url")
+    @classmethod
+    def _no_trailing_slash(cls, base_url: str) -> str:
+        return base_url.rstrip("/")
+
+
 class DiffusersModelConfig(_BaseModelConfig):
-    """A diffusers pipeline folder (model_index.json, a UNet and a scheduler) that makes images
-    (engines/diffusers.py, docs/images.md)."""
+    """A diffusers pipeline folder (its own model_index.json names the class: Stable Diffusion,
+    SDXL, SD3, FLUX, or an unconditional UNet) that makes images (engines/diffusers.py,
+    docs/images.md)."""
 
     backend: Literal["diffusers"]
     path: str = Field(default=".", min_length=1)  # the pipeline folder, relative to the model folder
     steps: int = Field(default=4, ge=1, le=1000)  # denoising steps per image
     sizes: tuple[str, ...] = ("64x64", "128x128", "256x256", "512x512")  # WIDTHxHEIGHT it makes
     max_images: int = Field(default=4, ge=1, le=64)  # images per request (OpenAI's `n`)
+    # Text-conditioned pipelines: how strongly the prompt steers (classifier-free guidance;
+    # > 1 runs the model twice per step). None: the pipeline's own default.
+    guidance_scale: float | None = Field(default=None, ge=0, le=50)
 
     @field_validator("sizes")
     @classmethod
@@ -339,6 +397,7 @@ AnyModelConfig = (
     | RayServeModelConfig
     | TransformersModelConfig
     | OpenAIProcessModelConfig
+    | RemoteOpenAIModelConfig
     | DiffusersModelConfig
 )
 # One entry per engine; the `backend` field picks the class.

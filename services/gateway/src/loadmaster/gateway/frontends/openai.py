@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -127,7 +128,10 @@ class RequestWatch(Protocol):
 
     def authenticated(self, principal: Principal) -> None: ...
 
-    async def admit(self, generation: GenerationRequest, *, client_id: str) -> None: ...
+    async def admit(self, generation: GenerationRequest, *, client_id: str) -> GenerationRequest:
+        """Refuse the request (raise), or return it as the gateway will run it (a client
+        profile's defaults filled in)."""
+        ...
 
     def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]: ...
 
@@ -147,8 +151,8 @@ class _Unwatched:
     def authenticated(self, principal: Principal) -> None:
         pass
 
-    async def admit(self, generation: GenerationRequest, *, client_id: str) -> None:
-        pass
+    async def admit(self, generation: GenerationRequest, *, client_id: str) -> GenerationRequest:
+        return generation
 
     def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
         return events
@@ -164,7 +168,11 @@ def _error_response(error: Exception) -> Response:
         log.error("unhandled error in the OpenAI API", exc_info=error)
         error = InternalError(f"internal error: {type(error).__name__}")
     mapped = error_from(error)
-    return JSONResponse(mapped.body(), status_code=mapped.status)
+    retry_after_s = getattr(error, "retry_after_s", None)  # a cooldown says when to come back
+    headers = None
+    if isinstance(retry_after_s, int | float):
+        headers = {"Retry-After": str(math.ceil(retry_after_s)), "retry-after-ms": str(math.ceil(retry_after_s * 1000))}
+    return JSONResponse(mapped.body(), status_code=mapped.status, headers=headers)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -237,8 +245,10 @@ def openai_routes(
         chat: bool,
     ) -> Response:
         client_id = generation.client_id or generation.user or principal.name or "openai"
+        generation = await watch.admit(generation, client_id=client_id)
+        if not generation.model:  # neither the request nor the client's profile names one
+            raise OpenAIError(400, "'model' is a required property", param="model")
         tenant = principal.tenant or generation.user or generation.client_id or client_id
-        await watch.admit(generation, client_id=client_id)
         events = watch.watch(
             generations.generate(generation, request_id=request_id, client_id=client_id, tenant=tenant)
         )

@@ -6,7 +6,8 @@ events the official `openai` client reads. Shapes follow the OpenAI API referenc
 
 - unknown body fields are ignored, as OpenAI's own server does; Loadmaster's extensions are
   `x_client_id`, `x_priority` (0 = highest, as on the edge), `x_urgency` (0..1) and
-  `x_deadline_ms`, and never reach an engine;
+  `x_deadline_ms`, and never reach an engine; `chat_template_kwargs` (vLLM's) on chat
+  completions reaches the model's chat template;
 - errors are `{"error": {"message", "type", "param", "code"}}` with the status in `OpenAIError`;
 - a stream is `data: {chunk}` events, then `data: [DONE]`; a stream that fails after it began
   ends with `data: {"error": {...}}`, which the `openai` client raises as an `APIError`.
@@ -45,6 +46,11 @@ __all__ = [
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# Chat-template variables the server itself sets when it renders a chat.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "tokenize",
+     "chat_template", "return_dict", "return_tensors", "bos_token", "eos_token"}
+)
 DONE_EVENT = b"data: [DONE]\n\n"
 
 # OpenAI error `type` per HTTP status (the `openai` client maps the status to its exception
@@ -123,7 +129,7 @@ class StreamOptions(_Body):
 class _SamplingBody(_Body):
     """The fields chat and text completions share."""
 
-    model: str = Field(min_length=1)
+    model: str = ""  # required unless the client's profile names one (checked after the profile)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -179,10 +185,28 @@ class _SamplingBody(_Body):
 
 class ChatCompletionBody(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's extension: extra variables for the model's chat template (`enable_thinking` …).
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"'{reserved[0]}' is set by the server, not by a request")
+        return value
 
 
 class CompletionBody(_SamplingBody):
     prompt: str | list[str]
+    chat_template_kwargs: Any = None  # refused: a text prompt is not rendered with a template
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_template(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("only chat completions render a chat template; send messages")
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -215,6 +239,7 @@ class GenerationRequest:
     urgency: float | None
     deadline_ms: float | None
     user: str | None
+    chat_template_kwargs: dict[str, Any] | None = None  # chat only; the model's template reads them
 
 
 def _invalid(error: ValidationError) -> OpenAIError:
@@ -264,7 +289,7 @@ def parse_chat(raw: bytes) -> GenerationRequest:
     except ValidationError as error:
         raise _invalid(error) from None
     messages = tuple((m.role, m.text()) for m in body.messages)
-    return _request(body, messages=messages, prompt=None)
+    return _request(body, messages=messages, prompt=None, chat_template_kwargs=body.chat_template_kwargs)
 
 
 def parse_completion(raw: bytes) -> GenerationRequest:

@@ -22,6 +22,7 @@ ENGINES: dict[str, str] = {
     "ray_serve": "loadmaster.model_pool.engines.ray_serve:RayServeEngine",
     "transformers": "loadmaster.model_pool.engines.transformers:TransformersEngine",
     "openai_process": "loadmaster.model_pool.engines.openai_process:OpenAIProcessEngine",
+    "remote_openai": "loadmaster.model_pool.engines.remote_openai:RemoteOpenAIEngine",
     "diffusers": "loadmaster.model_pool.engines.diffusers:DiffusersEngine",
 }
 

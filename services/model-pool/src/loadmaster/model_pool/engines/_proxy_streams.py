@@ -92,6 +92,8 @@ def request_body(
         body["priority"] = request.priority
     if request.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        if request.chat_template_kwargs:  # only when asked: not every engine knows the field
+            body["chat_template_kwargs"] = dict(request.chat_template_kwargs)
         return "/v1/chat/completions", body
     if request.prompt_token_ids is not None:
         body["prompt"] = list(request.prompt_token_ids)

@@ -52,6 +52,9 @@ class EngineContext:
 class Engine(ABC):
     backend: ClassVar[str]
     estimate_factor: ClassVar[float] = ESTIMATE_FACTOR
+    # False: the model holds no memory of this worker's GPUs (a hosted API), so the pool takes
+    # no lease for it and it neither makes room for nor is evicted for another model.
+    leases_memory: ClassVar[bool] = True
 
     def __init__(self, spec: ModelSpec, context: EngineContext) -> None:
         self.spec = spec

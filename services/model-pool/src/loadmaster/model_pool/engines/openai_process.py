@@ -14,6 +14,7 @@
     warmup()   one 1-token generation, so the first request does not pay for the engine's own
     submit()   (event loop) forwards the request with an async HTTP client, always streaming;
                the SSE chunks become TokenChunks on the data plane, then one GenerationEnd
+               (`_openai_proxy.py`, shared with the hosted-API backend remote_openai)
     unload()   (instance thread) open streams end with an error; SIGTERM to the process group,
                SIGKILL after `stop_grace_s`; returns once every process of the group is gone
                and, on NVIDIA, NVML lists none of them on the lease's GPUs, so the pool
@@ -27,25 +28,18 @@ and delays the next load after repeated crashes (`crash_backoff.py`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
 from loadmaster.common.ports import free_port
-from loadmaster.model_pool.engines._proxy_streams import (
-    ProxyGeneration,
-    ProxyStream,
-    openai_response_format,
-    request_body,
-)
-from loadmaster.model_pool.engines.base import Engine, EngineContext
+from loadmaster.model_pool.engines._openai_proxy import OpenAIProxyEngine
+from loadmaster.model_pool.engines.base import EngineContext
 from loadmaster.model_pool.engines.engine_process import (
     EngineExitedError,
     EngineProcess,
@@ -53,7 +47,6 @@ from loadmaster.model_pool.engines.engine_process import (
     gpus_of,
     render_command,
 )
-from loadmaster.model_pool.generation import FinishReason, GenerationRequest, GenerationStats
 from loadmaster.model_pool.memory import wait_processes_gone
 from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, OpenAIProcessModelConfig
 
@@ -63,7 +56,6 @@ log = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 _NVML_WAIT_S = 10.0
-_CLOSE_TIMEOUT_S = 5.0
 
 
 def _config(spec: ModelSpec) -> OpenAIProcessModelConfig:
@@ -77,18 +69,21 @@ def model_path(spec: ModelSpec) -> Path:
     return path if path.is_absolute() else (spec.folder / path).resolve()
 
 
-class OpenAIProcessEngine(Engine):
+class OpenAIProcessEngine(OpenAIProxyEngine):
     backend = "openai_process"
 
     def __init__(self, spec: ModelSpec, context: EngineContext) -> None:
-        super().__init__(spec, context)
-        self._config = _config(spec)
+        config = _config(spec)
+        super().__init__(
+            spec,
+            context,
+            max_sequences=config.max_sequences,
+            request_timeout_s=config.request_timeout_s,
+            forward_priority=config.forward_priority,
+        )
+        self._config = config
         self._process: EngineProcess | None = None
         self._base_url = ""
-        self._served = ""
-        self._client: httpx.AsyncClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, ProxyStream] = {}
         self._exit_status: int | None = None
 
     # ---- memory ---------------------------------------------------------
@@ -136,6 +131,7 @@ class OpenAIProcessEngine(Engine):
             raise UnavailableError(f"model '{self.spec.model_id}': {error}") from None
         except TimeoutError as error:
             raise UnavailableError(f"model '{self.spec.model_id}': {error}") from None
+        self._api_url = self._base_url + "/v1"
         log.info("[engine %s] healthy at %s, serving %r", self.spec.model_id, self._base_url, self._served)
 
     def warmup(self) -> None:
@@ -151,8 +147,7 @@ class OpenAIProcessEngine(Engine):
             )
 
     def unload(self) -> None:
-        for state in list(self._streams.values()):
-            self._fail_threadsafe(state, "the model was unloaded")
+        self.fail_all("the model was unloaded")
         self._close_client()
         process, self._process = self._process, None
         if process is None:
@@ -175,7 +170,7 @@ class OpenAIProcessEngine(Engine):
             "request, not tensors"
         )
 
-    # ---- generation (on the event loop) ---------------------------------
+    # ---- the process ------------------------------------------------------
 
     @property
     def healthy(self) -> bool:
@@ -188,93 +183,9 @@ class OpenAIProcessEngine(Engine):
         process = self._process
         return None if process is None else process.pid
 
-    async def submit(self, request: GenerationRequest) -> ProxyGeneration:
-        """Validate and forward one generation; its events follow on the returned stream."""
-        request.check()
+    def _serving(self) -> bool:
         process = self._process
-        if process is None or not process.alive:
-            raise UnavailableError(self._gone_message())
-        if request.request_id in self._streams:
-            raise InvalidArgumentError(f"request_id: {request.request_id!r} is already generating")
-        self._loop = asyncio.get_running_loop()
-        # Structured output (issue 22): the engine enforces `response_format` itself.
-        response_format = openai_response_format(getattr(request, "response_format", None))
-        path, body = request_body(
-            request,
-            model=self._served,
-            response_format=response_format,
-            forward_priority=self._config.forward_priority,
-        )
-        state = ProxyStream(request.request_id, request.params.stop, self._forget)
-        self._streams[request.request_id] = state
-        state.task = asyncio.create_task(
-            self._forward(state, path, body), name=f"engine-{request.request_id}"
-        )
-        return ProxyGeneration(state, self.cancel)
-
-    def cancel(self, request_id: str) -> bool:
-        """End a generation (CANCELLED) and drop its connection, which aborts it in the engine."""
-        state = self._streams.get(request_id)
-        if state is None:
-            return False
-        state.end(FinishReason.CANCELLED)
-        if state.task is not None:
-            state.task.cancel()
-        return True
-
-    def stats(self) -> GenerationStats:
-        return GenerationStats(
-            running=len(self._streams),
-            waiting=0,
-            kv_blocks_used=0,
-            kv_blocks_total=0,
-            streams_open=len(self._streams),
-        )
-
-    # ---- helpers --------------------------------------------------------
-
-    async def _forward(self, state: ProxyStream, path: str, body: dict[str, Any]) -> None:
-        client = self._http()
-        try:
-            async with client.stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    detail = (await response.aread()).decode("utf-8", errors="replace")[:1000]
-                    state.end(FinishReason.ERROR, f"the engine answered {response.status_code}: {detail}")
-                    return
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        state.end(
-                            FinishReason.ERROR, f"the engine sent a chunk that is not JSON: {data[:200]!r}"
-                        )
-                        return
-                    if state.feed(chunk):
-                        return
-            state.finished()
-        except asyncio.CancelledError:
-            state.end(FinishReason.CANCELLED)
-            raise
-        except httpx.HTTPError as error:
-            await self._settle_exit()
-            state.end(
-                FinishReason.ERROR,
-                self._gone_message() if not self.healthy else f"engine request failed: {error!r}",
-            )
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            timeout = httpx.Timeout(connect=5.0, read=self._config.request_timeout_s, write=30.0, pool=30.0)
-            limits = httpx.Limits(
-                max_connections=self._config.max_sequences * 2, max_keepalive_connections=64
-            )
-            self._client = httpx.AsyncClient(base_url=self._base_url, timeout=timeout, limits=limits)
-        return self._client
+        return process is not None and process.alive and bool(self._api_url)
 
     async def _settle_exit(self) -> None:
         """A broken connection often comes just before the exit is seen: give it a moment."""
@@ -310,40 +221,9 @@ class OpenAIProcessEngine(Engine):
     def _exited(self, status: int) -> None:
         """On the engine's output thread: it exited by itself. Fail its streams, tell the pool."""
         self._exit_status = status
-        message = self._gone_message()
-        for state in list(self._streams.values()):
-            self._fail_threadsafe(state, message)
+        self.fail_all(self._gone_message())
         if self.context.on_failure is not None:
             self.context.on_failure(f"engine process exited with status {status}")
-
-    def _fail_threadsafe(self, state: ProxyStream, message: str) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._fail, state, message)
-        except RuntimeError:
-            pass  # the loop closed meanwhile: nobody is listening
-
-    def _fail(self, state: ProxyStream, message: str) -> None:
-        state.end(FinishReason.ERROR, message)
-        if state.task is not None:
-            state.task.cancel()
-
-    def _forget(self, state: ProxyStream) -> None:
-        key = state.request_id
-        if self._streams.get(key) is state:
-            del self._streams[key]
-
-    def _close_client(self) -> None:
-        client, self._client = self._client, None
-        loop = self._loop
-        if client is None or loop is None or loop.is_closed():
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(client.aclose(), loop).result(_CLOSE_TIMEOUT_S)
-        except Exception as error:
-            log.debug("closing the HTTP client of %s: %s", self.spec.model_id, error)
 
 
 def _url_host(host: str) -> str:

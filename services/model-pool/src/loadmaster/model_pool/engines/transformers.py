@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
-from loadmaster.model_pool.engines import _cb_scheduler, _seeded_sampling, grammar
+from loadmaster.model_pool.engines import _cb_scheduler, _chat_templates, _seeded_sampling, grammar
 from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
 from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
@@ -165,6 +165,8 @@ class TransformersEngine(Engine):
                 raise RuntimeError(f"device {self._device} requested but CUDA is not available")
             torch.cuda.set_device(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        if (template := _chat_templates.chat_template(self.spec)) is not None:
+            self._tokenizer.chat_template = template  # the config's, for a folder without one
         model: Any = AutoModelForCausalLM.from_pretrained(
             folder, local_files_only=True, dtype=config.dtype, attn_implementation=config.attn_implementation
         )
@@ -437,6 +439,7 @@ class TransformersEngine(Engine):
                 [{"role": m.role, "content": m.content} for m in request.messages],
                 add_generation_prompt=True,
                 tokenize=False,
+                **_chat_templates.template_kwargs(_config(self.spec), request),
             )
             return list(tokenizer.encode(text, add_special_tokens=False))
         assert request.prompt is not None
