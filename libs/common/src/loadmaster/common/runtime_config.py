@@ -46,6 +46,8 @@ RUNTIME_PATHS: tuple[str, ...] = (
     "tenants.*",
     "tenants.*.weight",
     "gateway.auth.required",
+    "clients.profiles.*",
+    "clients.cooldown",
 )
 
 M = TypeVar("M", bound=BaseModel)
