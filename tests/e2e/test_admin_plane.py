@@ -123,6 +123,7 @@ def _second_gateway(up: Up, log: Path) -> tuple[subprocess.Popen[bytes], str]:
             "address": f"127.0.0.1:{free_port()}",
             "http_port": http_port,
             "edge": {"bind": f"tcp://127.0.0.1:{free_port()}"},
+            "gr00t": {"bind": f"tcp://127.0.0.1:{free_port()}"},  # (the suite's is taken)
         },
         "internal_auth": {"secret_file": files["secret_file"], "admin_token_file": files["admin_token_file"]},
     }

@@ -96,6 +96,7 @@ def gateways(tmp_path_factory: pytest.TempPathFactory, remote: OpenAIStub) -> It
                         "address": f"127.0.0.1:{ports['grpc']}",
                         "http_port": ports["http"],
                         "edge": {"bind": f"tcp://127.0.0.1:{ports['edge']}"},
+                        "gr00t": {"bind": f"tcp://127.0.0.1:{free_port()}"},  # (the suite's is taken)
                         "audit": {"path": str(folder / "audit-open.jsonl")},
                     },
                     "models": {"allow_cloud_fallback": "true"},

@@ -24,7 +24,7 @@ class Echoing:
         self.requests: list[GenerationRequest] = []
 
     async def generate(
-        self, request: GenerationRequest, *, request_id: str, client_id: str
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncIterator[GenerationEvent]:
         if request.model != "tiny-chat":
             raise NotFoundError(f"model '{request.model}' is not served")
