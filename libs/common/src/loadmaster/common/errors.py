@@ -117,11 +117,16 @@ class InternalError(LoadmasterError):
 
 
 class ResourceExhaustedError(LoadmasterError):
-    """Not enough of something (GPU memory, rate-limit tokens) right now."""
+    """Not enough of something (GPU memory, rate-limit tokens) right now; `retry_after_s`,
+    when known, is how long until there is (HTTP front ends send it as `Retry-After`)."""
 
     code = errors_pb2.ERROR_CODE_RESOURCE_EXHAUSTED
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class CancelledError_(LoadmasterError):  # noqa: N801, N818 - asyncio.CancelledError exists

@@ -256,7 +256,7 @@ class PinResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format", "tenant", "tenant_weight")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format", "tenant", "tenant_weight", "keep_alive_s")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: PromptTokens
@@ -290,7 +291,8 @@ class GenerateRequest(_message.Message):
     response_format: ResponseFormat
     tenant: str
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    keep_alive_s: float
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., keep_alive_s: _Optional[float] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema", "name")
@@ -309,12 +311,14 @@ class PromptTokens(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "images")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)

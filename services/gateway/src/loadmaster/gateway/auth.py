@@ -73,6 +73,10 @@ class TokenBucket:
             return True
         return False
 
+    def wait_s(self) -> float:
+        """Seconds until the next token (after a refused `take`)."""
+        return max(0.0, 1.0 - self.tokens) / self.rate_per_s if self.rate_per_s > 0 else 1.0
+
 
 @dataclass(frozen=True, slots=True)
 class Principal:
@@ -145,7 +149,8 @@ class Authenticator:
         if charge and bucket is not None and not bucket.take(self._clock.monotonic()):
             raise ResourceExhaustedError(
                 f"subject '{claims.subject}' exceeded its rate limit of "
-                f"{self._oidc_settings.rate_per_s:g} requests/s"
+                f"{self._oidc_settings.rate_per_s:g} requests/s",
+                retry_after_s=bucket.wait_s(),
             )
         return Principal(claims.subject, "oidc", claims.subject)
 
@@ -186,6 +191,7 @@ class Authenticator:
             raise PermissionDeniedError(f"API key '{key.name}' lacks the '{scope}' scope")
         if charge and key.bucket is not None and not key.bucket.take(self._clock.monotonic()):
             raise ResourceExhaustedError(
-                f"API key '{key.name}' exceeded its rate limit of {key.bucket.rate_per_s:g} requests/s"
+                f"API key '{key.name}' exceeded its rate limit of {key.bucket.rate_per_s:g} requests/s",
+                retry_after_s=key.bucket.wait_s(),
             )
         return key.name

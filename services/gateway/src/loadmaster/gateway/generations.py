@@ -379,11 +379,15 @@ def _message(
         sampling=sampling,
         priority=DEFAULT_PRIORITY if request.priority is None else request.priority,
     )
+    if request.keep_alive_s is not None:
+        message.keep_alive_s = request.keep_alive_s
     if request.messages is not None:
         message.messages.messages.extend(
             model_pool_pb2.ChatMessage(role="system" if role == "developer" else role, content=content)
             for role, content in request.messages
         )
+        for image in request.images:  # fetched and checked by the front end (chat_images.py)
+            message.messages.messages[image.message].images.append(image.data)
     else:
         message.prompt_text = request.prompt or ""
     _response_format(message.response_format, request.response_format)

@@ -17,6 +17,7 @@ from loadmaster.gateway.admin import SchedulerAdmin
 from loadmaster.gateway.audit import AuditLog
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelCatalog
+from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.edge import EdgeFrontend
@@ -129,6 +130,7 @@ class Gateway:
             self.dispatcher.generations, self.catalog.models, ladders=ladders_from(settings.models.aliases)
         )
         self.generative = GenerativeKServe(self.generations, self.catalog.models)
+        self.chat_images = ChatImages(gateway)  # images in chat messages, every dialect's
         self.kserve_grpc = KServeGrpcServicer(
             self.dispatcher,
             self.catalog,
@@ -178,6 +180,12 @@ class Gateway:
                 self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id
             ),
             policy=self.policy,
+            images=self.chat_images,
+        )
+        tls = (gateway.tls_cert_file, gateway.tls_key_file)
+        cert, key = (
+            str(path if path.is_absolute() else settings.config_dir / path) if path is not None else None
+            for path in tls
         )
         self.http = HttpFrontend(
             app,
@@ -185,6 +193,8 @@ class Gateway:
             port=settings.gateway.http_port,
             header_timeout_s=settings.gateway.limits.http_header_timeout_s,
             keep_alive_s=settings.gateway.limits.http_keep_alive_s,
+            tls_cert_file=cert,
+            tls_key_file=key,
         )
         self._settings = settings
 
@@ -223,6 +233,7 @@ class Gateway:
         await self.admin.close()
         await self.auth.close()
         await self.guardrails.close()
+        await self.chat_images.close()
         if self.audit is not None:
             await asyncio.to_thread(self.audit.close)  # after the HTTP server: every record is in
         await self.scheduler.close()

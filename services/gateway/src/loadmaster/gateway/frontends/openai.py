@@ -36,6 +36,7 @@ from starlette.routing import Route
 from loadmaster.common import tracing
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
+from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.frontends.openai_schema import (
     DONE_EVENT,
     GenerationRequest,
@@ -51,6 +52,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_chat,
     parse_completion,
 )
+from loadmaster.gateway.frontends.request_headers import hints_from, retry_after, with_hints
 
 __all__ = ["Finished", "Generations", "RequestPolicy", "RequestWatch", "TextChunk", "openai_routes"]
 
@@ -137,7 +139,7 @@ def _error_response(error: Exception) -> Response:
         log.error("unhandled error in the OpenAI API", exc_info=error)
         error = InternalError(f"internal error: {type(error).__name__}")
     mapped = error_from(error)
-    return JSONResponse(mapped.body(), status_code=mapped.status)
+    return JSONResponse(mapped.body(), status_code=mapped.status, headers=retry_after(error))
 
 
 async def _read_body(request: Request) -> bytes:
@@ -166,6 +168,7 @@ def openai_routes(
     gateway_id: str,
     clock: Callable[[], float] = time.time,
     policy: RequestPolicy | None = None,
+    images: ChatImages | None = None,
 ) -> list[Route]:
     ids = (f"{gateway_id}-{n}" for n in itertools.count(1))
     policy = policy or _Unwatched()
@@ -176,7 +179,9 @@ def openai_routes(
         try:
             principal = await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
             watch.authenticated(principal)
-            generation = parse(await _read_body(request))
+            generation = with_hints(parse(await _read_body(request)), hints_from(request.headers))
+            if images is not None:
+                generation = await images.resolve(generation)
         except Exception as error:
             watch.failed(error)
             raise

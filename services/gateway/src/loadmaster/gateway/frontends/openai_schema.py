@@ -17,15 +17,16 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from loadmaster.common.errors import LoadmasterError
 
 __all__ = [
     "DONE_EVENT",
     "ChatCompletionBody",
+    "ChatImage",
     "ChatMessage",
     "CompletionBody",
     "GenerationRequest",
@@ -41,9 +42,11 @@ __all__ = [
     "model_card",
     "parse_chat",
     "parse_completion",
+    "relevant_error",
 ]
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+CONTENT_PART_TYPES = ("text", "image_url")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -103,17 +106,60 @@ class TextPart(_Body):
     text: str
 
 
+class ImageUrl(_Body):
+    url: str = Field(min_length=1)
+    detail: Literal["auto"] | None = None  # "low" / "high" would change what the model sees: refused
+
+
+class ImagePart(_Body):
+    """An image (a data URL, or an http(s) URL from `gateway.image_url_allow`), fetched and
+    checked by the gateway (loadmaster.gateway.chat_images) before the request is queued."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+def _part_tag(part: Any) -> str:
+    """A content part's union tag, bracketed so error locations can leave it out."""
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return f"[{kind}]"
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("[text]")] | Annotated[ImagePart, Tag("[image_url]")], Discriminator(_part_tag)
+]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, value: Any) -> Any:
+        """A list's parts must each be a known type (the union's own error names the string
+        branch first, which says nothing about the part at fault)."""
+        if isinstance(value, list):
+            for index, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in CONTENT_PART_TYPES:
+                    raise ValueError(
+                        f"part {index}: type {kind!r} is not one of {', '.join(CONTENT_PART_TYPES)}"
+                    )
+        return value
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class StreamOptions(_Body):
@@ -140,6 +186,8 @@ class _SamplingBody(_Body):
     x_priority: int | None = Field(default=None, ge=0, le=255)
     x_urgency: float | None = Field(default=None, ge=0.0, le=1.0)
     x_deadline_ms: float | None = Field(default=None, gt=0.0)
+    # The model's idle keep-alive from now on, in seconds (< 0: never idle-unloaded).
+    x_keep_alive_s: float | None = Field(default=None, allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod
@@ -196,6 +244,16 @@ class CompletionBody(_SamplingBody):
 
 
 @dataclass(frozen=True, slots=True)
+class ChatImage:
+    """An image of chat message `message`: its `url` as sent, and its encoded bytes once
+    the gateway fetched and checked them (loadmaster.gateway.chat_images)."""
+
+    message: int
+    url: str
+    data: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One generation as the dispatcher sees it: either chat `messages` or a text `prompt`."""
 
@@ -215,18 +273,40 @@ class GenerationRequest:
     urgency: float | None
     deadline_ms: float | None
     user: str | None
+    # Images of the chat messages, in order (message index, URL; `data` once fetched).
+    images: tuple[ChatImage, ...] = ()
+    keep_alive_s: float | None = None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def relevant_error(error: ValidationError) -> tuple[str, str, str]:
+    """(where, type, message) of the error that says most: a union's other branches are
+    skipped (a list of content parts that fails is not "not a valid string"), and so are
+    pydantic's branch tags in the location."""
+    errors = error.errors()
+
+    def tag(part: object) -> bool:
+        return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
+
+    chosen = next((e for e in errors if not any(tag(p) for p in e["loc"])), None)
+    if chosen is None:
+        chosen = next((e for e in errors if "str" not in e["loc"]), errors[0])
+    where = ".".join(str(part) for part in chosen["loc"] if not tag(part))
+    return where, chosen["type"], str(chosen["msg"]).replace("Value error, ", "")
 
 
 def _invalid(error: ValidationError) -> OpenAIError:
-    first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    if first["type"] == "missing":
+    where, kind, text = relevant_error(error)
+    param = where or None
+    if kind == "missing":
         message = f"'{param}' is a required property"
-    elif first["type"] == "too_short" and param == "messages":
+    elif kind == "too_short" and param == "messages":
         message = "'messages' must contain at least one message"
     else:
-        message = f"{param}: {first['msg']}" if param else str(first["msg"])
-    return OpenAIError(400, message.replace("Value error, ", ""), param=param)
+        message = f"{param}: {text}" if param else text
+    return OpenAIError(400, message, param=param)
 
 
 def _load(raw: bytes) -> Any:
@@ -253,6 +333,7 @@ def _request(body: _SamplingBody, **content: Any) -> GenerationRequest:
         urgency=body.x_urgency,
         deadline_ms=body.x_deadline_ms,
         user=body.user,
+        keep_alive_s=body.x_keep_alive_s,
         **content,
     )
 
@@ -264,7 +345,10 @@ def parse_chat(raw: bytes) -> GenerationRequest:
     except ValidationError as error:
         raise _invalid(error) from None
     messages = tuple((m.role, m.text()) for m in body.messages)
-    return _request(body, messages=messages, prompt=None)
+    images = tuple(
+        ChatImage(index, url) for index, m in enumerate(body.messages) for url in m.image_urls()
+    )
+    return _request(body, messages=messages, prompt=None, images=images)
 
 
 def parse_completion(raw: bytes) -> GenerationRequest:
