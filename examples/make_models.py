@@ -20,6 +20,9 @@ order of float sums).
     tiny-chat-b the same shape and tokenizer, other random weights (a second LLM for ladders)
     tiny-diffusion  a diffusers folder   random-weight UNet2DModel (channels 8/16, no attention)
                                         with a DDIM scheduler (backend: diffusers)
+    tiny-vlm    a Hugging Face folder   random-weight LLaVA (CLIP tower on 32x32 images, tiny-chat's
+                                        Llama shape), tiny-chat's tokenizer + <image>, a LLaVA
+                                        processor (backend: transformers_vlm)
 """
 
 from __future__ import annotations
@@ -229,6 +232,110 @@ def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
     return artifact / "model.safetensors"
 
 
+# tiny-vlm's chat template: tiny-chat's, with a message's content either a string or a list
+# of parts ({"type": "image"} becomes the processor's <image> marker, text parts their text).
+TINY_VLM_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tiny_vlm(folder: Path) -> Path:
+    """A tiny random-weight LLaVA (a 2-layer CLIP vision tower on 32x32 images in 8x8 patches,
+    a projector, and tiny-chat's shape of Llama) with tiny-chat's tokenizer plus an `<image>`
+    token, and a LLaVA processor (each image: 16 image tokens). Saved as a normal Hugging Face
+    folder; built from transformers' own classes and seed 0 (gibberish, the real image path)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    artifact = folder / "artifacts"
+    artifact.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_CHAT_VOCAB,
+        special_tokens=[*TINY_CHAT_SPECIAL, "<image>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>", extra_special_tokens={"image_token": "<image>"}
+    )
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        chat_template=TINY_VLM_TEMPLATE,
+        image_token="<image>",
+        num_additional_image_tokens=1,  # CLIP's class token, which "default" drops
+    )
+    processor.save_pretrained(artifact)
+
+    torch.manual_seed(0)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+            projection_dim=64,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+            initializer_range=0.1,  # as tiny-chat: so greedy output varies
+        ),
+        image_token_id=image_token,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        dtype="float32",
+    )
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(artifact)
+    (artifact / "model.safetensors").chmod(0o644)
+    return artifact / "model.safetensors"
+
+
 def build_tiny_diffusion(folder: Path) -> Path:
     """A tiny random-weight unconditional UNet with a DDIM scheduler, saved as a diffusers
     pipeline folder (noise-like images, the real diffusion path; a few steps on CPU)."""
@@ -261,6 +368,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     # tiny-chat's shape and tokenizer, other random weights: a second LLM for model ladders.
     "tiny-chat-b": functools.partial(build_tiny_chat, seed=1),
     "tiny-diffusion": build_tiny_diffusion,
+    "tiny-vlm": build_tiny_vlm,
 }
 
 

@@ -32,6 +32,7 @@ def test_registry() -> None:
         "tensorrt",
         "ray_serve",
         "transformers",
+        "transformers_vlm",
         "openai_process",
         "diffusers",
     }

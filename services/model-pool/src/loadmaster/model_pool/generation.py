@@ -58,6 +58,7 @@ class FinishReason(StrEnum):
 class ChatMessage:
     role: str
     content: str
+    images: tuple[bytes, ...] = ()  # encoded images shown before `content` (engines that take images)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,11 @@ class GenerationRequest:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     response_format: ResponseFormat | None = None
+
+    @property
+    def images(self) -> int:
+        """How many images the messages carry."""
+        return sum(len(m.images) for m in self.messages or ())
 
     def check(self) -> None:
         if not self.request_id:

@@ -176,6 +176,8 @@ class GenerationPort:
         try:
             request = request_from_proto(message)
             admission = self._pool.open_generation(model_id, deadline_unix_ns=message.deadline_unix_ns)
+            if message.HasField("keep_alive_s"):  # Ollama's keep_alive (docs/dialects.md)
+                self._pool.set_keep_alive(model_id, message.keep_alive_s)
         except Exception as error:
             self._refuse(identity, request_id, model_id, error)
             return
@@ -245,6 +247,12 @@ class GenerationPort:
     async def _run(self, model: _Model, stream: _Stream) -> None:
         request_id = stream.request.request_id
         engine = stream.admission.engine
+        if stream.request.images and not getattr(engine, "takes_images", False):
+            refused = InvalidArgumentError(
+                f"model '{stream.model_id}' takes no images: send text only, or ask a vision-language model"
+            )
+            self._refuse_admitted(stream, refused)
+            return
         try:
             engine_stream = await engine.submit(stream.request)
         except Exception as error:

@@ -54,7 +54,7 @@ def request_from_proto(message: model_pool_pb2.GenerateRequest) -> GenerationReq
         params=params,
         prompt_token_ids=tuple(message.prompt_token_ids.ids) if kind == "prompt_token_ids" else None,
         prompt=message.prompt_text if kind == "prompt_text" else None,
-        messages=tuple(ChatMessage(m.role, m.content) for m in message.messages.messages)
+        messages=tuple(ChatMessage(m.role, m.content, tuple(m.images)) for m in message.messages.messages)
         if kind == "messages"
         else None,
         response_format=_response_format(message),

@@ -6,7 +6,7 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | openai_process | diffusers
+    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | transformers_vlm | openai_process | diffusers
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -56,6 +56,7 @@ __all__ = [
     "TensorSpec",
     "TorchModelConfig",
     "TransformersModelConfig",
+    "VisionLanguageModelConfig",
     "check_inputs",
     "parse_config",
     "zeros_for",
@@ -80,6 +81,7 @@ _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # picks the keep-alive default (models.category_keep_alive_s, docs/ladders.md).
 CATEGORY_BY_BACKEND: dict[str, Literal["llm", "vision", "diffusion", "other"]] = {
     "transformers": "llm",
+    "transformers_vlm": "llm",
     "openai_process": "llm",
     "diffusers": "diffusion",
 }
@@ -230,6 +232,20 @@ class TransformersModelConfig(_BaseModelConfig):
     prefix_cache_max_blocks: int | None = Field(default=None, ge=0)
 
 
+class VisionLanguageModelConfig(_BaseModelConfig):
+    """A Hugging Face image-text-to-text folder (config.json with a vision tower, safetensors,
+    the processor's files, chat template), served one token at a time per sequence
+    (engines/vision_language.py, docs/dialects.md): no batching, no paged KV cache."""
+
+    backend: Literal["transformers_vlm"]
+    path: str = Field(default=".", min_length=1)  # the HF folder, relative to the model folder
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_sequences: int = Field(default=4, ge=1, le=64)  # sequences interleaved token by token
+    max_context_tokens: int | None = Field(default=None, ge=1)  # default: the model's own
+    max_image_pixels: int = Field(default=4096 * 4096, ge=1)  # per image, before resizing
+    max_images: int = Field(default=8, ge=1)  # per request
+
+
 class OpenAIProcessModelConfig(_BaseModelConfig):
     """A model served by an external OpenAI-compatible engine process (llama-server, vLLM,
     SGLang, `transformers serve`) that the worker starts, health-polls, proxies and stops
@@ -292,6 +308,7 @@ AnyModelConfig = (
     | TensorRTModelConfig
     | RayServeModelConfig
     | TransformersModelConfig
+    | VisionLanguageModelConfig
     | OpenAIProcessModelConfig
     | DiffusersModelConfig
 )

@@ -21,6 +21,7 @@ ENGINES: dict[str, str] = {
     "tensorrt": "loadmaster.model_pool.engines.tensorrt:TensorRTEngine",
     "ray_serve": "loadmaster.model_pool.engines.ray_serve:RayServeEngine",
     "transformers": "loadmaster.model_pool.engines.transformers:TransformersEngine",
+    "transformers_vlm": "loadmaster.model_pool.engines.vision_language:VisionLanguageEngine",
     "openai_process": "loadmaster.model_pool.engines.openai_process:OpenAIProcessEngine",
     "diffusers": "loadmaster.model_pool.engines.diffusers:DiffusersEngine",
 }
