@@ -1,0 +1,189 @@
+"""The Ollama and Anthropic dialects and images in chat, with the official `ollama`, `anthropic` and
+`openai` clients against the real suite (gateway -> scheduler -> model-pool worker -> engines):
+`tiny-chat` (transformers continuous batching) and `tiny-vlm` (the vision-language engine).
+
+Neither model is preloaded: the first test that uses each pays for its cold load."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import grpc
+import httpx
+import numpy as np
+import ollama
+import openai
+import pytest
+from PIL import Image
+
+from loadmaster.cli.launcher import Suite
+from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
+
+CHAT, VLM = "tiny-chat", "tiny-vlm"
+
+
+@pytest.fixture(scope="module")
+def host(suite: Suite) -> Iterator[str]:
+    gateway = suite.settings.gateway
+    url = f"http://{gateway.http_host}:{gateway.http_port}"
+    warm = ollama.Client(host=url, timeout=120)
+    for model in (CHAT, VLM):  # cold loads, once per module
+        warm.chat(model=model, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1})
+    yield url
+
+
+def png(seed: int) -> bytes:
+    pixels = (np.random.default_rng(seed).random((40, 48, 3)) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def inflight(suite: Suite, model: str) -> int:
+    with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
+        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
+    return next(m.inflight for m in reply.models if m.model_id == model)
+
+
+async def until_idle(suite: Suite, model: str) -> None:
+    for _ in range(150):  # bounded: 150 x 20 ms
+        if inflight(suite, model) == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{model}: a generation still holds its sequence after its client left")
+
+
+# --- images -----------------------------------------------------------------------------------
+
+
+def test_an_image_chat_reaches_the_vision_language_model(host: str) -> None:
+    client = openai.OpenAI(base_url=host + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def ask(*images: bytes) -> Any:
+        parts: list[Any] = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+        parts.append({"type": "text", "text": "what is in the picture?"})
+        return client.chat.completions.create(
+            model=VLM, messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0
+        )
+
+    text_only = client.chat.completions.create(
+        model=VLM, messages=[{"role": "user", "content": "what is in the picture?"}], max_tokens=8, temperature=0
+    )
+    one, again, two = ask(png(1)), ask(png(1)), ask(png(1), png(2))
+    assert one.choices[0].message.content and one.choices[0].finish_reason == "length"
+    assert one.choices[0].message.content == again.choices[0].message.content  # greedy
+    assert one.usage is not None and text_only.usage is not None and two.usage is not None
+    assert one.usage.prompt_tokens == text_only.usage.prompt_tokens + 16  # the image's tokens
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens + 16
+    assert "tiny-vlm" in [m.id for m in client.models.list()]
+
+
+def test_a_model_that_takes_no_images_says_so(host: str) -> None:
+    client = openai.OpenAI(base_url=host + "/v1", api_key="none", max_retries=0, timeout=60)
+    content: Any = [{"type": "image_url", "image_url": {"url": data_url(png(3))}}, {"type": "text", "text": "hi"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": content}], max_tokens=4)
+    assert "model 'tiny-chat' takes no images" in caught.value.message
+    with pytest.raises(ollama.ResponseError) as refused:
+        ollama.Client(host=host).chat(model=CHAT, messages=[{"role": "user", "content": "hi", "images": [png(3)]}])
+    assert refused.value.status_code == 400 and "takes no images" in refused.value.error
+    content[0]["image_url"]["url"] = "https://images.example/cat.png"
+    with pytest.raises(openai.BadRequestError, match=r"not in gateway\.image_url_allow"):
+        client.chat.completions.create(model=VLM, messages=[{"role": "user", "content": content}], max_tokens=4)
+
+
+# --- Ollama --------------------------------------------------------------------------------------
+
+
+def test_ollama_chat_streamed_and_not(host: str) -> None:
+    client = ollama.Client(host=host, timeout=60)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    options = {"temperature": 0, "num_predict": 12}
+    whole = client.chat(model=CHAT + ":latest", messages=messages, options=options)
+    assert whole.done and whole.done_reason == "length" and whole.eval_count == 12
+    assert whole.message.role == "assistant" and whole.message.content
+    assert whole.prompt_eval_count and whole.prompt_eval_count > 4
+    parts = list(client.chat(model=CHAT, messages=messages, options=options, stream=True))
+    assert [p.done for p in parts].count(True) == 1 and parts[-1].done
+    assert "".join(p.message.content or "" for p in parts) == whole.message.content
+    generated = client.generate(model=CHAT, prompt="hello", system="be brief", options=options)
+    assert generated.response == whole.message.content  # the same prompt, through the template
+
+
+def test_ollama_images_list_ps_show(host: str) -> None:
+    client = ollama.Client(host=host, timeout=60)
+    answer = client.chat(
+        model=VLM, messages=[{"role": "user", "content": "what?", "images": [png(4)]}], options={"num_predict": 4}
+    )
+    assert answer.eval_count == 4
+    names = [m.model for m in client.list().models]
+    assert CHAT + ":latest" in names and VLM + ":latest" in names
+    assert CHAT + ":latest" in [m.model for m in client.ps().models]
+    assert "vision" in (client.show(VLM).capabilities or [])
+
+
+async def test_an_ollama_client_that_disconnects_frees_its_sequence(suite: Suite, host: str) -> None:
+    body = {"model": CHAT, "messages": [{"role": "user", "content": "go on"}], "options": {"num_predict": 1500}}
+    async with httpx.AsyncClient(base_url=host, timeout=60) as http, http.stream("POST", "/api/chat", json=body) as response:
+        lines = 0
+        async for _ in response.aiter_lines():
+            lines += 1
+            if lines >= 3:
+                break
+        assert inflight(suite, CHAT) == 1
+    await until_idle(suite, CHAT)
+
+
+# --- Anthropic -----------------------------------------------------------------------------------
+
+
+def test_anthropic_messages_streamed_and_not(host: str) -> None:
+    client = anthropic.Anthropic(base_url=host, api_key="none", max_retries=0, timeout=60)
+    kwargs: Any = {"model": CHAT, "max_tokens": 12, "system": "be brief", "messages": [{"role": "user", "content": "hello"}]}
+    whole = client.messages.create(**kwargs, extra_body={"temperature": 0})
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 12
+    assert whole.content[0].type == "text" and whole.content[0].text
+    with client.messages.stream(**kwargs, extra_body={"temperature": 0}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text and final.usage.input_tokens == whole.usage.input_tokens
+    counted = client.messages.count_tokens(model=CHAT, system="be brief", messages=kwargs["messages"])
+    assert counted.input_tokens == whole.usage.input_tokens
+    assert CHAT in [m.id for m in client.models.list()]
+
+
+def test_anthropic_image_block(host: str) -> None:
+    client = anthropic.Anthropic(base_url=host, api_key="none", max_retries=0, timeout=60)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(5)).decode()}
+    message = client.messages.create(
+        model=VLM,
+        max_tokens=4,
+        messages=[{"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "?"}]}],
+    )
+    assert message.usage.output_tokens == 4 and message.usage.input_tokens > 16
+
+
+async def test_an_anthropic_client_that_disconnects_frees_its_sequence(suite: Suite, host: str) -> None:
+    client = anthropic.AsyncAnthropic(base_url=host, api_key="none", max_retries=0, timeout=60)
+    async with client.messages.stream(
+        model=CHAT, max_tokens=1500, messages=[{"role": "user", "content": "go on"}]
+    ) as stream:
+        seen = 0
+        async for _ in stream.text_stream:
+            seen += 1
+            if seen >= 3:
+                break
+        assert inflight(suite, CHAT) == 1
+    started = time.monotonic()
+    await until_idle(suite, CHAT)
+    print(f"sequence freed {(time.monotonic() - started) * 1e3:.0f} ms after the client left")
