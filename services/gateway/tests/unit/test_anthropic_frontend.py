@@ -27,6 +27,11 @@ from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextC
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
 
 
+def turns(request: GenerationRequest) -> tuple[tuple[str, str], ...] | None:
+    """A request's chat as (role, text) pairs."""
+    return None if request.messages is None else tuple((t.role, t.content) for t in request.messages)
+
+
 class Recorded:
     """Answers every request with `pieces` (or fails as told); remembers what it was asked."""
 
@@ -102,7 +107,7 @@ async def test_a_message_maps_its_fields_onto_the_openai_plane() -> None:
     assert message.stop_reason == "end_turn" and message.role == "assistant" and message.model == "tiny-chat"
     assert (message.usage.input_tokens, message.usage.output_tokens) == (9, 2)
     [(request, client_id)] = generations.requests
-    assert request.messages == (("system", "be brief"), ("user", "hi"))
+    assert turns(request) == (("system", "be brief"), ("user", "hi"))
     assert (request.max_tokens, request.temperature, request.top_p, request.stop) == (2, 0.5, 0.9, ("\n\n",))
     assert client_id == "u-1"
 
@@ -156,7 +161,7 @@ async def test_image_blocks_become_image_parts() -> None:
         ],
     )
     [(request, _)] = generations.requests
-    assert request.messages == (("user", "what is it?"),)
+    assert turns(request) == (("user", "what is it?"),)
     assert [(i.message, i.url) for i in request.images] == [
         (0, "data:image/png;base64," + data),
         (0, "https://images.example/cat.png"),
@@ -168,7 +173,7 @@ async def test_count_tokens_runs_the_prompt_for_one_token() -> None:
     counted = await client_for(generations).messages.count_tokens(model="tiny-chat", system="s", messages=HI)
     assert counted.input_tokens == 9
     [(request, _)] = generations.requests
-    assert request.max_tokens == 1 and request.temperature == 0 and request.messages == (("system", "s"), ("user", "hi"))
+    assert request.max_tokens == 1 and request.temperature == 0 and turns(request) == (("system", "s"), ("user", "hi"))
 
 
 async def test_models_take_anthropics_shape_when_asked_in_anthropics_dialect() -> None:

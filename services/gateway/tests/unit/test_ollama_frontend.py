@@ -25,6 +25,11 @@ from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextC
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
 
 
+def turns(request: GenerationRequest) -> tuple[tuple[str, str], ...] | None:
+    """A request's chat as (role, text) pairs."""
+    return None if request.messages is None else tuple((t.role, t.content) for t in request.messages)
+
+
 class Recorded:
     """Answers every request with `pieces` (or fails as told); remembers what it was asked."""
 
@@ -108,7 +113,7 @@ async def test_a_chat_maps_options_format_and_keep_alive_onto_the_openai_plane()
     assert (reply.prompt_eval_count, reply.eval_count) == (7, 2)
     assert reply.total_duration is not None and reply.total_duration >= (reply.eval_duration or 0)
     [(request, client_id)] = generations.requests
-    assert request.model == "tiny-chat" and request.messages == (("system", "be brief"), ("user", "hi"))
+    assert request.model == "tiny-chat" and turns(request) == (("system", "be brief"), ("user", "hi"))
     assert (request.temperature, request.top_p, request.seed, request.max_tokens) == (0.0, 0.5, 7, 2)
     assert request.stop == ("\n",) and request.keep_alive_s == 300.0
     assert request.response_format == {"type": "json_object"} and client_id == "ollama"
@@ -141,7 +146,7 @@ async def test_generate_applies_the_template_unless_raw() -> None:
     streamed = [p.response async for p in await client.generate(model="tiny-chat", prompt="p", stream=True)]
     assert streamed == ["x", ""]
     chat_request, raw_request = generations.requests[0][0], generations.requests[1][0]
-    assert chat_request.messages == (("system", "be brief"), ("user", "once")) and chat_request.prompt is None
+    assert turns(chat_request) == (("system", "be brief"), ("user", "once")) and chat_request.prompt is None
     assert raw_request.prompt == "once upon" and raw_request.messages is None
 
 
@@ -150,7 +155,7 @@ async def test_images_become_data_url_image_parts() -> None:
     image = png()
     await client_for(generations).chat(model="tiny-vlm", messages=[{"role": "user", "content": "what?", "images": [image]}])
     [(request, _)] = generations.requests
-    assert request.messages == (("user", "what?"),)
+    assert turns(request) == (("user", "what?"),)
     [chat_image] = request.images
     assert chat_image.message == 0
     assert chat_image.url == "data:image/png;base64," + base64.b64encode(image).decode()

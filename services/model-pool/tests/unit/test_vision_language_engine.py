@@ -75,7 +75,7 @@ def chat(request_id: str, *images: bytes, text: str = "what is it?", **params: A
     params.setdefault("max_tokens", 6)
     params.setdefault("temperature", 0.0)
     return GenerationRequest(
-        request_id, SamplingParams(**params), messages=(ChatMessage("user", text, tuple(images)),)
+        request_id, SamplingParams(**params), messages=(ChatMessage("user", text, images=tuple(images)),)
     )
 
 
@@ -158,7 +158,15 @@ async def test_stop_strings_end_the_reply(engine: VisionLanguageEngine) -> None:
                 messages=(ChatMessage("user", "x"),),
                 response_format=ResponseFormat("json_object"),
             ),
-            "response_format",
+            "response_format: model 'tiny-vlm' .* does not support it",
+        ),
+        (
+            GenerationRequest("r6", SamplingParams(max_tokens=4), messages=(ChatMessage("user", "x"),), n=2),
+            "n: model 'tiny-vlm'",
+        ),
+        (
+            GenerationRequest("r7", SamplingParams(max_tokens=4), messages=(ChatMessage("user", "x"),), logprobs=2),
+            "logprobs: model 'tiny-vlm'",
         ),
         (chat("r5", max_tokens=4000), "exceeds the context"),
     ],

@@ -263,6 +263,8 @@ class GatewaySettings(ServiceEndpoint):
     worker_heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
     worker_heartbeat_timeout_ms: int = Field(default=3000, ge=0)
     images: ImagesSettings = ImagesSettings()
+    # OpenAI's `n` (choices from one prompt, sharing its prefill): at most this many.
+    max_n: int = Field(default=8, ge=1, le=64)
     guardrails: GuardrailSettings = GuardrailSettings()
     audit: AuditSettings = AuditSettings()
     # Images in chat messages (docs/dialects.md): data URLs always; http(s) URLs only from

@@ -147,7 +147,7 @@ class StreamScreen:
 def prompt_text(generation: GenerationRequest) -> str:
     """The text a request asks about: its messages' contents, one per line, or its prompt."""
     if generation.messages is not None:
-        return "\n".join(content for _, content in generation.messages)
+        return "\n".join(turn.content for turn in generation.messages)
     return generation.prompt or ""
 
 

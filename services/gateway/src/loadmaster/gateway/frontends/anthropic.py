@@ -43,7 +43,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
     GenerationRequest,
     OpenAIError,
-    parse_chat,
+    chat_request,
     relevant_error,
 )
 from loadmaster.gateway.frontends.request_headers import retry_after
@@ -285,7 +285,7 @@ def _openai_error(error: OpenAIError) -> AnthropicError:
 
 def parse(openai_body: dict[str, Any]) -> GenerationRequest:
     try:
-        return parse_chat(json.dumps(openai_body, separators=(",", ":")).encode())
+        return chat_request(openai_body)
     except OpenAIError as error:
         raise _openai_error(error) from None
 

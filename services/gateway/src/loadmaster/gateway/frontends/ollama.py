@@ -48,7 +48,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
     GenerationRequest,
     OpenAIError,
-    parse_chat,
+    chat_request,
     parse_completion,
     relevant_error,
 )
@@ -316,9 +316,10 @@ def _openai_error(error: OpenAIError) -> OllamaError:
 
 
 def parse(openai_body: dict[str, Any]) -> GenerationRequest:
-    raw = json.dumps(openai_body, separators=(",", ":")).encode()
     try:
-        return parse_chat(raw) if "messages" in openai_body else parse_completion(raw)
+        if "messages" in openai_body:
+            return chat_request(openai_body)
+        return parse_completion(json.dumps(openai_body, separators=(",", ":")).encode())
     except OpenAIError as error:
         raise _openai_error(error) from None
 

@@ -53,6 +53,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_completion,
 )
 from loadmaster.gateway.frontends.request_headers import hints_from, retry_after, with_hints
+from loadmaster.gateway.generation_items import ChoiceEnd, TokenLogprob, ToolCall
 
 __all__ = ["Finished", "Generations", "RequestPolicy", "RequestWatch", "TextChunk", "openai_routes"]
 
@@ -63,20 +64,33 @@ MAX_BODY_BYTES = 4 << 20  # a chat body is text: far below the tensor payload li
 
 @dataclass(frozen=True, slots=True)
 class TextChunk:
-    """Text decoded since the previous chunk (may be empty when a token completes no character)."""
+    """Text decoded since the previous chunk (may be empty when a token completes no character),
+    of choice `choice`; the tool calls completed in it, and its tokens' log probabilities when
+    they were asked for."""
 
     text: str
     model: str = ""  # the model generating it, when it differs from the one asked (an alias)
+    choice: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The end of a generation: `stop`, `length` (or `cancelled`), with the token counts."""
+    """The end of a generation: `stop`, `length`, `tool_calls` (or `cancelled`), with the token
+    counts; with n > 1, how each choice ended (`choices`)."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     model: str = ""  # the model that answered, when it differs from the one asked (an alias)
+    choices: tuple[ChoiceEnd, ...] = ()
+
+    def choice_ends(self, n: int) -> tuple[ChoiceEnd, ...]:
+        """How each of `n` choices ended (one choice: this end itself)."""
+        if self.choices:
+            return self.choices
+        return tuple(ChoiceEnd(i, self.finish_reason, self.completion_tokens) for i in range(max(1, n)))
 
 
 GenerationEvent = TextChunk | Finished

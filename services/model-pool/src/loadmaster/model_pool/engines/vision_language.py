@@ -14,8 +14,8 @@ pixel values. So this engine is simpler than `engines/transformers.py` (docs/dia
   urgent first, and a priority-0 stream may preempt one (`preempt` pauses a sequence and
   keeps its cache; `resume` carries on from the next token, so nothing is recomputed);
 - per-request temperature / top_p / seed (a generator per sequence: a seeded reply does not
-  depend on its neighbours), stop strings, max_tokens, cancel; no structured output, no
-  prefix cache, no paged KV budget.
+  depend on its neighbours), stop strings, max_tokens, cancel; no structured output, tools,
+  log probabilities or n > 1 (each a 400 naming the field), no prefix cache, no paged KV budget.
 
 Images are decoded and checked (`max_image_pixels`, `max_images`) on a thread when the
 request is submitted, never on the event loop; the processor resizes them as the model wants.
@@ -202,10 +202,16 @@ class VisionLanguageEngine(Engine):
         """Validate, decode the images and build the prompt (in a thread), and queue one sequence."""
         request.check()
         config = _config(self.spec)
-        if request.response_format is not None:
-            raise InvalidArgumentError(
-                f"response_format: model '{self.spec.model_id}' (backend transformers_vlm) has no structured output"
-            )
+        for name, asked in (
+            ("response_format", request.response_format is not None),
+            ("tools", request.tools is not None),
+            ("logprobs", request.logprobs is not None),
+            ("n", request.n > 1),
+        ):
+            if asked:
+                raise InvalidArgumentError(
+                    f"{name}: model '{self.spec.model_id}' (backend transformers_vlm) does not support it"
+                )
         if request.images > config.max_images:
             raise InvalidArgumentError(
                 f"messages: {request.images} images, model '{self.spec.model_id}' takes at most {config.max_images}"
