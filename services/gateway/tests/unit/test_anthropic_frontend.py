@@ -25,6 +25,7 @@ from loadmaster.gateway.frontends.anthropic import anthropic_routes
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, openai_routes
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation_items import FunctionSpec, ToolCall, ToolUse
 
 
 def turns(request: GenerationRequest) -> tuple[tuple[str, str], ...] | None:
@@ -42,8 +43,10 @@ class Recorded:
         finish: str = "stop",
         fail_before: Exception | None = None,
         fail_after: int | None = None,
+        calls: tuple[ToolCall, ...] = (),
     ):
         self.pieces = pieces
+        self.calls = calls
         self.finish = finish
         self.fail_before = fail_before
         self.fail_after = fail_after
@@ -61,6 +64,8 @@ class Recorded:
                 if self.fail_after is not None and index == self.fail_after:
                     raise UnavailableError("the worker died")
                 yield TextChunk(piece)
+            if self.calls:
+                yield TextChunk("", tool_calls=self.calls)
             yield Finished(self.finish, prompt_tokens=9, completion_tokens=len(self.pieces))
         finally:
             self.closed.append(request_id)
@@ -133,8 +138,8 @@ async def test_a_stream_follows_anthropics_event_order() -> None:
     names = [line.removeprefix("event: ") for line in (await raw.http_response.aread()).decode().splitlines() if line.startswith("event: ")]
     assert names == [
         "message_start",
-        "content_block_start",
         "ping",
+        "content_block_start",
         "content_block_delta",
         "content_block_delta",
         "content_block_stop",
@@ -213,7 +218,10 @@ async def test_x_api_key_is_the_api_key() -> None:
     ("extra", "needle"),
     [
         ({"top_k": 5}, "top_k"),
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "g"}}, "tool_choice"),
         ({"temperature": 1.5}, "temperature"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
@@ -274,3 +282,78 @@ async def test_loadmaster_headers_reach_the_request() -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(generations)), base_url="http://gateway") as http:
         response = await http.post("/v1/messages", content=body, headers={"X-Loadmaster-Urgency": "2"})
     assert response.status_code == 400 and "X-Loadmaster-Urgency" in response.json()["error"]["message"]
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+async def test_tools_and_tool_choice_become_function_tools() -> None:
+    generations = Recorded(["a"])
+    client = client_for(generations)
+    await client.messages.create(model="tiny-chat", max_tokens=4, messages=HI, tools=[WEATHER])  # type: ignore[list-item]
+    await client.messages.create(
+        model="tiny-chat", max_tokens=4, messages=HI, tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True}  # type: ignore[list-item]
+    )
+    await client.messages.create(
+        model="tiny-chat", max_tokens=4, messages=HI, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}  # type: ignore[list-item]
+    )
+    function = FunctionSpec("get_weather", "the weather in a city", WEATHER["input_schema"])  # type: ignore[arg-type]
+    assert [r.tools for r, _ in generations.requests] == [
+        ToolUse((function,), choice="auto"),
+        ToolUse((function,), choice="required", parallel=False),
+        ToolUse((function,), choice="function", function_name="get_weather"),
+    ]
+
+
+async def test_tool_use_and_tool_result_blocks_are_the_chats_tool_turns() -> None:
+    generations = Recorded(["sunny"])
+    await client_for(generations).messages.create(
+        model="tiny-chat",
+        max_tokens=4,
+        tools=[WEATHER],  # type: ignore[list-item]
+        messages=[
+            {"role": "user", "content": "weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "let me look"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "12 C"}]},
+                    {"type": "text", "text": "and tomorrow?"},
+                ],
+            },
+        ],
+    )
+    [(request, _)] = generations.requests
+    assert request.messages is not None
+    _, assistant, tool, follow_up = request.messages
+    assert (assistant.role, assistant.content) == ("assistant", "let me look")
+    assert assistant.tool_calls == (ToolCall("toolu_1", "get_weather", '{"city":"Oslo"}', 0),)
+    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "toolu_1", "get_weather", "12 C")
+    assert (follow_up.role, follow_up.content) == ("user", "and tomorrow?")
+
+
+async def test_a_reply_with_tool_calls_is_tool_use_blocks() -> None:
+    call = ToolCall("call_7", "get_weather", '{"city": "Oslo"}')
+    client = client_for(Recorded(["checking"], finish="tool_calls", calls=(call,)))
+    message = await client.messages.create(model="tiny-chat", max_tokens=8, messages=HI, tools=[WEATHER])  # type: ignore[list-item]
+    assert message.stop_reason == "tool_use"
+    text, used = message.content
+    assert text.type == "text" and text.text == "checking"
+    assert used.type == "tool_use" and (used.id, used.name, used.input) == ("call_7", "get_weather", {"city": "Oslo"})
+    async with client.messages.stream(model="tiny-chat", max_tokens=8, messages=HI, tools=[WEATHER]) as stream:  # type: ignore[list-item]
+        final = await stream.get_final_message()
+    assert [block.type for block in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == {"city": "Oslo"} and final.stop_reason == "tool_use"  # type: ignore[union-attr]
+    only_calls = client_for(Recorded([], finish="tool_calls", calls=(call,)))
+    reply = await only_calls.messages.create(model="tiny-chat", max_tokens=8, messages=HI, tools=[WEATHER])  # type: ignore[list-item]
+    assert [block.type for block in reply.content] == ["tool_use"]

@@ -23,6 +23,7 @@ from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.ollama import ollama_routes, parse_keep_alive
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation_items import FunctionSpec, ToolCall, ToolUse
 
 
 def turns(request: GenerationRequest) -> tuple[tuple[str, str], ...] | None:
@@ -33,8 +34,16 @@ def turns(request: GenerationRequest) -> tuple[tuple[str, str], ...] | None:
 class Recorded:
     """Answers every request with `pieces` (or fails as told); remembers what it was asked."""
 
-    def __init__(self, pieces: list[str], *, fail_before: Exception | None = None, fail_after: int | None = None):
+    def __init__(
+        self,
+        pieces: list[str],
+        *,
+        fail_before: Exception | None = None,
+        fail_after: int | None = None,
+        calls: tuple[ToolCall, ...] = (),
+    ):
         self.pieces = pieces
+        self.calls = calls
         self.fail_before = fail_before
         self.fail_after = fail_after
         self.requests: list[tuple[GenerationRequest, str]] = []
@@ -53,7 +62,9 @@ class Recorded:
                 if self.fail_after is not None and index == self.fail_after:
                     raise UnavailableError("the worker died")
                 yield TextChunk(piece)
-            yield Finished("stop", prompt_tokens=7, completion_tokens=len(self.pieces))
+            if self.calls:
+                yield TextChunk("", tool_calls=self.calls)
+            yield Finished("tool_calls" if self.calls else "stop", prompt_tokens=7, completion_tokens=len(self.pieces))
         finally:
             self.closed.append(request_id)
 
@@ -219,7 +230,8 @@ async def test_unloading_needs_the_admin_scope() -> None:
         ({"format": "yaml"}, "format"),
         ({"keep_alive": "soon"}, "keep_alive"),
         ({"think": True}, "think"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!", "parameters": {}}}]}, "tools.0.function.name"),
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}]}, "messages[0].tool_calls[0].function"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "x", "images": ["%%%"]}]}, "messages[0].images[0]"),
     ],
@@ -297,3 +309,44 @@ async def test_loadmaster_headers_set_priority_deadline_and_client() -> None:
 )
 def test_keep_alive_durations(value: float | str | None, seconds: float | None) -> None:
     assert parse_keep_alive(value) == seconds
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+async def test_tools_and_a_tool_history_reach_the_request() -> None:
+    generations = Recorded(["12 C in Oslo"])
+    await client_for(generations).chat(
+        model="tiny-chat",
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "content": "12 C", "tool_name": "get_weather"},
+        ],
+    )
+    [(request, _)] = generations.requests
+    function = FunctionSpec("get_weather", "the weather in a city", WEATHER["function"]["parameters"])  # type: ignore[index]
+    assert request.tools == ToolUse((function,), choice="auto")
+    assert request.messages is not None
+    _, assistant, tool = request.messages
+    assert assistant.tool_calls == (ToolCall("call_1_0", "get_weather", '{"city":"Oslo"}', 0),)
+    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "call_1_0", "get_weather", "12 C")
+
+
+async def test_a_reply_with_tool_calls_carries_them_as_ollama_does() -> None:
+    call = ToolCall("call_9", "get_weather", '{"city": "Oslo"}')
+    client = client_for(Recorded([], calls=(call,)))
+    reply = await client.chat(model="tiny-chat", messages=HI, tools=[WEATHER])
+    assert reply.done_reason == "stop" and reply.message.tool_calls is not None
+    [made] = reply.message.tool_calls
+    assert (made.function.name, made.function.arguments) == ("get_weather", {"city": "Oslo"})
+    parts = [p async for p in await client.chat(model="tiny-chat", messages=HI, tools=[WEATHER], stream=True)]
+    assert [bool(p.message.tool_calls) for p in parts] == [True, False] and parts[-1].done

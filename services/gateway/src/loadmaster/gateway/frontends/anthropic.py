@@ -8,18 +8,23 @@ request plane (frontends/dialect_calls.py); its events come back as Anthropic's.
 
     system (text or text blocks)       -> a system message first
     messages: text and image blocks    -> messages with text and image parts (base64 or URL)
+    tool_use / tool_result blocks      -> an assistant's tool_calls / `tool` turns
+    tools (custom), tool_choice        -> function tools, tool_choice (any: required; tool:
+                                          that function), disable_parallel_tool_use
     max_tokens, stop_sequences, temperature, top_p, metadata.user_id  -> the OpenAI fields
     output_config.format (json_schema) -> response_format
     thinking {type: enabled|disabled}  -> chat_template_kwargs.enable_thinking
 
-A stream is `message_start`, `content_block_start`, `ping`, `content_block_delta`...,
-`content_block_stop`, `message_delta` (stop reason and the usage, input tokens included),
-`message_stop`; an error after it began is an `error` event. `stop_reason` is `end_turn`,
-`max_tokens`, or `refusal` (a guardrail stopped it). `count_tokens` counts the prompt
+A stream is `message_start`, `ping`, then `content_block_start`, `content_block_delta`...,
+`content_block_stop` per block (text, then each tool call as a whole tool_use block),
+`message_delta` (stop reason and the usage, input tokens included), `message_stop`; an
+error after it began is an `error` event. `stop_reason` is `end_turn`, `max_tokens`,
+`tool_use`, or `refusal` (a guardrail stopped it). `count_tokens` counts the prompt
 exactly as the model sees it (its chat template): it runs the prompt through the model for
 one token, on the same request plane. The API key is `x-api-key` (or a bearer token).
-Fields this server cannot honour (top_k, prefill, documents, server tools ...) are a 400
-naming them. Errors are `{"type": "error", "error": {"type", "message"}}`.
+A tool_result's `is_error` reaches the model as its text prefixed with "Error: ". Fields
+this server cannot honour (top_k, prefill, documents, server tools ...) are a 400 naming
+them. Errors are `{"type": "error", "error": {"type", "message"}}`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from starlette.routing import Route
 
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import bearer_token
-from loadmaster.gateway.frontends.dialect_calls import ClientGone, DialectCalls, read_body
+from loadmaster.gateway.frontends.dialect_calls import ClientGone, Collected, DialectCalls, read_body
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
@@ -47,13 +52,14 @@ from loadmaster.gateway.frontends.openai_schema import (
     relevant_error,
 )
 from loadmaster.gateway.frontends.request_headers import retry_after
+from loadmaster.gateway.generation_items import ToolCall
 
 __all__ = ["AnthropicError", "anthropic_routes", "messages_body"]
 
 log = logging.getLogger(__name__)
 
 VERSION_HEADER = "anthropic-version"
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "content_filter": "refusal"}
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "content_filter": "refusal", "tool_calls": "tool_use"}
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -72,10 +78,9 @@ _UNHONOURED = {
     "context_management": "context management is not supported",
     "inference_geo": "inference geography is not supported",
     "diagnostics": "diagnostics are not supported",
-    "tools": "tool use is not supported on the Anthropic route yet",
-    "tool_choice": "tool use is not supported on the Anthropic route yet",
 }
-_BLOCK_TYPES = ("text", "image")
+_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result")
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 class AnthropicError(Exception):
@@ -108,6 +113,12 @@ class Block(_Body):
     type: str
     text: str | None = None
     source: dict[str, Any] | None = None  # an image's (checked once the type is known)
+    id: str | None = None  # tool_use
+    name: str | None = None  # tool_use
+    input: Any = None  # tool_use: the call's arguments (an object)
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None  # tool_result
+    is_error: bool = False  # tool_result: its content is the error the call met
 
 
 class Message(_Body):
@@ -136,6 +147,8 @@ class MessagesBody(_Body):
     thinking: Thinking | None = None
     output_config: dict[str, Any] | None = None
     speed: Literal["standard"] | None = None  # "fast" is a faster model variant: none here
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
 
 
 class CountTokensBody(_Body):
@@ -143,6 +156,8 @@ class CountTokensBody(_Body):
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None
     thinking: Thinking | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
 
 
 # --- translation -------------------------------------------------------------------------------
@@ -175,23 +190,114 @@ def _text_of(blocks: str | list[Block], where: str) -> str:
     return "".join(block.text or "" for block in blocks)
 
 
-def _parts(message: Message, index: int) -> str | list[dict[str, Any]]:
-    if isinstance(message.content, str):
-        return message.content
+def _parts(blocks: list[Block], index: int) -> list[dict[str, Any]]:
+    """A user message's text and image blocks as OpenAI content parts."""
     parts: list[dict[str, Any]] = []
-    for n, block in enumerate(message.content):
+    for n, block in enumerate(blocks):
         where = f"messages.{index}.content.{n}"
         if block.type == "text":
             parts.append({"type": "text", "text": block.text or ""})
         elif block.type == "image":
-            if message.role != "user":
-                raise AnthropicError(400, f"{where}: images are only accepted in user messages")
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
-        else:
+    return parts
+
+
+def _tool_result(block: Block, where: str, names: dict[str, str]) -> dict[str, Any]:
+    """A tool_result block as a `tool` turn answering its call."""
+    if not block.tool_use_id:
+        raise AnthropicError(400, f"{where}.tool_use_id: Field required")
+    content = block.content
+    if isinstance(content, list):
+        for n, part in enumerate(content):
+            if part.type != "text":
+                raise AnthropicError(400, f"{where}.content.{n}.type: only text is supported in a tool result")
+        content = "".join(part.text or "" for part in content)
+    text = content or ""
+    return {
+        "role": "tool",
+        "tool_call_id": block.tool_use_id,
+        "name": names.get(block.tool_use_id, ""),
+        "content": f"Error: {text}" if block.is_error else text,
+    }
+
+
+def _turns(message: Message, index: int, names: dict[str, str]) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI messages: a user message's tool results become `tool`
+    turns (first, as Anthropic orders them), an assistant's tool_use blocks its tool_calls."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    for n, block in enumerate(message.content):
+        where = f"messages.{index}.content.{n}"
+        if block.type not in _BLOCK_TYPES:
             raise AnthropicError(
                 400, f"{where}.type: {block.type!r} is not supported (supported: {', '.join(_BLOCK_TYPES)})"
             )
-    return parts
+        allowed = ("text", "tool_use") if message.role == "assistant" else ("text", "image", "tool_result")
+        if block.type not in allowed:
+            raise AnthropicError(400, f"{where}.type: {block.type!r} blocks are not accepted in {message.role} messages")
+    if message.role == "assistant":
+        calls = []
+        for n, block in enumerate(message.content):
+            if block.type != "tool_use":
+                continue
+            where = f"messages.{index}.content.{n}"
+            if not block.id or not block.name:
+                raise AnthropicError(400, f"{where}: a tool_use block needs an id and a name")
+            names[block.id] = block.name
+            arguments = json.dumps(block.input if block.input is not None else {}, separators=(",", ":"))
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        turn: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(b.text or "" for b in message.content if b.type == "text"),
+        }
+        if calls:
+            turn["tool_calls"] = calls
+        return [turn]
+    out = [
+        _tool_result(block, f"messages.{index}.content.{n}", names)
+        for n, block in enumerate(message.content)
+        if block.type == "tool_result"
+    ]
+    parts = _parts([b for b in message.content if b.type != "tool_result"], index)
+    if parts or not out:
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+def _tools(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | None, out: dict[str, Any]) -> None:
+    """Anthropic's `tools` and `tool_choice` as OpenAI's function tools."""
+    if not tools:
+        if choice is not None and choice.get("type") != "none":
+            raise AnthropicError(400, "tool_choice: is only allowed when tools are given")
+        return
+    functions = []
+    for index, tool in enumerate(tools):
+        kind = tool.get("type") or "custom"
+        if kind != "custom":
+            raise AnthropicError(400, f"tools.{index}.type: {kind!r}: server tools are not supported (custom tools are)")
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise AnthropicError(400, f"tools.{index}.name: Field required")
+        if not isinstance(schema, dict):
+            raise AnthropicError(400, f"tools.{index}.input_schema: a JSON Schema (an object) is required")
+        function: dict[str, Any] = {"name": name, "parameters": schema}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        if tool.get("strict") is not None:
+            function["strict"] = bool(tool["strict"])
+        functions.append({"type": "function", "function": function})
+    out["tools"] = functions
+    if choice is None:
+        return
+    kind = choice.get("type")
+    if kind == "tool":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name") or ""}}
+    elif kind in _TOOL_CHOICES:
+        out["tool_choice"] = _TOOL_CHOICES[kind]
+    else:
+        raise AnthropicError(400, f"tool_choice.type: {kind!r} is not one of auto, any, tool, none")
+    if choice.get("disable_parallel_tool_use") and kind != "none":
+        out["parallel_tool_calls"] = False
 
 
 def _image_url(block: Block, where: str) -> str:
@@ -228,7 +334,9 @@ def _messages(system: str | list[Block] | None, messages: list[Message]) -> list
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _text_of(system, "system")})
-    out.extend({"role": m.role, "content": _parts(m, i)} for i, m in enumerate(messages))
+    names: dict[str, str] = {}  # tool_use id -> the function it called
+    for index, message in enumerate(messages):
+        out.extend(_turns(message, index, names))
     return out
 
 
@@ -257,6 +365,7 @@ def messages_body(raw: Mapping[str, Any], body: MessagesBody) -> dict[str, Any]:
         out["user"] = body.metadata.user_id
     if body.output_config:
         out["response_format"] = _output_format(body.output_config)
+    _tools(body.tools, body.tool_choice, out)
     _thinking(body.thinking, out)
     return out
 
@@ -271,7 +380,12 @@ def _output_format(config: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
 
 
-_FIELD_NAMES = {"stop": "stop_sequences", "response_format": "output_config.format", "user": "metadata.user_id"}
+_FIELD_NAMES = {
+    "stop": "stop_sequences",
+    "response_format": "output_config.format",
+    "user": "metadata.user_id",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+}
 
 
 def _openai_error(error: OpenAIError) -> AnthropicError:
@@ -280,6 +394,9 @@ def _openai_error(error: OpenAIError) -> AnthropicError:
         head = error.param.split(".")[0]
         if head in _FIELD_NAMES:
             message = message.replace(error.param, _FIELD_NAMES[head] + error.param[len(head) :], 1)
+        elif head == "tools":  # tools.0.function.parameters -> tools.0.input_schema
+            named = error.param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+            message = message.replace(error.param, named, 1)
     return AnthropicError(error.status, message)
 
 
@@ -301,17 +418,64 @@ def _error_event(error: LoadmasterError) -> bytes:
     return _sse("error", error_body(error.http_status, error.message))
 
 
-def _message(message_id: str, model: str, text: str, finished: Finished) -> dict[str, Any]:
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments_object()}
+
+
+def _message(message_id: str, model: str, reply: Collected) -> dict[str, Any]:
+    text, finished = reply.text, reply.finished
+    content = [{"type": "text", "text": text}] if text or not reply.tool_calls else []
+    content += [_tool_use(call) for call in reply.tool_calls]
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": text}],
+        "content": content,
         "stop_reason": _STOP_REASONS.get(finished.finish_reason, "end_turn"),
         "stop_sequence": None,
         "usage": {"input_tokens": finished.prompt_tokens, "output_tokens": finished.completion_tokens},
     }
+
+
+class _Blocks:
+    """A streamed reply's content blocks, indexed in order: a text block opens at the first
+    text and stays open across chunks; each tool call is a whole tool_use block (its
+    arguments in one input_json_delta: calls arrive complete)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.text_open = False
+
+    def text(self, text: str) -> list[bytes]:
+        out = [] if self.text_open else [self._start({"type": "text", "text": ""})]
+        self.text_open = True
+        delta = {"type": "text_delta", "text": text}
+        out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self.count - 1, "delta": delta}))
+        return out
+
+    def tool_use(self, call: ToolCall) -> list[bytes]:
+        out = self._close()
+        out.append(self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}}))
+        delta = {"type": "input_json_delta", "partial_json": call.arguments or "{}"}
+        out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self.count - 1, "delta": delta}))
+        out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": self.count - 1}))
+        return out
+
+    def finish(self) -> list[bytes]:
+        if self.count == 0:  # an empty reply still has its (empty) text block, as when not streamed
+            return [*self.text("")[:1], *self._close()]
+        return self._close()
+
+    def _start(self, block: dict[str, Any]) -> bytes:
+        self.count += 1
+        return _sse("content_block_start", {"type": "content_block_start", "index": self.count - 1, "content_block": block})
+
+    def _close(self) -> list[bytes]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [_sse("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})]
 
 
 def _model_info(model_id: str) -> dict[str, Any]:
@@ -351,13 +515,12 @@ def anthropic_routes(
         )
         model = body.model
         if not body.stream:
-            text, finished = await calls.collect(request, opened)
-            return JSONResponse(
-                _message(message_id, finished.model or model, text, finished),
-                headers={"X-Loadmaster-Model": finished.model or model},
-            )
+            reply = await calls.collect(request, opened)
+            answered = reply.finished.model or model
+            return JSONResponse(_message(message_id, answered, reply), headers={"X-Loadmaster-Model": answered})
 
         async def events(items: AsyncIterator[GenerationEvent]) -> AsyncIterator[bytes]:
+            blocks = _Blocks()
             start: dict[str, Any] = {
                 "id": message_id,
                 "type": "message",
@@ -369,29 +532,21 @@ def anthropic_routes(
                 "usage": {"input_tokens": 0, "output_tokens": 0},
             }
             yield _sse("message_start", {"type": "message_start", "message": start})
-            yield _sse(
-                "content_block_start",
-                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-            )
             yield _sse("ping", {"type": "ping"})
             async for item in items:
                 if isinstance(item, TextChunk):
                     if item.text:
-                        delta = {"type": "text_delta", "text": item.text}
-                        yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
+                        for piece in blocks.text(item.text):
+                            yield piece
+                    for call in item.tool_calls:
+                        for piece in blocks.tool_use(call):
+                            yield piece
                 elif isinstance(item, Finished):
-                    yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-                    yield _sse(
-                        "message_delta",
-                        {
-                            "type": "message_delta",
-                            "delta": {
-                                "stop_reason": _STOP_REASONS.get(item.finish_reason, "end_turn"),
-                                "stop_sequence": None,
-                            },
-                            "usage": {"input_tokens": item.prompt_tokens, "output_tokens": item.completion_tokens},
-                        },
-                    )
+                    for piece in blocks.finish():
+                        yield piece
+                    delta = {"stop_reason": _STOP_REASONS.get(item.finish_reason, "end_turn"), "stop_sequence": None}
+                    usage = {"input_tokens": item.prompt_tokens, "output_tokens": item.completion_tokens}
+                    yield _sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
                     yield _sse("message_stop", {"type": "message_stop"})
 
         return StreamingResponse(
@@ -417,6 +572,9 @@ def anthropic_routes(
             "max_tokens": 1,
             "temperature": 0,
         }
+        _tools(body.tools, body.tool_choice, openai_body)
+        if "tool_choice" in openai_body and openai_body["tool_choice"] != "none":
+            openai_body["tool_choice"] = "auto"  # counting: nothing is decoded, so nothing constrained
         _thinking(body.thinking, openai_body)
 
         async def parsed() -> GenerationRequest:
@@ -429,8 +587,8 @@ def anthropic_routes(
             token=token(request),
             parse=parsed,
         )
-        _, finished = await calls.collect(request, opened)
-        return JSONResponse({"input_tokens": finished.prompt_tokens})
+        reply = await calls.collect(request, opened)
+        return JSONResponse({"input_tokens": reply.finished.prompt_tokens})
 
     async def list_models(request: Request) -> Response:
         if VERSION_HEADER not in request.headers:

@@ -41,14 +41,24 @@ from loadmaster.gateway.frontends.openai import (
 )
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest, OpenAIError
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
+from loadmaster.gateway.generation_items import ToolCall
 
-__all__ = ["ClientGone", "DialectCalls", "Opened", "read_body"]
+__all__ = ["ClientGone", "Collected", "DialectCalls", "Opened", "read_body"]
 
 log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):  # noqa: N818 - a condition, not a failure
     """The client disconnected before its reply was ready (answered 499, never seen)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Collected:
+    """A whole reply: its text, the tool calls it made, and how it ended."""
+
+    text: str
+    tool_calls: tuple[ToolCall, ...]
+    finished: Finished
 
 
 @dataclass(slots=True)
@@ -192,9 +202,8 @@ class DialectCalls:
             await _close(events)
             raise
 
-    async def collect(self, request: Request, opened: Opened) -> tuple[str, Finished]:
-        """The whole reply's text and its end; `ClientGone` (the generation cancelled) when
-        the client leaves first."""
+    async def collect(self, request: Request, opened: Opened) -> Collected:
+        """The whole reply; `ClientGone` (the generation cancelled) when the client leaves first."""
         work = asyncio.ensure_future(_collect(opened.first, opened.events))
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
@@ -249,14 +258,16 @@ async def _chained(first: GenerationEvent, events: AsyncIterator[GenerationEvent
     raise InternalError("the generation ended without a final result")
 
 
-async def _collect(first: GenerationEvent, events: AsyncIterator[GenerationEvent]) -> tuple[str, Finished]:
+async def _collect(first: GenerationEvent, events: AsyncIterator[GenerationEvent]) -> Collected:
     parts: list[str] = []
+    calls: list[ToolCall] = []
     try:
         async for item in _chained(first, events):
             if isinstance(item, Finished):
-                return "".join(parts), item
+                return Collected("".join(parts), tuple(calls), item)
             if isinstance(item, TextChunk):
                 parts.append(item.text)
+                calls.extend(item.tool_calls)
     finally:
         await _close(events)
     raise InternalError("the generation ended without a final result")

@@ -9,6 +9,7 @@ events come back as Ollama's NDJSON lines (`stream` is true unless the body says
     options.temperature / top_p / seed / num_predict / stop  -> the sampling fields
     format "json" | a JSON Schema                           -> response_format
     images (base64)                                          -> image parts (data URLs)
+    tools; an assistant's tool_calls; `tool` turns           -> tools, tool_calls, `tool` turns
     keep_alive (seconds or a duration: "5m", "-1", 0)        -> x_keep_alive_s
     think (true / false)                                     -> chat_template_kwargs.enable_thinking
 
@@ -53,6 +54,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     relevant_error,
 )
 from loadmaster.gateway.frontends.request_headers import retry_after
+from loadmaster.gateway.generation_items import ToolCall
 
 __all__ = ["OLLAMA_VERSION", "OllamaError", "ollama_routes", "parse_keep_alive"]
 
@@ -247,29 +249,54 @@ def _sampling(body: _GenerateBase) -> dict[str, Any]:
     return out
 
 
-def _message(message: Message, index: int) -> dict[str, Any]:
+def _message(message: Message, index: int, calls: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """One Ollama message as an OpenAI one. Ollama's calls carry no ids: an assistant's calls
+    get `call_<message>_<n>`, and a `tool` turn answers the oldest unanswered call of its
+    `tool_name` (`calls`: function name -> ids still unanswered)."""
     where = f"messages[{index}]"
     if message.thinking:
         raise OllamaError(400, f"{where}.thinking: earlier thinking cannot be sent back to the model")
-    if message.tool_calls or message.tool_name:
-        raise OllamaError(400, f"{where}: tool calls are not supported on the Ollama routes yet")
-    if not message.images:
-        return {"role": message.role, "content": message.content}
-    parts: list[dict[str, Any]] = [
-        {"type": "image_url", "image_url": {"url": _data_url(image, f"{where}.images[{n}]")}}
-        for n, image in enumerate(message.images)
-    ]
-    parts.append({"type": "text", "text": message.content})
-    return {"role": message.role, "content": parts}
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise OllamaError(400, f"{where}.tool_calls: only an assistant message makes calls")
+        out["tool_calls"] = [_call(call, f"{where}.tool_calls[{n}]", f"call_{index}_{n}", calls) for n, call in enumerate(message.tool_calls)]
+    if message.role == "tool":
+        name = message.tool_name or ""
+        pending = (calls or {}).get(name) or []
+        out["name"] = name
+        out["tool_call_id"] = pending.pop(0) if pending else ""
+    if message.images:
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": _data_url(image, f"{where}.images[{n}]")}}
+            for n, image in enumerate(message.images)
+        ]
+        parts.append({"type": "text", "text": message.content})
+        out["content"] = parts
+    return out
+
+
+def _call(call: Any, where: str, call_id: str, calls: dict[str, list[str]] | None) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise OllamaError(400, f"{where}.function: a name and arguments are required")
+    arguments = function.get("arguments") or {}
+    if not isinstance(arguments, dict):
+        raise OllamaError(400, f"{where}.function.arguments: an object is required")
+    if calls is not None:
+        calls.setdefault(function["name"], []).append(call_id)
+    text = json.dumps(arguments, separators=(",", ":"))
+    return {"id": call_id, "type": "function", "function": {"name": function["name"], "arguments": text}}
 
 
 def chat_body(raw: Mapping[str, Any], body: ChatBody) -> dict[str, Any]:
-    """An Ollama chat body as an OpenAI chat/completions body."""
+    """An Ollama chat body as an OpenAI chat/completions body (its `tools` have OpenAI's shape)."""
     _refuse_unhonoured(raw)
-    if body.tools:
-        raise OllamaError(400, "tools: tool calling is not supported on the Ollama routes yet")
     out = _sampling(body)
-    out["messages"] = [_message(m, i) for i, m in enumerate(body.messages or [])]
+    calls: dict[str, list[str]] = {}
+    out["messages"] = [_message(m, i, calls) for i, m in enumerate(body.messages or [])]
+    if body.tools:
+        out["tools"] = body.tools
     return out
 
 
@@ -366,7 +393,7 @@ class _Timing:
         first = self.first or now
         return {
             "done": True,
-            "done_reason": finished.finish_reason,
+            "done_reason": "stop" if finished.finish_reason == "tool_calls" else finished.finish_reason,
             "total_duration": now - self.started,
             "load_duration": 0,
             "prompt_eval_count": finished.prompt_tokens,
@@ -421,26 +448,33 @@ def ollama_routes(
         timing = _Timing(started)
         name = body.model
 
-        def reply(text: str, *, done: bool) -> dict[str, Any]:
+        def reply(text: str, *, done: bool, tool_calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
             head: dict[str, Any] = {"model": name, "created_at": _now()}
             if chat:
                 head["message"] = {"role": "assistant", "content": text}
+                if tool_calls:
+                    head["message"]["tool_calls"] = [
+                        {"function": {"name": c.name, "arguments": c.arguments_object()}} for c in tool_calls
+                    ]
             else:
                 head["response"] = text
             head["done"] = done
             return head
 
         if not body.stream:
-            text, finished = await calls.collect(request, opened)
+            whole = await calls.collect(request, opened)
             timing.first = timing.first or time.monotonic_ns()
-            return JSONResponse({**reply(text, done=True), **timing.final(finished)})
+            return JSONResponse(
+                {**reply(whole.text, done=True, tool_calls=whole.tool_calls), **timing.final(whole.finished)}
+            )
 
         async def lines(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[bytes]:
             async for item in events:
                 if isinstance(item, TextChunk):
                     timing.mark()
-                    if item.text:
-                        yield json.dumps(reply(item.text, done=False)).encode() + b"\n"
+                    if item.text or item.tool_calls:
+                        line = reply(item.text, done=False, tool_calls=item.tool_calls)
+                        yield json.dumps(line).encode() + b"\n"
                 elif isinstance(item, Finished):
                     yield json.dumps({**reply("", done=True), **timing.final(item)}).encode() + b"\n"
 
