@@ -185,3 +185,18 @@ def test_sampling() -> None:
     assert sample_token(logits, SamplingParams(max_tokens=1, temperature=0.0), generator) == 1
     nucleus = {sample_token(logits, SamplingParams(max_tokens=1, top_p=0.5), generator) for _ in range(50)}
     assert nucleus <= {1, 3} and nucleus == {1, 3}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU path of transformers_vlm")
+async def test_the_engine_runs_on_a_gpu(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    (root / "tiny-vlm").mkdir(parents=True)
+    shutil.copy(EXAMPLES / "models" / "tiny-vlm" / "config.yaml", root / "tiny-vlm" / "config.yaml")
+    load_make_models().build(["tiny-vlm"], root=root)
+    gpu = VisionLanguageEngine(ModelRepository(root).spec("tiny-vlm"), EngineContext(device="cuda:0", threads=1))
+    gpu.load()
+    try:
+        text, end = await collect(gpu, chat("g", png(1)))
+        assert end.finish_reason is FinishReason.LENGTH and end.usage.prompt_tokens > 16 and text
+    finally:
+        gpu.unload()
