@@ -24,7 +24,7 @@ from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.frontends.anthropic import anthropic_routes
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, openai_routes
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.frontends.openai_schema import ChatCompletionBody, GenerationRequest
 from loadmaster.gateway.generation_items import FunctionSpec, ToolCall, ToolUse
 
 
@@ -223,7 +223,7 @@ async def test_x_api_key_is_the_api_key() -> None:
         ({"tool_choice": {"type": "any"}}, "tool_choice"),
         ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "g"}}, "tool_choice"),
         ({"temperature": 1.5}, "temperature"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"thinking": {"type": "adaptive"}}, "thinking.type"),
         ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
         ({"output_config": {"effort": "high"}}, "output_config.effort"),
         ({"speed": "fast"}, "speed"),
@@ -357,3 +357,16 @@ async def test_a_reply_with_tool_calls_is_tool_use_blocks() -> None:
     only_calls = client_for(Recorded([], finish="tool_calls", calls=(call,)))
     reply = await only_calls.messages.create(model="tiny-chat", max_tokens=8, messages=HI, tools=[WEATHER])  # type: ignore[list-item]
     assert [block.type for block in reply.content] == ["tool_use"]
+
+
+async def test_thinking_is_the_thinking_switch_where_the_server_has_one() -> None:
+    generations = Recorded(["a"])
+    client = client_for(generations)
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024}
+    if "chat_template_kwargs" not in ChatCompletionBody.model_fields:
+        with pytest.raises(anthropic.BadRequestError, match="thinking: this server has no thinking switch"):
+            await client.messages.create(model="tiny-chat", max_tokens=1, messages=HI, thinking=thinking)
+        return
+    await client.messages.create(model="tiny-chat", max_tokens=1, messages=HI, thinking=thinking)
+    [(request, _)] = generations.requests
+    assert request.chat_template_kwargs == {"enable_thinking": True}  # type: ignore[attr-defined]

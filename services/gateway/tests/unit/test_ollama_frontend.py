@@ -22,7 +22,7 @@ from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.ollama import ollama_routes, parse_keep_alive
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.frontends.openai_schema import ChatCompletionBody, GenerationRequest
 from loadmaster.gateway.generation_items import FunctionSpec, ToolCall, ToolUse
 
 
@@ -229,7 +229,7 @@ async def test_unloading_needs_the_admin_scope() -> None:
         ({"options": {"num_predict": -1}}, "options.num_predict"),
         ({"format": "yaml"}, "format"),
         ({"keep_alive": "soon"}, "keep_alive"),
-        ({"think": True}, "think"),
+        ({"think": "high"}, "think"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!", "parameters": {}}}]}, "tools.0.function.name"),
         ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}]}, "messages[0].tool_calls[0].function"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
@@ -350,3 +350,15 @@ async def test_a_reply_with_tool_calls_carries_them_as_ollama_does() -> None:
     assert (made.function.name, made.function.arguments) == ("get_weather", {"city": "Oslo"})
     parts = [p async for p in await client.chat(model="tiny-chat", messages=HI, tools=[WEATHER], stream=True)]
     assert [bool(p.message.tool_calls) for p in parts] == [True, False] and parts[-1].done
+
+
+async def test_think_is_the_thinking_switch_where_the_server_has_one() -> None:
+    generations = Recorded(["a"])
+    client = client_for(generations)
+    if "chat_template_kwargs" not in ChatCompletionBody.model_fields:
+        with pytest.raises(ollama.ResponseError, match="think: this server has no thinking switch"):
+            await client.chat(model="tiny-chat", messages=HI, think=True)
+        return
+    await client.chat(model="tiny-chat", messages=HI, think=False)
+    [(request, _)] = generations.requests
+    assert request.chat_template_kwargs == {"enable_thinking": False}  # type: ignore[attr-defined]
