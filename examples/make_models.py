@@ -160,14 +160,36 @@ def build_classifier(folder: Path) -> Path:
 # tiny-chat: the chat markers are special tokens; `</s>` is also what ends a turn.
 TINY_CHAT_SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
 TINY_CHAT_VOCAB = 1024
-# The chat template, as transformers writes it to chat_template.jinja.
-TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+# The chat template, as transformers writes it to chat_template.jinja: Hermes-style tools (a
+# system turn lists them in <tools>, calls are <tool_call> JSON, results come back in `tool`
+# turns as <tool_response>). A chat without tools renders exactly as it did before tools
+# (so earlier prompts keep their tokens). tiny-chat's config.yaml says `tool_format: hermes`.
+TINY_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if tools %}
+{{- '<|system|>' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}
+{{- 'You may call one or more functions. Their signatures are in <tools></tools>:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\nFor each call, write a JSON object with the function name and arguments within '
+    + '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    + '<args-json-object>}\n</tool_call>' + eos_token }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and tools and loop.first %}
+{%- elif message['role'] == 'assistant' and message.tool_calls %}
+{{- '<|assistant|>' + (message['content'] or '') }}
+{%- for call in message.tool_calls %}
+{{- '<tool_call>\n{"name": "' + call['function']['name'] + '", "arguments": '
+    + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- eos_token }}
+{%- elif message['role'] == 'tool' %}
+{{- '<|tool|><tool_response>\n' + message['content'] + '\n</tool_response>' + eos_token }}
+{%- else %}
+{{- '<|' + message['role'] + '|>' + message['content'] + eos_token }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"""
 
 
 def _tokenizer_corpus() -> list[str]:

@@ -27,6 +27,7 @@ def make_model(root: Path, model_id: str, config: str, files: dict[str, str] | N
 def test_registry() -> None:
     assert set(ENGINES) == {
         "python",
+        "python_generative",
         "torch",
         "onnx",
         "tensorrt",

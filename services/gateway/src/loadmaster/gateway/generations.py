@@ -67,7 +67,7 @@ __all__ = ["GENERATIVE_BACKENDS", "GenerationPort", "GenerationStreams"]
 
 log = logging.getLogger(__name__)
 
-GENERATIVE_BACKENDS = frozenset({"transformers", "transformers_vlm", "openai_process"})
+GENERATIVE_BACKENDS = frozenset({"transformers", "transformers_vlm", "openai_process", "python_generative"})
 DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's own default is the context's rest)
 DEFAULT_PRIORITY = 1  # as for tensor requests
 MAX_BUFFERED = 8192  # replies one stream may have waiting for its consumer

@@ -100,7 +100,7 @@ class ChatMessage:
 @dataclass(frozen=True, slots=True)
 class FunctionTool:
     """A function the model may call; `parameters` is its JSON Schema as JSON text ("" = takes
-    no arguments: `{}`)."""
+    no arguments: only `{}`)."""
 
     name: str
     description: str = ""
@@ -108,9 +108,9 @@ class FunctionTool:
     strict: bool = False
 
     def schema(self) -> dict[str, object] | bool:
-        """The parsed `parameters` (an object schema when none was given)."""
+        """The parsed `parameters` (the empty object's schema when none was given)."""
         if not self.parameters:
-            return {"type": "object", "properties": {}}
+            return {"type": "object", "properties": {}, "additionalProperties": False}
         value = json.loads(self.parameters)
         if not isinstance(value, dict | bool):
             raise ValueError("a JSON Schema is an object")

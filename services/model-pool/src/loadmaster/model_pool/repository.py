@@ -6,7 +6,7 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | transformers_vlm | openai_process | diffusers
+    backend: torch            # python | python_generative | torch | onnx | tensorrt | ray_serve | transformers | transformers_vlm | openai_process | diffusers
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -83,6 +83,7 @@ CATEGORY_BY_BACKEND: dict[str, Literal["llm", "vision", "diffusion", "other"]] =
     "transformers": "llm",
     "transformers_vlm": "llm",
     "openai_process": "llm",
+    "python_generative": "llm",
     "diffusers": "diffusion",
 }
 
@@ -167,10 +168,24 @@ class _BaseModelConfig(BaseModel):
         return specs
 
 
-class PythonModelConfig(_BaseModelConfig):
-    backend: Literal["python"]
+class PythonModuleConfig(_BaseModelConfig):
+    """A class in a Python file of the model's folder."""
+
     module: str = "model.py"
     class_name: str = Field(alias="class", min_length=1)
+
+
+class PythonModelConfig(PythonModuleConfig):
+    backend: Literal["python"]
+
+
+class PythonGenerativeModelConfig(PythonModuleConfig):
+    """A Python class whose `generate(request)` yields text (engines/python_generative.py)."""
+
+    backend: Literal["python_generative"]
+    max_sequences: int = Field(default=8, ge=1, le=1024)  # streams generating at once
+    # How its text writes tool calls (tool_calls.py, docs/tool-calling.md).
+    tool_format: Literal["hermes", "llama", "mistral"] = "hermes"
 
 
 class TorchModelConfig(_BaseModelConfig):
@@ -230,6 +245,8 @@ class TransformersModelConfig(_BaseModelConfig):
     # None: all of them until the cache runs short, then transformers drops them all).
     prefix_caching: bool = True
     prefix_cache_max_blocks: int | None = Field(default=None, ge=0)
+    # How the model writes tool calls, as its chat template teaches it (docs/tool-calling.md).
+    tool_format: Literal["hermes", "llama", "mistral"] = "hermes"
 
 
 class VisionLanguageModelConfig(_BaseModelConfig):
@@ -303,6 +320,7 @@ class DiffusersModelConfig(_BaseModelConfig):
 
 AnyModelConfig = (
     PythonModelConfig
+    | PythonGenerativeModelConfig
     | TorchModelConfig
     | OnnxModelConfig
     | TensorRTModelConfig

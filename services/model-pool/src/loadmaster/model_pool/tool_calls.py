@@ -24,6 +24,10 @@ content and `tool_calls`; a choice that called a tool and stopped ends with fini
 `tool_calls`. With `parallel` off, the first call is the reply: later calls and text are
 dropped (constrained decoding, engines/tool_grammar.py, never writes them).
 
+`chat_dicts` and `tool_dicts` are what a Hugging Face chat template reads (`messages` with
+`tool_calls`, `tool` turns, and `tools`): calls' arguments as objects, as the templates
+expect, and tools in OpenAI's `{"type": "function", "function": {...}}` shape.
+
 Pure code: no engine, no tokenizer.
 """
 
@@ -40,11 +44,13 @@ from enum import StrEnum
 from typing import Any, Protocol, Self
 
 from loadmaster.model_pool.generation import (
+    ChatMessage,
     ChoiceEnd,
     FinishReason,
     GenerationEvent,
     TokenChunk,
     ToolCall,
+    ToolUse,
 )
 
 __all__ = [
@@ -56,6 +62,8 @@ __all__ = [
     "ToolCallStream",
     "ToolFormat",
     "call_id",
+    "chat_dicts",
+    "tool_dicts",
 ]
 
 HERMES_OPEN = "<tool_call>"
@@ -75,6 +83,46 @@ class ToolFormat(StrEnum):
 def call_id() -> str:
     """A fresh id in OpenAI's form."""
     return f"call_{secrets.token_hex(12)}"
+
+
+def chat_dicts(messages: tuple[ChatMessage, ...] | list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as a chat template reads them."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        item: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": _arguments_object(call.arguments)},
+                }
+                for call in message.tool_calls
+            ]
+        if message.role == "tool":
+            item["tool_call_id"] = message.tool_call_id
+            if message.name:
+                item["name"] = message.name
+        out.append(item)
+    return out
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments  # as the client sent it: the template shows the text
+
+
+def tool_dicts(tools: ToolUse) -> list[dict[str, Any]]:
+    """Tools as a chat template reads them (OpenAI's shape, parameters as a schema object)."""
+    out = []
+    for function in tools.functions:
+        spec: dict[str, Any] = {"name": function.name, "parameters": function.schema()}
+        if function.description:
+            spec["description"] = function.description
+        out.append({"type": "function", "function": spec})
+    return out
 
 
 def _compact(value: Any) -> str:

@@ -16,6 +16,7 @@ __all__ = ["ENGINES", "Engine", "EngineContext", "engine_class"]
 
 ENGINES: dict[str, str] = {
     "python": "loadmaster.model_pool.engines.python:PythonEngine",
+    "python_generative": "loadmaster.model_pool.engines.python_generative:PythonGenerativeEngine",
     "torch": "loadmaster.model_pool.engines.torch:TorchEngine",
     "onnx": "loadmaster.model_pool.engines.onnx:OnnxEngine",
     "tensorrt": "loadmaster.model_pool.engines.tensorrt:TensorRTEngine",

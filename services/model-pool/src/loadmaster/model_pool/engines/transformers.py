@@ -20,7 +20,10 @@ What the engine adds to the manager (docs/generative.md has the reasons):
 - per-request temperature / top_p and greedy decoding (exactly `argmax`), and per-request
   seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`);
 - structured output (`response_format` JSON / JSON Schema): a grammar mask of ours, first
-  in the same processor list (`grammar.py`, docs/structured-output.md).
+  in the same processor list (`grammar.py`, docs/structured-output.md);
+- tools: rendered by the chat template (a template that ignores them is a 400 naming
+  `tools`), forced calls constrained by the same mask (`tool_grammar.py`), and calls read
+  out of the reply in the model's `tool_format` (`tool_calls.py`, docs/tool-calling.md).
 
 The pool's lifecycle applies unchanged: `estimate_mb` sizes the lease from the weights plus
 the KV budget (num_blocks x block_size x per-token KV bytes) when the config has no
@@ -44,12 +47,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
-from loadmaster.model_pool.engines import _seeded_sampling, grammar
+from loadmaster.model_pool.engines import _seeded_sampling, grammar, tool_grammar
 from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
 from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
 from loadmaster.model_pool.generation import GenerationRequest, GenerationStats, SamplingParams
 from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, TransformersModelConfig
+from loadmaster.model_pool.tool_calls import ToolCallStream, ToolFormat, chat_dicts, tool_dicts
 
 __all__ = ["TransformersEngine", "kv_bytes_per_token"]
 
@@ -305,7 +309,15 @@ class TransformersEngine(Engine):
             self._forget(state)
             raise UnavailableError(f"model '{self.spec.model_id}' is stopping; try another worker")
         stream = GenerationStream(state, self.cancel)
-        return stream if constraint is None else grammar.CheckedStream(stream, constraint)
+        checked = stream if constraint is None else grammar.CheckedStream(stream, constraint)
+        if request.tools is None or not request.tool_calls_parsed:
+            return checked
+        return ToolCallStream(  # type: ignore[return-value]
+            checked,
+            format=ToolFormat(_config(self.spec).tool_format),
+            names=[f.name for f in request.tools.functions],
+            parallel=request.tools.parallel,
+        )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """`submit` then iterate: events until the terminal one."""
@@ -430,22 +442,43 @@ class TransformersEngine(Engine):
                 raise InvalidArgumentError(
                     f"model '{self.spec.model_id}' has no chat template: send a prompt"
                 )
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
+            messages = chat_dicts(request.messages)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            if request.tools is not None:
+                with_tools = tokenizer.apply_chat_template(
+                    messages, tools=tool_dicts(request.tools), add_generation_prompt=True, tokenize=False
+                )
+                if with_tools == text:
+                    raise InvalidArgumentError(
+                        f"tools: the chat template of model '{self.spec.model_id}' does not render tools "
+                        "(it has no tool support)"
+                    )
+                text = with_tools
             return list(tokenizer.encode(text, add_special_tokens=False))
         assert request.prompt is not None
         return list(tokenizer.encode(request.prompt, add_special_tokens=True))
 
     async def _constraint(self, request: GenerationRequest) -> grammar.Constraint | None:
-        """The grammar state of a structured-output request (compiled in a thread)."""
-        if request.response_format is None:
+        """The grammar state of a structured-output request or of forced tool calls (compiled
+        in a thread)."""
+        forced = request.tools is not None and request.tools.constrained
+        if request.response_format is None and not forced:
             return None
         grammars = self._grammars
         if grammars is None:
             raise UnavailableError(f"model '{self.spec.model_id}' is not loaded")
+        if forced:
+            assert request.tools is not None
+            manager = self._running_manager()
+            return await asyncio.to_thread(
+                tool_grammar.tool_constraint,
+                grammars,
+                request.tools,
+                ToolFormat(_config(self.spec).tool_format),
+                eos_ids=self._eos_ids,
+                refused=grammar.refusal(manager.continuous_batching_config),
+            )
+        assert request.response_format is not None
         return await asyncio.to_thread(grammars.constraint, request.response_format)
 
     def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
