@@ -187,3 +187,59 @@ async def test_an_anthropic_client_that_disconnects_frees_its_sequence(suite: Su
     started = time.monotonic()
     await until_idle(suite, CHAT)
     print(f"sequence freed {(time.monotonic() - started) * 1e3:.0f} ms after the client left")
+
+
+WEATHER: Any = {
+    "name": "get_weather",
+    "description": "the weather in a city",
+    # maxLength: a random model never ends a free string by itself; constrained, it must
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+    },
+}
+
+
+REPLAY = "replay-chat"  # replays the user's text: a scripted reply with a Hermes tool call
+SCRIPT = 'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+def test_anthropic_messages_with_a_tool_streamed_and_not(host: str) -> None:
+    client = anthropic.Anthropic(base_url=host, api_key="none", max_retries=0, timeout=60)
+    kwargs: Any = {"model": REPLAY, "max_tokens": 256, "messages": [{"role": "user", "content": SCRIPT}], "tools": [WEATHER]}
+    message = client.messages.create(**kwargs)
+    assert message.stop_reason == "tool_use"
+    assert [block.type for block in message.content] == ["text", "tool_use"]
+    text, used = message.content
+    assert text.text.strip() == "Checking."  # type: ignore[union-attr]
+    assert (used.name, used.input) == ("get_weather", {"city": "Oslo"})  # type: ignore[union-attr]
+    with client.messages.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[1].input == {"city": "Oslo"}  # type: ignore[union-attr]
+    assert kinds.count("content_block_start") == 2 and kinds[-1] == "message_stop"
+    answered = client.messages.create(
+        model=CHAT,
+        max_tokens=4,
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "weather in Oslo?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": used.id, "name": "get_weather", "input": {"city": "Oslo"}}]},  # type: ignore[union-attr]
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": used.id, "content": "12 C"}]},  # type: ignore[union-attr]
+        ],
+    )
+    asked = client.messages.create(model=CHAT, max_tokens=4, tools=[WEATHER], messages=[{"role": "user", "content": "weather in Oslo?"}])
+    assert answered.usage.input_tokens > asked.usage.input_tokens  # the call and its result reach tiny-chat's template
+
+
+def test_ollama_chat_with_tools(host: str) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}}
+    client = ollama.Client(host=host, timeout=60)
+    reply = client.chat(model=REPLAY, messages=[{"role": "user", "content": SCRIPT}], tools=[tool])
+    assert reply.done and reply.message.tool_calls is not None
+    [call] = reply.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Oslo"})
+    parts = list(client.chat(model=REPLAY, messages=[{"role": "user", "content": SCRIPT}], tools=[tool], stream=True))
+    assert [c.function.arguments for p in parts for c in p.message.tool_calls or []] == [{"city": "Oslo"}]
