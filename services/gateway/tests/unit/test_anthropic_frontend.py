@@ -370,3 +370,12 @@ async def test_thinking_is_the_thinking_switch_where_the_server_has_one() -> Non
     await client.messages.create(model="tiny-chat", max_tokens=1, messages=HI, thinking=thinking)
     [(request, _)] = generations.requests
     assert request.chat_template_kwargs == {"enable_thinking": True}  # type: ignore[attr-defined]
+
+
+async def test_a_client_without_a_valid_key_is_refused_before_its_body_is_read() -> None:
+    key = ApiKeySettings(name="team", sha256=hashlib.sha256(b"secret").hexdigest())
+    transport = httpx.ASGITransport(app=app_for(Recorded(["a"]), keys=[key]))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            response = await http.post(path, content=b"{not json", headers={"x-api-key": "wrong"})
+            assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"

@@ -362,3 +362,11 @@ async def test_think_is_the_thinking_switch_where_the_server_has_one() -> None:
     await client.chat(model="tiny-chat", messages=HI, think=False)
     [(request, _)] = generations.requests
     assert request.chat_template_kwargs == {"enable_thinking": False}  # type: ignore[attr-defined]
+
+
+async def test_a_client_without_a_valid_key_is_refused_before_its_body_is_read() -> None:
+    key = ApiKeySettings(name="team", sha256=hashlib.sha256(b"secret").hexdigest())
+    client = client_for(Recorded(["a"]), keys=[key])
+    async with httpx.AsyncClient(transport=client._client._transport, base_url="http://gateway") as http:
+        response = await http.post("/api/chat", content=b"{not json", headers={"authorization": "Bearer wrong"})
+    assert response.status_code == 401 and "not valid" in response.json()["error"]

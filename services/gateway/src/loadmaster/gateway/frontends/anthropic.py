@@ -499,22 +499,23 @@ def anthropic_routes(
         return request.headers.get("x-api-key") or bearer_token(request.headers.get("authorization"))
 
     async def create(request: Request) -> Response:
-        raw = _load(await read_body(request, max_body_bytes))
-        try:
-            body = MessagesBody.model_validate(raw)
-        except ValidationError as error:
-            raise _invalid(error) from None
-        openai_body = messages_body(raw, body)
+        bodies: list[MessagesBody] = []
 
-        async def parsed() -> GenerationRequest:
-            return parse(openai_body)
+        async def parsed() -> GenerationRequest:  # after authentication: then the body is read
+            raw = _load(await read_body(request, max_body_bytes))
+            try:
+                body = MessagesBody.model_validate(raw)
+            except ValidationError as error:
+                raise _invalid(error) from None
+            bodies.append(body)
+            return parse(messages_body(raw, body))
 
         message_id = "msg_" + next(ids)
         opened = await calls.open(
             request, endpoint="anthropic.messages", request_id=message_id, token=token(request), parse=parsed
         )
-        model = body.model
-        if not body.stream:
+        model = bodies[0].model
+        if not bodies[0].stream:
             reply = await calls.collect(request, opened)
             answered = reply.finished.model or model
             return JSONResponse(_message(message_id, answered, reply), headers={"X-Loadmaster-Model": answered})
@@ -560,24 +561,23 @@ def anthropic_routes(
         )
 
     async def count_tokens(request: Request) -> Response:
-        raw = _load(await read_body(request, max_body_bytes))
-        try:
-            body = CountTokensBody.model_validate(raw)
-        except ValidationError as error:
-            raise _invalid(error) from None
-        _refuse_unhonoured(raw)
-        openai_body: dict[str, Any] = {
-            "model": body.model,
-            "messages": _messages(body.system, body.messages),
-            "max_tokens": 1,
-            "temperature": 0,
-        }
-        _tools(body.tools, body.tool_choice, openai_body)
-        if "tool_choice" in openai_body and openai_body["tool_choice"] != "none":
-            openai_body["tool_choice"] = "auto"  # counting: nothing is decoded, so nothing constrained
-        _thinking(body.thinking, openai_body)
-
-        async def parsed() -> GenerationRequest:
+        async def parsed() -> GenerationRequest:  # after authentication: then the body is read
+            raw = _load(await read_body(request, max_body_bytes))
+            try:
+                body = CountTokensBody.model_validate(raw)
+            except ValidationError as error:
+                raise _invalid(error) from None
+            _refuse_unhonoured(raw)
+            openai_body: dict[str, Any] = {
+                "model": body.model,
+                "messages": _messages(body.system, body.messages),
+                "max_tokens": 1,
+                "temperature": 0,
+            }
+            _tools(body.tools, body.tool_choice, openai_body)
+            if "tool_choice" in openai_body and openai_body["tool_choice"] != "none":
+                openai_body["tool_choice"] = "auto"  # counting: nothing is decoded, so nothing constrained
+            _thinking(body.thinking, openai_body)
             return parse(openai_body)
 
         opened = await calls.open(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from opentelemetry import trace
 from starlette.requests import Request
 
 from loadmaster.common import tracing
-from loadmaster.common.errors import InternalError, LoadmasterError
+from loadmaster.common.errors import CancelledError_, InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal
 from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.frontends.openai import (
@@ -43,13 +43,21 @@ from loadmaster.gateway.frontends.openai_schema import GenerationRequest, OpenAI
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.generation_items import ToolCall
 
-__all__ = ["ClientGone", "Collected", "DialectCalls", "Opened", "read_body"]
+__all__ = ["ClientGone", "Collected", "DialectCalls", "NotAGeneration", "Opened", "read_body"]
 
 log = logging.getLogger(__name__)
 
 
-class ClientGone(Exception):  # noqa: N818 - a condition, not a failure
+class ClientGone(CancelledError_):
     """The client disconnected before its reply was ready (answered 499, never seen)."""
+
+    def __init__(self) -> None:
+        super().__init__("the client went away")
+
+
+class NotAGeneration(Exception):  # noqa: N818 - a signal, not a failure
+    """`parse` found a body that asks for no generation (Ollama's load / unload): the route
+    answers it itself; nothing is queued or recorded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +156,11 @@ class DialectCalls:
         endpoint: str,
         request_id: str,
         token: str | None,
-        parse: Callable[[], Any],
+        parse: Callable[[], Awaitable[GenerationRequest]],
     ) -> Opened:
-        """Authenticate, parse (`parse` is awaited: it reads the body), queue, and wait for the
-        first event; every failure is recorded by the policy and raised."""
+        """Authenticate, then parse (`parse` reads the body: an unauthenticated client's body is
+        never read), queue, and wait for the first event; every failure is recorded by the
+        policy and raised."""
         watch = self._policy.open(endpoint=endpoint, request_id=request_id)
         try:
             principal = await self.authenticate(token)
@@ -159,6 +168,8 @@ class DialectCalls:
             generation = with_hints(await parse(), hints_from(request.headers))
             if self._images is not None:
                 generation = await self._images.resolve(generation)
+        except NotAGeneration:
+            raise
         except Exception as error:
             watch.failed(error)
             raise

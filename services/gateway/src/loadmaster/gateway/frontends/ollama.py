@@ -43,7 +43,7 @@ from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.chat_images import image_kind
-from loadmaster.gateway.frontends.dialect_calls import ClientGone, DialectCalls, read_body
+from loadmaster.gateway.frontends.dialect_calls import ClientGone, DialectCalls, NotAGeneration, read_body
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
@@ -425,28 +425,34 @@ def ollama_routes(
 
     async def generation(request: Request, *, chat: bool) -> Response:
         started = time.monotonic_ns()
-        raw = _load(await read_body(request, max_body_bytes))
+        token = bearer_token(request.headers.get("authorization"))
+        bodies: list[ChatBody | GenerateBody] = []
+
+        async def parsed() -> GenerationRequest:  # after authentication: then the body is read
+            raw = _load(await read_body(request, max_body_bytes))
+            try:
+                body: ChatBody | GenerateBody = (ChatBody if chat else GenerateBody).model_validate(raw)
+            except ValidationError as error:
+                raise _invalid(error) from None
+            bodies.append(body)
+            empty = not body.messages if isinstance(body, ChatBody) else body.prompt is None and not body.images
+            if empty:
+                raise NotAGeneration()
+            return parse(chat_body(raw, body) if isinstance(body, ChatBody) else generate_body(raw, body))
+
         try:
-            body: ChatBody | GenerateBody = (ChatBody if chat else GenerateBody).model_validate(raw)
-        except ValidationError as error:
-            raise _invalid(error) from None
-        empty = not body.messages if isinstance(body, ChatBody) else body.prompt is None and not body.images
-        if empty:
-            return await load_or_unload(request, body, chat=chat)
-        openai_body = chat_body(raw, body) if isinstance(body, ChatBody) else generate_body(raw, body)
-
-        async def parsed() -> GenerationRequest:
-            return parse(openai_body)
-
-        opened = await calls.open(
-            request,
-            endpoint="ollama.chat" if chat else "ollama.generate",
-            request_id=next(ids),
-            token=bearer_token(request.headers.get("authorization")),
-            parse=parsed,
-        )
+            opened = await calls.open(
+                request,
+                endpoint="ollama.chat" if chat else "ollama.generate",
+                request_id=next(ids),
+                token=token,
+                parse=parsed,
+            )
+        except NotAGeneration:
+            return await load_or_unload(token, bodies[0], chat=chat)
         timing = _Timing(started)
-        name = body.model
+        name = bodies[0].model
+        stream = bodies[0].stream
 
         def reply(text: str, *, done: bool, tool_calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
             head: dict[str, Any] = {"model": name, "created_at": _now()}
@@ -461,7 +467,7 @@ def ollama_routes(
             head["done"] = done
             return head
 
-        if not body.stream:
+        if not stream:
             whole = await calls.collect(request, opened)
             timing.first = timing.first or time.monotonic_ns()
             return JSONResponse(
@@ -484,15 +490,16 @@ def ollama_routes(
             headers={"X-Loadmaster-Model": opened.generation.model},
         )
 
-    async def load_or_unload(request: Request, body: ChatBody | GenerateBody, *, chat: bool) -> Response:
-        """Ollama's way to load a model (no messages / no prompt), or with keep_alive 0 to unload it."""
-        token = bearer_token(request.headers.get("authorization"))
+    async def load_or_unload(token: str | None, body: ChatBody | GenerateBody, *, chat: bool) -> Response:
+        """Ollama's way to load a model (no messages / no prompt), or with keep_alive 0 to unload
+        it (the caller is authenticated for `infer` already; unloading also needs `admin`)."""
         try:
             keep_alive = parse_keep_alive(body.keep_alive)
         except ValueError as error:
             raise OllamaError(400, str(error)) from None
         unloading = keep_alive == 0
-        await auth.authenticate(token, ADMIN if unloading else INFER)
+        if unloading:
+            await auth.authenticate(token, ADMIN, charge=False)
         wanted, _, view = await served(body.model)
         if view is None:  # an alias: nothing to load or unload by that name
             raise OllamaError(400, f"model '{body.model}' is an alias: load or unload the models it names")
