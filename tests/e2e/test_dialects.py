@@ -243,3 +243,23 @@ def test_ollama_chat_with_tools(host: str) -> None:
     assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Oslo"})
     parts = list(client.chat(model=REPLAY, messages=[{"role": "user", "content": SCRIPT}], tools=[tool], stream=True))
     assert [c.function.arguments for p in parts for c in p.message.tool_calls or []] == [{"city": "Oslo"}]
+
+
+def test_a_forced_tool_call_from_tiny_chat_through_anthropics_dialect(host: str) -> None:
+    schema = {**WEATHER["input_schema"], "additionalProperties": False}  # a closed object: the call ends
+    client = anthropic.Anthropic(base_url=host, api_key="none", max_retries=0, timeout=60)
+    kwargs: Any = {
+        "model": CHAT,
+        "max_tokens": 96,
+        "messages": [{"role": "user", "content": "weather in Oslo?"}],
+        "tools": [{**WEATHER, "input_schema": schema}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},  # decoding constrained to the schema
+        "extra_body": {"temperature": 0},
+    }
+    message = client.messages.create(**kwargs)
+    assert message.stop_reason == "tool_use"
+    [used] = [block for block in message.content if block.type == "tool_use"]
+    assert used.name == "get_weather" and set(used.input) == {"city"} and len(used.input["city"]) <= 8  # type: ignore[arg-type,index]
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"] == [used.input]  # greedy: the same call
