@@ -64,3 +64,16 @@ def test_429s_say_when_to_retry() -> None:
     assert retry_after(OverflowError_("queue full")) == {"Retry-After": "1"}
     assert retry_after(UnavailableError("later")) == {}
     assert retry_after(ValueError("x")) == {}
+
+
+def test_kserve_infer_takes_the_headers_where_its_parameters_say_nothing() -> None:
+    from loadmaster.gateway.calls import InferenceCall
+    from loadmaster.gateway.frontends.http import _apply_hints
+
+    hints = RequestHints(priority=0, urgency=0.5, deadline_ms=250.0, client_id="arm-1")
+    call = InferenceCall("r1", "key-name", "policy", (), b"", priority=1, timeout_ms=0.0)
+    _apply_hints(call, {}, hints)
+    assert (call.priority, call.urgency, call.timeout_ms, call.client_id) == (0, 0.5, 250.0, "arm-1")
+    stated = InferenceCall("r2", "key-name", "policy", (), b"", priority=3, timeout_ms=900.0)
+    _apply_hints(stated, {"priority": 3, "timeout": 900}, hints)
+    assert (stated.priority, stated.timeout_ms) == (3, 900.0)  # the v2 parameters win
