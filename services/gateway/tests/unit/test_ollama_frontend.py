@@ -49,6 +49,7 @@ class Recorded:
         self.requests: list[tuple[GenerationRequest, str]] = []
         self.closed: list[str] = []
         self.loaded: list[str] = []
+        self.keep_alive: list[float | None] = []
         self.unloaded: list[str] = []
 
     async def generate(
@@ -77,8 +78,9 @@ class Recorded:
             "tiny-vlm": ModelView("tiny-vlm", "UNAVAILABLE", "not loaded", backend="transformers_vlm"),
         }
 
-    async def load(self, name: str) -> None:
+    async def load(self, name: str, *, keep_alive_s: float | None = None) -> None:
         self.loaded.append(name)
+        self.keep_alive.append(keep_alive_s)
 
     async def unload(self, name: str) -> None:
         self.unloaded.append(name)
@@ -207,6 +209,8 @@ async def test_an_empty_chat_loads_and_keep_alive_zero_unloads() -> None:
     assert loaded.done_reason == "load" and generations.loaded == ["tiny-chat"]
     unloaded = await client.generate(model="tiny-chat", keep_alive=0)
     assert unloaded.done_reason == "unload" and generations.unloaded == ["tiny-chat"]
+    await client.generate(model="tiny-chat", keep_alive=-1)  # preload, kept until unloaded
+    assert generations.loaded == ["tiny-chat", "tiny-chat"] and generations.keep_alive == [None, -1.0]
     assert generations.requests == []
 
 

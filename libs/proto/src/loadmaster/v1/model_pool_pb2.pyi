@@ -156,10 +156,12 @@ class ModelSlotStatus(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., generation: _Optional[int] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., device: _Optional[str] = ..., vram_mb: _Optional[int] = ..., backend: _Optional[str] = ..., pinned: _Optional[bool] = ..., last_used_unix_ms: _Optional[int] = ..., loaded_unix_ms: _Optional[int] = ..., load_time_ms: _Optional[float] = ..., error: _Optional[str] = ..., lease_id: _Optional[str] = ..., priority: _Optional[int] = ..., instances: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., evictions: _Optional[int] = ..., reloads: _Optional[int] = ..., mb_per_gpu: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model_id",)
+    __slots__ = ("model_id", "keep_alive_s")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
     model_id: str
-    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+    keep_alive_s: float
+    def __init__(self, model_id: _Optional[str] = ..., keep_alive_s: _Optional[float] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("model",)

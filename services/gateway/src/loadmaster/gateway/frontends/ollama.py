@@ -409,8 +409,8 @@ def ollama_routes(
     *,
     models: Callable[[], Awaitable[dict[str, str]]],
     views: Callable[[], Awaitable[dict[str, ModelView]]],
-    load: Callable[[str], Awaitable[None]],
-    unload: Callable[[str], Awaitable[None]],
+    load: Callable[..., Awaitable[object]],
+    unload: Callable[[str], Awaitable[object]],
     gateway_id: str,
     max_body_bytes: int,
 ) -> list[Route]:
@@ -506,7 +506,7 @@ def ollama_routes(
         if unloading:
             await unload(wanted)
         else:
-            await load(wanted)
+            await load(wanted, keep_alive_s=keep_alive)
         head: dict[str, Any] = {"model": body.model, "created_at": _now()}
         if chat:
             head["message"] = {"role": "assistant", "content": ""}
