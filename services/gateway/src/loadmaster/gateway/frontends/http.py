@@ -378,7 +378,7 @@ def build_app(
             route(prefix + "/stats", model_stats),
             route(prefix + "/infer", infer, ("POST",)),
         ]
-    routes += openai_routes(generations, auth, gateway_id=gateway_id, policy=policy)
+    routes += openai_routes(generations, auth, gateway_id=gateway_id, policy=policy, max_n=settings.max_n)
     routes += extra_routes  # the image API (frontends/openai_images.py), wired in server.py
     return Starlette(routes=routes)
 
