@@ -194,7 +194,8 @@ def test_logprobs_come_per_token_from_the_sampled_distribution(client: openai.Op
     )
     content = reply.choices[0].logprobs.content if reply.choices[0].logprobs else None
     assert content is not None and len(content) == 6
-    assert "".join(item.token for item in content) == reply.choices[0].message.content
+    whole = b"".join(bytes(item.bytes or []) for item in content)
+    assert whole.decode(errors="replace") == reply.choices[0].message.content
     for item in content:
         assert item.logprob <= 0 and len(item.top_logprobs) == 3
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob >= item.top_logprobs[2].logprob

@@ -27,6 +27,7 @@ from loadmaster.model_pool.generation import (
     SamplingParams,
     StopMatcher,
     TokenChunk,
+    TokenLogprob,
     Usage,
 )
 
@@ -48,6 +49,8 @@ class StreamState:
     loop: asyncio.AbstractEventLoop
     prompt_ids: tuple[int, ...] = ()
     sampling_kwargs: dict[str, Any] = field(default_factory=dict)  # the same on every resume
+    # (manager id, absolute position, token) -> its log probability, when they were asked for
+    logprob_of: Callable[[str, int, int], TokenLogprob] | None = None
     events: asyncio.Queue[GenerationEvent] = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)
     done: bool = False
@@ -73,23 +76,27 @@ class StreamState:
         generated = output.generated_tokens
         chunk_ids: list[int] = []
         chunk_text: list[str] = []
+        logprobs: list[TokenLogprob] = []
         for token in generated[len(self.tokens) - self.resumed_at :]:
+            if self.logprob_of is not None:
+                position = len(self.prompt_ids) + len(self.tokens)
+                logprobs.append(self.logprob_of(self.internal_id, position, int(token)))
             self.tokens.append(token)
             chunk_ids.append(token)
             text, stopped = self._stops.feed(self._text_delta())
             chunk_text.append(text)
             if stopped:
                 self.cancel_in_manager(self.internal_id)  # free the sequence: we have what we need
-                self._chunk(chunk_ids, "".join(chunk_text))
+                self._chunk(chunk_ids, "".join(chunk_text), logprobs)
                 self._end(FinishReason.STOP)
                 return
         if output.is_finished():
             chunk_text.append(self._stops.feed(self._text_delta(final=True))[0] + self._stops.flush())
-            self._chunk(chunk_ids, "".join(chunk_text))
+            self._chunk(chunk_ids, "".join(chunk_text), logprobs)
             last = self.tokens[-1] if self.tokens else None
             self._end(FinishReason.STOP if last in self.eos_ids else FinishReason.LENGTH)
         else:
-            self._chunk(chunk_ids, "".join(chunk_text))
+            self._chunk(chunk_ids, "".join(chunk_text), logprobs)
 
     # ---- from the engine -------------------------------------------------
 
@@ -120,10 +127,12 @@ class StreamState:
             return full[len(prefix) :]
         return ""
 
-    def _chunk(self, token_ids: list[int], text: str) -> None:
+    def _chunk(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None = None) -> None:
         if not token_ids and not text:
             return
-        self.events.put_nowait(TokenChunk(self.request_id, self._sequence, tuple(token_ids), text))
+        self.events.put_nowait(
+            TokenChunk(self.request_id, self._sequence, tuple(token_ids), text, logprobs=tuple(logprobs or ()))
+        )
         self._sequence += 1
 
     def _end(self, reason: FinishReason, error: str = "") -> None:

@@ -21,6 +21,8 @@ What the engine adds to the manager (docs/generative.md has the reasons):
   seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`);
 - structured output (`response_format` JSON / JSON Schema): a grammar mask of ours, first
   in the same processor list (`grammar.py`, docs/structured-output.md);
+- log probabilities of the drawn tokens, from the distribution the sampler drew from: two
+  more processors of ours around the sampling ones (`_logprobs.py`);
 - tools: rendered by the chat template (a template that ignores them is a 400 naming
   `tools`), forced calls constrained by the same mask (`tool_grammar.py`), and calls read
   out of the reply in the model's `tool_format` (`tool_calls.py`, docs/tool-calling.md).
@@ -47,11 +49,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
-from loadmaster.model_pool.engines import _seeded_sampling, grammar, tool_grammar
+from loadmaster.model_pool.engines import _logprobs, _seeded_sampling, grammar, tool_grammar
 from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
 from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
-from loadmaster.model_pool.generation import GenerationRequest, GenerationStats, SamplingParams
+from loadmaster.model_pool.generation import (
+    GenerationRequest,
+    GenerationStats,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
 from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, TransformersModelConfig
 from loadmaster.model_pool.tool_calls import ToolCallStream, ToolFormat, chat_dicts, tool_dicts
 
@@ -131,6 +139,8 @@ class TransformersEngine(Engine):
         self._cache_tokens = 0
         self._grammars: grammar.JsonGrammars | None = None
         self._grammar_mask = grammar.GrammarMask(0)
+        self._logprobs = _logprobs.LogprobRecorder()
+        self._token_bytes: dict[int, bytes] = {}
 
     # ---- memory ---------------------------------------------------------
 
@@ -209,6 +219,8 @@ class TransformersEngine(Engine):
         )
         self._grammar_mask = grammar.GrammarMask(self._vocab_size)
         grammar.install(manager.logit_processor, self._grammar_mask)
+        self._logprobs = _logprobs.LogprobRecorder()
+        _logprobs.install(manager.logit_processor, self._logprobs)
         manager.start()
         self._manager = manager
 
@@ -267,6 +279,8 @@ class TransformersEngine(Engine):
         self._check_new_id(request.request_id)
         prompt = await asyncio.to_thread(self._prompt_ids, request)
         constraint = await self._constraint(request)
+        if request.logprobs is not None and self._grammars is not None:
+            await asyncio.to_thread(self._grammars.tokenizer)  # token bytes: built once, off the loop
         manager = self._running_manager()  # again: the model may have unloaded meanwhile
         self._check_new_id(request.request_id)  # and the same id may have arrived meanwhile
         limit = self.context_tokens
@@ -288,7 +302,8 @@ class TransformersEngine(Engine):
             cancel_in_manager=manager.cancel_request,
             loop=asyncio.get_running_loop(),
             prompt_ids=tuple(prompt),
-            sampling_kwargs=self._sampling_kwargs(request.params),
+            sampling_kwargs=self._sampling_kwargs(request.params, logprobs=request.logprobs),
+            logprob_of=self._logprob_of if request.logprobs is not None else None,
         )
         self._streams[request.request_id] = state
         if constraint is not None:
@@ -342,6 +357,7 @@ class TransformersEngine(Engine):
             return False
         manager.cancel_request(state.internal_id)
         self._drop_handler(state.internal_id)
+        self._logprobs.forget(state.internal_id)
         state.paused = True
         state.preemptions += 1
         self._preemptions += 1
@@ -419,6 +435,7 @@ class TransformersEngine(Engine):
         if self._streams.get(key) is state:
             del self._streams[key]
         self._grammar_mask.detach(state.internal_id)
+        self._logprobs.forget(state.internal_id)
         self._drop_handler(state.internal_id)
 
     def _drop_handler(self, internal_id: str) -> None:
@@ -481,9 +498,28 @@ class TransformersEngine(Engine):
         assert request.response_format is not None
         return await asyncio.to_thread(grammars.constraint, request.response_format)
 
-    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+    def _sampling_kwargs(self, params: SamplingParams, *, logprobs: int | None = None) -> dict[str, Any]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return {
+        kwargs = {
             _seeded_sampling.WARP_KWARG: _seeded_sampling.pack_warp(params.temperature, params.top_p),
             _seeded_sampling.SEED_KWARG: int(seed),
         }
+        if logprobs is not None:
+            kwargs[_logprobs.LOGPROBS_KWARG] = logprobs + 1
+        return kwargs
+
+    def _logprob_of(self, internal_id: str, position: int, token: int) -> TokenLogprob:
+        """A drawn token's log probability (recorded on the manager's thread), with its bytes."""
+        record = self._logprobs.take(internal_id, position)
+        if record is None or record.token != token:  # not expected: said, not made up
+            return TokenLogprob(token, self._bytes(token), float("nan"))
+        top = tuple(TopLogprob(t, self._bytes(t), value) for t, value in record.top)
+        return TokenLogprob(token, self._bytes(token), record.logprob, top)
+
+    def _bytes(self, token: int) -> bytes:
+        cached = self._token_bytes.get(token)
+        if cached is None:
+            grammars = self._grammars
+            cached = bytes(grammars.tokenizer().decode_bytes([token])) if grammars is not None else b""
+            self._token_bytes[token] = cached
+        return cached
