@@ -223,7 +223,7 @@ def test_n_2_gives_two_choices_from_one_prompt(client: openai.OpenAI) -> None:
     )
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].message.content != reply.choices[1].message.content  # own seeds
-    assert reply.usage is not None and reply.usage.completion_tokens == 24
+    assert reply.usage is not None and reply.usage.completion_tokens <= 24
     single = client.chat.completions.create(
         model=CHAT, messages=user("hello"), max_tokens=12, temperature=1.0, seed=3
     )
