@@ -388,7 +388,9 @@ def build_app(
             route(prefix + "/stats", model_stats),
             route(prefix + "/infer", infer, ("POST",)),
         ]
-    openai = openai_routes(generations, auth, gateway_id=gateway_id, policy=policy, images=images)
+    openai = openai_routes(
+        generations, auth, gateway_id=gateway_id, policy=policy, max_n=settings.max_n, images=images
+    )
     # The other dialects (docs/dialects.md) on the same plane: Anthropic's /v1/models answers
     # requests carrying `anthropic-version` and hands the rest to OpenAI's, so it goes first.
     endpoints = {route.path: route.endpoint for route in openai}

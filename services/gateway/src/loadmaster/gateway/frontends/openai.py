@@ -21,11 +21,12 @@ spans are its children) and ends with the response, or with the last event of a 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry import trace
@@ -38,7 +39,9 @@ from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
 from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.frontends.openai_schema import (
+    DEFAULT_MAX_N,
     DONE_EVENT,
+    ChoiceOut,
     GenerationRequest,
     OpenAIError,
     Usage,
@@ -55,7 +58,17 @@ from loadmaster.gateway.frontends.openai_schema import (
 from loadmaster.gateway.frontends.request_headers import hints_from, retry_after, with_hints
 from loadmaster.gateway.generation_items import ChoiceEnd, TokenLogprob, ToolCall
 
-__all__ = ["Finished", "Generations", "RequestPolicy", "RequestWatch", "TextChunk", "openai_routes"]
+__all__ = [
+    "CollectedChoice",
+    "Finished",
+    "Generations",
+    "RequestPolicy",
+    "RequestWatch",
+    "TextChunk",
+    "choices_of",
+    "collect_events",
+    "openai_routes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +195,7 @@ def openai_routes(
     gateway_id: str,
     clock: Callable[[], float] = time.time,
     policy: RequestPolicy | None = None,
+    max_n: int = DEFAULT_MAX_N,
     images: ChatImages | None = None,
 ) -> list[Route]:
     ids = (f"{gateway_id}-{n}" for n in itertools.count(1))
@@ -244,7 +258,7 @@ def openai_routes(
                     "X-Loadmaster-Model": first.model or generation.model,
                 },
             )
-        collect = asyncio.ensure_future(_collect(events))
+        collect = asyncio.ensure_future(collect_events(events))
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -254,25 +268,24 @@ def openai_routes(
                 collect.cancel()  # the client left: closing the iterator cancels the generation
         if collect.cancelled():
             return Response(status_code=499)
-        text, finished = collect.result()
+        collected, finished = collect.result()
         usage = Usage(finished.prompt_tokens, finished.completion_tokens)
         model = finished.model or generation.model
         build = chat_completion if chat else completion
         body = build(
             request_id=request_id,
             model=model,
-            text=text,
-            finish_reason=finished.finish_reason,
             usage=usage,
             created=created,
+            choices=choices_of(collected, finished, generation),
         )
         return JSONResponse(body, headers={"X-Loadmaster-Model": model})
 
     async def chat_completions(request: Request) -> Response:
-        return await run(request, parse_chat, chat=True)
+        return await run(request, functools.partial(parse_chat, max_n=max_n), chat=True)
 
     async def completions(request: Request) -> Response:
-        return await run(request, parse_completion, chat=False)
+        return await run(request, functools.partial(parse_completion, max_n=max_n), chat=False)
 
     async def list_models(request: Request) -> Response:
         await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
@@ -308,16 +321,52 @@ def openai_routes(
     ]
 
 
-async def _collect(events: AsyncIterator[GenerationEvent]) -> tuple[str, Finished]:
-    parts: list[str] = []
+@dataclass(slots=True)
+class CollectedChoice:
+    """One choice's pieces, gathered from its chunks."""
+
+    text: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, chunk: TextChunk) -> None:
+        self.text.append(chunk.text)
+        self.tool_calls.extend(chunk.tool_calls)
+        self.logprobs.extend(chunk.logprobs)
+
+
+async def collect_events(
+    events: AsyncIterator[GenerationEvent],
+) -> tuple[dict[int, CollectedChoice], Finished]:
+    """Every chunk of a generation, by choice, and its end (the iterator is closed after)."""
+    choices: dict[int, CollectedChoice] = {}
     try:
         async for item in events:
             if isinstance(item, Finished):
-                return "".join(parts), item
-            parts.append(item.text)
+                return choices, item
+            choices.setdefault(item.choice, CollectedChoice()).add(item)
     finally:
         await _close(events)
     raise InternalError("the generation ended without a final result")
+
+
+def choices_of(
+    collected: dict[int, CollectedChoice], finished: Finished, generation: GenerationRequest
+) -> list[ChoiceOut]:
+    """The reply's choices: each one's text, calls, log probabilities (when asked) and end."""
+    out = []
+    for end in finished.choice_ends(generation.n):
+        got = collected.get(end.index, CollectedChoice())
+        out.append(
+            ChoiceOut(
+                end.index,
+                "".join(got.text),
+                end.finish_reason,
+                tool_calls=got.tool_calls,
+                logprobs=got.logprobs if generation.logprobs is not None else None,
+            )
+        )
+    return out
 
 
 def _edge_code(error: BaseException) -> str:
@@ -348,51 +397,71 @@ async def _stream(
     created: int,
     chat: bool,
 ) -> AsyncIterator[bytes]:
-    """The SSE body: a chunk per text delta, the finish chunk, the usage chunk when asked for,
-    then `[DONE]`; an error after the first byte is an `error` event and the stream ends."""
+    """The SSE body: a chunk per delta of a choice (text, tool calls, log probabilities), each
+    choice's finish chunk, the usage chunk when asked for, then `[DONE]`; an error after the
+    first byte is an `error` event and the stream ends."""
     model = generation.model
+    offsets: dict[int, int] = {}  # text completions' logprobs: where each choice's text is
 
-    def text_event(text: str, *, role: bool = False) -> bytes:
+    def delta_event(chunk: TextChunk) -> bytes:
+        logprobs = chunk.logprobs if generation.logprobs is not None else None
         if chat:
             return event(
-                chat_chunk(request_id=request_id, model=model, created=created, text=text, role=role)
+                chat_chunk(
+                    request_id=request_id,
+                    model=model,
+                    created=created,
+                    text=chunk.text if chunk.text or not chunk.tool_calls else None,
+                    index=chunk.choice,
+                    tool_calls=chunk.tool_calls,
+                    logprobs=logprobs,
+                )
             )
-        return event(completion_chunk(request_id=request_id, model=model, created=created, text=text))
+        offset = offsets.get(chunk.choice, 0)
+        offsets[chunk.choice] = offset + len(chunk.text)
+        return event(
+            completion_chunk(
+                request_id=request_id,
+                model=model,
+                created=created,
+                text=chunk.text,
+                index=chunk.choice,
+                logprobs=logprobs,
+                offset=offset,
+            )
+        )
 
     try:
         model = first.model or model  # an alias's stream is the chosen model's from the start
         if chat:
-            yield text_event("", role=True)
+            for index in range(generation.n):
+                yield event(
+                    chat_chunk(
+                        request_id=request_id, model=model, created=created, text="", role=True, index=index
+                    )
+                )
         item: GenerationEvent | None = first
         while item is not None:
             if isinstance(item, Finished):
                 model = item.model or model
-                if chat:
+                build: Any = chat_chunk if chat else completion_chunk
+                for end in item.choice_ends(generation.n):
                     yield event(
-                        chat_chunk(
+                        build(
                             request_id=request_id,
                             model=model,
                             created=created,
-                            finish_reason=item.finish_reason,
-                        )
-                    )
-                else:
-                    yield event(
-                        completion_chunk(
-                            request_id=request_id,
-                            model=model,
-                            created=created,
-                            finish_reason=item.finish_reason,
+                            finish_reason=end.finish_reason,
+                            index=end.index,
                         )
                     )
                 if generation.include_usage:
                     usage = Usage(item.prompt_tokens, item.completion_tokens)
-                    build: Any = chat_chunk if chat else completion_chunk
                     yield event(build(request_id=request_id, model=model, created=created, usage=usage))
                 yield DONE_EVENT
                 return
-            if item.text:
-                yield text_event(item.text)
+            if item.text or item.tool_calls or (item.logprobs and generation.logprobs is not None):
+                yield delta_event(item)
             item = await anext(events, None)
         raise InternalError("the generation ended without a final result")
     except Exception as error:

@@ -21,6 +21,8 @@ What the engine adds to the manager (docs/generative.md has the reasons):
   seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`);
 - structured output (`response_format` JSON / JSON Schema): a grammar mask of ours, first
   in the same processor list (`grammar.py`, docs/structured-output.md);
+- log probabilities of the drawn tokens, from the distribution the sampler drew from: two
+  more processors of ours around the sampling ones (`_logprobs.py`);
 - tools: rendered by the chat template (a template that ignores them is a 400 naming
   `tools`), forced calls constrained by the same mask (`tool_grammar.py`), and calls read
   out of the reply in the model's `tool_format` (`tool_calls.py`, docs/tool-calling.md).
@@ -47,11 +49,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
-from loadmaster.model_pool.engines import _seeded_sampling, grammar, tool_grammar
+from loadmaster.model_pool.engines import _logprobs, _seeded_sampling, grammar, tool_grammar
 from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
-from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
+from loadmaster.model_pool.engines._token_streams import ChoiceGroup, GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
-from loadmaster.model_pool.generation import GenerationRequest, GenerationStats, SamplingParams
+from loadmaster.model_pool.generation import (
+    GenerationRequest,
+    GenerationStats,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
 from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, TransformersModelConfig
 from loadmaster.model_pool.tool_calls import ToolCallStream, ToolFormat, chat_dicts, tool_dicts
 
@@ -111,6 +119,22 @@ def _num_blocks(spec: ModelSpec, hf: Mapping[str, Any]) -> int:
     return min(_MAX_DEFAULT_BLOCKS, max(1, config.max_sequences * per_sequence))
 
 
+def _choices(state: StreamState) -> list[StreamState]:
+    """A request's sequences: its one, or each of its n choices."""
+    return state.group.states if state.group is not None else [state]
+
+
+class _AnyBroken:
+    """The grammar check of n choices (grammar.CheckedStream reads `broken`)."""
+
+    def __init__(self, constraints: list[grammar.Constraint | None]) -> None:
+        self._constraints = [c for c in constraints if c is not None]
+
+    @property
+    def broken(self) -> str:
+        return next((c.broken for c in self._constraints if c.broken), "")
+
+
 class TransformersEngine(Engine):
     backend = "transformers"
     estimate_factor = 1.2  # weights x this, plus the KV budget
@@ -131,6 +155,8 @@ class TransformersEngine(Engine):
         self._cache_tokens = 0
         self._grammars: grammar.JsonGrammars | None = None
         self._grammar_mask = grammar.GrammarMask(0)
+        self._logprobs = _logprobs.LogprobRecorder()
+        self._token_bytes: dict[int, bytes] = {}
 
     # ---- memory ---------------------------------------------------------
 
@@ -209,6 +235,8 @@ class TransformersEngine(Engine):
         )
         self._grammar_mask = grammar.GrammarMask(self._vocab_size)
         grammar.install(manager.logit_processor, self._grammar_mask)
+        self._logprobs = _logprobs.LogprobRecorder()
+        _logprobs.install(manager.logit_processor, self._logprobs)
         manager.start()
         self._manager = manager
 
@@ -261,12 +289,23 @@ class TransformersEngine(Engine):
         return min(self._context_tokens, self._cache_tokens)
 
     async def submit(self, request: GenerationRequest) -> GenerationStream:
-        """Validate, tokenise (in a thread) and queue one generation; its events follow on the stream."""
+        """Validate, tokenise (in a thread) and queue one generation; its events follow on the stream.
+
+        With `n` > 1 the prompt is submitted once with n - 1 children: transformers' manager
+        prefills it, then forks the sequence (the children share its KV pages) and each
+        choice draws with its own seed (`_seeded_sampling.choice_seed`)."""
         request.check()
         self._running_manager()
         self._check_new_id(request.request_id)
+        if request.n > _config(self.spec).max_sequences:
+            raise InvalidArgumentError(
+                f"n: {request.n} choices is more than model '{self.spec.model_id}' runs at once "
+                f"({_config(self.spec).max_sequences})"
+            )
         prompt = await asyncio.to_thread(self._prompt_ids, request)
-        constraint = await self._constraint(request)
+        constraints = [await self._constraint(request) for _ in range(request.n)]
+        if request.logprobs is not None and self._grammars is not None:
+            await asyncio.to_thread(self._grammars.tokenizer)  # token bytes: built once, off the loop
         manager = self._running_manager()  # again: the model may have unloaded meanwhile
         self._check_new_id(request.request_id)  # and the same id may have arrived meanwhile
         limit = self.context_tokens
@@ -277,39 +316,56 @@ class TransformersEngine(Engine):
             )
         self._submitted += 1
         internal_id = f"{request.request_id}#{self._submitted}"
-        state = StreamState(
-            request_id=request.request_id,
-            internal_id=internal_id,
-            prompt_tokens=len(prompt),
-            params=request.params,
-            tokenizer=self._tokenizer,
-            eos_ids=self._eos_ids,
-            on_done=self._forget,
-            cancel_in_manager=manager.cancel_request,
-            loop=asyncio.get_running_loop(),
-            prompt_ids=tuple(prompt),
-            sampling_kwargs=self._sampling_kwargs(request.params),
-        )
-        self._streams[request.request_id] = state
-        if constraint is not None:
-            self._grammar_mask.attach(internal_id, constraint)
-        manager.register_result_handler(internal_id, state.on_output)
-        try:
-            accepted = manager.add_request(
-                prompt,
-                request_id=internal_id,
-                max_new_tokens=request.params.max_tokens,
-                streaming=True,
-                **state.sampling_kwargs,
+        kwargs = self._sampling_kwargs(request.params, logprobs=request.logprobs)
+        group = ChoiceGroup(request.request_id, len(prompt)) if request.n > 1 else None
+        states = []
+        for choice in range(request.n):
+            state = StreamState(
+                request_id=request.request_id,
+                internal_id=internal_id if choice == 0 else f"{internal_id}{_seeded_sampling.CHILD_MARK}{choice - 1}",
+                prompt_tokens=len(prompt),
+                params=request.params,
+                tokenizer=self._tokenizer,
+                eos_ids=self._eos_ids,
+                on_done=self._forget,
+                cancel_in_manager=manager.cancel_request,
+                loop=asyncio.get_running_loop(),
+                prompt_ids=tuple(prompt),
+                sampling_kwargs=_seeded_sampling.for_choice(kwargs, choice),  # what a resume submits
+                logprob_of=self._logprob_of if request.logprobs is not None else None,
             )
+            if group is not None:
+                group.join(state)
+            states.append(state)
+        self._streams[request.request_id] = states[0]
+        for state, constraint in zip(states, constraints, strict=True):
+            if constraint is not None:
+                self._grammar_mask.attach(state.internal_id, constraint)
+            manager.register_result_handler(state.internal_id, state.on_output)
+        try:
+            manager.num_return_sequences = request.n  # read by add_request only, on this thread
+            try:
+                accepted = manager.add_request(
+                    prompt,
+                    request_id=internal_id,
+                    max_new_tokens=request.params.max_tokens,
+                    streaming=True,
+                    **kwargs,
+                )
+            finally:
+                manager.num_return_sequences = 1
         except Exception:
-            self._forget(state)
+            for state in states:
+                self._forget(state)
             raise
         if accepted is None:  # the manager is stopping: it drops the request with a log line
-            self._forget(state)
+            for state in states:
+                self._forget(state)
             raise UnavailableError(f"model '{self.spec.model_id}' is stopping; try another worker")
-        stream = GenerationStream(state, self.cancel)
-        checked = stream if constraint is None else grammar.CheckedStream(stream, constraint)
+        stream = GenerationStream(group or states[0], self.cancel)
+        checked: GenerationStream = stream
+        if constraints[0] is not None:
+            checked = grammar.CheckedStream(stream, _AnyBroken(constraints))  # type: ignore[arg-type]
         if request.tools is None or not request.tool_calls_parsed:
             return checked
         return ToolCallStream(  # type: ignore[return-value]
@@ -330,20 +386,27 @@ class TransformersEngine(Engine):
         state = self._streams.get(request_id)
         if state is None:
             return False
-        state.cancel()
+        (state.group or state).cancel()
         return True
 
     def preempt(self, request_id: str) -> bool:
         """Take a running sequence out of the manager (its slot and KV pages are freed at the
-        next step) and keep its stream open; `resume` puts it back. False when not running."""
+        next step) and keep its stream open; `resume` puts it back. False when not running.
+        A request with n choices is taken out whole (each choice resumes on its own)."""
         state = self._streams.get(request_id)
         manager = self._manager
         if state is None or state.paused or manager is None:
             return False
-        manager.cancel_request(state.internal_id)
-        self._drop_handler(state.internal_id)
-        state.paused = True
-        state.preemptions += 1
+        for choice in _choices(state):
+            if choice.done:
+                continue
+            manager.cancel_request(choice.internal_id)
+            self._drop_handler(choice.internal_id)
+            self._logprobs.forget(choice.internal_id)
+            choice.paused = True
+            choice.preemptions += 1
+        if state.group is not None:
+            state.group.preemptions += 1
         self._preemptions += 1
         return True
 
@@ -356,23 +419,26 @@ class TransformersEngine(Engine):
         if state is None or not state.paused:
             return False
         manager = self._running_manager()
-        state.paused = False
-        remaining = state.params.max_tokens - len(state.tokens)
-        if remaining <= 0:
-            state.finish_length()
-            return True
-        self._submitted += 1
-        self._grammar_mask.move(state.internal_id, f"{request_id}#{self._submitted}", state.tokens)
-        state.internal_id = f"{request_id}#{self._submitted}"
-        state.resumed_at = len(state.tokens)
-        manager.register_result_handler(state.internal_id, state.on_output)
-        manager.add_request(
-            [*state.prompt_ids, *state.tokens],
-            request_id=state.internal_id,
-            max_new_tokens=remaining,
-            streaming=True,
-            **state.sampling_kwargs,
-        )
+        for choice in _choices(state):
+            if choice.done or not choice.paused:
+                continue
+            choice.paused = False
+            remaining = choice.params.max_tokens - len(choice.tokens)
+            if remaining <= 0:
+                choice.finish_length()
+                continue
+            self._submitted += 1
+            self._grammar_mask.move(choice.internal_id, f"{request_id}#{self._submitted}", choice.tokens)
+            choice.internal_id = f"{request_id}#{self._submitted}"
+            choice.resumed_at = len(choice.tokens)
+            manager.register_result_handler(choice.internal_id, choice.on_output)
+            manager.add_request(
+                [*choice.prompt_ids, *choice.tokens],
+                request_id=choice.internal_id,
+                max_new_tokens=remaining,
+                streaming=True,
+                **choice.sampling_kwargs,
+            )
         return True
 
     def stats(self) -> GenerationStats:
@@ -416,9 +482,11 @@ class TransformersEngine(Engine):
 
     def _forget(self, state: StreamState) -> None:
         key = state.request_id
-        if self._streams.get(key) is state:
+        primary = self._streams.get(key)
+        if primary is not None and primary in _choices(state) and all(c.done for c in _choices(state)):
             del self._streams[key]
         self._grammar_mask.detach(state.internal_id)
+        self._logprobs.forget(state.internal_id)
         self._drop_handler(state.internal_id)
 
     def _drop_handler(self, internal_id: str) -> None:
@@ -481,9 +549,28 @@ class TransformersEngine(Engine):
         assert request.response_format is not None
         return await asyncio.to_thread(grammars.constraint, request.response_format)
 
-    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+    def _sampling_kwargs(self, params: SamplingParams, *, logprobs: int | None = None) -> dict[str, Any]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return {
+        kwargs = {
             _seeded_sampling.WARP_KWARG: _seeded_sampling.pack_warp(params.temperature, params.top_p),
             _seeded_sampling.SEED_KWARG: int(seed),
         }
+        if logprobs is not None:
+            kwargs[_logprobs.LOGPROBS_KWARG] = logprobs + 1
+        return kwargs
+
+    def _logprob_of(self, internal_id: str, position: int, token: int) -> TokenLogprob:
+        """A drawn token's log probability (recorded on the manager's thread), with its bytes."""
+        record = self._logprobs.take(internal_id, position)
+        if record is None or record.token != token:  # not expected: said, not made up
+            return TokenLogprob(token, self._bytes(token), float("nan"))
+        top = tuple(TopLogprob(t, self._bytes(t), value) for t, value in record.top)
+        return TokenLogprob(token, self._bytes(token), record.logprob, top)
+
+    def _bytes(self, token: int) -> bytes:
+        cached = self._token_bytes.get(token)
+        if cached is None:
+            grammars = self._grammars
+            cached = bytes(grammars.tokenizer().decode_bytes([token])) if grammars is not None else b""
+            self._token_bytes[token] = cached
+        return cached
