@@ -35,6 +35,7 @@ def test_registry() -> None:
         "transformers",
         "openai_process",
         "diffusers",
+        "embedding",
     }
     assert engine_class("python") is PythonEngine
     assert engine_class("torch") is TorchEngine

@@ -24,6 +24,7 @@ ENGINES: dict[str, str] = {
     "transformers": "loadmaster.model_pool.engines.transformers:TransformersEngine",
     "openai_process": "loadmaster.model_pool.engines.openai_process:OpenAIProcessEngine",
     "diffusers": "loadmaster.model_pool.engines.diffusers:DiffusersEngine",
+    "embedding": "loadmaster.model_pool.engines.embedding:EmbeddingEngine",
 }
 
 
