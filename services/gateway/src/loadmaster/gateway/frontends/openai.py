@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loadmaster.common import tracing
-from loadmaster.common.errors import InternalError, LoadmasterError
+from loadmaster.common.errors import InternalError, LoadmasterError, retry_after_header
 from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
 from loadmaster.gateway.frontends.openai_schema import (
     DEFAULT_MAX_N,
@@ -164,7 +164,9 @@ def _error_response(error: Exception) -> Response:
         log.error("unhandled error in the OpenAI API", exc_info=error)
         error = InternalError(f"internal error: {type(error).__name__}")
     mapped = error_from(error)
-    return JSONResponse(mapped.body(), status_code=mapped.status)
+    retry_after = retry_after_header(error)  # 429 and 503: when to come back
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
+    return JSONResponse(mapped.body(), status_code=mapped.status, headers=headers)
 
 
 async def _read_body(request: Request) -> bytes:
