@@ -20,6 +20,8 @@ order of float sums).
     tiny-chat-b the same shape and tokenizer, other random weights (a second LLM for ladders)
     tiny-diffusion  a diffusers folder   random-weight UNet2DModel (channels 8/16, no attention)
                                         with a DDIM scheduler (backend: diffusers)
+    tiny-embed  a Hugging Face folder   random-weight BERT encoder (2 layers, hidden 64) with
+                                        tiny-chat's tokenizer (backend: embedding)
     tiny-vlm    a Hugging Face folder   random-weight LLaVA (CLIP tower on 32x32 images, tiny-chat's
                                         Llama shape), tiny-chat's tokenizer + <image>, a LLaVA
                                         processor (backend: transformers_vlm)
@@ -33,6 +35,7 @@ import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -202,13 +205,11 @@ def _tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
-    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path)."""
+def _tiny_tokenizer() -> Any:
+    """tiny-chat's byte-level BPE (1,024 tokens, trained on the frozen docs corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    artifact = folder / "artifacts"
-    artifact.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -219,9 +220,16 @@ def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
         show_progress=False,
     )
     bpe.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def build_tiny_chat(folder: Path, *, seed: int = 0) -> Path:
+    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    artifact = folder / "artifacts"
+    artifact.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer()
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(artifact)
 
@@ -358,6 +366,30 @@ def build_tiny_vlm(folder: Path) -> Path:
     return artifact / "model.safetensors"
 
 
+def build_tiny_embed(folder: Path) -> Path:
+    """A tiny random-weight BERT encoder (2 layers, hidden 64) with tiny-chat's tokenizer, saved
+    as a Hugging Face folder: an embedding model (backend: embedding, mean pooling)."""
+    from transformers import BertConfig, BertModel
+
+    artifact = folder / "artifacts"
+    artifact.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer()
+    tokenizer.save_pretrained(artifact)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    BertModel(config, add_pooling_layer=False).eval().save_pretrained(artifact)
+    (artifact / "model.safetensors").chmod(0o644)  # as tiny-chat's: read by the containers' user
+    return artifact / "model.safetensors"
+
+
 def build_tiny_diffusion(folder: Path) -> Path:
     """A tiny random-weight unconditional UNet with a DDIM scheduler, saved as a diffusers
     pipeline folder (noise-like images, the real diffusion path; a few steps on CPU)."""
@@ -390,6 +422,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     # tiny-chat's shape and tokenizer, other random weights: a second LLM for model ladders.
     "tiny-chat-b": functools.partial(build_tiny_chat, seed=1),
     "tiny-diffusion": build_tiny_diffusion,
+    "tiny-embed": build_tiny_embed,
     "tiny-vlm": build_tiny_vlm,
 }
 

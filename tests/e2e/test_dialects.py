@@ -263,3 +263,18 @@ def test_a_forced_tool_call_from_tiny_chat_through_anthropics_dialect(host: str)
     with client.messages.stream(**kwargs) as stream:
         final = stream.get_final_message()
     assert [b.input for b in final.content if b.type == "tool_use"] == [used.input]  # greedy: the same call
+
+
+def test_ollama_embed(host: str) -> None:
+    client = ollama.Client(host=host, timeout=60)
+    reply = client.embed(model="tiny-embed", input=["a robot arm", "a gripper", "a robot arm"])
+    vectors = np.asarray(reply.embeddings, dtype=np.float32)
+    assert vectors.shape[0] == 3 and vectors.shape[1] > 8 and reply.prompt_eval_count
+    assert np.allclose(vectors[0], vectors[2]) and not np.allclose(vectors[0], vectors[1])
+    same = openai.OpenAI(base_url=host + "/v1", api_key="none", max_retries=0).embeddings.create(
+        model="tiny-embed", input="a robot arm"
+    )
+    assert np.allclose(same.data[0].embedding, vectors[0], atol=1e-5)  # the same model, the same call
+    older = client.embeddings(model="tiny-embed", prompt="a gripper").embedding
+    assert np.allclose(older, vectors[1], atol=1e-5)
+    assert "tiny-embed:latest" in [m.model for m in client.list().models]

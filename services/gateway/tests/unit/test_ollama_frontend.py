@@ -10,6 +10,7 @@ import io
 from collections.abc import AsyncIterator
 
 import httpx
+import numpy as np
 import ollama
 import pytest
 from PIL import Image
@@ -19,6 +20,7 @@ from loadmaster.common.config import ApiKeySettings
 from loadmaster.common.errors import NotFoundError, UnavailableError
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelView
+from loadmaster.gateway.embeddings import EmbeddingRequest, EmbeddingResult
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.ollama import ollama_routes, parse_keep_alive
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
@@ -86,7 +88,24 @@ class Recorded:
         self.unloaded.append(name)
 
 
-def client_for(generations: Recorded, keys: list[ApiKeySettings] | None = None, **headers: str) -> ollama.AsyncClient:
+class Embeddings:
+    """Answers every embedding call with a vector per input; remembers what it was asked."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[EmbeddingRequest, str]] = []
+
+    async def embed(self, request: EmbeddingRequest, *, request_id: str, client_id: str) -> EmbeddingResult:
+        self.requests.append((request, client_id))
+        rows = [[float(i), 0.5, -1.0] for i in range(len(request.inputs))]
+        return EmbeddingResult(np.asarray(rows, dtype=np.float32), tuple(3 for _ in request.inputs))
+
+
+def client_for(
+    generations: Recorded,
+    keys: list[ApiKeySettings] | None = None,
+    embedder: Embeddings | None = None,
+    **headers: str,
+) -> ollama.AsyncClient:
     auth = Authenticator(keys or [])
     routes = ollama_routes(
         DialectCalls(generations, auth, client_type="ollama"),
@@ -97,6 +116,7 @@ def client_for(generations: Recorded, keys: list[ApiKeySettings] | None = None, 
         unload=generations.unload,
         gateway_id="gw",
         max_body_bytes=1 << 20,
+        embedder=embedder,  # type: ignore[arg-type]
     )
     app = Starlette(routes=routes)
     return ollama.AsyncClient(host="http://gateway", transport=httpx.ASGITransport(app=app), headers=headers)
@@ -374,3 +394,40 @@ async def test_a_client_without_a_valid_key_is_refused_before_its_body_is_read()
     async with httpx.AsyncClient(transport=client._client._transport, base_url="http://gateway") as http:
         response = await http.post("/api/chat", content=b"{not json", headers={"authorization": "Bearer wrong"})
     assert response.status_code == 401 and "not valid" in response.json()["error"]
+
+
+async def test_embed_is_one_embedding_call_per_request() -> None:
+    embedder = Embeddings()
+    client = client_for(Recorded([]), embedder=embedder, **{"X-Loadmaster-Priority": "0"})
+    reply = await client.embed(model="tiny-embed:latest", input=["one", "two"], dimensions=3)
+    assert reply.embeddings == [[0.0, 0.5, -1.0], [1.0, 0.5, -1.0]] and reply.prompt_eval_count == 6
+    assert reply.model == "tiny-embed:latest"
+    single = await client.embed(model="tiny-embed", input="one", truncate=False)
+    assert single.embeddings == [[0.0, 0.5, -1.0]]
+    older = await client.embeddings(model="tiny-embed", prompt="one")
+    assert list(older.embedding) == [0.0, 0.5, -1.0]
+    [(first, client_id), (second, _), (third, _)] = embedder.requests
+    assert (first.model, first.inputs, first.dimensions, first.priority) == ("tiny-embed", ("one", "two"), 3, 0)
+    assert (second.inputs, third.inputs, client_id) == (("one",), ("one",), "ollama")
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        ({"truncate": True}, "truncate"),
+        ({"options": {"num_ctx": 512}}, "options.num_ctx"),
+        ({"keep_alive": "5m"}, "keep_alive"),
+        ({"input": []}, "input: at least one"),
+        ({"input": ["a", ""]}, "input[1]: empty"),
+        ({"dimensions": 0}, "dimensions"),
+    ],
+)
+async def test_embed_refuses_what_it_cannot_honour(call: dict[str, object], needle: str) -> None:
+    embedder = Embeddings()
+    body = {"model": "tiny-embed", "input": "x", **call}
+    async with httpx.AsyncClient(
+        transport=client_for(Recorded([]), embedder=embedder)._client._transport, base_url="http://gateway"
+    ) as http:
+        response = await http.post("/api/embed", json=body)
+    assert response.status_code == 400 and needle in response.json()["error"], response.text
+    assert embedder.requests == []

@@ -150,8 +150,22 @@ async def test_api_keys_scopes_and_rate_limits_apply() -> None:
         await app_client.chat.completions.create(model="tiny-chat", messages=MESSAGES)
     good = app_client.with_options(api_key="secret")
     assert (await good.chat.completions.create(model="tiny-chat", messages=MESSAGES)).choices
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as caught:
         await good.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    assert caught.value.response.headers["retry-after"] == "1"  # the next token within a second
+
+
+async def test_429s_and_503s_say_when_to_come_back() -> None:
+    slow = ApiKeySettings(name="slow", sha256=hashlib.sha256(b"s").hexdigest(), rate_per_s=0.25, burst=1)
+    client = client_for(Recorded(["a"]), keys=[slow]).with_options(api_key="s")
+    await client.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    with pytest.raises(openai.RateLimitError) as caught:
+        await client.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    assert 3 <= int(caught.value.response.headers["retry-after"]) <= 4  # a token every 4 s
+    busy = client_for(Recorded([], fail_before=UnavailableError("no worker holds the model")))
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        await busy.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    assert unavailable.value.response.headers["retry-after"] == "1"
 
 
 async def test_models_are_listed_with_their_state() -> None:

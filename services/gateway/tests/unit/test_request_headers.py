@@ -58,12 +58,17 @@ def test_the_body_wins_over_a_header() -> None:
     assert with_hints(request, RequestHints()) is request
 
 
-def test_429s_say_when_to_retry() -> None:
-    assert retry_after(ResourceExhaustedError("slow down", retry_after_s=2.2)) == {"Retry-After": "3"}
-    assert retry_after(ResourceExhaustedError("slow down", retry_after_s=0.01)) == {"Retry-After": "1"}
+def test_429s_and_503s_say_when_to_retry() -> None:
+    def limited(wait_s: float) -> ResourceExhaustedError:
+        error = ResourceExhaustedError("slow down")
+        error.retry_after_s = wait_s
+        return error
+
+    assert retry_after(limited(2.2)) == {"Retry-After": "3"}
+    assert retry_after(limited(0.01)) == {"Retry-After": "1"}
     assert retry_after(OverflowError_("queue full")) == {"Retry-After": "1"}
-    assert retry_after(UnavailableError("later")) == {}
-    assert retry_after(ValueError("x")) == {}
+    assert retry_after(UnavailableError("later")) == {"Retry-After": "1"}
+    assert retry_after(InvalidArgumentError("bad")) == {} and retry_after(ValueError("x")) == {}
 
 
 def test_kserve_infer_takes_the_headers_where_its_parameters_say_nothing() -> None:

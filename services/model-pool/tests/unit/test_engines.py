@@ -36,6 +36,7 @@ def test_registry() -> None:
         "transformers_vlm",
         "openai_process",
         "diffusers",
+        "embedding",
     }
     assert engine_class("python") is PythonEngine
     assert engine_class("torch") is TorchEngine

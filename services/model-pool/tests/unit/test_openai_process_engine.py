@@ -229,3 +229,19 @@ def test_repeated_crashes_back_off_doubling_and_are_forgotten_after_the_window()
     assert backoff.crashes("m", now=50.0) == 6
     assert backoff.crashed("m", now=200.0) == 0.0  # the old ones left the window
     assert backoff.crashes("m", now=200.0) == 1
+
+
+def test_what_the_proxy_does_not_carry_is_refused_by_name() -> None:
+    from loadmaster.model_pool.engines.openai_process import refuse_unproxied
+    from loadmaster.model_pool.generation import ChatMessage, FunctionTool, ToolUse
+
+    params = SamplingParams(max_tokens=4)
+    chat = (ChatMessage("user", "hi"),)
+    refuse_unproxied(GenerationRequest("ok", params, messages=chat), "m")  # nothing extra: fine
+    for request, field in (
+        (GenerationRequest("t", params, messages=chat, tools=ToolUse((FunctionTool("f"),))), "tools"),
+        (GenerationRequest("l", params, messages=chat, logprobs=1), "logprobs"),
+        (GenerationRequest("n", params, messages=chat, n=2), "n"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=f"^{field}: model 'm' runs in an engine process"):
+            refuse_unproxied(request, "m")

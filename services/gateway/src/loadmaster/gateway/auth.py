@@ -73,9 +73,11 @@ class TokenBucket:
             return True
         return False
 
-    def wait_s(self) -> float:
-        """Seconds until the next token (after a refused `take`)."""
-        return max(0.0, 1.0 - self.tokens) / self.rate_per_s if self.rate_per_s > 0 else 1.0
+    def refused(self, message: str) -> ResourceExhaustedError:
+        """The rate-limit error, saying when the next token comes (`Retry-After`)."""
+        error = ResourceExhaustedError(message)
+        error.retry_after_s = max(0.0, (1.0 - self.tokens) / self.rate_per_s)
+        return error
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +149,9 @@ class Authenticator:
             )
         bucket = self._subject_bucket(claims.subject)
         if charge and bucket is not None and not bucket.take(self._clock.monotonic()):
-            raise ResourceExhaustedError(
+            raise bucket.refused(
                 f"subject '{claims.subject}' exceeded its rate limit of "
-                f"{self._oidc_settings.rate_per_s:g} requests/s",
-                retry_after_s=bucket.wait_s(),
+                f"{self._oidc_settings.rate_per_s:g} requests/s"
             )
         return Principal(claims.subject, "oidc", claims.subject)
 
@@ -190,8 +191,7 @@ class Authenticator:
         if scope not in key.scopes:
             raise PermissionDeniedError(f"API key '{key.name}' lacks the '{scope}' scope")
         if charge and key.bucket is not None and not key.bucket.take(self._clock.monotonic()):
-            raise ResourceExhaustedError(
-                f"API key '{key.name}' exceeded its rate limit of {key.bucket.rate_per_s:g} requests/s",
-                retry_after_s=key.bucket.wait_s(),
+            raise key.bucket.refused(
+                f"API key '{key.name}' exceeded its rate limit of {key.bucket.rate_per_s:g} requests/s"
             )
         return key.name

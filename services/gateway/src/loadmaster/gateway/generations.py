@@ -68,6 +68,7 @@ __all__ = ["GENERATIVE_BACKENDS", "GenerationPort", "GenerationStreams"]
 log = logging.getLogger(__name__)
 
 GENERATIVE_BACKENDS = frozenset({"transformers", "transformers_vlm", "openai_process", "python_generative"})
+OPENAI_BACKENDS = GENERATIVE_BACKENDS | {"embedding"}  # what GET /v1/models lists
 DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's own default is the context's rest)
 DEFAULT_PRIORITY = 1  # as for tensor requests
 MAX_BUFFERED = 8192  # replies one stream may have waiting for its consumer
@@ -532,6 +533,6 @@ class GenerationPort:
         served = {
             name: "IDLE" if view.state == "UNAVAILABLE" and view.reason in ("", "not loaded") else view.state
             for name, view in views.items()
-            if view.backend in GENERATIVE_BACKENDS
+            if view.backend in OPENAI_BACKENDS
         }
         return {**served, **alias_states(self._router.ladders, served)}

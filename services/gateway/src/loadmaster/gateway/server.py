@@ -19,6 +19,7 @@ from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.embeddings import Embedder
 from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.edge import EdgeFrontend
 from loadmaster.gateway.frontends.grpc import (
@@ -27,6 +28,7 @@ from loadmaster.gateway.frontends.grpc import (
     receive_options,
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
+from loadmaster.gateway.frontends.openai_embeddings import embedding_routes
 from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
 from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.guardrails import Guardrails
@@ -145,6 +147,7 @@ class Gateway:
         self.images = ImageGenerator(
             self.dispatcher, settings.gateway.limits, default_timeout_ms=images.timeout_ms
         )
+        self.embedder = Embedder(self.dispatcher, settings.gateway.limits)
         self.image_jobs: ImageJobs | None = None
         if settings.redis_url:  # async jobs live in Redis; without one, only synchronous requests
 
@@ -176,11 +179,13 @@ class Gateway:
             gateway_id=self.gateway_id,
             generations=self.generations,
             generative=self.generative,
-            extra_routes=image_routes(
-                self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id
-            ),
+            extra_routes=[
+                *image_routes(self.images, self.image_jobs, self.auth, images, gateway_id=self.gateway_id),
+                *embedding_routes(self.embedder, self.auth, gateway_id=self.gateway_id),
+            ],
             policy=self.policy,
             images=self.chat_images,
+            embedder=self.embedder,
         )
         tls = (gateway.tls_cert_file, gateway.tls_key_file)
         cert, key = (

@@ -6,7 +6,7 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | python_generative | torch | onnx | tensorrt | ray_serve | transformers | transformers_vlm | openai_process | diffusers
+    backend: torch            # python | python_generative | torch | onnx | tensorrt | ray_serve | transformers | transformers_vlm | openai_process | diffusers | embedding
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -84,6 +84,7 @@ CATEGORY_BY_BACKEND: dict[str, Literal["llm", "vision", "diffusion", "other"]] =
     "transformers_vlm": "llm",
     "openai_process": "llm",
     "python_generative": "llm",
+    "embedding": "llm",  # keep-alive as a language model's
     "diffusers": "diffusion",
 }
 
@@ -299,6 +300,29 @@ class OpenAIProcessModelConfig(_BaseModelConfig):
         return instances
 
 
+class EmbeddingModelConfig(_BaseModelConfig):
+    """A Hugging Face encoder folder served as an embedding model (engines/embedding.py,
+    docs/embeddings.md): texts or token ids in, one vector each out, batched like any tensor
+    model (`max_batch_size`)."""
+
+    backend: Literal["embedding"]
+    path: str = Field(default=".", min_length=1)  # the HF folder, relative to the model folder
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    pooling: Literal["mean", "cls", "last"] = "mean"  # how token states become one vector
+    normalize: bool = True  # unit length (cosine similarity is a dot product)
+    # Shorter vectors a request may ask for (`dimensions`, Matryoshka-trained models): the
+    # first N components, re-normalised. Empty: only the model's own size.
+    dimensions: tuple[int, ...] = ()
+    max_input_tokens: int | None = Field(default=None, ge=1)  # default: the model's positions
+
+    @field_validator("dimensions")
+    @classmethod
+    def _dimensions(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        if any(size < 1 for size in sizes):
+            raise ValueError("dimensions are sizes >= 1")
+        return tuple(sorted(set(sizes)))
+
+
 class DiffusersModelConfig(_BaseModelConfig):
     """A diffusers pipeline folder (model_index.json, a UNet and a scheduler) that makes images
     (engines/diffusers.py, docs/images.md)."""
@@ -329,6 +353,7 @@ AnyModelConfig = (
     | VisionLanguageModelConfig
     | OpenAIProcessModelConfig
     | DiffusersModelConfig
+    | EmbeddingModelConfig
 )
 # One entry per engine; the `backend` field picks the class.
 ModelConfig = Annotated[AnyModelConfig, Field(discriminator="backend")]

@@ -43,7 +43,7 @@ from loadmaster.gateway.frontends.openai_schema import GenerationRequest, OpenAI
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.generation_items import ToolCall
 
-__all__ = ["ClientGone", "Collected", "DialectCalls", "NotAGeneration", "Opened", "read_body"]
+__all__ = ["ClientGone", "Collected", "DialectCalls", "NotAGeneration", "Opened", "read_body", "until_disconnected"]
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _until_disconnected(request: Request) -> None:
+async def until_disconnected(request: Request) -> None:
+    """Return when the client goes away (after its body was read, that is all `receive` says)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -197,7 +198,7 @@ class DialectCalls:
     @staticmethod
     async def _first(request: Request, events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
         first = asyncio.ensure_future(anext(events))
-        gone = asyncio.ensure_future(_until_disconnected(request))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
             await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -216,7 +217,7 @@ class DialectCalls:
     async def collect(self, request: Request, opened: Opened) -> Collected:
         """The whole reply; `ClientGone` (the generation cancelled) when the client leaves first."""
         work = asyncio.ensure_future(_collect(opened.first, opened.events))
-        gone = asyncio.ensure_future(_until_disconnected(request))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:

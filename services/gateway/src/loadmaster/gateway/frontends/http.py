@@ -48,6 +48,7 @@ from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.embeddings import Embedder
 from loadmaster.gateway.frontends.anthropic import anthropic_routes
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.http_codec import (
@@ -166,6 +167,7 @@ def build_app(
     extra_routes: Sequence[Route] = (),
     policy: RequestPolicy | None = None,
     images: ChatImages | None = None,
+    embedder: Embedder | None = None,
 ) -> Starlette:
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
@@ -416,6 +418,7 @@ def build_app(
         unload=catalog.unload,
         gateway_id=gateway_id,
         max_body_bytes=limits.max_json_bytes,
+        embedder=embedder,
     )
     routes += extra_routes  # the image API (frontends/openai_images.py), wired in server.py
     middleware = []

@@ -1,7 +1,9 @@
 """Ollama's API on the gateway's HTTP port: translation only (docs/dialects.md).
 
 Routes: `GET /` and `HEAD /` ("Ollama is running"), `GET /api/version`, `GET /api/tags`,
-`GET /api/ps`, `POST /api/show`, `POST /api/chat`, `POST /api/generate`. A chat or generate
+`GET /api/ps`, `POST /api/show`, `POST /api/chat`, `POST /api/generate`, `POST /api/embed`
+and the older `POST /api/embeddings` (one tensor call to an embedding model, as
+`/v1/embeddings`: gateway/embeddings.py). A chat or generate
 body becomes an OpenAI chat/completions body (`raw` generate: a completions body) and goes
 through the OpenAI parser and the same request plane (frontends/dialect_calls.py); its
 events come back as Ollama's NDJSON lines (`stream` is true unless the body says false).
@@ -22,6 +24,7 @@ this server cannot honour is a 400 naming it. Errors are `{"error": "..."}` with
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -43,7 +46,14 @@ from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.chat_images import image_kind
-from loadmaster.gateway.frontends.dialect_calls import ClientGone, DialectCalls, NotAGeneration, read_body
+from loadmaster.gateway.embeddings import Embedder, EmbeddingRequest, EmbeddingResult
+from loadmaster.gateway.frontends.dialect_calls import (
+    ClientGone,
+    DialectCalls,
+    NotAGeneration,
+    read_body,
+    until_disconnected,
+)
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
@@ -53,14 +63,16 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_completion,
     relevant_error,
 )
-from loadmaster.gateway.frontends.request_headers import retry_after
+from loadmaster.gateway.frontends.request_headers import hints_from, retry_after, with_hints
 from loadmaster.gateway.generation_items import ToolCall
+from loadmaster.gateway.validation import off_loop
 
 __all__ = ["OLLAMA_VERSION", "OllamaError", "ollama_routes", "parse_keep_alive"]
 
 log = logging.getLogger(__name__)
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API level these routes speak
+MAX_EMBED_INPUTS = 2048  # inputs per /api/embed request (as /v1/embeddings)
 LATEST = ":latest"
 VISION_BACKENDS = frozenset({"transformers_vlm"})
 HONOURED_OPTIONS = ("temperature", "top_p", "seed", "num_predict", "stop")
@@ -142,6 +154,24 @@ class GenerateBody(_GenerateBase):
     system: str | None = None
     raw: bool = False
     images: list[str] | None = None
+
+
+class EmbedBody(_Body):
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool | None = None
+    dimensions: int | None = Field(default=None, ge=1)
+    options: Options | None = None
+    keep_alive: float | str | None = None
+
+
+class EmbeddingsBody(_Body):
+    """The older `/api/embeddings`: one prompt, one vector."""
+
+    model: str = Field(min_length=1)
+    prompt: str
+    options: Options | None = None
+    keep_alive: float | str | None = None
 
 
 class ShowBody(_Body):
@@ -321,6 +351,49 @@ def generate_body(raw: Mapping[str, Any], body: GenerateBody) -> dict[str, Any]:
     return out
 
 
+def embedding_request(body: EmbedBody | EmbeddingsBody) -> EmbeddingRequest:
+    """An embed body as an `EmbeddingRequest`, or a 400 naming what cannot be honoured."""
+    if body.options is not None:
+        given = [name for name, value in body.options.model_dump().items() if value is not None]
+        if given:
+            raise OllamaError(400, f"options.{given[0]}: an embedding model takes no options")
+    if body.keep_alive is not None:
+        raise OllamaError(400, "keep_alive: not supported on the embedding routes (the model's own applies)")
+    if isinstance(body, EmbeddingsBody):
+        if not body.prompt:
+            raise OllamaError(400, "prompt: empty (an input needs text)")
+        return EmbeddingRequest(model=model_name(body.model), inputs=(body.prompt,))
+    if body.truncate:
+        raise OllamaError(
+            400, "truncate: inputs are never cut; one longer than the model takes is a 400 (send truncate: false)"
+        )
+    inputs = (body.input,) if isinstance(body.input, str) else tuple(body.input)
+    if not inputs:
+        raise OllamaError(400, "input: at least one input is required")
+    if len(inputs) > MAX_EMBED_INPUTS:
+        raise OllamaError(400, f"input: {len(inputs)} inputs, at most {MAX_EMBED_INPUTS} per request")
+    for index, text in enumerate(inputs):
+        if not text:
+            raise OllamaError(400, f"input[{index}]: empty (an input needs text)")
+    return EmbeddingRequest(model=model_name(body.model), inputs=inputs, dimensions=body.dimensions)
+
+
+def render_embed(model: str, result: EmbeddingResult, started_ns: int, *, single: bool) -> str:
+    """`/api/embed`'s reply (or `/api/embeddings`' with `single`) as JSON text: it grows with the
+    inputs, so it is made off the event loop."""
+    vectors = result.vectors.astype("<f4", copy=False).tolist()
+    if single:
+        return json.dumps({"embedding": vectors[0]}, separators=(",", ":"))
+    reply = {
+        "model": model,
+        "embeddings": vectors,
+        "total_duration": time.monotonic_ns() - started_ns,
+        "load_duration": 0,
+        "prompt_eval_count": result.prompt_tokens,
+    }
+    return json.dumps(reply, separators=(",", ":"))
+
+
 # OpenAI parser fields -> the Ollama field a client sent (for a 400 the parser raised).
 _FIELD_NAMES = {
     "max_tokens": "options.num_predict",
@@ -413,6 +486,7 @@ def ollama_routes(
     unload: Callable[[str], Awaitable[object]],
     gateway_id: str,
     max_body_bytes: int,
+    embedder: Embedder | None = None,
 ) -> list[Route]:
     ids = (f"{gateway_id}-o{n}" for n in itertools.count(1))
 
@@ -579,6 +653,41 @@ def ollama_routes(
             }
         )
 
+    async def embed(request: Request, *, single: bool) -> Response:
+        """`/api/embed` (`single`: the older `/api/embeddings`): one tensor call to the embedding
+        model through the dispatcher (queued, prioritised, batched on the worker), as
+        `/v1/embeddings`; a client that leaves cancels it."""
+        started = time.monotonic_ns()
+        token = bearer_token(request.headers.get("authorization"))
+        principal = await auth.authenticate(token, INFER)
+        if embedder is None:
+            raise OllamaError(404, "embeddings are not served by this gateway")
+        raw = _load(await read_body(request, max_body_bytes))
+        try:
+            body: EmbedBody | EmbeddingsBody = (EmbeddingsBody if single else EmbedBody).model_validate(raw)
+        except ValidationError as error:
+            raise _invalid(error) from None
+        wanted = with_hints(embedding_request(body), hints_from(request.headers))
+        client_id = wanted.client_id or principal.name or "ollama"
+        work = asyncio.ensure_future(embedder.embed(wanted, request_id=next(ids), client_id=client_id))
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()  # the client left: cancelling the await cancels the call
+        if work.cancelled():
+            raise ClientGone()
+        text = await off_loop(render_embed, body.model, work.result(), started, single=single)
+        return Response(text, media_type="application/json", headers={"X-Loadmaster-Model": wanted.model})
+
+    async def embed_route(request: Request) -> Response:
+        return await embed(request, single=False)
+
+    async def embeddings_route(request: Request) -> Response:
+        return await embed(request, single=True)
+
     async def version(request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_VERSION})
 
@@ -602,6 +711,8 @@ def ollama_routes(
         route("/api/show", show, ["POST"]),
         route("/api/chat", chat, ["POST"]),
         route("/api/generate", generate, ["POST"]),
+        route("/api/embed", embed_route, ["POST"]),
+        route("/api/embeddings", embeddings_route, ["POST"]),
     ]
 
 

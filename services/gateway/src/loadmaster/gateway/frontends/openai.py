@@ -1,7 +1,7 @@
 """The OpenAI-compatible API on the gateway's HTTP port: translation only.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /v1/models/{model}`. A body becomes a `GenerationRequest` (openai_schema), which the
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`
+(openai_responses.py), `GET /v1/models`, `GET /v1/models/{model}`. A body becomes a `GenerationRequest` (openai_schema), which the
 `Generations` port runs: it yields text chunks and then exactly one `Finished`, or raises a
 `LoadmasterError`. Errors before the first chunk are HTTP statuses in OpenAI's error shape
 (400 naming the field, 401, 403, 404 for an unknown model, 429, 503, 504 for a request still
@@ -21,7 +21,6 @@ spans are its children) and ends with the response, or with the last event of a 
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
@@ -35,9 +34,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loadmaster.common import tracing
-from loadmaster.common.errors import InternalError, LoadmasterError
+from loadmaster.common.errors import InternalError, LoadmasterError, retry_after_header
 from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
 from loadmaster.gateway.chat_images import ChatImages
+from loadmaster.gateway.frontends.openai_responses import (
+    ResponseBuilder,
+    complete_response,
+    parse_responses,
+    response_events,
+)
 from loadmaster.gateway.frontends.openai_schema import (
     DEFAULT_MAX_N,
     DONE_EVENT,
@@ -55,7 +60,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_chat,
     parse_completion,
 )
-from loadmaster.gateway.frontends.request_headers import hints_from, retry_after, with_hints
+from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.generation_items import ChoiceEnd, TokenLogprob, ToolCall
 
 __all__ = [
@@ -166,7 +171,9 @@ def _error_response(error: Exception) -> Response:
         log.error("unhandled error in the OpenAI API", exc_info=error)
         error = InternalError(f"internal error: {type(error).__name__}")
     mapped = error_from(error)
-    return JSONResponse(mapped.body(), status_code=mapped.status, headers=retry_after(error))
+    retry_after = retry_after_header(error)  # 429 and 503: when to come back
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
+    return JSONResponse(mapped.body(), status_code=mapped.status, headers=headers)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -201,13 +208,19 @@ def openai_routes(
     ids = (f"{gateway_id}-{n}" for n in itertools.count(1))
     policy = policy or _Unwatched()
 
-    async def run(request: Request, parse: Callable[[bytes], GenerationRequest], *, chat: bool) -> Response:
-        request_id = ("chatcmpl-" if chat else "cmpl-") + next(ids)
-        watch = policy.open(endpoint="chat.completions" if chat else "completions", request_id=request_id)
+    prefixes = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}
+    endpoints = {"chat": "chat.completions", "completion": "completions", "responses": "responses"}
+
+    async def run(
+        request: Request, parse: Callable[[bytes], tuple[GenerationRequest, Any]], *, kind: str
+    ) -> Response:
+        request_id = prefixes[kind] + next(ids)
+        watch = policy.open(endpoint=endpoints[kind], request_id=request_id)
         try:
             principal = await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
             watch.authenticated(principal)
-            generation = with_hints(parse(await _read_body(request)), hints_from(request.headers))
+            generation, context = parse(await _read_body(request))
+            generation = with_hints(generation, hints_from(request.headers))
             if images is not None:
                 generation = await images.resolve(generation)
         except Exception as error:
@@ -223,7 +236,7 @@ def openai_routes(
         )
         try:
             with trace.use_span(span, end_on_exit=False):
-                response = await respond(request, generation, request_id, key_name, watch, chat=chat)
+                response = await respond(request, generation, context, request_id, key_name, watch, kind=kind)
         except Exception as error:
             watch.failed(error)
             tracing.end_span(span, error_code=_edge_code(error))
@@ -237,11 +250,12 @@ def openai_routes(
     async def respond(
         request: Request,
         generation: GenerationRequest,
+        context: Any,
         request_id: str,
         key_name: str,
         watch: RequestWatch,
         *,
-        chat: bool,
+        kind: str,
     ) -> Response:
         client_id = generation.client_id or generation.user or key_name or "openai"
         await watch.admit(generation, client_id=client_id)
@@ -249,14 +263,19 @@ def openai_routes(
         created = int(clock())
         if generation.stream:
             first = await anext(events)  # errors before the first chunk are HTTP statuses
+            model = first.model or generation.model
+            body: AsyncIterator[bytes]
+            if kind == "responses":
+                builder = ResponseBuilder(request_id, context.body, created, model)
+                body = _closing(response_events(events, first, builder, finished_type=Finished), events)
+            else:
+                body = _stream(
+                    events, first, generation, request_id=request_id, created=created, chat=kind == "chat"
+                )
             return StreamingResponse(
-                _stream(events, first, generation, request_id=request_id, created=created, chat=chat),
+                body,
                 media_type="text/event-stream",
-                headers={
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",
-                    "X-Loadmaster-Model": first.model or generation.model,
-                },
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Loadmaster-Model": model},
             )
         collect = asyncio.ensure_future(collect_events(events))
         gone = asyncio.ensure_future(_until_disconnected(request))
@@ -271,21 +290,36 @@ def openai_routes(
         collected, finished = collect.result()
         usage = Usage(finished.prompt_tokens, finished.completion_tokens)
         model = finished.model or generation.model
-        build = chat_completion if chat else completion
-        body = build(
+        if kind == "responses":
+            got = collected.get(0, CollectedChoice())
+            builder = ResponseBuilder(request_id, context.body, created, model)
+            reply = complete_response(builder, "".join(got.text), got.tool_calls, finished)
+            return JSONResponse(reply, headers={"X-Loadmaster-Model": model})
+        build = chat_completion if kind == "chat" else completion
+        reply = build(
             request_id=request_id,
             model=model,
             usage=usage,
             created=created,
             choices=choices_of(collected, finished, generation),
         )
-        return JSONResponse(body, headers={"X-Loadmaster-Model": model})
+        return JSONResponse(reply, headers={"X-Loadmaster-Model": model})
+
+    def plain(parse: Callable[..., GenerationRequest]) -> Callable[[bytes], tuple[GenerationRequest, Any]]:
+        return lambda raw: (parse(raw, max_n=max_n), None)
+
+    def responses_parse(raw: bytes) -> tuple[GenerationRequest, Any]:
+        parsed = parse_responses(raw)
+        return parsed.generation, parsed
 
     async def chat_completions(request: Request) -> Response:
-        return await run(request, functools.partial(parse_chat, max_n=max_n), chat=True)
+        return await run(request, plain(parse_chat), kind="chat")
 
     async def completions(request: Request) -> Response:
-        return await run(request, functools.partial(parse_completion, max_n=max_n), chat=False)
+        return await run(request, plain(parse_completion), kind="completion")
+
+    async def responses(request: Request) -> Response:
+        return await run(request, responses_parse, kind="responses")
 
     async def list_models(request: Request) -> Response:
         await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
@@ -316,6 +350,7 @@ def openai_routes(
     return [
         route("/v1/chat/completions", chat_completions, "POST"),
         route("/v1/completions", completions, "POST"),
+        route("/v1/responses", responses, "POST"),
         route("/v1/models", list_models, "GET"),
         route("/v1/models/{model:path}", get_model, "GET"),
     ]
@@ -380,6 +415,17 @@ async def _ending(span: trace.Span, body: AsyncIterable[Any]) -> AsyncIterator[A
             yield chunk
     finally:
         tracing.end_span(span)
+
+
+async def _closing(
+    body: AsyncIterator[bytes], events: AsyncIterator[GenerationEvent]
+) -> AsyncIterator[bytes]:
+    """`body`, then `events` closed (a stream the client left cancels its generation)."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        await _close(events)
 
 
 async def _close(events: AsyncIterator[GenerationEvent]) -> None:

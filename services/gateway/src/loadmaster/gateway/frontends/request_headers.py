@@ -11,8 +11,8 @@ A body field that says the same (OpenAI's `x_priority` ...) wins over its header
 that does not parse is a 400 naming the header: a client that asked for priority 0 and got
 the default would not know.
 
-Response header: every 429 carries `Retry-After` (whole seconds, at least 1): the rate
-limiter's own wait when it knows it, else one second.
+Response header: every 429 and 503 carries `Retry-After` (whole seconds, at least 1): the
+rate limiter's own wait when it knows it, else one second (loadmaster.common.errors).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from loadmaster.common.errors import InvalidArgumentError, LoadmasterError
+from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, retry_after_header
 
 __all__ = [
     "CLIENT_ID",
@@ -41,7 +41,6 @@ URGENCY = "x-loadmaster-urgency"
 DEADLINE_MS = "x-loadmaster-deadline-ms"
 CLIENT_ID = "x-loadmaster-client-id"
 MAX_CLIENT_ID = 256
-DEFAULT_RETRY_AFTER_S = 1
 T = TypeVar("T")
 
 
@@ -94,12 +93,12 @@ def _number(text: str) -> float | None:
 
 
 def with_hints(request: T, hints: RequestHints) -> T:
-    """`request` (a frozen dataclass with the four fields) with each field it leaves unset
-    taken from the headers."""
+    """`request` (a frozen dataclass with some of the four fields) with each of them it leaves
+    unset taken from the headers."""
     changes = {
         name: getattr(hints, name)
         for name in ("priority", "urgency", "deadline_ms", "client_id")
-        if getattr(request, name) is None and getattr(hints, name) is not None
+        if hasattr(request, name) and getattr(request, name) is None and getattr(hints, name) is not None
     }
     if not changes:
         return request
@@ -108,9 +107,8 @@ def with_hints(request: T, hints: RequestHints) -> T:
 
 
 def retry_after(error: BaseException) -> dict[str, str]:
-    """The `Retry-After` header for a 429 (empty for anything else)."""
-    if not isinstance(error, LoadmasterError) or error.http_status != 429:
+    """The `Retry-After` header for a 429 or 503 (empty for anything else)."""
+    if not isinstance(error, LoadmasterError):
         return {}
-    wait = getattr(error, "retry_after_s", None)
-    seconds = max(1, math.ceil(wait)) if isinstance(wait, int | float) and wait > 0 else DEFAULT_RETRY_AFTER_S
-    return {"Retry-After": str(seconds)}
+    value = retry_after_header(error)
+    return {"Retry-After": value} if value is not None else {}

@@ -25,6 +25,7 @@ ENGINES: dict[str, str] = {
     "transformers_vlm": "loadmaster.model_pool.engines.vision_language:VisionLanguageEngine",
     "openai_process": "loadmaster.model_pool.engines.openai_process:OpenAIProcessEngine",
     "diffusers": "loadmaster.model_pool.engines.diffusers:DiffusersEngine",
+    "embedding": "loadmaster.model_pool.engines.embedding:EmbeddingEngine",
 }
 
 

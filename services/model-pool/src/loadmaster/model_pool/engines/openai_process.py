@@ -77,6 +77,18 @@ def model_path(spec: ModelSpec) -> Path:
     return path if path.is_absolute() else (spec.folder / path).resolve()
 
 
+def refuse_unproxied(request: GenerationRequest, model_id: str) -> None:
+    """What the proxy does not carry to an engine process yet is a 400 naming it, never
+    dropped: tools, log probabilities, n > 1 (docs/tool-calling.md)."""
+    where = f"model '{model_id}' runs in an engine process, which Loadmaster does not pass"
+    if request.tools is not None:
+        raise InvalidArgumentError(f"tools: {where} tools to")
+    if request.logprobs is not None:
+        raise InvalidArgumentError(f"logprobs: {where} log probabilities from")
+    if request.n > 1:
+        raise InvalidArgumentError(f"n: {where} several choices to")
+
+
 class OpenAIProcessEngine(Engine):
     backend = "openai_process"
 
@@ -196,6 +208,7 @@ class OpenAIProcessEngine(Engine):
             raise UnavailableError(self._gone_message())
         if request.request_id in self._streams:
             raise InvalidArgumentError(f"request_id: {request.request_id!r} is already generating")
+        refuse_unproxied(request, self.spec.model_id)
         self._loop = asyncio.get_running_loop()
         # Structured output (issue 22): the engine enforces `response_format` itself.
         response_format = openai_response_format(getattr(request, "response_format", None))
