@@ -72,12 +72,13 @@ class Recorded:
             self.closed.append(request_id)
 
     async def models(self) -> dict[str, str]:
-        return {"tiny-chat": "READY", "tiny-vlm": "IDLE", "chat": "READY"}
+        return {"tiny-chat": "READY", "tiny-vlm": "IDLE", "chat": "READY", "tiny-embed": "READY"}
 
     async def views(self) -> dict[str, ModelView]:
         return {
             "tiny-chat": ModelView("tiny-chat", "READY", backend="transformers"),
             "tiny-vlm": ModelView("tiny-vlm", "UNAVAILABLE", "not loaded", backend="transformers_vlm"),
+            "tiny-embed": ModelView("tiny-embed", "READY", backend="embedding"),
         }
 
     async def load(self, name: str, *, keep_alive_s: float | None = None) -> None:
@@ -198,16 +199,17 @@ async def test_models_are_listed_as_name_latest_and_both_names_work() -> None:
     generations = Recorded(["a"])
     client = client_for(generations)
     listed = await client.list()
-    assert [m.model for m in listed.models] == ["chat:latest", "tiny-chat:latest", "tiny-vlm:latest"]
+    assert [m.model for m in listed.models] == ["chat:latest", "tiny-chat:latest", "tiny-embed:latest", "tiny-vlm:latest"]
     assert listed.models[1].digest == hashlib.sha256(b"tiny-chat").hexdigest()
     running = await client.ps()
-    assert [m.model for m in running.models] == ["chat:latest", "tiny-chat:latest"]
+    assert [m.model for m in running.models] == ["chat:latest", "tiny-chat:latest", "tiny-embed:latest"]
     for name in ("tiny-chat", "tiny-chat:latest"):
         await client.chat(model=name, messages=HI)
     assert [r.model for r, _ in generations.requests] == ["tiny-chat", "tiny-chat"]
     shown = await client.show("tiny-vlm:latest")
     assert shown.capabilities == ["completion", "vision"]
     assert (await client.show("tiny-chat")).capabilities == ["completion"]
+    assert (await client.show("tiny-embed")).capabilities == ["embedding"]
     with pytest.raises(ollama.ResponseError) as caught:
         await client.show("nope")
     assert caught.value.status_code == 404 and "nope" in caught.value.error

@@ -641,6 +641,8 @@ def ollama_routes(
         capabilities = ["completion"]
         if view is not None and view.backend in VISION_BACKENDS:
             capabilities.append("vision")
+        if view is not None and view.backend == "embedding":
+            capabilities = ["embedding"]
         return JSONResponse(
             {
                 "modelfile": "",
