@@ -532,23 +532,28 @@ def anthropic_routes(
                 "stop_sequence": None,
                 "usage": {"input_tokens": 0, "output_tokens": 0},
             }
-            yield _sse("message_start", {"type": "message_start", "message": start})
-            yield _sse("ping", {"type": "ping"})
+            # Each generation event's SSE events leave in one write (the first with the
+            # message's opening ones): fewer, larger writes, and the first text is not behind
+            # three writes of preamble.
+            pieces = [
+                _sse("message_start", {"type": "message_start", "message": start}),
+                _sse("ping", {"type": "ping"}),
+            ]
             async for item in items:
                 if isinstance(item, TextChunk):
                     if item.text:
-                        for piece in blocks.text(item.text):
-                            yield piece
+                        pieces += blocks.text(item.text)
                     for call in item.tool_calls:
-                        for piece in blocks.tool_use(call):
-                            yield piece
+                        pieces += blocks.tool_use(call)
                 elif isinstance(item, Finished):
-                    for piece in blocks.finish():
-                        yield piece
+                    pieces += blocks.finish()
                     delta = {"stop_reason": _STOP_REASONS.get(item.finish_reason, "end_turn"), "stop_sequence": None}
                     usage = {"input_tokens": item.prompt_tokens, "output_tokens": item.completion_tokens}
-                    yield _sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
-                    yield _sse("message_stop", {"type": "message_stop"})
+                    pieces.append(_sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
+                    pieces.append(_sse("message_stop", {"type": "message_stop"}))
+                if pieces:
+                    yield b"".join(pieces)
+                    pieces = []
 
         return StreamingResponse(
             calls.stream(opened, events, _error_event),
