@@ -4,15 +4,18 @@ a conversation carried in `input` items, and the 400 for `previous_response_id`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
 from loadmaster.cli.launcher import Suite
+from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
 
 CHAT = "tiny-chat"
 REPLAY = "replay-chat"
@@ -99,3 +102,32 @@ def test_the_conversation_travels_in_input_items_not_in_stored_state(client: ope
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=CHAT, input="more", previous_response_id=reply.id)
     assert "not kept" in str(caught.value)
+
+
+def worker_inflight(suite: Suite, model: str) -> int:
+    with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
+        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(
+            model_pool_pb2.StatusRequest(), timeout=5
+        )
+    return next((m.inflight for m in reply.models if m.model_id == model), 0)
+
+
+async def test_a_client_that_leaves_a_response_stream_frees_its_sequence(suite: Suite) -> None:
+    gateway = suite.settings.gateway
+    url = f"http://{gateway.http_host}:{gateway.http_port}/v1"
+    async with openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120) as client:
+        stream = await client.responses.create(
+            model=CHAT, input="go on", max_output_tokens=1500, temperature=0, stream=True
+        )
+        deltas = 0
+        async for event in stream:
+            deltas += event.type == "response.output_text.delta"
+            if deltas >= 3:
+                break
+        assert worker_inflight(suite, CHAT) == 1
+        await stream.close()
+        for _ in range(100):  # bounded: 100 x 20 ms
+            if worker_inflight(suite, CHAT) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert worker_inflight(suite, CHAT) == 0, "the abandoned response still holds its sequence"
