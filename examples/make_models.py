@@ -25,6 +25,11 @@ order of float sums).
     tiny-sd     a StableDiffusionPipeline folder: random-weight CLIP text encoder (2 layers) and
                 byte-level tokenizer, UNet2DConditionModel with cross-attention, AutoencoderKL,
                 DDIM scheduler (backend: diffusers): the prompt changes the picture
+    tiny-embed  a Hugging Face folder   random-weight BERT encoder (2 layers, hidden 64) with
+                                        tiny-chat's tokenizer (backend: embedding)
+    tiny-vlm    a Hugging Face folder   random-weight LLaVA (CLIP tower on 32x32 images, tiny-chat's
+                                        Llama shape), tiny-chat's tokenizer + <image>, a LLaVA
+                                        processor (backend: transformers_vlm)
 """
 
 from __future__ import annotations
@@ -163,14 +168,36 @@ def build_classifier(folder: Path) -> Path:
 # tiny-chat: the chat markers are special tokens; `</s>` is also what ends a turn.
 TINY_CHAT_SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
 TINY_CHAT_VOCAB = 1024
-# The chat template, as transformers writes it to chat_template.jinja.
-TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+# The chat template, as transformers writes it to chat_template.jinja: Hermes-style tools (a
+# system turn lists them in <tools>, calls are <tool_call> JSON, results come back in `tool`
+# turns as <tool_response>). A chat without tools renders exactly as it did before tools
+# (so earlier prompts keep their tokens). tiny-chat's config.yaml says `tool_format: hermes`.
+TINY_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if tools %}
+{{- '<|system|>' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}
+{{- 'You may call one or more functions. Their signatures are in <tools></tools>:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\nFor each call, write a JSON object with the function name and arguments within '
+    + '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    + '<args-json-object>}\n</tool_call>' + eos_token }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and tools and loop.first %}
+{%- elif message['role'] == 'assistant' and message.tool_calls %}
+{{- '<|assistant|>' + (message['content'] or '') }}
+{%- for call in message.tool_calls %}
+{{- '<tool_call>\n{"name": "' + call['function']['name'] + '", "arguments": '
+    + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- eos_token }}
+{%- elif message['role'] == 'tool' %}
+{{- '<|tool|><tool_response>\n' + message['content'] + '\n</tool_response>' + eos_token }}
+{%- else %}
+{{- '<|' + message['role'] + '|>' + message['content'] + eos_token }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"""
 
 
 def _tokenizer_corpus() -> list[str]:
@@ -183,14 +210,11 @@ def _tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tiny_chat(folder: Path, *, seed: int = 0, template: bool = True) -> Path:
-    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path);
-    without `template`, the folder has no chat template (its config.yaml must give one)."""
+def _tiny_tokenizer() -> Any:
+    """tiny-chat's byte-level BPE (1,024 tokens, trained on the frozen docs corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    artifact = folder / "artifacts"
-    artifact.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -201,9 +225,17 @@ def build_tiny_chat(folder: Path, *, seed: int = 0, template: bool = True) -> Pa
         show_progress=False,
     )
     bpe.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def build_tiny_chat(folder: Path, *, seed: int = 0, template: bool = True) -> Path:
+    """A tiny random-weight Llama saved as a normal Hugging Face folder (gibberish, real path);
+    without `template`, the folder has no chat template (its config.yaml must give one)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    artifact = folder / "artifacts"
+    artifact.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer()
     if template:
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(artifact)
@@ -234,6 +266,134 @@ def build_tiny_chat(folder: Path, *, seed: int = 0, template: bool = True) -> Pa
     # save_pretrained leaves the weights 0600; the services' own user in the containers
     # (compose mounts examples/ read-only) must read them too.
     (artifact / "model.safetensors").chmod(0o644)
+    return artifact / "model.safetensors"
+
+
+# tiny-vlm's chat template: tiny-chat's, with a message's content either a string or a list
+# of parts ({"type": "image"} becomes the processor's <image> marker, text parts their text).
+TINY_VLM_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tiny_vlm(folder: Path) -> Path:
+    """A tiny random-weight LLaVA (a 2-layer CLIP vision tower on 32x32 images in 8x8 patches,
+    a projector, and tiny-chat's shape of Llama) with tiny-chat's tokenizer plus an `<image>`
+    token, and a LLaVA processor (each image: 16 image tokens). Saved as a normal Hugging Face
+    folder; built from transformers' own classes and seed 0 (gibberish, the real image path)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    artifact = folder / "artifacts"
+    artifact.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_CHAT_VOCAB,
+        special_tokens=[*TINY_CHAT_SPECIAL, "<image>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>", extra_special_tokens={"image_token": "<image>"}
+    )
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        chat_template=TINY_VLM_TEMPLATE,
+        image_token="<image>",
+        num_additional_image_tokens=1,  # CLIP's class token, which "default" drops
+    )
+    processor.save_pretrained(artifact)
+
+    torch.manual_seed(0)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+            projection_dim=64,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+            initializer_range=0.1,  # as tiny-chat: so greedy output varies
+        ),
+        image_token_id=image_token,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        dtype="float32",
+    )
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(artifact)
+    (artifact / "model.safetensors").chmod(0o644)
+    return artifact / "model.safetensors"
+
+
+def build_tiny_embed(folder: Path) -> Path:
+    """A tiny random-weight BERT encoder (2 layers, hidden 64) with tiny-chat's tokenizer, saved
+    as a Hugging Face folder: an embedding model (backend: embedding, mean pooling)."""
+    from transformers import BertConfig, BertModel
+
+    artifact = folder / "artifacts"
+    artifact.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer()
+    tokenizer.save_pretrained(artifact)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    BertModel(config, add_pooling_layer=False).eval().save_pretrained(artifact)
+    (artifact / "model.safetensors").chmod(0o644)  # as tiny-chat's: read by the containers' user
     return artifact / "model.safetensors"
 
 
@@ -358,6 +518,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "tiny-think": functools.partial(build_tiny_chat, template=False),
     "tiny-diffusion": build_tiny_diffusion,
     "tiny-sd": build_tiny_sd,
+    "tiny-embed": build_tiny_embed,
+    "tiny-vlm": build_tiny_vlm,
 }
 
 

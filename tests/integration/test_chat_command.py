@@ -30,7 +30,7 @@ class Echoing:
             raise NotFoundError(f"model '{request.model}' is not served")
         self.requests.append(request)
         assert request.messages is not None
-        for word in ("re:", request.messages[-1][1]):
+        for word in ("re:", request.messages[-1].content):
             yield TextChunk(word)
         yield Finished("stop", prompt_tokens=3, completion_tokens=2)
 
@@ -71,8 +71,8 @@ def test_a_chat_streams_replies_and_keeps_the_conversation(gateway: tuple[str, E
     assert result.exit_code == 0, result.output
     assert "re:hello" in result.output and "re:again" in result.output
     first, second = generations.requests
-    assert first.messages == (("system", "be brief"), ("user", "hello"))
-    assert second.messages == (
+    assert tuple((m.role, m.content) for m in first.messages or ()) == (("system", "be brief"), ("user", "hello"))
+    assert tuple((m.role, m.content) for m in second.messages or ()) == (
         ("system", "be brief"),
         ("user", "hello"),
         ("assistant", "re:hello"),

@@ -26,8 +26,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import jwt
+import ollama
 import openai
 import pytest
 import tritonclient.grpc as triton_grpc
@@ -597,3 +599,42 @@ def test_the_probes_name_the_ready_generative_models(gateway: Gateway) -> None:
     assert ready["ready"] is True and set(ready["ready_models"]) == {MODEL, "double"}
     assert httpx.get(gateway.http_url + "/readyz", params={"model": MODEL}).status_code == 200
     assert httpx.get(gateway.http_url + "/readyz", params={"model": "absent"}).status_code == 503
+
+
+# ---- the other dialects (docs/dialects.md): the same keys, tokens, guardrails and audit --------
+
+
+def test_the_dialects_take_the_same_keys_tokens_guardrails_and_audit(
+    gateway: Gateway, provider: IdentityProvider, backend: Backend
+) -> None:
+    token = provider.token(provider.published[0], sub="dialect-user")
+    claude = anthropic.Anthropic(base_url=gateway.http_url, api_key=token, max_retries=0, timeout=30)
+    message = claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "say:via| tokens"}])
+    assert message.content[0].text == "via tokens"  # type: ignore[union-attr]
+    line = gateway.audited(message.id)
+    assert (line["endpoint"], line["subject"], line["auth"], line["outcome"]) == (
+        "anthropic.messages",
+        "dialect-user",
+        "oidc",
+        "ok",
+    )
+    with claude.messages.stream(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": SAID_FORBIDDEN}]) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == "safe text " and streamed.stop_reason == "refusal"  # type: ignore[union-attr]
+    assert gateway.audited(streamed.id)["outcome"] == "content_filter"
+    local = ollama.Client(host=gateway.http_url, headers={"authorization": f"Bearer {API_KEY}"})
+    with pytest.raises(ollama.ResponseError) as refused:
+        local.chat(model=MODEL, messages=[{"role": "user", "content": "this is FORBIDDEN stuff"}])
+    assert refused.value.status_code == 400 and "refused by policy" in refused.value.error
+    assert not any(r.messages.messages[-1].content == "this is FORBIDDEN stuff" for r in backend.generated)
+    before = len(gateway.audit_lines())
+    answered = local.chat(model=MODEL, messages=[{"role": "user", "content": "say:fine"}])
+    assert answered.message.content == "fine"
+    eventually(lambda: len(gateway.audit_lines()) > before)
+    last = gateway.audit_lines()[-1]
+    assert (last["endpoint"], last["subject"], last["outcome"]) == ("ollama.chat", "ops-key", "ok")
+    with pytest.raises(ollama.ResponseError) as unknown:
+        ollama.Client(host=gateway.http_url, headers={"authorization": "Bearer wrong"}).chat(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert unknown.value.status_code == 401

@@ -364,3 +364,71 @@ async def test_streams_not_granted_and_not_loading_count_the_streams_ahead_at_th
         assert await anext(newer) == Waiting(queued_ahead=1)
     await older.aclose()
     await newer.aclose()
+async def test_tools_logprobs_and_n_reach_the_worker_and_choices_come_back_apart(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _, workers = parts
+    body = {
+        "model": "tiny-chat",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "n": 2,
+    }
+    events = streams.generate(parse_chat(json.dumps(body).encode()), request_id="t", client_id="c")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    assert streams.on_grant(grant("t"))
+    [sent] = workers.requests()
+    assert (sent.tools.choice, sent.tools.parallel, [f.name for f in sent.tools.functions]) == (
+        "required",
+        False,
+        ["f"],
+    )
+    assert json.loads(sent.tools.functions[0].parameters_json) == {"type": "object"}
+    assert (sent.logprobs.enabled, sent.logprobs.top, sent.n) == (True, 2, 2)
+    history = sent.messages.messages
+    assert [(c.id, c.name) for c in history[1].tool_calls] == [("c1", "f")]
+    assert (history[2].role, history[2].tool_call_id) == ("tool", "c1")
+    out = model_pool_pb2.GenerateReplies()
+    for sequence, (choice, text) in enumerate([(0, "a"), (0, "b"), (1, "x"), (0, "c")]):
+        reply = out.replies.add(request_id="t", model_id="tiny-chat", sequence=sequence, worker_id="w1")
+        reply.chunk.text, reply.chunk.choice = text, choice
+        reply.chunk.logprobs.add(token_id=1, token=text.encode(), logprob=-1.0).top.add(
+            token_id=1, token=b"t", logprob=-1.0
+        )
+    call = out.replies.add(request_id="t", model_id="tiny-chat", sequence=4, worker_id="w1")
+    call.chunk.choice = 1
+    call.chunk.tool_calls.add(id="call_1", name="f", arguments="{}", index=0)
+    end = out.replies.add(request_id="t", model_id="tiny-chat", sequence=5, worker_id="w1")
+    end.result.finish_reason = model_pool_pb2.FINISH_REASON_TOOL_CALLS
+    end.result.choices.add(index=0, finish_reason=model_pool_pb2.FINISH_REASON_LENGTH, completion_tokens=3)
+    end.result.choices.add(
+        index=1, finish_reason=model_pool_pb2.FINISH_REASON_TOOL_CALLS, completion_tokens=2
+    )
+    streams.on_replies(ENDPOINT, out)
+    got = [await first]
+    async for item in events:
+        got.append(item)
+    chunks = [item for item in got if isinstance(item, TextChunk)]
+    assert [(c.choice, c.text) for c in chunks] == [
+        (0, "ab"),
+        (1, "x"),
+        (0, "c"),
+        (1, ""),
+    ]  # joined within a choice only
+    assert [len(c.logprobs) for c in chunks] == [2, 1, 1, 0] and chunks[0].logprobs[0].top[0].token == "t"
+    assert [call.name for call in chunks[3].tool_calls] == ["f"]
+    finished = got[-1]
+    assert isinstance(finished, Finished) and finished.finish_reason == "tool_calls"
+    assert [(e.index, e.finish_reason, e.completion_tokens) for e in finished.choices] == [
+        (0, "length", 3),
+        (1, "tool_calls", 2),
+    ]

@@ -9,6 +9,7 @@ import pytest
 
 from loadmaster.common.config import GuardrailSettings
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
+from loadmaster.gateway.generation_items import TokenLogprob, ToolCall
 from loadmaster.gateway.guardrails import (
     Blocklist,
     Guardrails,
@@ -99,6 +100,27 @@ async def test_screen_passes_a_clean_completion_whole_with_its_finish() -> None:
     out = [item async for item in guard.screen(events())]
     assert "".join(i.text for i in out if isinstance(i, TextChunk)) == "all fine"
     assert out[-1] == Finished("length", prompt_tokens=3, completion_tokens=2, model="m")
+
+
+async def test_screen_keeps_each_choice_apart_and_passes_tool_calls_and_logprobs() -> None:
+    call = ToolCall("call_1", "f", "{}")
+    logprob = TokenLogprob("a", b"a", -0.5)
+
+    async def events() -> AsyncIterator[GenerationEvent]:
+        yield TextChunk("all ", logprobs=(logprob,))
+        yield TextChunk("other ", choice=1)
+        yield TextChunk("", choice=1, tool_calls=(call,))
+        yield TextChunk("fine")
+        yield Finished("stop", prompt_tokens=3, completion_tokens=4)
+
+    guard = Guardrails(GuardrailSettings(blocked_words=WORDS))
+    out = [item async for item in guard.screen(events())]
+    chunks = [i for i in out if isinstance(i, TextChunk)]
+    assert "".join(i.text for i in chunks if i.choice == 0) == "all fine"
+    assert "".join(i.text for i in chunks if i.choice == 1) == "other "
+    assert [c for i in chunks for c in i.tool_calls] == [call] and [
+        lp for i in chunks for lp in i.logprobs
+    ] == [logprob]
 
 
 def test_a_refusal_is_a_400_with_the_policy_code() -> None:

@@ -28,7 +28,7 @@ class Generations:
         self.requests: list[GenerationRequest] = []
 
     async def generate(
-        self, request: GenerationRequest, *, request_id: str, client_id: str
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncIterator[GenerationEvent]:
         self.requests.append(request)
         for word in ("once ", "upon"):

@@ -20,6 +20,7 @@ from loadmaster.common.errors import ExpiredError, LoadmasterError, NotFoundErro
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting, openai_routes
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation_items import ChoiceEnd, TokenLogprob, ToolCall, TopLogprob
 from loadmaster.gateway.guardrails import Guardrails
 from loadmaster.gateway.profiles import ClientPolicy
 from loadmaster.gateway.request_policy import GatewayPolicy
@@ -171,8 +172,22 @@ async def test_api_keys_scopes_and_rate_limits_apply() -> None:
         await app_client.chat.completions.create(model="tiny-chat", messages=MESSAGES)
     good = app_client.with_options(api_key="secret")
     assert (await good.chat.completions.create(model="tiny-chat", messages=MESSAGES)).choices
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as caught:
         await good.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    assert caught.value.response.headers["retry-after"] == "1"  # the next token within a second
+
+
+async def test_429s_and_503s_say_when_to_come_back() -> None:
+    slow = ApiKeySettings(name="slow", sha256=hashlib.sha256(b"s").hexdigest(), rate_per_s=0.25, burst=1)
+    client = client_for(Recorded(["a"]), keys=[slow]).with_options(api_key="s")
+    await client.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    with pytest.raises(openai.RateLimitError) as caught:
+        await client.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    assert 3 <= int(caught.value.response.headers["retry-after"]) <= 4  # a token every 4 s
+    busy = client_for(Recorded([], fail_before=UnavailableError("no worker holds the model")))
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        await busy.chat.completions.create(model="tiny-chat", messages=MESSAGES)
+    assert unavailable.value.response.headers["retry-after"] == "1"
 
 
 async def test_a_profile_fills_the_request_and_a_cooldown_is_a_429_with_retry_after() -> None:
@@ -201,7 +216,7 @@ async def test_a_profile_fills_the_request_and_a_cooldown_is_a_429_with_retry_af
     assert reply.model == "tiny-chat"
     request, client_id = generations.requests[0]
     assert (request.model, request.max_tokens, client_id) == ("tiny-chat", 7, "bot")
-    assert request.messages == (("system", "Be brief."), ("user", "hi"))
+    assert tuple((m.role, m.content) for m in request.messages or ()) == (("system", "Be brief."), ("user", "hi"))
     with pytest.raises(openai.RateLimitError) as caught:
         await client.chat.completions.create(model="", messages=MESSAGES, extra_body={"x_client_id": "bot"})
     assert caught.value.response.headers["retry-after"] == "2"
@@ -313,3 +328,70 @@ async def test_a_waiting_stream_says_where_it_stands_in_comment_lines_the_client
         model="tiny-chat", messages=MESSAGES
     )
     assert collected.choices[0].message.content == "ok"
+class Choices:
+    """Two choices: choice 0 text with log probabilities, choice 1 a tool call."""
+
+    def __init__(self) -> None:
+        self.requests: list[GenerationRequest] = []
+
+    async def generate(
+        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
+    ) -> AsyncIterator[GenerationEvent]:
+        self.requests.append(request)
+        top = (TopLogprob("he", b"he", -0.5), TopLogprob("ha", b"ha", -1.5))
+        yield TextChunk("he", logprobs=(TokenLogprob("he", b"he", -0.5, top),))
+        yield TextChunk("", choice=1, tool_calls=(ToolCall("call_x", "add", '{"a":1}', 0),))
+        yield TextChunk("y", logprobs=(TokenLogprob("y", b"y", -0.25),))
+        yield Finished(
+            "stop",
+            prompt_tokens=3,
+            completion_tokens=4,
+            choices=(ChoiceEnd(0, "length", 2), ChoiceEnd(1, "tool_calls", 2)),
+        )
+
+    async def models(self) -> dict[str, str]:
+        return {"tiny-chat": "READY"}
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+async def test_choices_calls_and_logprobs_reach_the_client_whole_and_streamed() -> None:
+    generations = Choices()
+    app = Starlette(routes=openai_routes(generations, Authenticator([]), gateway_id="gw"))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+    client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="k", http_client=http, max_retries=0)
+    reply = await client.chat.completions.create(
+        model="tiny-chat",
+        messages=MESSAGES,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        tools=TOOLS,  # type: ignore[arg-type]
+    )
+    first, second = reply.choices
+    assert (first.message.content, first.finish_reason) == ("hey", "length")
+    assert first.logprobs is not None and first.logprobs.content is not None
+    assert [(i.token, i.logprob) for i in first.logprobs.content] == [("he", -0.5), ("y", -0.25)]
+    assert [t.token for t in first.logprobs.content[0].top_logprobs] == ["he", "ha"]
+    assert second.finish_reason == "tool_calls" and second.message.content is None
+    assert second.message.tool_calls is not None and second.message.tool_calls[0].function.name == "add"
+    request = generations.requests[0]
+    assert (request.n, request.logprobs) == (2, 2) and request.tools is not None
+    stream = await client.chat.completions.create(
+        model="tiny-chat",
+        messages=MESSAGES,
+        n=2,
+        logprobs=True,
+        tools=TOOLS,
+        stream=True,  # type: ignore[arg-type]
+    )
+    chunks = [chunk async for chunk in stream]
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role]
+    assert roles == [0, 1]  # each choice opens with its role
+    calls = [d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []]
+    assert [(d.index, d.id, d.function.name if d.function else "") for d in calls] == [(0, "call_x", "add")]
+    finishes = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
+    assert finishes == {0: "length", 1: "tool_calls"}
+    streamed = [i.token for c in chunks for ch in c.choices if ch.logprobs for i in ch.logprobs.content or []]
+    assert streamed == ["he", "y"]

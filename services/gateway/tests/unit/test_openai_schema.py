@@ -12,6 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from loadmaster.common.errors import NotFoundError, UnavailableError
 from loadmaster.gateway.frontends.openai_schema import (
     DONE_EVENT,
+    ChoiceOut,
     OpenAIError,
     Usage,
     chat_chunk,
@@ -23,6 +24,16 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_chat,
     parse_completion,
 )
+from loadmaster.gateway.generation_items import ChatTurn, FunctionSpec, TokenLogprob, ToolCall, TopLogprob
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def body(**fields: object) -> bytes:
@@ -54,10 +65,13 @@ def test_a_chat_body_becomes_a_generation_request_without_extensions_or_unknown_
             x_priority=0,
             x_urgency=0.8,
             x_deadline_ms=250,
-            logit_bias={"1": 2},  # unknown to us: ignored, as OpenAI's server does
+            metadata={"k": "v"},  # unknown to us: ignored, as OpenAI's server does
+            frequency_penalty=0,  # known, at its neutral value: accepted
+            logit_bias={},
         )
     )
-    assert request.messages == (("system", "be brief"), ("user", "hello"))
+    assert request.messages == (ChatTurn("system", "be brief"), ChatTurn("user", "hello"))
+    assert (request.tools, request.logprobs, request.n) == (None, None, 1)
     assert request.max_tokens == 16  # max_completion_tokens wins over the legacy max_tokens
     assert (request.temperature, request.top_p, request.seed, request.stop) == (0.5, 0.9, 7, ("\n",))
     assert request.stream and request.include_usage
@@ -76,7 +90,32 @@ def test_a_chat_body_becomes_a_generation_request_without_extensions_or_unknown_
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "role"),
         ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
-        ({"n": 2}, "n", "only n=1"),
+        ({"n": 9}, "n", "limit of 8"),
+        ({"n": 0}, "n", "greater than or equal to 1"),
+        ({"logit_bias": {"1": 2}}, "logit_bias", "not supported by this server"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+        ({"presence_penalty": -1}, "presence_penalty", "not supported"),
+        ({"store": True}, "store", "not supported"),
+        ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
+        ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+        ({"top_logprobs": 2}, "top_logprobs", "requires logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools.0.function.name",
+            "should match pattern",
+        ),
+        (
+            {"tools": [TOOL, TOOL]},
+            "tools",
+            "given twice",
+        ),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "'nope' is not one of the tools",
+        ),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"x_priority": -1}, "x_priority", "greater than or equal to 0"),
         (
@@ -172,3 +211,107 @@ def test_events_are_server_sent_json_and_errors_keep_openais_shape() -> None:
         "code": "not_found",
     }
     assert error_from(UnavailableError("no worker")).status == 503
+
+
+def test_tools_tool_history_logprobs_and_n_become_the_requests_fields() -> None:
+    request = parse_chat(
+        body(
+            messages=[
+                {"role": "user", "content": "weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+            ],
+            tools=[TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+            logprobs=True,
+            top_logprobs=3,
+            n=2,
+        )
+    )
+    assert request.messages is not None
+    assert request.messages[1] == ChatTurn(
+        "assistant", "", tool_calls=(ToolCall("call_1", "get_weather", '{"city":"Paris"}'),)
+    )
+    assert request.messages[2] == ChatTurn("tool", "sunny", tool_call_id="call_1", name="get_weather")
+    assert request.tools is not None
+    assert request.tools.functions == (
+        FunctionSpec("get_weather", "the weather in a city", TOOL["function"]["parameters"]),  # type: ignore[index]
+    )
+    assert (request.tools.choice, request.tools.function_name, request.tools.parallel) == (
+        "function",
+        "get_weather",
+        False,
+    )
+    assert (request.logprobs, request.n) == (3, 2)
+    auto = parse_chat(body(tools=[TOOL]))
+    assert auto.tools is not None and (auto.tools.choice, auto.tools.parallel) == ("auto", True)
+    assert parse_chat(body(logprobs=True)).logprobs == 0  # the sampled token's only
+    assert parse_chat(body(logprobs=False, top_logprobs=None)).logprobs is None
+    assert parse_chat(body(n=4), max_n=4).n == 4
+    with pytest.raises(OpenAIError, match="limit of 3"):
+        parse_chat(body(n=4), max_n=3)
+
+
+def test_completion_bodies_take_logprobs_0_to_5_and_refuse_echo_and_best_of() -> None:
+    assert parse_completion(b'{"model": "m", "prompt": "x", "logprobs": 2, "n": 2}').logprobs == 2
+    for raw, param in (
+        (b'{"model": "m", "prompt": "x", "logprobs": 6}', "logprobs"),
+        (b'{"model": "m", "prompt": "x", "echo": true}', "echo"),
+        (b'{"model": "m", "prompt": "x", "best_of": 3}', "best_of"),
+        (b'{"model": "m", "prompt": "x", "suffix": "end"}', "suffix"),
+    ):
+        with pytest.raises(OpenAIError) as caught:
+            parse_completion(raw)
+        assert (caught.value.status, caught.value.param) == (400, param)
+
+
+def test_tool_calls_logprobs_and_choices_validate_as_the_openai_clients_types() -> None:
+    usage = Usage(prompt_tokens=5, completion_tokens=3)
+    call = ToolCall("call_a", "get_weather", '{"city":"Oslo"}', index=0)
+    top = (TopLogprob("a", b"a", -0.1), TopLogprob("b", b"b", float("-inf")))
+    logprobs = [TokenLogprob("a", b"a", -0.1, top)]
+    reply = ChatCompletion.model_validate(
+        chat_completion(
+            request_id="chatcmpl-2",
+            model="m",
+            usage=usage,
+            choices=[
+                ChoiceOut(0, "", "tool_calls", tool_calls=[call], logprobs=logprobs),
+                ChoiceOut(1, "text", "stop"),
+            ],
+        )
+    )
+    first, second = reply.choices
+    assert first.message.content is None and first.finish_reason == "tool_calls"
+    assert first.message.tool_calls is not None
+    assert first.message.tool_calls[0].function.arguments == '{"city":"Oslo"}'
+    assert first.logprobs is not None and first.logprobs.content is not None
+    assert first.logprobs.content[0].top_logprobs[1].logprob == -9999.0  # never -inf in JSON
+    assert (second.index, second.message.content, second.logprobs) == (1, "text", None)
+    delta = ChatCompletionChunk.model_validate(
+        chat_chunk(
+            request_id="c", model="m", created=1, index=1, tool_calls=(call,), logprobs=tuple(logprobs)
+        )
+    )
+    assert delta.choices[0].index == 1 and delta.choices[0].delta.tool_calls is not None
+    assert delta.choices[0].delta.tool_calls[0].index == 0
+    assert delta.choices[0].logprobs is not None
+    text = Completion.model_validate(
+        completion(
+            request_id="c", model="m", usage=usage, choices=[ChoiceOut(0, "ab", "length", logprobs=logprobs)]
+        )
+    )
+    assert text.choices[0].logprobs is not None and text.choices[0].logprobs.top_logprobs == [
+        {"a": -0.1, "b": -9999.0}
+    ]

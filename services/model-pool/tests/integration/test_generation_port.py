@@ -301,3 +301,26 @@ async def test_a_model_whose_batching_thread_died_is_unloaded_not_left_failing(
             break
         await asyncio.sleep(0.05)
     assert worker.pool.status(MODEL).state is ModelState.IDLE
+
+
+async def test_images_to_a_model_that_takes_none_and_a_requests_keep_alive(
+    chat_worker: tuple[ModelPoolServer, Streams],
+) -> None:
+    worker, streams = chat_worker
+    with_image = model_pool_pb2.ChatMessages(
+        messages=[model_pool_pb2.ChatMessage(role="user", content="what?", images=[b"\x89PNG\r\n\x1a\n..."])]
+    )
+    await streams.generate("image", messages=with_image)
+    await streams.until(lambda: streams.ended("image"))
+    [reply] = streams.replies["image"]
+    assert reply.error.error_code == errors_pb2.ERROR_CODE_INVALID_ARGUMENT
+    assert reply.error.error_message == (
+        "model 'tiny-chat' takes no images: send text only, or ask a vision-language model"
+    )
+    assert worker.pool.status(MODEL).inflight == 0
+    await streams.generate("kept", sampling=sampling(2), keep_alive_s=-1.0)  # Ollama's keep_alive -1
+    await streams.until(lambda: streams.ended("kept"))
+    assert worker.pool.status(MODEL).keep_alive_s is None
+    await streams.generate("brief", sampling=sampling(2), keep_alive_s=600.0)
+    await streams.until(lambda: streams.ended("brief"))
+    assert worker.pool.status(MODEL).keep_alive_s == 600.0

@@ -135,3 +135,11 @@ async def test_shutdown_finishes_in_flight_and_refuses_new_work(
         assert leases.held == set() and len(leases.released) == 2
         assert not leases.closed  # an injected client belongs to the caller
     assert stopped
+
+
+async def test_a_load_may_set_the_models_keep_alive(worker: ModelPoolServer, stub: Any) -> None:
+    pool, _ = stub
+    await pool.Load(model_pool_pb2.LoadRequest(model_id="sleep", keep_alive_s=120))
+    assert worker.pool.status("sleep").keep_alive_s == 120.0
+    await pool.Load(model_pool_pb2.LoadRequest(model_id="sleep", keep_alive_s=-1))  # Ollama's keep_alive -1
+    assert worker.pool.status("sleep").keep_alive_s is None  # never unloaded for idleness

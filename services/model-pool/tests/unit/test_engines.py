@@ -27,14 +27,17 @@ def make_model(root: Path, model_id: str, config: str, files: dict[str, str] | N
 def test_registry() -> None:
     assert set(ENGINES) == {
         "python",
+        "python_generative",
         "torch",
         "onnx",
         "tensorrt",
         "ray_serve",
         "transformers",
+        "transformers_vlm",
         "openai_process",
         "remote_openai",
         "diffusers",
+        "embedding",
     }
     assert engine_class("python") is PythonEngine
     assert engine_class("torch") is TorchEngine

@@ -238,6 +238,8 @@ def test_the_priority_travels_only_to_engines_that_take_one() -> None:
     )
     assert "priority" not in request_body(request, model="m")[1]
     assert request_body(request, model="m", forward_priority=True)[1]["priority"] == 0
+
+
 def test_chat_template_kwargs_are_sent_to_the_server_only_when_given() -> None:
     messages = (ChatMessage("user", "hi"),)
     plain = GenerationRequest("r", SamplingParams(max_tokens=2), messages=messages)
@@ -246,3 +248,19 @@ def test_chat_template_kwargs_are_sent_to_the_server_only_when_given() -> None:
         "r", SamplingParams(max_tokens=2), messages=messages, chat_template_kwargs={"enable_thinking": False}
     )
     assert request_body(asked, model="m")[1]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_what_the_proxy_does_not_carry_is_refused_by_name() -> None:
+    from loadmaster.model_pool.engines._openai_proxy import refuse_unproxied
+    from loadmaster.model_pool.generation import ChatMessage, FunctionTool, ToolUse
+
+    params = SamplingParams(max_tokens=4)
+    chat = (ChatMessage("user", "hi"),)
+    refuse_unproxied(GenerationRequest("ok", params, messages=chat), "m")  # nothing extra: fine
+    for request, field in (
+        (GenerationRequest("t", params, messages=chat, tools=ToolUse((FunctionTool("f"),))), "tools"),
+        (GenerationRequest("l", params, messages=chat, logprobs=1), "logprobs"),
+        (GenerationRequest("n", params, messages=chat, n=2), "n"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=f"^{field}: model 'm' is served through an OpenAI-compatible server"):
+            refuse_unproxied(request, "m")

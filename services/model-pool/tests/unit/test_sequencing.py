@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from loadmaster.model_pool.generation_order import OrderPolicy
+from loadmaster.model_pool.generation_order import OrderPolicy, Transition
 from loadmaster.model_pool.sequencing import Sequencer
+
+START, PAUSE, RESUME = Transition.START, Transition.PAUSE, Transition.RESUME
+
+
+def started(transitions: list[tuple[Transition, str]]) -> list[str]:
+    return [request_id for kind, request_id in transitions if kind is START]
 
 
 def arrive(sequencer: Sequencer, request_id: str, priority: int, tenant: str = "t") -> list[str]:
-    return sequencer.arrive(request_id, priority=priority, tenant=tenant, weight=1.0, now=0.0)
+    return started(sequencer.arrive(request_id, priority=priority, tenant=tenant, weight=1.0, now=0.0))
+
+
+def finished(sequencer: Sequencer, request_id: str) -> list[str]:
+    return started(sequencer.finished(request_id, 0.0))
 
 
 def test_streams_start_up_to_the_capacity_then_wait_in_priority_then_arrival_order() -> None:
@@ -19,17 +29,35 @@ def test_streams_start_up_to_the_capacity_then_wait_in_priority_then_arrival_ord
     assert arrive(sequencer, "e", 1) == []
     assert (sequencer.running, sequencer.waiting) == (2, 3)
     assert sequencer.position("c", 0.0) == 2 and sequencer.position("a", 0.0) is None
-    assert sequencer.finished("a", 0.0) == ["d"]
-    assert sequencer.finished("b", 0.0) == ["e"]
-    assert sequencer.finished("d", 0.0) == ["c"]
+    assert finished(sequencer, "a") == ["d"]
+    assert finished(sequencer, "b") == ["e"]
+    assert finished(sequencer, "d") == ["c"]
 
 
-def test_a_priority_0_stream_never_pauses_a_running_one_here() -> None:
+def test_for_an_engine_that_cannot_pause_a_priority_0_stream_waits_for_a_place() -> None:
     sequencer = Sequencer(capacity=1)
     arrive(sequencer, "low", 3)
     assert arrive(sequencer, "urgent", 0) == []
     assert sequencer.is_waiting("urgent") and not sequencer.is_waiting("low")
-    assert sequencer.finished("low", 0.0) == ["urgent"]
+    assert finished(sequencer, "low") == ["urgent"]
+
+
+def test_for_an_engine_that_can_pause_a_priority_0_stream_takes_a_place_at_once() -> None:
+    sequencer = Sequencer(capacity=1, can_pause=True)
+    arrive(sequencer, "low", 3)
+    assert sequencer.arrive("urgent", priority=0, tenant="t", weight=1.0, now=0.0) == [
+        (PAUSE, "low"),
+        (START, "urgent"),
+    ]
+    assert sequencer.finished("urgent", 0.0) == [(RESUME, "low")]
+
+
+def test_with_timeslices_a_running_stream_yields_once_its_slice_is_used() -> None:
+    sequencer = Sequencer(capacity=1, policy=OrderPolicy(timeslice_tokens=4), can_pause=True)
+    arrive(sequencer, "low", 3)
+    arrive(sequencer, "better", 1)
+    assert sequencer.progressed("low", 3, 0.0) == []
+    assert sequencer.progressed("low", 1, 0.0) == [(PAUSE, "low"), (START, "better")]
 
 
 def test_within_a_priority_the_tenant_served_least_goes_next() -> None:
@@ -38,17 +66,17 @@ def test_within_a_priority_the_tenant_served_least_goes_next() -> None:
     arrive(sequencer, "a1", 1, "a")
     arrive(sequencer, "b0", 1, "b")
     sequencer.charge_prompt("a0", 20)
-    sequencer.progressed("a0", 10)
-    assert sequencer.finished("a0", 0.0) == ["b0"]
+    sequencer.progressed("a0", 10, 0.0)
+    assert finished(sequencer, "a0") == ["b0"]
 
 
 def test_finishing_an_unknown_or_waiting_stream_frees_nothing_twice() -> None:
     sequencer = Sequencer(capacity=1)
     arrive(sequencer, "a", 1)
     arrive(sequencer, "b", 1)
-    assert sequencer.finished("b", 0.0) == []  # cancelled while waiting
-    assert sequencer.finished("b", 0.0) == []
-    assert sequencer.finished("zzz", 0.0) == []
+    assert finished(sequencer, "b") == []  # cancelled while waiting
+    assert finished(sequencer, "b") == []
+    assert finished(sequencer, "zzz") == []
     assert (sequencer.running, sequencer.waiting) == (1, 0)
 
 
@@ -58,6 +86,6 @@ def test_service_a_tenant_got_on_other_workers_counts_here() -> None:
     arrive(sequencer, "a0", 1, "a")
     arrive(sequencer, "b0", 1, "b")
     sequencer.set_remote_service({"a": 1000.0})  # a was served plenty elsewhere
-    assert sequencer.finished("busy", 0.0) == ["b0"]
+    assert finished(sequencer, "busy") == ["b0"]
     sequencer.charge_prompt("b0", 4)
     assert sequencer.tenant_service() == {"b": 4.0}

@@ -28,12 +28,17 @@ from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.model_pool.engines import EngineContext, grammar
 from loadmaster.model_pool.engines.transformers import TransformersEngine
 from loadmaster.model_pool.generation import (
+    ChatMessage,
     FinishReason,
+    FunctionTool,
     GenerationEnd,
     GenerationRequest,
     ResponseFormat,
     SamplingParams,
     TokenChunk,
+    ToolCall,
+    ToolChoice,
+    ToolUse,
 )
 from loadmaster.model_pool.repository import ModelRepository
 
@@ -320,3 +325,124 @@ def test_a_manager_that_cannot_take_a_grammar_refuses_response_format(engine: Tr
     refusing = grammar.JsonGrammars(engine._tokenizer, vocab_size=1024, eos_ids=[2], refused="reason")
     with pytest.raises(InvalidArgumentError, match="response_format: not available on this model: reason"):
         refusing.constraint(ResponseFormat(kind="json_object"))
+
+
+# ---- forced tool calls (engines/tool_grammar.py): the same random schemas as parameters -----
+
+
+def _parameters(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters are an object: a random schema that is not one is its field."""
+    if schema.get("type") == "object":
+        return schema
+    return {"type": "object", "properties": {"value": schema}, "required": ["value"], "additionalProperties": False}
+
+
+def tool_request(request_id: str, tools: ToolUse, **params: Any) -> GenerationRequest:
+    params.setdefault("max_tokens", 1024)
+    params.setdefault("temperature", 0.0)
+    return GenerationRequest(
+        request_id, SamplingParams(**params), messages=(ChatMessage("user", "call a tool"),), tools=tools
+    )
+
+
+async def tool_reply(
+    engine: TransformersEngine, req: GenerationRequest
+) -> tuple[str, list[ToolCall], GenerationEnd]:
+    text: list[str] = []
+    calls: list[ToolCall] = []
+    async with asyncio.timeout(120):
+        async for event in await engine.submit(req):
+            if isinstance(event, TokenChunk):
+                text.append(event.text)
+                calls.extend(event.tool_calls)
+            else:
+                return "".join(text), calls, event
+    raise AssertionError("the stream ended without a terminal event")
+
+
+# tiny-chat's chat template shows each tool's JSON Schema (docs/tool-calling.md), which makes
+# prompts of 400-1,600 tokens of this 1,024-token vocabulary: prefilling 200 of them takes
+# minutes on CPU. What the property test checks is the constrained decoding, not the prompt, so
+# it runs with a template that names the tools only (the full template is tested on its own).
+NAMES_ONLY_TEMPLATE = (
+    "{{ bos_token }}{% for tool in tools or [] %}{{ tool.function.name + ' ' }}{% endfor %}"
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@pytest.fixture()
+def names_only_template(engine: TransformersEngine) -> Iterator[None]:
+    tokenizer = engine._tokenizer
+    full, tokenizer.chat_template = tokenizer.chat_template, NAMES_ONLY_TEMPLATE
+    try:
+        yield
+    finally:
+        tokenizer.chat_template = full
+
+
+@pytest.mark.parametrize("seed", [23])
+@pytest.mark.usefixtures("names_only_template")
+async def test_forced_tool_calls_always_validate_against_the_functions_schemas(
+    engine: TransformersEngine, seed: int
+) -> None:
+    """200 seeded random schemas as function parameters: named tool_choice (one function of
+    two) and `required` (either of two), parallel calls on and off, greedy or sampled. Every
+    reply ends `tool_calls` with no text; every call names an offered function (the named
+    one when named) and its `arguments` validate against that function's schema; without
+    parallel calls a reply is exactly one call."""
+    schemas = [_parameters(schema) for schema in random_schemas(200, seed=seed)]
+    rng = random.Random(seed)
+    cases = []
+    for i, schema in enumerate(schemas):
+        other = schemas[(i + 1) % len(schemas)]
+        functions = (
+            FunctionTool("first", "the first", json.dumps(schema)),
+            FunctionTool("second", "", json.dumps(other)),
+        )
+        named = i % 2 == 0
+        tools = ToolUse(
+            functions,
+            choice=ToolChoice.FUNCTION if named else ToolChoice.REQUIRED,
+            function_name="first" if named else "",
+            parallel=i % 4 < 2,
+        )
+        cases.append((tools, {"first": schema, "second": other}))
+    temperatures = [rng.choice([0.0, 0.7, 1.0]) for _ in cases]
+    replies = await asyncio.gather(
+        *(
+            tool_reply(engine, tool_request(f"tool-{i}", tools, temperature=t, seed=i))
+            for i, ((tools, _), t) in enumerate(zip(cases, temperatures, strict=True))
+        )
+    )
+    calls_seen = 0
+    for (tools, by_name), (text, calls, end) in zip(cases, replies, strict=True):
+        assert end.finish_reason is FinishReason.TOOL_CALLS, (tools, text, end)
+        assert text == "" and calls, (tools, text)
+        if not tools.parallel:
+            assert len(calls) == 1
+        for call in calls:
+            assert call.name in by_name
+            if tools.choice is ToolChoice.FUNCTION:
+                assert call.name == "first"
+            jsonschema.validate(json.loads(call.arguments), by_name[call.name])
+            calls_seen += 1
+    assert calls_seen >= len(cases)
+
+
+@pytest.mark.usefixtures("names_only_template")
+async def test_a_tool_schema_the_library_cannot_compile_is_refused_naming_the_tool(
+    engine: TransformersEngine,
+) -> None:
+    tools = ToolUse(
+        (
+            FunctionTool("ok", "", json.dumps(PERSON)),
+            FunctionTool("bad", "", '{"type": "object", "properties": {"x": {"type": "strin"}}}'),
+        ),
+        choice=ToolChoice.REQUIRED,
+    )
+    with pytest.raises(InvalidArgumentError, match=r"tools\[1\]\.function\.parameters"):
+        await engine.submit(tool_request("bad-tool", tools))
+    named = ToolUse(tools.functions, choice=ToolChoice.FUNCTION, function_name="ok")
+    _, calls, end = await tool_reply(engine, tool_request("named-ok", named))  # only `ok` is compiled
+    assert end.finish_reason is FinishReason.TOOL_CALLS and {c.name for c in calls} == {"ok"}

@@ -9,6 +9,7 @@ Anything that is not a `LoadmasterError` becomes `internal`.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import grpc
@@ -34,6 +35,7 @@ __all__ = [
     "edge_code_name",
     "error_for_code",
     "from_grpc_error",
+    "retry_after_header",
 ]
 
 
@@ -51,6 +53,9 @@ class LoadmasterError(Exception):
     grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
     http_status: ClassVar[int] = 500
     retryable: ClassVar[bool] = False
+    # When a retry may succeed, if the raiser knows (a rate limit's next token): HTTP's
+    # `Retry-After` (`retry_after_header`).
+    retry_after_s: float | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -195,3 +200,12 @@ def from_grpc_error(error: grpc.RpcError) -> LoadmasterError:
             return _BY_CODE[int(value)](details or status.name.lower())
     cls = _BY_GRPC.get(status, InternalError)
     return cls(details or status.name.lower())
+
+
+def retry_after_header(error: LoadmasterError) -> str | None:
+    """The `Retry-After` value (whole seconds, at least 1) of an error answered with 429 or
+    503; None for other errors."""
+    if error.http_status not in (429, 503):
+        return None
+    wait = error.retry_after_s if error.retry_after_s is not None else 1.0
+    return str(max(1, math.ceil(wait)))

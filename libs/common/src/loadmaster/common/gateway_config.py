@@ -295,5 +295,25 @@ class GatewaySettings(ServiceEndpoint):
     worker_heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
     worker_heartbeat_timeout_ms: int = Field(default=3000, ge=0)
     images: ImagesSettings = ImagesSettings()
+    # OpenAI's `n` (choices from one prompt, sharing its prefill): at most this many.
+    max_n: int = Field(default=8, ge=1, le=64)
     guardrails: GuardrailSettings = GuardrailSettings()
     audit: AuditSettings = AuditSettings()
+    # Images in chat messages (docs/dialects.md): data URLs always; http(s) URLs only from
+    # these hosts (exact names, or "*.example.com" for its subdomains), fetched with a
+    # deadline and a size bound. Each image is at most image_max_bytes, encoded.
+    image_url_allow: list[str] = Field(default_factory=list)
+    image_fetch_timeout_s: float = Field(default=10.0, gt=0)
+    image_max_bytes: int = Field(default=10 << 20, ge=1)
+    max_images: int = Field(default=8, ge=0)  # per request
+    # Browsers: origins allowed to call the HTTP port (CORS; "*" for any); empty = none.
+    cors_origins: list[str] = Field(default_factory=list)
+    # TLS on the HTTP port (PEM files; relative paths: to the config file's folder).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GatewaySettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        return self

@@ -23,6 +23,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 MODEL_STATE_UNSPECIFIED: ModelState
 MODEL_STATE_IDLE: ModelState
 MODEL_STATE_LOADING: ModelState
@@ -32,6 +33,7 @@ MODEL_STATE_UNLOADING: ModelState
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 
 class InferRequest(_message.Message):
     __slots__ = ("request_id", "model_id", "inputs", "metadata", "deadline_unix_ns", "generation", "front_of_queue", "shm", "payload")
@@ -156,10 +158,12 @@ class ModelSlotStatus(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., generation: _Optional[int] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., device: _Optional[str] = ..., vram_mb: _Optional[int] = ..., backend: _Optional[str] = ..., pinned: _Optional[bool] = ..., last_used_unix_ms: _Optional[int] = ..., loaded_unix_ms: _Optional[int] = ..., load_time_ms: _Optional[float] = ..., error: _Optional[str] = ..., lease_id: _Optional[str] = ..., priority: _Optional[int] = ..., instances: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., evictions: _Optional[int] = ..., reloads: _Optional[int] = ..., mb_per_gpu: _Optional[_Mapping[int, int]] = ..., load_started_unix_ms: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model_id",)
+    __slots__ = ("model_id", "keep_alive_s")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
     model_id: str
-    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+    keep_alive_s: float
+    def __init__(self, model_id: _Optional[str] = ..., keep_alive_s: _Optional[float] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("model",)
@@ -260,7 +264,7 @@ class PinResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelSlotStatus, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format", "tenant", "tenant_weight", "chat_template_kwargs")
+    __slots__ = ("request_id", "model_id", "prompt_token_ids", "prompt_text", "messages", "sampling", "deadline_unix_ns", "generation", "priority", "metadata", "response_format", "tenant", "tenant_weight", "chat_template_kwargs", "keep_alive_s", "tools", "logprobs", "n")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +286,10 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     prompt_token_ids: PromptTokens
@@ -296,7 +304,77 @@ class GenerateRequest(_message.Message):
     tenant: str
     tenant_weight: float
     chat_template_kwargs: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
+    keep_alive_s: float
+    tools: ToolUse
+    logprobs: LogprobsRequest
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokens, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline_unix_ns: _Optional[int] = ..., generation: _Optional[int] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., chat_template_kwargs: _Optional[str] = ..., keep_alive_s: _Optional[float] = ..., tools: _Optional[_Union[ToolUse, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+
+class FunctionTool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json", "strict")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    strict: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class ToolUse(_message.Message):
+    __slots__ = ("functions", "choice", "function_name", "parallel")
+    FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    functions: _containers.RepeatedCompositeFieldContainer[FunctionTool]
+    choice: str
+    function_name: str
+    parallel: bool
+    def __init__(self, functions: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., choice: _Optional[str] = ..., function_name: _Optional[str] = ..., parallel: _Optional[bool] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments", "index")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    index: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class LogprobsRequest(_message.Message):
+    __slots__ = ("enabled", "top")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    top: int
+    def __init__(self, enabled: _Optional[bool] = ..., top: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: bytes
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: bytes
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema", "name")
@@ -315,12 +393,20 @@ class PromptTokens(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "images", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)
@@ -385,26 +471,44 @@ class GenerationProgress(_message.Message):
     def __init__(self, queued_ahead: _Optional[int] = ..., loading: _Optional[bool] = ..., load_fraction: _Optional[float] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text")
+    __slots__ = ("token_ids", "text", "choice", "logprobs", "tool_calls")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    choice: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., choice: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("finish_reason", "usage", "queue_ms", "time_to_first_token_ms", "preemptions")
+    __slots__ = ("finish_reason", "usage", "queue_ms", "time_to_first_token_ms", "preemptions", "choices")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: GenerationUsage
     queue_ms: float
     time_to_first_token_ms: float
     preemptions: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[GenerationUsage, _Mapping]] = ..., queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    choices: _containers.RepeatedCompositeFieldContainer[ChoiceEnd]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[GenerationUsage, _Mapping]] = ..., queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., choices: _Optional[_Iterable[_Union[ChoiceEnd, _Mapping]]] = ...) -> None: ...
+
+class ChoiceEnd(_message.Message):
+    __slots__ = ("index", "finish_reason", "completion_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    finish_reason: FinishReason
+    completion_tokens: int
+    def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationError(_message.Message):
     __slots__ = ("error_code", "error_message", "retryable", "usage")

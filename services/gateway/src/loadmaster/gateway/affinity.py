@@ -30,8 +30,9 @@ def prefix_affinity_key(request: GenerationRequest) -> str:
     if request.messages is not None:
         parts: list[str] = []
         size = 0
-        for role, content in request.messages:
-            part = f"{'system' if role == 'developer' else role}{_ROLE_END}{content}{_MESSAGE_END}"
+        for turn in request.messages:
+            role = "system" if turn.role == "developer" else turn.role
+            part = f"{role}{_ROLE_END}{turn.content}{_MESSAGE_END}"
             parts.append(part)
             size += len(part)
             if size >= PREFIX_CHARS:

@@ -75,6 +75,12 @@ class TokenBucket:
             return True
         return False
 
+    def refused(self, message: str) -> ResourceExhaustedError:
+        """The rate-limit error, saying when the next token comes (`Retry-After`)."""
+        error = ResourceExhaustedError(message)
+        error.retry_after_s = max(0.0, (1.0 - self.tokens) / self.rate_per_s)
+        return error
+
 
 @dataclass(frozen=True, slots=True)
 class Principal:
@@ -202,7 +208,7 @@ class Authenticator:
             )
         bucket = self._subject_bucket(claims.subject)
         if charge and bucket is not None and not bucket.take(self._clock.monotonic()):
-            raise ResourceExhaustedError(
+            raise bucket.refused(
                 f"subject '{claims.subject}' exceeded its rate limit of "
                 f"{self._oidc_settings.rate_per_s:g} requests/s"
             )
@@ -257,7 +263,7 @@ class Authenticator:
         if scope not in key.scopes:
             raise PermissionDeniedError(f"API key '{key.name}' lacks the '{scope}' scope")
         if charge and key.bucket is not None and not key.bucket.take(self._clock.monotonic()):
-            raise ResourceExhaustedError(
+            raise key.bucket.refused(
                 f"API key '{key.name}' exceeded its rate limit of {key.bucket.rate_per_s:g} requests/s"
             )
         return key

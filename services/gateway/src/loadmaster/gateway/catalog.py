@@ -114,8 +114,9 @@ class ModelCatalog:
             raise NotFoundError(f"model '{name}' is not in any worker's repository")
         return view
 
-    async def load(self, name: str) -> ModelView:
-        """Load `name` on a worker that can (one already holding it first); wait until it is READY."""
+    async def load(self, name: str, *, keep_alive_s: float | None = None) -> ModelView:
+        """Load `name` on a worker that can (one already holding it first); wait until it is
+        READY. `keep_alive_s`: its idle keep-alive from then on (else the configured one)."""
         workers = await self.workers()
         candidates = [w for w in workers if name in w.repository or any(s.model_id == name for s in w.models)]
         if not candidates:
@@ -124,7 +125,9 @@ class ModelCatalog:
         worker = candidates[0]
         stub = model_pool_pb2_grpc.ModelPoolServiceStub(self._worker_channel(worker.grpc_endpoint))
         try:
-            await stub.Load(model_pool_pb2.LoadRequest(model_id=name), timeout=self._load_timeout_s)
+            await stub.Load(
+                model_pool_pb2.LoadRequest(model_id=name, keep_alive_s=keep_alive_s), timeout=self._load_timeout_s
+            )
         except grpc.aio.AioRpcError as error:
             raise from_grpc_error(error) from None
         return await self.model(name)

@@ -59,6 +59,14 @@ from loadmaster.gateway.affinity import prefix_affinity_key
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation_items import (
+    ChatTurn,
+    ChoiceEnd,
+    TokenLogprob,
+    ToolCall,
+    ToolUse,
+    TopLogprob,
+)
 from loadmaster.gateway.ladders import REMOTE_BACKENDS, Ladder, LadderRouter, alias_states
 from loadmaster.gateway.ports import SchedulerSession
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
@@ -67,7 +75,10 @@ __all__ = ["GENERATIVE_BACKENDS", "GenerationPort", "GenerationStreams"]
 
 log = logging.getLogger(__name__)
 
-GENERATIVE_BACKENDS = frozenset({"transformers", "openai_process", "remote_openai"})
+GENERATIVE_BACKENDS = frozenset(
+    {"transformers", "transformers_vlm", "openai_process", "remote_openai", "python_generative"}
+)
+OPENAI_BACKENDS = GENERATIVE_BACKENDS | {"embedding"}  # what GET /v1/models lists
 DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's own default is the context's rest)
 DEFAULT_PRIORITY = 1  # as for tensor requests
 MAX_BUFFERED = 8192  # replies one stream may have waiting for its consumer
@@ -76,7 +87,11 @@ WAITING_FIRST_S = 0.5  # a stream not granted this long after it was opened is t
 WAITING_EVERY_S = 1.0  # then at most once per this long, when that changed
 
 CANCEL_PREFIX = "cancel:"  # a CancelGeneration's credential is signed over this + the request id
-_FINISH = {model_pool_pb2.FINISH_REASON_STOP: "stop", model_pool_pb2.FINISH_REASON_LENGTH: "length"}
+_FINISH = {
+    model_pool_pb2.FINISH_REASON_STOP: "stop",
+    model_pool_pb2.FINISH_REASON_LENGTH: "length",
+    model_pool_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
 
 
 class _Workers(Protocol):
@@ -147,13 +162,14 @@ class GenerationStreams:
                 item = await stream.events.get()
                 if isinstance(item, BaseException):
                     raise item
-                if isinstance(item, TextChunk):
+                while isinstance(item, TextChunk):
                     item = self._joined(stream, item)
-                    if isinstance(item, tuple):  # text, then what ended it (already here)
-                        yield item[0]
-                        item = item[1]
-                        if isinstance(item, BaseException):
-                            raise item
+                    if not isinstance(item, tuple):
+                        break
+                    yield item[0]  # text, then what ended the run (already here)
+                    item = item[1]
+                if isinstance(item, BaseException):
+                    raise item
                 yield item
                 if isinstance(item, Finished):
                     return
@@ -191,16 +207,16 @@ class GenerationStreams:
 
     @staticmethod
     def _joined(stream: _Stream, first: TextChunk) -> TextChunk | tuple[TextChunk, Any]:
-        """`first` and the chunks already waiting behind it as one (a slow reader gets fewer,
-        larger events); what follows them, if it is the end, comes along."""
-        parts = [first.text]
+        """`first` and the chunks of the same choice already waiting behind it as one (a slow
+        reader gets fewer, larger events); what follows them, if it is not one, comes along."""
+        joined = first
         while not stream.events.empty():
             item = stream.events.get_nowait()
-            if isinstance(item, TextChunk):
-                parts.append(item.text)
+            if isinstance(item, TextChunk) and item.choice == joined.choice:
+                joined = join_chunks(joined, item)
                 continue
-            return TextChunk("".join(parts)), item
-        return TextChunk("".join(parts)) if len(parts) > 1 else first
+            return joined, item
+        return joined
 
     # ---- from the scheduler ---------------------------------------------------------
 
@@ -293,7 +309,7 @@ class GenerationStreams:
                 self._send_cancel(stream, "the client reads too slowly")
                 self._deliver(stream, UnavailableError("the client read the stream too slowly"))
                 return
-            self._deliver(stream, TextChunk(reply.chunk.text))
+            self._deliver(stream, chunk_event(reply.chunk))
             return
         if kind == "result":
             usage = reply.result.usage
@@ -305,6 +321,10 @@ class GenerationStreams:
                     prompt_tokens=usage.prompt_tokens,
                     completion_tokens=usage.completion_tokens,
                     model=stream.model_id,
+                    choices=tuple(
+                        ChoiceEnd(end.index, _FINISH.get(end.finish_reason, "stop"), end.completion_tokens)
+                        for end in reply.result.choices
+                    ),
                 ),
             )
             self._forget(stream)
@@ -457,17 +477,84 @@ def _message(
         sampling=sampling,
         priority=DEFAULT_PRIORITY if request.priority is None else request.priority,
     )
+    if request.keep_alive_s is not None:
+        message.keep_alive_s = request.keep_alive_s
     if request.messages is not None:
-        message.messages.messages.extend(
-            model_pool_pb2.ChatMessage(role="system" if role == "developer" else role, content=content)
-            for role, content in request.messages
-        )
+        message.messages.messages.extend(_turn(turn) for turn in request.messages)
+        for image in request.images:  # fetched and checked by the front end (chat_images.py)
+            message.messages.messages[image.message].images.append(image.data)
     else:
         message.prompt_text = request.prompt or ""
     if request.chat_template_kwargs:
         message.chat_template_kwargs = json.dumps(request.chat_template_kwargs, separators=(",", ":"))
     _response_format(message.response_format, request.response_format)
+    if request.tools is not None:
+        _tools(message.tools, request.tools)
+    if request.logprobs is not None:
+        message.logprobs.enabled = True
+        message.logprobs.top = request.logprobs
+    if request.n > 1:
+        message.n = request.n
     return message
+
+
+def _turn(turn: ChatTurn) -> model_pool_pb2.ChatMessage:
+    return model_pool_pb2.ChatMessage(
+        role="system" if turn.role == "developer" else turn.role,
+        content=turn.content,
+        tool_calls=[
+            model_pool_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments, index=c.index)
+            for c in turn.tool_calls
+        ],
+        tool_call_id=turn.tool_call_id,
+        name=turn.name,
+    )
+
+
+def _tools(wire: model_pool_pb2.ToolUse, tools: ToolUse) -> None:
+    wire.choice = tools.choice
+    wire.function_name = tools.function_name
+    wire.parallel = tools.parallel
+    wire.functions.extend(
+        model_pool_pb2.FunctionTool(
+            name=f.name,
+            description=f.description,
+            parameters_json="" if f.parameters is None else json.dumps(f.parameters, separators=(",", ":")),
+            strict=f.strict,
+        )
+        for f in tools.functions
+    )
+
+
+def chunk_event(chunk: model_pool_pb2.TokenChunk) -> TextChunk:
+    """A worker's chunk as the front ends' event: its text, choice, calls and log probabilities."""
+    return TextChunk(
+        chunk.text,
+        choice=chunk.choice,
+        tool_calls=tuple(ToolCall(c.id, c.name, c.arguments, c.index) for c in chunk.tool_calls),
+        logprobs=tuple(_logprob(item) for item in chunk.logprobs),
+    )
+
+
+def _logprob(item: model_pool_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token=item.token.decode("utf-8", errors="replace"),
+        bytes=item.token,
+        logprob=item.logprob,
+        top=tuple(
+            TopLogprob(t.token.decode("utf-8", errors="replace"), t.token, t.logprob) for t in item.top
+        ),
+    )
+
+
+def join_chunks(first: TextChunk, second: TextChunk) -> TextChunk:
+    """Two chunks of one choice as one."""
+    return dataclasses.replace(
+        first,
+        text=first.text + second.text,
+        tool_calls=first.tool_calls + second.tool_calls,
+        logprobs=first.logprobs + second.logprobs,
+    )
 
 
 def _response_format(wire: model_pool_pb2.ResponseFormat, value: dict[str, Any] | None) -> None:
@@ -545,6 +632,6 @@ class GenerationPort:
         served = {
             name: "IDLE" if view.state == "UNAVAILABLE" and view.reason in ("", "not loaded") else view.state
             for name, view in views.items()
-            if view.backend in GENERATIVE_BACKENDS
+            if view.backend in OPENAI_BACKENDS
         }
         return {**served, **alias_states(self._router.ladders, served, skip=self._router.skipped())}

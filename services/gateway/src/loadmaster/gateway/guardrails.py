@@ -147,7 +147,7 @@ class StreamScreen:
 def prompt_text(generation: GenerationRequest) -> str:
     """The text a request asks about: its messages' contents, one per line, or its prompt."""
     if generation.messages is not None:
-        return "\n".join(content for _, content in generation.messages)
+        return "\n".join(turn.content for turn in generation.messages)
     return generation.prompt or ""
 
 
@@ -247,7 +247,7 @@ class Guardrails:
         """`events` with the completion checked as it goes: text is sent once it cannot be part
         of a match; on a match the generation is closed (cancelled) and a `Finished` with
         `content_filter` ends it. Token counts are then what arrived: a chunk per token."""
-        screen = StreamScreen(self.blocklist, holdback=self._holdback)
+        screens: dict[int, StreamScreen] = {}  # one per choice (n > 1)
         chunks = 0
         try:
             async for item in events:
@@ -256,20 +256,24 @@ class Guardrails:
                     continue
                 if isinstance(item, TextChunk):
                     chunks += 1
+                    screen = screens.setdefault(
+                        item.choice, StreamScreen(self.blocklist, holdback=self._holdback)
+                    )
                     released, match = screen.feed(item.text)
-                    if released:
-                        yield TextChunk(released)
+                    if released or item.tool_calls or item.logprobs:  # calls and logprobs pass as they come
+                        yield replace(item, text=released)
                     if match is not None:
                         log.info("a completion was stopped by policy: it matches %s", match.rule)
                         yield Finished(CONTENT_FILTER, prompt_tokens=0, completion_tokens=chunks)
                         return
                     continue
-                released, match = screen.finish()
-                if released:
-                    yield TextChunk(released)
-                if match is not None:
-                    log.info("a completion was stopped by policy: it matches %s", match.rule)
-                    item = replace(item, finish_reason=CONTENT_FILTER)
+                for choice, screen in sorted(screens.items()):
+                    released, match = screen.finish()
+                    if released:
+                        yield TextChunk(released, choice=choice)
+                    if match is not None:
+                        log.info("a completion was stopped by policy: it matches %s", match.rule)
+                        item = replace(item, finish_reason=CONTENT_FILTER)
                 yield item
                 return
         finally:

@@ -34,6 +34,7 @@ from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import ClientProfileSettings, ClientsSettings, CooldownSettings
 from loadmaster.common.errors import ResourceExhaustedError
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation_items import ChatTurn
 
 __all__ = ["ClientPolicy", "CooldownError", "Profile", "apply_profile"]
 
@@ -142,7 +143,7 @@ def apply_profile(request: GenerationRequest, profile: Profile | None) -> Genera
     if (
         settings.system_prompt
         and messages is not None
-        and not any(role in _SYSTEM_ROLES for role, _ in messages)
+        and not any(turn.role in _SYSTEM_ROLES for turn in messages)
     ):
-        changes["messages"] = (("system", settings.system_prompt), *messages)
+        changes["messages"] = (ChatTurn("system", settings.system_prompt), *messages)
     return dataclasses.replace(request, **changes) if changes else request  # type: ignore[arg-type]

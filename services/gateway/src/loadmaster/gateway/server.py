@@ -21,7 +21,9 @@ from loadmaster.gateway.admin_plane import AdminPlane
 from loadmaster.gateway.audit import AuditLog
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelCatalog, ModelView
+from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.embeddings import Embedder
 from loadmaster.gateway.exposure import warn_if_exposed
 from loadmaster.gateway.frontends.admin_http import admin_routes
 from loadmaster.gateway.frontends.edge import EdgeFrontend
@@ -32,6 +34,7 @@ from loadmaster.gateway.frontends.grpc import (
     receive_options,
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
+from loadmaster.gateway.frontends.openai_embeddings import embedding_routes
 from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
 from loadmaster.gateway.frontends.openpi import openpi_routes
 from loadmaster.gateway.generations import GenerationPort
@@ -165,6 +168,7 @@ class Gateway:
         )
         # tenants' weights as set now (YAML, or at run time through the admin plane)
         self.dispatcher.generations.weights = self.admin_plane.tenant_weight
+        self.chat_images = ChatImages(gateway)  # images in chat messages, every dialect's
         self.kserve_grpc = KServeGrpcServicer(
             self.dispatcher,
             self.catalog,
@@ -179,6 +183,7 @@ class Gateway:
         self.images = ImageGenerator(
             self.dispatcher, settings.gateway.limits, default_timeout_ms=images.timeout_ms
         )
+        self.embedder = Embedder(self.dispatcher, settings.gateway.limits)
         self.image_jobs: ImageJobs | None = None
         if settings.redis_url:  # async jobs live in Redis; without one, only synchronous requests
 
@@ -215,8 +220,16 @@ class Gateway:
                 *openpi_routes(
                     self.dispatcher, self.signatures, self.auth, gateway.limits, gateway_id=self.gateway_id
                 ),
+                *embedding_routes(self.embedder, self.auth, gateway_id=self.gateway_id),
             ],
             policy=self.policy,
+            images=self.chat_images,
+            embedder=self.embedder,
+        )
+        tls = (gateway.tls_cert_file, gateway.tls_key_file)
+        cert, key = (
+            str(path if path.is_absolute() else settings.config_dir / path) if path is not None else None
+            for path in tls
         )
         self.gr00t = (
             Gr00tFrontend(
@@ -240,6 +253,8 @@ class Gateway:
             header_timeout_s=settings.gateway.limits.http_header_timeout_s,
             keep_alive_s=settings.gateway.limits.http_keep_alive_s,
             ws_max_size=gateway.limits.max_payload_bytes + gateway.limits.max_envelope_bytes,
+            tls_cert_file=cert,
+            tls_key_file=key,
         )
 
     async def _model_view(self, model_id: str) -> ModelView | None:
@@ -289,8 +304,10 @@ class Gateway:
         await self.admin.close()
         await self.auth.close()
         await self.guardrails.close()
+        await self.chat_images.close()
         await self.admin_plane.close()
-        await asyncio.to_thread(self.audit.close)  # after the HTTP server: every record is in
+        if self.audit is not None:
+            await asyncio.to_thread(self.audit.close)  # after the HTTP server: every record is in
         await self.scheduler.close()
         await self.dispatcher.close()
         await self.workers.close()

@@ -13,13 +13,20 @@ The stream contract (also in model_pool.proto and docs/generative.md): chunk seq
 numbers start at 0 and grow by one; the terminal follows the last chunk; nothing follows
 the terminal. A consumer checks order and exactly-once with the sequence numbers alone.
 
+With `n` > 1 a request has several choices: every chunk names its `choice`, and the one
+terminal comes after the last choice ended, with how each ended (`GenerationEnd.choices`).
+Tools (`ToolUse`) and log probabilities (`TokenChunk.logprobs`, `TokenLogprob`) are
+docs/tool-calling.md.
+
 Pure code only: `SamplingParams.check` validates, `StopMatcher` finds stop strings across
 chunk boundaries and holds back text that could still become one.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -29,9 +36,14 @@ from loadmaster.common.errors import InvalidArgumentError
 
 __all__ = [
     "CHAT_ROLES",
+    "MAX_CHOICES",
     "MAX_STOP_STRINGS",
+    "MAX_TOOLS",
+    "MAX_TOP_LOGPROBS",
     "ChatMessage",
+    "ChoiceEnd",
     "FinishReason",
+    "FunctionTool",
     "GenerationEnd",
     "GenerationEvent",
     "GenerationRequest",
@@ -40,25 +52,141 @@ __all__ = [
     "SamplingParams",
     "StopMatcher",
     "TokenChunk",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolChoice",
+    "ToolUse",
+    "TopLogprob",
     "Usage",
 ]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_TOOLS = 128  # as OpenAI's API
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+MAX_CHOICES = 64  # the gateway's `max_n` is lower (default 8)
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 _SEED_MAX = (1 << 63) - 1
 
 
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"  # the reply is tool calls (it may have text before them)
     CANCELLED = "cancelled"
     ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call of a function: made by the model in this reply, or earlier (chat history).
+    `arguments` is JSON text (an object), as OpenAI's API carries it."""
+
+    id: str
+    name: str
+    arguments: str
+    index: int = 0  # its place among the reply's calls
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str = ""  # a tool turn: the call it answers
+    name: str = ""  # a tool turn: the function that answered
+    images: tuple[bytes, ...] = ()  # encoded images shown before `content` (engines that take images)
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionTool:
+    """A function the model may call; `parameters` is its JSON Schema as JSON text ("" = takes
+    no arguments: only `{}`)."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""
+    strict: bool = False
+
+    def schema(self) -> dict[str, object] | bool:
+        """The parsed `parameters` (the empty object's schema when none was given)."""
+        if not self.parameters:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        value = json.loads(self.parameters)
+        if not isinstance(value, dict | bool):
+            raise ValueError("a JSON Schema is an object")
+        return value  # type: ignore[no-any-return]
+
+
+class ToolChoice(StrEnum):
+    AUTO = "auto"  # the model decides; calls are parsed out of its text (its `tool_format`)
+    NONE = "none"  # tools are shown to the model, but the reply is text
+    REQUIRED = "required"  # at least one call of any tool, decoding constrained
+    FUNCTION = "function"  # a call of `function_name`, decoding constrained
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """The tools of one request and how they may be called (docs/tool-calling.md)."""
+
+    functions: tuple[FunctionTool, ...]
+    choice: ToolChoice = ToolChoice.AUTO
+    function_name: str = ""
+    parallel: bool = True  # more than one call per reply
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the reply must be tool calls (decoding is constrained to them)."""
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.FUNCTION)
+
+    def called(self) -> tuple[FunctionTool, ...]:
+        """The functions a constrained reply may call."""
+        if self.choice is ToolChoice.FUNCTION:
+            return tuple(f for f in self.functions if f.name == self.function_name)
+        return self.functions
+
+    def check(self) -> None:
+        if not self.functions:
+            raise InvalidArgumentError("tools: at least one function is required")
+        if len(self.functions) > MAX_TOOLS:
+            raise InvalidArgumentError(f"tools: {len(self.functions)} functions, at most {MAX_TOOLS}")
+        names: set[str] = set()
+        for index, function in enumerate(self.functions):
+            if not FUNCTION_NAME.match(function.name):
+                raise InvalidArgumentError(
+                    f"tools[{index}].function.name: {function.name!r} is not 1-64 letters, digits, _ or -"
+                )
+            if function.name in names:
+                raise InvalidArgumentError(f"tools[{index}].function.name: {function.name!r} is repeated")
+            names.add(function.name)
+            try:
+                function.schema()
+            except ValueError as error:
+                raise InvalidArgumentError(f"tools[{index}].function.parameters: {error}") from None
+        if not isinstance(self.choice, ToolChoice):
+            raise InvalidArgumentError(f"tool_choice: {self.choice!r} is not one of auto, none, required")
+        if self.choice is ToolChoice.FUNCTION and self.function_name not in names:
+            raise InvalidArgumentError(
+                f"tool_choice.function.name: {self.function_name!r} is not one of the tools"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    token: bytes  # the token's bytes (may be part of a UTF-8 character)
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log probability in the distribution it was drawn from, and the
+    `top` most likely tokens of that distribution (most likely first)."""
+
+    token_id: int
+    token: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +270,19 @@ class GenerationRequest:
     tenant_weight: float = 1.0
     # Extra variables for the chat template (`enable_thinking` …); chat messages only.
     chat_template_kwargs: Mapping[str, Any] | None = None
+    tools: ToolUse | None = None
+    logprobs: int | None = None  # None: none; k: each token's, and its k most likely alternatives
+    n: int = 1  # choices from the one prompt
+
+    @property
+    def tool_calls_parsed(self) -> bool:
+        """Whether tool calls are read out of the reply (tools given, `tool_choice` not none)."""
+        return self.tools is not None and self.tools.choice is not ToolChoice.NONE
+
+    @property
+    def images(self) -> int:
+        """How many images the messages carry."""
+        return sum(len(m.images) for m in self.messages or ())
 
     def check(self) -> None:
         if not self.request_id:
@@ -174,6 +315,20 @@ class GenerationRequest:
                 raise InvalidArgumentError("chat_template_kwargs: keys are strings")
         if self.response_format is not None:
             self.response_format.check()
+        if self.tools is not None:
+            if self.messages is None:
+                raise InvalidArgumentError("tools: only a chat (messages) can use tools")
+            self.tools.check()
+            if self.tools.constrained and self.response_format is not None:
+                raise InvalidArgumentError(
+                    "response_format: cannot be combined with tool_choice required or a named function"
+                )
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidArgumentError(f"top_logprobs: {self.logprobs!r} is not in 0..{MAX_TOP_LOGPROBS}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidArgumentError(f"n: {self.n!r} is not in 1..{MAX_CHOICES}")
         self.params.check()
 
 
@@ -196,6 +351,18 @@ class TokenChunk:
     sequence: int
     token_ids: tuple[int, ...]
     text: str
+    choice: int = 0  # which of the request's `n` choices
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed here (`text` holds none of their text)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceEnd:
+    """How one of a request's `n` choices ended."""
+
+    index: int
+    finish_reason: FinishReason
+    completion_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +374,7 @@ class GenerationEnd:
     finish_reason: FinishReason
     usage: Usage
     error: str = ""
+    choices: tuple[ChoiceEnd, ...] = ()  # with n > 1: each choice's end (usage sums them)
 
 
 GenerationEvent = TokenChunk | GenerationEnd

@@ -55,7 +55,7 @@ from loadmaster.model_pool.generation import (
     TokenChunk,
     Usage,
 )
-from loadmaster.model_pool.generation_order import OrderPolicy
+from loadmaster.model_pool.generation_order import OrderPolicy, Transition
 from loadmaster.model_pool.generation_wire import reply_to_proto, request_from_proto
 from loadmaster.model_pool.pool import GenerationAdmission, ModelPool
 from loadmaster.model_pool.sequencing import Sequencer
@@ -219,6 +219,8 @@ class GenerationPort:
         try:
             request = request_from_proto(message)
             admission = self._pool.open_generation(model_id, deadline_unix_ns=message.deadline_unix_ns)
+            if message.HasField("keep_alive_s"):  # Ollama's keep_alive (docs/dialects.md)
+                self._pool.set_keep_alive(model_id, message.keep_alive_s)
         except Exception as error:
             self._refuse(identity, request_id, model_id, error)
             return
@@ -230,10 +232,10 @@ class GenerationPort:
         if model.sequencer is None:
             self._start(model, stream)
         else:
-            started = model.sequencer.arrive(
+            transitions = model.sequencer.arrive(
                 request_id, priority=request.priority, tenant=request.tenant, weight=request.tenant_weight, now=now
             )
-            self._start_all(model, started)
+            self._act(model, transitions)
         self._watch_progress()
         self._record_sequences(model_id, model)
 
@@ -246,7 +248,8 @@ class GenerationPort:
             or (model.sequencer is not None and model.sequencer.capacity != admission.sequences)
         )
         if model is None or stale:
-            sequencer = None if ordered else Sequencer(admission.sequences, self._policy)
+            pausable = callable(getattr(admission.engine, "preempt", None))
+            sequencer = None if ordered else Sequencer(admission.sequences, self._policy, can_pause=pausable)
             model = self._models[model_id] = _Model(sequencer)
         return model
 
@@ -278,11 +281,18 @@ class GenerationPort:
 
     # ---- starting -----------------------------------------------------------------
 
-    def _start_all(self, model: _Model, request_ids: list[str]) -> None:
-        for request_id in request_ids:
+    def _act(self, model: _Model, transitions: list[tuple[Transition, str]]) -> None:
+        """The sequencer's decisions: start a stream, or pause / resume one in its engine."""
+        for kind, request_id in transitions:
             stream = model.streams.get(request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            if kind is Transition.START:
                 self._start(model, stream)
+            elif kind is Transition.PAUSE:
+                stream.admission.engine.preempt(request_id)
+            else:
+                stream.admission.engine.resume(request_id)
 
     def _start(self, model: _Model, stream: _Stream) -> None:
         stream.started = self._clock.monotonic()
@@ -293,6 +303,12 @@ class GenerationPort:
     async def _run(self, model: _Model, stream: _Stream) -> None:
         request_id = stream.request.request_id
         engine = stream.admission.engine
+        if stream.request.images and not getattr(engine, "takes_images", False):
+            refused = InvalidArgumentError(
+                f"model '{stream.model_id}' takes no images: send text only, or ask a vision-language model"
+            )
+            self._refuse_admitted(stream, refused)
+            return
         try:
             engine_stream = await engine.submit(stream.request)
         except Exception as error:
@@ -316,7 +332,7 @@ class GenerationPort:
                     tokens += len(event.token_ids)
                     self._chunk(stream, event)
                 if model.sequencer is not None:
-                    model.sequencer.progressed(request_id, tokens)
+                    self._act(model, model.sequencer.progressed(request_id, tokens, self._clock.monotonic()))
         except Exception as error:  # never leave a stream without its terminal
             log.exception("generation %s failed", request_id)
             engine.cancel(request_id)
@@ -437,7 +453,7 @@ class GenerationPort:
         if model is not None:
             model.streams.pop(request_id, None)
             if model.sequencer is not None:
-                self._start_all(model, model.sequencer.finished(request_id, self._clock.monotonic()))
+                self._act(model, model.sequencer.finished(request_id, self._clock.monotonic()))
             self._record_sequences(stream.model_id, model, engine=stream.admission.engine)
 
     # ---- answering ----------------------------------------------------------------

@@ -19,20 +19,27 @@ from loadmaster.common.errors import InternalError, InvalidArgumentError
 from loadmaster.model_pool.generation import (
     ChatMessage,
     FinishReason,
+    FunctionTool,
     GenerationEnd,
     GenerationEvent,
     GenerationRequest,
     ResponseFormat,
     SamplingParams,
+    TokenLogprob,
+    ToolCall,
+    ToolChoice,
+    ToolUse,
 )
 from loadmaster.v1 import errors_pb2, model_pool_pb2
 
-__all__ = ["StreamOrder", "StreamOrderError", "reply_to_proto", "request_from_proto"]
+__all__ = ["StreamOrder", "StreamOrderError", "reply_to_proto", "request_from_proto", "tool_call_to_proto"]
 
 _FINISH = {
     FinishReason.STOP: model_pool_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: model_pool_pb2.FINISH_REASON_LENGTH,
+    FinishReason.TOOL_CALLS: model_pool_pb2.FINISH_REASON_TOOL_CALLS,
 }
+_TOOL_CHOICES = {choice.value: choice for choice in ToolChoice}
 
 
 class StreamOrderError(InternalError):
@@ -56,14 +63,15 @@ def request_from_proto(message: model_pool_pb2.GenerateRequest) -> GenerationReq
         params=params,
         prompt_token_ids=tuple(message.prompt_token_ids.ids) if kind == "prompt_token_ids" else None,
         prompt=message.prompt_text if kind == "prompt_text" else None,
-        messages=tuple(ChatMessage(m.role, m.content) for m in message.messages.messages)
-        if kind == "messages"
-        else None,
+        messages=tuple(_message(m) for m in message.messages.messages) if kind == "messages" else None,
         response_format=_response_format(message),
         priority=message.priority,
         tenant=message.tenant,
         tenant_weight=message.tenant_weight if message.tenant_weight > 0 else 1.0,
         chat_template_kwargs=_template_kwargs(message),
+        tools=_tools(message),
+        logprobs=message.logprobs.top if message.logprobs.enabled else None,
+        n=max(1, message.n),
     )
     request.check()
     return request
@@ -79,6 +87,56 @@ def _template_kwargs(message: model_pool_pb2.GenerateRequest) -> dict[str, Any] 
     if not isinstance(value, dict):
         raise InvalidArgumentError("chat_template_kwargs: a JSON object is required")
     return value
+
+
+def _message(wire: model_pool_pb2.ChatMessage) -> ChatMessage:
+    return ChatMessage(
+        wire.role,
+        wire.content,
+        tool_calls=tuple(_call(call) for call in wire.tool_calls),
+        tool_call_id=wire.tool_call_id,
+        name=wire.name,
+        images=tuple(wire.images),
+    )
+
+
+def _call(wire: model_pool_pb2.ToolCall) -> ToolCall:
+    return ToolCall(id=wire.id, name=wire.name, arguments=wire.arguments, index=wire.index)
+
+
+def _tools(message: model_pool_pb2.GenerateRequest) -> ToolUse | None:
+    if not message.HasField("tools"):
+        return None
+    wire = message.tools
+    choice = _TOOL_CHOICES.get(wire.choice or "auto")
+    if choice is None:
+        raise InvalidArgumentError(
+            f"tool_choice: {wire.choice!r} is not one of auto, none, required, function"
+        )
+    return ToolUse(
+        functions=tuple(
+            FunctionTool(f.name, description=f.description, parameters=f.parameters_json, strict=f.strict)
+            for f in wire.functions
+        ),
+        choice=choice,
+        function_name=wire.function_name,
+        parallel=wire.parallel,
+    )
+
+
+def tool_call_to_proto(call: ToolCall) -> model_pool_pb2.ToolCall:
+    return model_pool_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments, index=call.index)
+
+
+def _logprob_to_proto(item: TokenLogprob) -> model_pool_pb2.TokenLogprob:
+    return model_pool_pb2.TokenLogprob(
+        token_id=item.token_id,
+        token=item.token,
+        logprob=item.logprob,
+        top=[
+            model_pool_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob) for t in item.top
+        ],
+    )
 
 
 def _response_format(message: model_pool_pb2.GenerateRequest) -> ResponseFormat | None:
@@ -107,6 +165,11 @@ def reply_to_proto(
     if not isinstance(event, GenerationEnd):
         reply.chunk.token_ids.extend(event.token_ids)
         reply.chunk.text = event.text
+        reply.chunk.choice = event.choice
+        if event.logprobs:
+            reply.chunk.logprobs.extend(_logprob_to_proto(item) for item in event.logprobs)
+        if event.tool_calls:
+            reply.chunk.tool_calls.extend(tool_call_to_proto(call) for call in event.tool_calls)
         return reply
     usage = model_pool_pb2.GenerationUsage(
         prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens
@@ -122,6 +185,14 @@ def reply_to_proto(
     else:
         reply.result.finish_reason = _FINISH[event.finish_reason]
         reply.result.usage.CopyFrom(usage)
+        reply.result.choices.extend(
+            model_pool_pb2.ChoiceEnd(
+                index=end.index,
+                finish_reason=_FINISH.get(end.finish_reason, model_pool_pb2.FINISH_REASON_STOP),
+                completion_tokens=end.completion_tokens,
+            )
+            for end in event.choices
+        )
     return reply
 
 

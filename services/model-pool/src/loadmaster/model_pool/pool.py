@@ -222,6 +222,15 @@ class ModelPool(_Admission, _Release):
                     self._keep_alive.start()
         self._keep_alive.poke()
 
+    def set_keep_alive(self, model_id: str, keep_alive_s: float) -> None:
+        """A request's keep-alive for a loaded model (Ollama's `keep_alive`): its idle seconds
+        from now until its next load (0: unload once idle; < 0: never for idleness)."""
+        slot = self._slot(model_id)
+        slot.keep_alive_s = None if keep_alive_s < 0 else keep_alive_s
+        if slot.keep_alive_s is not None and not self._closing:
+            self._keep_alive.start()
+        self._keep_alive.poke()
+
     def _residents(self, *, settling: bool = False, holding: bool = False) -> list[Resident]:
         """READY models; with `settling`, also those holding a lease on the way in or out; with
         `holding`, only those that hold memory (a remote model frees none by going)."""

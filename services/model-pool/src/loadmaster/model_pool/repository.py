@@ -6,8 +6,8 @@
 
 `config.yaml` (validated with pydantic; a broken file is an error for that model only):
 
-    backend: torch            # python | torch | onnx | tensorrt | ray_serve | transformers | openai_process
-                              # | remote_openai | diffusers
+    backend: torch            # python | python_generative | torch | onnx | tensorrt | ray_serve | transformers
+                              # | transformers_vlm | openai_process | remote_openai | diffusers | embedding
     artifact: artifacts/policy.pt   # torch: TorchScript (.pt/.ts) or torch.export (.pt2)
     # module: model.py        # python: the file and the class with load()/infer()
     # class: Double
@@ -66,6 +66,7 @@ __all__ = [
     "TensorSpec",
     "TorchModelConfig",
     "TransformersModelConfig",
+    "VisionLanguageModelConfig",
     "check_inputs",
     "parse_config",
     "zeros_for",
@@ -90,8 +91,11 @@ _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # picks the keep-alive default (models.category_keep_alive_s, docs/ladders.md).
 CATEGORY_BY_BACKEND: dict[str, Literal["llm", "vision", "diffusion", "other"]] = {
     "transformers": "llm",
+    "transformers_vlm": "llm",
     "openai_process": "llm",
     "remote_openai": "llm",
+    "python_generative": "llm",
+    "embedding": "llm",  # keep-alive as a language model's
     "diffusers": "diffusion",
 }
 
@@ -193,10 +197,24 @@ class _BaseModelConfig(BaseModel):
         return specs
 
 
-class PythonModelConfig(_BaseModelConfig):
-    backend: Literal["python"]
+class PythonModuleConfig(_BaseModelConfig):
+    """A class in a Python file of the model's folder."""
+
     module: str = "model.py"
     class_name: str = Field(alias="class", min_length=1)
+
+
+class PythonModelConfig(PythonModuleConfig):
+    backend: Literal["python"]
+
+
+class PythonGenerativeModelConfig(PythonModuleConfig):
+    """A Python class whose `generate(request)` yields text (engines/python_generative.py)."""
+
+    backend: Literal["python_generative"]
+    max_sequences: int = Field(default=8, ge=1, le=1024)  # streams generating at once
+    # How its text writes tool calls (tool_calls.py, docs/tool-calling.md).
+    tool_format: Literal["hermes", "llama", "mistral"] = "hermes"
 
 
 class TorchModelConfig(_BaseModelConfig):
@@ -267,6 +285,9 @@ class TransformersModelConfig(_BaseModelConfig):
     # block on or off); None: not given. A request's `chat_template_kwargs` overrides it.
     thinking: bool | None = None
 
+    # How the model writes tool calls, as its chat template teaches it (docs/tool-calling.md).
+    tool_format: Literal["hermes", "llama", "mistral"] = "hermes"
+
     @model_validator(mode="after")
     def _resident_holds_a_step(self) -> TransformersModelConfig:
         if self.max_resident_sequences is not None and self.max_resident_sequences < self.max_sequences:
@@ -279,6 +300,20 @@ class TransformersModelConfig(_BaseModelConfig):
     @property
     def resident_sequences(self) -> int:
         return self.max_resident_sequences or self.max_sequences
+
+
+class VisionLanguageModelConfig(_BaseModelConfig):
+    """A Hugging Face image-text-to-text folder (config.json with a vision tower, safetensors,
+    the processor's files, chat template), served one token at a time per sequence
+    (engines/vision_language.py, docs/dialects.md): no batching, no paged KV cache."""
+
+    backend: Literal["transformers_vlm"]
+    path: str = Field(default=".", min_length=1)  # the HF folder, relative to the model folder
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_sequences: int = Field(default=4, ge=1, le=64)  # sequences interleaved token by token
+    max_context_tokens: int | None = Field(default=None, ge=1)  # default: the model's own
+    max_image_pixels: int = Field(default=4096 * 4096, ge=1)  # per image, before resizing
+    max_images: int = Field(default=8, ge=1)  # per request
 
 
 class OpenAIProcessModelConfig(_BaseModelConfig):
@@ -366,6 +401,29 @@ class RemoteOpenAIModelConfig(_BaseModelConfig):
         return base_url.rstrip("/")
 
 
+class EmbeddingModelConfig(_BaseModelConfig):
+    """A Hugging Face encoder folder served as an embedding model (engines/embedding.py,
+    docs/embeddings.md): texts or token ids in, one vector each out, batched like any tensor
+    model (`max_batch_size`)."""
+
+    backend: Literal["embedding"]
+    path: str = Field(default=".", min_length=1)  # the HF folder, relative to the model folder
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    pooling: Literal["mean", "cls", "last"] = "mean"  # how token states become one vector
+    normalize: bool = True  # unit length (cosine similarity is a dot product)
+    # Shorter vectors a request may ask for (`dimensions`, Matryoshka-trained models): the
+    # first N components, re-normalised. Empty: only the model's own size.
+    dimensions: tuple[int, ...] = ()
+    max_input_tokens: int | None = Field(default=None, ge=1)  # default: the model's positions
+
+    @field_validator("dimensions")
+    @classmethod
+    def _dimensions(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        if any(size < 1 for size in sizes):
+            raise ValueError("dimensions are sizes >= 1")
+        return tuple(sorted(set(sizes)))
+
+
 class DiffusersModelConfig(_BaseModelConfig):
     """A diffusers pipeline folder (its own model_index.json names the class: Stable Diffusion,
     SDXL, SD3, FLUX, or an unconditional UNet) that makes images (engines/diffusers.py,
@@ -391,14 +449,17 @@ class DiffusersModelConfig(_BaseModelConfig):
 
 AnyModelConfig = (
     PythonModelConfig
+    | PythonGenerativeModelConfig
     | TorchModelConfig
     | OnnxModelConfig
     | TensorRTModelConfig
     | RayServeModelConfig
     | TransformersModelConfig
+    | VisionLanguageModelConfig
     | OpenAIProcessModelConfig
     | RemoteOpenAIModelConfig
     | DiffusersModelConfig
+    | EmbeddingModelConfig
 )
 # One entry per engine; the `backend` field picks the class.
 ModelConfig = Annotated[AnyModelConfig, Field(discriminator="backend")]

@@ -62,6 +62,9 @@ class ModelPoolServiceServicer(model_pool_pb2_grpc.ModelPoolServiceServicer):
         self, request: model_pool_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> model_pool_pb2.LoadResponse:
         status = await self._pool.load(request.model_id)
+        if request.HasField("keep_alive_s"):
+            self._pool.set_keep_alive(request.model_id, request.keep_alive_s)
+            status = self._pool.status(request.model_id)
         return model_pool_pb2.LoadResponse(model=slot_status_pb(status))
 
     async def Unload(  # noqa: N802

@@ -68,6 +68,7 @@ class SlotStatus:
     evictions: int = 0
     reloads: int = 0
     mb_per_gpu: tuple[tuple[int, int], ...] = ()
+    keep_alive_s: float | None = None  # idle seconds before unloading (None: never)
 
 
 class Slot:
@@ -228,4 +229,5 @@ class Slot:
             evictions=self.evictions,
             reloads=self.reloads,
             mb_per_gpu=self.mb_per_gpu,
+            keep_alive_s=self.keep_alive_s,
         )

@@ -31,6 +31,8 @@ import h11
 import numpy as np
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -43,7 +45,11 @@ from loadmaster.common.http_server import main_loop
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelCatalog
+from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.embeddings import Embedder
+from loadmaster.gateway.frontends.anthropic import anthropic_routes
+from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.http_codec import (
     HEADER_LENGTH,
     ParsedInfer,
@@ -62,7 +68,9 @@ from loadmaster.gateway.frontends.kserve import (
     parse_timeout_ms,
     tensor_metadata,
 )
+from loadmaster.gateway.frontends.ollama import ollama_routes
 from loadmaster.gateway.frontends.openai import RequestPolicy, openai_routes
+from loadmaster.gateway.frontends.request_headers import RequestHints, hints_from, retry_after
 from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.kserve_generative import GenerativeKServe, with_generative_tensors
 from loadmaster.gateway.readiness import Readiness
@@ -98,7 +106,7 @@ async def _error_response(request: Request, error: Exception) -> Response:
     if mapped is None:
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=error)
         mapped = InternalError(f"internal error: {type(error).__name__}")
-    return JSONResponse({"error": mapped.message}, status_code=mapped.http_status)
+    return JSONResponse({"error": mapped.message}, status_code=mapped.http_status, headers=retry_after(mapped))
 
 
 async def _read_body(request: Request, limit: int, *, timeout_s: float) -> bytes | memoryview:
@@ -156,6 +164,8 @@ def build_app(
     generative: GenerativeKServe,
     extra_routes: Sequence[BaseRoute] = (),
     policy: RequestPolicy | None = None,
+    images: ChatImages | None = None,
+    embedder: Embedder | None = None,
 ) -> Starlette:
     limits = settings.limits
     ids = (f"{gateway_id}-h{n}" for n in itertools.count(1))
@@ -282,6 +292,7 @@ def build_app(
 
     async def infer(request: Request) -> Response:
         client = await authorize(request, INFER)
+        hints = hints_from(request.headers)  # X-Loadmaster-*: where the v2 parameters say nothing
         model_name = request.path_params["model"]
         header_length = request.headers.get(HEADER_LENGTH)
         # The JSON part is bounded on its own; binary tensor data may follow it up to the payload limit.
@@ -293,6 +304,7 @@ def build_app(
         else:
             parsed, call = prepare(body, header_length, **ids_and_client)
         del body  # the call holds what it needs: a refused request's buffers go with its reply
+        _apply_hints(call, parsed.parameters, hints)
         work = asyncio.ensure_future(generative.answer(dispatcher, call))  # tensors, or text_input
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -342,7 +354,7 @@ def build_app(
 
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version}"
-    routes = [
+    routes: list[BaseRoute] = [
         route("/livez", livez),
         route("/readyz", readyz),
         route("/healthz", healthz),
@@ -362,9 +374,61 @@ def build_app(
             route(prefix + "/stats", model_stats),
             route(prefix + "/infer", infer, ("POST",)),
         ]
-    routes += openai_routes(generations, auth, gateway_id=gateway_id, policy=policy)
-    all_routes: list[BaseRoute] = [*routes, *extra_routes]  # the image API, openpi: wired in server.py
-    return Starlette(routes=all_routes)
+    openai = openai_routes(
+        generations, auth, gateway_id=gateway_id, policy=policy, max_n=settings.max_n, images=images
+    )
+    # The other dialects (docs/dialects.md) on the same plane: Anthropic's /v1/models answers
+    # requests carrying `anthropic-version` and hands the rest to OpenAI's, so it goes first.
+    endpoints = {route.path: route.endpoint for route in openai}
+
+    def calls(client_type: str) -> DialectCalls:
+        return DialectCalls(generations, auth, policy, images=images, client_type=client_type)
+
+    routes += anthropic_routes(
+        calls("anthropic"),
+        models=generations.models,
+        openai_models=endpoints["/v1/models"],
+        openai_model=endpoints["/v1/models/{model:path}"],
+        gateway_id=gateway_id,
+        max_body_bytes=limits.max_json_bytes,
+    )
+    routes += openai
+    routes += ollama_routes(
+        calls("ollama"),
+        auth,
+        models=generations.models,
+        views=catalog.models,
+        load=catalog.load,
+        unload=catalog.unload,
+        gateway_id=gateway_id,
+        max_body_bytes=limits.max_json_bytes,
+        embedder=embedder,
+    )
+    routes += extra_routes  # the image API, openpi, admin: wired in server.py
+    middleware = []
+    if settings.cors_origins:  # browsers: preflights answered, other origins refused
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=settings.cors_origins,
+                allow_methods=["GET", "POST", "HEAD", "OPTIONS", "DELETE"],
+                allow_headers=["*"],
+                expose_headers=["X-Loadmaster-Model", "Retry-After"],
+                max_age=600,
+            )
+        )
+    return Starlette(routes=routes, middleware=middleware)
+
+
+def _apply_hints(call: InferenceCall, parameters: dict[str, Any], hints: RequestHints) -> None:
+    if hints.priority is not None and "priority" not in parameters:
+        call.priority = hints.priority
+    if hints.deadline_ms is not None and "timeout" not in parameters:
+        call.timeout_ms = hints.deadline_ms
+    if hints.urgency is not None:
+        call.urgency = hints.urgency
+    if hints.client_id is not None:
+        call.client_id = hints.client_id
 
 
 def _infer_response(head: bytes, blobs: list[memoryview]) -> Response:
@@ -411,6 +475,8 @@ class HttpFrontend:
         header_timeout_s: float = 10.0,
         keep_alive_s: float = 5.0,
         ws_max_size: int = 16 << 20,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
     ) -> None:
         protocol = type(
             "HeaderTimedH11Protocol", (HeaderTimedH11Protocol,), {"header_timeout_s": header_timeout_s}
@@ -431,6 +497,8 @@ class HttpFrontend:
             # websockets' sans-I/O protocol: measured a steadier p50 than its legacy asyncio one
             # (bench/robot_clients.py, docs/robot-clients.md), and it is the maintained API.
             ws="websockets-sansio",
+            ssl_certfile=tls_cert_file,
+            ssl_keyfile=tls_key_file,
         )
         self._server = uvicorn.Server(self._config)
         self._stop = asyncio.Event()

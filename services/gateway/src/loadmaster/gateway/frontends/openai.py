@@ -1,7 +1,7 @@
 """The OpenAI-compatible API on the gateway's HTTP port: translation only.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /v1/models/{model}`. A body becomes a `GenerationRequest` (openai_schema), which the
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`
+(openai_responses.py), `GET /v1/models`, `GET /v1/models/{model}`. A body becomes a `GenerationRequest` (openai_schema), which the
 `Generations` port runs: it yields text chunks and then exactly one `Finished`, or raises a
 `LoadmasterError`. Errors before the first chunk are HTTP statuses in OpenAI's error shape
 (400 naming the field, 401, 403, 404 for an unknown model, 429, 503, 504 for a request still
@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry import trace
@@ -35,10 +35,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loadmaster.common import tracing
-from loadmaster.common.errors import InternalError, LoadmasterError
+from loadmaster.common.errors import InternalError, LoadmasterError, retry_after_header
 from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
+from loadmaster.gateway.chat_images import ChatImages
+from loadmaster.gateway.frontends.openai_responses import (
+    ResponseBuilder,
+    complete_response,
+    parse_responses,
+    response_events,
+)
 from loadmaster.gateway.frontends.openai_schema import (
+    DEFAULT_MAX_N,
     DONE_EVENT,
+    ChoiceOut,
     GenerationRequest,
     OpenAIError,
     Usage,
@@ -52,14 +61,19 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_chat,
     parse_completion,
 )
+from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
+from loadmaster.gateway.generation_items import ChoiceEnd, TokenLogprob, ToolCall
 
 __all__ = [
+    "CollectedChoice",
     "Finished",
     "Generations",
     "RequestPolicy",
     "RequestWatch",
     "TextChunk",
     "Waiting",
+    "choices_of",
+    "collect_events",
     "openai_routes",
 ]
 
@@ -70,20 +84,33 @@ MAX_BODY_BYTES = 4 << 20  # a chat body is text: far below the tensor payload li
 
 @dataclass(frozen=True, slots=True)
 class TextChunk:
-    """Text decoded since the previous chunk (may be empty when a token completes no character)."""
+    """Text decoded since the previous chunk (may be empty when a token completes no character),
+    of choice `choice`; the tool calls completed in it, and its tokens' log probabilities when
+    they were asked for."""
 
     text: str
     model: str = ""  # the model generating it, when it differs from the one asked (an alias)
+    choice: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The end of a generation: `stop`, `length` (or `cancelled`), with the token counts."""
+    """The end of a generation: `stop`, `length`, `tool_calls` (or `cancelled`), with the token
+    counts; with n > 1, how each choice ended (`choices`)."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     model: str = ""  # the model that answered, when it differs from the one asked (an alias)
+    choices: tuple[ChoiceEnd, ...] = ()
+
+    def choice_ends(self, n: int) -> tuple[ChoiceEnd, ...]:
+        """How each of `n` choices ended (one choice: this end itself)."""
+        if self.choices:
+            return self.choices
+        return tuple(ChoiceEnd(i, self.finish_reason, self.completion_tokens) for i in range(max(1, n)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,10 +195,11 @@ def _error_response(error: Exception) -> Response:
         log.error("unhandled error in the OpenAI API", exc_info=error)
         error = InternalError(f"internal error: {type(error).__name__}")
     mapped = error_from(error)
-    retry_after_s = getattr(error, "retry_after_s", None)  # a cooldown says when to come back
-    headers = None
-    if isinstance(retry_after_s, int | float):
-        headers = {"Retry-After": str(math.ceil(retry_after_s)), "retry-after-ms": str(math.ceil(retry_after_s * 1000))}
+    retry_after = retry_after_header(error)  # 429 and 503: when to come back
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
+    retry_after_s = getattr(error, "retry_after_s", None)
+    if headers is not None and isinstance(retry_after_s, int | float):  # a cooldown knows it exactly
+        headers["retry-after-ms"] = str(math.ceil(retry_after_s * 1000))
     return JSONResponse(mapped.body(), status_code=mapped.status, headers=headers)
 
 
@@ -201,17 +229,27 @@ def openai_routes(
     gateway_id: str,
     clock: Callable[[], float] = time.time,
     policy: RequestPolicy | None = None,
+    max_n: int = DEFAULT_MAX_N,
+    images: ChatImages | None = None,
 ) -> list[Route]:
     ids = (f"{gateway_id}-{n}" for n in itertools.count(1))
     policy = policy or _Unwatched()
 
-    async def run(request: Request, parse: Callable[[bytes], GenerationRequest], *, chat: bool) -> Response:
-        request_id = ("chatcmpl-" if chat else "cmpl-") + next(ids)
-        watch = policy.open(endpoint="chat.completions" if chat else "completions", request_id=request_id)
+    prefixes = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}
+    endpoints = {"chat": "chat.completions", "completion": "completions", "responses": "responses"}
+
+    async def run(
+        request: Request, parse: Callable[[bytes], tuple[GenerationRequest, Any]], *, kind: str
+    ) -> Response:
+        request_id = prefixes[kind] + next(ids)
+        watch = policy.open(endpoint=endpoints[kind], request_id=request_id)
         try:
             principal = await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
             watch.authenticated(principal)
-            generation = parse(await _read_body(request))
+            generation, context = parse(await _read_body(request))
+            generation = with_hints(generation, hints_from(request.headers))
+            if images is not None:
+                generation = await images.resolve(generation)
         except Exception as error:
             watch.failed(error)
             raise
@@ -224,7 +262,7 @@ def openai_routes(
         )
         try:
             with trace.use_span(span, end_on_exit=False):
-                response = await respond(request, generation, request_id, principal, watch, chat=chat)
+                response = await respond(request, generation, context, request_id, principal, watch, kind=kind)
         except Exception as error:
             watch.failed(error)
             tracing.end_span(span, error_code=_edge_code(error))
@@ -238,11 +276,12 @@ def openai_routes(
     async def respond(
         request: Request,
         generation: GenerationRequest,
+        context: Any,
         request_id: str,
         principal: Principal,
         watch: RequestWatch,
         *,
-        chat: bool,
+        kind: str,
     ) -> Response:
         client_id = generation.client_id or generation.user or principal.name or "openai"
         generation = await watch.admit(generation, client_id=client_id)
@@ -255,19 +294,26 @@ def openai_routes(
         created = int(clock())
         if generation.stream:
             # Errors before the first event are HTTP statuses; a stream that waits starts at
-            # once, with comment lines that say where it stands (the client ignores them).
+            # once, with comment lines that say where it stands (the client ignores them). The
+            # Responses API's events have no place for them: its stream waits for the text.
+            if kind == "responses":
+                events = _without_waiting(events)
             first = await anext(events)
-            model = "" if isinstance(first, Waiting) else first.model
+            model = ("" if isinstance(first, Waiting) else first.model) or generation.model
+            body: AsyncIterator[bytes]
+            if kind == "responses":
+                builder = ResponseBuilder(request_id, context.body, created, model)
+                body = _closing(response_events(events, first, builder, finished_type=Finished), events)
+            else:
+                body = _stream(
+                    events, first, generation, request_id=request_id, created=created, chat=kind == "chat"
+                )
             return StreamingResponse(
-                _stream(events, first, generation, request_id=request_id, created=created, chat=chat),
+                body,
                 media_type="text/event-stream",
-                headers={
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",
-                    "X-Loadmaster-Model": model or generation.model,
-                },
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Loadmaster-Model": model},
             )
-        collect = asyncio.ensure_future(_collect(events))
+        collect = asyncio.ensure_future(collect_events(events))
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -277,25 +323,39 @@ def openai_routes(
                 collect.cancel()  # the client left: closing the iterator cancels the generation
         if collect.cancelled():
             return Response(status_code=499)
-        text, finished = collect.result()
+        collected, finished = collect.result()
         usage = Usage(finished.prompt_tokens, finished.completion_tokens)
         model = finished.model or generation.model
-        build = chat_completion if chat else completion
-        body = build(
+        if kind == "responses":
+            got = collected.get(0, CollectedChoice())
+            builder = ResponseBuilder(request_id, context.body, created, model)
+            reply = complete_response(builder, "".join(got.text), got.tool_calls, finished)
+            return JSONResponse(reply, headers={"X-Loadmaster-Model": model})
+        build = chat_completion if kind == "chat" else completion
+        reply = build(
             request_id=request_id,
             model=model,
-            text=text,
-            finish_reason=finished.finish_reason,
             usage=usage,
             created=created,
+            choices=choices_of(collected, finished, generation),
         )
-        return JSONResponse(body, headers={"X-Loadmaster-Model": model})
+        return JSONResponse(reply, headers={"X-Loadmaster-Model": model})
+
+    def plain(parse: Callable[..., GenerationRequest]) -> Callable[[bytes], tuple[GenerationRequest, Any]]:
+        return lambda raw: (parse(raw, max_n=max_n), None)
+
+    def responses_parse(raw: bytes) -> tuple[GenerationRequest, Any]:
+        parsed = parse_responses(raw)
+        return parsed.generation, parsed
 
     async def chat_completions(request: Request) -> Response:
-        return await run(request, parse_chat, chat=True)
+        return await run(request, plain(parse_chat), kind="chat")
 
     async def completions(request: Request) -> Response:
-        return await run(request, parse_completion, chat=False)
+        return await run(request, plain(parse_completion), kind="completion")
+
+    async def responses(request: Request) -> Response:
+        return await run(request, responses_parse, kind="responses")
 
     async def list_models(request: Request) -> Response:
         await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
@@ -326,22 +386,59 @@ def openai_routes(
     return [
         route("/v1/chat/completions", chat_completions, "POST"),
         route("/v1/completions", completions, "POST"),
+        route("/v1/responses", responses, "POST"),
         route("/v1/models", list_models, "GET"),
         route("/v1/models/{model:path}", get_model, "GET"),
     ]
 
 
-async def _collect(events: AsyncIterator[GenerationEvent]) -> tuple[str, Finished]:
-    parts: list[str] = []
+@dataclass(slots=True)
+class CollectedChoice:
+    """One choice's pieces, gathered from its chunks."""
+
+    text: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, chunk: TextChunk) -> None:
+        self.text.append(chunk.text)
+        self.tool_calls.extend(chunk.tool_calls)
+        self.logprobs.extend(chunk.logprobs)
+
+
+async def collect_events(
+    events: AsyncIterator[GenerationEvent],
+) -> tuple[dict[int, CollectedChoice], Finished]:
+    """Every chunk of a generation, by choice, and its end (the iterator is closed after)."""
+    choices: dict[int, CollectedChoice] = {}
     try:
         async for item in events:
             if isinstance(item, Finished):
-                return "".join(parts), item
-            if isinstance(item, TextChunk):
-                parts.append(item.text)
+                return choices, item
+            if isinstance(item, TextChunk):  # (a `Waiting` says nothing to a collected reply)
+                choices.setdefault(item.choice, CollectedChoice()).add(item)
     finally:
         await _close(events)
     raise InternalError("the generation ended without a final result")
+
+
+def choices_of(
+    collected: dict[int, CollectedChoice], finished: Finished, generation: GenerationRequest
+) -> list[ChoiceOut]:
+    """The reply's choices: each one's text, calls, log probabilities (when asked) and end."""
+    out = []
+    for end in finished.choice_ends(generation.n):
+        got = collected.get(end.index, CollectedChoice())
+        out.append(
+            ChoiceOut(
+                end.index,
+                "".join(got.text),
+                end.finish_reason,
+                tool_calls=got.tool_calls,
+                logprobs=got.logprobs if generation.logprobs is not None else None,
+            )
+        )
+    return out
 
 
 def _edge_code(error: BaseException) -> str:
@@ -355,6 +452,26 @@ async def _ending(span: trace.Span, body: AsyncIterable[Any]) -> AsyncIterator[A
             yield chunk
     finally:
         tracing.end_span(span)
+
+
+async def _closing(
+    body: AsyncIterator[bytes], events: AsyncIterator[GenerationEvent]
+) -> AsyncIterator[bytes]:
+    """`body`, then `events` closed (a stream the client left cancels its generation)."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        await _close(events)
+
+
+async def _without_waiting(events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+    try:
+        async for item in events:
+            if not isinstance(item, Waiting):
+                yield item
+    finally:
+        await _close(events)
 
 
 async def _close(events: AsyncIterator[GenerationEvent]) -> None:
@@ -372,16 +489,39 @@ async def _stream(
     created: int,
     chat: bool,
 ) -> AsyncIterator[bytes]:
-    """The SSE body: a chunk per text delta, the finish chunk, the usage chunk when asked for,
-    then `[DONE]`; an error after the first byte is an `error` event and the stream ends."""
+    """The SSE body: a chunk per delta of a choice (text, tool calls, log probabilities), each
+    choice's finish chunk, the usage chunk when asked for, then `[DONE]`; an error after the
+    first byte is an `error` event and the stream ends."""
     model = generation.model
+    offsets: dict[int, int] = {}  # text completions' logprobs: where each choice's text is
 
-    def text_event(text: str, *, role: bool = False) -> bytes:
+    def delta_event(chunk: TextChunk) -> bytes:
+        logprobs = chunk.logprobs if generation.logprobs is not None else None
         if chat:
             return event(
-                chat_chunk(request_id=request_id, model=model, created=created, text=text, role=role)
+                chat_chunk(
+                    request_id=request_id,
+                    model=model,
+                    created=created,
+                    text=chunk.text if chunk.text or not chunk.tool_calls else None,
+                    index=chunk.choice,
+                    tool_calls=chunk.tool_calls,
+                    logprobs=logprobs,
+                )
             )
-        return event(completion_chunk(request_id=request_id, model=model, created=created, text=text))
+        offset = offsets.get(chunk.choice, 0)
+        offsets[chunk.choice] = offset + len(chunk.text)
+        return event(
+            completion_chunk(
+                request_id=request_id,
+                model=model,
+                created=created,
+                text=chunk.text,
+                index=chunk.choice,
+                logprobs=logprobs,
+                offset=offset,
+            )
+        )
 
     try:
         item: GenerationEvent | None = first
@@ -392,39 +532,36 @@ async def _stream(
             raise InternalError("the generation ended without a final result")
         model = item.model or model  # an alias's stream is the chosen model's from the start
         if chat:
-            yield text_event("", role=True)
+            for index in range(generation.n):
+                yield event(
+                    chat_chunk(
+                        request_id=request_id, model=model, created=created, text="", role=True, index=index
+                    )
+                )
         while item is not None:
             if isinstance(item, Waiting):  # not after the stream began; nothing to show
                 item = await anext(events, None)
                 continue
             if isinstance(item, Finished):
                 model = item.model or model
-                if chat:
+                build: Any = chat_chunk if chat else completion_chunk
+                for end in item.choice_ends(generation.n):
                     yield event(
-                        chat_chunk(
+                        build(
                             request_id=request_id,
                             model=model,
                             created=created,
-                            finish_reason=item.finish_reason,
-                        )
-                    )
-                else:
-                    yield event(
-                        completion_chunk(
-                            request_id=request_id,
-                            model=model,
-                            created=created,
-                            finish_reason=item.finish_reason,
+                            finish_reason=end.finish_reason,
+                            index=end.index,
                         )
                     )
                 if generation.include_usage:
                     usage = Usage(item.prompt_tokens, item.completion_tokens)
-                    build: Any = chat_chunk if chat else completion_chunk
                     yield event(build(request_id=request_id, model=model, created=created, usage=usage))
                 yield DONE_EVENT
                 return
-            if item.text:
-                yield text_event(item.text)
+            if item.text or item.tool_calls or (item.logprobs and generation.logprobs is not None):
+                yield delta_event(item)
             item = await anext(events, None)
         raise InternalError("the generation ended without a final result")
     except Exception as error:

@@ -4,10 +4,15 @@ Translation only, no I/O: a request body becomes a `GenerationRequest` (or an `O
 naming the field at fault), and a generation's pieces become the JSON objects and server-sent
 events the official `openai` client reads. Shapes follow the OpenAI API reference:
 
-- unknown body fields are ignored, as OpenAI's own server does; Loadmaster's extensions are
+- unknown body fields are ignored, as OpenAI's own server does; a known field whose value this
+  server cannot honour (`frequency_penalty` 0.5, `logit_bias`, `echo`, `store: true` ...) is a
+  400 naming it, never accepted and ignored (`UNHONOURED`). Loadmaster's extensions are
   `x_client_id`, `x_priority` (0 = highest, as on the edge), `x_urgency` (0..1) and
   `x_deadline_ms`, and never reach an engine; `chat_template_kwargs` (vLLM's) on chat
   completions reaches the model's chat template;
+- tools (`tools`, `tool_choice`, `parallel_tool_calls`), `logprobs` / `top_logprobs` and `n`
+  (up to `gateway.max_n`) become the request's `ToolUse`, `logprobs` and `n`; replies carry
+  each choice's text, `tool_calls` and `logprobs` (loadmaster.gateway.generation_items);
 - errors are `{"error": {"message", "type", "param", "code"}}` with the status in `OpenAIError`;
 - a stream is `data: {chunk}` events, then `data: [DONE]`; a stream that fails after it began
   ends with `data: {"error": {...}}`, which the `openai` client raises as an `APIError`.
@@ -17,34 +22,58 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from loadmaster.common.errors import LoadmasterError
+from loadmaster.gateway.generation_items import (
+    LOGPROB_FLOOR,
+    ChatTurn,
+    FunctionSpec,
+    TokenLogprob,
+    ToolCall,
+    ToolUse,
+)
 
 __all__ = [
+    "DEFAULT_MAX_N",
     "DONE_EVENT",
+    "UNHONOURED",
     "ChatCompletionBody",
+    "ChatImage",
     "ChatMessage",
+    "ChoiceOut",
     "CompletionBody",
     "GenerationRequest",
     "OpenAIError",
     "Usage",
     "chat_chunk",
     "chat_completion",
+    "chat_logprobs",
+    "chat_request",
     "completion",
     "completion_chunk",
+    "completion_logprobs",
     "error_body",
     "error_from",
     "event",
+    "invalid",
+    "load_json",
     "model_card",
     "parse_chat",
     "parse_completion",
+    "refuse_unhonoured",
+    "relevant_error",
+    "tool_call_json",
 ]
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); text completions take `logprobs` 0..5
+MAX_COMPLETION_LOGPROBS = 5
+DEFAULT_MAX_N = 8  # gateway.max_n
+CONTENT_PART_TYPES = ("text", "image_url")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # Chat-template variables the server itself sets when it renders a chat.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -109,17 +138,94 @@ class TextPart(_Body):
     text: str
 
 
+class ImageUrl(_Body):
+    url: str = Field(min_length=1)
+    detail: Literal["auto"] | None = None  # "low" / "high" would change what the model sees: refused
+
+
+class ImagePart(_Body):
+    """An image (a data URL, or an http(s) URL from `gateway.image_url_allow`), fetched and
+    checked by the gateway (loadmaster.gateway.chat_images) before the request is queued."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+def _part_tag(part: Any) -> str:
+    """A content part's union tag, bracketed so error locations can leave it out."""
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return f"[{kind}]"
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("[text]")] | Annotated[ImagePart, Tag("[image_url]")], Discriminator(_part_tag)
+]
+
+
+class FunctionCallBody(_Body):
+    name: str = Field(min_length=1)
+    arguments: str = ""  # JSON text, as the model wrote it
+
+
+class ToolCallBody(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, value: Any) -> Any:
+        """A list's parts must each be a known type (the union's own error names the string
+        branch first, which says nothing about the part at fault)."""
+        if isinstance(value, list):
+            for index, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in CONTENT_PART_TYPES:
+                    raise ValueError(
+                        f"part {index}: type {kind!r} is not one of {', '.join(CONTENT_PART_TYPES)}"
+                    )
+        return value
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
+
+
+class FunctionBody(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolBody(_Body):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(_Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Body):
@@ -136,16 +242,24 @@ class _SamplingBody(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
+    n: int | None = Field(default=None, ge=1)
+    # Fields OpenAI defines that this server honours only at their neutral value (UNHONOURED).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # Loadmaster's extensions (stripped before the engine).
     x_client_id: str | None = Field(default=None, max_length=256)
     x_priority: int | None = Field(default=None, ge=0, le=255)
     x_urgency: float | None = Field(default=None, ge=0.0, le=1.0)
     x_deadline_ms: float | None = Field(default=None, gt=0.0)
+    # The model's idle keep-alive from now on, in seconds (< 0: never idle-unloaded).
+    x_keep_alive_s: float | None = Field(default=None, allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod
@@ -155,13 +269,6 @@ class _SamplingBody(_Body):
                 raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
             if any(not s for s in value):
                 raise ValueError("stop sequences must not be empty")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError("only n=1 is supported")
         return value
 
     @field_validator("response_format")
@@ -195,6 +302,19 @@ class ChatCompletionBody(_SamplingBody):
         if reserved:
             raise ValueError(f"'{reserved[0]}' is set by the server, not by a request")
         return value
+    tools: list[ToolBody] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Unhonoured unless neutral (UNHONOURED)
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionBody(_SamplingBody):
@@ -207,6 +327,11 @@ class CompletionBody(_SamplingBody):
         if value is not None:
             raise ValueError("only chat completions render a chat template; send messages")
         return value
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    # Unhonoured unless neutral (UNHONOURED)
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -219,12 +344,57 @@ class CompletionBody(_SamplingBody):
 # --- the domain request --------------------------------------------------------------------
 
 
+# A field OpenAI defines that this server cannot honour, and whether a value is the neutral one
+# (accepted: it asks for nothing). Any other value is a 400 naming the field.
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "store": (None, False),  # nothing is kept (docs/openai-api.md)
+    "service_tier": (None, "auto", "default"),
+    "functions": (None, []),  # the deprecated form of `tools`
+    "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
+def refuse_unhonoured(body: BaseModel, *, fields: dict[str, tuple[Any, ...]] = UNHONOURED) -> None:
+    """A 400 naming the first field of `fields` whose value asks for what this server cannot do."""
+    for name, neutral in fields.items():
+        value = getattr(body, name, None)
+        if not any(value == ok and type(value) is type(ok) for ok in neutral) and value is not None:
+            raise OpenAIError(
+                400,
+                f"{name}: {json.dumps(value)[:80]} is not supported by this server (leave it out)",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatImage:
+    """An image of chat message `message`: its `url` as sent, and its encoded bytes once
+    the gateway fetched and checked them (loadmaster.gateway.chat_images)."""
+
+    message: int
+    url: str
+    data: bytes = b""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One generation as the dispatcher sees it: either chat `messages` or a text `prompt`."""
+    """One generation as the dispatcher sees it: either chat `messages` or a text `prompt`;
+    `tools`, `logprobs` (None: none; k: each token's and its k most likely alternatives) and
+    `n` choices (loadmaster.gateway.generation_items)."""
 
     model: str
-    messages: tuple[tuple[str, str], ...] | None
+    messages: tuple[ChatTurn, ...] | None
     prompt: str | None
     max_tokens: int | None
     temperature: float | None
@@ -240,25 +410,66 @@ class GenerationRequest:
     deadline_ms: float | None
     user: str | None
     chat_template_kwargs: dict[str, Any] | None = None  # chat only; the model's template reads them
+    tools: ToolUse | None = None
+    logprobs: int | None = None
+    n: int = 1
+    # Images of the chat messages, in order (message index, URL; `data` once fetched).
+    images: tuple[ChatImage, ...] = ()
+    keep_alive_s: float | None = None
+
+
+def invalid(error: ValidationError) -> OpenAIError:
+    """A pydantic validation error as OpenAI's 400, naming the first field at fault."""
+    return _invalid(error)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def relevant_error(error: ValidationError) -> tuple[str, str, str]:
+    """(where, type, message) of the error that says most: a union's other branches are
+    skipped (a list of content parts that fails is not "not a valid string"), and so are
+    pydantic's branch tags in the location."""
+    errors = error.errors()
+
+    def tag(part: object) -> bool:
+        return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
+
+    chosen = next((e for e in errors if not any(tag(p) for p in e["loc"])), None)
+    if chosen is None:
+        chosen = next((e for e in errors if "str" not in e["loc"]), errors[0])
+    where = ".".join(str(part) for part in chosen["loc"] if not tag(part))
+    return where, chosen["type"], str(chosen["msg"]).replace("Value error, ", "")
 
 
 def _invalid(error: ValidationError) -> OpenAIError:
-    first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    if first["type"] == "missing":
+    where, kind, text = relevant_error(error)
+    param = where or None
+    if kind == "missing":
         message = f"'{param}' is a required property"
-    elif first["type"] == "too_short" and param == "messages":
+    elif kind == "too_short" and param == "messages":
         message = "'messages' must contain at least one message"
     else:
-        message = f"{param}: {first['msg']}" if param else str(first["msg"])
-    return OpenAIError(400, message.replace("Value error, ", ""), param=param)
+        message = f"{param}: {text}" if param else text
+    return OpenAIError(400, message, param=param)
 
 
-def _load(raw: bytes) -> Any:
+def load_json(raw: bytes) -> Any:
+    """A request body's JSON, or a 400 saying it is not JSON."""
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise OpenAIError(400, f"the body is not valid JSON: {error}") from None
+
+
+_load = load_json
+
+
+def _n(body: _SamplingBody, max_n: int) -> int:
+    n = body.n or 1
+    if n > max_n:
+        raise OpenAIError(400, f"n: {n} is more than this server's limit of {max_n}", param="n")
+    return n
 
 
 def _request(body: _SamplingBody, **content: Any) -> GenerationRequest:
@@ -278,28 +489,102 @@ def _request(body: _SamplingBody, **content: Any) -> GenerationRequest:
         urgency=body.x_urgency,
         deadline_ms=body.x_deadline_ms,
         user=body.user,
+        keep_alive_s=body.x_keep_alive_s,
         **content,
     )
 
 
-def parse_chat(raw: bytes) -> GenerationRequest:
+def parse_chat(raw: bytes, *, max_n: int = DEFAULT_MAX_N) -> GenerationRequest:
     """A `/v1/chat/completions` body, or `OpenAIError` 400 naming the field."""
+    return chat_request(load_json(raw), max_n=max_n)
+
+
+def chat_request(data: Any, *, max_n: int = DEFAULT_MAX_N) -> GenerationRequest:
+    """A chat completions body already parsed from JSON (the other dialects build one), or
+    `OpenAIError` 400 naming the field."""
     try:
-        body = ChatCompletionBody.model_validate(_load(raw))
+        body = ChatCompletionBody.model_validate(data)
     except ValidationError as error:
         raise _invalid(error) from None
-    messages = tuple((m.role, m.text()) for m in body.messages)
-    return _request(body, messages=messages, prompt=None, chat_template_kwargs=body.chat_template_kwargs)
+    refuse_unhonoured(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    images = tuple(
+        ChatImage(index, url) for index, m in enumerate(body.messages) for url in m.image_urls()
+    )
+    return _request(
+        body,
+        messages=tuple(_turn(m) for m in body.messages),
+        prompt=None,
+        tools=_tool_use(body),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        n=_n(body, max_n),
+        images=images,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
 
 
-def parse_completion(raw: bytes) -> GenerationRequest:
+def _turn(message: ChatMessage) -> ChatTurn:
+    calls = tuple(
+        ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments, index=index)
+        for index, call in enumerate(message.tool_calls or ())
+    )
+    return ChatTurn(
+        role="system" if message.role == "developer" else message.role,
+        content=message.text(),
+        tool_calls=calls,
+        tool_call_id=message.tool_call_id or "",
+        name=message.name or "" if message.role == "tool" else "",
+    )
+
+
+def _tool_use(body: ChatCompletionBody) -> ToolUse | None:
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise OpenAIError(400, "tool_choice: is only allowed when tools are given", param="tool_choice")
+        if body.parallel_tool_calls is not None:
+            raise OpenAIError(
+                400, "parallel_tool_calls: is only allowed when tools are given", param="parallel_tool_calls"
+            )
+        return None
+    functions = tuple(
+        FunctionSpec(
+            name=tool.function.name,
+            description=tool.function.description or "",
+            parameters=tool.function.parameters,
+            strict=bool(tool.function.strict),
+        )
+        for tool in body.tools
+    )
+    names = [f.name for f in functions]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise OpenAIError(400, f"tools: function '{repeated[0]}' is given twice", param="tools")
+    parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise OpenAIError(
+                400,
+                f"tool_choice: function '{choice.function.name}' is not one of the tools",
+                param="tool_choice",
+            )
+        return ToolUse(functions, choice="function", function_name=choice.function.name, parallel=parallel)
+    return ToolUse(functions, choice=choice or "auto", parallel=parallel)
+
+
+def parse_completion(raw: bytes, *, max_n: int = DEFAULT_MAX_N) -> GenerationRequest:
     """A `/v1/completions` body, or `OpenAIError` 400 naming the field."""
     try:
-        body = CompletionBody.model_validate(_load(raw))
+        body = CompletionBody.model_validate(load_json(raw))
     except ValidationError as error:
         raise _invalid(error) from None
+    refuse_unhonoured(body)
+    n = _n(body, max_n)
+    if body.best_of is not None and body.best_of != n:
+        raise OpenAIError(400, "best_of: only best_of equal to n is supported", param="best_of")
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    return _request(body, messages=None, prompt=prompt)
+    return _request(body, messages=None, prompt=prompt, logprobs=body.logprobs, n=n)
 
 
 # --- replies ---------------------------------------------------------------------------------
@@ -318,22 +603,101 @@ class Usage:
         }
 
 
-def chat_completion(
-    *, request_id: str, model: str, text: str, finish_reason: str, usage: Usage, created: int | None = None
+@dataclass(slots=True)
+class ChoiceOut:
+    """One choice of a finished reply: its text, calls and log probabilities (None: not asked)."""
+
+    index: int
+    text: str
+    finish_reason: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+
+def tool_call_json(call: ToolCall, *, streamed: bool = False) -> dict[str, Any]:
+    """A call as OpenAI writes it in a message (`streamed`: in a delta, with its index)."""
+    out: dict[str, Any] = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return {"index": call.index, **out} if streamed else out
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def chat_logprobs(items: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """A choice's `logprobs` in chat's shape: `content`, one entry per token."""
+    return {
+        "content": [
+            {
+                "token": item.token,
+                "logprob": _finite(item.logprob),
+                "bytes": list(item.bytes),
+                "top_logprobs": [
+                    {"token": top.token, "logprob": _finite(top.logprob), "bytes": list(top.bytes)}
+                    for top in item.top
+                ],
+            }
+            for item in items
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(
+    items: list[TokenLogprob] | tuple[TokenLogprob, ...], *, offset: int = 0
 ) -> dict[str, Any]:
+    """A choice's `logprobs` in text completions' shape; `offset` is where the text starts."""
+    offsets = []
+    for item in items:
+        offsets.append(offset)
+        offset += len(item.token)
+    return {
+        "tokens": [item.token for item in items],
+        "token_logprobs": [_finite(item.logprob) for item in items],
+        "top_logprobs": [{top.token: _finite(top.logprob) for top in item.top} for item in items],
+        "text_offset": offsets,
+    }
+
+
+def _choices(choices: list[ChoiceOut] | None, text: str, finish_reason: str) -> list[ChoiceOut]:
+    return choices if choices is not None else [ChoiceOut(0, text, finish_reason)]
+
+
+def chat_completion(
+    *,
+    request_id: str,
+    model: str,
+    text: str = "",
+    finish_reason: str = "stop",
+    usage: Usage,
+    created: int | None = None,
+    choices: list[ChoiceOut] | None = None,
+) -> dict[str, Any]:
+    """A `chat.completion`: one choice from `text` and `finish_reason`, or `choices`."""
+    out = []
+    for choice in _choices(choices, text, finish_reason):
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if choice.tool_calls:
+            message["content"] = choice.text or None
+            message["tool_calls"] = [tool_call_json(call) for call in choice.tool_calls]
+        out.append(
+            {
+                "index": choice.index,
+                "message": message,
+                "logprobs": None if choice.logprobs is None else chat_logprobs(choice.logprobs),
+                "finish_reason": choice.finish_reason,
+            }
+        )
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created if created is not None else int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": out,
         "usage": usage.as_dict(),
     }
 
@@ -347,9 +711,13 @@ def chat_chunk(
     role: bool = False,
     finish_reason: str | None = None,
     usage: Usage | None = None,
+    index: int = 0,
+    tool_calls: tuple[ToolCall, ...] = (),
+    logprobs: tuple[TokenLogprob, ...] | None = None,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk`: a delta of text (the first carries the role), or the final
-    `finish_reason`; with `usage` and no text, the usage chunk (`choices` empty)."""
+    """One `chat.completion.chunk`: a delta of choice `index` (text, calls; the first carries
+    the role), or its final `finish_reason`; with `usage` and nothing else, the usage chunk
+    (`choices` empty)."""
     chunk: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -357,7 +725,7 @@ def chat_chunk(
         "model": model,
         "choices": [],
     }
-    if usage is not None and text is None and finish_reason is None:
+    if usage is not None and text is None and finish_reason is None and not tool_calls:
         chunk["usage"] = usage.as_dict()
         return chunk
     delta: dict[str, Any] = {}
@@ -365,19 +733,43 @@ def chat_chunk(
         delta["role"] = "assistant"
     if text is not None:
         delta["content"] = text
-    chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    if tool_calls:
+        delta["tool_calls"] = [tool_call_json(call, streamed=True) for call in tool_calls]
+    chunk["choices"] = [
+        {
+            "index": index,
+            "delta": delta,
+            "logprobs": chat_logprobs(logprobs) if logprobs else None,
+            "finish_reason": finish_reason,
+        }
+    ]
     return chunk
 
 
 def completion(
-    *, request_id: str, model: str, text: str, finish_reason: str, usage: Usage, created: int | None = None
+    *,
+    request_id: str,
+    model: str,
+    text: str = "",
+    finish_reason: str = "stop",
+    usage: Usage,
+    created: int | None = None,
+    choices: list[ChoiceOut] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created if created is not None else int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {
+                "index": choice.index,
+                "text": choice.text,
+                "logprobs": None if choice.logprobs is None else completion_logprobs(choice.logprobs),
+                "finish_reason": choice.finish_reason,
+            }
+            for choice in _choices(choices, text, finish_reason)
+        ],
         "usage": usage.as_dict(),
     }
 
@@ -390,6 +782,9 @@ def completion_chunk(
     text: str = "",
     finish_reason: str | None = None,
     usage: Usage | None = None,
+    index: int = 0,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
+    offset: int = 0,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": request_id,
@@ -401,7 +796,14 @@ def completion_chunk(
         chunk["choices"] = []
         chunk["usage"] = usage.as_dict()
         return chunk
-    chunk["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    chunk["choices"] = [
+        {
+            "index": index,
+            "text": text,
+            "logprobs": completion_logprobs(logprobs, offset=offset) if logprobs else None,
+            "finish_reason": finish_reason,
+        }
+    ]
     return chunk
 
 

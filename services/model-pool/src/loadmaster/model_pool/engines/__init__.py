@@ -16,14 +16,17 @@ __all__ = ["ENGINES", "Engine", "EngineContext", "engine_class"]
 
 ENGINES: dict[str, str] = {
     "python": "loadmaster.model_pool.engines.python:PythonEngine",
+    "python_generative": "loadmaster.model_pool.engines.python_generative:PythonGenerativeEngine",
     "torch": "loadmaster.model_pool.engines.torch:TorchEngine",
     "onnx": "loadmaster.model_pool.engines.onnx:OnnxEngine",
     "tensorrt": "loadmaster.model_pool.engines.tensorrt:TensorRTEngine",
     "ray_serve": "loadmaster.model_pool.engines.ray_serve:RayServeEngine",
     "transformers": "loadmaster.model_pool.engines.transformers:TransformersEngine",
+    "transformers_vlm": "loadmaster.model_pool.engines.vision_language:VisionLanguageEngine",
     "openai_process": "loadmaster.model_pool.engines.openai_process:OpenAIProcessEngine",
     "remote_openai": "loadmaster.model_pool.engines.remote_openai:RemoteOpenAIEngine",
     "diffusers": "loadmaster.model_pool.engines.diffusers:DiffusersEngine",
+    "embedding": "loadmaster.model_pool.engines.embedding:EmbeddingEngine",
 }
 
 

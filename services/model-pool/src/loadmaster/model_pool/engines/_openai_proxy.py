@@ -38,6 +38,18 @@ log = logging.getLogger(__name__)
 _CLOSE_TIMEOUT_S = 5.0
 
 
+def refuse_unproxied(request: GenerationRequest, model_id: str) -> None:
+    """What the proxy does not carry to an OpenAI-compatible server yet is a 400 naming it,
+    never dropped: tools, log probabilities, n > 1 (docs/tool-calling.md)."""
+    where = f"model '{model_id}' is served through an OpenAI-compatible server, which Loadmaster does not pass"
+    if request.tools is not None:
+        raise InvalidArgumentError(f"tools: {where} tools to")
+    if request.logprobs is not None:
+        raise InvalidArgumentError(f"logprobs: {where} log probabilities from")
+    if request.n > 1:
+        raise InvalidArgumentError(f"n: {where} several choices to")
+
+
 class OpenAIProxyEngine(Engine):
     """Streams generations to an OpenAI-compatible server at `_api_url`."""
 
@@ -83,6 +95,7 @@ class OpenAIProxyEngine(Engine):
             raise UnavailableError(self._gone_message())
         if request.request_id in self._streams:
             raise InvalidArgumentError(f"request_id: {request.request_id!r} is already generating")
+        refuse_unproxied(request, self.spec.model_id)
         self._loop = asyncio.get_running_loop()
         # Structured output (issue 22): the server enforces `response_format` itself.
         response_format = openai_response_format(getattr(request, "response_format", None))

@@ -19,6 +19,11 @@ The key uses the token's absolute position (prompt + generated), so a sequence r
 with its generated tokens appended to the prompt (preemption by recompute) draws the same
 tokens it would have drawn uninterrupted.
 
+A request with `n` choices is one sequence that the manager forks after its prefill; the
+forks (`<id>__child#<i>`) inherit its kwargs, so the sampler gives fork i the seed of choice
+i + 1 (`choice_seed`): choice 0 draws what the same request with n = 1 draws, and a resumed
+fork (re-submitted under a plain id) carries its choice's seed in its own kwargs (`for_choice`).
+
 It plugs into the manager's `ContinuousBatchingLogitsProcessorList` (transformers 5.24's
 per-request processor API, `per_request_processors=True`); `install` must run before the
 manager starts. Tested by the engine's tests (greedy = `generate`, seeds reproduce).
@@ -34,10 +39,13 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 
 __all__ = [
+    "CHILD_MARK",
     "SEED_KWARG",
     "WARP_KWARG",
     "SamplingWarper",
     "SeededGumbelSampler",
+    "choice_seed",
+    "for_choice",
     "install",
     "mix32",
     "pack_warp",
@@ -46,6 +54,9 @@ __all__ = [
 ]
 
 SEED_KWARG = "loadmaster_seed"  # the per-request kwargs the manager passes through
+CHILD_MARK = "__child#"  # transformers names the forks of a sequence <its id>__child#<i>
+_SEED_BITS = (1 << 63) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
 WARP_KWARG = "loadmaster_warp"
 _TEMPERATURE_SCALE = 1000  # temperature in thousandths (low 16 bits), 0 = greedy
 _TOP_P_SCALE = 32767  # top_p in 1/32767ths (bits 16..30)
@@ -69,6 +80,27 @@ def sample_key(seed: int, position: int) -> int:
     """The 32-bit key of the token at `position` of a sequence seeded with `seed`."""
     folded = (seed ^ (seed >> 32)) & _MASK32
     return mix32(mix32(folded) ^ ((position * _GOLDEN) & _MASK32))
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request seeded `seed` (choice 0: the seed itself)."""
+    return seed if choice == 0 else (seed + choice * _GOLDEN64) & _SEED_BITS
+
+
+def for_choice(kwargs: dict[str, Any], choice: int) -> dict[str, Any]:
+    """A request's sampling kwargs for one of its choices."""
+    if choice == 0 or SEED_KWARG not in kwargs:
+        return dict(kwargs)
+    return {**kwargs, SEED_KWARG: choice_seed(int(kwargs[SEED_KWARG]), choice)}
+
+
+def _row_seed(state: Any) -> int:
+    seed = int(state.logit_processor_kwargs.get(SEED_KWARG, 0))
+    request_id = state.request_id
+    mark = request_id.rfind(CHILD_MARK)
+    if mark < 0:
+        return seed
+    return choice_seed(seed, int(request_id[mark + len(CHILD_MARK) :]) + 1)
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -157,7 +189,7 @@ class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
         for request in requests_with_new_token:
             state = request.state
             position = len(state.initial_tokens) + len(state.generated_tokens)
-            key = sample_key(int(state.logit_processor_kwargs.get(SEED_KWARG, 0)), position)
+            key = sample_key(_row_seed(state), position)
             keys.append(key - (1 << 32) if key >= (1 << 31) else key)  # stored as int32
         return torch.tensor(keys, dtype=torch.int32, device="cpu")
 

@@ -218,7 +218,10 @@ class GrammarMask(ContinuousBatchingLogitsProcessor):
         bitmask = self._bitmask
         if bitmask is None:
             return scores
-        rows = scores.size(0)
+        # The batch's rows are its sequences with a new token first, in order; a sequence
+        # still prefilling its prompt in chunks adds a row after them that nothing samples
+        # from (transformers computes logits for every sequence), left as it is.
+        rows = min(scores.size(0), bitmask.size(0))
         allowed = ((bitmask[:rows].unsqueeze(-1) >> _BITS) & 1).view(rows, -1)[:, : scores.size(-1)]
         allowed = allowed.to(device=scores.device, dtype=torch.bool)
         if allowed.size(-1) < scores.size(-1):  # the model's vocab is larger than the grammar's
@@ -226,6 +229,9 @@ class GrammarMask(ContinuousBatchingLogitsProcessor):
                 rows, scores.size(-1) - allowed.size(-1), dtype=torch.bool, device=scores.device
             )
             allowed = torch.cat([allowed, pad], dim=-1)
+        if rows < scores.size(0):
+            free = torch.ones(scores.size(0) - rows, scores.size(-1), dtype=torch.bool, device=scores.device)
+            allowed = torch.cat([allowed, free], dim=0)
         return scores.masked_fill(~allowed, float("-inf"))
 
 

@@ -21,25 +21,26 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from loadmaster.model_pool.engines.base import Engine, EngineContext, outputs_to_numpy
-from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, PythonModelConfig
+from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, PythonModuleConfig
 
 __all__ = ["PythonEngine"]
 
 _counter = itertools.count(1)
 
 
-def _config(spec: ModelSpec) -> PythonModelConfig:
-    assert isinstance(spec.config, PythonModelConfig)
+def _config(spec: ModelSpec) -> PythonModuleConfig:
+    assert isinstance(spec.config, PythonModuleConfig)
     return spec.config
 
 
 class PythonEngine(Engine):
     backend = "python"
+    required_method: ClassVar[str] = "infer"  # what the model's class must have
 
     def __init__(self, spec: ModelSpec, context: EngineContext) -> None:
         super().__init__(spec, context)
@@ -86,9 +87,11 @@ class PythonEngine(Engine):
                 f"model '{self.spec.model_id}': {config.module} has no class '{config.class_name}'"
             )
         model = cls()
-        if not callable(getattr(model, "infer", None)):
+        if not callable(getattr(model, self.required_method, None)):
             self.unload()
-            raise ModelConfigError(f"model '{self.spec.model_id}': {config.class_name} has no infer()")
+            raise ModelConfigError(
+                f"model '{self.spec.model_id}': {config.class_name} has no {self.required_method}()"
+            )
         load = getattr(model, "load", None)
         if callable(load):
             load()

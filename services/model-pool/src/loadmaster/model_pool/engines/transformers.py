@@ -21,6 +21,11 @@ What the engine adds to the manager (docs/generative.md has the reasons):
   seeds independent of batch mates: two logits processors of ours (`_seeded_sampling.py`);
 - structured output (`response_format` JSON / JSON Schema): a grammar mask of ours, first
   in the same processor list (`grammar.py`, docs/structured-output.md);
+- log probabilities of the drawn tokens, from the distribution the sampler drew from: two
+  more processors of ours around the sampling ones (`_logprobs.py`);
+- tools: rendered by the chat template (a template that ignores them is a 400 naming
+  `tools`), forced calls constrained by the same mask (`tool_grammar.py`), and calls read
+  out of the reply in the model's `tool_format` (`tool_calls.py`, docs/tool-calling.md);
 - the order of generations: our scheduler inside the manager (`_cb_scheduler.py`) runs the
   most urgent first, is fair between tenants, and pauses lower-priority sequences (keeping
   their KV cache) for urgent ones (docs/generation-scheduling.md). So the worker hands every
@@ -48,12 +53,26 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
-from loadmaster.model_pool.engines import _cb_scheduler, _chat_templates, _seeded_sampling, grammar
+from loadmaster.model_pool.engines import (
+    _cb_scheduler,
+    _chat_templates,
+    _logprobs,
+    _seeded_sampling,
+    grammar,
+    tool_grammar,
+)
 from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
-from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
+from loadmaster.model_pool.engines._token_streams import ChoiceGroup, GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
-from loadmaster.model_pool.generation import GenerationRequest, GenerationStats, SamplingParams
+from loadmaster.model_pool.generation import (
+    GenerationRequest,
+    GenerationStats,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+)
 from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, TransformersModelConfig
+from loadmaster.model_pool.tool_calls import ToolCallStream, ToolFormat, chat_dicts, tool_dicts
 
 __all__ = ["TransformersEngine", "kv_bytes_per_token"]
 
@@ -111,6 +130,22 @@ def _num_blocks(spec: ModelSpec, hf: Mapping[str, Any]) -> int:
     return min(_MAX_DEFAULT_BLOCKS, max(1, config.resident_sequences * per_sequence))
 
 
+def _choices(state: StreamState) -> list[StreamState]:
+    """A request's sequences: its one, or each of its n choices."""
+    return state.group.states if state.group is not None else [state]
+
+
+class _AnyBroken:
+    """The grammar check of n choices (grammar.CheckedStream reads `broken`)."""
+
+    def __init__(self, constraints: list[grammar.Constraint | None]) -> None:
+        self._constraints = [c for c in constraints if c is not None]
+
+    @property
+    def broken(self) -> str:
+        return next((c.broken for c in self._constraints if c.broken), "")
+
+
 class TransformersEngine(Engine):
     backend = "transformers"
     estimate_factor = 1.2  # weights x this, plus the KV budget
@@ -133,6 +168,8 @@ class TransformersEngine(Engine):
         self._cache_tokens = 0
         self._grammars: grammar.JsonGrammars | None = None
         self._grammar_mask = grammar.GrammarMask(0)
+        self._logprobs = _logprobs.LogprobRecorder()
+        self._token_bytes: dict[int, bytes] = {}
 
     # ---- memory ---------------------------------------------------------
 
@@ -217,6 +254,8 @@ class TransformersEngine(Engine):
         )
         self._grammar_mask = grammar.GrammarMask(self._vocab_size)
         grammar.install(manager.logit_processor, self._grammar_mask)
+        self._logprobs = _logprobs.LogprobRecorder()
+        _logprobs.install(manager.logit_processor, self._logprobs)
         manager.start()
         self._manager = manager
 
@@ -271,12 +310,23 @@ class TransformersEngine(Engine):
         return min(self._context_tokens, self._cache_tokens)
 
     async def submit(self, request: GenerationRequest) -> GenerationStream:
-        """Validate, tokenise (in a thread) and queue one generation; its events follow on the stream."""
+        """Validate, tokenise (in a thread) and queue one generation; its events follow on the stream.
+
+        With `n` > 1 the prompt is submitted once with n - 1 children: transformers' manager
+        prefills it, then forks the sequence (the children share its KV pages) and each
+        choice draws with its own seed (`_seeded_sampling.choice_seed`)."""
         request.check()
         self._running_manager()
         self._check_new_id(request.request_id)
+        if request.n > _config(self.spec).max_sequences:
+            raise InvalidArgumentError(
+                f"n: {request.n} choices is more than model '{self.spec.model_id}' runs at once "
+                f"({_config(self.spec).max_sequences})"
+            )
         prompt = await asyncio.to_thread(self._prompt_ids, request)
-        constraint = await self._constraint(request)
+        constraints = [await self._constraint(request) for _ in range(request.n)]
+        if request.logprobs is not None and self._grammars is not None:
+            await asyncio.to_thread(self._grammars.tokenizer)  # token bytes: built once, off the loop
         manager = self._running_manager()  # again: the model may have unloaded meanwhile
         self._check_new_id(request.request_id)  # and the same id may have arrived meanwhile
         limit = self.context_tokens
@@ -287,42 +337,67 @@ class TransformersEngine(Engine):
             )
         self._submitted += 1
         internal_id = f"{request.request_id}#{self._submitted}"
-        state = StreamState(
-            request_id=request.request_id,
-            internal_id=internal_id,
-            prompt_tokens=len(prompt),
-            params=request.params,
-            tokenizer=self._tokenizer,
-            eos_ids=self._eos_ids,
-            on_done=self._forget,
-            cancel_in_manager=manager.cancel_request,
-            loop=asyncio.get_running_loop(),
-            sampling_kwargs=self._sampling_kwargs(request.params),
-        )
-        self._streams[request.request_id] = state
-        self._infos[internal_id] = _cb_scheduler.SequenceInfo(
-            request.priority, request.tenant, request.tenant_weight
-        )
-        if constraint is not None:
-            self._grammar_mask.attach(internal_id, constraint)
-        manager.register_result_handler(internal_id, state.on_output)
-        try:
-            accepted = manager.add_request(
-                prompt,
-                request_id=internal_id,
-                max_new_tokens=request.params.max_tokens,
-                streaming=True,
-                **state.sampling_kwargs,
+        kwargs = self._sampling_kwargs(request.params, logprobs=request.logprobs)
+        group = ChoiceGroup(request.request_id, len(prompt)) if request.n > 1 else None
+        states = []
+        for choice in range(request.n):
+            state = StreamState(
+                request_id=request.request_id,
+                internal_id=internal_id if choice == 0 else f"{internal_id}{_seeded_sampling.CHILD_MARK}{choice - 1}",
+                prompt_tokens=len(prompt),
+                params=request.params,
+                tokenizer=self._tokenizer,
+                eos_ids=self._eos_ids,
+                on_done=self._forget,
+                cancel_in_manager=manager.cancel_request,
+                loop=asyncio.get_running_loop(),
+                prompt_ids=tuple(prompt),
+                sampling_kwargs=_seeded_sampling.for_choice(kwargs, choice),
+                logprob_of=self._logprob_of if request.logprobs is not None else None,
             )
+            if group is not None:
+                group.join(state)
+            states.append(state)
+        self._streams[request.request_id] = states[0]
+        # its place in the engine's queue (its forks are found by the parent's id)
+        self._infos[internal_id] = _cb_scheduler.SequenceInfo(request.priority, request.tenant, request.tenant_weight)
+        for state, constraint in zip(states, constraints, strict=True):
+            if constraint is not None:
+                self._grammar_mask.attach(state.internal_id, constraint)
+            manager.register_result_handler(state.internal_id, state.on_output)
+        try:
+            manager.num_return_sequences = request.n  # read by add_request only, on this thread
+            try:
+                accepted = manager.add_request(
+                    prompt,
+                    request_id=internal_id,
+                    max_new_tokens=request.params.max_tokens,
+                    streaming=True,
+                    **kwargs,
+                )
+            finally:
+                manager.num_return_sequences = 1
         except Exception:
-            self._forget(state)
+            for state in states:
+                self._forget(state)
             self._infos.pop(internal_id, None)
             raise
         if accepted is None:  # the manager is stopping: it drops the request with a log line
-            self._forget(state)
+            for state in states:
+                self._forget(state)
             raise UnavailableError(f"model '{self.spec.model_id}' is stopping; try another worker")
-        stream = GenerationStream(state, self.cancel)
-        return stream if constraint is None else grammar.CheckedStream(stream, constraint)
+        stream = GenerationStream(group or states[0], self.cancel)
+        checked: GenerationStream = stream
+        if constraints[0] is not None:
+            checked = grammar.CheckedStream(stream, _AnyBroken(constraints))  # type: ignore[arg-type]
+        if request.tools is None or not request.tool_calls_parsed:
+            return checked
+        return ToolCallStream(  # type: ignore[return-value]
+            checked,
+            format=ToolFormat(_config(self.spec).tool_format),
+            names=[f.name for f in request.tools.functions],
+            parallel=request.tools.parallel,
+        )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Any]:
         """`submit` then iterate: events until the terminal one."""
@@ -335,7 +410,7 @@ class TransformersEngine(Engine):
         state = self._streams.get(request_id)
         if state is None:
             return False
-        state.cancel()
+        (state.group or state).cancel()
         return True
 
     def queue_position(self, request_id: str) -> int | None:
@@ -409,9 +484,11 @@ class TransformersEngine(Engine):
 
     def _forget(self, state: StreamState) -> None:
         key = state.request_id
-        if self._streams.get(key) is state:
+        primary = self._streams.get(key)
+        if primary is not None and primary in _choices(state) and all(c.done for c in _choices(state)):
             del self._streams[key]
         self._grammar_mask.detach(state.internal_id)
+        self._logprobs.forget(state.internal_id)
         self._drop_handler(state.internal_id)
 
     def _drop_handler(self, internal_id: str) -> None:
@@ -435,28 +512,74 @@ class TransformersEngine(Engine):
                 raise InvalidArgumentError(
                     f"model '{self.spec.model_id}' has no chat template: send a prompt"
                 )
+            messages = chat_dicts(request.messages)
+            template_kwargs = _chat_templates.template_kwargs(_config(self.spec), request)
             text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
-                add_generation_prompt=True,
-                tokenize=False,
-                **_chat_templates.template_kwargs(_config(self.spec), request),
+                messages, add_generation_prompt=True, tokenize=False, **template_kwargs
             )
+            if request.tools is not None:
+                with_tools = tokenizer.apply_chat_template(
+                    messages,
+                    tools=tool_dicts(request.tools),
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **template_kwargs,
+                )
+                if with_tools == text:
+                    raise InvalidArgumentError(
+                        f"tools: the chat template of model '{self.spec.model_id}' does not render tools "
+                        "(it has no tool support)"
+                    )
+                text = with_tools
             return list(tokenizer.encode(text, add_special_tokens=False))
         assert request.prompt is not None
         return list(tokenizer.encode(request.prompt, add_special_tokens=True))
 
     async def _constraint(self, request: GenerationRequest) -> grammar.Constraint | None:
-        """The grammar state of a structured-output request (compiled in a thread)."""
-        if request.response_format is None:
+        """The grammar state of a structured-output request or of forced tool calls (compiled
+        in a thread)."""
+        forced = request.tools is not None and request.tools.constrained
+        if request.response_format is None and not forced:
             return None
         grammars = self._grammars
         if grammars is None:
             raise UnavailableError(f"model '{self.spec.model_id}' is not loaded")
+        if forced:
+            assert request.tools is not None
+            manager = self._running_manager()
+            return await asyncio.to_thread(
+                tool_grammar.tool_constraint,
+                grammars,
+                request.tools,
+                ToolFormat(_config(self.spec).tool_format),
+                eos_ids=self._eos_ids,
+                refused=grammar.refusal(manager.continuous_batching_config),
+            )
+        assert request.response_format is not None
         return await asyncio.to_thread(grammars.constraint, request.response_format)
 
-    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+    def _sampling_kwargs(self, params: SamplingParams, *, logprobs: int | None = None) -> dict[str, Any]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return {
+        kwargs = {
             _seeded_sampling.WARP_KWARG: _seeded_sampling.pack_warp(params.temperature, params.top_p),
             _seeded_sampling.SEED_KWARG: int(seed),
         }
+        if logprobs is not None:
+            kwargs[_logprobs.LOGPROBS_KWARG] = logprobs + 1
+        return kwargs
+
+    def _logprob_of(self, internal_id: str, position: int, token: int) -> TokenLogprob:
+        """A drawn token's log probability (recorded on the manager's thread), with its bytes."""
+        record = self._logprobs.take(internal_id, position)
+        if record is None or record.token != token:  # not expected: said, not made up
+            return TokenLogprob(token, self._bytes(token), float("nan"))
+        top = tuple(TopLogprob(t, self._bytes(t), value) for t, value in record.top)
+        return TokenLogprob(token, self._bytes(token), record.logprob, top)
+
+    def _bytes(self, token: int) -> bytes:
+        cached = self._token_bytes.get(token)
+        if cached is None:
+            grammars = self._grammars
+            cached = bytes(grammars.tokenizer().decode_bytes([token])) if grammars is not None else b""
+            self._token_bytes[token] = cached
+        return cached
