@@ -440,13 +440,16 @@ class TransformersEngine(Engine):
         return list(tokenizer.encode(request.prompt, add_special_tokens=True))
 
     async def _constraint(self, request: GenerationRequest) -> grammar.Constraint | None:
-        """The grammar state of a structured-output request (compiled in a thread)."""
+        """The grammar state and token budget of a structured-output request (compiled and
+        planned in a thread; a `max_tokens` no valid reply fits in is refused here)."""
         if request.response_format is None:
             return None
         grammars = self._grammars
         if grammars is None:
             raise UnavailableError(f"model '{self.spec.model_id}' is not loaded")
-        return await asyncio.to_thread(grammars.constraint, request.response_format)
+        return await asyncio.to_thread(
+            grammars.constraint, request.response_format, max_tokens=request.params.max_tokens
+        )
 
     def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
