@@ -64,8 +64,8 @@ from loadmaster.model_pool.repository import ModelRepository
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "structured_output.json"
-sys.path.insert(0, str(ROOT / "services" / "model-pool" / "tests" / "unit"))
-from test_structured_output import random_schemas  # noqa: E402  (the property test's schemas)
+sys.path.insert(0, str(ROOT / "tests" / "unit"))  # random_schemas.py, shared with the tests
+from random_schemas import random_schemas  # noqa: E402  (the property test's schemas)
 
 SPEED = {  # issue 34's schema
     "type": "object",
