@@ -17,15 +17,16 @@ vocabulary) and runs A* from the current state to an accepting one:
   when allowed, else its content bytes; inside a key, the closing quote and content bytes
   (a required key may be longer than an optional one). Content bytes are all allowed ones
   when at most `_SMALL_SET` are (a pattern, an enum, a choice of keys), else one of each
-  class (lowercase, digit, uppercase, non-ASCII) and the punctuation; children that leave
-  the same next-byte mask are merged (any letter of a free string is as good as another).
+  class (lowercase, digit, uppercase, non-ASCII) and the punctuation, or a single letter in a
+  free string; content children that leave the same next-byte mask and forced bytes are
+  merged (one letter of a pattern's class is as good as another).
 
 The path is valid by construction (llguidance accepted every byte). It is the shortest one
 unless the search gives up (`_SEARCH_NODES`), or a value choice inside a string that the
 moves leave out (an early closing quote in an `anyOf` of objects told apart by a string)
 would have been shorter. The engine forces exactly the path it found, so what it promises
-holds either way; `Closer.still_closes` re-checks a previous path after a sampled token
-in a few microseconds, which is what most steps need.
+holds either way. `Closer.first_closing` re-checks earlier paths after a sampled token with
+`validate_tokens` (tens of microseconds), which is what almost every step needs.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _moves(matcher: Any, shape: Shape) -> tuple[list[bytes], bool]:
 class Closer:
     """A byte-level twin of one sequence's matcher: `feed` it the bytes the sequence
     generates; `closing` (from here) and `closing_after` (from here plus a sampled token)
-    search the shortest completion. Not thread-safe: its `Constraint` holds the lock."""
+    search the shortest completion, `first_closing` re-checks given ones. Not thread-safe:
+    its `Constraint` holds the lock."""
 
     __slots__ = ("_index", "_matcher", "_shape_at", "_shaped", "_text")
 
@@ -191,13 +193,6 @@ class Closer:
             return None
         finally:
             matcher.rollback(taken)
-
-    def still_closes(self, data: bytes, path: bytes) -> bool:
-        """Whether `path` completes the value after `data` (the cheap re-check: content of
-        a string or a number leaves the closing path as it was). `validate_tokens` with the
-        end-of-sequence token last: 20-25x cheaper than consuming and rolling back."""
-        tokens = [*data, *path, _EOS]
-        return self._matcher.validate_tokens(tokens) == len(tokens)
 
     @staticmethod
     def _search(matcher: Any, shape: Shape, limit: int) -> bytes | None:

@@ -12,8 +12,13 @@ step it brings every constrained sequence's matcher up to date with the tokens g
 since, fills that row's allowed-token bitmask, and sets every other token of the row to -inf.
 The warper and the seeded sampler run after it, so temperature, top_p, greedy and seeds work
 unchanged, and a token the grammar forbids can never be drawn. When the value is complete the
-grammar allows only end-of-sequence, so the reply ends with finish_reason "stop"; a reply cut
-by `max_tokens` first ends with "length" and is then not complete JSON.
+grammar allows only end-of-sequence, so the reply ends with finish_reason "stop".
+
+The value always completes within `max_tokens` (`_json_budget.py`): numbers are bounded to
+what a double holds (`_json_bounds.py`), the shortest reply is searched at submit (a budget
+it does not fit in is an `InvalidArgumentError` naming max_tokens, before anything is
+queued), the mask allows only the plan's next token when no slack is left, and
+`BudgetGuard`, the last processor, checks every other sampled token against the budget.
 
 Output is compact (no whitespace between tokens of the JSON): a random-weight model cannot
 loop on spaces. docs/structured-output.md has why llguidance, what was measured, and the cost.
@@ -210,8 +215,9 @@ class Constraint:
     def resubmitted(self, tokens: Sequence[int]) -> None:
         """The sequence goes on in a new submission whose prompt ends with `tokens` (all it
         generated so far): consume any the matcher has not seen (or roll back one it took
-        from an output that was dropped at preemption), then count from there; its plan
-        is searched again from the state it resumes at."""
+        from an output that was dropped at preemption), then count from there. A plan lost
+        to a rollback is searched again at the next step, on the manager's thread (this runs
+        on the event loop)."""
         with self.lock:
             if self.consumed > len(tokens) and not self.broken:
                 count = self.consumed - len(tokens)
@@ -224,8 +230,6 @@ class Constraint:
         self.catch_up(tokens)
         with self.lock:
             self.base = self.consumed
-            if self.budget is not None and not self.broken:
-                self.budget.shortest()
 
     def remaining(self, state: Any) -> int | None:
         """Tokens this step and the ones after it may still take, from the manager's state."""
@@ -233,7 +237,8 @@ class Constraint:
         return None if limit is None else int(limit) - len(state.generated_tokens)
 
     def forced(self, remaining: int | None) -> int | None:
-        """The token this step must take to finish within budget, if it has no choice."""
+        """The token this step must take to finish within budget, if it has no choice
+        (searching the plan first when a preemption lost it)."""
         if remaining is None or self.budget is None or self.broken:
             return None
         with self.lock:
