@@ -25,7 +25,7 @@ from random_schemas import random_schemas, shortest_bytes  # tests/unit/random_s
 from transformers import AutoTokenizer
 
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.model_pool.engines import grammar
+from loadmaster.model_pool.engines import _json_closing, grammar
 from loadmaster.model_pool.engines._json_bounds import NUMBER_LIMIT, bounded_object, bounded_schema
 from loadmaster.model_pool.engines._json_budget import Budget, Vocabulary, _utf8_rest
 from loadmaster.model_pool.engines._json_closing import BYTE_TOKENIZER, Closer
@@ -134,8 +134,10 @@ def test_the_search_finds_the_shortest_value_of_every_random_schema(seed: int) -
     for schema in random_schemas(200, seed=seed):
         bounded = bounded_schema(schema)
         assert Shape(SchemaIndex(bounded)).bound() == shortest_bytes(schema), schema
-        closing = Closer(compiled(bounded), bounded).closing(limit=4096)
-        assert closing is not None and len(closing) == shortest_bytes(schema), (schema, closing)
+        found = Closer(compiled(bounded), bounded).closing(limit=4096)
+        assert found is not None and found[1], schema  # found by A*, not by the fallback dive
+        closing = found[0]
+        assert len(closing) == shortest_bytes(schema), (schema, closing)
         jsonschema.validate(json.loads(closing), schema)
         assert accepts(bounded, closing.decode())
 
@@ -143,6 +145,10 @@ def test_the_search_finds_the_shortest_value_of_every_random_schema(seed: int) -
 @pytest.mark.parametrize(
     ("schema", "prefix", "closing"),
     [
+        ({"type": "object", "minProperties": 2}, "", '{"":0,"a":0}'),  # not the same key twice
+        ({"type": "number", "minimum": 0.5}, "", "1"),
+        ({"type": "string", "format": "email"}, "", '"a@a"'),
+        ({"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}, '"ab', '@a.com"'),
         ({"type": "integer", "minimum": 25, "maximum": 687}, "", "25"),
         ({"enum": [None, "open"]}, "", "null"),
         ({"type": "string", "pattern": "^[0-9]{3}-[0-9]{2}$"}, '"12', '0-00"'),
@@ -166,13 +172,32 @@ def test_closing_paths(schema: Any, prefix: str, closing: str) -> None:
     bounded = bounded_schema(schema)
     closer = Closer(compiled(bounded), bounded)
     assert closer.feed(prefix.encode())
-    assert closer.closing(limit=4096) == closing.encode()
+    assert closer.closing(limit=4096) == (closing.encode(), True)
+
+
+def test_when_a_star_gives_up_a_dive_still_finds_a_valid_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With too few expansions for A* (here 5; real searches get 3,000), the depth-first
+    dive returns a valid path, marked as maybe not the shortest."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "when": {"type": "string", "format": "date-time"},
+            "to": {"type": "string", "format": "email"},
+        },
+        "required": ["when", "to"],
+    }
+    bounded = bounded_schema(schema)
+    monkeypatch.setattr(_json_closing, "_SEARCH_NODES", 5)
+    found = Closer(compiled(bounded), bounded).closing(limit=4096)
+    assert found is not None and not found[1]
+    jsonschema.validate(json.loads(found[0]), schema)
+    assert accepts(bounded, found[0].decode())
 
 
 def test_a_cut_character_is_finished_first() -> None:
     closer = Closer(compiled(bounded_schema({"type": "string"})), {"type": "string"})
     assert closer.feed('"\u20ac'.encode()[:3])  # the euro sign, its last byte missing
-    assert closer.closing(limit=64) == b'\x80"'
+    assert closer.closing(limit=64) == (b'\x80"', True)
     cut = (b"ab", b"\xe2", b"\xe0", b"\xe2\x82", b"\xf0", b"\xc3\xa9")
     assert [_utf8_rest(data) for data in cut] == [
         b"",
@@ -197,9 +222,9 @@ def test_the_schema_bound_never_exceeds_the_closing_left(hf_tokenizer: Any) -> N
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
         closer = Closer(text, bounded)
         for _ in range(30):
-            closing = closer.closing(limit=4096)
-            assert closing is not None
-            assert closer._shape.bound() <= len(closing), (schema, closer._text, closing)
+            found = closer.closing(limit=4096)
+            assert found is not None and found[1]
+            assert closer._shape.bound() <= len(found[0]), (schema, closer._text, found)
             allowed = _allowed_tokens(matcher)
             token = rng.choice(allowed)
             if token == hf_tokenizer.eos_token_id:
@@ -309,3 +334,20 @@ def test_json_object_fits_in_two_tokens(grammars: grammar.JsonGrammars) -> None:
     with pytest.raises(InvalidArgumentError, match=r"^max_tokens: 1 is too small"):
         grammars.constraint(ResponseFormat("json_object"), max_tokens=1)
     assert grammars.constraint(ResponseFormat("json_object")).budget is None  # no max_tokens: unplanned
+
+
+def test_a_failing_budget_is_dropped_not_the_managers_thread(
+    grammars: grammar.JsonGrammars, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The budget runs inside the manager's batch step: an error there (a bug of ours) must
+    not stop batching. The sequence goes on under its grammar alone."""
+    constraint = grammars.constraint(ResponseFormat("json_schema", json.dumps(SPEED)), max_tokens=40)
+    assert constraint.budget is not None
+
+    def broken(*_: Any) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Budget, "approve", broken)
+    assert constraint.approve(123, 40) == 123  # the sampled token stands
+    assert constraint.budget is None and "the token budget failed" in caplog.text
+    assert constraint.forced(1) is None  # no budget, no forcing

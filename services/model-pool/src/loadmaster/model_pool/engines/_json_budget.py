@@ -256,7 +256,7 @@ class Budget:
         self.searches += 1
         bytes_limit = 1 << 16 if limit is None else max(0, limit) * self._vocabulary.longest
         if data is None:
-            text = self._closer.closing(limit=bytes_limit)
+            found = self._closer.closing(limit=bytes_limit)
         else:
-            text = self._closer.closing_after(data, limit=bytes_limit)
-        return None if text is None else Plan(text, self._vocabulary)
+            found = self._closer.closing_after(data, limit=bytes_limit)
+        return None if found is None else Plan(found[0], self._vocabulary, exact=found[1])

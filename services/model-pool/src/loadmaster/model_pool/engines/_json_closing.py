@@ -14,12 +14,13 @@ vocabulary) and runs A* from the current state to an accepting one:
   `true`) as one move; outside strings, `}` or `]` alone when allowed (closing the innermost
   container is never longer than adding to it), else every allowed byte of `_OUTSIDE`
   (continue with `,` `:`, or start a value); inside a string value, the closing quote alone
-  when allowed, else its content bytes; inside a key, the closing quote and content bytes
-  (a required key may be longer than an optional one). Content bytes are all allowed ones
+  when allowed, else its content bytes; inside a key, the closing quote (unless the key is
+  already in the object: llguidance admits a repeated key, a JSON parser keeps only one of
+  them) and content bytes (a required key may be longer than an optional one). Content bytes are all allowed ones
   when at most `_SMALL_SET` are (a pattern, an enum, a choice of keys), else one of each
-  class (lowercase, digit, uppercase, non-ASCII) and the punctuation, or a single letter in a
-  free string; content children that leave the same next-byte mask and forced bytes are
-  merged (one letter of a pattern's class is as good as another).
+  class (lowercase, digit, uppercase, non-ASCII) and every punctuation byte (`@` in an email),
+  or a single letter in a free string; content children that leave the same next-byte mask
+  and forced bytes are merged (one letter of a pattern's class is as good as another).
 
 The path is valid by construction (llguidance accepted every byte). It is the shortest one
 unless the search gives up (`_SEARCH_NODES`), or a value choice inside a string that the
@@ -47,7 +48,10 @@ _BACKSLASH = ord("\\")
 _OUTSIDE = b',:0123456789"[{ntf-.eE+'  # after "}" and "]": continue, or start a value
 _ESCAPES = b'nrtbf/\\"u'  # after a backslash: an escape that ends at once first
 _SMALL_SET = 16  # a string's allowed content up to this many bytes is tried byte by byte
+_ZERO = ord("0")
 _SEARCH_NODES = 3000  # expansions per search before it gives up
+_DIVE_BYTES = 512  # the depth-first fallback's longest path
+_DIVE_NODES = 3000  # and its expansions
 
 
 def _class(low: int, high: int) -> int:
@@ -86,9 +90,8 @@ def _content_moves(bits: int) -> list[int]:
         return _each(content)
     if content & _PRINTABLE == _PRINTABLE:  # a free string: any character is as good
         return _lowest(content & _LOWER) or _lowest(content)
-    punctuation = _each(content & _PUNCTUATION)
     chosen = [*_lowest(content & _LOWER), *_lowest(content & _DIGIT), *_lowest(content & _UPPER)]
-    return [*chosen, *_lowest(content & _HIGH), *punctuation[: 8 if len(punctuation) <= 8 else 2]]
+    return [*chosen, *_lowest(content & _HIGH), *_each(content & _PUNCTUATION)]
 
 
 def _moves(matcher: Any, shape: Shape) -> tuple[list[bytes], bool]:
@@ -105,14 +108,27 @@ def _moves(matcher: Any, shape: Shape) -> tuple[list[bytes], bool]:
         if bits >> _QUOTE & 1:
             if not shape.in_key:
                 return [b'"'], False
-            moves.append(b'"')
+            if not shape.key_seen():  # llguidance takes a repeated key; JSON parsers keep one
+                moves.append(b'"')
         chosen = _content_moves(bits)
         return moves + [bytes([byte]) for byte in chosen] or [bytes(_lowest(bits))], len(chosen) > 1
     for closer in b"}]":
         if bits >> closer & 1:
             return [bytes([closer])], False
+    if shape.at_value and bits >> _ZERO & 1 and _zero_ends(matcher):
+        return [b"0"], False  # the shortest value there is
     moves = [bytes([byte]) for byte in _OUTSIDE if bits >> byte & 1]
     return moves or [bytes(_lowest(bits))], False
+
+
+def _signature(matcher: Any) -> bytes:
+    """What a state allows next: its byte mask and forced bytes (children alike merge)."""
+    return bytes(matcher.compute_bitmask()) + bytes(matcher.compute_ff_bytes())
+
+
+def _zero_ends(matcher: Any) -> bool:
+    """Whether a value may be just `0` here (then no other value can be shorter)."""
+    return any(matcher.validate_tokens([_ZERO, after]) == 2 for after in (*b",}]", _EOS))
 
 
 class Closer:
@@ -159,12 +175,14 @@ class Closer:
         self._shaped = Shape(self._index)
         self._shape_at = 0
 
-    def closing(self, *, limit: int) -> bytes | None:
-        """The bytes of a shortest path from here to a complete value (b"" when complete),
-        or None when the search finds none of at most `limit` bytes."""
-        return self._search(self._matcher, self._shape, limit)
+    def closing(self, *, limit: int) -> tuple[bytes, bool] | None:
+        """The bytes of a path from here to a complete value (b"" when complete) and
+        whether it is a shortest one, or None when none of at most `limit` bytes is found:
+        A* first; when it gives up, a depth-first dive along the preferred moves (valid,
+        maybe longer: a date-time format, where the bound cannot see how far the end is)."""
+        return self._closing(self._matcher, self._shape, limit)
 
-    def closing_after(self, data: bytes, *, limit: int) -> bytes | None:
+    def closing_after(self, data: bytes, *, limit: int) -> tuple[bytes, bool] | None:
         """`closing` from here plus `data`; None also when the grammar rejects `data`."""
         matcher = self._matcher
         taken = matcher.try_consume_tokens(list(data))
@@ -173,9 +191,17 @@ class Closer:
                 return None
             shape = self._shape.copy()
             shape.feed(data)
-            return self._search(matcher, shape, limit)
+            return self._closing(matcher, shape, limit)
         finally:
             matcher.rollback(taken)
+
+    @classmethod
+    def _closing(cls, matcher: Any, shape: Shape, limit: int) -> tuple[bytes, bool] | None:
+        found = cls._search(matcher, shape, limit, dive=False, nodes=_SEARCH_NODES)
+        if found is not None:
+            return found, True
+        found = cls._search(matcher, shape, min(limit, _DIVE_BYTES), dive=True, nodes=_DIVE_NODES)
+        return None if found is None else (found, False)
 
     def first_closing(self, data: bytes, candidates: Any) -> bytes | None:
         """The first of `candidates(forced)` that completes the value after `data` (the
@@ -195,13 +221,17 @@ class Closer:
             matcher.rollback(taken)
 
     @staticmethod
-    def _search(matcher: Any, shape: Shape, limit: int) -> bytes | None:
-        """A* (see the module docstring) on the live matcher: a node is its path from
-        here, reached by rolling back to the common prefix and consuming the rest (a deep
-        copy would start with cold lexer caches: 20-100x slower per byte)."""
+    def _search(matcher: Any, shape: Shape, limit: int, *, dive: bool, nodes: int) -> bytes | None:
+        """A* (see the module docstring), or with `dive` depth first (the deepest node,
+        then the first move), on the live matcher: a node is its path from here, reached by
+        rolling back to the common prefix and consuming the rest (a deep copy would start
+        with cold lexer caches: 20-100x slower per byte)."""
         if matcher.is_accepting():
             return b""
-        heap: list[tuple[int, int, int, bytes, Shape]] = [(shape.bound(), 0, 0, b"", shape)]
+        heap: list[tuple[int, int, int, bytes, Shape]] = [(0 if dive else shape.bound(), 0, 0, b"", shape)]
+        # A* ranks by cost + bound (ties: the deeper, then the preferred move); the dive by
+        # depth, then moves that change the state (`@` in an email) before ones that leave
+        # it as it was (another letter).
         at = b""  # the path the matcher stands at
         pushed = expanded = 0
         try:
@@ -211,26 +241,30 @@ class Closer:
                 if matcher.is_accepting():
                     return path
                 expanded += 1
-                if expanded > _SEARCH_NODES:
+                if expanded > nodes:
                     return None
-                seen: set[bytes] = set()
                 moves, merge = _moves(matcher, node_shape)
+                here = _signature(matcher) if merge and dive else b""
+                seen: set[bytes] = set()
                 for move in moves:
                     grown = path + move
                     if len(grown) > limit or matcher.validate_tokens(list(move)) != len(move):
                         continue
+                    same = 0
                     if merge:  # content bytes that lead on alike (same mask, forced bytes): one
                         matcher.consume_tokens(list(move))
-                        signature = bytes(matcher.compute_bitmask()) + bytes(matcher.compute_ff_bytes())
+                        signature = _signature(matcher)
                         matcher.rollback(len(move))
                         if signature in seen:
                             continue
                         seen.add(signature)
+                        same = int(signature == here)  # the dive tries what moves on first
                     child_shape = node_shape.copy()
                     child_shape.feed(move)
                     pushed += 1
                     cost = len(grown)
-                    heapq.heappush(heap, (cost + child_shape.bound(), -cost, pushed, grown, child_shape))
+                    rank, tie = (-cost, same) if dive else (cost + child_shape.bound(), -cost)
+                    heapq.heappush(heap, (rank, tie, pushed, grown, child_shape))
             return None
         finally:
             _move_to(matcher, at, b"")

@@ -197,8 +197,11 @@ class SchemaIndex:
                 found.extend(self.resolve(items if not isinstance(items, list) else True))
         return tuple(found) or (_ANY,)
 
-    def missing_keys(self, objects: tuple[dict[str, Any], ...], seen: frozenset[str]) -> tuple[int, int]:
-        """(bytes, count) of the cheapest alternative's required pairs not in `seen`:
+    def missing_keys(
+        self, objects: tuple[dict[str, Any], ...], seen: frozenset[str], pairs: int = 0
+    ) -> tuple[int, int]:
+        """(bytes, count) of the cheapest alternative's required pairs not in `seen`, and
+        the pairs `minProperties` still asks for beyond them and the `pairs` written:
         `"key":value` each, commas not counted."""
         best: tuple[int, int] | None = None
         for schema in objects:
@@ -209,6 +212,9 @@ class SchemaIndex:
                     continue
                 count += 1
                 size += len(_dumps(key).encode()) + 1 + self.min_len(self.property((schema,), key))
+            extra = _int(schema.get("minProperties")) - pairs - count  # pairs beyond `required`
+            if extra > 0:
+                size, count = size + 4 * extra, count + extra  # '"":0' at least each
             if best is None or size < best[0]:
                 best = (size, count)
         return best or (0, 0)
@@ -385,6 +391,21 @@ class Shape:
     def in_key(self) -> bool:
         return self.mode == _KEY
 
+    def key_seen(self) -> bool:
+        """Whether the key being written, closed now, would repeat one of its object's."""
+        if self.mode != _KEY or not self.frames:
+            return False
+        try:
+            key = json.loads(b'"' + bytes(self.text) + b'"')
+        except ValueError:
+            return False
+        return key in self.frames[-1].seen
+
+    @property
+    def at_value(self) -> bool:
+        """Where a value starts (after ":", "[" or "," in an array, or at the top)."""
+        return self.mode in (_VALUE, _ARRAYSTART)
+
     def copy(self) -> Shape:
         return Shape(
             self.index,
@@ -516,7 +537,8 @@ class Shape:
             if frame.is_object:
                 pending = frame.key
                 seen = frame.seen | {pending} if pending is not None else frame.seen
-                size, count = index.missing_keys(frame.schemas, seen)
+                pairs = frame.count + (pending is not None or (top and mode == _KEY))
+                size, count = index.missing_keys(frame.schemas, seen, pairs)
                 if top and mode == _KEY and count:
                     size, count = max(0, size - self._dearest(frame, seen)), count - 1
                 elif top and mode == _KEYSTART:

@@ -166,7 +166,11 @@ class JsonGrammars:
             return constraint
         index, shortest = self._planned(grammar, schema)
         budget = Budget(Closer(grammar, schema, index), self.vocabulary())
-        plan = budget.shortest() if shortest is _UNPLANNED else budget.start(shortest)
+        try:
+            plan = budget.shortest() if shortest is _UNPLANNED else budget.start(shortest)  # type: ignore[arg-type]
+        except Exception:  # a bug of ours must not refuse the request: served unplanned
+            log.exception("structured output: planning the reply failed")
+            return constraint
         with self._lock:
             self._plans[grammar] = (index, None if plan is None else plan.text)
         if plan is None:  # the search gave up: enforced as before, without the budget
@@ -210,7 +214,7 @@ class Constraint:
                     continue
                 self.taken.append(int(token))
                 if self.budget is not None:
-                    self.budget.feed(int(token))
+                    self._budgeted(self.budget.feed, int(token))
 
     def resubmitted(self, tokens: Sequence[int]) -> None:
         """The sequence goes on in a new submission whose prompt ends with `tokens` (all it
@@ -225,7 +229,7 @@ class Constraint:
                 self.matcher.rollback(len(dropped))
                 del self.taken[len(self.taken) - len(dropped) :]
                 if self.budget is not None:
-                    self.budget.rollback(dropped)
+                    self._budgeted(self.budget.rollback, dropped)
                 self.consumed = len(tokens)
         self.catch_up(tokens)
         with self.lock:
@@ -239,19 +243,32 @@ class Constraint:
     def forced(self, remaining: int | None) -> int | None:
         """The token this step must take to finish within budget, if it has no choice
         (searching the plan first when a preemption lost it)."""
-        if remaining is None or self.budget is None or self.broken:
+        budget = self.budget
+        if remaining is None or budget is None or self.broken:
             return None
         with self.lock:
-            if self.budget.plan is None:
-                self.budget.shortest()
-            return self.budget.forced(remaining)
+            if budget.plan is None:
+                self._budgeted(budget.shortest)
+            return self._budgeted(budget.forced, remaining)
 
     def approve(self, token: int, remaining: int) -> int:
         """The token to emit for a sampled one (`Budget.approve`)."""
-        if self.budget is None or self.broken:
+        budget = self.budget
+        if budget is None or self.broken:
             return token
         with self.lock:
-            return self.budget.approve(token, remaining)
+            approved = self._budgeted(budget.approve, token, remaining)
+            return token if approved is None else approved
+
+    def _budgeted(self, call: Any, *args: Any) -> Any:
+        """A budget step on the manager's thread, which must never die of it: an error in
+        the budget's code drops the budget (the grammar still holds, as without one)."""
+        try:
+            return call(*args)
+        except Exception:
+            log.exception("structured output: the token budget failed; this reply goes on without it")
+            self.budget = None
+            return None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bits of the next token into `bitmask[row]` (CPU int32,
