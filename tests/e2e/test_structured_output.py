@@ -1,12 +1,14 @@
 """Structured output through the real suite (gateway -> scheduler -> model-pool worker ->
 transformers engine with llguidance) with the official `openai` client and the random-weight
 `tiny-chat`: `response_format` json_schema and json_object, streamed and not, the client's own
-`parse` with a pydantic model, a schema the library cannot compile (400 naming it), and
-max_tokens too small for a whole value (finish_reason "length")."""
+`parse` with a pydantic model, a schema the library cannot compile (400 naming it), replies at
+small budgets that still end complete, valid and finite (issue 34), and a max_tokens no valid
+reply fits in (400 naming max_tokens, streamed or not)."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -34,6 +36,14 @@ PERSON = {
 
 def person_format(schema: Any = PERSON) -> Any:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+SPEED = {  # issue 34's schema
+    "type": "object",
+    "properties": {"speed": {"type": "number"}, "mode": {"enum": ["walk", "run"]}},
+    "required": ["speed", "mode"],
+    "additionalProperties": False,
+}
 
 
 class Ticket(BaseModel):
@@ -91,8 +101,8 @@ def test_a_streamed_json_schema_reply_parses_and_validates(client: openai.OpenAI
 
 def test_json_object_mode_answers_an_object(client: openai.OpenAI) -> None:
     """Text completions take `response_format` too (as an extra field: the client's
-    `completions.create` has no parameter for it). json_object bounds nothing (keys and strings may run on), so some of tiny-chat's
-    random replies hit max_tokens: each that stops is an object, each cut one starts as one."""
+    `completions.create` has no parameter for it). json_object bounds nothing (keys and
+    strings may run on), but the budget closes the object in time: every reply stops."""
     replies = [
         client.completions.create(
             model=MODEL,
@@ -104,11 +114,45 @@ def test_json_object_mode_answers_an_object(client: openai.OpenAI) -> None:
         ).choices[0]
         for seed in range(8)
     ]
-    stopped = [choice for choice in replies if choice.finish_reason == "stop"]
-    assert stopped, [choice.text for choice in replies]
-    for choice in stopped:
+    for choice in replies:
+        assert choice.finish_reason == "stop", choice
         assert isinstance(json.loads(choice.text), dict)
-    assert all(choice.text.startswith("{") for choice in replies)
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(_finite(item) for item in value.values())
+    if isinstance(value, list):
+        return all(_finite(item) for item in value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return True
+    return abs(value) < 2**1023 and math.isfinite(float(value))
+
+
+@pytest.mark.parametrize(
+    ("kind", "max_tokens"), [("json_schema", 64), ("json_schema", 40), ("json_object", 16)]
+)
+def test_small_budgets_still_end_complete_valid_and_finite(
+    client: openai.OpenAI, kind: str, max_tokens: int
+) -> None:
+    """Issue 34's cases through the suite: `{speed: number, mode: walk|run}` at max_tokens 64
+    and 40 and json_object at 16, sampled at temperature 1 with six seeds: every reply stops
+    with a value that parses, validates and has only finite numbers."""
+    response_format: Any = person_format(SPEED) if kind == "json_schema" else {"type": "json_object"}
+    for seed in range(6):
+        choice = client.chat.completions.create(
+            model=MODEL,
+            messages=chat("how fast?"),
+            max_tokens=max_tokens,
+            temperature=1.0,
+            seed=seed,
+            response_format=response_format,
+        ).choices[0]
+        assert choice.finish_reason == "stop", choice
+        value = json.loads(choice.message.content or "")
+        if kind == "json_schema":
+            jsonschema.validate(value, SPEED)
+        assert isinstance(value, dict) and _finite(value)
 
 
 def test_the_clients_parse_fills_a_pydantic_model(client: openai.OpenAI) -> None:
@@ -158,12 +202,25 @@ def test_a_malformed_response_format_is_a_400_from_the_gateway(base_url: str) ->
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "response_format"
 
 
-def test_max_tokens_too_small_for_the_value_ends_with_length(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(
-        model=MODEL, messages=chat("x"), max_tokens=4, temperature=0, response_format=person_format()
+def test_a_max_tokens_no_valid_reply_fits_in_is_a_400_naming_it(client: openai.OpenAI, base_url: str) -> None:
+    """PERSON's shortest reply takes more than 4 tokens: the worker refuses it before it is
+    queued, and the gateway answers 400 with `param: max_tokens`, streamed too (before the
+    first byte); the worker keeps serving."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=chat("x"), max_tokens=4, temperature=0, response_format=person_format()
+        )
+    assert caught.value.status_code == 400
+    body: Any = caught.value.body
+    assert body["param"] == "max_tokens" and body["message"].startswith("max_tokens: 4 is too small"), body
+    request = {"model": MODEL, "messages": chat("x"), "max_tokens": 4, "stream": True}
+    request["response_format"] = person_format()
+    with httpx.stream("POST", base_url + "/chat/completions", json=request, timeout=60) as streamed:
+        assert streamed.status_code == 400
+        error = json.loads(streamed.read())["error"]
+        assert error["param"] == "max_tokens" and "max_tokens" in error["message"]
+    ok = client.chat.completions.create(
+        model=MODEL, messages=chat("y"), max_tokens=40, temperature=0, response_format=person_format()
     )
-    choice = reply.choices[0]
-    assert choice.finish_reason == "length"
-    assert (choice.message.content or "").startswith('{"')
-    with pytest.raises(ValueError):
-        json.loads(choice.message.content or "")
+    assert ok.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(ok.choices[0].message.content or ""), PERSON)

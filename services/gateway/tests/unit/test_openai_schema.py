@@ -9,7 +9,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from loadmaster.common.errors import NotFoundError, UnavailableError
+from loadmaster.common.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from loadmaster.gateway.frontends.openai_schema import (
     DONE_EVENT,
     ChoiceOut,
@@ -315,3 +315,20 @@ def test_tool_calls_logprobs_and_choices_validate_as_the_openai_clients_types() 
     assert text.choices[0].logprobs is not None and text.choices[0].logprobs.top_logprobs == [
         {"a": -0.1, "b": -9999.0}
     ]
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ("max_tokens: 4 is too small for a reply valid against response_format", "max_tokens"),
+        ("response_format.json_schema.schema: cannot be compiled: x", "response_format.json_schema.schema"),
+        ("prompt of 9 tokens + max_tokens 5000 exceeds the context", None),
+        ("model 'x' has no chat template: send a prompt", None),
+    ],
+)
+def test_a_worker_400_that_starts_with_a_field_names_it_as_param(message: str, param: str | None) -> None:
+    """Workers write invalid-argument messages as `field: why`; OpenAI's clients read the
+    field from `param`."""
+    body = error_from(InvalidArgumentError(message)).body()["error"]
+    assert (body["param"], body["message"], body["type"]) == (param, message, "invalid_request_error")
+    assert error_from(UnavailableError("max_tokens: not a 400")).param is None

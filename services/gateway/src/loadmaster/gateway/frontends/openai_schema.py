@@ -21,6 +21,7 @@ events the official `openai` client reads. Shapes follow the OpenAI API referenc
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -98,6 +99,9 @@ _ERROR_TYPES = {
 }
 
 
+_NAMED_FIELD = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*): ")
+
+
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: HTTP `status`, and the `param` and `code` fields."""
 
@@ -122,8 +126,14 @@ def error_body(
 
 
 def error_from(error: LoadmasterError) -> OpenAIError:
-    """The OpenAI form of a Loadmaster error: its HTTP status, its edge code as `code`."""
-    return OpenAIError(error.http_status, error.message, code=error.edge_code or None)
+    """The OpenAI form of a Loadmaster error: its HTTP status, its edge code as `code`, and
+    for a 400 whose message starts with the request field it names (`max_tokens: ...`,
+    `response_format.json_schema.schema: ...`, as the workers write them), that field as
+    `param`."""
+    named = _NAMED_FIELD.match(error.message) if error.http_status == 400 else None
+    return OpenAIError(
+        error.http_status, error.message, param=named.group(1) if named else None, code=error.edge_code or None
+    )
 
 
 # --- request bodies ------------------------------------------------------------------------

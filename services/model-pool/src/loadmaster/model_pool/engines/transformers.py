@@ -536,8 +536,9 @@ class TransformersEngine(Engine):
         return list(tokenizer.encode(request.prompt, add_special_tokens=True))
 
     async def _constraint(self, request: GenerationRequest) -> grammar.Constraint | None:
-        """The grammar state of a structured-output request or of forced tool calls (compiled
-        in a thread)."""
+        """The grammar state of a structured-output request (with its token budget: a
+        `max_tokens` no valid reply fits in is refused here) or of forced tool calls, compiled
+        and planned in a thread."""
         forced = request.tools is not None and request.tools.constrained
         if request.response_format is None and not forced:
             return None
@@ -556,7 +557,9 @@ class TransformersEngine(Engine):
                 refused=grammar.refusal(manager.continuous_batching_config),
             )
         assert request.response_format is not None
-        return await asyncio.to_thread(grammars.constraint, request.response_format)
+        return await asyncio.to_thread(
+            grammars.constraint, request.response_format, max_tokens=request.params.max_tokens
+        )
 
     def _sampling_kwargs(self, params: SamplingParams, *, logprobs: int | None = None) -> dict[str, Any]:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
