@@ -30,69 +30,35 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from loadmaster.common.client_config import (  # client profiles and cooldowns, re-exported
-    ClientMatchSettings,
-    ClientProfileSettings,
-    CooldownSettings,
-    check_profiles,
-)
+from loadmaster.common.client_config import ClientProfileSettings, CooldownSettings, check_profiles
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.common.gateway_config import (  # the gateway's sections, re-exported
-    ApiKeySettings,
-    AuditSettings,
-    AuthSettings,
-    CurveSettings,
-    EdgeSettings,
-    GatewaySettings,
-    GuardrailSettings,
-    ImagesSettings,
-    LimitsSettings,
-    OidcSettings,
-    PolicyWebhookSettings,
-    SharedMemorySettings,
-)
+from loadmaster.common.gateway_config import GatewaySettings
 from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 from loadmaster.common.settings_section import Section as _Section
 from loadmaster.common.settings_section import ServiceEndpoint
 
 __all__ = [
     "AliasSettings",
-    "ApiKeySettings",
-    "AuditSettings",
-    "AuthSettings",
     "BatchSettings",
     "CategoryKeepAliveSettings",
-    "ClientMatchSettings",
-    "ClientProfileSettings",
     "ClientSettings",
     "ClientsSettings",
     "ConfigError",
-    "CooldownSettings",
-    "CurveSettings",
     "DeadlineSettings",
-    "EdgeSettings",
-    "GatewaySettings",
     "GenerationSettings",
     "GpuBrokerSettings",
     "GpuSpec",
-    "GuardrailSettings",
-    "ImagesSettings",
     "InternalAuthSettings",
     "LeaderLeaseSettings",
     "LeaseTiming",
-    "LimitsSettings",
     "MetricsSettings",
     "ModelPoolSettings",
     "ModelSettings",
     "ModelsSettings",
-    "OidcSettings",
-    "PolicyWebhookSettings",
     "RedisSettings",
     "ResponseTrackingSettings",
     "SchedulerSettings",
-    "ServiceEndpoint",
     "Settings",
-    "SharedMemorySettings",
     "TenantSettings",
     "load_settings",
 ]
