@@ -25,6 +25,7 @@ from loadmaster.cli.launcher import free_port_overrides, to_env
 from loadmaster.cli.run_state import read_run_state, run_state_path
 from loadmaster.common import internal_auth
 from loadmaster.common.config import load_settings
+from loadmaster.common.credentials import Identity
 from loadmaster.v1 import (
     gpu_broker_pb2,
     gpu_broker_pb2_grpc,
@@ -157,7 +158,7 @@ class RunningUp:
         # `up` signs every internal call with the secret it keeps next to the config: make it now
         # (up reuses it), so the auditor's calls carry it; the trust scenarios' calls never do.
         internal_auth.ensure_run_secrets(EXAMPLE_CONFIG.parent)
-        internal_auth.setup_client(self.settings, internal_auth.Identity("chaos", f"auditor-{os.getpid()}"))
+        internal_auth.setup_client(self.settings, Identity("chaos", f"auditor-{os.getpid()}"))
 
     def start(self) -> None:
         with self.log_path.open("wb") as log:

@@ -37,14 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _chaos_report import TARGET_RECOVER_S as TARGET_RECOVER_S
-from _chaos_report import TARGET_WORST_MS as TARGET_WORST_MS
 from _chaos_report import Window, _measure, _targets
 from _chaos_scenarios import Outcome, Scenario, _scenarios
 from _chaos_suite import CLIENTS, RATE_HZ, Auditor, Background, RunningUp, _infer_double
-from _chaos_suite import PROCESS_MARKERS as PROCESS_MARKERS
-from _chaos_suite import REPLY_GRACE_S as REPLY_GRACE_S
-from _chaos_suite import Sample as Sample
 from _harness import write_result
 
 RECOVER_TIMEOUT_S = 12.0  # a scenario not serving again by then is reported as not recovered

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt import PyJWK
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
-from loadmaster.common.config import AuditSettings, OidcSettings
+from loadmaster.common.gateway_config import AuditSettings, OidcSettings
 from loadmaster.gateway.audit import AuditLog, AuditRecord
 from loadmaster.gateway.guardrails import Blocklist, StreamScreen
 from loadmaster.gateway.oidc import JwksKeys, OidcVerifier

@@ -55,11 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from _harness import ROOT, write_result
-from _llm_client import PROBE_TOKENS as PROBE_TOKENS
-from _llm_client import REQUEST_TIMEOUT_S as REQUEST_TIMEOUT_S
 from _llm_client import (
     SideFailedError,
-    StreamRecord,
     Target,
     Window,
     _check,
@@ -70,25 +67,10 @@ from _llm_client import (
     priority_under_load,
     say,
     stream_once,
-    summarize,
 )
 from _llm_servers import MODEL_FOLDER, loadmaster_server, reference_server
 
-__all__ = [
-    "MODEL_FOLDER",
-    "StreamRecord",
-    "Target",
-    "Window",
-    "combine",
-    "loadmaster_server",
-    "main",
-    "reference_server",
-    "run_sides",
-    "stream_once",
-    "summarize",
-    "table",
-    "targets",
-]
+__all__ = ["main", "run_sides", "table", "targets"]
 
 
 @dataclass(slots=True)

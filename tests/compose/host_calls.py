@@ -26,6 +26,7 @@ import grpc
 
 from loadmaster.common import internal_auth
 from loadmaster.common.config import load_settings
+from loadmaster.common.credentials import Identity
 from loadmaster.common.grpc_client import aio_channel
 from loadmaster.v1 import gpu_broker_pb2, gpu_broker_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -94,7 +95,7 @@ async def leases(address: str, seconds: float, clients: int) -> dict[str, Any]:
 
 if __name__ == "__main__":
     internal_auth.setup_client(
-        load_settings(None), internal_auth.Identity("cli", f"compose-test-{uuid.uuid4().hex[:6]}")
+        load_settings(None), Identity("cli", f"compose-test-{uuid.uuid4().hex[:6]}")
     )
     if sys.argv[1] == "workers":
         print(json.dumps(asyncio.run(workers(sys.argv[2]))))

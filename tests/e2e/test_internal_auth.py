@@ -15,7 +15,7 @@ import pytest
 from loadmaster.cli.launcher import Suite, free_port_overrides, to_env
 from loadmaster.common import internal_auth
 from loadmaster.common.config import load_settings
-from loadmaster.common.internal_auth import Identity
+from loadmaster.common.credentials import Identity
 from loadmaster.common.ports import free_port
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 

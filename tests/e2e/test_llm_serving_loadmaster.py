@@ -15,11 +15,12 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import llm_serving  # noqa: E402
+from _llm_servers import MODEL_FOLDER, loadmaster_server  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not (llm_serving.MODEL_FOLDER / "config.json").exists(), reason="tiny-chat not built: `make models`"
+        not (MODEL_FOLDER / "config.json").exists(), reason="tiny-chat not built: `make models`"
     ),
 ]
 
@@ -36,7 +37,7 @@ def test_the_bench_measures_the_suite_and_stops_it() -> None:
         background=4,
         loadmaster_max_inflight=0,
     )
-    side = llm_serving.run_sides({"loadmaster": llm_serving.loadmaster_server(args)}, args)["loadmaster"]
+    side = llm_serving.run_sides({"loadmaster": loadmaster_server(args)}, args)["loadmaster"]
     assert side["ok"] is True, (side.get("error"), side.get("log_tail"))
     assert [run["concurrency"] for run in side["runs"]] == [1, 4]
     for run in side["runs"]:

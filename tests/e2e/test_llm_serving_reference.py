@@ -19,6 +19,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import llm_serving  # noqa: E402
+from _llm_client import Target  # noqa: E402
+from _llm_servers import MODEL_FOLDER, reference_server  # noqa: E402
 
 pytest.importorskip("fastapi", reason="transformers serve needs fastapi (requirements-dev.txt)")
 pytest.importorskip("accelerate", reason="transformers serve needs accelerate (requirements-dev.txt)")
@@ -26,7 +28,7 @@ pytest.importorskip("accelerate", reason="transformers serve needs accelerate (r
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not (llm_serving.MODEL_FOLDER / "config.json").exists(), reason="tiny-chat not built: `make models`"
+        not (MODEL_FOLDER / "config.json").exists(), reason="tiny-chat not built: `make models`"
     ),
 ]
 
@@ -54,13 +56,13 @@ def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> N
     refused = _closed_port()
 
     @contextmanager
-    def nothing_listening() -> Iterator[llm_serving.Target]:
-        yield llm_serving.Target(
+    def nothing_listening() -> Iterator[Target]:
+        yield Target(
             "loadmaster", f"http://127.0.0.1:{refused}/v1", "tiny-chat", priority_field=True
         )
 
     sides = llm_serving.run_sides(
-        {"reference": llm_serving.reference_server(args, tmp_path), "loadmaster": nothing_listening}, args
+        {"reference": reference_server(args, tmp_path), "loadmaster": nothing_listening}, args
     )
     # The side that is not there fails at its first request; the reference is measured throughout.
     assert sides["loadmaster"]["ok"] is False

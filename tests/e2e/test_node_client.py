@@ -18,8 +18,8 @@ import pytest
 
 from loadmaster.cli.launcher import Suite, free_port_overrides
 from loadmaster.common import internal_auth
-from loadmaster.common.credentials import Credentials
-from loadmaster.common.internal_auth import RUN_DIR, Identity
+from loadmaster.common.credentials import Credentials, Identity
+from loadmaster.common.internal_auth import RUN_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "clients" / "node"

@@ -37,10 +37,10 @@ from loadmaster.common.config import (
     SchedulerSettings,
     Settings,
 )
+from loadmaster.common.credentials import Credentials, Identity
 from loadmaster.common.errors import edge_code_name
 from loadmaster.common.grpc_client import aio_channel
 from loadmaster.common.grpc_server import GrpcServer
-from loadmaster.common.internal_auth import Credentials, Identity
 from loadmaster.common.tensors import encode_tensors
 from loadmaster.v1 import (
     gpu_broker_pb2,

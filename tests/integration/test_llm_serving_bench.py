@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import llm_serving  # noqa: E402
+from _llm_client import Target  # noqa: E402
 
 
 def _closed_port() -> int:
@@ -27,8 +28,8 @@ def test_a_side_whose_server_refuses_connections_fails_with_the_reason() -> None
     port = _closed_port()
 
     @contextmanager
-    def nothing_listening() -> Iterator[llm_serving.Target]:
-        yield llm_serving.Target(
+    def nothing_listening() -> Iterator[Target]:
+        yield Target(
             "loadmaster", f"http://127.0.0.1:{port}/v1", "tiny-chat", priority_field=True
         )
 

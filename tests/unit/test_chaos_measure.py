@@ -10,15 +10,17 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
-import chaos  # noqa: E402
 import report  # noqa: E402
+from _chaos_report import Window, _measure, _targets  # noqa: E402
+from _chaos_scenarios import Outcome, Scenario  # noqa: E402
+from _chaos_suite import Sample  # noqa: E402
 
 NAN = math.nan
 
 
-def _window() -> chaos.Window:
-    scenario = chaos.Scenario("kill-worker", lambda up, bg: chaos.Outcome(), "fault")
-    return chaos.Window(scenario, start=100.0, fault=101.0, end=110.0, recovered=True)
+def _window() -> Window:
+    scenario = Scenario("kill-worker", lambda up, bg: Outcome(), "fault")
+    return Window(scenario, start=100.0, fault=101.0, end=110.0, recovered=True)
 
 
 def test_measure_counts_unanswered_and_recovery_after_the_last_failure() -> None:
@@ -32,12 +34,12 @@ def test_measure_counts_unanswered_and_recovery_after_the_last_failure() -> None
         ("a:6", 104.0, 104.3, "ok"),
     ]
     samples = [
-        chaos.Sample(100.1, 7, 100.0, 32.0, 16384.0),
-        chaos.Sample(102.0, 7, 150.0, 20000.0, 16384.0),  # promised more than the GPU has
-        chaos.Sample(103.0, 8, 90.0, 32.0, 16384.0),  # a new gateway process: its own baseline
-        chaos.Sample(104.0, 8, 95.0, None, None),
+        Sample(100.1, 7, 100.0, 32.0, 16384.0),
+        Sample(102.0, 7, 150.0, 20000.0, 16384.0),  # promised more than the GPU has
+        Sample(103.0, 8, 90.0, 32.0, 16384.0),  # a new gateway process: its own baseline
+        Sample(104.0, 8, 95.0, None, None),
     ]
-    row = chaos._measure(_window(), records, samples)
+    row = _measure(_window(), records, samples)
     assert row["sent"] == 6 and row["unanswered"] == 1
     assert row["error_replies"] == {"unavailable": 1}
     assert row["recovered_s"] == 3.25
@@ -47,9 +49,9 @@ def test_measure_counts_unanswered_and_recovery_after_the_last_failure() -> None
 
 
 def test_targets_and_report_table() -> None:
-    row = chaos._measure(_window(), [("a:1", 101.5, 101.6, "ok")], [])
+    row = _measure(_window(), [("a:1", 101.5, 101.6, "ok")], [])
     skipped = {"scenario": "flushall", "kind": "-", "skipped": "run budget spent"}
-    targets = {t["name"]: t for t in chaos._targets([row, skipped], payload_limit_mb=64)}
+    targets = {t["name"]: t for t in _targets([row, skipped], payload_limit_mb=64)}
     assert targets["requests without a reply, all scenarios"]["met"] is True
     assert targets["serving again after each fault (worst)"]["measured"] == "0.6 s (kill-worker)"
     lines = report._scenario_table([row, skipped])

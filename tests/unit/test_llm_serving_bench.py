@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCH))
 
 import llm_serving  # noqa: E402
 import report  # noqa: E402
-from llm_serving import StreamRecord  # noqa: E402
+from _llm_client import StreamRecord, Target, Window, combine, summarize  # noqa: E402
 
 
 def _record(
@@ -31,7 +31,7 @@ def test_summarize_counts_usage_tokens_and_times_only_the_streams_that_worked() 
         _record(0.030, (0.006,), 2),
         _record(None, (), 0, "APIConnectionError: refused"),
     ]
-    summary = llm_serving.summarize(records, wall_s=0.5)
+    summary = summarize(records, wall_s=0.5)
     assert summary["requests"] == 3
     assert summary["failed"] == 1
     assert summary["first_error"] == "APIConnectionError: refused"
@@ -47,13 +47,13 @@ def test_summarize_counts_usage_tokens_and_times_only_the_streams_that_worked() 
 
 
 def test_windows_of_one_concurrency_combine_into_tokens_over_their_summed_wall_time() -> None:
-    first = llm_serving.Window(
+    first = Window(
         (_record(0.01, (0.002,), 2), _record(0.02, (0.004,), 2)), wall_s=0.1, client_cpu_s=0.01
     )
-    second = llm_serving.Window(
+    second = Window(
         (_record(0.03, (0.006,), 2), _record(None, (), 0, "boom")), wall_s=0.4, client_cpu_s=0.03
     )
-    run = llm_serving.combine(16, [first, second])
+    run = combine(16, [first, second])
     assert run["concurrency"] == 16 and run["windows"] == 2
     assert run["output_tokens"] == 6 and run["output_tokens_per_s"] == 12.0  # 6 tokens / 0.5 s
     assert run["window_tokens_per_s"] == [40.0, 5.0]
@@ -143,7 +143,7 @@ def test_results_md_lists_each_side_and_phase(tmp_path: Path, monkeypatch: pytes
 
 def test_a_side_that_does_not_start_is_reported_and_the_others_still_run() -> None:
     @contextmanager
-    def broken() -> Iterator[llm_serving.Target]:
+    def broken() -> Iterator[Target]:
         raise RuntimeError("`transformers serve` exited with 1")
         yield  # pragma: no cover
 

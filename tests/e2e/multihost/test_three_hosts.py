@@ -37,6 +37,7 @@ from pki import TestCa
 
 from loadmaster.common import internal_auth, transport
 from loadmaster.common.child_processes import die_with_parent
+from loadmaster.common.credentials import Credentials, Identity
 from loadmaster.common.grpc_client import wait_for_health_sync
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -302,7 +303,7 @@ def test_three_gpu_hosts_recipe(hosts: Hosts) -> None:
     # internal credential, and Redis over TLS.
     transport.setup(transport.Transport(tls_ca=ca.ca_file.read_bytes()))
     internal_auth.setup(
-        internal_auth.Credentials(secret.encode(), internal_auth.Identity("operator", "test"))
+        Credentials(secret.encode(), Identity("operator", "test"))
     )
     events: LeaseEvents | None = None
     try:

@@ -11,6 +11,7 @@ from loadmaster.cli._auth import use_credentials
 from loadmaster.cli.run_state import run_state_path, write_run_state
 from loadmaster.common import internal_auth, transport
 from loadmaster.common.config import load_settings
+from loadmaster.common.credentials import ADMIN_HEADER
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +40,7 @@ def test_the_running_ups_recorded_secret_is_used(tmp_path: Path) -> None:
     credentials = internal_auth.current()
     assert credentials is not None and credentials.identity.service == "cli"
     metadata = dict(credentials.call_metadata("/loadmaster.v1.SchedulerService/SetStrategy"))
-    assert metadata[internal_auth.ADMIN_HEADER] == admin_file.read_text().strip()
+    assert metadata[ADMIN_HEADER] == admin_file.read_text().strip()
 
 
 def test_the_secret_up_made_next_to_the_config_is_used(tmp_path: Path) -> None:

@@ -208,3 +208,26 @@ def test_an_empty_file_gives_defaults_and_a_non_mapping_is_refused(tmp_path: Pat
 def test_loading_one_file_does_not_leak_into_the_next(config_file: Path) -> None:
     assert load_settings(config_file).scheduler.max_queue_size == 7
     assert load_settings().scheduler.max_queue_size == 1000
+
+
+def test_the_file_is_read_by_the_settings_object_itself(config_file: Path) -> None:
+    settings = Settings(config_file=config_file)  # pydantic-settings' YAML source, no loader state
+    assert settings.scheduler.max_queue_size == 7
+    assert settings.config_file == config_file
+    assert "config_file" not in settings.model_dump()  # a dump carries the values, not the file
+
+
+@pytest.mark.parametrize("problem", ["missing", "folder", "yaml"])
+def test_a_file_that_cannot_be_used_is_named(problem: str, tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    if problem == "folder":
+        path.mkdir()
+    elif problem == "yaml":
+        path.write_text("scheduler: [\n")
+    expected = {
+        "missing": "cannot read the configuration file: No such file or directory",
+        "folder": "cannot read the configuration file: Is a directory",
+        "yaml": r"not valid YAML \(line 2, column 1\)",
+    }[problem]
+    with pytest.raises(ConfigError, match=f"{path}: {expected}"):
+        load_settings(path)

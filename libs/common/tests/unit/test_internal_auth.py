@@ -10,8 +10,17 @@ import pytest
 
 from loadmaster.common import internal_auth
 from loadmaster.common.config import load_settings
+from loadmaster.common.credentials import (
+    ADMIN_HEADER,
+    AUTH_HEADER,
+    ENVELOPE_KEY,
+    IDENTITY_HEADER,
+    SUITE_SERVICES,
+    Credentials,
+    Identity,
+)
 from loadmaster.common.errors import PermissionDeniedError, UnauthenticatedError
-from loadmaster.common.internal_auth import Credentials, Identity, InsecureBindError
+from loadmaster.common.internal_auth import InsecureBindError
 
 SECRET = b"s" * 32
 SET_STRATEGY = "/loadmaster.v1.SchedulerService/SetStrategy"
@@ -51,12 +60,12 @@ def test_a_call_verifies_as_its_identity_and_only_for_its_method(clock: Clock) -
 @pytest.mark.parametrize(
     "change",
     [
-        lambda m: m.pop(internal_auth.AUTH_HEADER),
-        lambda m: m.pop(internal_auth.IDENTITY_HEADER),
-        lambda m: m.update({internal_auth.IDENTITY_HEADER: "gpu-broker/b1"}),  # claims another identity
-        lambda m: m.update({internal_auth.AUTH_HEADER: m[internal_auth.AUTH_HEADER][:-1] + "0"}),
-        lambda m: m.update({internal_auth.AUTH_HEADER: "x.y"}),
-        lambda m: m.update({internal_auth.AUTH_HEADER: m[internal_auth.AUTH_HEADER][:-1] + "é"}),  # not ASCII
+        lambda m: m.pop(AUTH_HEADER),
+        lambda m: m.pop(IDENTITY_HEADER),
+        lambda m: m.update({IDENTITY_HEADER: "gpu-broker/b1"}),  # claims another identity
+        lambda m: m.update({AUTH_HEADER: m[AUTH_HEADER][:-1] + "0"}),
+        lambda m: m.update({AUTH_HEADER: "x.y"}),
+        lambda m: m.update({AUTH_HEADER: m[AUTH_HEADER][:-1] + "é"}),  # not ASCII
     ],
 )
 def test_a_missing_forged_or_tampered_credential_is_refused(clock: Clock, change: object) -> None:
@@ -87,7 +96,7 @@ def test_admin_methods_need_the_admin_token_when_one_is_configured(clock: Clock)
         checker.verify_call(service, SET_STRATEGY)
     admin = dict(creds(clock, admin_token=token).call_metadata(SET_STRATEGY))
     assert checker.verify_call(admin, SET_STRATEGY) == Identity("gateway", "g1")
-    assert internal_auth.ADMIN_HEADER not in dict(creds(clock, admin_token=token).call_metadata(LIST_WORKERS))
+    assert ADMIN_HEADER not in dict(creds(clock, admin_token=token).call_metadata(LIST_WORKERS))
 
 
 def test_a_data_port_envelope_verifies_once(clock: Clock) -> None:
@@ -103,8 +112,8 @@ def test_a_data_port_envelope_verifies_once(clock: Clock) -> None:
         worker.verify_envelope({}, "r3")
     signed: dict[str, str] = {}
     creds(clock).sign_envelope(signed, "r4")
-    signed[internal_auth.ENVELOPE_KEY] = (
-        signed[internal_auth.ENVELOPE_KEY][:-1] + "ü"
+    signed[ENVELOPE_KEY] = (
+        signed[ENVELOPE_KEY][:-1] + "ü"
     )  # a refusal, not a crash
     with pytest.raises(UnauthenticatedError, match="does not verify"):
         worker.verify_envelope(signed, "r4")
@@ -151,7 +160,7 @@ def test_settings_read_the_secret_and_admin_token_files(tmp_path: Path) -> None:
     made = internal_auth.credentials_from_settings(settings, Identity("cli", "c1"))
     assert made is not None
     metadata = dict(made.call_metadata(SET_STRATEGY))
-    assert metadata[internal_auth.ADMIN_HEADER] == "admin-1"
+    assert metadata[ADMIN_HEADER] == "admin-1"
     assert made.verify_call(metadata, SET_STRATEGY) == Identity("cli", "c1")
     assert internal_auth.credentials_from_settings(load_settings(None), Identity("cli", "c1")) is None
 
@@ -165,7 +174,7 @@ def test_an_identity_key_speaks_for_its_identity_only(clock: Clock) -> None:
         "trainer", "job-7"
     )
     forged = dict(job.call_metadata(LIST_WORKERS))
-    forged[internal_auth.IDENTITY_HEADER] = "model-pool/w1"  # the key cannot claim another identity
+    forged[IDENTITY_HEADER] = "model-pool/w1"  # the key cannot claim another identity
     with pytest.raises(UnauthenticatedError):
         suite.verify_call(forged, LIST_WORKERS)
     assert not job.can_verify
@@ -209,7 +218,7 @@ def test_identity_keys_are_not_issued_for_suite_services_and_reserved_calls_chec
     clock: Clock,
 ) -> None:
     suite = creds(clock, "scheduler/s1")
-    for service in internal_auth.SUITE_SERVICES:
+    for service in SUITE_SERVICES:
         with pytest.raises(ValueError, match="outside the suite"):
             suite.identity_key(Identity(service, "x"))
     register = "/loadmaster.v1.SchedulerService/WorkerSession"

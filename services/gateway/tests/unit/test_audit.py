@@ -7,7 +7,7 @@ import json
 import threading
 from pathlib import Path
 
-from loadmaster.common.config import AuditSettings
+from loadmaster.common.gateway_config import AuditSettings
 from loadmaster.gateway.audit import AdminRecord, AuditLog, AuditRecord
 
 

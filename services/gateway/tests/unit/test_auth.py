@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from loadmaster.common.clock import FakeClock
-from loadmaster.common.config import ApiKeySettings, GatewaySettings
 from loadmaster.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+from loadmaster.common.gateway_config import ApiKeySettings, GatewaySettings
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token, hash_key, new_api_key
 from loadmaster.gateway.curve import AllowedClients
 from loadmaster.gateway.exposure import exposed_without_auth, is_loopback

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from loadmaster.common.clock import FakeClock
-from loadmaster.common.config import SharedMemorySettings
 from loadmaster.common.errors import UnavailableError
+from loadmaster.common.gateway_config import SharedMemorySettings
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.dispatcher import Dispatcher

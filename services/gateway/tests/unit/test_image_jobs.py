@@ -7,8 +7,8 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from loadmaster.common.config import ImagesSettings
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, UnavailableError
+from loadmaster.common.gateway_config import ImagesSettings
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageRequest
 from loadmaster.gateway.jobs import Job, JobState

@@ -3,7 +3,7 @@ revocation and removal are remembered, a rotated key keeps its old hash for its 
 
 from __future__ import annotations
 
-from loadmaster.common.config import ApiKeySettings
+from loadmaster.common.gateway_config import ApiKeySettings
 from loadmaster.gateway.auth import hash_key
 from loadmaster.gateway.keyring import (
     KeyRecord,

@@ -10,8 +10,10 @@ import zmq
 from typer.testing import CliRunner
 
 from loadmaster.cli.keys_cmd import app
-from loadmaster.common.config import ApiKeySettings, CurveSettings, load_settings
-from loadmaster.common.internal_auth import Credentials, Identity, credentials_from_settings
+from loadmaster.common.config import load_settings
+from loadmaster.common.credentials import Credentials, Identity
+from loadmaster.common.gateway_config import ApiKeySettings, CurveSettings
+from loadmaster.common.internal_auth import credentials_from_settings
 from loadmaster.gateway.auth import ADMIN, Authenticator
 
 

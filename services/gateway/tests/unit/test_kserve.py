@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.frontends.http_codec import encode_response, parse_infer
 from loadmaster.gateway.frontends.kserve import (

@@ -15,8 +15,8 @@ from jwt import PyJWK
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
 from loadmaster.common.clock import FakeClock
-from loadmaster.common.config import ApiKeySettings, GatewaySettings, OidcSettings
 from loadmaster.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+from loadmaster.common.gateway_config import ApiKeySettings, GatewaySettings, OidcSettings
 from loadmaster.gateway.auth import Authenticator, hash_key
 from loadmaster.gateway.exposure import exposed_without_auth
 from loadmaster.gateway.oidc import JwksKeys, OidcVerifier, looks_like_jwt, scopes_from_claims

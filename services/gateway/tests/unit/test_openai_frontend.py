@@ -15,8 +15,9 @@ from starlette.applications import Starlette
 
 from loadmaster.common import tracing
 from loadmaster.common.clock import FakeClock
-from loadmaster.common.config import ApiKeySettings, ClientsSettings, GuardrailSettings
+from loadmaster.common.config import ClientsSettings
 from loadmaster.common.errors import ExpiredError, LoadmasterError, NotFoundError, UnavailableError
+from loadmaster.common.gateway_config import ApiKeySettings, GuardrailSettings
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting, openai_routes
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from loadmaster.common.config import ImagesSettings
 from loadmaster.common.errors import ExpiredError, InvalidArgumentError
+from loadmaster.common.gateway_config import ImagesSettings
 from loadmaster.gateway.frontends.openai_images import (
     DEFAULT_SIZE,
     job_error,

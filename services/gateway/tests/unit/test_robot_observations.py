@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.frontends import gr00t, openpi

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import encode_tensors, shape_elements_at_most
 from loadmaster.gateway.validation import (
     INLINE_BYTES_ELEMENTS,

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from loadmaster.common.config import ApiKeySettings, AuthSettings, GatewaySettings, MetricsSettings, Settings
+from loadmaster.common.config import MetricsSettings, Settings
+from loadmaster.common.gateway_config import ApiKeySettings, AuthSettings, GatewaySettings
 from loadmaster.metrics.server import MetricsServer, build
 
 KEY = "lm_dashboard-reader"

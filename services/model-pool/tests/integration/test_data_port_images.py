@@ -13,7 +13,7 @@ import pytest
 import simplejpeg
 from PIL import Image
 
-from loadmaster.common.config import GatewaySettings, LimitsSettings
+from loadmaster.common.gateway_config import GatewaySettings, LimitsSettings
 from loadmaster.v1 import errors_pb2, tensor_pb2
 
 from .conftest import DataClient, FakeScheduler, running_worker, worker_settings

@@ -54,6 +54,7 @@ class Harness:
         self._lives: dict[RequestKey, _Life] = {}
         self.violations: list[str] = []
         self.recorded: Counter[str] = Counter()  # telemetry: samples by name (and name:kind)
+        self.last_value: dict[tuple[str, str], float] = {}  # telemetry: (name, model) -> last value
         # A seeded tie-break between equal workers: a sequence of operations replays exactly.
         self.core = SchedulerCore(
             config, clock=self.clock, outbound=self, telemetry=self, rng=random.Random(0)
@@ -94,6 +95,7 @@ class Harness:
 
     def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
         self.recorded[name] += 1
+        self.last_value[(name, (labels or {}).get("model", ""))] = value
         if labels and "kind" in labels:
             self.recorded[f"{name}:{labels['kind']}"] += 1
 

@@ -153,6 +153,16 @@ def test_requests_waiting_in_gateways_count_in_the_queue_depth(h: Harness) -> No
     assert [s.depth for s in h.core.queue_stats() if s.model_id == "m"] == [0]
 
 
+def test_the_queue_depth_gauge_counts_the_gateways_queues_after_every_dispatch(h: Harness) -> None:
+    h.core.submit(A, Submission(local_depths=[("m", 3)]))
+    assert h.last_value[("queue_depth", "m")] == 3
+    for n in range(5):  # B's requests take the slots left, then wait here
+        h.enqueue(f"b{n}", session=B)
+    [stats] = [s for s in h.core.queue_stats() if s.model_id == "m"]
+    assert stats.depth > 3  # some of B's wait here, beside A's 3
+    assert h.last_value[("queue_depth", "m")] == stats.depth  # the gauge and GetQueues agree
+
+
 def test_tallied_runs_count_as_granted_and_as_use_of_the_model(h: Harness) -> None:
     [before] = [s.granted for s in h.core.queue_stats() if s.model_id == "m"]
     h.core.submit(B, Submission(tallies=[RunTally("m", "w1", runs=5, failed=1, inference_ms=2.0)]))

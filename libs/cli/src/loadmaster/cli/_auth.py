@@ -8,6 +8,7 @@ from pathlib import Path
 from loadmaster.cli.run_state import read_run_state, run_state_path
 from loadmaster.common import internal_auth, transport
 from loadmaster.common.config import InternalAuthSettings, Settings, load_settings
+from loadmaster.common.credentials import Identity
 from loadmaster.common.service import default_instance_id
 
 __all__ = ["use_credentials"]
@@ -20,7 +21,7 @@ def use_credentials(config: Path | Settings | None) -> None:
     `internal_auth.tls_ca_file` in the config, the channels it opens are TLS, as the services'."""
     settings = config if isinstance(config, Settings) else load_settings(config)
     transport.setup(transport.from_settings(settings))
-    identity = internal_auth.Identity("cli", default_instance_id())
+    identity = Identity("cli", default_instance_id())
     credentials = internal_auth.client_credentials(settings, identity)
     files = read_run_state(run_state_path(settings.gateway.address)).get("internal_auth")
     if credentials is None and isinstance(files, dict) and files.get("secret_file"):

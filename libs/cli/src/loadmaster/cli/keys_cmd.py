@@ -34,6 +34,7 @@ from loadmaster.cli._config import ConfigOption, settings_from
 from loadmaster.cli._output import print_json, stdout_console
 from loadmaster.cli.admin_client import AdminError, ApiKeyOption, GatewayOption, admin_client, fail
 from loadmaster.common import internal_auth
+from loadmaster.common.credentials import Identity
 from loadmaster.common.errors import LoadmasterError
 
 app = typer.Typer(
@@ -278,7 +279,7 @@ def internal(
     Give it to the process as its `internal_auth.secret_file` (docs/security.md)."""
     settings = settings_from(config)
     try:
-        wanted = internal_auth.Identity.parse(identity)
+        wanted = Identity.parse(identity)
     except LoadmasterError as error:
         raise typer.BadParameter(error.message, param_hint="--identity") from None
     suite = internal_auth.client_credentials(settings, wanted)

@@ -23,6 +23,7 @@ from redis.sentinel import Sentinel
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_client import aio_channel, check_health
 from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url, redact_redis_url
+from loadmaster.common.retry import retry_options
 from loadmaster.v1 import model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["ModelRow", "RedisRow", "ServiceRow", "SuiteStatus", "collect_status", "redact"]
@@ -135,7 +136,7 @@ async def _health(name: str, address: str, timeout_s: float) -> ServiceRow:
 
 
 async def _workers(address: str, timeout_s: float) -> list[scheduler_pb2.WorkerInfo]:
-    async with aio_channel(address) as channel:
+    async with aio_channel(address, options=retry_options()) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=timeout_s)

@@ -42,7 +42,6 @@ from typing import Protocol
 
 import grpc
 
-from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import LeaseTiming
 from loadmaster.common.errors import (
     CancelledError_,
@@ -57,6 +56,7 @@ from loadmaster.common.errors import (
     from_grpc_error,
 )
 from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.retry import retry_options
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
 
@@ -186,15 +186,13 @@ class AsyncLeaseClient:
         holder: str = "",
         node: str = "",
         timeout_s: float = 3.0,
-        attempts: int = 3,
-        clock: Clock | None = None,
+        attempts: int = 3,  # Acquire (and the other idempotent calls) in all, at most 5
     ) -> None:
         self._address = address
         self._holder = holder or default_holder()
         self._node = node
         self._timeout_s = timeout_s
-        self._attempts = max(1, attempts)
-        self._clock = clock or SystemClock()
+        self._attempts = min(5, max(1, attempts))
         self._channel: grpc.aio.Channel | None = None
         self._stub: gpu_broker_pb2_grpc.GpuBrokerServiceStub | None = None
         self._renewals: list[_Renewal] = []  # waiting for the next RenewMany
@@ -208,8 +206,10 @@ class AsyncLeaseClient:
     def _broker(self) -> gpu_broker_pb2_grpc.GpuBrokerServiceStub:
         if self._stub is None:
             # aio_channel caps reconnect backoff well below a lease TTL, so renewals get
-            # through soon after the broker is back.
-            self._channel = aio_channel(self._address)
+            # through soon after the broker is back; gRPC retries the idempotent calls
+            # (Acquire, Renew, RenewMany, reads) while the broker is UNAVAILABLE.
+            retries = retry_options(max_attempts=self._attempts) if self._attempts > 1 else []
+            self._channel = aio_channel(self._address, options=retries)
             self._stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(self._channel)
         return self._stub
 
@@ -265,23 +265,18 @@ class AsyncLeaseClient:
         return lease
 
     async def _acquire_with_retries(self, request: pb.AcquireRequest) -> Lease:
-        delay = 0.1
-        for attempt in range(1, self._attempts + 1):
-            sent = time.monotonic()  # the keeper counts the deadline on this clock
-            try:
-                reply = await self._broker().Acquire(request, timeout=request.wait_s + self._timeout_s)
-                return Lease.from_pb(reply.lease, sent_monotonic=sent)
-            except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # may be granted: cleaned up
-                    raise ExpiredError(f"gpu-broker Acquire at {self._address} timed out") from None
-                if error.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise from_grpc_error(error) from None
-                if attempt == self._attempts:
-                    raise self._unreachable(error) from None
-                log.warning("gpu-broker Acquire attempt %d failed (%s); retrying", attempt, error.code().name)
-            await self._clock.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
+        """One Acquire; gRPC sends it again (same `client_request_id`, so a grant is never made
+        twice) while the broker is UNAVAILABLE, `attempts` in all (the channel's retry policy)."""
+        sent = time.monotonic()  # the keeper counts the deadline from the first send: never late
+        try:
+            reply = await self._broker().Acquire(request, timeout=request.wait_s + self._timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # may be granted: cleaned up
+                raise ExpiredError(f"gpu-broker Acquire at {self._address} timed out") from None
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                raise self._unreachable(error) from None
+            raise from_grpc_error(error) from None
+        return Lease.from_pb(reply.lease, sent_monotonic=sent)
 
     async def _release_unseen_grant(self, request: pb.AcquireRequest) -> None:
         replay = pb.AcquireRequest()

@@ -42,6 +42,7 @@ from loadmaster.client.lease_client import Lease, LeaseClient, LeaseLostError
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import LeaseTiming
 from loadmaster.common.errors import LoadmasterError
+from loadmaster.common.retry import Backoff
 
 __all__ = ["Held", "LeaseKeeper"]
 
@@ -312,7 +313,8 @@ class LeaseKeeper:
         on the same GPUs again, under a new lease, or `on_lost`."""
         assert self._client is not None
         old = held.lease
-        delay = max(0.02, held.timing.renew_every_s / 4)
+        first_s = max(0.02, held.timing.renew_every_s / 4)
+        backoff = Backoff(first_s=first_s, max_s=max(first_s, held.timing.renew_every_s))
         while True:
             try:
                 new = await self._client.acquire(
@@ -329,10 +331,10 @@ class LeaseKeeper:
                 # lease's deadline, backing off.
                 if self._held.get(key) is not held:
                     return  # forgotten meanwhile
+                delay = backoff.next_s()
                 if self._clock.monotonic() + delay < held.deadline:
                     log.info("acquiring the lease of %s again failed (%s); retrying", key, failure)
                     await self._clock.sleep(delay)
-                    delay = min(delay * 2, held.timing.renew_every_s)
                     continue
                 with self._lock:
                     if self._held.get(key) is held:

@@ -27,6 +27,7 @@ import grpc
 
 from loadmaster.common import internal_auth
 from loadmaster.common.grpc_client import CLIENT_OPTIONS
+from loadmaster.common.retry import Backoff
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 __all__ = ["MetricSample", "MetricSubscription", "on_metric"]
@@ -98,7 +99,7 @@ class MetricSubscription:
         self.close()
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(first_s=0.1, max_s=self._max_backoff_s)
         while not self._closed.is_set():
             try:
                 # Carries this process's internal credential when it has one (internal_auth).
@@ -117,7 +118,7 @@ class MetricSubscription:
                             )
                     else:
                         self._ready.set()
-                        backoff = 0.1
+                        backoff.reset()
                         for response in call:  # a call that ended unconfirmed raises its error here
                             for sample in response.samples:
                                 self._deliver(sample)
@@ -132,9 +133,8 @@ class MetricSubscription:
                 self._ready.clear()
                 with self._lock:
                     self._call = None
-            if self._closed.wait(backoff):
+            if self._closed.wait(backoff.next_s()):
                 return
-            backoff = min(backoff * 2, self._max_backoff_s)
 
     def _deliver(self, sample: metrics_pb2.Sample) -> None:
         value = MetricSample(sample.name, sample.value, dict(sample.labels), sample.timestamp_unix_ns)

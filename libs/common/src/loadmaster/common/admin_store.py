@@ -39,6 +39,7 @@ from redis.exceptions import RedisError
 from loadmaster.common.config import Settings
 from loadmaster.common.errors import FailedPreconditionError, UnavailableError
 from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url, redact_redis_url
+from loadmaster.common.retry import Backoff
 from loadmaster.common.runtime_config import differences, merge_stored
 
 __all__ = [
@@ -253,7 +254,7 @@ class AdminWatcher:
         return True
 
     async def _run(self) -> None:
-        delay = self._retry_s[0]
+        backoff = Backoff(first_s=self._retry_s[0], max_s=self._retry_s[1])
         down_since_warned = False
         while True:
             pubsub = self._store.pubsub()
@@ -262,7 +263,8 @@ class AdminWatcher:
                 await self._refresh(force=True)  # after subscribing: no change falls in between
                 if down_since_warned:
                     log.info("admin plane: %s reachable again; settings re-read", self._where)
-                down_since_warned, delay, self.connected = False, self._retry_s[0], True
+                down_since_warned, self.connected = False, True
+                backoff.reset()
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self._poll_s)
                     if message is None:
@@ -289,8 +291,7 @@ class AdminWatcher:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
-            await asyncio.sleep(delay)
-            delay = min(self._retry_s[1], delay * 2)
+            await asyncio.sleep(backoff.next_s())
 
     async def _refresh(self, *, force: bool = False) -> None:
         state = await self._store.read()

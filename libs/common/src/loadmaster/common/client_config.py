@@ -1,6 +1,6 @@
 """Client profiles and cooldowns (`clients.profiles`, `clients.cooldown`): per-client defaults
-for generation requests and a bound on how fast one client may send them. Part of the one
-configuration object (`loadmaster.common.config`), which re-exports them; the gateway applies
+for generation requests and a bound on how fast one client may send them. Sections of the one
+configuration object (`loadmaster.common.config.Settings.clients`), imported from here; the gateway applies
 them (loadmaster.gateway.profiles, docs/client-profiles.md)."""
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The one typed configuration object.
 
-`load_settings(path)` reads `loadmaster.yaml` and applies environment overrides:
-`LOADMASTER_<SECTION>__<FIELD>` (e.g. `LOADMASTER_SCHEDULER__REQUEST_TTL_MS=200`),
-and `REDIS_URL`. Services build it once in `main` and pass it down; nothing else
-reads `os.environ`. Units are in the names (`_ms`, `_s`, `_mb`, `_bytes`).
+`load_settings(path)` reads `loadmaster.yaml` (pydantic-settings' own YAML source) and applies
+environment overrides: `LOADMASTER_<SECTION>__<FIELD>` (e.g.
+`LOADMASTER_SCHEDULER__REQUEST_TTL_MS=200`), and `REDIS_URL`. Services build it once in `main`
+and pass it down; nothing else reads `os.environ`. Units are in the names (`_ms`, `_s`, `_mb`,
+`_bytes`).
 """
 
 from __future__ import annotations
 
-import contextvars
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,71 +22,43 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
-from loadmaster.common.client_config import (  # client profiles and cooldowns, re-exported
-    ClientMatchSettings,
-    ClientProfileSettings,
-    CooldownSettings,
-    check_profiles,
-)
+from loadmaster.common.client_config import ClientProfileSettings, CooldownSettings, check_profiles
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.common.gateway_config import (  # the gateway's sections, re-exported
-    ApiKeySettings,
-    AuditSettings,
-    AuthSettings,
-    CurveSettings,
-    EdgeSettings,
-    GatewaySettings,
-    GuardrailSettings,
-    ImagesSettings,
-    LimitsSettings,
-    OidcSettings,
-    PolicyWebhookSettings,
-    SharedMemorySettings,
-)
+from loadmaster.common.gateway_config import GatewaySettings
 from loadmaster.common.redis_url import is_sentinel_url, parse_sentinel_url
 from loadmaster.common.settings_section import Section as _Section
 from loadmaster.common.settings_section import ServiceEndpoint
 
 __all__ = [
     "AliasSettings",
-    "ApiKeySettings",
-    "AuditSettings",
-    "AuthSettings",
     "BatchSettings",
     "CategoryKeepAliveSettings",
-    "ClientMatchSettings",
-    "ClientProfileSettings",
     "ClientSettings",
     "ClientsSettings",
     "ConfigError",
-    "CooldownSettings",
-    "CurveSettings",
     "DeadlineSettings",
-    "EdgeSettings",
-    "GatewaySettings",
     "GenerationSettings",
     "GpuBrokerSettings",
     "GpuSpec",
-    "GuardrailSettings",
-    "ImagesSettings",
     "InternalAuthSettings",
     "LeaderLeaseSettings",
     "LeaseTiming",
-    "LimitsSettings",
     "MetricsSettings",
     "ModelPoolSettings",
     "ModelSettings",
     "ModelsSettings",
-    "OidcSettings",
-    "PolicyWebhookSettings",
     "RedisSettings",
     "ResponseTrackingSettings",
     "SchedulerSettings",
-    "ServiceEndpoint",
     "Settings",
-    "SharedMemorySettings",
     "TenantSettings",
     "load_settings",
 ]
@@ -404,17 +376,32 @@ class InternalAuthSettings(_Section):
     data_port_curve: bool = False
 
 
-_yaml_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_data", default=None)
+class _YamlFileSource(YamlConfigSettingsSource):
+    """pydantic-settings' YAML source, below environment variables in precedence. A file that
+    cannot be read or parsed, or whose top level is not a mapping, is a `ConfigError` naming it
+    (the library itself skips a file that does not exist: a file named here must exist)."""
 
+    def __init__(self, settings_cls: type[BaseSettings], yaml_file: Path | None) -> None:
+        if yaml_file is not None:
+            try:
+                yaml_file.open("rb").close()
+            except OSError as error:
+                raise ConfigError(f"{yaml_file}: cannot read the configuration file: {error.strerror}") from None
+        super().__init__(settings_cls, yaml_file=yaml_file)
 
-class _YamlSource(PydanticBaseSettingsSource):
-    """The YAML file's content, below environment variables in precedence."""
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return (_yaml_data.get() or {}).get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(_yaml_data.get() or {})
+    def _read_file(self, file_path: Any) -> dict[str, Any]:
+        try:
+            loaded: Any = super()._read_file(file_path)
+        except OSError as error:
+            raise ConfigError(f"{file_path}: cannot read the configuration file: {error.strerror}") from None
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error)
+            raise ConfigError(f"{file_path}: not valid YAML{where}: {problem}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{file_path}: the top level must be a mapping")
+        return loaded
 
 
 class _RedisUrlSource(PydanticBaseSettingsSource):
@@ -450,6 +437,11 @@ class Settings(BaseSettings):
     # Tenants by name (API keys name theirs; docs/generation-scheduling.md): {name: {weight: 1}}.
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     generation: GenerationSettings = GenerationSettings()
+    # The YAML file to read (None: defaults and the environment only), given at construction:
+    # `load_settings(path)` or `Settings(config_file=path)`; the CLI's `--config` names it.
+    # Left out of dumps: a dump carries the file's values, so validating one again (runtime
+    # overrides) never reads the file a second time.
+    config_file: Path | None = Field(default=None, exclude=True)
     # The folder the YAML file was read from; relative paths in it resolve against this.
     config_dir: Path = Path(".")
 
@@ -500,7 +492,16 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _RedisUrlSource(settings_cls), _YamlSource(settings_cls)
+        # The file comes with the call (`config_file=`), not from class state, so loading one
+        # file never leaks into the next settings object.
+        given = init_settings.init_kwargs if isinstance(init_settings, InitSettingsSource) else {}
+        yaml_file = given.get("config_file")
+        return (
+            init_settings,
+            env_settings,
+            _RedisUrlSource(settings_cls),
+            _YamlFileSource(settings_cls, Path(yaml_file) if yaml_file is not None else None),
+        )
 
     @property
     def repository_path(self) -> Path:
@@ -513,39 +514,18 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
 
     Raises `ConfigError` (one message naming the file and the keys) when the file cannot be
     read or parsed, or a key is unknown or invalid."""
-    data: dict[str, Any] = {}
     config_dir = Path.cwd()
     source = "the environment (no config file)"
     if path is not None:
         path = Path(path)
         source = str(path)
-        data = _read_yaml(path)
         config_dir = path.resolve().parent
-    token = _yaml_data.set(data)
+        overrides["config_file"] = path
+    overrides.setdefault("config_dir", config_dir)
     try:
-        overrides.setdefault("config_dir", config_dir)
         return Settings(**overrides)
     except ValidationError as error:
         raise ConfigError(_describe(error, source)) from None
-    finally:
-        _yaml_data.reset(token)
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read the configuration file: {error.strerror}") from None
-    try:
-        loaded = yaml.safe_load(text) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error)
-        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    return loaded
 
 
 def _describe(error: ValidationError, source: str) -> str:

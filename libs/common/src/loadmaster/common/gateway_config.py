@@ -1,6 +1,6 @@
 """The gateway's settings sections: the edge, input limits, authentication (API keys, CURVE,
-OIDC), guardrails, the audit log, shared memory and the image API. Part of the one
-configuration object (`loadmaster.common.config`), which re-exports them."""
+OIDC), guardrails, the audit log, shared memory and the image API. Sections of the one
+configuration object (`loadmaster.common.config.Settings.gateway`); import them from here."""
 
 from __future__ import annotations
 

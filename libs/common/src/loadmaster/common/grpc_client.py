@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadmaster.common import internal_auth, tracing, transport
 from loadmaster.common.grpc_server import GRPC_OPTIONS
+from loadmaster.common.retry import Backoff
 
 __all__ = [
     "CLIENT_OPTIONS",
@@ -66,7 +67,7 @@ async def wait_for_health(address: str, *, timeout_s: float, service: str = "") 
     rather than at the next poll; a refused connection is retried with backoff.
     """
     deadline = time.monotonic() + timeout_s
-    backoff = 0.02
+    backoff = Backoff(first_s=0.02, max_s=0.25)
     async with aio_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
@@ -82,15 +83,14 @@ async def wait_for_health(address: str, *, timeout_s: float, service: str = "") 
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue
-            await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-            backoff = min(backoff * 2, 0.25)
+            await asyncio.sleep(min(backoff.next_s(), max(0.0, deadline - time.monotonic())))
 
 
 def wait_for_health_sync(address: str, *, timeout_s: float, service: str = "") -> None:
     """`wait_for_health` for synchronous callers, on the blocking gRPC API: no event loop of its
     own, so callers that later run grpc.aio in a loop of theirs are not left with a closed one."""
     deadline = time.monotonic() + timeout_s
-    backoff = 0.02
+    backoff = Backoff(first_s=0.02, max_s=0.25)
     tls = transport.channel_credentials()
     with (
         grpc.insecure_channel(address, options=CLIENT_OPTIONS)
@@ -111,5 +111,4 @@ def wait_for_health_sync(address: str, *, timeout_s: float, service: str = "") -
                 pass  # refused or deadline: retry until ours
             finally:
                 call.cancel()
-            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-            backoff = min(backoff * 2, 0.25)
+            time.sleep(min(backoff.next_s(), max(0.0, deadline - time.monotonic())))

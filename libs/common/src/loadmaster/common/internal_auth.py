@@ -38,14 +38,9 @@ from loadmaster.common.addresses import is_local
 from loadmaster.common.config import InternalAuthSettings, Settings
 from loadmaster.common.credentials import (
     ADMIN_HEADER,
-    ADMIN_METHODS,
     AUTH_HEADER,
-    DATA_PORT_SENDER,
-    ENVELOPE_KEY,
     IDENTITY_HEADER,
     IDENTITY_KEY_PREFIX,
-    SERVICE_METHODS,
-    SUITE_SERVICES,
     Credentials,
     Identity,
 )
@@ -56,18 +51,7 @@ from loadmaster.common.errors import (
 )
 
 __all__ = [
-    "ADMIN_HEADER",
-    "ADMIN_METHODS",
-    "AUTH_HEADER",
-    "DATA_PORT_SENDER",
-    "ENVELOPE_KEY",
-    "IDENTITY_HEADER",
-    "IDENTITY_KEY_PREFIX",
     "RUN_DIR",
-    "SERVICE_METHODS",
-    "SUITE_SERVICES",
-    "Credentials",
-    "Identity",
     "InsecureBindError",
     "ServerAuthInterceptor",
     "SyncClientAuthInterceptor",

@@ -19,6 +19,7 @@ from typing import Any
 
 from loadmaster.common import internal_auth, transport
 from loadmaster.common.config import ConfigError, Settings, load_settings
+from loadmaster.common.credentials import Identity
 from loadmaster.common.logging import setup_logging
 from loadmaster.common.tracing import setup_tracing, shutdown_tracing
 
@@ -55,7 +56,7 @@ def run_service(
         sys.exit(2)
     setup_logging(name, settings.log_level, settings.log_format)
     setup_tracing(name)  # on only when OTEL_EXPORTER_OTLP_ENDPOINT is set
-    identity = internal_auth.Identity(name, default_instance_id())
+    identity = Identity(name, default_instance_id())
     transport.setup(transport.from_settings(settings))
     internal_auth.setup(
         internal_auth.credentials_from_settings(settings, identity), insecure=settings.internal_auth.insecure

@@ -38,6 +38,7 @@ import psutil
 
 from loadmaster.common.grpc_client import aio_channel
 from loadmaster.common.metric_names import METRICS, MetricKind
+from loadmaster.common.retry import Backoff
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 __all__ = ["TelemetryReporter"]
@@ -282,7 +283,7 @@ class TelemetryReporter:
 
     async def _run(self) -> None:
         assert self._address is not None
-        backoff = 0.1
+        backoff = Backoff(first_s=0.1, max_s=5.0)
         while not (self._closing and not self._pending()):
             try:
                 async with aio_channel(self._address) as channel:
@@ -299,7 +300,7 @@ class TelemetryReporter:
                 if self._closing:
                     return
                 log.info("metrics service at %s ended the report stream; reconnecting", self._address)
-                backoff = 0.1
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as error:
@@ -323,5 +324,4 @@ class TelemetryReporter:
                 log.exception("telemetry reporter failed; restarting")
             if self._closing:
                 return
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await asyncio.sleep(backoff.next_s())

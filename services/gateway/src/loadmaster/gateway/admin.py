@@ -8,6 +8,7 @@ import grpc
 
 from loadmaster.common.errors import UnavailableError, from_grpc_error
 from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.retry import retry_options
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerAdmin"]
@@ -21,7 +22,7 @@ class SchedulerAdmin:
 
     def _stub(self) -> scheduler_pb2_grpc.SchedulerServiceStub:
         if self._channel is None:
-            self._channel = aio_channel(self._address)
+            self._channel = aio_channel(self._address, options=retry_options())
         return scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
 
     async def queues(self) -> dict[str, Any]:

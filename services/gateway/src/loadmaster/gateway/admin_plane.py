@@ -30,8 +30,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from loadmaster.common.admin_store import ABSENT, AdminState, AdminStore, AdminWatcher, ConflictError, Kind
-from loadmaster.common.config import ApiKeySettings, Settings
+from loadmaster.common.config import Settings
 from loadmaster.common.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from loadmaster.common.gateway_config import ApiKeySettings
 from loadmaster.common.ordering import STRATEGIES
 from loadmaster.common.runtime_config import (
     apply_overrides,

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loadmaster.common.config import AuditSettings
+from loadmaster.common.gateway_config import AuditSettings
 
 __all__ = ["AdminRecord", "AuditLog", "AuditRecord", "format_admin_record", "format_record"]
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.config import ApiKeySettings, OidcSettings
 from loadmaster.common.errors import PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError
+from loadmaster.common.gateway_config import ApiKeySettings, OidcSettings
 from loadmaster.gateway.oidc import OidcVerifier, looks_like_jwt
 
 __all__ = [

@@ -17,6 +17,7 @@ import grpc
 
 from loadmaster.common.errors import NotFoundError, UnavailableError, from_grpc_error
 from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.retry import retry_options
 from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["ModelCatalog", "ModelView", "summarize"]
@@ -96,7 +97,7 @@ class ModelCatalog:
 
     async def workers(self) -> list[scheduler_pb2.WorkerInfo]:
         if self._channel is None:
-            self._channel = aio_channel(self._scheduler_address)
+            self._channel = aio_channel(self._scheduler_address, options=retry_options())
         stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         try:
             reply = await stub.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=self._timeout_s)
@@ -170,7 +171,7 @@ class ModelCatalog:
     def _worker_channel(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._worker_channels.get(endpoint)
         if channel is None:
-            channel = self._worker_channels[endpoint] = aio_channel(endpoint)
+            channel = self._worker_channels[endpoint] = aio_channel(endpoint, options=retry_options())
         return channel
 
     async def close(self) -> None:

@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from loadmaster.common.config import CurveSettings
+from loadmaster.common.gateway_config import CurveSettings
 
 __all__ = ["AllowedClients", "EdgeCurve"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from loadmaster.common.addresses import host_of, is_loopback
-from loadmaster.common.config import GatewaySettings
+from loadmaster.common.gateway_config import GatewaySettings
 
 __all__ = ["exposed_without_auth", "is_loopback", "warn_if_exposed"]
 

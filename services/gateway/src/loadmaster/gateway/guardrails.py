@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from loadmaster.common.config import GuardrailSettings
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
+from loadmaster.common.gateway_config import GuardrailSettings
 from loadmaster.gateway.auth import Principal
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest

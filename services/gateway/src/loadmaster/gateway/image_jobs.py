@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.config import ImagesSettings
 from loadmaster.common.errors import InternalError, LoadmasterError
+from loadmaster.common.gateway_config import ImagesSettings
 from loadmaster.gateway.images import ImageRequest
 from loadmaster.gateway.jobs import Job, JobState, RedisJobStore
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InternalError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import deserialize_bytes, serialize_bytes
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.frontends.kserve import (

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from loadmaster.common.config import ApiKeySettings
+from loadmaster.common.gateway_config import ApiKeySettings
 from loadmaster.common.runtime_config import describe
 
 __all__ = [

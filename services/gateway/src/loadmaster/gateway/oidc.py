@@ -32,8 +32,8 @@ import jwt
 from jwt import PyJWK, PyJWKClient
 
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.config import OidcSettings
 from loadmaster.common.errors import UnauthenticatedError
+from loadmaster.common.gateway_config import OidcSettings
 
 __all__ = ["JwksKeys", "OidcVerifier", "TokenClaims", "looks_like_jwt", "scopes_from_claims"]
 

@@ -30,8 +30,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from loadmaster.common.client_config import ClientProfileSettings, CooldownSettings
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.config import ClientProfileSettings, ClientsSettings, CooldownSettings
+from loadmaster.common.config import ClientsSettings
 from loadmaster.common.errors import ResourceExhaustedError
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
 from loadmaster.gateway.generation_items import ChatTurn

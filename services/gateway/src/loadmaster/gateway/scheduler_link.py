@@ -38,6 +38,7 @@ import grpc
 
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.grpc_client import FRESH_CONNECT_OPTIONS, aio_channel
+from loadmaster.common.retry import Backoff
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerLink"]
@@ -305,7 +306,7 @@ class SchedulerLink:
                     break
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(first_s=0.05, max_s=1.0)
         while not self._closing:
             try:
                 async with aio_channel(self._address, options=FRESH_CONNECT_OPTIONS) as channel:
@@ -316,7 +317,7 @@ class SchedulerLink:
                     self._session += 1
                     self._connected.set()
                     log.info("session to scheduler %s open", self._address)
-                    backoff = 0.05
+                    backoff.reset()
                     async for response in call:
                         for grant in response.grants:
                             self._on_grant(grant)
@@ -341,8 +342,7 @@ class SchedulerLink:
             self._mark_lost()
             if self._closing:
                 return
-            await self._clock.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            await self._clock.sleep(backoff.next_s())
 
     def _mark_lost(self) -> None:
         was_connected = self.connected

@@ -12,6 +12,7 @@ import zmq.asyncio
 from loadmaster.common import internal_auth
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
+from loadmaster.common.credentials import ADMIN_HEADER
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.service import default_instance_id
@@ -343,7 +344,7 @@ def _admin_token_check() -> Callable[[str], bool] | None:
     credentials = internal_auth.current()
     if credentials is None:
         return None
-    return lambda token: credentials.admin_verified({internal_auth.ADMIN_HEADER: token})
+    return lambda token: credentials.admin_verified({ADMIN_HEADER: token})
 
 
 async def build(settings: Settings, *, clock: Clock | None = None) -> GatewayServer:

@@ -15,6 +15,7 @@ import grpc
 
 from loadmaster.common.errors import UnavailableError
 from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.retry import retry_options
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
 __all__ = ["StatisticsSource", "empty_v2", "to_v2"]
@@ -67,7 +68,7 @@ class StatisticsSource:
         if self._address is None:
             raise UnavailableError("the metrics service is disabled; no statistics are kept")
         if self._channel is None:
-            self._channel = aio_channel(self._address)
+            self._channel = aio_channel(self._address, options=retry_options())
         stub = metrics_pb2_grpc.MetricsServiceStub(self._channel)
         try:
             reply = await stub.GetModelStatistics(

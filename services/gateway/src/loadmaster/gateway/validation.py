@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import TensorLimits, check_tensors, shape_elements_at_most
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.v1 import edge_pb2, tensor_pb2

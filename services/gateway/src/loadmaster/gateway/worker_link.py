@@ -37,9 +37,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from loadmaster.common import transport
 from loadmaster.common.addresses import is_local
-from loadmaster.common.config import SharedMemorySettings
 from loadmaster.common.errors import UnavailableError
 from loadmaster.common.framing import GENERATE_REPLIES_FRAME, SocketReader, send_frames
+from loadmaster.common.gateway_config import SharedMemorySettings
 from loadmaster.common.shm import SHM_DIRECTORY, ShmArena, ShmSlot, sweep_stale_regions
 from loadmaster.v1 import model_pool_pb2
 

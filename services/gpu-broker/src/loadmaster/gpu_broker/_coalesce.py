@@ -23,7 +23,7 @@ check, a timeout and a reply read per batch, packing in Python) was more than ha
 broker's CPU per op; one EVALSHA per op cost Redis ~11 us more per op than a batch. Over
 gRPC, against a store that makes each call through redis-py's `Script` and reads events
 through its `PubSub`, this saves 25-36 % of the broker's CPU per Acquire + Release pair
-(bench/gpu_broker_store_compare.py; bench/README.md).
+(bench/gpu_broker_store_compare.py; bench/results/HISTORY.md).
 
 Semantics per op are those of a script call of its own: each op stays atomic and apart from
 the others (an error in one is its own reply); a NOSCRIPT reply means nothing ran, so the

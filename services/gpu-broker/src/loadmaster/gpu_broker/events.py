@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import LoadmasterError, UnavailableError
+from loadmaster.common.retry import Backoff
 from loadmaster.gpu_broker.leases import LeaseEvent
 from loadmaster.gpu_broker.store import EventSubscription, RedisLeaseStore, decode_event
 
@@ -144,16 +145,15 @@ class LeaseEventHub:
             await subscription.close()
 
     async def _run(self) -> None:
-        backoff_s = 0.1
+        backoff = Backoff(first_s=0.1, max_s=5.0)
         while True:
             try:
                 if self._subscription is None and not await self._connect():
-                    await self._clock.sleep(backoff_s)
-                    backoff_s = min(backoff_s * 2, 5.0)
+                    await self._clock.sleep(backoff.next_s())
                     continue
                 assert self._subscription is not None
                 data = await self._subscription.next_message(timeout_s=LISTEN_TIMEOUT_S)
-                backoff_s = 0.1
+                backoff.reset()
                 if data is not None:
                     event = decode_event(data) if self._watchers else None
                     if event is not None:
@@ -171,5 +171,4 @@ class LeaseEventHub:
                 await self._disconnect(
                     UnavailableError("the broker lost its Redis event stream; watch again")
                 )
-                await self._clock.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
+                await self._clock.sleep(backoff.next_s())

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from loadmaster.common.config import ApiKeySettings
+from loadmaster.common.gateway_config import ApiKeySettings
 
 __all__ = ["ApiKeyGuard", "presented_key"]
 

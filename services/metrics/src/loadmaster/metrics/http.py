@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from loadmaster.common.config import ApiKeySettings
+from loadmaster.common.gateway_config import ApiKeySettings
 from loadmaster.common.http_server import main_loop
 from loadmaster.metrics.access import ApiKeyGuard
 from loadmaster.metrics.exposition import Exposition

@@ -13,6 +13,7 @@ import grpc
 
 from loadmaster.common.clock import Clock
 from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.retry import retry_options
 from loadmaster.metrics.dashboard import SlotRow, WorkerRow
 from loadmaster.v1 import model_pool_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -55,7 +56,7 @@ class SchedulerWorkers:
         if self._cached is not None and now - self._cached[0] < self._cache_s:
             return self._cached[1]
         if self._channel is None:
-            self._channel = aio_channel(self._address)
+            self._channel = aio_channel(self._address, options=retry_options())
         stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel)
         rows: list[WorkerRow] | None
         try:

@@ -66,6 +66,7 @@ from opentelemetry.trace import SpanKind
 
 from loadmaster.common import internal_auth, tracing, transport
 from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.credentials import ENVELOPE_KEY
 from loadmaster.common.errors import (
     InvalidArgumentError,
     UnauthenticatedError,
@@ -438,7 +439,7 @@ class DataPort:
         try:
             self._credentials.verify_envelope(request.metadata, request.request_id)
         except UnauthenticatedError as error:
-            token = request.metadata.get(internal_auth.ENVELOPE_KEY, "")
+            token = request.metadata.get(ENVELOPE_KEY, "")
             internal_auth.log_refusal(
                 f"data-port request {request.request_id[:64]!r}",
                 _peer(frames),

@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 
 from loadmaster.common import internal_auth
 from loadmaster.common.clock import Clock, SystemClock
+from loadmaster.common.credentials import ENVELOPE_KEY
 from loadmaster.common.errors import (
     InternalError,
     InvalidArgumentError,
@@ -199,7 +200,7 @@ class GenerationPort:
         try:
             credentials.verify_envelope(metadata, signed)
         except UnauthenticatedError as error:
-            token = metadata.get(internal_auth.ENVELOPE_KEY, "")
+            token = metadata.get(ENVELOPE_KEY, "")
             internal_auth.log_refusal(
                 f"generation message {request_id[:64]!r}", "data port", token.partition(" ")[0], error.message
             )

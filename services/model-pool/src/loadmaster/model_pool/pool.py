@@ -16,9 +16,10 @@ executor, fed by one `Batcher` (dynamic batching when `max_batch_size` > 1): a s
 model never blocks another model's requests. Lifecycle operations on one model are
 serialised (a second `load` waits for the first and shares its result) and run as
 tasks shielded from their callers, so a cancelled RPC never leaves a model half-loaded.
-Which model to evict is decided in `eviction.py`; this module only acts on it. Admitting
-requests and generation streams (`submit`, `infer`, `open_generation`) is in `admission.py`;
-releasing leases and reacting to a lost lease or a failed engine, in `release.py`.
+Which model to evict is decided in `eviction.py` and how to make room in `room.py`; this
+module only acts on them. It also admits requests and generation streams (`submit`, `infer`,
+`open_generation`), releases leases, and unloads a model whose lease was lost or whose engine
+failed (a replaced lease is recorded in place).
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import numpy as np
+
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import ModelsSettings
 from loadmaster.common.errors import (
+    ExpiredError,
     InternalError,
+    InvalidArgumentError,
     LoadmasterError,
     NotFoundError,
     ResourceExhaustedError,
@@ -42,8 +47,7 @@ from loadmaster.common.errors import (
 )
 from loadmaster.model_pool import memory
 from loadmaster.model_pool._waiting import settle
-from loadmaster.model_pool.admission import GenerationAdmission, InferResult, _Admission, _Loaded
-from loadmaster.model_pool.batcher import Batcher, Instance, batch_policy
+from loadmaster.model_pool.batcher import Batcher, BatchOutcome, Instance, batch_policy
 from loadmaster.model_pool.crash_backoff import CrashBackoff
 from loadmaster.model_pool.engines import Engine, EngineContext, engine_class
 from loadmaster.model_pool.eviction import EvictionCounters, Resident
@@ -57,8 +61,7 @@ from loadmaster.model_pool.leases import (
     device_for_lease,
     gpus_for_device,
 )
-from loadmaster.model_pool.release import _Release
-from loadmaster.model_pool.repository import ModelRepository
+from loadmaster.model_pool.repository import ModelRepository, ModelSpec, check_inputs
 from loadmaster.model_pool.room import Room, may_fit_later
 from loadmaster.model_pool.slots import ModelState, Slot, SlotStatus
 
@@ -79,12 +82,55 @@ class MetricsSink(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class InferResult:
+    outputs: dict[str, np.ndarray]
+    generation: int
+    inference_ms: float
+    queue_ms: float
+    batch_size: int = 1
+    batch_id: int = 0  # requests of one model generation with the same batch_id ran in one engine call
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationAdmission:
+    """One generation stream admitted on a generative model: `engine` runs it, `sequences`
+    is how many the engine runs at once, and `release()` (once, at the stream's terminal)
+    gives the admission back. Held for the stream's whole life, so `max_inflight`,
+    keep-alive and eviction count it and never unload the model mid-stream."""
+
+    engine: Any
+    generation: int
+    sequences: int
+    release: Callable[[], None]
+
+
+@dataclass(slots=True)
+class _Loaded:
+    """What a READY model holds: freed, in this order, by unload."""
+
+    spec: ModelSpec
+    instances: list[Instance]
+    batcher: Batcher
+    lease: Lease | None  # None: the model holds no GPU memory (a hosted API)
+    memory_before: dict[int, int]  # NVML: this process's MB per leased GPU before the load
+
+
+def _resolve(future: asyncio.Future[InferResult], outcome: InferResult | BaseException) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+@dataclass(frozen=True, slots=True)
 class _Operation:
     kind: Literal["load", "unload"]
     task: asyncio.Task[None]
 
 
-class ModelPool(_Admission, _Release):
+class ModelPool:
     def __init__(
         self,
         repository: ModelRepository,
@@ -303,6 +349,136 @@ class ModelPool(_Admission, _Release):
                 listener(status)
             except Exception:
                 log.exception("slot listener failed")
+
+    # ---- admission: requests and generation streams on READY models ---------
+
+    def submit(
+        self,
+        model_id: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        done: Callable[[InferResult | BaseException], None],
+        deadline_unix_ns: int = 0,
+        received_monotonic: float | None = None,
+        front: bool = False,
+    ) -> None:
+        """Admit one request and queue it on the model's batcher (`front`: ahead of the requests
+        waiting there, see Grant.front_of_queue); `done` is called once, on the
+        event loop, with its `InferResult` or its error. Refusals at the door (closing, unknown or
+        not READY model, bad inputs, deadline passed) raise `LoadmasterError` instead. The request
+        stays in flight until its engine call is over, whoever still waits. A callback, so the
+        data port answers a whole batch in one loop wake-up; `infer` is the awaitable form."""
+        if self._closing:
+            raise UnavailableError("worker is shutting down")
+        slot = self._slot(model_id)
+        generation = slot.acquire()
+        try:
+            loaded = self._loaded[model_id]
+            if loaded.lease is not None and not self._keeper.live(model_id):
+                raise UnavailableError(f"model '{model_id}' has no live GPU lease; not serving it")
+            check_inputs(loaded.spec, inputs)
+            if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
+                raise ExpiredError(f"request for '{model_id}' expired before it started")
+            received = self._clock.monotonic() if received_monotonic is None else received_monotonic
+
+            def finished(outcome: BatchOutcome) -> None:
+                self._released(slot)
+                if isinstance(outcome, BaseException):
+                    done(outcome)
+                    return
+                outputs, timing = outcome
+                done(
+                    InferResult(
+                        outputs,
+                        generation,
+                        timing.inference_ms,
+                        timing.queue_ms,
+                        timing.batch_size,
+                        timing.batch_id,
+                    )
+                )
+
+            loaded.batcher.submit(
+                inputs, deadline_unix_ns=deadline_unix_ns, received=received, done=finished, front=front
+            )
+        except BaseException:
+            self._released(slot)
+            raise
+
+    def image_inputs(self, model_id: str) -> tuple[dict[str, tuple[int, ...] | None], str]:
+        """The READY model's inputs declared `image: true` (name -> declared shape) and its
+        device, for decoding compressed images sent as BYTES; ({}, "cpu") when it has none."""
+        loaded = self._loaded.get(model_id)
+        if loaded is None:
+            return {}, "cpu"
+        declared = {spec.name: spec.shape for spec in loaded.spec.config.inputs if spec.image}
+        return declared, loaded.instances[0].engine.context.device if declared else "cpu"
+
+    def image_device(self, model_id: str) -> str:
+        """The device of the READY model (where its JPEG tensors may decode); "cpu" when unknown."""
+        loaded = self._loaded.get(model_id)
+        return loaded.instances[0].engine.context.device if loaded is not None else "cpu"
+
+    async def infer(
+        self,
+        model_id: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        deadline_unix_ns: int = 0,
+        received_monotonic: float | None = None,
+    ) -> InferResult:
+        """Run one request (batched with others when the model batches). Errors are `LoadmasterError`s.
+        A cancelled caller stops waiting; the request itself runs on (see `submit`)."""
+        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        done = functools.partial(_resolve, future)
+        self.submit(
+            model_id,
+            inputs,
+            done=done,
+            deadline_unix_ns=deadline_unix_ns,
+            received_monotonic=received_monotonic,
+        )
+        return await future
+
+    def open_generation(self, model_id: str, *, deadline_unix_ns: int = 0) -> GenerationAdmission:
+        """Admit one generation stream of a generative model (docs/generative.md). Refusals raise
+        `LoadmasterError`: closing, unknown or not READY model, no live lease, a model that is
+        not generative, a deadline already passed."""
+        if self._closing:
+            raise UnavailableError("worker is shutting down")
+        slot = self._slot(model_id)
+        generation = slot.acquire()
+        try:
+            loaded = self._loaded[model_id]
+            if loaded.lease is not None and not self._keeper.live(model_id):
+                raise UnavailableError(f"model '{model_id}' has no live GPU lease; not serving it")
+            engine = loaded.instances[0].engine
+            if not callable(getattr(engine, "submit", None)):
+                raise InvalidArgumentError(
+                    f"model '{model_id}' is not generative (backend {loaded.spec.backend}): send it tensors"
+                )
+            if deadline_unix_ns and self._clock.time() * 1e9 >= deadline_unix_ns:
+                raise ExpiredError(f"generation for '{model_id}' expired before it started")
+        except BaseException:
+            self._released(slot)
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._released(slot)
+
+        sequences = int(getattr(loaded.spec.config, "max_sequences", 1) or 1)
+        return GenerationAdmission(engine, generation, sequences, release)
+
+    def _released(self, slot: Slot) -> None:
+        slot.release()
+        if slot.inflight == 0:
+            self._room.changed()
+            if slot.keep_alive_s is not None:  # its idle clock starts now
+                self._keep_alive.poke()
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -541,6 +717,91 @@ class ModelPool(_Admission, _Release):
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ---- release: what a model holds, and when it is taken away --------------
+
+    async def _abandon_load(
+        self,
+        model_id: str,
+        error: BaseException,
+        *,
+        instances: list[Instance],
+        lease: Lease | None,
+    ) -> str:
+        """Free what a failed load took (engines, threads, lease); returns the error text."""
+        if isinstance(error, ResourceExhaustedError) and may_fit_later(error):
+            message = error.message  # no memory yet: the scheduler's VRAM gate retries (not an error)
+            log.info("loading model %s found no room: %s", model_id, message)
+        elif isinstance(error, LoadmasterError):
+            message = error.message
+            log.error("loading model %s failed: %s", model_id, message)
+        else:
+            message = f"loading model '{model_id}' failed: {type(error).__name__}: {error}"
+            log.error("loading model %s failed", model_id, exc_info=error)
+        await free_instances(model_id, instances)
+        held = self._keeper.forget(model_id) or lease
+        if held is not None:
+            await self._release(model_id, held)
+        return message
+
+    async def _memory_freed(self, model_id: str, loaded: _Loaded) -> None:
+        """On NVIDIA: wait (bounded) until NVML shows the model's memory gone from this process."""
+        if loaded.memory_before and loaded.lease is not None and not await memory.wait_freed(
+            loaded.memory_before, dict(loaded.lease.mb_per_gpu), clock=self._clock
+        ):
+            log.warning(
+                "NVML still shows memory of %s held after unload; releasing its lease anyway", model_id
+            )
+
+    async def _release(self, model_id: str, lease: Lease) -> None:
+        try:
+            await self._lease_client.release(lease)
+        except Exception as error:
+            log.warning(
+                "releasing lease %s of %s failed (it expires by TTL): %s", lease.lease_id, model_id, error
+            )
+
+    def _on_lease_lost(self, model_id: str, lease: Lease, error: LoadmasterError) -> None:
+        """On the loop, after the keeper dropped the lease: the model is already not served
+        (the batcher checks `live` before each engine call); now unload it and say why."""
+        loaded = self._loaded.get(model_id)
+        if loaded is None:
+            return  # still loading: the load sees the lease gone and fails
+        if loaded.lease is None or loaded.lease.lease_id != lease.lease_id:
+            return  # a late word about an earlier lease: the model was loaded again under another
+        self._record("evictions", 1.0, {"model": model_id, "reason": "lease_lost"})
+        self.counters.evicted(model_id, "lease_lost")
+        task = asyncio.create_task(
+            self.unload(model_id, reason=f"lease {lease.lease_id} lost; stopped serving ({error.message})"),
+            name=f"lease-lost-{model_id}",
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def engine_failed(self, model_id: str, generation: int, reason: str) -> None:
+        """A loaded engine can no longer serve (a generative engine's batching thread died):
+        unload it, so the model is not left READY failing every request; the scheduler loads
+        it again when requests wait. A report about an earlier load is ignored."""
+        slot = self._slots.get(model_id)
+        if slot is None or slot.state is not ModelState.READY or slot.generation != generation:
+            return
+        log.error("model %s failed (%s); unloading it", model_id, reason)
+        task = asyncio.create_task(
+            self.unload(model_id, reason=f"engine failed: {reason}"), name=f"engine-failed-{model_id}"
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _on_lease_replaced(self, model_id: str, old: Lease, new: Lease) -> None:
+        """On the loop: the broker lost `old` and granted the same memory again as `new`."""
+        self._record("leases_reestablished", 1.0, {"model": model_id})
+        loaded = self._loaded.get(model_id)
+        if loaded is not None:
+            loaded.lease = new
+        slot = self._slots[model_id]
+        if slot.lease_id == old.lease_id:
+            slot.lease_id = new.lease_id
+            self._changed(slot)
 
     # ---- metrics -----------------------------------------------------------
 

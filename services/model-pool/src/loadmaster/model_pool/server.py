@@ -74,9 +74,7 @@ class ModelPoolServer(GrpcServer):
         self._owns_lease_client = lease_client is None
 
         def broker_client() -> LeaseClient:
-            return AsyncLeaseClient(
-                settings.gpu_broker.address, holder=self.worker_id, node=pool_settings.node, clock=clock
-            )
+            return AsyncLeaseClient(settings.gpu_broker.address, holder=self.worker_id, node=pool_settings.node)
 
         self.lease_client: LeaseClient = lease_client or broker_client()
         self.telemetry = TelemetryReporter(

@@ -25,6 +25,7 @@ import grpc
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import LoadmasterError, ResourceExhaustedError
 from loadmaster.common.grpc_client import FRESH_CONNECT_OPTIONS, aio_channel
+from loadmaster.common.retry import Backoff
 from loadmaster.model_pool.pool import ModelPool
 from loadmaster.model_pool.slots import SlotStatus
 from loadmaster.model_pool.wire import slot_status_pb
@@ -141,7 +142,7 @@ class WorkerSession:
                 yield service
 
     async def _run(self) -> None:
-        backoff = self._min_backoff_s
+        backoff = Backoff(first_s=self._min_backoff_s, max_s=self._max_backoff_s)
         while True:
             opened = self._clock.monotonic()
             try:
@@ -160,9 +161,8 @@ class WorkerSession:
             except Exception:
                 log.exception("worker session failed")
             if self._clock.monotonic() - opened >= self._stable_after_s:
-                backoff = self._min_backoff_s
-            await self._clock.sleep(backoff)
-            backoff = min(backoff * 2, self._max_backoff_s)
+                backoff.reset()
+            await self._clock.sleep(backoff.next_s())
 
     # ---- commands ----------------------------------------------------------
 

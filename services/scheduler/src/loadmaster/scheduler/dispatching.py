@@ -120,8 +120,9 @@ class GrantDispatcher:
                         ordering, p, self._config, self._lookahead.inference_s(m)
                     ),
                 )
-            if model_id in self._stats:
-                self._telemetry.record("queue_depth", self.queues.depth(model_id), {"model": model_id})
+            if model_id in self._stats:  # waiting here and in the gateways' local queues, as GetQueues
+                depth = self.queues.depth(model_id) + self._credits.local_depth(model_id)
+                self._telemetry.record("queue_depth", depth, {"model": model_id})
         if self._placed:
             for (model_id, worker_id), count in self._placed.items():
                 labels = {"model": model_id, "worker": worker_id}

@@ -19,11 +19,11 @@ from typing import Generic, TypeVar
 
 from opentelemetry import trace
 
+from loadmaster.common import ordering as strategies
 from loadmaster.common import tracing
 from loadmaster.common.clock import Clock
 from loadmaster.common.errors import edge_code_name
 from loadmaster.common.ordering import Ordering
-from loadmaster.scheduler import strategies
 from loadmaster.scheduler.config import StrategyFactory
 from loadmaster.scheduler.core import CoreConfig, SchedulerCore
 from loadmaster.scheduler.domain import (

@@ -34,7 +34,6 @@ import zmq
 import zmq.asyncio
 
 from loadmaster.common.clock import Clock, SystemClock
-from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import (
     InternalError,
     InvalidArgumentError,
@@ -49,6 +48,7 @@ from loadmaster.common.framing import (
     router_reply,
     split_router_frames,
 )
+from loadmaster.common.gateway_config import GatewaySettings
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.curve import EdgeCurve

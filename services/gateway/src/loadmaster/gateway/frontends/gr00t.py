@@ -37,10 +37,9 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError
 from loadmaster.common.framing import SocketReader, receive_routed
-from loadmaster.common.gateway_config import Gr00tSettings
+from loadmaster.common.gateway_config import Gr00tSettings, LimitsSettings
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.auth import INFER, Authenticator
 from loadmaster.gateway.calls import CallResult

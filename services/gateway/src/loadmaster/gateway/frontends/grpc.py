@@ -25,8 +25,8 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, NotFoundError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.streams import until_set
 from loadmaster.common.tensors import serialize_bytes
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token

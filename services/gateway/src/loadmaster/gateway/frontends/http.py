@@ -39,8 +39,8 @@ from starlette.routing import BaseRoute, Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from loadmaster.common import tracing
-from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError, NotFoundError
+from loadmaster.common.gateway_config import GatewaySettings
 from loadmaster.common.http_server import main_loop
 from loadmaster.gateway.auth import ADMIN, INFER, Authenticator, bearer_token
 from loadmaster.gateway.calls import InferenceCall

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import deserialize_bytes, serialize_bytes
 from loadmaster.gateway.frontends.kserve import KServeInput, KServeOutput, numpy_for
 

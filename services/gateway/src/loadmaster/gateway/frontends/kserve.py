@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import check_tensors, shape_elements_at_most
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.dispatcher import Dispatcher

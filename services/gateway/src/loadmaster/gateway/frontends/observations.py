@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import check_tensors, decode_tensors, encode_tensors, numpy_dtype
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.validation import tensor_limits

@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from loadmaster.common.config import ImagesSettings
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, UnavailableError
+from loadmaster.common.gateway_config import ImagesSettings
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
 from loadmaster.gateway.frontends.openai import _error_response, _read_body, _until_disconnected
 from loadmaster.gateway.frontends.openai_schema import OpenAIError, error_from

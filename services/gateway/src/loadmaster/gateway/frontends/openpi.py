@@ -34,8 +34,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InternalError, InvalidArgumentError, LoadmasterError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.gateway.auth import INFER, Authenticator
 from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.dispatcher import Dispatcher

@@ -14,11 +14,11 @@ there (`healthy`) and why not (`_gone_message`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
 import httpx
+from httpx_sse import SSEError, aconnect_sse
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
 from loadmaster.model_pool.engines._proxy_streams import (
@@ -133,22 +133,20 @@ class OpenAIProxyEngine(Engine):
     async def _forward(self, state: ProxyStream, path: str, body: dict[str, Any]) -> None:
         client = self._http()
         try:
-            async with client.stream("POST", path, json=body) as response:
+            async with aconnect_sse(client, "POST", path, json=body) as events:
+                response = events.response
                 if response.status_code != 200:
                     detail = (await response.aread()).decode("utf-8", errors="replace")[:1000]
                     state.end(FinishReason.ERROR, f"the engine answered {response.status_code}: {detail}")
                     return
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for event in events.aiter_sse():  # httpx-sse parses the event stream
+                    if event.data == "[DONE]":
                         break
                     try:
-                        chunk = json.loads(data)
+                        chunk = event.json()
                     except ValueError:
                         state.end(
-                            FinishReason.ERROR, f"the engine sent a chunk that is not JSON: {data[:200]!r}"
+                            FinishReason.ERROR, f"the engine sent a chunk that is not JSON: {event.data[:200]!r}"
                         )
                         return
                     if state.feed(chunk):
@@ -157,6 +155,8 @@ class OpenAIProxyEngine(Engine):
         except asyncio.CancelledError:
             state.end(FinishReason.CANCELLED)
             raise
+        except SSEError as error:  # answered 200, but not with an event stream
+            state.end(FinishReason.ERROR, f"the engine did not stream events: {error}")
         except httpx.HTTPError as error:
             await self._settle_exit()
             state.end(

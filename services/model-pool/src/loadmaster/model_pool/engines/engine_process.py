@@ -38,6 +38,7 @@ import httpx
 import psutil
 
 from loadmaster.common.child_processes import die_with_parent, signal_group
+from loadmaster.common.retry import Backoff
 from loadmaster.model_pool.repository import ModelConfigError
 
 __all__ = ["EngineExitedError", "EngineProcess", "engine_env", "gpus_of", "render_command"]
@@ -158,7 +159,7 @@ class EngineProcess:
         """Poll `url` until it answers 200; raise `EngineExitedError` if the process exits
         first, `TimeoutError` when `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
-        pause = _POLL_S[0]
+        pause = Backoff(first_s=_POLL_S[0], max_s=_POLL_S[1])
         with httpx.Client(timeout=2.0) as client:
             while True:
                 status = self.returncode
@@ -176,8 +177,7 @@ class EngineProcess:
                     raise TimeoutError(
                         f"engine not healthy at {url} within {timeout_s:.0f}s; its last output:\n{self.tail()}"
                     )
-                time.sleep(pause)
-                pause = min(pause * 2, _POLL_S[1])
+                time.sleep(pause.next_s())
 
     def group_pids(self) -> set[int]:
         """The engine and every process of its group (workers it spawned)."""
