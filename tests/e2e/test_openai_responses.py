@@ -70,6 +70,7 @@ def test_a_forced_function_call_validates_and_an_auto_one_is_read_from_text(clie
         input="weather?",
         tools=[TOOL],
         tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,  # exactly one call (sampled: it could otherwise make two)
         max_output_tokens=200,
     )
     [call] = [item for item in forced.output if item.type == "function_call"]

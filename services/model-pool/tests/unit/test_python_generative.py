@@ -4,6 +4,7 @@ max_tokens, cancel, tool calls read out of its text, and the fields it refuses b
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -43,12 +44,17 @@ def engine(tmp_path: Path) -> PythonGenerativeEngine:
     return instance
 
 
+_IDS = itertools.count()
+
+
 def chat(
-    text: str, *, request_id: str = "r", tools: ToolUse | None = None, **params: object
+    text: str, *, request_id: str = "", tools: ToolUse | None = None, **params: object
 ) -> GenerationRequest:
+    """A chat request; its id is new each time unless given (an id is taken until the engine
+    has forgotten its stream, which may be a moment after its last event)."""
     params.setdefault("max_tokens", 100)
     return GenerationRequest(
-        request_id,
+        request_id or f"r{next(_IDS)}",
         SamplingParams(**params),
         messages=(ChatMessage("user", text),),
         tools=tools,  # type: ignore[arg-type]
@@ -123,7 +129,7 @@ async def test_cancel_ends_the_stream_with_cancelled_between_pieces(tmp_path: Pa
     (folder / "config.yaml").write_text("backend: python_generative\nclass: Slow\n")
     slow = PythonGenerativeEngine(ModelRepository(tmp_path).spec("slow"), EngineContext(device="cpu"))
     slow.load()
-    stream = await slow.submit(chat("", max_tokens=2000))
+    stream = await slow.submit(chat("", request_id="r", max_tokens=2000))
     assert isinstance(await anext(stream), TokenChunk)
     assert slow.cancel("r") and not slow.cancel("unknown")
     async with asyncio.timeout(2):  # 1000 pieces would take 10 s
