@@ -11,6 +11,7 @@ import zmq.asyncio
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.common.liveness import LIVENESS, PUBLIC_SERVER_OPTIONS
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.admin import SchedulerAdmin
@@ -86,8 +87,7 @@ class Gateway:
                 dispatcher.on_worker_reply,
                 on_lost=dispatcher.on_worker_lost,
                 on_generation_replies=dispatcher.on_generation_replies,
-                heartbeat_ivl_ms=gateway.worker_heartbeat_ivl_ms,
-                heartbeat_timeout_ms=gateway.worker_heartbeat_timeout_ms,
+                liveness=LIVENESS,
             )
             return self.workers
 
@@ -99,7 +99,7 @@ class Gateway:
             shm=self.shm,
             clock=clock,
             reply_grace_s=gateway.reply_grace_s,
-            lost_grace_s=gateway.worker_lost_grace_s,
+            lost_grace_s=LIVENESS.lost_grace_s,
         )
         self.edge = EdgeFrontend(
             gateway, self.dispatcher, self.telemetry, self.context, gateway_id=self.gateway_id, clock=clock
@@ -241,7 +241,8 @@ class GatewayServer(GrpcServer):
             "gateway",
             settings.gateway.listen_address,
             interceptors=[UndecodableRequestInterceptor()],
-            options=receive_options(settings.gateway.limits),
+            # Its clients are public: pinged as gently as ever (loadmaster.common.liveness).
+            options=[*PUBLIC_SERVER_OPTIONS, *receive_options(settings.gateway.limits)],
             grace_s=settings.gateway.shutdown_grace_s,
         )
         self.gateway = Gateway(settings, clock=clock)
