@@ -35,6 +35,7 @@ __all__ = [
     "NO_REPLY_S",
     "FrontEndLoad",
     "StreamWatch",
+    "data_endpoint_of",
     "freeze",
     "front_ends",
     "load_model_on",
@@ -310,6 +311,13 @@ def load_model_on(worker_address: str, model_id: str, *, timeout_s: float = 120.
     with grpc.insecure_channel(worker_address) as channel:
         stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
         stub.Load(model_pool_pb2.LoadRequest(model_id=model_id), timeout=timeout_s)
+
+
+def data_endpoint_of(worker_address: str) -> str:
+    """The data endpoint a worker advertises (ModelPool.Status)."""
+    with grpc.insecure_channel(worker_address) as channel:
+        stub = model_pool_pb2_grpc.ModelPoolServiceStub(channel)
+        return str(stub.Status(model_pool_pb2.StatusRequest(), timeout=10).data_endpoint)
 
 
 def _workers(scheduler: str) -> list[scheduler_pb2.WorkerInfo]:
