@@ -30,6 +30,7 @@ import numpy as np
 from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = [
+    "FRONT_END_NAMES",
     "HELD_UP_S",
     "NO_REPLY",
     "NO_REPLY_S",
@@ -45,6 +46,7 @@ __all__ = [
     "watch_scheduler_drop",
 ]
 
+FRONT_END_NAMES = ("edge", "kserve_http", "kserve_grpc")
 NO_REPLY = "no reply"
 NO_REPLY_S = 5.0  # how long a client waits for a reply before counting the request unanswered
 HELD_UP_S = 0.5  # a reply this much slower than usual was held up by the freeze

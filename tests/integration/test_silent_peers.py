@@ -15,6 +15,7 @@ import contextlib
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +24,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from loadmaster.common.errors import UnavailableError
+from loadmaster.client.lease_client import AsyncLeaseClient, Lease
+from loadmaster.client.lease_keeper import LeaseKeeper
+from loadmaster.common.config import GpuBrokerSettings, GpuSpec, MetricsSettings, Settings
+from loadmaster.common.errors import LoadmasterError, UnavailableError
 from loadmaster.common.grpc_client import aio_channel
 from loadmaster.common.grpc_server import GRPC_OPTIONS
 from loadmaster.common.liveness import LIVENESS
@@ -35,12 +39,15 @@ SLACK_S = 1.0  # on top of each bound: a loaded host's scheduling, the relay's o
 
 class SilentRelay:
     """Relays TCP to 127.0.0.1:`target` until `silence()`: then it moves no byte either way
-    and closes nothing (`resume()` moves them again)."""
+    and closes nothing (`resume()` moves them again). `cut_existing()` silences only the
+    connections open now, for good: a new connection gets through (a path that died while
+    its peer lives on, reachable anew)."""
 
     def __init__(self, target: int) -> None:
         self._target = target
         self._moving = asyncio.Event()
         self._moving.set()
+        self._connections: list[asyncio.Event] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
         self._server: asyncio.Server | None = None
@@ -55,22 +62,33 @@ class SilentRelay:
     def resume(self) -> None:
         self._moving.set()
 
+    def cut_existing(self) -> None:
+        for alive in self._connections:
+            alive.clear()
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
         self._writers += [writer, up_writer]
+        alive = asyncio.Event()
+        alive.set()
+        self._connections.append(alive)
         for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pump(source, sink))
+            task = asyncio.create_task(self._pump(source, sink, alive))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, alive: asyncio.Event
+    ) -> None:
         with contextlib.suppress(ConnectionError):
             while True:
                 await self._moving.wait()
+                await alive.wait()
                 data = await source.read(65536)
                 if not data:
                     break
                 await self._moving.wait()  # what was read as the silence began is held too
+                await alive.wait()
                 sink.write(data)
                 await sink.drain()
         sink.close()
@@ -321,3 +339,54 @@ async def test_a_worker_named_by_host_name_is_linked_at_its_address(zmq_context)
     finally:
         await links.links.close()
         await worker.close()
+
+
+# ---- the lease keeper's channel to the gpu-broker -----------------------------------------
+
+
+async def test_the_lease_keeper_leaves_a_silent_broker_connection_before_its_lease_lapses(
+    relay_to, redis_url: str
+) -> None:
+    """The keeper's connection goes silent while the broker lives on and a new connection would
+    get through (a path that died): keepalive drops the silent one in time for a renewal over a
+    new one before the holder's deadline. (With the keepalive of before issue 33, a renewal
+    waited on the dead connection for a minute and the lease lapsed.)"""
+    from loadmaster.gpu_broker.server import build
+
+    ttl_s = 6.0  # renewed every 1.2 s; the holder's deadline 4.8 s after a renewal's send
+    settings = Settings(
+        redis_url=redis_url,
+        gpu_broker=GpuBrokerSettings(
+            listen="127.0.0.1:0",
+            key_prefix=f"silent-{uuid.uuid4().hex[:12]}",
+            use_nvml=False,
+            reserve_mb=0,
+            declared={"local": [GpuSpec(index=0, total_mb=1_000)]},
+        ),
+        metrics=MetricsSettings(enabled=False),
+    )
+    server = await build(settings)
+    port = await server.start()
+    relay, relay_port = await relay_to(port)
+    address = f"127.0.0.1:{relay_port}"
+    lost: list[str] = []
+
+    def on_lost(key: str, lease: Lease, error: LoadmasterError) -> None:  # the keeper's thread
+        lost.append(error.message)
+
+    keeper = LeaseKeeper(
+        lambda: AsyncLeaseClient(address, holder="w", node="local"), on_lost=on_lost, reacquire=False
+    )
+    keeper.start()
+    try:
+        lease = await asyncio.wrap_future(
+            keeper.run(lambda client: client.acquire(mb=10, ttl_s=ttl_s, labels={"model": "m"}))
+        )
+        keeper.keep("m", lease, ttl_s=ttl_s)
+        await asyncio.sleep(1.5)  # renewed at least once on the first connection
+        relay.cut_existing()
+        await asyncio.sleep(2 * ttl_s)  # past two holder deadlines without a new connection
+        assert lost == [] and keeper.live("m"), lost
+    finally:
+        await asyncio.to_thread(keeper.close)
+        await server.stop()
