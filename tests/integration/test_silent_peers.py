@@ -1,5 +1,7 @@
 """A peer that goes silent without closing anything is noticed within the promise (issue 33,
-docs/liveness.md): gRPC streams in both directions, and the gateway's data links to workers.
+docs/liveness.md): a live gRPC link's stream in both directions (the options of the scheduler's
+server and of the session channels), the lease keeper's channel to a real gpu-broker, and the
+gateway's data links to workers.
 
 Silence is made by a TCP relay between the two ends that stops moving bytes both ways and
 closes nothing, as a frozen process (its kernel still acknowledges TCP) or a cut network
@@ -132,7 +134,8 @@ async def _serve_chat(ended: asyncio.Future[float]) -> tuple[grpc.aio.Server, in
     handler = grpc.method_handlers_generic_handler(
         "test.Silent", {"Chat": grpc.stream_stream_rpc_method_handler(chat)}
     )
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    live = {**dict(GRPC_OPTIONS), **dict(LIVENESS.grpc_options())}  # as the scheduler's (GrpcServer)
+    server = grpc.aio.server(options=list(live.items()))
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -150,12 +153,12 @@ async def test_a_grpc_stream_whose_peer_goes_silent_ends_on_both_sides_within_th
             yield await outgoing.get()
 
     try:
-        async with aio_channel(f"127.0.0.1:{relay_port}") as channel:
+        async with aio_channel(f"127.0.0.1:{relay_port}", options=LIVENESS.grpc_options()) as channel:
             call = channel.stream_stream("/test.Silent/Chat")(messages())
             await outgoing.put(b"hello")
             assert await asyncio.wait_for(call.read(), 10) == b"hello"
             # Idle but alive for longer than several probes: no ping strikes, no drop.
-            await asyncio.sleep(3 * LIVENESS.probe_every_s + LIVENESS.answer_within_s)
+            await asyncio.sleep(3 * LIVENESS.grpc_probe_every_s + LIVENESS.answer_within_s)
             assert not server_ended.done()
             await outgoing.put(b"still there")
             assert await asyncio.wait_for(call.read(), 5) == b"still there"
@@ -209,7 +212,7 @@ async def test_a_grpc_server_whose_loop_is_stuck_keeps_its_streams(relay_to) -> 
         while True:
             yield await outgoing.get()
 
-    async with aio_channel(f"127.0.0.1:{state['port']}") as channel:
+    async with aio_channel(f"127.0.0.1:{state['port']}", options=LIVENESS.grpc_options()) as channel:
         call = channel.stream_stream("/test.Silent/Chat")(messages())
         await outgoing.put(b"a")
         assert await asyncio.wait_for(call.read(), 10) == b"a"
@@ -283,7 +286,7 @@ async def test_a_worker_that_goes_silent_is_lost_its_endpoint_refused_then_linke
     links = _Links(zmq_context)
     try:
         await links.round_trip(endpoint, "r1")
-        await asyncio.sleep(3 * LIVENESS.probe_every_s)  # idle, heartbeats answered: still up
+        await asyncio.sleep(3 * LIVENESS.zmtp_probe_every_s)  # idle, heartbeats answered: still up
         assert links.links.connected == [endpoint] and links.lost.empty()
 
         relay.silence()

@@ -10,7 +10,7 @@ import pytest
 
 from loadmaster.common.grpc_client import CLIENT_OPTIONS
 from loadmaster.common.grpc_server import GRPC_OPTIONS
-from loadmaster.common.liveness import GRPC_CLIENT_PING_FLOOR_S, LIVENESS, PUBLIC_SERVER_OPTIONS, LinkLiveness
+from loadmaster.common.liveness import GRPC_CLIENT_PING_FLOOR_S, LIVENESS, LinkLiveness
 
 DOCUMENTED_S = 2.0  # docs/liveness.md, docs/compose.md, tests/compose/test_compose_up.py
 MARGIN_S = 0.15  # a loop tick, the re-grant's round trip, a reply: what follows the detection
@@ -53,29 +53,35 @@ def test_a_busy_but_live_peer_is_not_dropped() -> None:
 
 
 def test_the_client_side_bound_counts_grpc_s_own_ping_floor() -> None:
-    assert LIVENESS.grpc_client_bound_s == GRPC_CLIENT_PING_FLOOR_S + LIVENESS.answer_within_s
-    fast = replace(LIVENESS, probe_every_s=0.1)
+    fast = replace(LIVENESS, grpc_probe_every_s=0.5)
+    assert fast.grpc_client_bound_s == GRPC_CLIENT_PING_FLOOR_S + LIVENESS.answer_within_s
     assert fast.grpc_client_bound_s == LIVENESS.grpc_client_bound_s  # probing faster buys nothing
 
 
-@pytest.mark.parametrize("options", [GRPC_OPTIONS, CLIENT_OPTIONS], ids=["servers", "channels"])
-def test_every_server_and_channel_gets_the_keepalive(options: list[tuple[str, object]]) -> None:
-    values = dict(options)
-    assert values["grpc.keepalive_time_ms"] == 500
+def test_a_live_link_s_keepalive() -> None:
+    values = dict(LIVENESS.grpc_options())
+    assert values["grpc.keepalive_time_ms"] == 1000
     # grpcio 1.85 times a keepalive ping's answer by the ping timeout (60 s unless set).
     assert values["grpc.http2.ping_timeout_ms"] == values["grpc.keepalive_timeout_ms"] == 800
-    assert values["grpc.keepalive_permit_without_calls"] == 1
+    # Pings only while a call is open: a session always; a lease channel while renewing.
+    assert values["grpc.keepalive_permit_without_calls"] == 0
     assert values["grpc.http2.max_pings_without_data"] == 0
-    # A server takes the pings the suite's clients send (at most every 500 ms) without strikes.
-    assert values["grpc.http2.min_ping_interval_without_data_ms"] <= values["grpc.keepalive_time_ms"] // 2
+
+
+@pytest.mark.parametrize("options", [GRPC_OPTIONS, CLIENT_OPTIONS], ids=["servers", "channels"])
+def test_every_other_server_and_channel_probes_gently_and_takes_a_live_link_s_pings(
+    options: list[tuple[str, object]],
+) -> None:
+    values = dict(options)
+    assert values["grpc.keepalive_time_ms"] == 10_000
+    assert values["grpc.http2.ping_timeout_ms"] == values["grpc.keepalive_timeout_ms"] == 5_000
+    assert values["grpc.keepalive_permit_without_calls"] == 0  # an idle channel costs nothing
+    # Any server takes the pings a live link sends (at most once a second) without strikes.
+    live_ms = dict(LIVENESS.grpc_options())["grpc.keepalive_time_ms"]
+    assert values["grpc.http2.min_ping_interval_without_data_ms"] <= live_ms // 2
+    assert dict(LIVENESS.grpc_options())["grpc.http2.min_ping_interval_without_data_ms"] <= live_ms // 2
 
 
 def test_zmtp_heartbeats_say_the_same_in_milliseconds() -> None:
     assert (LIVENESS.heartbeat_ivl_ms, LIVENESS.heartbeat_timeout_ms) == (500, 800)
-    assert LinkLiveness(probe_every_s=0.25, answer_within_s=0.6).heartbeat_timeout_ms == 600
-
-
-def test_the_public_port_pings_its_clients_gently_and_still_takes_the_suite_s_pings() -> None:
-    public = dict(PUBLIC_SERVER_OPTIONS)
-    assert public["grpc.keepalive_time_ms"] >= 10_000
-    assert "grpc.http2.min_ping_interval_without_data_ms" not in public  # the suite's value holds
+    assert LinkLiveness(zmtp_probe_every_s=0.25, answer_within_s=0.6).heartbeat_timeout_ms == 600

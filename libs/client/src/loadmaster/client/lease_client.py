@@ -57,6 +57,7 @@ from loadmaster.common.errors import (
     from_grpc_error,
 )
 from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.liveness import LIVENESS
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
 
@@ -209,7 +210,8 @@ class AsyncLeaseClient:
         if self._stub is None:
             # aio_channel caps reconnect backoff well below a lease TTL, so renewals get
             # through soon after the broker is back.
-            self._channel = aio_channel(self._address)
+            # A silent broker is left within 1.8 s, for a new connection (docs/liveness.md).
+            self._channel = aio_channel(self._address, options=LIVENESS.grpc_options())
             self._stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(self._channel)
         return self._stub
 

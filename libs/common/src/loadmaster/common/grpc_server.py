@@ -35,18 +35,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from loadmaster.common import internal_auth, tracing, transport
 from loadmaster.common.errors import ERROR_CODE_TRAILER, InternalError, LoadmasterError
-from loadmaster.common.liveness import LIVENESS
+from loadmaster.common.liveness import DEFAULT_KEEPALIVE_OPTIONS
 from loadmaster.common.reflection import enable_reflection
 
 __all__ = ["GRPC_OPTIONS", "ErrorInterceptor", "GrpcServer"]
 
 log = logging.getLogger(__name__)
 
-# Servers and clients alike. Keepalive: a silent peer is noticed within 2 s (liveness.py).
+# Servers and clients alike; the live links (sessions, leases) add LIVENESS.grpc_options().
 GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.max_receive_message_length", 256 << 20),
-    *LIVENESS.grpc_options(),
+    *DEFAULT_KEEPALIVE_OPTIONS,
 ]
 
 

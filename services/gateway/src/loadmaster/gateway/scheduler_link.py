@@ -38,6 +38,7 @@ import grpc
 
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.grpc_client import FRESH_CONNECT_OPTIONS, aio_channel
+from loadmaster.common.liveness import LIVENESS
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerLink"]
@@ -308,7 +309,8 @@ class SchedulerLink:
         backoff = 0.05
         while not self._closing:
             try:
-                async with aio_channel(self._address, options=FRESH_CONNECT_OPTIONS) as channel:
+                options = [*FRESH_CONNECT_OPTIONS, *LIVENESS.grpc_options()]  # a silent scheduler: 1.8 s
+                async with aio_channel(self._address, options=options) as channel:
                     await asyncio.wait_for(channel.channel_ready(), self._connect_timeout_s)
                     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                     self._outbox = _Outbox()

@@ -11,7 +11,7 @@ import zmq.asyncio
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_server import GrpcServer
-from loadmaster.common.liveness import LIVENESS, PUBLIC_SERVER_OPTIONS
+from loadmaster.common.liveness import LIVENESS
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.admin import SchedulerAdmin
@@ -241,8 +241,7 @@ class GatewayServer(GrpcServer):
             "gateway",
             settings.gateway.listen_address,
             interceptors=[UndecodableRequestInterceptor()],
-            # Its clients are public: pinged as gently as ever (loadmaster.common.liveness).
-            options=[*PUBLIC_SERVER_OPTIONS, *receive_options(settings.gateway.limits)],
+            options=receive_options(settings.gateway.limits),
             grace_s=settings.gateway.shutdown_grace_s,
         )
         self.gateway = Gateway(settings, clock=clock)
