@@ -57,7 +57,7 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
 
 @contextmanager
 def running_suite_handle(
-    *, preload: list[str] | None = None, overrides: dict[str, Any] | None = None
+    *, preload: list[str] | None = None, overrides: dict[str, Any] | None = None, workers: int = 1
 ) -> Iterator[Any]:
     """A suite started on free ports with the example config (a `loadmaster.cli.launcher.Suite`)."""
     import tempfile
@@ -73,7 +73,7 @@ def running_suite_handle(
     if preload is not None:
         merged["model_pool"]["preload"] = preload
     with tempfile.TemporaryDirectory(prefix="loadmaster-bench-") as logs:
-        suite = Suite(EXAMPLE_CONFIG, overrides=merged, log_dir=Path(logs))
+        suite = Suite(EXAMPLE_CONFIG, overrides=merged, log_dir=Path(logs), workers=workers)
         print("starting the suite…", flush=True)
         suite.start(timeout_s=120)
         try:

@@ -219,6 +219,39 @@ async def test_a_deadline_passed_while_queued_is_expired_and_a_lost_worker_unava
         await anext(running)
 
 
+async def test_a_stream_whose_worker_went_away_mid_way_ends_and_never_restarts_elsewhere(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    """The scheduler re-queues what a vanished worker held; a stream that already sent text
+    cannot start over on another worker (its client would read it twice): a re-grant ends it,
+    and a stream failed on the lost link is withdrawn from the scheduler's queue too."""
+    streams, scheduler, workers = parts
+    regranted = streams.generate(parse_chat(BODY), request_id="a", client_id="c")
+    first = asyncio.ensure_future(anext(regranted))
+    await settle()
+    streams.on_grant(grant("a"))
+    streams.on_replies(ENDPOINT, replies("a", (0, "chunk", "once")))
+    assert await first == TextChunk("once")
+    streams.on_grant(grant("a", worker="w2"))  # the scheduler noticed w1's end first
+    with pytest.raises(UnavailableError, match="w1 went away"):
+        await asyncio.wait_for(anext(regranted), 5)
+    assert len(workers.requests()) == 1, "started over on w2"
+    assert scheduler.completed[-1] == ("a", errors_pb2.ERROR_CODE_CANCELLED, False)  # w2's slot back
+
+    lost = streams.generate(parse_chat(BODY), request_id="b", client_id="c")
+    first = asyncio.ensure_future(anext(lost))
+    await settle()
+    streams.on_grant(grant("b"))
+    streams.on_replies(ENDPOINT, replies("b", (0, "chunk", "x")))
+    await first
+    streams.on_worker_lost(ENDPOINT)  # the gateway noticed first, or the scheduler did
+    with pytest.raises(UnavailableError):
+        await asyncio.wait_for(anext(lost), 5)
+    assert scheduler.completed[-1] == ("b", errors_pb2.ERROR_CODE_UNAVAILABLE, False)
+    assert scheduler.cancelled == ["b"]
+    assert streams.open == 0
+
+
 async def test_the_port_lists_generative_models_with_their_state(
     parts: tuple[GenerationStreams, Scheduler, Workers],
 ) -> None:

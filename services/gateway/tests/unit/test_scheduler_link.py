@@ -167,3 +167,27 @@ async def test_runs_on_a_credit_without_a_local_queue_are_each_reported(session)
     link.complete("r1", worker_id="w1", deferred=True)
     message = await asyncio.wait_for(anext(outgoing), 2.0)
     assert _ids(message) == {"complete": [], "finished": ["r1"], "return": [], "enqueue": [], "tally": []}
+
+
+async def test_the_session_channel_probes_as_a_live_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A silent scheduler is left within 1.8 s (docs/liveness.md): the session's channel gets
+    the live links' keepalive, not the gentle default of other channels."""
+    from loadmaster.common.liveness import LIVENESS
+    from loadmaster.gateway import scheduler_link
+
+    opened: list[dict[str, object]] = []
+
+    def channel(address: str, *, options: list[tuple[str, object]] | None = None) -> None:
+        opened.append(dict(options or []))
+        raise OSError("no network in a unit test")
+
+    monkeypatch.setattr(scheduler_link, "aio_channel", channel)
+    link = SchedulerLink("127.0.0.1:1", "gw", on_grant=print, on_reject=print, on_lost=print)
+    link.start()
+    for _ in range(100):
+        if opened:
+            break
+        await asyncio.sleep(0.01)
+    await link.close()
+    assert opened
+    assert set(dict(LIVENESS.grpc_options()).items()) <= set(opened[0].items())

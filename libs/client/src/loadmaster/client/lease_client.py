@@ -56,6 +56,7 @@ from loadmaster.common.errors import (
     from_grpc_error,
 )
 from loadmaster.common.grpc_client import aio_channel
+from loadmaster.common.liveness import LIVENESS
 from loadmaster.common.retry import retry_options
 from loadmaster.v1 import gpu_broker_pb2 as pb
 from loadmaster.v1 import gpu_broker_pb2_grpc
@@ -207,9 +208,10 @@ class AsyncLeaseClient:
         if self._stub is None:
             # aio_channel caps reconnect backoff well below a lease TTL, so renewals get
             # through soon after the broker is back; gRPC retries the idempotent calls
-            # (Acquire, Renew, RenewMany, reads) while the broker is UNAVAILABLE.
+            # (Acquire, Renew, RenewMany, reads) while the broker is UNAVAILABLE. A silent
+            # broker is left within 1.8 s, for a new connection (docs/liveness.md).
             retries = retry_options(max_attempts=self._attempts) if self._attempts > 1 else []
-            self._channel = aio_channel(self._address, options=retries)
+            self._channel = aio_channel(self._address, options=[*LIVENESS.grpc_options(), *retries])
             self._stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(self._channel)
         return self._stub
 

@@ -46,7 +46,7 @@ class MetricSample:
 MetricCallback = Callable[[MetricSample], object]
 
 
-# The suite's options (keepalive pings find a dead peer within ~15 s; a hung connection
+# The suite's options (keepalive pings find a silent peer within 2 s, docs/liveness.md; a hung connection
 # handshake is given up after 0.2-2 s, not gRPC's default 20 s), and a connection of the
 # subscription's own: by default channels to one address share one from a process-wide pool,
 # so a reconnect could land on the connection to the service instance that just went away.

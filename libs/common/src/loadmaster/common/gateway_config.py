@@ -288,12 +288,8 @@ class GatewaySettings(ServiceEndpoint):
     scheduler_connect_timeout_s: float = Field(default=1.0, gt=0)
     # A request sent to a worker is answered `expired` when no reply came by its deadline + this.
     reply_grace_s: float = Field(default=10.0, gt=0)
-    # Calls on a worker whose data link dropped wait this long for the scheduler (which sees
-    # the worker's stream end) to re-grant them, then fail as retryable `unavailable`.
-    worker_lost_grace_s: float = Field(default=2.0, ge=0)
-    # Gateway -> worker data links: ZMTP heartbeats find a worker that died without closing.
-    worker_heartbeat_ivl_ms: int = Field(default=1000, ge=0)  # 0 = off
-    worker_heartbeat_timeout_ms: int = Field(default=3000, ge=0)
+    # (Heartbeats on the data links to workers and the grace of a lost worker's calls are not
+    # settings: loadmaster.common.liveness holds every link's probe timing, docs/liveness.md.)
     images: ImagesSettings = ImagesSettings()
     # OpenAI's `n` (choices from one prompt, sharing its prefill): at most this many.
     max_n: int = Field(default=8, ge=1, le=64)

@@ -40,11 +40,12 @@ FRESH_CONNECT_OPTIONS: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool
 
 
 def aio_channel(address: str, *, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
-    """A channel with the suite's options (and `options`); traced when tracing is on
+    """A channel with the suite's options (`options` override them); traced when tracing is on
     (`loadmaster.common.tracing`); its calls carry this process's internal credential when it
     has one (`internal_auth`); TLS when the process has a CA for it (`transport`)."""
     interceptors = [*tracing.client_interceptors(), *internal_auth.client_interceptors()]
-    merged = [*CLIENT_OPTIONS, *(options or [])]
+    # `options` win: gRPC core takes the first of two equal keys, so they are merged here.
+    merged = list({**dict(CLIENT_OPTIONS), **dict(options or [])}.items())
     tls = transport.channel_credentials()
     if tls is not None:
         return grpc.aio.secure_channel(address, tls, options=merged, interceptors=interceptors)

@@ -35,20 +35,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from loadmaster.common import internal_auth, tracing, transport
 from loadmaster.common.errors import ERROR_CODE_TRAILER, InternalError, LoadmasterError
+from loadmaster.common.liveness import DEFAULT_KEEPALIVE_OPTIONS
 from loadmaster.common.reflection import enable_reflection
 
 __all__ = ["GRPC_OPTIONS", "ErrorInterceptor", "GrpcServer"]
 
 log = logging.getLogger(__name__)
 
+# Servers and clients alike; the live links (sessions, leases) add LIVENESS.grpc_options().
 GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", 256 << 20),
     ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    *DEFAULT_KEEPALIVE_OPTIONS,
 ]
 
 

@@ -18,14 +18,15 @@ Reports of calls run on a credit may wait a few milliseconds: see `SchedulerLink
 While the gateway holds a model's whole share, a call that finds no idle credit waits here
 (`LocalShare`) for the next credit that frees, with no scheduler round trip (docs/data-path.md).
 
-A worker that goes away (its data link disconnects: the process died, or ZMTP heartbeats
-found it silent) fails the calls it held as `unavailable`. When the scheduler session that
-knows them is up, it hears of the worker's end on its own stream and re-grants them (a
-retry reported before then could be granted to the dead worker again and spend the last
-attempt there), so they get `lost_grace_s` for that, then go to it as retryable failures.
-With no such session (a new session never heard of them) they are answered at once. A
-worker that never replies is caught by the reply watchdog: `expired` at the deadline +
-`reply_grace_s`.
+A worker that goes away (its data link is lost: the process died, ZMTP heartbeats found it
+silent, or a new link never connected; `WorkerLinks`) fails the calls it held as
+`unavailable`. When the scheduler session that knows them is up, it hears of the worker's
+end on its own stream and re-grants them (a retry reported before then could be granted to
+the dead worker again and spend the last attempt there), so they get `lost_grace_s` for
+that (timed on its own, not at the watchdog's next round), then go to it as retryable
+failures. With no such session (a new session never heard of them) they are answered at
+once. docs/liveness.md has the times. A worker that never replies is caught by the reply
+watchdog: `expired` at the deadline + `reply_grace_s`.
 
 A large payload for a worker on this host travels in a shared memory slot (see
 `ShmPayloads`). The slot belongs to one send: it is freed when that worker's reply
@@ -56,6 +57,7 @@ from loadmaster.common.errors import (
     edge_code_name,
     error_for_code,
 )
+from loadmaster.common.liveness import LIVENESS
 from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback, request_info
@@ -103,7 +105,7 @@ class Dispatcher:
         shm: ShmPayloads | None = None,
         clock: Clock | None = None,
         reply_grace_s: float = 10.0,
-        lost_grace_s: float = 2.0,
+        lost_grace_s: float = LIVENESS.lost_grace_s,
     ) -> None:
         self._telemetry = telemetry
         self._clock: Clock = clock or SystemClock()
@@ -115,6 +117,7 @@ class Dispatcher:
         # (reply deadline, request id, attempt) of calls on workers; stale entries are skipped
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
+        self._lost_timers: set[asyncio.Task[None]] = set()  # lost workers' calls' grace
         self._draining = False
         self._drained: asyncio.Event | None = None  # set once draining and nothing is in flight
         self._scheduler = scheduler(self)
@@ -171,6 +174,8 @@ class Dispatcher:
 
     async def close(self) -> None:
         self._local.close()
+        for timer in list(self._lost_timers):
+            timer.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -377,12 +382,26 @@ class Dispatcher:
         if lost:
             log.warning("worker data port %s went away with %d requests in flight", endpoint, len(lost))
         scheduler = self._scheduler
+        waiting = False
         for pending in lost:
             if scheduler.connected and scheduler.session == pending.session:
                 pending.lost = True  # the scheduler re-grants it meanwhile, or the watchdog fails it
                 self._arm_at(pending, self._clock.monotonic() + self._lost_grace_s)
+                waiting = True
             else:
                 self._worker_failed(pending, self._lost_error(pending))
+        if waiting:
+            timer = asyncio.get_running_loop().create_task(self._expire_after(self._lost_grace_s))
+            self._lost_timers.add(timer)
+            timer.add_done_callback(self._lost_timers.discard)
+
+    async def _expire_after(self, delay_s: float) -> None:
+        """The watchdog's round, run `delay_s` from now (its own rounds are 0.25 s apart)."""
+        await self._clock.sleep(delay_s)
+        try:
+            self._expire_overdue()
+        except Exception:
+            log.exception("expiring a lost worker's calls failed")
 
     # -- internals -----------------------------------------------------------------------
 

@@ -228,6 +228,10 @@ class GenerationStreams:
             self._scheduler.complete(grant.request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
             self._forget(stream)
             return True
+        if stream.chunks:  # re-queued by the scheduler when its streaming worker went away
+            self._scheduler.complete(grant.request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
+            self._fail(stream, UnavailableError(f"worker {stream.worker_id} went away while generating"))
+            return True
         stream.worker_id, stream.endpoint = grant.worker_id, grant.data_endpoint
         stream.expected = 0
         stream.message.generation = grant.generation
@@ -278,6 +282,7 @@ class GenerationStreams:
                 self._retry(stream, error)
                 continue
             self._complete(stream, error.code)
+            self._scheduler.cancel(stream.request_id)  # if its scheduler re-queued it already
             self._fail(stream, error)
 
     # ---- internals -------------------------------------------------------------------

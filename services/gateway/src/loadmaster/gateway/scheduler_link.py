@@ -38,6 +38,7 @@ import grpc
 
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.grpc_client import FRESH_CONNECT_OPTIONS, aio_channel
+from loadmaster.common.liveness import LIVENESS
 from loadmaster.common.retry import Backoff
 from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -309,7 +310,8 @@ class SchedulerLink:
         backoff = Backoff(first_s=0.05, max_s=1.0)
         while not self._closing:
             try:
-                async with aio_channel(self._address, options=FRESH_CONNECT_OPTIONS) as channel:
+                options = [*FRESH_CONNECT_OPTIONS, *LIVENESS.grpc_options()]  # a silent scheduler: 1.8 s
+                async with aio_channel(self._address, options=options) as channel:
                     await asyncio.wait_for(channel.channel_ready(), self._connect_timeout_s)
                     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                     self._outbox = _Outbox()

@@ -15,6 +15,7 @@ from loadmaster.common.config import Settings
 from loadmaster.common.credentials import ADMIN_HEADER
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.common.liveness import LIVENESS
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.admin import SchedulerAdmin
@@ -102,8 +103,7 @@ class Gateway:
                 dispatcher.on_worker_reply,
                 on_lost=dispatcher.on_worker_lost,
                 on_generation_replies=dispatcher.on_generation_replies,
-                heartbeat_ivl_ms=gateway.worker_heartbeat_ivl_ms,
-                heartbeat_timeout_ms=gateway.worker_heartbeat_timeout_ms,
+                liveness=LIVENESS,
             )
             return self.workers
 
@@ -115,7 +115,7 @@ class Gateway:
             shm=self.shm,
             clock=clock,
             reply_grace_s=gateway.reply_grace_s,
-            lost_grace_s=gateway.worker_lost_grace_s,
+            lost_grace_s=LIVENESS.lost_grace_s,
         )
         self.edge = EdgeFrontend(
             gateway, self.dispatcher, self.telemetry, self.context, gateway_id=self.gateway_id, clock=clock

@@ -6,12 +6,27 @@ replies come back as `[b"", InferReply, payload]` and are handed to `on_reply`
 with the payload frame, again without a copy. Generation streams share the link: out
 `[GENERATE_REQUEST_FRAME | GENERATE_CANCEL_FRAME, message]` (`send_generation`), back
 `[GENERATE_REPLIES_FRAME, GenerateReplies]` to `on_generation_replies`.
+The sockets are plain ZMQ sockets read straight from the event loop (`SocketReader`): no
+Future or task wake-up per message, because on this path they cost more than the message.
 
-Each link is watched through a ZMQ socket monitor: when its connection drops (the
-worker's process died, or it answered no ZMTP heartbeat within the timeout),
-`on_lost(endpoint)` is called, so what that worker held is not left waiting. The sockets are plain ZMQ sockets
-read straight from the event loop (`SocketReader`): no Future or task wake-up per
-message, because on this path they cost more than the message.
+A link is opened on first use and lost, once and for all, when (docs/liveness.md):
+- its connection drops (the worker's process died and its kernel closed the socket), or
+  ZMTP heartbeats go unanswered (`LIVENESS.zmtp_bound_s`: a frozen process, a host or
+  container that vanished, a cut network: nothing closes then);
+- it did not connect within `LIVENESS.connect_within_s` (name resolved, TCP and ZMTP
+  handshake): a worker that was gone before the link was opened.
+Then `on_lost(endpoint)` is called, so what that worker held is not left waiting, the
+socket is closed (what had arrived on it is read first) and sends to the endpoint fail at
+once (`UnavailableError`) for `LIVENESS.refuse_lost_s`, by when the scheduler has noticed
+the worker too; a later send opens a new link.
+
+Host names are resolved here, off the event loop, never by libzmq: libzmq resolves a
+`tcp://name:port` endpoint with a blocking getaddrinfo on its I/O thread, at every
+reconnect, and that thread serves every socket of the context (the edge front end's too).
+A worker container that is gone leaves a name that no DNS server answers for: glibc gives
+up after 2 x 5 s, and for those 10 s the gateway moved no message at all (issue 33). So a
+link connects to the address its name had when the link was opened, and a link is never
+reconnected: a worker that comes back (perhaps at another address) gets a new link.
 
 A large payload for a worker on this host goes through shared memory instead of the
 socket (`ShmPayloads`; see loadmaster.common.shm): it is copied into a slot of the
@@ -24,9 +39,13 @@ memory off.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import ipaddress
 import itertools
 import logging
-from collections.abc import Callable
+import socket as _socket
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,19 +56,95 @@ from zmq.utils.monitor import parse_monitor_message
 
 from loadmaster.common import transport
 from loadmaster.common.addresses import is_local
+from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import UnavailableError
-from loadmaster.common.framing import GENERATE_REPLIES_FRAME, SocketReader, send_frames
+from loadmaster.common.framing import (
+    GENERATE_REPLIES_FRAME,
+    SocketReader,
+    receive_frames,
+    send_frames,
+)
 from loadmaster.common.gateway_config import SharedMemorySettings
+from loadmaster.common.liveness import LIVENESS, LinkLiveness
 from loadmaster.common.shm import SHM_DIRECTORY, ShmArena, ShmSlot, sweep_stale_regions
 from loadmaster.v1 import model_pool_pb2
 
-__all__ = ["ShmPayloads", "WorkerLinks", "is_local_endpoint"]
+__all__ = ["ShmPayloads", "WorkerLinks", "is_local_endpoint", "numeric_endpoint", "resolve_endpoint"]
 
 log = logging.getLogger(__name__)
 
 ReplyHandler = Callable[[model_pool_pb2.InferResponse, Any], None]
 GenerationHandler = Callable[[str, model_pool_pb2.GenerateReplies], None]
 _monitor_ids = itertools.count(1)
+_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_RESOLVER_THREADS = 2  # a name that no DNS server answers holds one for the resolver's timeout
+
+
+def numeric_endpoint(endpoint: str) -> bool:
+    """Whether libzmq can connect `endpoint` without resolving a name: ipc://, inproc://, or
+    tcp:// to an IP address (or an interface/source form, which is passed on as it is)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    rest = endpoint[len("tcp://") :]
+    if ";" in rest:
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_endpoint(endpoint: str) -> str:
+    """`tcp://name:port` -> `tcp://address:port` (blocking: call it off the loop). IPv4, as
+    libzmq resolves for a socket without ZMQ_IPV6."""
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    infos = _socket.getaddrinfo(host, int(port), _socket.AF_INET, _socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"no IPv4 address for {host}")
+    return f"tcp://{infos[0][4][0]}:{port}"
+
+
+class _Link:
+    """One worker's DEALER, its monitor, and where its connection stands."""
+
+    __slots__ = (
+        "backlog",
+        "deadline",
+        "endpoint",
+        "monitor",
+        "monitor_reader",
+        "reader",
+        "resolving",
+        "socket",
+        "up",
+    )
+
+    def __init__(self, endpoint: str, socket: zmq.Socket[Any], reader: SocketReader) -> None:
+        self.endpoint = endpoint
+        self.socket = socket
+        self.reader = reader
+        self.monitor: zmq.Socket[Any] | None = None
+        self.monitor_reader: SocketReader | None = None
+        self.up = False  # the ZMTP handshake succeeded
+        # Messages sent while the endpoint's name is being resolved (None: connected).
+        self.backlog: list[Sequence[Any]] | None = None
+        self.resolving: asyncio.Future[str] | None = None
+        self.deadline: asyncio.TimerHandle | None = None  # connected by then, or lost
+
+    def close(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if self.resolving is not None:
+            self.resolving.cancel()
+        self.reader.stop()
+        if self.monitor_reader is not None:
+            self.monitor_reader.stop()
+        self.socket.close(linger=0)  # before its monitor: the monitor's last events go nowhere
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+        self.backlog = None
 
 
 class WorkerLinks:
@@ -60,75 +155,155 @@ class WorkerLinks:
         *,
         on_lost: Callable[[str], None] | None = None,
         send_hwm: int = 10_000,
-        heartbeat_ivl_ms: int = 0,
-        heartbeat_timeout_ms: int = 0,
+        liveness: LinkLiveness = LIVENESS,
         on_generation_replies: GenerationHandler | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._context = context
         self._on_generation_replies = on_generation_replies
         self._on_reply = on_reply
         self._on_lost = on_lost
         self._send_hwm = send_hwm
-        self._heartbeat_ivl_ms = heartbeat_ivl_ms
-        self._heartbeat_timeout_ms = heartbeat_timeout_ms
-        self._links: dict[str, tuple[zmq.Socket[Any], SocketReader]] = {}
-        self._monitors: dict[str, tuple[zmq.Socket[Any], SocketReader]] = {}
+        self._liveness = liveness
+        self._clock: Clock = clock or SystemClock()
+        self._links: dict[str, _Link] = {}
+        self._refused_until: dict[str, float] = {}  # lost endpoint -> clock.monotonic()
+        self._resolver: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def connected(self) -> list[str]:
+        """The endpoints whose links are up (for logs and tests)."""
+        return sorted(endpoint for endpoint, link in self._links.items() if link.up)
 
     def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
         """Queue one request for `endpoint`; raise `UnavailableError` when it cannot be queued."""
-        socket, reader = self._links.get(endpoint) or self._connect(endpoint)
-        try:
-            send_frames(socket, (b"", envelope, payload))
-        except zmq.Again:
-            raise UnavailableError(f"worker data port {endpoint} is not accepting requests") from None
-        except zmq.ZMQError as error:
-            raise UnavailableError(f"worker data port {endpoint}: {error}") from None
-        finally:
-            reader.sent()
+        self._send(endpoint, (b"", envelope, payload))
 
     def send_generation(self, endpoint: str, kind: bytes, envelope: bytes) -> None:
         """Queue one generation message (GenerateRequest or CancelGeneration) for `endpoint`."""
-        socket, reader = self._links.get(endpoint) or self._connect(endpoint)
+        self._send(endpoint, (kind, envelope))
+
+    def _send(self, endpoint: str, frames: Sequence[Any]) -> None:
+        link = self._links.get(endpoint) or self._open(endpoint)
+        if link.backlog is not None:  # resolving its name
+            if len(link.backlog) >= self._send_hwm:
+                raise UnavailableError(f"worker data port {endpoint} is not accepting requests")
+            link.backlog.append(frames)
+            return
         try:
-            send_frames(socket, (kind, envelope))
+            send_frames(link.socket, frames)
         except zmq.Again:
             raise UnavailableError(f"worker data port {endpoint} is not accepting requests") from None
         except zmq.ZMQError as error:
             raise UnavailableError(f"worker data port {endpoint}: {error}") from None
         finally:
-            reader.sent()
+            link.reader.sent()
 
-    def _connect(self, endpoint: str) -> tuple[zmq.Socket[Any], SocketReader]:
+    # ---- a link's life ----------------------------------------------------------------
+
+    def _open(self, endpoint: str) -> _Link:
+        until = self._refused_until.get(endpoint)
+        if until is not None:
+            left = until - self._clock.monotonic()
+            if left > 0:
+                raise UnavailableError(
+                    f"worker data port {endpoint} was lost (refused for another {left:.1f}s)"
+                )
+            del self._refused_until[endpoint]
+        liveness = self._liveness
         socket: zmq.Socket[Any] = zmq.Socket(self._context, zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, self._send_hwm)
         socket.setsockopt(zmq.RCVHWM, 0)
         transport.apply_curve_client(socket)  # CurveZMQ when internal_auth.data_port_curve
-        if self._heartbeat_ivl_ms > 0:
-            socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ivl_ms)
-            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_timeout_ms or 3 * self._heartbeat_ivl_ms)
-        if self._on_lost is not None:
-            self._watch(endpoint, socket)
-        socket.connect(endpoint)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, liveness.heartbeat_ivl_ms)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, liveness.heartbeat_timeout_ms)
         reader = SocketReader(socket, partial(self._on_frames, endpoint), name=f"data link to {endpoint}")
+        link = self._links[endpoint] = _Link(endpoint, socket, reader)
+        self._watch(link)
         reader.start()
-        link = self._links[endpoint] = (socket, reader)
+        loop = asyncio.get_running_loop()
+        link.deadline = loop.call_later(liveness.connect_within_s, self._overdue, link)
+        if numeric_endpoint(endpoint):
+            socket.connect(endpoint)
+        else:
+            if self._resolver is None:
+                self._resolver = concurrent.futures.ThreadPoolExecutor(
+                    _RESOLVER_THREADS, thread_name_prefix="worker-link-resolver"
+                )
+            link.backlog = []
+            link.resolving = loop.run_in_executor(self._resolver, resolve_endpoint, endpoint)
+            link.resolving.add_done_callback(partial(self._resolved, link))
         return link
 
-    def _watch(self, endpoint: str, socket: zmq.Socket[Any]) -> None:
+    def _watch(self, link: _Link) -> None:
         address = f"inproc://worker-link-monitor-{next(_monitor_ids)}"
-        socket.monitor(address, zmq.EVENT_DISCONNECTED)
+        link.socket.monitor(address, _WATCHED)
         monitor: zmq.Socket[Any] = zmq.Socket(self._context, zmq.PAIR)
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(address)
-        reader = SocketReader(monitor, partial(self._on_event, endpoint), name=f"monitor of {endpoint}")
-        reader.start()
-        self._monitors[endpoint] = (monitor, reader)
+        link.monitor = monitor
+        link.monitor_reader = SocketReader(
+            monitor, partial(self._on_event, link), name=f"monitor of {link.endpoint}"
+        )
+        link.monitor_reader.start()
 
-    def _on_event(self, endpoint: str, frames: list[Any]) -> None:
-        event = parse_monitor_message([getattr(frame, "bytes", frame) for frame in frames])
-        if event["event"] == zmq.EVENT_DISCONNECTED and self._on_lost is not None:
-            log.warning("data link to worker %s disconnected", endpoint)
+    def _resolved(self, link: _Link, future: asyncio.Future[str]) -> None:
+        if future.cancelled() or self._links.get(link.endpoint) is not link:
+            return
+        link.resolving = None
+        error = future.exception()
+        if error is not None:
+            self._lose(link, f"its host name did not resolve: {error}")
+            return
+        address = future.result()
+        link.socket.connect(address)
+        backlog, link.backlog = link.backlog or [], None
+        try:
+            for frames in backlog:
+                send_frames(link.socket, frames)
+        except zmq.ZMQError as send_error:
+            self._lose(link, f"sending what waited for its address failed: {send_error}")
+            return
+        finally:
+            link.reader.sent()
+        log.debug("data link to %s connects to %s", link.endpoint, address)
+
+    def _overdue(self, link: _Link) -> None:
+        link.deadline = None
+        if not link.up and self._links.get(link.endpoint) is link:
+            self._lose(link, f"not connected within {self._liveness.connect_within_s:.1f}s")
+
+    def _on_event(self, link: _Link, frames: list[Any]) -> None:
+        if self._links.get(link.endpoint) is not link:
+            return
+        event = parse_monitor_message([getattr(frame, "bytes", frame) for frame in frames])["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            link.up = True
+            if link.deadline is not None:
+                link.deadline.cancel()
+                link.deadline = None
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._lose(link, "disconnected, or its heartbeats went unanswered")
+
+    def _lose(self, link: _Link, why: str) -> None:
+        """The link is over: read what arrived on it, close it, refuse its endpoint for a
+        while and tell `on_lost`."""
+        endpoint = link.endpoint
+        if self._links.get(endpoint) is not link:
+            return
+        del self._links[endpoint]
+        now = self._clock.monotonic()
+        self._refused_until = {e: t for e, t in self._refused_until.items() if t > now}
+        self._refused_until[endpoint] = now + self._liveness.refuse_lost_s
+        log.warning("data link to worker %s lost: %s", endpoint, why)
+        try:
+            while True:  # replies that came before the end still count
+                self._on_frames(endpoint, receive_frames(link.socket))
+        except zmq.ZMQError:
+            pass  # zmq.Again: none left
+        link.close()
+        if self._on_lost is not None:
             self._on_lost(endpoint)
 
     def _on_frames(self, endpoint: str, frames: list[zmq.Frame]) -> None:
@@ -147,15 +322,12 @@ class WorkerLinks:
         self._on_reply(reply, frames[2] if len(frames) > 2 else b"")
 
     async def close(self) -> None:
-        for _, reader in self._monitors.values():
-            reader.stop()  # closing a link is no loss
-        for socket, reader in self._links.values():
-            reader.stop()
-            socket.close(linger=0)
+        for link in self._links.values():
+            link.close()  # closing a link is no loss
         self._links.clear()
-        for monitor, _ in self._monitors.values():
-            monitor.close(linger=0)
-        self._monitors.clear()
+        if self._resolver is not None:
+            self._resolver.shutdown(wait=False, cancel_futures=True)
+            self._resolver = None
 
 
 def is_local_endpoint(endpoint: str) -> bool:

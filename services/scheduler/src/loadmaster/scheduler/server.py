@@ -5,6 +5,7 @@ from __future__ import annotations
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import Settings
 from loadmaster.common.grpc_server import GrpcServer
+from loadmaster.common.liveness import LIVENESS
 from loadmaster.common.ordering import load_policy_modules
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
@@ -34,7 +35,10 @@ def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
         make_ordering=make_ordering,
     )
     server = GrpcServer(
-        "scheduler", settings.scheduler.listen_address, grace_s=settings.scheduler.shutdown_grace_s
+        "scheduler",
+        settings.scheduler.listen_address,
+        grace_s=settings.scheduler.shutdown_grace_s,
+        options=LIVENESS.grpc_options(),  # it notices a silent worker or gateway in 1.3 s
     )
     server.add_service(
         SERVICE_NAME, scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, SchedulerServiceServicer(hub)
