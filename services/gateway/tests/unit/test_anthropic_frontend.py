@@ -18,8 +18,8 @@ import openai
 import pytest
 from starlette.applications import Starlette
 
-from loadmaster.common.config import ApiKeySettings
 from loadmaster.common.errors import NotFoundError, UnavailableError
+from loadmaster.common.gateway_config import ApiKeySettings
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.frontends.anthropic import anthropic_routes
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls

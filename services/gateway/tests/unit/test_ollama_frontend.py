@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 from starlette.applications import Starlette
 
-from loadmaster.common.config import ApiKeySettings
 from loadmaster.common.errors import NotFoundError, UnavailableError
+from loadmaster.common.gateway_config import ApiKeySettings
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.embeddings import EmbeddingRequest, EmbeddingResult

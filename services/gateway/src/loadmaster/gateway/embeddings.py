@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loadmaster.common.config import LimitsSettings
 from loadmaster.common.errors import InternalError
+from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import serialize_bytes
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.frontends.kserve import (
