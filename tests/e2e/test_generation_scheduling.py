@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
 import yaml
 
 from loadmaster.cli.launcher import Suite, free_port_overrides
+from loadmaster.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = ROOT / "examples" / "loadmaster.yaml"
@@ -339,3 +341,24 @@ async def test_a_stream_for_a_model_that_loads_says_so(fair_suite: Suite) -> Non
         lines = [line async for line in response.aiter_lines()]
     assert any(line.startswith(": loading") for line in lines), lines[:5]
     assert "data: [DONE]" in lines
+
+
+# ---- where generations go ------------------------------------------------------------------
+
+
+def _granted(suite: Suite) -> int:
+    with grpc.insecure_channel(suite.settings.scheduler.address) as channel:
+        reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetQueues(
+            scheduler_pb2.GetQueuesRequest(), timeout=5
+        )
+    return sum(q.granted for q in reply.queues if q.model_id == MODEL)
+
+
+async def test_a_warm_models_generations_go_straight_to_its_worker(fair_suite: Suite) -> None:
+    """The scheduler publishes where tiny-chat is served; the gateway sends each stream there
+    itself: client -> gateway -> worker -> gateway -> client, no scheduler round trip."""
+    client = _client(fair_suite)
+    before = _granted(fair_suite)
+    runs = await asyncio.gather(*(stream(client, f"direct-{i}", max_tokens=4) for i in range(3)))
+    assert all(run.output_tokens == 4 for run in runs)
+    assert _granted(fair_suite) == before

@@ -19,7 +19,7 @@ from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FR
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.frontends.openai import Finished, TextChunk, Waiting
-from loadmaster.gateway.frontends.openai_schema import parse_chat
+from loadmaster.gateway.frontends.openai_schema import parse_chat, parse_completion
 from loadmaster.gateway.generations import GenerationPort, GenerationStreams
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
@@ -465,3 +465,82 @@ async def test_tools_logprobs_and_n_reach_the_worker_and_choices_come_back_apart
         (0, "length", 3),
         (1, "tool_calls", 2),
     ]
+
+
+def placement(model: str, *workers: tuple[str, str, int]) -> scheduler_pb2.Placement:
+    return scheduler_pb2.Placement(
+        model_id=model,
+        workers=[scheduler_pb2.PlacedWorker(worker_id=w, data_endpoint=e, generation=g) for w, e, g in workers],
+    )
+
+
+async def test_a_generation_for_a_placed_model_goes_straight_to_a_worker(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, scheduler, workers = parts
+    streams.on_placement(placement("tiny-chat", ("w1", ENDPOINT, 7)))
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm", tenant="t")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    [sent] = workers.requests()
+    assert scheduler.enqueued == [] and sent.generation == 7 and sent.deadline_unix_ns > 0
+    streams.on_replies(ENDPOINT, replies("g1", (0, "chunk", "hi"), (1, "result", (3, 1))))
+    assert await first == TextChunk("hi")
+    assert isinstance(await anext(events), Finished)
+    assert scheduler.completed == []  # never queued there: nothing to tell it
+
+
+async def test_placed_generations_spread_over_workers_and_follow_their_prompt_prefix(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, scheduler, workers = parts
+    streams.on_placement(placement("tiny-chat", ("w1", "tcp://w1", 1), ("w2", "tcp://w2", 1)))
+    plain = b'{"model": "tiny-chat", "prompt": "x", "max_tokens": 2}'
+    opened = [streams.generate(parse_completion(plain), request_id=f"p{i}", client_id="a") for i in range(4)]
+    waits = [asyncio.ensure_future(anext(events)) for events in opened]
+    await settle()
+    endpoints = [endpoint for endpoint, _, _ in workers.sent]
+    assert sorted(endpoints) == ["tcp://w1", "tcp://w1", "tcp://w2", "tcp://w2"]  # the fewest placed first
+    long_prompt = json.dumps({"model": "tiny-chat", "messages": [{"role": "system", "content": "s" * 600},
+                              {"role": "user", "content": "hi"}]}).encode()
+    same = [streams.generate(parse_chat(long_prompt), request_id=f"s{i}", client_id="a") for i in range(3)]
+    more = [asyncio.ensure_future(anext(events)) for events in same]
+    await settle()
+    assert len({endpoint for endpoint, _, _ in workers.sent[4:]}) == 1  # one shared prefix: one worker
+    assert scheduler.enqueued == []
+    for wait in waits + more:
+        wait.cancel()
+
+
+async def test_a_placed_generation_whose_worker_goes_tries_another_then_the_scheduler(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, scheduler, workers = parts
+    streams.on_placement(placement("tiny-chat", ("w1", "tcp://w1", 1), ("w2", "tcp://w2", 1)))
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    tried = workers.sent[-1][0]
+    streams.on_worker_lost(tried)
+    assert workers.sent[-1][0] != tried and scheduler.enqueued == []
+    streams.on_worker_lost(workers.sent[-1][0])  # the other goes too: through the scheduler
+    [info] = scheduler.enqueued
+    assert info.request_id == "g1"
+    streams.on_grant(grant("g1", worker="w3"))
+    streams.on_replies(ENDPOINT, replies("g1", (0, "chunk", "ok"), (1, "result", (3, 1)), worker="w3"))
+    assert await first == TextChunk("ok")
+    assert isinstance(await anext(events), Finished)
+    assert [c[0] for c in scheduler.completed] == ["g1"]  # the scheduler's grant is given back
+
+
+async def test_a_model_served_nowhere_is_queued_at_the_scheduler_again(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, scheduler, workers = parts
+    streams.on_placement(placement("tiny-chat", ("w1", ENDPOINT, 1)))
+    streams.on_placement(placement("tiny-chat"))  # unloaded everywhere
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    assert [i.request_id for i in scheduler.enqueued] == ["g1"] and workers.sent == []
+    first.cancel()

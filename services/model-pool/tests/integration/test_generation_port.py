@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import shutil
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -325,3 +326,21 @@ async def test_images_to_a_model_that_takes_none_and_a_requests_keep_alive(
     await streams.generate("brief", sampling=sampling(2), keep_alive_s=600.0)
     await streams.until(lambda: streams.ended("brief"))
     assert worker.pool.status(MODEL).keep_alive_s == 600.0
+
+
+async def test_a_stream_still_waiting_at_its_deadline_is_answered_expired(
+    chat_worker: tuple[ModelPoolServer, Streams],
+) -> None:
+    _, streams = chat_worker
+    for name in ("hold-1", "hold-2"):  # both places, priority 0: nothing pauses for the next one
+        await streams.generate(name, sampling=sampling(1500), priority=0)
+    await streams.until(lambda: len(streams.tokens("hold-1")) >= 1 and len(streams.tokens("hold-2")) >= 1)
+    deadline = int((time.time() + 0.6) * 1e9)
+    await streams.generate("late", sampling=sampling(4), priority=1, deadline_unix_ns=deadline)
+    await streams.until(lambda: streams.ended("late"))
+    reply = streams.terminal("late")
+    assert reply.error.error_code == errors_pb2.ERROR_CODE_EXPIRED and "deadline" in reply.error.error_message
+    assert time.time() * 1e9 >= deadline
+    for name in ("hold-1", "hold-2"):
+        await streams.cancel(name)
+    await streams.until(lambda: streams.ended("hold-1") and streams.ended("hold-2"))

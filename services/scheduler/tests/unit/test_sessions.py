@@ -12,6 +12,8 @@ from loadmaster.common.clock import FakeClock, SystemClock
 from loadmaster.scheduler.core import CoreConfig
 from loadmaster.scheduler.domain import (
     Grant,
+    PlacedWorker,
+    Placement,
     Reject,
     RemoteService,
     RequestInfo,
@@ -134,4 +136,26 @@ async def test_the_hub_tells_each_worker_what_tenants_got_on_the_others() -> Non
     hub.disconnect_worker(second)  # what it gave no longer counts
     [after] = await first.outbox.take_all()
     assert after == RemoteService({"chat": {}})
+    await hub.stop()
+
+
+async def test_gateways_hear_where_generative_models_are_served_and_when_that_changes() -> None:
+    hub = SchedulerHub(CoreConfig(request_ttl_ms=5000.0, max_inflight=lambda m: 1), clock=SystemClock())
+    first = hub.connect_worker(WorkerHello("w1", "tcp://w1", repository=("chat", "m")))
+    hub.report(first, [SlotStatus("chat", SlotState.READY, generation=2, backend="transformers")])
+    gateway = hub.open_session("g1")
+    [told] = await gateway.outbox.take_all()  # what it missed before it came
+    assert told == Placement("chat", (PlacedWorker("w1", "tcp://w1", 2),))
+    second = hub.connect_worker(WorkerHello("w2", "tcp://w2", repository=("chat",)))
+    hub.report(second, [SlotStatus("chat", SlotState.LOADING, backend="transformers")])
+    hub.report(first, [SlotStatus("chat", SlotState.READY, generation=2, backend="transformers"),
+                       SlotStatus("m", SlotState.READY, generation=1, backend="torch")])  # tensors: not told
+    assert len(gateway.outbox) == 0  # nothing changed for generations
+    hub.report(second, [SlotStatus("chat", SlotState.READY, generation=5, backend="transformers")])
+    [both] = await gateway.outbox.take_all()
+    assert both == Placement("chat", (PlacedWorker("w1", "tcp://w1", 2), PlacedWorker("w2", "tcp://w2", 5)))
+    hub.disconnect_worker(first)
+    hub.disconnect_worker(second)
+    told = await gateway.outbox.take_all()
+    assert told[-1] == Placement("chat", ())  # served nowhere: generations go through the queue again
     await hub.stop()

@@ -223,16 +223,36 @@ class RevokeCredit(_message.Message):
     def __init__(self, credit_id: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("grants", "rejects", "credits", "revokes")
+    __slots__ = ("grants", "rejects", "credits", "revokes", "placements")
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     REJECTS_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     REVOKES_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
     rejects: _containers.RepeatedCompositeFieldContainer[Reject]
     credits: _containers.RepeatedCompositeFieldContainer[Credit]
     revokes: _containers.RepeatedCompositeFieldContainer[RevokeCredit]
-    def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., rejects: _Optional[_Iterable[_Union[Reject, _Mapping]]] = ..., credits: _Optional[_Iterable[_Union[Credit, _Mapping]]] = ..., revokes: _Optional[_Iterable[_Union[RevokeCredit, _Mapping]]] = ...) -> None: ...
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., rejects: _Optional[_Iterable[_Union[Reject, _Mapping]]] = ..., credits: _Optional[_Iterable[_Union[Credit, _Mapping]]] = ..., revokes: _Optional[_Iterable[_Union[RevokeCredit, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("model_id", "workers")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    workers: _containers.RepeatedCompositeFieldContainer[PlacedWorker]
+    def __init__(self, model_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[PlacedWorker, _Mapping]]] = ...) -> None: ...
+
+class PlacedWorker(_message.Message):
+    __slots__ = ("worker_id", "data_endpoint", "generation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    data_endpoint: str
+    generation: int
+    def __init__(self, worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ("worker_id", "data_endpoint", "grpc_endpoint", "node", "repository")

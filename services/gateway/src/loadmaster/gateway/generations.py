@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loadmaster.common import internal_auth
+from loadmaster.common.backends import GENERATIVE_BACKENDS
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import (
     InternalError,
@@ -54,6 +55,7 @@ from loadmaster.common.errors import (
     error_for_code,
 )
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FRAME
+from loadmaster.common.rendezvous import affinity_rank
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.affinity import prefix_affinity_key
 from loadmaster.gateway.catalog import ModelView
@@ -71,13 +73,10 @@ from loadmaster.gateway.ladders import REMOTE_BACKENDS, Ladder, LadderRouter, al
 from loadmaster.gateway.ports import SchedulerSession
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
-__all__ = ["GENERATIVE_BACKENDS", "GenerationPort", "GenerationStreams"]
+__all__ = ["GenerationPort", "GenerationStreams"]
 
 log = logging.getLogger(__name__)
 
-GENERATIVE_BACKENDS = frozenset(
-    {"transformers", "transformers_vlm", "openai_process", "remote_openai", "python_generative"}
-)
 OPENAI_BACKENDS = GENERATIVE_BACKENDS | {"embedding"}  # what GET /v1/models lists
 DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's own default is the context's rest)
 DEFAULT_PRIORITY = 1  # as for tensor requests
@@ -116,6 +115,17 @@ class _Stream:
     cancel_timer: asyncio.TimerHandle | None = None
     waiting_told: Waiting | None = None  # the last `Waiting` delivered
     waiting_at: float = 0.0
+    info: scheduler_pb2.RequestInfo | None = None  # what the scheduler is told when it queues it
+    placed: bool = False  # sent straight to a worker the scheduler placed the model on
+    tried: set[str] = field(default_factory=set)  # workers that failed it before its first chunk
+    enqueued: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    worker_id: str
+    endpoint: str
+    generation: int
 
 
 class GenerationStreams:
@@ -144,6 +154,10 @@ class GenerationStreams:
         self.model_view = model_view
         self._streams: dict[str, _Stream] = {}
         self._waiting_task: asyncio.Task[None] | None = None
+        self._placements: dict[str, tuple[_Placed, ...]] = {}  # model -> where it is served
+        self._placed_on: dict[str, int] = {}  # worker -> this gateway's streams placed there
+        # a model's queue TTL (`request_ttl_ms`): a placed stream's deadline when it names none
+        self.ttl_ms: Callable[[str], float] = lambda model_id: 60_000.0
 
     @property
     def open(self) -> int:
@@ -178,18 +192,17 @@ class GenerationStreams:
                 self._cancel(stream, "the client went away")
 
     def _open(self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str) -> _Stream:
-        if not self._scheduler.connected:
-            raise UnavailableError("scheduler unreachable; try again shortly")
         if request_id in self._streams:
             raise UnavailableError(f"duplicate request id {request_id}")
+        if not self._placements.get(request.model) and not self._scheduler.connected:
+            raise UnavailableError("scheduler unreachable; try again shortly")
         message = _message(request, request_id=request_id, default_max_tokens=self._default_max_tokens)
         message.tenant = tenant
         message.tenant_weight = self.weights(tenant)
         stream = _Stream(request_id, request.model, message, self._clock.monotonic(), self._scheduler.session)
-        self._streams[request_id] = stream
-        self._watch_waiting()
-        self._scheduler.enqueue(
-            scheduler_pb2.RequestInfo(
+        ttl_s = (request.deadline_ms or self.ttl_ms(request.model)) / 1000.0
+        message.deadline_unix_ns = int((self._clock.time() + ttl_s) * 1e9)
+        stream.info = scheduler_pb2.RequestInfo(
                 request_id=request_id,
                 client_id=client_id,
                 model_id=request.model,
@@ -202,8 +215,69 @@ class GenerationStreams:
                 connection_bound=True,  # the stream is cancelled when its HTTP client goes
                 affinity_key=prefix_affinity_key(request),
             )
-        )
+        self._streams[request_id] = stream
+        self._watch_waiting()
+        if not self._place(stream):
+            self._enqueue(stream)
         return stream
+
+    # ---- placement -------------------------------------------------------------------
+
+    def on_placement(self, placement: scheduler_pb2.Placement) -> None:
+        """Where the scheduler says a generative model is served now (no worker: nowhere)."""
+        placed = tuple(_Placed(w.worker_id, w.data_endpoint, w.generation) for w in placement.workers)
+        if placed:
+            self._placements[placement.model_id] = placed
+        else:
+            self._placements.pop(placement.model_id, None)
+
+    def _place(self, stream: _Stream) -> bool:
+        """Send `stream` straight to a worker that serves its model: the one its prompt prefix
+        prefers (the scheduler's rendezvous score), else the one with the fewest streams placed
+        from here; False when none is left to try (it then goes through the scheduler)."""
+        candidates = [p for p in self._placements.get(stream.model_id, ()) if p.worker_id not in stream.tried]
+        key = stream.info.affinity_key if stream.info is not None else ""
+        while candidates:
+            if key:
+                chosen = max(candidates, key=lambda p: affinity_rank(key, p.worker_id))
+            else:
+                chosen = min(candidates, key=lambda p: (self._placed_on.get(p.worker_id, 0), p.worker_id))
+            candidates.remove(chosen)
+            stream.message.generation = chosen.generation
+            if self._send(stream, chosen.endpoint):
+                stream.worker_id, stream.endpoint, stream.expected = chosen.worker_id, chosen.endpoint, 0
+                stream.placed = True
+                self._placed_on[chosen.worker_id] = self._placed_on.get(chosen.worker_id, 0) + 1
+                return True
+            stream.tried.add(chosen.worker_id)
+        return False
+
+    def _enqueue(self, stream: _Stream) -> None:
+        """Through the scheduler: it loads the model where none serves it, then grants."""
+        if not self._scheduler.connected:
+            self._fail(stream, UnavailableError("no worker serves the model and the scheduler is unreachable"))
+            return
+        assert stream.info is not None
+        stream.enqueued, stream.session = True, self._scheduler.session
+        self._scheduler.enqueue(stream.info)
+
+    def _send(self, stream: _Stream, endpoint: str) -> bool:
+        if (credentials := internal_auth.current()) is not None:  # a fresh one per send (replays refused)
+            credentials.sign_envelope(stream.message.metadata, stream.request_id)
+        try:
+            self._workers.send_generation(endpoint, GENERATE_REQUEST_FRAME, stream.message.SerializeToString())
+        except UnavailableError:
+            return False
+        return True
+
+    def _unplace(self, stream: _Stream) -> None:
+        if stream.placed and stream.worker_id:
+            left = self._placed_on.get(stream.worker_id, 1) - 1
+            if left > 0:
+                self._placed_on[stream.worker_id] = left
+            else:
+                self._placed_on.pop(stream.worker_id, None)
+        stream.placed = False
 
     @staticmethod
     def _joined(stream: _Stream, first: TextChunk) -> TextChunk | tuple[TextChunk, Any]:
@@ -236,16 +310,10 @@ class GenerationStreams:
         stream.expected = 0
         stream.message.generation = grant.generation
         stream.message.deadline_unix_ns = grant.deadline_unix_ns
-        if (credentials := internal_auth.current()) is not None:  # a fresh one per send (replays refused)
-            credentials.sign_envelope(stream.message.metadata, stream.request_id)
-        try:
-            self._workers.send_generation(
-                grant.data_endpoint, GENERATE_REQUEST_FRAME, stream.message.SerializeToString()
-            )
-        except UnavailableError as error:
+        if not self._send(stream, grant.data_endpoint):
             stream.worker_id = ""
             self._scheduler.complete(
-                grant.request_id, error_code=error.code, retryable=True, worker_id=grant.worker_id
+                grant.request_id, error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True, worker_id=grant.worker_id
             )
         return True
 
@@ -278,7 +346,8 @@ class GenerationStreams:
     def on_worker_lost(self, endpoint: str) -> None:
         for stream in [s for s in self._streams.values() if s.worker_id and s.endpoint == endpoint]:
             error = UnavailableError(f"worker {stream.worker_id} went away while generating")
-            if stream.chunks == 0 and not stream.cancelling and self._scheduler.session == stream.session:
+            same_session = stream.placed or self._scheduler.session == stream.session
+            if stream.chunks == 0 and not stream.cancelling and same_session:
                 self._retry(stream, error)
                 continue
             self._complete(stream, error.code)
@@ -392,10 +461,18 @@ class GenerationStreams:
                     self._tell_waiting(stream, waiting)
 
     def _retry(self, stream: _Stream, error: LoadmasterError) -> None:
-        """Before its first chunk, a retryable failure goes back to the scheduler (re-granted or rejected)."""
+        """Before its first chunk, a retryable failure tries again: a placed stream on another
+        worker that serves its model, else through the scheduler (re-granted or rejected)."""
         worker_id = stream.worker_id
-        stream.worker_id, stream.endpoint, stream.expected = "", "", 0
         self._telemetry.record("dispatch_retries", 1, {"model": stream.model_id})
+        if stream.placed:
+            self._unplace(stream)
+            stream.tried.add(worker_id)
+            stream.worker_id, stream.endpoint, stream.expected = "", "", 0
+            if not self._place(stream):
+                self._enqueue(stream)
+            return
+        stream.worker_id, stream.endpoint, stream.expected = "", "", 0
         self._scheduler.complete(
             stream.request_id, error_code=error.code, retryable=True, worker_id=worker_id
         )
@@ -406,7 +483,8 @@ class GenerationStreams:
             return
         stream.cancelling = True
         if not stream.worker_id:
-            self._scheduler.cancel(stream.request_id)
+            if stream.enqueued:
+                self._scheduler.cancel(stream.request_id)
             self._forget(stream)
             return
         self._send_cancel(stream, reason)
@@ -429,6 +507,10 @@ class GenerationStreams:
             self._workers.send_generation(stream.endpoint, GENERATE_CANCEL_FRAME, message.SerializeToString())
 
     def _complete(self, stream: _Stream, error_code: int, *, inference_ms: float = 0.0) -> None:
+        if stream.placed:  # never queued at the scheduler: nothing to tell it
+            self._unplace(stream)
+            stream.worker_id = ""
+            return
         if stream.worker_id:
             self._scheduler.complete(
                 stream.request_id,
@@ -447,6 +529,7 @@ class GenerationStreams:
         self._forget(stream)
 
     def _forget(self, stream: _Stream) -> None:
+        self._unplace(stream)
         stream.done = True
         if stream.cancel_timer is not None:
             stream.cancel_timer.cancel()

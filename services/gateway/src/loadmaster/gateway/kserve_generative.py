@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from loadmaster.common.backends import GENERATIVE_BACKENDS
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.gateway.calls import CallResult, InferenceCall
@@ -31,7 +32,7 @@ from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.frontends.kserve import dispatch
 from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import GenerationRequest
-from loadmaster.gateway.generations import DEFAULT_MAX_TOKENS, GENERATIVE_BACKENDS
+from loadmaster.gateway.generations import DEFAULT_MAX_TOKENS
 from loadmaster.v1 import model_pool_pb2, tensor_pb2
 
 __all__ = ["TEXT_INPUT", "TEXT_OUTPUT", "GenerativeKServe", "with_generative_tensors"]

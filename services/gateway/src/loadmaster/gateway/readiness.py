@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loadmaster.common.backends import GENERATIVE_BACKENDS
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.gateway.catalog import ModelCatalog
-from loadmaster.gateway.generations import GENERATIVE_BACKENDS
 from loadmaster.gateway.scheduler_link import SchedulerLink
 
 __all__ = ["Readiness", "ReadinessReport"]

@@ -123,6 +123,7 @@ class SchedulerLink:
         on_lost: Callable[[], None],
         on_credit: Callable[[scheduler_pb2.Credit], None] | None = None,
         on_revoke: Callable[[str], None] | None = None,
+        on_placement: Callable[[scheduler_pb2.Placement], None] | None = None,
         max_batch: int = 256,
         connect_timeout_s: float = 1.0,
         report_delay_s: float = 0.02,
@@ -136,6 +137,7 @@ class SchedulerLink:
         self._on_lost = on_lost
         self._on_credit = on_credit
         self._on_revoke = on_revoke
+        self._on_placement = on_placement
         self._max_batch = max_batch
         self._connect_timeout_s = connect_timeout_s
         self._report_delay_s = report_delay_s
@@ -331,6 +333,9 @@ class SchedulerLink:
                         if self._on_revoke is not None:
                             for revoke in response.revokes:
                                 self._on_revoke(revoke.credit_id)
+                        if self._on_placement is not None:
+                            for placement in response.placements:
+                                self._on_placement(placement)
                     log.warning("scheduler %s ended the session", self._address)
             except asyncio.CancelledError:
                 self._mark_lost()

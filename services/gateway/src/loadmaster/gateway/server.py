@@ -90,6 +90,7 @@ class Gateway:
                 on_lost=dispatcher.on_scheduler_lost,
                 on_credit=dispatcher.on_credit,
                 on_revoke=dispatcher.on_revoke,
+                on_placement=lambda placement: dispatcher.generations.on_placement(placement),
                 max_batch=gateway.max_stream_batch,
                 connect_timeout_s=gateway.scheduler_connect_timeout_s,
                 report_delay_s=gateway.report_delay_s,
@@ -150,6 +151,9 @@ class Gateway:
         # One port for every front end: the OpenAI routes, and KServe's text_input on language
         # models over HTTP and gRPC (one ladder router, one view of the model states).
         self.dispatcher.generations.model_view = self._model_view
+        self.dispatcher.generations.ttl_ms = lambda model_id: (
+            settings.models.for_model(model_id).request_ttl_ms or settings.scheduler.request_ttl_ms
+        )
         self.generations = GenerationPort(
             self.dispatcher.generations,
             self.catalog.models,

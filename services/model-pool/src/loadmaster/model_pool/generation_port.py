@@ -40,6 +40,7 @@ from loadmaster.common import internal_auth
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.credentials import ENVELOPE_KEY
 from loadmaster.common.errors import (
+    ExpiredError,
     InternalError,
     InvalidArgumentError,
     LoadmasterError,
@@ -89,6 +90,8 @@ class _Stream:
     ended: bool = False
     ahead_sent: int = -1  # the queue position its last progress reply gave
     progress_at: float = 0.0  # when that reply was sent
+    deadline_unix_ns: int = 0  # no first token by then: it expires while it waits (0: never)
+    expired: bool = False
 
 
 @dataclass(slots=True)
@@ -227,6 +230,7 @@ class GenerationPort:
             return
         now = self._clock.monotonic()
         stream = _Stream(identity, request, model_id, admission, received=now)
+        stream.deadline_unix_ns = message.deadline_unix_ns
         model = self._model(model_id, admission)
         model.streams[request_id] = stream
         self._streams[request_id] = stream
@@ -357,7 +361,8 @@ class GenerationPort:
     async def _progress_loop(self) -> None:
         """While any stream waits for its first token: each gets a progress reply within
         PROGRESS_FIRST_S of arriving, then at most once per PROGRESS_EVERY_S while its place
-        changes. Ends when no stream is open."""
+        changes, and one whose deadline passes leaves the queue, answered `expired` (a gateway
+        that places generations itself gives each its deadline). Ends when no stream is open."""
         while self._streams:
             await asyncio.sleep(PROGRESS_TICK_S)
             try:
@@ -366,9 +371,15 @@ class GenerationPort:
                 log.exception("generation progress failed")
 
     def _send_progress(self, now: float) -> None:
+        wall_ns = self._clock.time() * 1e9
         for model in self._models.values():
-            for stream in model.streams.values():
-                if stream.ended or stream.first_token or now - stream.received < PROGRESS_FIRST_S:
+            for stream in list(model.streams.values()):
+                if stream.ended or stream.first_token:
+                    continue
+                if stream.deadline_unix_ns and wall_ns >= stream.deadline_unix_ns:
+                    self._expire(model, stream)
+                    continue
+                if now - stream.received < PROGRESS_FIRST_S:
                     continue
                 ahead = self._ahead(model, stream, now)
                 if ahead is None or ahead == stream.ahead_sent:
@@ -385,6 +396,17 @@ class GenerationPort:
                 reply.progress.queued_ahead = ahead
                 self._outbox.setdefault(stream.identity, []).append(reply)  # no sequence number
                 self._schedule_flush()
+
+    def _expire(self, model: _Model, stream: _Stream) -> None:
+        """Its deadline passed before its first token: it leaves the queue, answered `expired`."""
+        stream.expired = True
+        request_id = stream.request.request_id
+        if stream.engine_stream is not None:
+            stream.admission.engine.cancel(request_id)  # its task sends the (expired) terminal
+            return
+        stream.cancel_reason = "expired"
+        if stream.task is None and model.sequencer is not None and model.sequencer.is_waiting(request_id):
+            self._refuse_admitted(stream, ExpiredError("the generation waited past its deadline"))
 
     def _ahead(self, model: _Model, stream: _Stream, now: float) -> int | None:
         request_id = stream.request.request_id
@@ -411,6 +433,9 @@ class GenerationPort:
 
     def _terminal(self, stream: _Stream, end: GenerationEnd) -> None:
         if stream.ended:
+            return
+        if stream.expired and end.finish_reason is FinishReason.CANCELLED:
+            self._refuse_admitted(stream, ExpiredError("the generation waited past its deadline"))
             return
         stream.ended = True
         code = (

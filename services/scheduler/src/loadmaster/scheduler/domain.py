@@ -30,6 +30,8 @@ __all__ = [
     "LocalQueueSpec",
     "Outcome",
     "OverflowPolicy",
+    "PlacedWorker",
+    "Placement",
     "QueueStats",
     "Reject",
     "RemoteService",
@@ -142,6 +144,23 @@ class LoadModel:
 @dataclass(frozen=True, slots=True)
 class UnloadModel:
     model_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedWorker:
+    """A worker that serves a generative model: where a gateway sends its generations."""
+
+    worker_id: str
+    data_endpoint: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Every worker that serves `model_id` now (empty: none), as gateways are told."""
+
+    model_id: str
+    workers: tuple[PlacedWorker, ...]
 
 
 @dataclass(frozen=True, slots=True)

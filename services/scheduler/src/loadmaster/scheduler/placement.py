@@ -19,15 +19,19 @@ load comes last. `free_mb` 0 means "not reported".
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from loadmaster.common.backends import GENERATIVE_BACKENDS
+from loadmaster.common.rendezvous import affinity_rank
+from loadmaster.scheduler.domain import PlacedWorker, SlotState, WorkerView
 
 __all__ = [
     "GrantCandidate",
     "LoadCandidate",
     "affinity_rank",
+    "generative_placements",
     "pick_batch_worker",
     "pick_grant_worker",
     "pick_load_worker",
@@ -100,13 +104,6 @@ def pick_grant_worker(
     return min((a, b), key=lambda c: (c.reported_load, c.worker_id)).worker_id
 
 
-def affinity_rank(key: str, worker_id: str) -> int:
-    """Rendezvous (highest-random-weight) score of `worker_id` for `key`: stable across
-    processes and restarts (blake2b, not the salted `hash`)."""
-    digest = hashlib.blake2b(f"{key}\x00{worker_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
 def pick_batch_worker(candidates: Iterable[GrantCandidate], *, max_inflight: int) -> tuple[str, int] | None:
     """The candidate with the most room for a group (worker id, free slots), if any has room."""
     best: GrantCandidate | None = None
@@ -128,3 +125,15 @@ def pick_load_worker(candidates: Iterable[LoadCandidate], *, vram_mb: int | None
 
     ranked = sorted(candidates, key=rank)
     return ranked[0].worker_id if ranked else None
+
+
+def generative_placements(workers: Iterable[WorkerView]) -> dict[str, tuple[PlacedWorker, ...]]:
+    """Per generative model, the workers that hold it READY (by worker id): where gateways
+    may send its generations themselves (docs/generation-scheduling.md)."""
+    out: dict[str, list[PlacedWorker]] = {}
+    for worker in sorted(workers, key=lambda w: w.hello.worker_id):
+        for slot in worker.slots:
+            if slot.state is SlotState.READY and slot.backend in GENERATIVE_BACKENDS:
+                placed = PlacedWorker(worker.hello.worker_id, worker.hello.data_endpoint, slot.generation)
+                out.setdefault(slot.model_id, []).append(placed)
+    return {model_id: tuple(placed) for model_id, placed in out.items()}

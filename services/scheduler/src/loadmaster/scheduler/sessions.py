@@ -31,6 +31,8 @@ from loadmaster.scheduler.domain import (
     CreditRevoke,
     Grant,
     Outcome,
+    PlacedWorker,
+    Placement,
     Reject,
     RemoteService,
     SlotStatus,
@@ -39,6 +41,7 @@ from loadmaster.scheduler.domain import (
     WorkerHello,
 )
 from loadmaster.scheduler.outbound import Telemetry
+from loadmaster.scheduler.placement import generative_placements
 from loadmaster.scheduler.tenant_service import TenantServiceExchange
 
 __all__ = ["DeadlineTimer", "GatewayLink", "Outbox", "SchedulerHub", "WorkerLink", "pump"]
@@ -122,7 +125,7 @@ async def pump(
 class GatewayLink:
     session_id: int
     gateway_id: str
-    outbox: Outbox[Outcome | Credit | CreditRevoke] = field(default_factory=Outbox)
+    outbox: Outbox[Outcome | Credit | CreditRevoke | Placement] = field(default_factory=Outbox)
 
 
 @dataclass(eq=False, slots=True)
@@ -194,6 +197,7 @@ class SchedulerHub:
         self._sessions: dict[int, GatewayLink] = {}
         self._workers: dict[str, WorkerLink] = {}
         self._tenant_service = TenantServiceExchange()
+        self._placements: dict[str, tuple[PlacedWorker, ...]] = {}  # as last told to gateways
         self._session_ids = itertools.count(1)
         self._timer = DeadlineTimer(clock, self._on_timer)
         self._stopped = False
@@ -208,6 +212,8 @@ class SchedulerHub:
             link.outbox.close()  # shutting down: the stream ends at once
             return link
         self._sessions[link.session_id] = link
+        for model_id, workers in sorted(self._placements.items()):  # where generations go, so far
+            link.outbox.put(Placement(model_id, workers))
         if accepts_credits:
             self.core.accept_credits(link.session_id)
         log.info("gateway %s connected (session %d)", gateway_id, link.session_id)
@@ -264,6 +270,7 @@ class SchedulerHub:
         self._workers[hello.worker_id] = link
         self.core.add_worker(hello)  # replaces a previous registration under this id
         self._rearm()
+        self._publish_placements()
         log.info("worker %s connected (repository: %s)", hello.worker_id, ", ".join(hello.repository))
         return link
 
@@ -272,6 +279,22 @@ class SchedulerHub:
             return  # a replaced session still talking
         self.core.update_worker(link.worker_id, slots, free_mb=free_mb)
         self._rearm()
+        self._publish_placements()
+
+    def _publish_placements(self) -> None:
+        """Tell every gateway where each generative model is served now, when that changed."""
+        placements = generative_placements(self.core.workers())
+        changed = [
+            Placement(model_id, placements.get(model_id, ()))
+            for model_id in sorted(set(placements) | set(self._placements))
+            if placements.get(model_id, ()) != self._placements.get(model_id, ())
+        ]
+        if not changed:
+            return
+        self._placements = {model_id: workers for model_id, workers in placements.items() if workers}
+        for session in self._sessions.values():
+            for placement in changed:
+                session.outbox.put(placement)
 
     def tenant_service(self, link: WorkerLink, service: dict[str, dict[str, float]]) -> None:
         """A worker's service per tenant: tell the others that serve those models."""
@@ -301,6 +324,7 @@ class SchedulerHub:
             return
         del self._workers[link.worker_id]
         self.core.remove_worker(link.worker_id)
+        self._publish_placements()
         self._send_remote(self._tenant_service.forget(link.worker_id))
         self._rearm()
         log.info("worker %s disconnected", link.worker_id)

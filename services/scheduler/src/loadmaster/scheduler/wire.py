@@ -16,6 +16,7 @@ from loadmaster.scheduler.domain import (
     LoadModel,
     LocalQueueSpec,
     Outcome,
+    Placement,
     QueueStats,
     RemoteService,
     RequestInfo,
@@ -53,7 +54,7 @@ _STATE_TO_PB: dict[SlotState, model_pool_pb2.ModelState.ValueType] = {
     state: value for value, state in _STATE_FROM_PB.items()
 }
 
-SessionOutcome: TypeAlias = Outcome | Credit | CreditRevoke
+SessionOutcome: TypeAlias = Outcome | Credit | CreditRevoke | Placement
 
 
 def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
@@ -135,6 +136,12 @@ def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.Sessio
                 _local_queue(response.credits[-1].local_queue, spec)
         elif isinstance(outcome, CreditRevoke):
             response.revokes.add(credit_id=outcome.credit_id)
+        elif isinstance(outcome, Placement):
+            placement = response.placements.add(model_id=outcome.model_id)
+            for placed in outcome.workers:
+                placement.workers.add(
+                    worker_id=placed.worker_id, data_endpoint=placed.data_endpoint, generation=placed.generation
+                )
         elif isinstance(outcome, Grant):
             response.grants.add(
                 request_id=outcome.request_id,
