@@ -350,8 +350,10 @@ class GenerationStreams:
             if stream.chunks == 0 and not stream.cancelling and same_session:
                 self._retry(stream, error)
                 continue
+            enqueued = stream.enqueued
             self._complete(stream, error.code)
-            self._scheduler.cancel(stream.request_id)  # if its scheduler re-queued it already
+            if enqueued:
+                self._scheduler.cancel(stream.request_id)  # if its scheduler re-queued it already
             self._fail(stream, error)
 
     # ---- internals -------------------------------------------------------------------
