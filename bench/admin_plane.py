@@ -39,7 +39,7 @@ from loadmaster.common.ports import free_port
 from loadmaster.gateway.admin import SchedulerAdmin
 from loadmaster.gateway.admin_plane import AdminPlane
 from loadmaster.gateway.auth import INFER, Authenticator, hash_key
-from loadmaster.gateway.generations import GenerationPort
+from loadmaster.gateway.generations import GenerationRouter
 from loadmaster.gateway.guardrails import Guardrails
 from loadmaster.gateway.keyring import KeyRecord
 
@@ -94,7 +94,7 @@ async def per_request() -> dict[str, Any]:
         on_settings,
         auth=on_auth,
         guardrails=Guardrails(on_settings.gateway.guardrails),
-        generations=GenerationPort(None, _no_models),  # type: ignore[arg-type]  # routes nothing here
+        generations=GenerationRouter(None, _no_models),  # type: ignore[arg-type]  # routes nothing here
         scheduler=SchedulerAdmin("127.0.0.1:1"),
         audit=None,
         gateway_id="bench",

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from loadmaster.cli.main import app
 from loadmaster.common.errors import NotFoundError
 from loadmaster.gateway.auth import Authenticator
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, openai_routes
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.frontends.openai import openai_routes
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
 
 
 class Echoing:

@@ -23,8 +23,9 @@ from loadmaster.common.gateway_config import ApiKeySettings
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.frontends.anthropic import anthropic_routes
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, openai_routes
-from loadmaster.gateway.frontends.openai_schema import ChatCompletionBody, GenerationRequest
+from loadmaster.gateway.frontends.openai import openai_routes
+from loadmaster.gateway.frontends.openai_schema import ChatCompletionBody
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
 from loadmaster.gateway.generation_items import FunctionSpec, ToolCall, ToolUse
 
 

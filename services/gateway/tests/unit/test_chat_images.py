@@ -16,7 +16,8 @@ from PIL import Image
 from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.gateway.chat_images import ChatImages, host_allowed, image_kind
-from loadmaster.gateway.frontends.openai_schema import ChatImage, GenerationRequest, OpenAIError, parse_chat
+from loadmaster.gateway.frontends.openai_schema import OpenAIError, parse_chat
+from loadmaster.gateway.generation import ChatImage, GenerationRequest
 
 
 def turns(request: GenerationRequest) -> tuple[tuple[str, str], ...] | None:

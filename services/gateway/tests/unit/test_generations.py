@@ -18,9 +18,9 @@ from loadmaster.common.errors import ExpiredError, InternalError, InvalidArgumen
 from loadmaster.common.framing import GENERATE_CANCEL_FRAME, GENERATE_REQUEST_FRAME
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.catalog import ModelView
-from loadmaster.gateway.frontends.openai import Finished, TextChunk, Waiting
 from loadmaster.gateway.frontends.openai_schema import parse_chat, parse_completion
-from loadmaster.gateway.generations import GenerationPort, GenerationStreams
+from loadmaster.gateway.generation import Finished, TextChunk, Waiting
+from loadmaster.gateway.generations import GenerationRouter, GenerationStreams
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
 ENDPOINT = "tcp://127.0.0.1:1"
@@ -264,7 +264,7 @@ async def test_the_port_lists_generative_models_with_their_state(
     async def models() -> dict[str, ModelView]:
         return views
 
-    port = GenerationPort(parts[0], models)
+    port = GenerationRouter(parts[0], models)
     assert await port.models() == {"tiny-chat": "READY", "big-chat": "IDLE"}
 
 
@@ -300,7 +300,7 @@ async def test_models_served_by_engine_processes_are_generative(
     async def models() -> dict[str, ModelView]:
         return views
 
-    assert await GenerationPort(parts[0], models).models() == {"tiny-chat-process": "READY"}
+    assert await GenerationRouter(parts[0], models).models() == {"tiny-chat-process": "READY"}
 
 
 async def test_response_format_travels_to_the_worker(

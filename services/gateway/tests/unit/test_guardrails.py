@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from loadmaster.common.gateway_config import GuardrailSettings
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
+from loadmaster.gateway.generation import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.generation_items import TokenLogprob, ToolCall
 from loadmaster.gateway.guardrails import (
     Blocklist,

@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.frontends import http
 from loadmaster.gateway.frontends.http_codec import encode_response_parts, json_encoding_bytes
-from loadmaster.gateway.frontends.kserve import outputs_of
+from loadmaster.gateway.kserve_calls import outputs_of
 from loadmaster.v1 import tensor_pb2
 
 

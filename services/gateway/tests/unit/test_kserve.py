@@ -11,7 +11,7 @@ from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.frontends.http_codec import encode_response, parse_infer
-from loadmaster.gateway.frontends.kserve import (
+from loadmaster.gateway.kserve_calls import (
     KServeInput,
     build_call,
     check_parameters,

@@ -12,8 +12,7 @@ from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelView
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
 from loadmaster.gateway.kserve_generative import GenerativeKServe, with_generative_tensors
 from loadmaster.v1 import model_pool_pb2, tensor_pb2
 

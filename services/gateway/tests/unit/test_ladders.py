@@ -21,7 +21,7 @@ from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.frontends.openai import openai_routes
-from loadmaster.gateway.generations import GenerationPort, GenerationStreams
+from loadmaster.gateway.generations import GenerationRouter, GenerationStreams
 from loadmaster.gateway.ladders import Ladder, LadderRouter, alias_states, choose, ladders_from
 from loadmaster.v1 import model_pool_pb2, scheduler_pb2
 
@@ -183,7 +183,7 @@ def views(**states: str) -> dict[str, ModelView]:
 
 
 class Gateway:
-    """The OpenAI routes over a `GenerationPort` whose catalog says `self.fleet`."""
+    """The OpenAI routes over a `GenerationRouter` whose catalog says `self.fleet`."""
 
     def __init__(self, **states: str) -> None:
         self.fleet = views(**states)
@@ -203,7 +203,7 @@ class Gateway:
             ladders["chat-3"] = Ladder("chat-3", ("tiny-b", "tiny", "cloud"))
             ladders["cloud-first"] = Ladder("cloud-first", ("cloud", "tiny"))
         self.allow_cloud_fallback = True
-        self.port = GenerationPort(
+        self.port = GenerationRouter(
             self.streams,
             catalog,
             ladders=ladders,

@@ -23,8 +23,8 @@ from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.embeddings import EmbeddingRequest, EmbeddingResult
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.ollama import ollama_routes, parse_keep_alive
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
-from loadmaster.gateway.frontends.openai_schema import ChatCompletionBody, GenerationRequest
+from loadmaster.gateway.frontends.openai_schema import ChatCompletionBody
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
 from loadmaster.gateway.generation_items import FunctionSpec, ToolCall, ToolUse
 
 

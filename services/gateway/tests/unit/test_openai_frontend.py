@@ -19,8 +19,8 @@ from loadmaster.common.config import ClientsSettings
 from loadmaster.common.errors import ExpiredError, LoadmasterError, NotFoundError, UnavailableError
 from loadmaster.common.gateway_config import ApiKeySettings, GuardrailSettings
 from loadmaster.gateway.auth import Authenticator
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting, openai_routes
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.frontends.openai import openai_routes
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk, Waiting
 from loadmaster.gateway.generation_items import ChoiceEnd, TokenLogprob, ToolCall, TopLogprob
 from loadmaster.gateway.guardrails import Guardrails
 from loadmaster.gateway.profiles import ClientPolicy

@@ -16,8 +16,8 @@ from starlette.applications import Starlette
 
 from loadmaster.common.errors import UnavailableError
 from loadmaster.gateway.auth import Authenticator
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, openai_routes
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.frontends.openai import openai_routes
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
 from loadmaster.gateway.generation_items import ChatTurn, ToolCall
 
 CALL = ToolCall("call_abc", "get_weather", '{"city":"Oslo"}', 0)

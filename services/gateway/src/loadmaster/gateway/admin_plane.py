@@ -2,7 +2,7 @@
 the suite runs, kept in Redis, applied here and on every other gateway (docs/admin.md).
 
 What a request reads lives in memory: the `Authenticator`'s key table, the `Guardrails`'
-blocklist, the ladders of the `GenerationPort` and `settings` (the YAML's settings with the
+blocklist, the ladders of the `GenerationRouter` and `settings` (the YAML's settings with the
 stored runtime values laid over them). `AdminWatcher` brings each change (Redis pub/sub) and
 `_apply` rebuilds these off the event loop and swaps them in at once, so the request path
 never waits on Redis and never sees half a change. With Redis down the gateway keeps the
@@ -46,7 +46,7 @@ from loadmaster.common.runtime_config import (
 from loadmaster.gateway.admin import SchedulerAdmin
 from loadmaster.gateway.audit import AdminRecord, AuditLog
 from loadmaster.gateway.auth import Authenticator, KeyTable, Principal, new_api_key
-from loadmaster.gateway.generations import GenerationPort
+from loadmaster.gateway.generations import GenerationRouter
 from loadmaster.gateway.guardrails import Blocklist, Guardrails
 from loadmaster.gateway.keyring import (
     GraceKey,
@@ -91,7 +91,7 @@ class AdminPlane:
         *,
         auth: Authenticator,
         guardrails: Guardrails,
-        generations: GenerationPort,
+        generations: GenerationRouter,
         scheduler: SchedulerAdmin,
         audit: AuditLog | None,
         gateway_id: str,

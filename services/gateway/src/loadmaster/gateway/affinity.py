@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation import GenerationRequest
 
 __all__ = ["PREFIX_CHARS", "prefix_affinity_key"]
 

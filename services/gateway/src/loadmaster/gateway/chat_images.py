@@ -29,7 +29,7 @@ import httpx
 
 from loadmaster.common.config import GatewaySettings
 from loadmaster.common.errors import InvalidArgumentError
-from loadmaster.gateway.frontends.openai_schema import ChatImage, GenerationRequest
+from loadmaster.gateway.generation import ChatImage, GenerationRequest
 from loadmaster.gateway.validation import off_loop
 
 __all__ = ["ChatImages", "host_allowed", "image_kind"]

@@ -59,8 +59,7 @@ from loadmaster.common.rendezvous import affinity_rank
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.affinity import prefix_affinity_key
 from loadmaster.gateway.catalog import ModelView
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk, Waiting
 from loadmaster.gateway.generation_items import (
     ChatTurn,
     ChoiceEnd,
@@ -73,7 +72,7 @@ from loadmaster.gateway.ladders import REMOTE_BACKENDS, Ladder, LadderRouter, al
 from loadmaster.gateway.ports import SchedulerSession
 from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 
-__all__ = ["GenerationPort", "GenerationStreams"]
+__all__ = ["GenerationRouter", "GenerationStreams"]
 
 log = logging.getLogger(__name__)
 
@@ -660,7 +659,7 @@ def _response_format(wire: model_pool_pb2.ResponseFormat, value: dict[str, Any] 
         wire.name = str(spec.get("name") or "")
 
 
-class GenerationPort:
+class GenerationRouter:
     """What the OpenAI routes need (`frontends.openai.Generations`): streams, and the
     generative models (backend transformers) with their state, from the catalog.
 

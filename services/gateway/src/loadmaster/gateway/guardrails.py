@@ -28,8 +28,7 @@ import httpx
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
 from loadmaster.common.gateway_config import GuardrailSettings
 from loadmaster.gateway.auth import Principal
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk, Waiting
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk, Waiting
 from loadmaster.gateway.validation import off_loop
 
 __all__ = [

@@ -18,7 +18,7 @@ from loadmaster.common.errors import InternalError
 from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import deserialize_bytes, serialize_bytes
 from loadmaster.gateway.dispatcher import Dispatcher
-from loadmaster.gateway.frontends.kserve import (
+from loadmaster.gateway.kserve_calls import (
     DEFAULT_PRIORITY,
     KServeInput,
     build_call,

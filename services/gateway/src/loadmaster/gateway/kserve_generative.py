@@ -29,10 +29,9 @@ from loadmaster.common.tensors import decode_tensors, encode_tensors
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.dispatcher import Dispatcher
-from loadmaster.gateway.frontends.kserve import dispatch
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
 from loadmaster.gateway.generations import DEFAULT_MAX_TOKENS
+from loadmaster.gateway.kserve_calls import dispatch
 from loadmaster.v1 import model_pool_pb2, tensor_pb2
 
 __all__ = ["TEXT_INPUT", "TEXT_OUTPUT", "GenerativeKServe", "with_generative_tensors"]

@@ -34,7 +34,7 @@ from loadmaster.common.client_config import ClientProfileSettings, CooldownSetti
 from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.config import ClientsSettings
 from loadmaster.common.errors import ResourceExhaustedError
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest
+from loadmaster.gateway.generation import GenerationRequest
 from loadmaster.gateway.generation_items import ChatTurn
 
 __all__ = ["ClientPolicy", "CooldownError", "Profile", "apply_profile"]

@@ -11,8 +11,14 @@ from loadmaster.common.clock import Clock, SystemClock
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.gateway.audit import AuditLog, AuditRecord
 from loadmaster.gateway.auth import Principal
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, RequestWatch, TextChunk
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest, OpenAIError
+from loadmaster.gateway.generation import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    RequestError,
+    RequestWatch,
+    TextChunk,
+)
 from loadmaster.gateway.generations import DEFAULT_PRIORITY
 from loadmaster.gateway.guardrails import CONTENT_FILTER, Guardrails, prompt_text
 from loadmaster.gateway.profiles import ClientPolicy, apply_profile
@@ -104,7 +110,7 @@ class _Watch:
                 self._write("cancelled", 499)  # closed before the end: the client went away
 
     def failed(self, error: BaseException) -> None:
-        if isinstance(error, OpenAIError):
+        if isinstance(error, RequestError):
             self._write(error.code or "invalid_request", error.status, error=error.message)
         elif isinstance(error, LoadmasterError):
             self._write(error.edge_code or "internal", error.http_status, error=error.message)

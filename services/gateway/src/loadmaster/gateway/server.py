@@ -39,7 +39,7 @@ from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.frontends.openai_embeddings import embedding_routes
 from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
 from loadmaster.gateway.frontends.openpi import openpi_routes
-from loadmaster.gateway.generations import GenerationPort
+from loadmaster.gateway.generations import GenerationRouter
 from loadmaster.gateway.guardrails import Guardrails
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageGenerator
@@ -154,7 +154,7 @@ class Gateway:
         self.dispatcher.generations.ttl_ms = lambda model_id: (
             settings.models.for_model(model_id).request_ttl_ms or settings.scheduler.request_ttl_ms
         )
-        self.generations = GenerationPort(
+        self.generations = GenerationRouter(
             self.dispatcher.generations,
             self.catalog.models,
             ladders=ladders_from(settings.models.aliases),

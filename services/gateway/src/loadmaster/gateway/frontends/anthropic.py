@@ -43,15 +43,14 @@ from starlette.routing import Route
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import bearer_token
 from loadmaster.gateway.frontends.dialect_calls import ClientGone, Collected, DialectCalls, read_body
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
-    GenerationRequest,
     OpenAIError,
     chat_request,
     relevant_error,
 )
 from loadmaster.gateway.frontends.request_headers import retry_after
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
 from loadmaster.gateway.generation_items import ToolCall
 
 __all__ = ["AnthropicError", "anthropic_routes", "messages_body"]

@@ -31,16 +31,17 @@ from loadmaster.common import tracing
 from loadmaster.common.errors import CancelledError_, InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal
 from loadmaster.gateway.chat_images import ChatImages
-from loadmaster.gateway.frontends.openai import (
+from loadmaster.gateway.frontends.openai_schema import OpenAIError
+from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
+from loadmaster.gateway.generation import (
     Finished,
     GenerationEvent,
+    GenerationRequest,
     Generations,
     RequestPolicy,
     RequestWatch,
     TextChunk,
 )
-from loadmaster.gateway.frontends.openai_schema import GenerationRequest, OpenAIError
-from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.generation_items import ToolCall
 
 __all__ = ["ClientGone", "Collected", "DialectCalls", "NotAGeneration", "Opened", "read_body", "until_disconnected"]

@@ -34,7 +34,7 @@ from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.catalog import ModelCatalog
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.frontends.grpc_wire import LARGE_MESSAGE_BYTES, LargeInferRequest, split_infer_request
-from loadmaster.gateway.frontends.kserve import (
+from loadmaster.gateway.kserve_calls import (
     EXTENSIONS,
     SERVER_NAME,
     SERVER_VERSION,

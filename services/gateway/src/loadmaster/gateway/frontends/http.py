@@ -57,7 +57,12 @@ from loadmaster.gateway.frontends.http_codec import (
     json_encoding_bytes,
     parse_infer,
 )
-from loadmaster.gateway.frontends.kserve import (
+from loadmaster.gateway.frontends.ollama import ollama_routes
+from loadmaster.gateway.frontends.openai import openai_routes
+from loadmaster.gateway.frontends.request_headers import RequestHints, hints_from, retry_after
+from loadmaster.gateway.generation import RequestPolicy
+from loadmaster.gateway.generations import GenerationRouter
+from loadmaster.gateway.kserve_calls import (
     EXTENSIONS,
     SERVER_NAME,
     SERVER_VERSION,
@@ -68,10 +73,6 @@ from loadmaster.gateway.frontends.kserve import (
     parse_timeout_ms,
     tensor_metadata,
 )
-from loadmaster.gateway.frontends.ollama import ollama_routes
-from loadmaster.gateway.frontends.openai import RequestPolicy, openai_routes
-from loadmaster.gateway.frontends.request_headers import RequestHints, hints_from, retry_after
-from loadmaster.gateway.generations import GenerationPort
 from loadmaster.gateway.kserve_generative import GenerativeKServe, with_generative_tensors
 from loadmaster.gateway.readiness import Readiness
 from loadmaster.gateway.statistics import StatisticsSource, empty_v2
@@ -160,7 +161,7 @@ def build_app(
     auth: Authenticator,
     *,
     gateway_id: str,
-    generations: GenerationPort,
+    generations: GenerationRouter,
     generative: GenerativeKServe,
     extra_routes: Sequence[BaseRoute] = (),
     policy: RequestPolicy | None = None,

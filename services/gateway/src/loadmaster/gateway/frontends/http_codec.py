@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from loadmaster.common.errors import InvalidArgumentError
 from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.common.tensors import deserialize_bytes, serialize_bytes
-from loadmaster.gateway.frontends.kserve import KServeInput, KServeOutput, numpy_for
+from loadmaster.gateway.kserve_calls import KServeInput, KServeOutput, numpy_for
 
 __all__ = [
     "HEADER_LENGTH",

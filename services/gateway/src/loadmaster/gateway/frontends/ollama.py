@@ -54,16 +54,15 @@ from loadmaster.gateway.frontends.dialect_calls import (
     read_body,
     until_disconnected,
 )
-from loadmaster.gateway.frontends.openai import Finished, GenerationEvent, TextChunk
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
-    GenerationRequest,
     OpenAIError,
     chat_request,
     parse_completion,
     relevant_error,
 )
 from loadmaster.gateway.frontends.request_headers import hints_from, retry_after, with_hints
+from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
 from loadmaster.gateway.generation_items import ToolCall
 from loadmaster.gateway.validation import off_loop
 

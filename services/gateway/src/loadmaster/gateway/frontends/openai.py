@@ -23,11 +23,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from opentelemetry import trace
 from starlette.requests import Request
@@ -35,9 +34,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loadmaster.common import tracing
-from loadmaster.common.errors import InternalError, LoadmasterError, retry_after_header
+from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
 from loadmaster.gateway.chat_images import ChatImages
+from loadmaster.gateway.frontends.openai_common import error_response, read_body, until_disconnected
 from loadmaster.gateway.frontends.openai_responses import (
     ResponseBuilder,
     complete_response,
@@ -48,7 +48,6 @@ from loadmaster.gateway.frontends.openai_schema import (
     DEFAULT_MAX_N,
     DONE_EVENT,
     ChoiceOut,
-    GenerationRequest,
     OpenAIError,
     Usage,
     chat_chunk,
@@ -62,112 +61,26 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_completion,
 )
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
-from loadmaster.gateway.generation_items import ChoiceEnd, TokenLogprob, ToolCall
+from loadmaster.gateway.generation import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    Generations,
+    RequestPolicy,
+    RequestWatch,
+    TextChunk,
+    Waiting,
+)
+from loadmaster.gateway.generation_items import TokenLogprob, ToolCall
 
 __all__ = [
     "CollectedChoice",
-    "Finished",
-    "Generations",
-    "RequestPolicy",
-    "RequestWatch",
-    "TextChunk",
-    "Waiting",
     "choices_of",
     "collect_events",
     "openai_routes",
 ]
 
 log = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 4 << 20  # a chat body is text: far below the tensor payload limit
-
-
-@dataclass(frozen=True, slots=True)
-class TextChunk:
-    """Text decoded since the previous chunk (may be empty when a token completes no character),
-    of choice `choice`; the tool calls completed in it, and its tokens' log probabilities when
-    they were asked for."""
-
-    text: str
-    model: str = ""  # the model generating it, when it differs from the one asked (an alias)
-    choice: int = 0
-    tool_calls: tuple[ToolCall, ...] = ()
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """The end of a generation: `stop`, `length`, `tool_calls` (or `cancelled`), with the token
-    counts; with n > 1, how each choice ended (`choices`)."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    model: str = ""  # the model that answered, when it differs from the one asked (an alias)
-    choices: tuple[ChoiceEnd, ...] = ()
-
-    def choice_ends(self, n: int) -> tuple[ChoiceEnd, ...]:
-        """How each of `n` choices ended (one choice: this end itself)."""
-        if self.choices:
-            return self.choices
-        return tuple(ChoiceEnd(i, self.finish_reason, self.completion_tokens) for i in range(max(1, n)))
-
-
-@dataclass(frozen=True, slots=True)
-class Waiting:
-    """Where a stream that has not started stands (docs/generation-scheduling.md): `queued_ahead`
-    requests ahead of it, or its model loading (`load_fraction` of the last measured load time,
-    None when none was measured). A stream shows it as an SSE comment; nothing else does."""
-
-    queued_ahead: int = 0
-    loading: bool = False
-    load_fraction: float | None = None
-
-    def comment(self) -> bytes:
-        if not self.loading:
-            return f": queued {self.queued_ahead}\n\n".encode()
-        if self.load_fraction is None:
-            return b": loading\n\n"
-        return f": loading {min(99, int(self.load_fraction * 100))}%\n\n".encode()
-
-
-GenerationEvent = TextChunk | Finished | Waiting
-
-
-class Generations(Protocol):
-    """What the front end needs from the rest of the gateway."""
-
-    def generate(
-        self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
-    ) -> AsyncIterator[GenerationEvent]:
-        """`Waiting` while it waits, chunks, then one `Finished`; raises `LoadmasterError`.
-        Closing it early cancels."""
-        ...
-
-    async def models(self) -> dict[str, str]:
-        """The generative models served, by id, with their state (READY, LOADING, IDLE …)."""
-        ...
-
-
-class RequestWatch(Protocol):
-    """One completion request, seen by the gateway's policy: told who asked, asked to admit
-    the request, and given its events to pass on (checked, recorded); `failed` ends it early."""
-
-    def authenticated(self, principal: Principal) -> None: ...
-
-    async def admit(self, generation: GenerationRequest, *, client_id: str) -> GenerationRequest:
-        """Refuse the request (raise), or return it as the gateway will run it (a client
-        profile's defaults filled in)."""
-        ...
-
-    def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]: ...
-
-    def failed(self, error: BaseException) -> None: ...
-
-
-class RequestPolicy(Protocol):
-    def open(self, *, endpoint: str, request_id: str) -> RequestWatch: ...
-
 
 class _Unwatched:
     """No guardrails, no audit."""
@@ -185,40 +98,6 @@ class _Unwatched:
         return events
 
     def failed(self, error: BaseException) -> None:
-        pass
-
-
-def _error_response(error: Exception) -> Response:
-    if isinstance(error, OpenAIError):
-        return JSONResponse(error.body(), status_code=error.status)
-    if not isinstance(error, LoadmasterError):
-        log.error("unhandled error in the OpenAI API", exc_info=error)
-        error = InternalError(f"internal error: {type(error).__name__}")
-    mapped = error_from(error)
-    retry_after = retry_after_header(error)  # 429 and 503: when to come back
-    headers = {"Retry-After": retry_after} if retry_after is not None else None
-    retry_after_s = getattr(error, "retry_after_s", None)
-    if headers is not None and isinstance(retry_after_s, int | float):  # a cooldown knows it exactly
-        headers["retry-after-ms"] = str(math.ceil(retry_after_s * 1000))
-    return JSONResponse(mapped.body(), status_code=mapped.status, headers=headers)
-
-
-async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise OpenAIError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
@@ -246,7 +125,7 @@ def openai_routes(
         try:
             principal = await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
             watch.authenticated(principal)
-            generation, context = parse(await _read_body(request))
+            generation, context = parse(await read_body(request))
             generation = with_hints(generation, hints_from(request.headers))
             if images is not None:
                 generation = await images.resolve(generation)
@@ -314,7 +193,7 @@ def openai_routes(
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Loadmaster-Model": model},
             )
         collect = asyncio.ensure_future(collect_events(events))
-        gone = asyncio.ensure_future(_until_disconnected(request))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -379,7 +258,7 @@ def openai_routes(
             try:
                 return await handler(request)
             except Exception as error:  # the one place this API's errors become statuses
-                return _error_response(error)
+                return error_response(error)
 
         return Route(path, endpoint, methods=[method])
 

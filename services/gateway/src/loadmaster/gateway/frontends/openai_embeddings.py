@@ -30,8 +30,8 @@ from starlette.routing import Route
 
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
 from loadmaster.gateway.embeddings import Embedder, EmbeddingRequest, EmbeddingResult
-from loadmaster.gateway.frontends.openai import _error_response, _read_body, _until_disconnected
-from loadmaster.gateway.frontends.openai_schema import OpenAIError, _Body, invalid, load_json
+from loadmaster.gateway.frontends.openai_common import error_response, read_body, until_disconnected
+from loadmaster.gateway.frontends.openai_schema import OpenAIBody, OpenAIError, invalid, load_json
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.validation import off_loop
 
@@ -41,7 +41,7 @@ MAX_INPUTS = 2048  # OpenAI's limit per request
 _TOKEN_ID_MAX = (1 << 32) - 1
 
 
-class EmbeddingsBody(_Body):
+class EmbeddingsBody(OpenAIBody):
     model: str = Field(min_length=1)
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -109,13 +109,13 @@ def embedding_routes(embedder: Embedder, auth: Authenticator, *, gateway_id: str
 
     async def embeddings(request: Request) -> Response:
         key_name = (await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)).name
-        embedding_request, base64_vectors = await off_loop(parse_embeddings, await _read_body(request))
+        embedding_request, base64_vectors = await off_loop(parse_embeddings, await read_body(request))
         embedding_request = with_hints(embedding_request, hints_from(request.headers))  # X-Loadmaster-*
         client_id = embedding_request.client_id or embedding_request.user or key_name or "openai"
         work = asyncio.ensure_future(
             embedder.embed(embedding_request, request_id=next(ids), client_id=client_id)
         )
-        gone = asyncio.ensure_future(_until_disconnected(request))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -135,6 +135,6 @@ def embedding_routes(embedder: Embedder, auth: Authenticator, *, gateway_id: str
         try:
             return await embeddings(request)
         except Exception as error:  # this API's errors become statuses in OpenAI's shape
-            return _error_response(error)
+            return error_response(error)
 
     return [Route("/v1/embeddings", endpoint, methods=["POST"])]

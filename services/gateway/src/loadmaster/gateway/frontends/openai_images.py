@@ -33,7 +33,7 @@ from starlette.routing import Route
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, UnavailableError
 from loadmaster.common.gateway_config import ImagesSettings
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
-from loadmaster.gateway.frontends.openai import _error_response, _read_body, _until_disconnected
+from loadmaster.gateway.frontends.openai_common import error_response, read_body, until_disconnected
 from loadmaster.gateway.frontends.openai_schema import OpenAIError, error_from
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageGenerator, ImageRequest
@@ -176,7 +176,7 @@ def image_routes(
 
     async def generations(request: Request) -> Response:
         key_name = (await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)).name
-        image_request, run_async = parse_image_request(await _read_body(request), settings)
+        image_request, run_async = parse_image_request(await read_body(request), settings)
         client_id = image_request.client_id or image_request.user or key_name or "openai"
         if run_async:
             if jobs is None:
@@ -189,7 +189,7 @@ def image_routes(
         work = asyncio.ensure_future(
             generator.generate(image_request, request_id=next(ids), client_id=client_id)
         )
-        gone = asyncio.ensure_future(_until_disconnected(request))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -223,7 +223,7 @@ def image_routes(
             try:
                 return await handler(request)
             except Exception as error:  # this API's errors become statuses in OpenAI's shape
-                return _error_response(error)
+                return error_response(error)
 
         return Route(path, endpoint, methods=[method])
 

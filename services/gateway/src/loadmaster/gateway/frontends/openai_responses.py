@@ -42,14 +42,14 @@ from pydantic import Field, ValidationError
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.frontends.openai_schema import (
     DEFAULT_MAX_N,
-    GenerationRequest,
+    OpenAIBody,
     OpenAIError,
-    _Body,
     chat_request,
     error_from,
     invalid,
     load_json,
 )
+from loadmaster.gateway.generation import GenerationRequest
 from loadmaster.gateway.generation_items import ToolCall
 
 __all__ = ["ResponseBuilder", "ResponsesBody", "parse_responses", "response_events"]
@@ -68,7 +68,7 @@ _UNHONOURED: dict[str, tuple[Any, ...]] = {
 }
 
 
-class ResponsesBody(_Body):
+class ResponsesBody(OpenAIBody):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None

@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from loadmaster.common.errors import LoadmasterError
+from loadmaster.gateway.generation import ChatImage, GenerationRequest, RequestError
 from loadmaster.gateway.generation_items import (
     LOGPROB_FLOOR,
     ChatTurn,
@@ -48,6 +49,7 @@ __all__ = [
     "ChoiceOut",
     "CompletionBody",
     "GenerationRequest",
+    "OpenAIBody",
     "OpenAIError",
     "Usage",
     "chat_chunk",
@@ -102,17 +104,8 @@ _ERROR_TYPES = {
 _NAMED_FIELD = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*): ")
 
 
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape: HTTP `status`, and the `param` and `code` fields."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
+class OpenAIError(RequestError):
+    """A `RequestError` answered in OpenAI's shape (`body`)."""
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
@@ -139,21 +132,24 @@ def error_from(error: LoadmasterError) -> OpenAIError:
 # --- request bodies ------------------------------------------------------------------------
 
 
-class _Body(BaseModel):
+class OpenAIBody(BaseModel):
+    """Every OpenAI request body's base: unknown fields are ignored (as OpenAI's own server
+    does); the ones we cannot honour are refused by name (`refuse_unhonoured`)."""
+
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class TextPart(_Body):
+class TextPart(OpenAIBody):
     type: Literal["text"]
     text: str
 
 
-class ImageUrl(_Body):
+class ImageUrl(OpenAIBody):
     url: str = Field(min_length=1)
     detail: Literal["auto"] | None = None  # "low" / "high" would change what the model sees: refused
 
 
-class ImagePart(_Body):
+class ImagePart(OpenAIBody):
     """An image (a data URL, or an http(s) URL from `gateway.image_url_allow`), fetched and
     checked by the gateway (loadmaster.gateway.chat_images) before the request is queued."""
 
@@ -172,18 +168,18 @@ ContentPart = Annotated[
 ]
 
 
-class FunctionCallBody(_Body):
+class FunctionCallBody(OpenAIBody):
     name: str = Field(min_length=1)
     arguments: str = ""  # JSON text, as the model wrote it
 
 
-class ToolCallBody(_Body):
+class ToolCallBody(OpenAIBody):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCallBody
 
 
-class ChatMessage(_Body):
+class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -217,32 +213,32 @@ class ChatMessage(_Body):
         return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
-class FunctionBody(_Body):
+class FunctionBody(OpenAIBody):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolBody(_Body):
+class ToolBody(OpenAIBody):
     type: Literal["function"]
     function: FunctionBody
 
 
-class NamedFunction(_Body):
+class NamedFunction(OpenAIBody):
     name: str = Field(min_length=1)
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(OpenAIBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Body):
+class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
-class _SamplingBody(_Body):
+class _SamplingBody(OpenAIBody):
     """The fields chat and text completions share."""
 
     model: str = ""  # required unless the client's profile names one (checked after the profile)
@@ -385,47 +381,6 @@ def refuse_unhonoured(body: BaseModel, *, fields: dict[str, tuple[Any, ...]] = U
                 param=name,
                 code="unsupported_parameter",
             )
-
-
-@dataclass(frozen=True, slots=True)
-class ChatImage:
-    """An image of chat message `message`: its `url` as sent, and its encoded bytes once
-    the gateway fetched and checked them (loadmaster.gateway.chat_images)."""
-
-    message: int
-    url: str
-    data: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """One generation as the dispatcher sees it: either chat `messages` or a text `prompt`;
-    `tools`, `logprobs` (None: none; k: each token's and its k most likely alternatives) and
-    `n` choices (loadmaster.gateway.generation_items)."""
-
-    model: str
-    messages: tuple[ChatTurn, ...] | None
-    prompt: str | None
-    max_tokens: int | None
-    temperature: float | None
-    top_p: float | None
-    seed: int | None
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    response_format: dict[str, Any] | None
-    client_id: str | None
-    priority: int | None
-    urgency: float | None
-    deadline_ms: float | None
-    user: str | None
-    chat_template_kwargs: dict[str, Any] | None = None  # chat only; the model's template reads them
-    tools: ToolUse | None = None
-    logprobs: int | None = None
-    n: int = 1
-    # Images of the chat messages, in order (message index, URL; `data` once fetched).
-    images: tuple[ChatImage, ...] = ()
-    keep_alive_s: float | None = None
 
 
 def invalid(error: ValidationError) -> OpenAIError:

@@ -39,13 +39,13 @@ from loadmaster.common.gateway_config import LimitsSettings
 from loadmaster.gateway.auth import INFER, Authenticator
 from loadmaster.gateway.calls import CallResult
 from loadmaster.gateway.dispatcher import Dispatcher
-from loadmaster.gateway.frontends.kserve import tensor_metadata
 from loadmaster.gateway.frontends.observations import (
     CallOptions,
     action_dict,
     observation_call,
     parse_options,
 )
+from loadmaster.gateway.kserve_calls import tensor_metadata
 from loadmaster.gateway.signatures import Signatures
 from loadmaster.gateway.validation import off_loop
 from loadmaster.v1 import model_pool_pb2

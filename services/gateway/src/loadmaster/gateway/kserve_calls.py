@@ -1,4 +1,7 @@
-"""What the KServe v2 front ends (gRPC and HTTP) share: tensors <-> one call, and awaiting it.
+"""A KServe v2 call as the gateway's core sees it: tensors <-> one call, and awaiting it.
+
+Used by the KServe v2 front ends (gRPC and HTTP) and by the routes that turn their own
+bodies into tensor calls (images, embeddings, KServe's `text_input` on language models).
 
 Both front ends reduce a v2 request to `KServeInput`s (name, datatype, shape,
 raw little-endian bytes) plus the `priority` / `timeout` parameters, and this
