@@ -66,8 +66,9 @@ _MAX_AGE_S = 60.0
 
 
 def is_marker(message: bytes | memoryview) -> bool:
-    """Whether `message`, as relayed, is a marker (a protobuf message never starts like one)."""
-    return message[:1] == MARKER
+    """Whether `message`, as relayed, is a marker (a protobuf message never starts like one; a
+    lone zero byte names nothing)."""
+    return len(message) > 1 and message[:1] == MARKER
 
 
 def neutralize(message: bytes) -> bytes:
@@ -80,20 +81,21 @@ def hand_off(parts: Sequence[bytes | memoryview], *, directory: Path = SHM_DIREC
     """Write the message made of `parts` to a new file under `directory`; its marker, or None
     when there is no room (the caller sends the message itself). The kernel copies, without the
     GIL: on a thread, this leaves the caller's event loop free."""
-    size = sum(len(part) for part in parts)
+    size = sum(memoryview(part).nbytes for part in parts)
     name = f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
     path = directory / name
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        written = os.pwritev(fd, parts, 0)  # a full tmpfs is ENOSPC here, never a SIGBUS later
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            written = os.pwritev(fd, parts, 0)  # a full tmpfs is ENOSPC here, never a SIGBUS later
+        finally:
+            os.close(fd)
         if written != size:
             raise OSError(errno.ENOSPC, f"{written} of {size} bytes written")
     except OSError as error:
         path.unlink(missing_ok=True)
         log.warning("no shared memory for a %d-byte message (%s): sending it inline", size, error)
         return None
-    finally:
-        os.close(fd)
     return MARKER + name.encode()
 
 

@@ -53,7 +53,7 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
         shift += 7
 
 
-def split_infer_request(data: bytes) -> LargeInferRequest | None:
+def split_infer_request(data: bytes | memoryview) -> LargeInferRequest | None:
     """`data` as a `LargeInferRequest`, or None when its top level is not plain enough to walk
     (protobuf's parse then decides what it is). Raises protobuf's `DecodeError` for the rest."""
     view = memoryview(data)
