@@ -17,9 +17,10 @@ run unchanged. An infer message over `LARGE_MESSAGE_BYTES` goes through shared m
 one more local hop.
 
 The child binds the public address and says so on stdout (`{"port": N}`), then serves until
-its stdin closes: the gateway closes it to stop it, and a gateway that died closes it too. It
-ignores SIGINT and SIGTERM (they reach the whole process group), so the gateway decides when
-it stops: after its own server drained. A child that dies is started again.
+its stdin closes: the gateway closes it to stop it, and a gateway that died closes it too (and
+the kernel kills it then: PR_SET_PDEATHSIG). It ignores SIGINT and SIGTERM (they reach the
+whole process group), so the gateway decides when it stops: after its own server drained, so
+calls in flight are answered. A child that dies is started again.
 
     python -m loadmaster.gateway.frontends.grpc_relay   # config: one JSON line on stdin
 """
@@ -42,6 +43,7 @@ from typing import Any
 import grpc
 
 from loadmaster.common import internal_auth, transport
+from loadmaster.common.child_processes import die_with_parent
 from loadmaster.common.service import loop_factory
 from loadmaster.common.shm import SHM_DIRECTORY
 from loadmaster.gateway.frontends import grpc_handoff
@@ -331,10 +333,9 @@ class GrpcRelay:
     async def _spawn(self) -> int:
         tls = transport.current()
         config = _replace(self._config, tls_cert=tls.tls_cert.decode(), tls_key=tls.tls_key.decode())
+        # KILL, not TERM, if the gateway dies: the relay ignores TERM (it stops when told).
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            __name__,
+            *die_with_parent([sys.executable, "-m", __name__], signal_name="KILL"),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
