@@ -40,7 +40,7 @@ class LargeInferRequest:
     raw_input_contents: list[memoryview]
 
 
-def _varint(data: bytes, position: int) -> tuple[int, int]:
+def _varint(data: bytes | memoryview, position: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if position >= len(data) or shift > 63:
