@@ -366,6 +366,8 @@ class GrpcRelay:
             if self._stopping:
                 return
             log.error("the gRPC front-end process exited (code %s): starting it again", code)
+            if self._process.stdin is not None:
+                self._process.stdin.close()
             await asyncio.sleep(RESTART_DELAY_S)
             try:
                 await self._spawn()
