@@ -2,10 +2,13 @@
 
     python bench/frontends_latency.py                  # starts the suite on free ports, 2000 requests each
     python bench/frontends_latency.py --requests 5000
+    python bench/frontends_latency.py --grpc-in-loop   # gRPC also without its relay process
 
 Sequential, one request in flight, the same 7 float32 elements for every front end:
   edge  - the stock Inferential client (inferential 1.4.0)
-  grpc  - the stock tritonclient[grpc] (`InferenceServerClient.infer`)
+  grpc  - the stock tritonclient[grpc] (`InferenceServerClient.infer`), through the gateway's gRPC
+          relay process (the default, `gateway.grpc_process`); with --grpc-in-loop, also on a
+          second suite whose gateway serves gRPC on its own loop (`grpc_in_loop`)
   http  - the stock tritonclient[http] (binary tensor data, the client's default)
 Writes bench/results/frontends_latency_double.json.
 """
@@ -78,6 +81,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--size", type=int, default=7, help="float32 elements per request")
+    parser.add_argument(
+        "--grpc-in-loop",
+        action="store_true",
+        help="also measure gRPC served on the gateway's loop (gateway.grpc_process: false), on a second suite",
+    )
     args = parser.parse_args()
     x = np.arange(args.size, dtype=np.float32)
     results: dict[str, dict[str, float]] = {}
@@ -89,8 +97,15 @@ def main() -> int:
         results["http"] = percentiles_ms(
             kserve_samples("http", f"{gateway.http_host}:{gateway.http_port}", x, **kwargs)
         )
+    if args.grpc_in_loop:  # the relay process's cost: one more local hop per call
+        with running_suite_handle(
+            preload=["double"], overrides={"gateway": {"grpc_process": False}}
+        ) as suite:
+            results["grpc_in_loop"] = percentiles_ms(
+                kserve_samples("grpc", suite.settings.gateway.address, x, **kwargs)
+            )
     path = write_result(
-        "frontends_latency_double",
+        "frontends_latency_double" + ("_grpc-in-loop" if args.grpc_in_loop else ""),
         {
             "model": "double",
             "elements": args.size,

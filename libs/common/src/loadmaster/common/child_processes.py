@@ -13,8 +13,8 @@ import subprocess
 __all__ = ["die_with_parent", "signal_group"]
 
 
-def die_with_parent(argv: list[str]) -> list[str]:
-    """`argv` wrapped so the kernel sends the child SIGTERM when its parent dies.
+def die_with_parent(argv: list[str], *, signal_name: str = "TERM") -> list[str]:
+    """`argv` wrapped so the kernel sends the child SIGTERM (or `signal_name`) when its parent dies.
 
     util-linux's `setpriv --pdeathsig` sets PR_SET_PDEATHSIG and execs the command, which
     keeps it across exec. (A `preexec_fn` would do the same from Python, but it forces a
@@ -25,7 +25,7 @@ def die_with_parent(argv: list[str]) -> list[str]:
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         return argv
-    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
+    return [setpriv, "--pdeathsig", signal_name, "--", *argv]
 
 
 def signal_group(process: subprocess.Popen[bytes], sig: int) -> None:

@@ -274,6 +274,11 @@ class ImagesSettings(_Section):
 class GatewaySettings(ServiceEndpoint):
     address: str = "127.0.0.1:8001"
     gateway_id: str = ""  # default: <hostname>-<pid>
+    # The public gRPC address is served by a child process that relays each call to the gateway
+    # (large messages through shared memory), so receiving a large message never holds the
+    # event loop that serves the other front ends (docs/frontend-isolation.md). False: the
+    # gateway serves it on its own loop (one hop less per call, no isolation).
+    grpc_process: bool = True
     edge: EdgeSettings = EdgeSettings()
     gr00t: Gr00tSettings = Gr00tSettings()
     http_host: str = "127.0.0.1"

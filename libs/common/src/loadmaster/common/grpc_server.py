@@ -242,7 +242,8 @@ class GrpcServer:
         # Probes must not see SERVING (grpc_health's default for "") before the hooks have run.
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         internal_auth.check_listen(self.name, self._listen)
-        tls = transport.server_credentials()
+        # A unix socket is reached only through its file's permissions: it takes no TLS.
+        tls = None if self._listen.startswith("unix:") else transport.server_credentials()
         self.port = (
             self.server.add_insecure_port(self._listen)
             if tls is None

@@ -179,6 +179,9 @@ _EVERY_SERVICE = (
     MetricSpec("process_resident_memory_bytes", _G, "Resident memory of the reporting process"),
     MetricSpec("process_open_fds", _G, "Open file descriptors of the reporting process"),
     MetricSpec("process_start_time_seconds", _G, "Start time of the reporting process (UNIX seconds)"),
+    MetricSpec(
+        "event_loop_lag_ms", _H, "Longest delay of the process's event loop in each second (a late timer)"
+    ),
 )
 
 METRICS: dict[str, MetricSpec] = {

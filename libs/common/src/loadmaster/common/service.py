@@ -23,14 +23,14 @@ from loadmaster.common.credentials import Identity
 from loadmaster.common.logging import setup_logging
 from loadmaster.common.tracing import setup_tracing, shutdown_tracing
 
-__all__ = ["default_instance_id", "run_service"]
+__all__ = ["default_instance_id", "loop_factory", "run_service"]
 
 
 def default_instance_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop when installed: it cuts the per-message cost of every socket hop."""
     try:
         import uvloop
@@ -62,7 +62,7 @@ def run_service(
         internal_auth.credentials_from_settings(settings, identity), insecure=settings.internal_auth.insecure
     )
     try:
-        with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(main(settings))
     except internal_auth.InsecureBindError as error:
         logging.getLogger(name).error("%s", error)

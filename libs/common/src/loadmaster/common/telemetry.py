@@ -17,7 +17,9 @@ stream of small requests; the slowest 2 % of those requests lined up with the fl
 
 Every reporter also reports its own process every `process_interval_s` (CPU seconds,
 resident memory, open descriptors, start time) and a `build_info` reading with the
-service's version, so every service has process metrics and a version in Prometheus.
+service's version, so every service has process metrics and a version in Prometheus. With
+them goes `event_loop_lag_ms`: each second, how much later than asked a 10 ms timer fired at
+worst, so a loop held by work that belongs elsewhere shows (the gateway's front ends share one).
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class TelemetryReporter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._process_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
         self._closing = False
         self._stream: object | None = None  # the Report call being fed (see _batches)
         self.dropped = 0
@@ -189,6 +192,7 @@ class TelemetryReporter:
             self._process_task = asyncio.create_task(
                 self._report_process(readings, self._process_interval_s), name=f"process-{self.service}"
             )
+            self._lag_task = asyncio.create_task(self._report_loop_lag(), name=f"loop-lag-{self.service}")
 
     async def close(self, timeout_s: float = 1.0) -> None:
         """Flush what is buffered (bounded by `timeout_s`) and stop."""
@@ -196,6 +200,8 @@ class TelemetryReporter:
         self._wake.set()
         if self._process_task is not None:
             self._process_task.cancel()
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout_s)
@@ -209,6 +215,18 @@ class TelemetryReporter:
                 readings.record(self)
             except Exception:
                 log.exception("reading this process's metrics failed")
+
+    async def _report_loop_lag(self, tick_s: float = 0.01, every_s: float = 1.0) -> None:
+        loop = asyncio.get_running_loop()
+        worst, since = 0.0, loop.time()
+        while not self._closing:
+            asked = loop.time()
+            await asyncio.sleep(tick_s)
+            now = loop.time()
+            worst = max(worst, now - asked - tick_s)
+            if now - since >= every_s:
+                self.record("event_loop_lag_ms", worst * 1000)
+                worst, since = 0.0, now
 
     def _pending(self) -> bool:
         return bool(self._series or self._counts)

@@ -34,6 +34,7 @@ from loadmaster.gateway.frontends.grpc import (
     KServeGrpcServicer,
     UndecodableRequestInterceptor,
     receive_options,
+    relay_for,
 )
 from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.frontends.openai_embeddings import embedding_routes
@@ -183,6 +184,7 @@ class Gateway:
             settings.gateway.limits,
             gateway_id=self.gateway_id,
             generative=self.generative,
+            handoffs=gateway.grpc_process,
         )
         images = settings.gateway.images
         self.images = ImageGenerator(
@@ -325,10 +327,12 @@ class GatewayServer(GrpcServer):
     """The gateway's gRPC server (health, reflection, KServe v2) with its running parts."""
 
     def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
+        # By default the public address is the relay process's, and this server its upstream.
+        self.relay = relay_for(settings) if settings.gateway.grpc_process else None
         super().__init__(
             "gateway",
-            settings.gateway.listen_address,
-            interceptors=[UndecodableRequestInterceptor()],
+            self.relay.upstream if self.relay is not None else settings.gateway.listen_address,
+            interceptors=[UndecodableRequestInterceptor(handoffs=self.relay is not None)],
             options=receive_options(settings.gateway.limits),
             grace_s=settings.gateway.shutdown_grace_s,
         )
@@ -341,6 +345,15 @@ class GatewayServer(GrpcServer):
         self.on_start(self.gateway.start)
         self.on_drain(self.gateway.drain)
         self.on_stop(self.gateway.stop)
+        if self.relay is not None:
+            self.on_start(self.relay.start)
+            self.on_stop(self.relay.stop)  # stop hooks run last-added first: before the gateway's
+
+    async def start(self) -> int:
+        port = await super().start()
+        if self.relay is not None and self.relay.port is not None:
+            self.port = port = self.relay.port
+        return port
 
 
 def _admin_token_check() -> Callable[[str], bool] | None:

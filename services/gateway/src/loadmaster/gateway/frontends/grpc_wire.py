@@ -1,4 +1,5 @@
-"""A large `ModelInferRequest` read without copying its tensor data.
+"""A large `ModelInferRequest` read, and a large `ModelInferResponse` written, without copying
+their tensor data.
 
 protobuf copies every bytes field it parses, and again each time one is read: for a 64 MiB
 request that is two more 64 MiB copies, each holding the interpreter for 60-100 ms on a busy
@@ -8,6 +9,11 @@ names, parameters, tensor metadata, the data entries), the `raw_input_contents` 
 7) become views into the received bytes, and protobuf parses only the rest, which is small.
 Anything unusual at the top level (an unknown wire type, a length past the end, very many
 fields) falls back to protobuf's own parse, which then decides.
+
+The other way, a reply with large outputs is encoded by protobuf without its
+`raw_output_contents`, and the outputs are appended as field 6 entries (repeated fields may
+come in any order on the wire): parts to be joined or written where the copy costs no loop
+time (`encode_infer_response`).
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from dataclasses import dataclass
 
 from loadmaster.gateway.kserve_protocol import inference_pb2
 
-__all__ = ["LARGE_MESSAGE_BYTES", "LargeInferRequest", "split_infer_request"]
+__all__ = ["LARGE_MESSAGE_BYTES", "LargeInferRequest", "encode_infer_response", "split_infer_request"]
 
 LARGE_MESSAGE_BYTES = 1 << 20  # messages above this size are split rather than parsed whole
 _RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
+_RAW_OUTPUT_CONTENTS = 6  # ModelInferResponse.raw_output_contents
+_INFER_RESPONSE = 2  # ModelStreamInferResponse.infer_response
 _LENGTH_DELIMITED = 2
 _MAX_TOP_FIELDS = 4096  # a real request has a few per tensor
 
@@ -32,7 +40,7 @@ class LargeInferRequest:
     raw_input_contents: list[memoryview]
 
 
-def _varint(data: bytes, position: int) -> tuple[int, int]:
+def _varint(data: bytes | memoryview, position: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if position >= len(data) or shift > 63:
@@ -45,7 +53,7 @@ def _varint(data: bytes, position: int) -> tuple[int, int]:
         shift += 7
 
 
-def split_infer_request(data: bytes) -> LargeInferRequest | None:
+def split_infer_request(data: bytes | memoryview) -> LargeInferRequest | None:
     """`data` as a `LargeInferRequest`, or None when its top level is not plain enough to walk
     (protobuf's parse then decides what it is). Raises protobuf's `DecodeError` for the rest."""
     view = memoryview(data)
@@ -83,3 +91,28 @@ def split_infer_request(data: bytes) -> LargeInferRequest | None:
     kept.append(view[kept_from:])
     message = inference_pb2.ModelInferRequest.FromString(b"".join(kept))
     return LargeInferRequest(message, raw)
+
+
+def _length_prefix(field_number: int, length: int) -> bytes:
+    """The key and length of a length-delimited field."""
+    out = bytearray()
+    for value in (field_number << 3 | _LENGTH_DELIMITED, length):
+        while value > 0x7F:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        out.append(value)
+    return bytes(out)
+
+
+def encode_infer_response(
+    message: inference_pb2.ModelInferResponse, raw_output_contents: list[memoryview], *, stream: bool
+) -> list[bytes | memoryview]:
+    """The wire form of `message` with `raw_output_contents` (its own are empty), as parts whose
+    concatenation is the message; wrapped as a `ModelStreamInferResponse` when `stream`. Only
+    the small rest is encoded here: the outputs are referred to, not copied."""
+    parts: list[bytes | memoryview] = [message.SerializeToString()]
+    for data in raw_output_contents:
+        parts += [_length_prefix(_RAW_OUTPUT_CONTENTS, data.nbytes), data]
+    if stream:
+        parts.insert(0, _length_prefix(_INFER_RESPONSE, sum(len(part) for part in parts)))
+    return parts
