@@ -170,6 +170,7 @@ chaos: install models
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # mypy per distribution (each is its own namespace-package root): ~40 s without a cache.
 typecheck: install

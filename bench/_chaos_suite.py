@@ -268,7 +268,9 @@ class Auditor(threading.Thread):
             return None, None
 
     def _promised(
-        self, broker: gpu_broker_pb2_grpc.GpuBrokerServiceStub, worker: model_pool_pb2_grpc.ModelPoolServiceStub
+        self,
+        broker: gpu_broker_pb2_grpc.GpuBrokerServiceStub,
+        worker: model_pool_pb2_grpc.ModelPoolServiceStub,
     ) -> tuple[float | None, float | None]:
         """Per GPU (the example has one): MB under live leases, plus MB a worker still holds
         for a model whose lease is gone; the worst GPU's figure and its capacity."""

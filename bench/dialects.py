@@ -37,7 +37,13 @@ ROUTES = ("openai", "ollama", "anthropic")
 
 def _body(route: str, max_tokens: int) -> tuple[str, dict[str, Any], dict[str, str]]:
     if route == "openai":
-        body = {"model": MODEL, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        body = {
+            "model": MODEL,
+            "messages": PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
         return "/v1/chat/completions", body, {}
     if route == "ollama":
         body = {
@@ -174,7 +180,9 @@ def measure(url: str, requests: int, max_tokens: int, seed: int) -> dict[str, An
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=200, help="streamed chats per route (default 200)")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--url", help="a running gateway's HTTP address (default: start the suite)")
@@ -188,7 +196,9 @@ def main() -> int:
             result = measure(
                 f"http://{gateway.http_host}:{gateway.http_port}", args.requests, args.max_tokens, args.seed
             )
-    print(f"{'route':<10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'x openai':>9} {'+ms':>7}")
+    print(
+        f"{'route':<10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'x openai':>9} {'+ms':>7}"
+    )
     for row in next(iter(result["tables"].values())):
         print(
             f"{row['route']:<10} {row['p50_ms']:>8.2f} {row['p90_ms']:>8.2f} {row['p99_ms']:>8.2f} "

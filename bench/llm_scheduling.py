@@ -280,9 +280,11 @@ def _stats(side: str, name: str, labels: dict[str, str], window_s: float) -> dic
     from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        stats = metrics_pb2_grpc.MetricsServiceStub(channel).GetStats(
-            metrics_pb2.GetStatsRequest(name=name, labels=labels, window_s=window_s), timeout=5
-        ).stats
+        stats = (
+            metrics_pb2_grpc.MetricsServiceStub(channel)
+            .GetStats(metrics_pb2.GetStatsRequest(name=name, labels=labels, window_s=window_s), timeout=5)
+            .stats
+        )
     if not stats.count:
         return None
     return {"count": stats.count, "p50_ms": round(stats.p50, 2), "p99_ms": round(stats.p99, 2)}
@@ -291,7 +293,9 @@ def _stats(side: str, name: str, labels: dict[str, str], window_s: float) -> dic
 async def priority(client: Any, target: Target, args: argparse.Namespace) -> dict[str, Any]:
     say(f"[{target.name}] priority: {args.probes} idle priority-0 probes…")
     idle = await probes(client, target, count=args.probes, priority=0, seed=1)
-    async with Background(target, [Load(BACKGROUND_STREAMS, BACKGROUND_TOKENS, 2, "background", 100_000)]) as load:
+    async with Background(
+        target, [Load(BACKGROUND_STREAMS, BACKGROUND_TOKENS, 2, "background", 100_000)]
+    ) as load:
         await asyncio.sleep(4.0)  # the process started, every stream sent, the batch full and decoding
         say(f"[{target.name}] priority: {args.probes} priority-0 probes under {BACKGROUND_STREAMS} streams…")
         window = time.perf_counter()
@@ -334,7 +338,9 @@ async def priority(client: Any, target: Target, args: argparse.Namespace) -> dic
     }
 
 
-def _service_windows(records: list[Stream], start: float, end: float) -> tuple[dict[str, float], list[dict[str, float]]]:
+def _service_windows(
+    records: list[Stream], start: float, end: float
+) -> tuple[dict[str, float], list[dict[str, float]]]:
     """Each tenant's service (prompt + 2 x output) in [start, end) and in each WINDOW_S window."""
     count = max(1, int((end - start) // WINDOW_S))
     windows: list[dict[str, float]] = [{} for _ in range(count)]
@@ -368,7 +374,9 @@ async def tenants(client: Any, target: Target, args: argparse.Namespace) -> dict
     say(f"[{target.name}] tenants: long 32 x 256 tokens vs short 32 x 16, {args.fair_s:g} s…")
     warmup_s = 4.0
     started = time.perf_counter()
-    async with Background(target, [Load(32, 256, 1, "long", 200_000), Load(32, 16, 1, "short", 300_000)]) as load:
+    async with Background(
+        target, [Load(32, 256, 1, "long", 200_000), Load(32, 16, 1, "short", 300_000)]
+    ) as load:
         await asyncio.sleep(warmup_s + args.fair_s)
     records = load.records
     start = started + warmup_s
@@ -377,14 +385,19 @@ async def tenants(client: Any, target: Target, args: argparse.Namespace) -> dict
     window_shares = [s for w in windows if (s := _share(w)) is not None]
     return {
         "seconds": args.fair_s,
-        "streams": {"long": len([r for r in records if r.tenant == "long"]), "short": len([r for r in records if r.tenant == "short"])},
+        "streams": {
+            "long": len([r for r in records if r.tenant == "long"]),
+            "short": len([r for r in records if r.tenant == "short"]),
+        },
         "failed": _failed(records),
         "service": {k: round(v) for k, v in total.items()},
         "short_share": None if share is None else round(share, 3),
         "short_share_min_window": round(min(window_shares), 3) if window_shares else None,
         "short_share_windows": [round(s, 3) for s in window_shares],
         "output_tokens_per_s": round(
-            sum(r.output_tokens for r in records if r.error is None) / max(1e-9, time.perf_counter() - started), 1
+            sum(r.output_tokens for r in records if r.error is None)
+            / max(1e-9, time.perf_counter() - started),
+            1,
         ),
     }
 
@@ -495,9 +508,19 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         loaded = (p_lm.get("loaded_ttft") or {}).get("p99_ms")
         ref = (p_ref.get("loaded_ttft") or {}).get("p99_ms")
         if loaded is not None and ref is not None:
-            add("priority-0 TTFT p99 loaded vs the FIFO reference's (ms)", f"{loaded} vs {ref}", "below", loaded < ref)
+            add(
+                "priority-0 TTFT p99 loaded vs the FIFO reference's (ms)",
+                f"{loaded} vs {ref}",
+                "below",
+                loaded < ref,
+            )
         if p_lm.get("aim_ms") is not None and loaded is not None:
-            add("aim: p99 <= 1.2 x (idle p50 + one saturated step) (ms)", f"{loaded} vs {p_lm['aim_ms']}", "<=", loaded <= p_lm["aim_ms"])
+            add(
+                "aim: p99 <= 1.2 x (idle p50 + one saturated step) (ms)",
+                f"{loaded} vs {p_lm['aim_ms']}",
+                "<=",
+                loaded <= p_lm["aim_ms"],
+            )
     t_lm = results.get("tenants", {}).get("loadmaster") or {}
     if t_lm.get("short_share") is not None:
         add("short tenant's share of service", t_lm["short_share"], ">= 0.45", t_lm["short_share"] >= 0.45)
@@ -505,7 +528,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("short tenant's share, every 2 s window (min)", low, ">= 0.35", low is not None and low >= 0.35)
     w = results.get("weights", {}).get("loadmaster-weights") or {}
     if w.get("short_share") is not None:
-        add("short tenant's share with weights 2:1", w["short_share"], "0.67 +- 0.05", abs(w["short_share"] - 0.67) <= 0.05)
+        add(
+            "short tenant's share with weights 2:1",
+            w["short_share"],
+            "0.67 +- 0.05",
+            abs(w["short_share"] - 0.67) <= 0.05,
+        )
     return out
 
 
@@ -537,7 +565,9 @@ async def _scenarios(target: Target, scenarios: list[str], args: argparse.Namesp
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", default=list(PLAN), choices=list(PLAN))
-    parser.add_argument("--sides", nargs="+", default=None, help="only these sides (default: each scenario's)")
+    parser.add_argument(
+        "--sides", nargs="+", default=None, help="only these sides (default: each scenario's)"
+    )
     parser.add_argument("--probes", type=int, default=100)
     parser.add_argument("--fair-s", type=float, default=24.0)
     parser.add_argument("--side-budget-s", type=float, default=400.0)
@@ -578,7 +608,8 @@ def main() -> int:
     write_result(
         "llm_scheduling",
         {
-            "command": "bench/llm_scheduling.py " + shlex.join(
+            "command": "bench/llm_scheduling.py "
+            + shlex.join(
                 ["--probes", str(args.probes), "--fair-s", f"{args.fair_s:g}", "--scenarios", *args.scenarios]
             ),
             "results": results,

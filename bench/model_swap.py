@@ -97,7 +97,9 @@ def _load_time_ms(suite: Any, model: str) -> float:
     from loadmaster.v1 import model_pool_pb2, model_pool_pb2_grpc
 
     with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
-        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
+        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(
+            model_pool_pb2.StatusRequest(), timeout=5
+        )
     return next(m.load_time_ms for m in reply.models if m.model_id == model)
 
 

@@ -80,7 +80,9 @@ def _rows_table(title: str, rows: list[dict[str, Any]]) -> list[str]:
 
 def render() -> str:
     # A result names its benchmark; one written without the harness is named after its file.
-    results = [{"benchmark": path.stem, **json.loads(path.read_text())} for path in sorted(RESULTS.glob("*.json"))]
+    results = [
+        {"benchmark": path.stem, **json.loads(path.read_text())} for path in sorted(RESULTS.glob("*.json"))
+    ]
     lines = ["# Benchmark results", ""]
     if results:
         machine = results[-1].get("machine", {})

@@ -84,7 +84,9 @@ async def measure(address: str, requests: int, rate: float) -> dict[str, Any]:
         ready = model_pool_pb2.ModelSlotStatus(
             model_id="m", state=model_pool_pb2.MODEL_STATE_READY, generation=1
         )
-        await worker.write(scheduler_pb2.WorkerSessionRequest(report=scheduler_pb2.WorkerReport(models=[ready])))
+        await worker.write(
+            scheduler_pb2.WorkerSessionRequest(report=scheduler_pb2.WorkerReport(models=[ready]))
+        )
         session = stub.Session()
         await session.write(
             scheduler_pb2.SessionRequest(hello=scheduler_pb2.SessionHello(gateway_id="bench"))

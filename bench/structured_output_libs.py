@@ -294,7 +294,11 @@ def main() -> None:
         )
         print(f"{make.name:<14} {row['setup_ms']:>9.1f} {cells}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    results = {"benchmark": "structured_output_libs", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results}
+    results = {
+        "benchmark": "structured_output_libs",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **results,
+    }
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 

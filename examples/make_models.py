@@ -315,11 +315,13 @@ def build_tiny_vlm(folder: Path) -> Path:
     )
     bpe.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>", extra_special_tokens={"image_token": "<image>"}
+        tokenizer_object=bpe,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
     )
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    )
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,

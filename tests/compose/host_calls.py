@@ -94,9 +94,7 @@ async def leases(address: str, seconds: float, clients: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    internal_auth.setup_client(
-        load_settings(None), Identity("cli", f"compose-test-{uuid.uuid4().hex[:6]}")
-    )
+    internal_auth.setup_client(load_settings(None), Identity("cli", f"compose-test-{uuid.uuid4().hex[:6]}"))
     if sys.argv[1] == "workers":
         print(json.dumps(asyncio.run(workers(sys.argv[2]))))
     else:

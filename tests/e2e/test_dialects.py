@@ -51,7 +51,9 @@ def data_url(data: bytes) -> str:
 
 def inflight(suite: Suite, model: str) -> int:
     with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
-        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
+        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(
+            model_pool_pb2.StatusRequest(), timeout=5
+        )
     return next(m.inflight for m in reply.models if m.model_id == model)
 
 
@@ -77,7 +79,10 @@ def test_an_image_chat_reaches_the_vision_language_model(host: str) -> None:
         )
 
     text_only = client.chat.completions.create(
-        model=VLM, messages=[{"role": "user", "content": "what is in the picture?"}], max_tokens=8, temperature=0
+        model=VLM,
+        messages=[{"role": "user", "content": "what is in the picture?"}],
+        max_tokens=8,
+        temperature=0,
     )
     one, again, two = ask(png(1)), ask(png(1)), ask(png(1), png(2))
     assert one.choices[0].message.content and one.choices[0].finish_reason == "length"
@@ -90,16 +95,25 @@ def test_an_image_chat_reaches_the_vision_language_model(host: str) -> None:
 
 def test_a_model_that_takes_no_images_says_so(host: str) -> None:
     client = openai.OpenAI(base_url=host + "/v1", api_key="none", max_retries=0, timeout=60)
-    content: Any = [{"type": "image_url", "image_url": {"url": data_url(png(3))}}, {"type": "text", "text": "hi"}]
+    content: Any = [
+        {"type": "image_url", "image_url": {"url": data_url(png(3))}},
+        {"type": "text", "text": "hi"},
+    ]
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": content}], max_tokens=4)
+        client.chat.completions.create(
+            model=CHAT, messages=[{"role": "user", "content": content}], max_tokens=4
+        )
     assert "model 'tiny-chat' takes no images" in caught.value.message
     with pytest.raises(ollama.ResponseError) as refused:
-        ollama.Client(host=host).chat(model=CHAT, messages=[{"role": "user", "content": "hi", "images": [png(3)]}])
+        ollama.Client(host=host).chat(
+            model=CHAT, messages=[{"role": "user", "content": "hi", "images": [png(3)]}]
+        )
     assert refused.value.status_code == 400 and "takes no images" in refused.value.error
     content[0]["image_url"]["url"] = "https://images.example/cat.png"
     with pytest.raises(openai.BadRequestError, match=r"not in gateway\.image_url_allow"):
-        client.chat.completions.create(model=VLM, messages=[{"role": "user", "content": content}], max_tokens=4)
+        client.chat.completions.create(
+            model=VLM, messages=[{"role": "user", "content": content}], max_tokens=4
+        )
 
 
 # --- Ollama --------------------------------------------------------------------------------------
@@ -123,7 +137,9 @@ def test_ollama_chat_streamed_and_not(host: str) -> None:
 def test_ollama_images_list_ps_show(host: str) -> None:
     client = ollama.Client(host=host, timeout=60)
     answer = client.chat(
-        model=VLM, messages=[{"role": "user", "content": "what?", "images": [png(4)]}], options={"num_predict": 4}
+        model=VLM,
+        messages=[{"role": "user", "content": "what?", "images": [png(4)]}],
+        options={"num_predict": 4},
     )
     assert answer.eval_count == 4
     names = [m.model for m in client.list().models]
@@ -133,8 +149,15 @@ def test_ollama_images_list_ps_show(host: str) -> None:
 
 
 async def test_an_ollama_client_that_disconnects_frees_its_sequence(suite: Suite, host: str) -> None:
-    body = {"model": CHAT, "messages": [{"role": "user", "content": "go on"}], "options": {"num_predict": 1500}}
-    async with httpx.AsyncClient(base_url=host, timeout=60) as http, http.stream("POST", "/api/chat", json=body) as response:
+    body = {
+        "model": CHAT,
+        "messages": [{"role": "user", "content": "go on"}],
+        "options": {"num_predict": 1500},
+    }
+    async with (
+        httpx.AsyncClient(base_url=host, timeout=60) as http,
+        http.stream("POST", "/api/chat", json=body) as response,
+    ):
         lines = 0
         async for _ in response.aiter_lines():
             lines += 1
@@ -149,7 +172,12 @@ async def test_an_ollama_client_that_disconnects_frees_its_sequence(suite: Suite
 
 def test_anthropic_messages_streamed_and_not(host: str) -> None:
     client = anthropic.Anthropic(base_url=host, api_key="none", max_retries=0, timeout=60)
-    kwargs: Any = {"model": CHAT, "max_tokens": 12, "system": "be brief", "messages": [{"role": "user", "content": "hello"}]}
+    kwargs: Any = {
+        "model": CHAT,
+        "max_tokens": 12,
+        "system": "be brief",
+        "messages": [{"role": "user", "content": "hello"}],
+    }
     whole = client.messages.create(**kwargs, extra_body={"temperature": 0})
     assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 12
     assert whole.content[0].type == "text" and whole.content[0].text
@@ -168,7 +196,9 @@ def test_anthropic_image_block(host: str) -> None:
     message = client.messages.create(
         model=VLM,
         max_tokens=4,
-        messages=[{"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "?"}]}],
+        messages=[
+            {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "?"}]}
+        ],
     )
     assert message.usage.output_tokens == 4 and message.usage.input_tokens > 16
 
@@ -207,7 +237,12 @@ SCRIPT = 'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Os
 
 def test_anthropic_messages_with_a_tool_streamed_and_not(host: str) -> None:
     client = anthropic.Anthropic(base_url=host, api_key="none", max_retries=0, timeout=60)
-    kwargs: Any = {"model": REPLAY, "max_tokens": 256, "messages": [{"role": "user", "content": SCRIPT}], "tools": [WEATHER]}
+    kwargs: Any = {
+        "model": REPLAY,
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": SCRIPT}],
+        "tools": [WEATHER],
+    }
     message = client.messages.create(**kwargs)
     assert message.stop_reason == "tool_use"
     assert [block.type for block in message.content] == ["text", "tool_use"]
@@ -226,12 +261,21 @@ def test_anthropic_messages_with_a_tool_streamed_and_not(host: str) -> None:
         tools=[WEATHER],
         messages=[
             {"role": "user", "content": "weather in Oslo?"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": used.id, "name": "get_weather", "input": {"city": "Oslo"}}]},  # type: ignore[union-attr]
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": used.id, "name": "get_weather", "input": {"city": "Oslo"}}
+                ],
+            },  # type: ignore[union-attr]
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": used.id, "content": "12 C"}]},  # type: ignore[union-attr]
         ],
     )
-    asked = client.messages.create(model=CHAT, max_tokens=4, tools=[WEATHER], messages=[{"role": "user", "content": "weather in Oslo?"}])
-    assert answered.usage.input_tokens > asked.usage.input_tokens  # the call and its result reach tiny-chat's template
+    asked = client.messages.create(
+        model=CHAT, max_tokens=4, tools=[WEATHER], messages=[{"role": "user", "content": "weather in Oslo?"}]
+    )
+    assert (
+        answered.usage.input_tokens > asked.usage.input_tokens
+    )  # the call and its result reach tiny-chat's template
 
 
 def test_ollama_chat_with_tools(host: str) -> None:
@@ -241,7 +285,9 @@ def test_ollama_chat_with_tools(host: str) -> None:
     assert reply.done and reply.message.tool_calls is not None
     [call] = reply.message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Oslo"})
-    parts = list(client.chat(model=REPLAY, messages=[{"role": "user", "content": SCRIPT}], tools=[tool], stream=True))
+    parts = list(
+        client.chat(model=REPLAY, messages=[{"role": "user", "content": SCRIPT}], tools=[tool], stream=True)
+    )
     assert [c.function.arguments for p in parts for c in p.message.tool_calls or []] == [{"city": "Oslo"}]
 
 

@@ -113,7 +113,9 @@ def _gateway_inflight(http_url: str) -> int:
 
 def _worker_inflight(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
-        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
+        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(
+            model_pool_pb2.StatusRequest(), timeout=5
+        )
     return sum(m.inflight for m in reply.models)
 
 

@@ -73,7 +73,9 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
 
 
 def engines(worker_pid: int) -> list[psutil.Process]:
-    return [c for c in psutil.Process(worker_pid).children(recursive=True) if "serve" in " ".join(c.cmdline())]
+    return [
+        c for c in psutil.Process(worker_pid).children(recursive=True) if "serve" in " ".join(c.cmdline())
+    ]
 
 
 def leased_models(suite: Suite) -> list[str]:
@@ -90,7 +92,10 @@ def leased_models(suite: Suite) -> list[str]:
 def test_an_alias_is_answered_by_an_engine_process_that_gives_its_memory_back(one_gpu: Suite) -> None:
     gateway = one_gpu.settings.gateway
     client = openai.OpenAI(
-        base_url=f"http://{gateway.http_host}:{gateway.http_port}/v1", api_key="none", max_retries=0, timeout=180
+        base_url=f"http://{gateway.http_host}:{gateway.http_port}/v1",
+        api_key="none",
+        max_retries=0,
+        timeout=180,
     )
     raw = client.chat.completions.with_raw_response.create(
         model=ALIAS, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0

@@ -44,7 +44,9 @@ def _repository(folder: Path) -> Path:
             (repository / model.name).symlink_to(model)
     chat = repository / MODEL
     chat.mkdir()
-    shutil.copytree(MODELS_DIR / MODEL / "artifacts", chat / "artifacts")  # a model's files stay in its folder
+    shutil.copytree(
+        MODELS_DIR / MODEL / "artifacts", chat / "artifacts"
+    )  # a model's files stay in its folder
     config = yaml.safe_load((MODELS_DIR / MODEL / "config.yaml").read_text())
     config["max_sequences"], config["max_resident_sequences"] = STEP, RESIDENT
     (chat / "config.yaml").write_text(yaml.safe_dump(config))
@@ -106,7 +108,9 @@ def _client(suite: Suite) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=_url(suite) + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-PROMPT = [{"role": "user", "content": "tell me more"}]  # tiny-chat's greedy reply to it runs past 1,900 tokens
+PROMPT = [
+    {"role": "user", "content": "tell me more"}
+]  # tiny-chat's greedy reply to it runs past 1,900 tokens
 
 
 @dataclass(slots=True)
@@ -161,7 +165,9 @@ async def closed_loops(
     async def loop(tenant: str, max_tokens: int, index: int) -> None:
         count = 0
         while time.monotonic() < stop:
-            runs.append(await stream(client, f"{tenant}-{index}-{count}", tenant=tenant, max_tokens=max_tokens))
+            runs.append(
+                await stream(client, f"{tenant}-{index}-{count}", tenant=tenant, max_tokens=max_tokens)
+            )
             count += 1
 
     await asyncio.gather(
@@ -186,7 +192,9 @@ async def started(runs: dict[str, Run], names: list[str], *, timeout_s: float = 
     """Until every named stream has its first token (bounded)."""
     deadline = time.monotonic() + timeout_s
     while not all(name in runs and runs[name].first for name in names):
-        assert time.monotonic() < deadline, f"not started: {[n for n in names if n not in runs or not runs[n].first]}"
+        assert time.monotonic() < deadline, (
+            f"not started: {[n for n in names if n not in runs or not runs[n].first]}"
+        )
         await asyncio.sleep(0.02)
 
 
@@ -222,7 +230,9 @@ async def test_an_urgent_stream_overtakes_a_saturated_batch(fair_suite: Suite) -
     names = [f"long-{i}" for i in range(RESIDENT)]
     long = [asyncio.create_task(tracked(client, runs, n, priority=2, max_tokens=300)) for n in names]
     await started(runs, names)  # every resident place taken
-    waiting = [asyncio.create_task(tracked(client, runs, f"wait-{i}", priority=2, max_tokens=8)) for i in range(2)]
+    waiting = [
+        asyncio.create_task(tracked(client, runs, f"wait-{i}", priority=2, max_tokens=8)) for i in range(2)
+    ]
     await asyncio.sleep(0.3)  # they wait for a place
     urgent = await stream(client, "urgent", priority=0, max_tokens=8)
     assert urgent.first is not None and urgent.tokens == alone.tokens  # greedy: the same reply
@@ -280,7 +290,9 @@ async def test_with_fairness_off_the_flooding_tenant_takes_most(fifo_suite: Suit
     begun = min(r.sent for r in runs)
     fifo = share(runs, "few", since=begun + 2.0)
     print(f"the few-streams tenant's share in arrival order: {fifo:.3f}")
-    assert fifo < 0.3, f"the few-streams tenant's share {fifo:.2f} in arrival order (its streams' share: 0.14)"
+    assert fifo < 0.3, (
+        f"the few-streams tenant's share {fifo:.2f} in arrival order (its streams' share: 0.14)"
+    )
 
 
 # ---- timeslices ----------------------------------------------------------------------------

@@ -151,7 +151,9 @@ def test_fifty_processes_never_overcommit(
                 worker.wait()
     time.sleep(2.0)  # abandoned leases (TTL 1 s) expire; the reaper runs every ~1 s
     with grpc.insecure_channel(addresses[0]) as channel:
-        gpus = gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).Inventory(pb.InventoryRequest(), timeout=5).gpus
+        gpus = (
+            gpu_broker_pb2_grpc.GpuBrokerServiceStub(channel).Inventory(pb.InventoryRequest(), timeout=5).gpus
+        )
     time.sleep(0.5)
     stop.set()
     thread.join(5)

@@ -57,9 +57,7 @@ def test_the_bench_measures_transformers_serve_and_stops_it(tmp_path: Path) -> N
 
     @contextmanager
     def nothing_listening() -> Iterator[Target]:
-        yield Target(
-            "loadmaster", f"http://127.0.0.1:{refused}/v1", "tiny-chat", priority_field=True
-        )
+        yield Target("loadmaster", f"http://127.0.0.1:{refused}/v1", "tiny-chat", priority_field=True)
 
     sides = llm_serving.run_sides(
         {"reference": reference_server(args, tmp_path), "loadmaster": nothing_listening}, args

@@ -54,7 +54,9 @@ def chat(text: str) -> list[Any]:
 
 def worker_inflight(suite: Suite) -> int:
     with grpc.insecure_channel(suite.settings.model_pool.address) as channel:
-        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
+        reply = model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(
+            model_pool_pb2.StatusRequest(), timeout=5
+        )
     return next(m.inflight for m in reply.models if m.model_id == MODEL)
 
 

@@ -76,7 +76,9 @@ def _wait_workers(
 
 def _status(worker: scheduler_pb2.WorkerInfo) -> model_pool_pb2.StatusResponse:
     with grpc.insecure_channel(worker.grpc_endpoint) as channel:
-        return model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(model_pool_pb2.StatusRequest(), timeout=5)
+        return model_pool_pb2_grpc.ModelPoolServiceStub(channel).Status(
+            model_pool_pb2.StatusRequest(), timeout=5
+        )
 
 
 def _last_used(worker: scheduler_pb2.WorkerInfo, model_id: str) -> int:

@@ -71,7 +71,10 @@ def test_a_chat_streams_replies_and_keeps_the_conversation(gateway: tuple[str, E
     assert result.exit_code == 0, result.output
     assert "re:hello" in result.output and "re:again" in result.output
     first, second = generations.requests
-    assert tuple((m.role, m.content) for m in first.messages or ()) == (("system", "be brief"), ("user", "hello"))
+    assert tuple((m.role, m.content) for m in first.messages or ()) == (
+        ("system", "be brief"),
+        ("user", "hello"),
+    )
     assert tuple((m.role, m.content) for m in second.messages or ()) == (
         ("system", "be brief"),
         ("user", "hello"),

@@ -56,10 +56,14 @@ def merge_base() -> str:
 
 def test_no_breaking_change_against_the_merge_base_with_main(tmp_path: Path) -> None:
     base = merge_base()
-    listed = subprocess.run(["git", "ls-tree", "--name-only", base, "buf.yaml"], cwd=ROOT, capture_output=True, text=True)
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", base, "buf.yaml"], cwd=ROOT, capture_output=True, text=True
+    )
     if "buf.yaml" not in listed.stdout:
         pytest.skip(f"the merge base {base[:12]} predates buf.yaml: nothing to compare against")
-    archive = subprocess.run(["git", "archive", base, "buf.yaml", "protos"], cwd=ROOT, capture_output=True, check=True)
+    archive = subprocess.run(
+        ["git", "archive", base, "buf.yaml", "protos"], cwd=ROOT, capture_output=True, check=True
+    )
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(tmp_path, filter="data")
     result = buf("breaking", "--against", str(tmp_path))

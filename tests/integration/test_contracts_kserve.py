@@ -24,7 +24,10 @@ FieldKey = tuple[str, int]
 
 def compiled_kserve(tmp_path: Path) -> descriptor_pb2.FileDescriptorSet:
     out = tmp_path / "kserve.pb"
-    assert protoc.main(["protoc", f"-I{KSERVE}", f"--descriptor_set_out={out}", "inference/grpc_service.proto"]) == 0
+    assert (
+        protoc.main(["protoc", f"-I{KSERVE}", f"--descriptor_set_out={out}", "inference/grpc_service.proto"])
+        == 0
+    )
     return descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
 
 
@@ -60,7 +63,11 @@ def enums(files: list[descriptor_pb2.FileDescriptorProto]) -> dict[str, dict[str
 
 
 def index(files: list[descriptor_pb2.FileDescriptorProto]) -> dict[str, descriptor_pb2.DescriptorProto]:
-    return {name: message for file in files for name, message in messages(f".{file.package}", list(file.message_type))}
+    return {
+        name: message
+        for file in files
+        for name, message in messages(f".{file.package}", list(file.message_type))
+    }
 
 
 def wire_differences(
@@ -90,13 +97,21 @@ def wire_differences(
             if their_enums.get(name, {}).get(value) != number:
                 problems.append(f"{name}.{value} = {number}: not so upstream")
     their_methods = {
-        (service.name, method.name): method for file in theirs for service in file.service for method in service.method
+        (service.name, method.name): method
+        for file in theirs
+        for service in file.service
+        for method in service.method
     }
     for file in ours:
         for service in file.service:
             for method in service.method:
                 peer = their_methods.get((service.name, method.name))
-                shape = (method.input_type, method.output_type, method.client_streaming, method.server_streaming)
+                shape = (
+                    method.input_type,
+                    method.output_type,
+                    method.client_streaming,
+                    method.server_streaming,
+                )
                 if peer is None or shape != (
                     peer.input_type,
                     peer.output_type,

@@ -19,7 +19,9 @@ PROTOC = shutil.which("protoc")
 pytestmark = pytest.mark.skipif(PROTOC is None, reason="Debian's protoc is not installed (`make protoc`)")
 
 MODULES = {
-    ROOT / "protos": sorted(p.relative_to(ROOT / "protos") for p in (ROOT / "protos" / "loadmaster").rglob("*.proto")),
+    ROOT / "protos": sorted(
+        p.relative_to(ROOT / "protos") for p in (ROOT / "protos" / "loadmaster").rglob("*.proto")
+    ),
     ROOT / "protos" / "kserve": [Path("inference/grpc_service.proto")],
 }
 LANGUAGES = {"cpp": ".pb.cc", "java": ".java", "csharp": ".cs", "python": "_pb2.py"}
@@ -43,7 +45,9 @@ def test_java_gets_one_class_per_message_in_the_loadmaster_package(tmp_path: Pat
     # java_multiple_files and java_package: no outer-class renames (Scheduler -> SchedulerOuterClass).
     assert PROTOC is not None
     files = MODULES[ROOT / "protos"]
-    subprocess.run([PROTOC, f"-I{ROOT / 'protos'}", f"--java_out={tmp_path}", *map(str, files)], check=True, timeout=120)
+    subprocess.run(
+        [PROTOC, f"-I{ROOT / 'protos'}", f"--java_out={tmp_path}", *map(str, files)], check=True, timeout=120
+    )
     package = tmp_path / "dev" / "loadmaster" / "v1"
     assert (package / "Observation.java").exists() and (package / "SchedulerProto.java").exists()
     assert not list(tmp_path.rglob("*OuterClass.java"))

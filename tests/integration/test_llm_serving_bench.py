@@ -29,9 +29,7 @@ def test_a_side_whose_server_refuses_connections_fails_with_the_reason() -> None
 
     @contextmanager
     def nothing_listening() -> Iterator[Target]:
-        yield Target(
-            "loadmaster", f"http://127.0.0.1:{port}/v1", "tiny-chat", priority_field=True
-        )
+        yield Target("loadmaster", f"http://127.0.0.1:{port}/v1", "tiny-chat", priority_field=True)
 
     args = argparse.Namespace(
         side_budget_s=20.0, windows=1, concurrency=[1], requests=2, tokens=4, probes=0, background=0

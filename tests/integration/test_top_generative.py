@@ -95,7 +95,9 @@ async def test_top_shows_how_the_queue_ordered_generations(metrics: MetricsServe
     config = tmp_path / "loadmaster.yaml"
     config.write_text(f"metrics:\n  http_host: 127.0.0.1\n  http_port: {metrics.http_port}\n")
     runner = CliRunner()
-    as_json = await asyncio.to_thread(runner.invoke, app, ["top", "-c", str(config), "--json", "--summary", "10"])
+    as_json = await asyncio.to_thread(
+        runner.invoke, app, ["top", "-c", str(config), "--json", "--summary", "10"]
+    )
     assert as_json.exit_code == 0, as_json.output
     summary = json.loads(as_json.output)["generative"]["tiny-chat"]["summary"]
     assert summary["tenants"] == {

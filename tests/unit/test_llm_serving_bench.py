@@ -47,12 +47,8 @@ def test_summarize_counts_usage_tokens_and_times_only_the_streams_that_worked() 
 
 
 def test_windows_of_one_concurrency_combine_into_tokens_over_their_summed_wall_time() -> None:
-    first = Window(
-        (_record(0.01, (0.002,), 2), _record(0.02, (0.004,), 2)), wall_s=0.1, client_cpu_s=0.01
-    )
-    second = Window(
-        (_record(0.03, (0.006,), 2), _record(None, (), 0, "boom")), wall_s=0.4, client_cpu_s=0.03
-    )
+    first = Window((_record(0.01, (0.002,), 2), _record(0.02, (0.004,), 2)), wall_s=0.1, client_cpu_s=0.01)
+    second = Window((_record(0.03, (0.006,), 2), _record(None, (), 0, "boom")), wall_s=0.4, client_cpu_s=0.03)
     run = combine(16, [first, second])
     assert run["concurrency"] == 16 and run["windows"] == 2
     assert run["output_tokens"] == 6 and run["output_tokens_per_s"] == 12.0  # 6 tokens / 0.5 s

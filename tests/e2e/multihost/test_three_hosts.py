@@ -302,9 +302,7 @@ def test_three_gpu_hosts_recipe(hosts: Hosts) -> None:
     # This process plays the operator on the bridge (10.77.0.254): TLS against the CA, the
     # internal credential, and Redis over TLS.
     transport.setup(transport.Transport(tls_ca=ca.ca_file.read_bytes()))
-    internal_auth.setup(
-        Credentials(secret.encode(), Identity("operator", "test"))
-    )
+    internal_auth.setup(Credentials(secret.encode(), Identity("operator", "test")))
     events: LeaseEvents | None = None
     try:
         # Step 4: host A.

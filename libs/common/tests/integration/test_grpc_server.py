@@ -48,9 +48,9 @@ def raise_named(name: str) -> None:
         raise AttributeError("'NoneType' object has no attribute 'slots'")
 
 
-
 def _watched(name: str) -> metrics_pb2.MetricsServiceWatchResponse:
     return metrics_pb2.MetricsServiceWatchResponse(samples=[metrics_pb2.Sample(name=name)])
+
 
 class RaisingMetrics(metrics_pb2_grpc.MetricsServiceServicer):
     """Each RPC raises what the request names: unary, server-streaming (async generator), client-streaming."""
@@ -143,7 +143,10 @@ async def test_server_streaming_maps_every_loadmaster_error_after_items_were_sen
         assert received == ["first"], name
         assert caught.value.code() == cls.grpc_code, name
         assert caught.value.details() == f"{name} raised on purpose"
-    items = [s.samples[0].name async for s in stub.Watch(metrics_pb2.MetricsServiceWatchRequest(names=["ok"]), timeout=5)]
+    items = [
+        s.samples[0].name
+        async for s in stub.Watch(metrics_pb2.MetricsServiceWatchRequest(names=["ok"]), timeout=5)
+    ]
     assert items == ["first", "second"]
 
 
@@ -355,7 +358,9 @@ async def test_stop_drains_then_lets_calls_in_flight_finish_before_the_stop_hook
     port = await srv.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         call = asyncio.ensure_future(
-            metrics_pb2_grpc.MetricsServiceStub(ch).GetStats(metrics_pb2.GetStatsRequest(name="x"), timeout=10)
+            metrics_pb2_grpc.MetricsServiceStub(ch).GetStats(
+                metrics_pb2.GetStatsRequest(name="x"), timeout=10
+            )
         )
         await asyncio.wait_for(servicer.entered.wait(), 5)
         await asyncio.wait_for(srv.stop(), 10)

@@ -21,7 +21,9 @@ SERVICE = "loadmaster.v1.MetricsService"
 async def server() -> AsyncIterator[GrpcServer]:
     srv = GrpcServer("probed", "127.0.0.1:0", grace_s=0.1)
     srv.add_service(
-        SERVICE, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, metrics_pb2_grpc.MetricsServiceServicer()
+        SERVICE,
+        metrics_pb2_grpc.add_MetricsServiceServicer_to_server,
+        metrics_pb2_grpc.MetricsServiceServicer(),
     )
     await srv.start()
     try:

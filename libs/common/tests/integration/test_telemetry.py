@@ -63,7 +63,9 @@ class CollectingMetrics(metrics_pb2_grpc.MetricsServiceServicer):
 async def metrics() -> AsyncIterator[tuple[CollectingMetrics, str]]:
     servicer = CollectingMetrics()
     server = GrpcServer("metrics-under-test", "127.0.0.1:0", grace_s=0.2)
-    server.add_service("loadmaster.v1.MetricsService", metrics_pb2_grpc.add_MetricsServiceServicer_to_server, servicer)
+    server.add_service(
+        "loadmaster.v1.MetricsService", metrics_pb2_grpc.add_MetricsServiceServicer_to_server, servicer
+    )
     port = await server.start()
     try:
         yield servicer, f"127.0.0.1:{port}"
@@ -180,7 +182,9 @@ async def test_a_metrics_service_that_starts_late_gets_every_later_sample() -> N
     assert reporter.dropped == 1
     servicer = CollectingMetrics()
     server = GrpcServer("metrics-late", address, grace_s=0.2)
-    server.add_service("loadmaster.v1.MetricsService", metrics_pb2_grpc.add_MetricsServiceServicer_to_server, servicer)
+    server.add_service(
+        "loadmaster.v1.MetricsService", metrics_pb2_grpc.add_MetricsServiceServicer_to_server, servicer
+    )
     await server.start()
     try:
         for value in range(2, 6):  # one at a time, each flushed on its own

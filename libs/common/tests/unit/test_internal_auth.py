@@ -112,9 +112,7 @@ def test_a_data_port_envelope_verifies_once(clock: Clock) -> None:
         worker.verify_envelope({}, "r3")
     signed: dict[str, str] = {}
     creds(clock).sign_envelope(signed, "r4")
-    signed[ENVELOPE_KEY] = (
-        signed[ENVELOPE_KEY][:-1] + "ü"
-    )  # a refusal, not a crash
+    signed[ENVELOPE_KEY] = signed[ENVELOPE_KEY][:-1] + "ü"  # a refusal, not a crash
     with pytest.raises(UnauthenticatedError, match="does not verify"):
         worker.verify_envelope(signed, "r4")
 

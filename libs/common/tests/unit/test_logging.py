@@ -32,7 +32,9 @@ def lines(stream: io.StringIO) -> list[str]:
 def emit(log_format: LogFormat, stream: io.StringIO) -> None:
     setup_logging("gateway", "DEBUG", log_format, stream=stream)
     log = logging.getLogger("loadmaster.gateway.test")
-    log.warning("request %s failed", TRICKY, extra={"request_id": "r 1", "model": "double", "client": "arm=1"})
+    log.warning(
+        "request %s failed", TRICKY, extra={"request_id": "r 1", "model": "double", "client": "arm=1"}
+    )
     try:
         raise ValueError("bad value")
     except ValueError:

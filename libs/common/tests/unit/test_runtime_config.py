@@ -42,7 +42,9 @@ def test_a_path_is_matched_by_its_most_specific_pattern_and_names_may_hold_dots(
     assert (weight.pattern, weight.parts) == ("tenants.*.weight", ("tenants", "team.a", "weight"))
     whole = resolve("tenants.team")
     assert whole.pattern == "tenants.*" and whole.removable
-    with pytest.raises(InvalidArgumentError, match=r"'gateway.http_port' cannot be set at run time.*scheduler"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"'gateway.http_port' cannot be set at run time.*scheduler"
+    ):
         resolve("gateway.http_port")
     with pytest.raises(InvalidArgumentError):
         resolve("models.known..pin")
@@ -74,7 +76,9 @@ def test_null_removes_a_whole_entry_but_is_a_value_for_a_field(settings: Setting
 
 
 def test_a_refused_value_names_its_path(settings: Settings) -> None:
-    with pytest.raises(InvalidArgumentError, match=r"tenants.alice.weight: Input should be greater than 0 \(got -1\)"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"tenants.alice.weight: Input should be greater than 0 \(got -1\)"
+    ):
         apply_overrides(settings, {"tenants.alice.weight": -1})
     with pytest.raises(InvalidArgumentError, match=r"models\.allow_cloud_fallback"):
         apply_overrides(settings, {"models.allow_cloud_fallback": "maybe"})
@@ -85,7 +89,10 @@ def test_a_refused_value_names_its_path(settings: Settings) -> None:
 def test_differences_name_what_the_stored_values_change(settings: Settings) -> None:
     stored = {"tenants.alice.weight": 3, "models.known.small.pin": True, "scheduler.strategy": "round_robin"}
     found = {(d.path, d.configured, d.stored) for d in differences(settings, stored)}
-    assert found == {("tenants.alice.weight", 2.0, 3), ("scheduler.strategy", "model_deadline", "round_robin")}
+    assert found == {
+        ("tenants.alice.weight", 2.0, 3),
+        ("scheduler.strategy", "model_deadline", "round_robin"),
+    }
 
 
 def test_merge_keeps_the_good_values_and_reports_the_bad_ones(settings: Settings) -> None:

@@ -303,7 +303,9 @@ def test_image_tensors_pass_the_cheap_checks_and_need_a_decoder(encoding: int) -
         ({"byte_length": 101}, "outside the 100-byte payload"),
     ],
 )
-def test_bad_image_descriptors_are_refused_naming_the_tensor(fields: dict[str, object], expected: str) -> None:
+def test_bad_image_descriptors_are_refused_naming_the_tensor(
+    fields: dict[str, object], expected: str
+) -> None:
     message = assert_rejected([image(**fields)], bytes(100), "camera", max_image_pixels=40_000_000)
     assert expected in message
 
@@ -454,7 +456,9 @@ def test_a_tensor_ending_exactly_at_the_payload_end_passes_and_one_byte_further_
 
 def test_a_bytes_tensor_ending_one_byte_past_the_payload_is_rejected() -> None:
     element = b"\x01\x00\x00\x00a"
-    desc = tensor_pb2.Tensor(key="text", dtype=tensor_pb2.DTYPE_BYTES, shape=[1], byte_offset=1, byte_length=5)
+    desc = tensor_pb2.Tensor(
+        key="text", dtype=tensor_pb2.DTYPE_BYTES, shape=[1], byte_offset=1, byte_length=5
+    )
     assert decode_tensors([desc], b"\x00" + element)["text"].tolist() == [b"a"]
     assert "outside" in assert_rejected([desc], element, "text")
 
@@ -494,7 +498,9 @@ def test_bytes_decoding_keeps_every_element_exactly(elements: list[bytes]) -> No
 
     data = _bytes_payload(elements)
     assert serialize_bytes(np.array(elements, dtype=object)) == data
-    desc = tensor_pb2.Tensor(key="s", dtype=tensor_pb2.DTYPE_BYTES, shape=[len(elements)], byte_length=len(data))
+    desc = tensor_pb2.Tensor(
+        key="s", dtype=tensor_pb2.DTYPE_BYTES, shape=[len(elements)], byte_length=len(data)
+    )
     assert decode_tensors([desc], data)["s"].tolist() == elements
     assert deserialize_bytes(memoryview(data), len(elements)).tolist() == elements
     check_tensors([desc], data)

@@ -146,7 +146,9 @@ def _prefixed(prefix: str, name: str) -> str:
 def test_enum_numbers_are_inferentials() -> None:
     # Ours is Inferential's plus BYTES = 9 (KServe strings), which its clients never send. The
     # names carry buf's enum prefixes (DTYPE_FLOAT32 for FLOAT32): names never travel, numbers do.
-    assert dict(tensor_pb2.Dtype.items()) == {_prefixed("DTYPE_", k): v for k, v in {**DTYPES, "BYTES": 9}.items()}
+    assert dict(tensor_pb2.Dtype.items()) == {
+        _prefixed("DTYPE_", k): v for k, v in {**DTYPES, "BYTES": 9}.items()
+    }
     assert dict(tensor_pb2.Encoding.items()) == {_prefixed("ENCODING_", k): v for k, v in ENCODINGS.items()}
     assert dict(inferential_pb2.DType.items()) == DTYPES
     assert dict(inferential_pb2.Encoding.items()) == ENCODINGS

@@ -21,7 +21,9 @@ PREFLIGHT = {
 }
 
 
-def test_a_preflight_from_an_allowed_origin_is_answered_and_others_refused(start_gateway: Callable[..., Any]) -> None:
+def test_a_preflight_from_an_allowed_origin_is_answered_and_others_refused(
+    start_gateway: Callable[..., Any],
+) -> None:
     gateway = start_gateway({"cors_origins": [ALLOWED]})
     url = gateway.http_url + "/v1/chat/completions"
     allowed = httpx.options(url, headers={"Origin": ALLOWED, **PREFLIGHT}, timeout=10)
@@ -44,7 +46,9 @@ def test_without_cors_origins_no_preflight_is_answered(start_gateway: Callable[.
     assert response.status_code == 405 and "access-control-allow-origin" not in response.headers
 
 
-def test_the_http_port_speaks_tls_with_its_certificate(start_gateway: Callable[..., Any], tmp_path: Path) -> None:
+def test_the_http_port_speaks_tls_with_its_certificate(
+    start_gateway: Callable[..., Any], tmp_path: Path
+) -> None:
     ca = TestCa(tmp_path)
     cert, key = ca.issue("gateway", ["127.0.0.1", "localhost"])
     gateway = start_gateway({"tls_cert_file": str(cert), "tls_key_file": str(key)})
@@ -53,7 +57,9 @@ def test_the_http_port_speaks_tls_with_its_certificate(start_gateway: Callable[.
     version = httpx.get(https + "/api/version", verify=trusted, timeout=10)
     assert version.status_code == 200 and version.json()["version"]
     with pytest.raises(ollama.ResponseError) as caught:  # through TLS to the route: no scheduler here
-        ollama.Client(host=https, verify=trusted).chat(model="tiny-chat", messages=[{"role": "user", "content": "hi"}])
+        ollama.Client(host=https, verify=trusted).chat(
+            model="tiny-chat", messages=[{"role": "user", "content": "hi"}]
+        )
     assert caught.value.status_code == 503
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
         httpx.get(https + "/api/version", timeout=10)  # the system CAs do not know the test CA

@@ -609,7 +609,9 @@ def test_the_dialects_take_the_same_keys_tokens_guardrails_and_audit(
 ) -> None:
     token = provider.token(provider.published[0], sub="dialect-user")
     claude = anthropic.Anthropic(base_url=gateway.http_url, api_key=token, max_retries=0, timeout=30)
-    message = claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "say:via| tokens"}])
+    message = claude.messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "say:via| tokens"}]
+    )
     assert message.content[0].text == "via tokens"  # type: ignore[union-attr]
     line = gateway.audited(message.id)
     assert (line["endpoint"], line["subject"], line["auth"], line["outcome"]) == (
@@ -618,7 +620,9 @@ def test_the_dialects_take_the_same_keys_tokens_guardrails_and_audit(
         "oidc",
         "ok",
     )
-    with claude.messages.stream(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": SAID_FORBIDDEN}]) as stream:
+    with claude.messages.stream(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": SAID_FORBIDDEN}]
+    ) as stream:
         streamed = stream.get_final_message()
     assert streamed.content[0].text == "safe text " and streamed.stop_reason == "refusal"  # type: ignore[union-attr]
     assert gateway.audited(streamed.id)["outcome"] == "content_filter"

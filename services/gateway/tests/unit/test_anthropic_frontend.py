@@ -90,9 +90,15 @@ def app_for(generations: Recorded, keys: list[ApiKeySettings] | None = None) -> 
     return Starlette(routes=[*routes, *openai_side])
 
 
-def client_for(generations: Recorded, keys: list[ApiKeySettings] | None = None, api_key: str = "k") -> anthropic.AsyncAnthropic:
-    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app_for(generations, keys)), base_url="http://gateway")
-    return anthropic.AsyncAnthropic(base_url="http://gateway", api_key=api_key, http_client=http, max_retries=0)
+def client_for(
+    generations: Recorded, keys: list[ApiKeySettings] | None = None, api_key: str = "k"
+) -> anthropic.AsyncAnthropic:
+    http = httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app_for(generations, keys)), base_url="http://gateway"
+    )
+    return anthropic.AsyncAnthropic(
+        base_url="http://gateway", api_key=api_key, http_client=http, max_retries=0
+    )
 
 
 HI: list[Any] = [{"role": "user", "content": "hi"}]
@@ -104,7 +110,9 @@ async def test_a_message_maps_its_fields_onto_the_openai_plane() -> None:
         model="tiny-chat",
         max_tokens=2,
         system="be brief",
-        messages=[{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}
+        ],
         stop_sequences=["\n\n"],
         metadata={"user_id": "u-1"},
         extra_body={"temperature": 0.5, "top_p": 0.9},  # the 2.x client no longer has them as arguments
@@ -135,8 +143,14 @@ async def test_a_stream_follows_anthropics_event_order() -> None:
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert final.content[0].text == "ab" and final.stop_reason == "max_tokens"
     assert (final.usage.input_tokens, final.usage.output_tokens) == (9, 3)
-    raw = await client.messages.with_raw_response.create(model="tiny-chat", max_tokens=3, messages=HI, stream=True)
-    names = [line.removeprefix("event: ") for line in (await raw.http_response.aread()).decode().splitlines() if line.startswith("event: ")]
+    raw = await client.messages.with_raw_response.create(
+        model="tiny-chat", max_tokens=3, messages=HI, stream=True
+    )
+    names = [
+        line.removeprefix("event: ")
+        for line in (await raw.http_response.aread()).decode().splitlines()
+        if line.startswith("event: ")
+    ]
     assert names == [
         "message_start",
         "ping",
@@ -179,7 +193,11 @@ async def test_count_tokens_runs_the_prompt_for_one_token() -> None:
     counted = await client_for(generations).messages.count_tokens(model="tiny-chat", system="s", messages=HI)
     assert counted.input_tokens == 9
     [(request, _)] = generations.requests
-    assert request.max_tokens == 1 and request.temperature == 0 and turns(request) == (("system", "s"), ("user", "hi"))
+    assert (
+        request.max_tokens == 1
+        and request.temperature == 0
+        and turns(request) == (("system", "s"), ("user", "hi"))
+    )
 
 
 async def test_models_take_anthropics_shape_when_asked_in_anthropics_dialect() -> None:
@@ -196,7 +214,9 @@ async def test_models_take_anthropics_shape_when_asked_in_anthropics_dialect() -
     oai = openai.AsyncOpenAI(
         base_url="http://gateway/v1",
         api_key="k",
-        http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(generations)), base_url="http://gateway"),
+        http_client=httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app_for(generations)), base_url="http://gateway"
+        ),
         max_retries=0,
     )
     assert [m.id for m in (await oai.models.list()).data] == ["tiny-chat", "tiny-vlm", "zeta"]
@@ -207,7 +227,9 @@ async def test_x_api_key_is_the_api_key() -> None:
     key = ApiKeySettings(name="team", sha256=hashlib.sha256(b"secret").hexdigest())
     generations = Recorded(["a"])
     with pytest.raises(anthropic.AuthenticationError) as caught:
-        await client_for(generations, keys=[key], api_key="wrong").messages.create(model="tiny-chat", max_tokens=1, messages=HI)
+        await client_for(generations, keys=[key], api_key="wrong").messages.create(
+            model="tiny-chat", max_tokens=1, messages=HI
+        )
     assert caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     message = await client_for(generations, keys=[key], api_key="secret").messages.create(
         model="tiny-chat", max_tokens=1, messages=HI
@@ -222,21 +244,29 @@ async def test_x_api_key_is_the_api_key() -> None:
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
         ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
         ({"tool_choice": {"type": "any"}}, "tool_choice"),
-        ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "g"}}, "tool_choice"),
+        (
+            {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "g"}},
+            "tool_choice",
+        ),
         ({"temperature": 1.5}, "temperature"),
         ({"thinking": {"type": "adaptive"}}, "thinking.type"),
         ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
         ({"output_config": {"effort": "high"}}, "output_config.effort"),
         ({"speed": "fast"}, "speed"),
         ({"messages": [*HI, {"role": "assistant", "content": "The answer is"}]}, "prefill"),
-        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0.type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+            "messages.0.content.0.type",
+        ),
         ({"max_tokens": 0}, "max_tokens"),
     ],
 )
 async def test_what_cannot_be_honoured_is_a_400_naming_it(extra: dict[str, Any], needle: str) -> None:
     generations = Recorded(["a"])
     body = {"model": "tiny-chat", "max_tokens": 1, "messages": HI, **extra}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(generations)), base_url="http://gateway") as http:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app_for(generations)), base_url="http://gateway"
+    ) as http:
         response = await http.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
     assert response.status_code == 400, response.text
     payload = response.json()
@@ -253,7 +283,9 @@ async def test_errors_keep_anthropics_shape_and_a_failure_mid_stream_ends_it() -
     generations = Recorded(["a", "b", "c"], fail_after=2)
     texts = []
     with pytest.raises(anthropic.APIStatusError, match="the worker died"):
-        async with client_for(generations).messages.stream(model="tiny-chat", max_tokens=3, messages=HI) as stream:
+        async with client_for(generations).messages.stream(
+            model="tiny-chat", max_tokens=3, messages=HI
+        ) as stream:
             async for text in stream.text_stream:
                 texts.append(text)
     assert texts == ["a", "b"] and len(generations.closed) == 1
@@ -280,7 +312,9 @@ async def test_loadmaster_headers_reach_the_request() -> None:
     [(request, _)] = generations.requests
     assert (request.priority, request.deadline_ms) == (0, 1500.0)
     body = json.dumps({"model": "tiny-chat", "max_tokens": 1, "messages": HI})
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_for(generations)), base_url="http://gateway") as http:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app_for(generations)), base_url="http://gateway"
+    ) as http:
         response = await http.post("/v1/messages", content=body, headers={"X-Loadmaster-Urgency": "2"})
     assert response.status_code == 400 and "X-Loadmaster-Urgency" in response.json()["error"]["message"]
 
@@ -297,10 +331,18 @@ async def test_tools_and_tool_choice_become_function_tools() -> None:
     client = client_for(generations)
     await client.messages.create(model="tiny-chat", max_tokens=4, messages=HI, tools=[WEATHER])  # type: ignore[list-item]
     await client.messages.create(
-        model="tiny-chat", max_tokens=4, messages=HI, tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True}  # type: ignore[list-item]
+        model="tiny-chat",
+        max_tokens=4,
+        messages=HI,
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},  # type: ignore[list-item]
     )
     await client.messages.create(
-        model="tiny-chat", max_tokens=4, messages=HI, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}  # type: ignore[list-item]
+        model="tiny-chat",
+        max_tokens=4,
+        messages=HI,
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[list-item]
     )
     function = FunctionSpec("get_weather", "the weather in a city", WEATHER["input_schema"])  # type: ignore[arg-type]
     assert [r.tools for r, _ in generations.requests] == [
@@ -328,7 +370,11 @@ async def test_tool_use_and_tool_result_blocks_are_the_chats_tool_turns() -> Non
             {
                 "role": "user",
                 "content": [
-                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "12 C"}]},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "12 C"}],
+                    },
                     {"type": "text", "text": "and tomorrow?"},
                 ],
             },
@@ -339,7 +385,12 @@ async def test_tool_use_and_tool_result_blocks_are_the_chats_tool_turns() -> Non
     _, assistant, tool, follow_up = request.messages
     assert (assistant.role, assistant.content) == ("assistant", "let me look")
     assert assistant.tool_calls == (ToolCall("toolu_1", "get_weather", '{"city":"Oslo"}', 0),)
-    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "toolu_1", "get_weather", "12 C")
+    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == (
+        "tool",
+        "toolu_1",
+        "get_weather",
+        "12 C",
+    )
     assert (follow_up.role, follow_up.content) == ("user", "and tomorrow?")
 
 
@@ -350,8 +401,14 @@ async def test_a_reply_with_tool_calls_is_tool_use_blocks() -> None:
     assert message.stop_reason == "tool_use"
     text, used = message.content
     assert text.type == "text" and text.text == "checking"
-    assert used.type == "tool_use" and (used.id, used.name, used.input) == ("call_7", "get_weather", {"city": "Oslo"})
-    async with client.messages.stream(model="tiny-chat", max_tokens=8, messages=HI, tools=[WEATHER]) as stream:  # type: ignore[list-item]
+    assert used.type == "tool_use" and (used.id, used.name, used.input) == (
+        "call_7",
+        "get_weather",
+        {"city": "Oslo"},
+    )
+    async with client.messages.stream(
+        model="tiny-chat", max_tokens=8, messages=HI, tools=[WEATHER]
+    ) as stream:  # type: ignore[list-item]
         final = await stream.get_final_message()
     assert [block.type for block in final.content] == ["text", "tool_use"]
     assert final.content[1].input == {"city": "Oslo"} and final.stop_reason == "tool_use"  # type: ignore[union-attr]

@@ -36,7 +36,10 @@ def data_url(data: bytes, media: str = "image/png") -> str:
 
 
 def chat(*parts: dict[str, object], model: str = "tiny-vlm") -> GenerationRequest:
-    body = {"model": model, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": list(parts)}]}
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": list(parts)}],
+    }
     return parse_chat(json.dumps(body).encode())
 
 
@@ -45,7 +48,11 @@ def image_part(url: str, **extra: object) -> dict[str, object]:
 
 
 def test_image_parts_are_collected_in_order_with_their_message() -> None:
-    request = chat(image_part("data:image/png;base64,AAAA"), {"type": "text", "text": "what"}, image_part("https://a/b.png"))
+    request = chat(
+        image_part("data:image/png;base64,AAAA"),
+        {"type": "text", "text": "what"},
+        image_part("https://a/b.png"),
+    )
     assert turns(request) == (("system", "s"), ("user", "what"))
     assert request.images == (ChatImage(1, "data:image/png;base64,AAAA"), ChatImage(1, "https://a/b.png"))
 
@@ -53,7 +60,10 @@ def test_image_parts_are_collected_in_order_with_their_message() -> None:
 @pytest.mark.parametrize(
     ("part", "needle"),
     [
-        ({"type": "input_audio", "input_audio": {}}, "messages.1.content: part 0: type 'input_audio' is not one of text, image_url"),
+        (
+            {"type": "input_audio", "input_audio": {}},
+            "messages.1.content: part 0: type 'input_audio' is not one of text, image_url",
+        ),
         (image_part("https://a/b.png", detail="high"), "messages.1.content.0.image_url.detail"),
         ({"type": "image_url", "image_url": {}}, "messages.1.content.0.image_url.url"),
     ],
@@ -122,9 +132,14 @@ async def test_allowed_hosts_are_fetched_and_bounded() -> None:
         return httpx.Response(200, content=image)
 
     fetcher = images(
-        image_url_allow=["images.example", "*.cdn.example"], image_max_bytes=2048, image_fetch_timeout_s=0.2, handler=handler
+        image_url_allow=["images.example", "*.cdn.example"],
+        image_max_bytes=2048,
+        image_fetch_timeout_s=0.2,
+        handler=handler,
     )
-    resolved = await fetcher.resolve(chat(image_part("https://images.example/a.png"), image_part("http://x.cdn.example/b.png")))
+    resolved = await fetcher.resolve(
+        chat(image_part("https://images.example/a.png"), image_part("http://x.cdn.example/b.png"))
+    )
     assert [i.data for i in resolved.images] == [image, image]
     for path, needle in (
         ("moved.png", "answered HTTP 302"),
@@ -139,6 +154,14 @@ async def test_allowed_hosts_are_fetched_and_bounded() -> None:
 
 
 def test_hosts_and_kinds() -> None:
-    assert host_allowed("a.cdn.example", ["*.cdn.example"]) and not host_allowed("cdn.example", ["*.cdn.example"])
-    assert host_allowed("Images.Example.", ["images.example"]) and not host_allowed("images.example.org", ["images.example"])
-    assert image_kind(png()) == "png" and image_kind(b"RIFF\0\0\0\0WEBPVP8 ") == "webp" and image_kind(b"hello") is None
+    assert host_allowed("a.cdn.example", ["*.cdn.example"]) and not host_allowed(
+        "cdn.example", ["*.cdn.example"]
+    )
+    assert host_allowed("Images.Example.", ["images.example"]) and not host_allowed(
+        "images.example.org", ["images.example"]
+    )
+    assert (
+        image_kind(png()) == "png"
+        and image_kind(b"RIFF\0\0\0\0WEBPVP8 ") == "webp"
+        and image_kind(b"hello") is None
+    )

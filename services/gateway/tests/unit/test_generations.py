@@ -397,6 +397,8 @@ async def test_streams_not_granted_and_not_loading_count_the_streams_ahead_at_th
         assert await anext(newer) == Waiting(queued_ahead=1)
     await older.aclose()
     await newer.aclose()
+
+
 async def test_tools_logprobs_and_n_reach_the_worker_and_choices_come_back_apart(
     parts: tuple[GenerationStreams, Scheduler, Workers],
 ) -> None:
@@ -470,7 +472,9 @@ async def test_tools_logprobs_and_n_reach_the_worker_and_choices_come_back_apart
 def placement(model: str, *workers: tuple[str, str, int]) -> scheduler_pb2.Placement:
     return scheduler_pb2.Placement(
         model_id=model,
-        workers=[scheduler_pb2.PlacedWorker(worker_id=w, data_endpoint=e, generation=g) for w, e, g in workers],
+        workers=[
+            scheduler_pb2.PlacedWorker(worker_id=w, data_endpoint=e, generation=g) for w, e, g in workers
+        ],
     )
 
 
@@ -501,8 +505,12 @@ async def test_placed_generations_spread_over_workers_and_follow_their_prompt_pr
     await settle()
     endpoints = [endpoint for endpoint, _, _ in workers.sent]
     assert sorted(endpoints) == ["tcp://w1", "tcp://w1", "tcp://w2", "tcp://w2"]  # the fewest placed first
-    long_prompt = json.dumps({"model": "tiny-chat", "messages": [{"role": "system", "content": "s" * 600},
-                              {"role": "user", "content": "hi"}]}).encode()
+    long_prompt = json.dumps(
+        {
+            "model": "tiny-chat",
+            "messages": [{"role": "system", "content": "s" * 600}, {"role": "user", "content": "hi"}],
+        }
+    ).encode()
     same = [streams.generate(parse_chat(long_prompt), request_id=f"s{i}", client_id="a") for i in range(3)]
     more = [asyncio.ensure_future(anext(events)) for events in same]
     await settle()

@@ -67,7 +67,9 @@ class Recorded:
                 yield TextChunk(piece)
             if self.calls:
                 yield TextChunk("", tool_calls=self.calls)
-            yield Finished("tool_calls" if self.calls else "stop", prompt_tokens=7, completion_tokens=len(self.pieces))
+            yield Finished(
+                "tool_calls" if self.calls else "stop", prompt_tokens=7, completion_tokens=len(self.pieces)
+            )
         finally:
             self.closed.append(request_id)
 
@@ -155,7 +157,9 @@ async def test_a_chat_maps_options_format_and_keep_alive_onto_the_openai_plane()
 
 async def test_a_streamed_chat_is_ndjson_chunks_then_the_done_line() -> None:
     generations = Recorded(["a", "", "b"])
-    parts = [part async for part in await client_for(generations).chat(model="tiny-chat", messages=HI, stream=True)]
+    parts = [
+        part async for part in await client_for(generations).chat(model="tiny-chat", messages=HI, stream=True)
+    ]
     assert [p.message.content for p in parts] == ["a", "b", ""]
     assert [p.done for p in parts] == [False, False, True]
     assert parts[-1].done_reason == "stop" and parts[-1].eval_count == 3
@@ -167,7 +171,10 @@ async def test_a_schema_format_is_structured_output() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     await client_for(generations).chat(model="tiny-chat", messages=HI, format=schema)
     [(request, _)] = generations.requests
-    assert request.response_format == {"type": "json_schema", "json_schema": {"name": "ollama", "schema": schema}}
+    assert request.response_format == {
+        "type": "json_schema",
+        "json_schema": {"name": "ollama", "schema": schema},
+    }
 
 
 async def test_generate_applies_the_template_unless_raw() -> None:
@@ -187,7 +194,9 @@ async def test_generate_applies_the_template_unless_raw() -> None:
 async def test_images_become_data_url_image_parts() -> None:
     generations = Recorded(["a"])
     image = png()
-    await client_for(generations).chat(model="tiny-vlm", messages=[{"role": "user", "content": "what?", "images": [image]}])
+    await client_for(generations).chat(
+        model="tiny-vlm", messages=[{"role": "user", "content": "what?", "images": [image]}]
+    )
     [(request, _)] = generations.requests
     assert turns(request) == (("user", "what?"),)
     [chat_image] = request.images
@@ -199,7 +208,12 @@ async def test_models_are_listed_as_name_latest_and_both_names_work() -> None:
     generations = Recorded(["a"])
     client = client_for(generations)
     listed = await client.list()
-    assert [m.model for m in listed.models] == ["chat:latest", "tiny-chat:latest", "tiny-embed:latest", "tiny-vlm:latest"]
+    assert [m.model for m in listed.models] == [
+        "chat:latest",
+        "tiny-chat:latest",
+        "tiny-embed:latest",
+        "tiny-vlm:latest",
+    ]
     assert listed.models[1].digest == hashlib.sha256(b"tiny-chat").hexdigest()
     running = await client.ps()
     assert [m.model for m in running.models] == ["chat:latest", "tiny-chat:latest", "tiny-embed:latest"]
@@ -256,8 +270,18 @@ async def test_unloading_needs_the_admin_scope() -> None:
         ({"format": "yaml"}, "format"),
         ({"keep_alive": "soon"}, "keep_alive"),
         ({"think": "high"}, "think"),
-        ({"tools": [{"type": "function", "function": {"name": "bad name!", "parameters": {}}}]}, "tools.0.function.name"),
-        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}]}, "messages[0].tool_calls[0].function"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!", "parameters": {}}}]},
+            "tools.0.function.name",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}
+                ]
+            },
+            "messages[0].tool_calls[0].function",
+        ),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "x", "images": ["%%%"]}]}, "messages[0].images[0]"),
     ],
@@ -307,7 +331,9 @@ async def test_rate_limits_answer_429_with_retry_after() -> None:
     await client.chat(model="tiny-chat", messages=HI)
     async with httpx.AsyncClient(transport=client._client._transport, base_url="http://gateway") as http:
         response = await http.post(
-            "/api/chat", json={"model": "tiny-chat", "messages": HI}, headers={"authorization": "Bearer secret"}
+            "/api/chat",
+            json={"model": "tiny-chat", "messages": HI},
+            headers={"authorization": "Bearer secret"},
         )
     assert response.status_code == 429 and response.headers["retry-after"] == "2"
     assert "rate limit" in response.json()["error"]
@@ -325,13 +351,25 @@ async def test_loadmaster_headers_set_priority_deadline_and_client() -> None:
     [(request, client_id)] = generations.requests
     assert (request.priority, request.urgency, request.deadline_ms, client_id) == (0, 0.5, 250.0, "arm-1")
     with pytest.raises(ollama.ResponseError) as caught:
-        await client_for(generations, **{"X-Loadmaster-Priority": "urgent"}).chat(model="tiny-chat", messages=HI)
+        await client_for(generations, **{"X-Loadmaster-Priority": "urgent"}).chat(
+            model="tiny-chat", messages=HI
+        )
     assert caught.value.status_code == 400 and "X-Loadmaster-Priority" in caught.value.error
 
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [(None, None), (0, 0.0), (30, 30.0), ("10s", 10.0), ("5m", 300.0), ("1h30m", 5400.0), ("-1", -1.0), ("-1m", -60.0), ("250ms", 0.25)],
+    [
+        (None, None),
+        (0, 0.0),
+        (30, 30.0),
+        ("10s", 10.0),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("-1", -1.0),
+        ("-1m", -60.0),
+        ("250ms", 0.25),
+    ],
 )
 def test_keep_alive_durations(value: float | str | None, seconds: float | None) -> None:
     assert parse_keep_alive(value) == seconds
@@ -354,7 +392,11 @@ async def test_tools_and_a_tool_history_reach_the_request() -> None:
         tools=[WEATHER],
         messages=[
             {"role": "user", "content": "weather in Oslo?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+            },
             {"role": "tool", "content": "12 C", "tool_name": "get_weather"},
         ],
     )
@@ -364,7 +406,12 @@ async def test_tools_and_a_tool_history_reach_the_request() -> None:
     assert request.messages is not None
     _, assistant, tool = request.messages
     assert assistant.tool_calls == (ToolCall("call_1_0", "get_weather", '{"city":"Oslo"}', 0),)
-    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == ("tool", "call_1_0", "get_weather", "12 C")
+    assert (tool.role, tool.tool_call_id, tool.name, tool.content) == (
+        "tool",
+        "call_1_0",
+        "get_weather",
+        "12 C",
+    )
 
 
 async def test_a_reply_with_tool_calls_carries_them_as_ollama_does() -> None:
@@ -394,7 +441,9 @@ async def test_a_client_without_a_valid_key_is_refused_before_its_body_is_read()
     key = ApiKeySettings(name="team", sha256=hashlib.sha256(b"secret").hexdigest())
     client = client_for(Recorded(["a"]), keys=[key])
     async with httpx.AsyncClient(transport=client._client._transport, base_url="http://gateway") as http:
-        response = await http.post("/api/chat", content=b"{not json", headers={"authorization": "Bearer wrong"})
+        response = await http.post(
+            "/api/chat", content=b"{not json", headers={"authorization": "Bearer wrong"}
+        )
     assert response.status_code == 401 and "not valid" in response.json()["error"]
 
 
@@ -409,7 +458,12 @@ async def test_embed_is_one_embedding_call_per_request() -> None:
     older = await client.embeddings(model="tiny-embed", prompt="one")
     assert list(older.embedding) == [0.0, 0.5, -1.0]
     [(first, client_id), (second, _), (third, _)] = embedder.requests
-    assert (first.model, first.inputs, first.dimensions, first.priority) == ("tiny-embed", ("one", "two"), 3, 0)
+    assert (first.model, first.inputs, first.dimensions, first.priority) == (
+        "tiny-embed",
+        ("one", "two"),
+        3,
+        0,
+    )
     assert (second.inputs, third.inputs, client_id) == (("one",), ("one",), "ollama")
 
 

@@ -217,7 +217,10 @@ async def test_a_profile_fills_the_request_and_a_cooldown_is_a_429_with_retry_af
     assert reply.model == "tiny-chat"
     request, client_id = generations.requests[0]
     assert (request.model, request.max_tokens, client_id) == ("tiny-chat", 7, "bot")
-    assert tuple((m.role, m.content) for m in request.messages or ()) == (("system", "Be brief."), ("user", "hi"))
+    assert tuple((m.role, m.content) for m in request.messages or ()) == (
+        ("system", "Be brief."),
+        ("user", "hi"),
+    )
     with pytest.raises(openai.RateLimitError) as caught:
         await client.chat.completions.create(model="", messages=MESSAGES, extra_body={"x_client_id": "bot"})
     assert caught.value.response.headers["retry-after"] == "2"
@@ -261,7 +264,9 @@ class SeenSpans(Recorded):
         self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str = ""
     ) -> AsyncIterator[GenerationEvent]:
         self.current.append(trace.get_current_span().get_span_context())
-        async for item in super().generate(request, request_id=request_id, client_id=client_id, tenant=tenant):
+        async for item in super().generate(
+            request, request_id=request_id, client_id=client_id, tenant=tenant
+        ):
             yield item
 
 
@@ -320,7 +325,12 @@ async def test_a_waiting_stream_says_where_it_stands_in_comment_lines_the_client
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
         body = {"model": "tiny-chat", "messages": MESSAGES, "stream": True}
         raw = (await http.post("/v1/chat/completions", json=body)).text
-    assert raw.index(": loading\n\n") < raw.index(": loading 45%\n\n") < raw.index(": queued 3\n\n") < raw.index("data:")
+    assert (
+        raw.index(": loading\n\n")
+        < raw.index(": loading 45%\n\n")
+        < raw.index(": queued 3\n\n")
+        < raw.index("data:")
+    )
     client = client_for(Recorded(["he", "llo"], waiting=waiting))
     stream = await client.chat.completions.create(model="tiny-chat", messages=MESSAGES, stream=True)
     text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
@@ -329,6 +339,8 @@ async def test_a_waiting_stream_says_where_it_stands_in_comment_lines_the_client
         model="tiny-chat", messages=MESSAGES
     )
     assert collected.choices[0].message.content == "ok"
+
+
 class Choices:
     """Two choices: choice 0 text with log probabilities, choice 1 a tool call."""
 

@@ -194,4 +194,3 @@ async def test_what_a_stateless_server_cannot_honour_is_a_400_naming_it(
         error
     )
     assert generations.requests == []
-

@@ -53,7 +53,10 @@ def test_a_profile_fills_only_what_the_request_left_out() -> None:
     profile = Profile("planner-key", CLIENTS.profiles["planner-key"])
     filled = apply_profile(parse_chat(chat()), profile)
     assert filled.model == "chat" and filled.deadline_ms == 2000
-    assert tuple((m.role, m.content) for m in filled.messages or ()) == (("system", "Answer in one word."), ("user", "hi"))
+    assert tuple((m.role, m.content) for m in filled.messages or ()) == (
+        ("system", "Answer in one word."),
+        ("user", "hi"),
+    )
     assert filled.priority is None and filled.max_tokens is None  # this profile sets neither
     own = apply_profile(
         parse_chat(
@@ -66,7 +69,10 @@ def test_a_profile_fills_only_what_the_request_left_out() -> None:
         profile,
     )
     assert own.model == "tiny-chat" and own.deadline_ms == 50  # the request's own values win
-    assert tuple((m.role, m.content) for m in own.messages or ()) == (("system", "Mine."), ("user", "hi"))  # a chat with a system message keeps it
+    assert tuple((m.role, m.content) for m in own.messages or ()) == (
+        ("system", "Mine."),
+        ("user", "hi"),
+    )  # a chat with a system message keeps it
     robot = apply_profile(
         parse_chat(chat(model="m", x_priority=3)), Profile("robot", CLIENTS.profiles["robot"])
     )

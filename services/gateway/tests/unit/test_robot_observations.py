@@ -127,7 +127,12 @@ def test_openpi_coding_matches_openpi_clients() -> None:
     # openpi_client/msgpack_numpy.py, as its Packer writes an observation
     def pack_array(obj: object) -> object:
         if isinstance(obj, np.ndarray):
-            return {b"__ndarray__": True, b"data": obj.tobytes(), b"dtype": obj.dtype.str, b"shape": obj.shape}
+            return {
+                b"__ndarray__": True,
+                b"data": obj.tobytes(),
+                b"dtype": obj.dtype.str,
+                b"shape": obj.shape,
+            }
         return obj
 
     state = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -142,7 +147,9 @@ def test_openpi_coding_matches_openpi_clients() -> None:
     bad = msgpack.packb({"x": {b"__ndarray__": True, b"data": b"12", b"dtype": "<f4", b"shape": [4]}})
     with pytest.raises(InvalidArgumentError, match="malformed"):
         openpi.unpack(bad, max_bytes=1 << 20)
-    objects = msgpack.packb({"x": {b"__ndarray__": True, b"data": b"12345678", b"dtype": "|O", b"shape": [1]}})
+    objects = msgpack.packb(
+        {"x": {b"__ndarray__": True, b"data": b"12345678", b"dtype": "|O", b"shape": [1]}}
+    )
     with pytest.raises(InvalidArgumentError, match="malformed"):
         openpi.unpack(objects, max_bytes=1 << 20)
 

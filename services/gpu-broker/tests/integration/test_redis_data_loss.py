@@ -20,6 +20,8 @@ from loadmaster.v1 import gpu_broker_pb2 as pb
 
 MakeSettings = Callable[..., Settings]
 StartBroker = Callable[..., Awaitable[Any]]  # conftest.start_broker -> Broker(server, stub)
+
+
 def _require_password(server: EmbeddedRedis) -> str:
     """The server's URL: the embedded Redis always asks for its password (carried in the URL)."""
     assert server.password

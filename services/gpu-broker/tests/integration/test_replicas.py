@@ -76,5 +76,9 @@ async def test_watch_sees_events_from_another_replica(
     await b.stub.Renew(pb.RenewRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token))
     await b.stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id, fencing_token=lease.fencing_token))
     kinds = [(await asyncio.wait_for(watch.read(), 5)).kind for _ in range(3)]
-    assert kinds == [pb.WatchResponse.KIND_ACQUIRED, pb.WatchResponse.KIND_RENEWED, pb.WatchResponse.KIND_RELEASED]
+    assert kinds == [
+        pb.WatchResponse.KIND_ACQUIRED,
+        pb.WatchResponse.KIND_RENEWED,
+        pb.WatchResponse.KIND_RELEASED,
+    ]
     watch.cancel()

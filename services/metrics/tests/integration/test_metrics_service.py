@@ -89,7 +89,9 @@ async def test_reported_samples_answer_stats_latest_and_prometheus(
     assert seen[("loadmaster_metrics_samples_accepted_total", (("service", "gateway"),))] == 322
 
 
-async def test_watch_receives_new_samples(server: MetricsServer, stub: metrics_pb2_grpc.MetricsServiceStub) -> None:
+async def test_watch_receives_new_samples(
+    server: MetricsServer, stub: metrics_pb2_grpc.MetricsServiceStub
+) -> None:
     call = stub.Watch(metrics_pb2.MetricsServiceWatchRequest(names=["queue_depth"], labels={"model": "m1"}))
     await asyncio.wait_for(call.initial_metadata(), 5.0)  # subscribed from here on
 

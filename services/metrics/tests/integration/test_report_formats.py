@@ -48,7 +48,9 @@ async def test_a_series_with_several_values_arrives_with_values_timestamps_and_l
     assert (stats.count, stats.sum, stats.max, stats.p50) == (6, 22.5, 7.5, 3.75)
 
 
-async def test_old_format_batches_still_ingest_beside_series(stub: metrics_pb2_grpc.MetricsServiceStub) -> None:
+async def test_old_format_batches_still_ingest_beside_series(
+    stub: metrics_pb2_grpc.MetricsServiceStub,
+) -> None:
     old = metrics_pb2.ReportRequest(service="model-pool", instance="w-1")
     for value in (1.0, 4.0, float("nan")):
         old.samples.add(name="batch_size", value=value, labels={"model": "m"}, timestamp_unix_ns=1_000)

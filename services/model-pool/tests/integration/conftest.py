@@ -126,7 +126,9 @@ def real_broker(redis_url: str) -> BrokerAt:
     server_module = pytest.importorskip("loadmaster.gpu_broker.server")
 
     @contextlib.asynccontextmanager
-    async def start(*, total_mb: int = 1_000) -> AsyncIterator[tuple[str, gpu_broker_pb2_grpc.GpuBrokerServiceStub]]:
+    async def start(
+        *, total_mb: int = 1_000
+    ) -> AsyncIterator[tuple[str, gpu_broker_pb2_grpc.GpuBrokerServiceStub]]:
         settings = broker_settings(redis_url, total_mb=total_mb)
         server = await server_module.build(settings)
         port = await server.start()

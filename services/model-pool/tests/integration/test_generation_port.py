@@ -36,7 +36,11 @@ def chat_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = root / MODEL
     folder.mkdir(parents=True)
     config = (EXAMPLES / "models" / MODEL / "config.yaml").read_text()
-    (folder / "config.yaml").write_text(config.replace("max_sequences: 32", "max_sequences: 2").replace("max_resident_sequences: 64", "max_resident_sequences: 2"))
+    (folder / "config.yaml").write_text(
+        config.replace("max_sequences: 32", "max_sequences: 2").replace(
+            "max_resident_sequences: 64", "max_resident_sequences: 2"
+        )
+    )
     built = EXAMPLES / "models" / MODEL / "artifacts"
     if (built / "config.json").is_file():
         shutil.copytree(built, folder / "artifacts")
@@ -46,7 +50,11 @@ def chat_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         module.build([MODEL], root=root)
-        (folder / "config.yaml").write_text(config.replace("max_sequences: 32", "max_sequences: 2").replace("max_resident_sequences: 64", "max_resident_sequences: 2"))
+        (folder / "config.yaml").write_text(
+            config.replace("max_sequences: 32", "max_sequences: 2").replace(
+                "max_resident_sequences: 64", "max_resident_sequences: 2"
+            )
+        )
     return root
 
 

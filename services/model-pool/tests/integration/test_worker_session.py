@@ -60,7 +60,9 @@ async def test_commands_are_obeyed_and_reported(worker: ModelPoolServer, schedul
     )
     classifier = next(x for x in report.report.models if x.model_id == "classifier")
     assert classifier.state == IDLE and "make models" in classifier.error
-    fake.command(scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="no-such-model")))
+    fake.command(
+        scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="no-such-model"))
+    )
     mark = len(fake.messages)
     fake.command(scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id="double")))
     await fake.wait_for(lambda m: states(m).get("double") == IDLE, after=mark)  # still obeying

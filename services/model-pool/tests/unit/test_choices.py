@@ -46,7 +46,9 @@ def two_places() -> Iterator[TransformersEngine]:
     """tiny-chat with 2 places: a request of n=2 fills it, so an urgent one pauses a choice."""
     spec = ModelRepository(EXAMPLES / "models").spec("tiny-chat")
     config = spec.config.model_copy(update={"max_sequences": 2, "max_resident_sequences": 2})
-    instance = TransformersEngine(dataclasses.replace(spec, config=config), EngineContext(device="cpu", threads=1))
+    instance = TransformersEngine(
+        dataclasses.replace(spec, config=config), EngineContext(device="cpu", threads=1)
+    )
     instance.load()
     yield instance
     instance.unload()

@@ -26,7 +26,9 @@ def add(order: GenerationOrder, request_id: str, priority: int = 1, tenant: str 
     )
 
 
-def started(order: GenerationOrder, *, capacity: int, now: float = 0.0, can_pause: bool = True) -> list[tuple[Transition, str]]:
+def started(
+    order: GenerationOrder, *, capacity: int, now: float = 0.0, can_pause: bool = True
+) -> list[tuple[Transition, str]]:
     return order.plan(capacity=capacity, now=now, can_pause=can_pause).transitions
 
 

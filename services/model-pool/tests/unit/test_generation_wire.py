@@ -178,6 +178,8 @@ def test_priority_tenant_and_weight_reach_the_engine() -> None:
     assert (request.priority, request.tenant, request.tenant_weight) == (2, "acme", 2.5)
     message.tenant_weight = 0.0  # unset
     assert request_from_proto(message).tenant_weight == 1.0
+
+
 def test_chat_template_kwargs_come_through_as_an_object_or_are_refused_naming_the_field() -> None:
     chat = model_pool_pb2.ChatMessages(messages=[model_pool_pb2.ChatMessage(role="user", content="hi")])
     sampling = model_pool_pb2.SamplingParams(max_tokens=1)

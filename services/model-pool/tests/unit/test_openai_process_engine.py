@@ -262,5 +262,7 @@ def test_what_the_proxy_does_not_carry_is_refused_by_name() -> None:
         (GenerationRequest("l", params, messages=chat, logprobs=1), "logprobs"),
         (GenerationRequest("n", params, messages=chat, n=2), "n"),
     ):
-        with pytest.raises(InvalidArgumentError, match=f"^{field}: model 'm' is served through an OpenAI-compatible server"):
+        with pytest.raises(
+            InvalidArgumentError, match=f"^{field}: model 'm' is served through an OpenAI-compatible server"
+        ):
             refuse_unproxied(request, "m")

@@ -150,7 +150,13 @@ def test_every_example_tensor_model_describes_its_tensors() -> None:
     repo = ModelRepository(EXAMPLES)
     for name in repo.names():
         config = repo.spec(name).config
-        if config.backend in {"transformers", "transformers_vlm", "openai_process", "remote_openai", "python_generative"}:
+        if config.backend in {
+            "transformers",
+            "transformers_vlm",
+            "openai_process",
+            "remote_openai",
+            "python_generative",
+        }:
             continue  # language models: the gateway describes their text tensors (kserve_generative.py)
         assert config.inputs and config.outputs, name
 

@@ -358,7 +358,12 @@ def _parameters(schema: dict[str, Any]) -> dict[str, Any]:
     """A function's parameters are an object: a random schema that is not one is its field."""
     if schema.get("type") == "object":
         return schema
-    return {"type": "object", "properties": {"value": schema}, "required": ["value"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"value": schema},
+        "required": ["value"],
+        "additionalProperties": False,
+    }
 
 
 def tool_request(request_id: str, tools: ToolUse, **params: Any) -> GenerationRequest:

@@ -363,7 +363,11 @@ async def test_resident_sequences_share_the_steps_by_their_tenants_weights(
     weighted counter is lowest, so the weight-2 tenant gets about two thirds of the tokens."""
     engine = small_engine
     streams = [
-        await engine.submit(dataclasses.replace(ranked(f"{tenant}-{i}", 1, tenant=tenant, max_tokens=600), tenant_weight=weight))
+        await engine.submit(
+            dataclasses.replace(
+                ranked(f"{tenant}-{i}", 1, tenant=tenant, max_tokens=600), tenant_weight=weight
+            )
+        )
         for tenant, weight in (("heavy", 2.0), ("light", 1.0))
         for i in range(2)
     ]

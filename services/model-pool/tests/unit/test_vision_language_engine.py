@@ -165,7 +165,9 @@ async def test_stop_strings_end_the_reply(engine: VisionLanguageEngine) -> None:
             "n: model 'tiny-vlm'",
         ),
         (
-            GenerationRequest("r7", SamplingParams(max_tokens=4), messages=(ChatMessage("user", "x"),), logprobs=2),
+            GenerationRequest(
+                "r7", SamplingParams(max_tokens=4), messages=(ChatMessage("user", "x"),), logprobs=2
+            ),
             "logprobs: model 'tiny-vlm'",
         ),
         (chat("r5", max_tokens=4000), "exceeds the context"),
@@ -187,13 +189,17 @@ def test_sampling() -> None:
     assert nucleus <= {1, 3} and nucleus == {1, 3}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU path of transformers_vlm")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here: the GPU path of transformers_vlm"
+)
 async def test_the_engine_runs_on_a_gpu(tmp_path: Path) -> None:
     root = tmp_path / "models"
     (root / "tiny-vlm").mkdir(parents=True)
     shutil.copy(EXAMPLES / "models" / "tiny-vlm" / "config.yaml", root / "tiny-vlm" / "config.yaml")
     load_make_models().build(["tiny-vlm"], root=root)
-    gpu = VisionLanguageEngine(ModelRepository(root).spec("tiny-vlm"), EngineContext(device="cuda:0", threads=1))
+    gpu = VisionLanguageEngine(
+        ModelRepository(root).spec("tiny-vlm"), EngineContext(device="cuda:0", threads=1)
+    )
     gpu.load()
     try:
         text, end = await collect(gpu, chat("g", png(1)))

@@ -90,7 +90,9 @@ class WorkerClient:
             )
             for m, s in states.items()
         ]
-        await self.call.write(scheduler_pb2.WorkerSessionRequest(report=scheduler_pb2.WorkerReport(models=models)))
+        await self.call.write(
+            scheduler_pb2.WorkerSessionRequest(report=scheduler_pb2.WorkerReport(models=models))
+        )
 
     async def command(self) -> scheduler_pb2.WorkerSessionResponse:
         command = await asyncio.wait_for(self.call.read(), STEP_TIMEOUT_S)

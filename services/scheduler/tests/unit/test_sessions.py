@@ -148,8 +148,13 @@ async def test_gateways_hear_where_generative_models_are_served_and_when_that_ch
     assert told == Placement("chat", (PlacedWorker("w1", "tcp://w1", 2),))
     second = hub.connect_worker(WorkerHello("w2", "tcp://w2", repository=("chat",)))
     hub.report(second, [SlotStatus("chat", SlotState.LOADING, backend="transformers")])
-    hub.report(first, [SlotStatus("chat", SlotState.READY, generation=2, backend="transformers"),
-                       SlotStatus("m", SlotState.READY, generation=1, backend="torch")])  # tensors: not told
+    hub.report(
+        first,
+        [
+            SlotStatus("chat", SlotState.READY, generation=2, backend="transformers"),
+            SlotStatus("m", SlotState.READY, generation=1, backend="torch"),
+        ],
+    )  # tensors: not told
     assert len(gateway.outbox) == 0  # nothing changed for generations
     hub.report(second, [SlotStatus("chat", SlotState.READY, generation=5, backend="transformers")])
     [both] = await gateway.outbox.take_all()

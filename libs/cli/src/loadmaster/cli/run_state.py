@@ -35,7 +35,9 @@ def _private_folder(folder: Path) -> bool:
 def write_run_state(path: Path, state: dict[str, Any]) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not _private_folder(path.parent):
-        raise PermissionError(f"{path.parent} is not a private folder of this user: not writing run state there")
+        raise PermissionError(
+            f"{path.parent} is not a private folder of this user: not writing run state there"
+        )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as file:
         json.dump(state, file)

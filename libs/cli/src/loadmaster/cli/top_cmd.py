@@ -156,15 +156,22 @@ def _scheduling_table(doc: dict[str, Any], *, expand: bool) -> Table | None:
     if not rows:
         return None
     table = Table(title="generation scheduling", expand=expand)
-    for column in ("model", "wait to 1st token p50/p95 ms by priority", "preempt/yield/resume", "KV kept/recomputed",
-                   "tokens/s by tenant", "counter gap"):
+    for column in (
+        "model",
+        "wait to 1st token p50/p95 ms by priority",
+        "preempt/yield/resume",
+        "KV kept/recomputed",
+        "tokens/s by tenant",
+        "counter gap",
+    ):
         table.add_column(column, justify="left" if column in ("model", "tokens/s by tenant") else "right")
     for name, s in rows:
         waits = s.get("wait_to_first_token_by_priority") or {}
         tenants = s.get("tenants") or {}
         table.add_row(
             name,
-            " ".join(f"p{p}:{_num(w.get('p50_ms'))}/{_num(w.get('p95_ms'))}" for p, w in waits.items()) or "-",
+            " ".join(f"p{p}:{_num(w.get('p50_ms'))}/{_num(w.get('p95_ms'))}" for p, w in waits.items())
+            or "-",
             f"{s.get('preemptions', 0)}/{s.get('yields', 0)}/{s.get('resumptions', 0)}",
             f"{s.get('kv_kept', 0)}/{s.get('kv_recomputed', 0)}",
             " ".join(f"{t}:{_num(v.get('output_tokens_per_s'))}" for t, v in tenants.items()) or "-",

@@ -24,7 +24,9 @@ class ClientMatchSettings(_Section):
     def _exactly_one(self) -> ClientMatchSettings:
         given = [name for name in ("client_id", "api_key", "tenant") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of client_id, api_key, tenant (got {', '.join(given) or 'none'})")
+            raise ValueError(
+                f"give exactly one of client_id, api_key, tenant (got {', '.join(given) or 'none'})"
+            )
         return self
 
     @property

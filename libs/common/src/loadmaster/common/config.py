@@ -386,7 +386,9 @@ class _YamlFileSource(YamlConfigSettingsSource):
             try:
                 yaml_file.open("rb").close()
             except OSError as error:
-                raise ConfigError(f"{yaml_file}: cannot read the configuration file: {error.strerror}") from None
+                raise ConfigError(
+                    f"{yaml_file}: cannot read the configuration file: {error.strerror}"
+                ) from None
         super().__init__(settings_cls, yaml_file=yaml_file)
 
     def _read_file(self, file_path: Any) -> dict[str, Any]:

@@ -31,15 +31,15 @@ __all__ = ["IDEMPOTENT_CALLS", "Backoff", "retry_options"]
 class Backoff:
     """Delays between a reconnect loop's attempts: `first_s`, then doubling, at most `max_s`.
 
-        backoff = Backoff(first_s=0.1, max_s=5.0)
-        while running:
-            try:
-                ...open the stream...
-                backoff.reset()            # it opened: the next outage starts from first_s
-                ...serve it...
-            except ...:
-                ...
-            await clock.sleep(backoff.next_s())     # 0.1, 0.2, 0.4 ... 5.0, 5.0
+    backoff = Backoff(first_s=0.1, max_s=5.0)
+    while running:
+        try:
+            ...open the stream...
+            backoff.reset()            # it opened: the next outage starts from first_s
+            ...serve it...
+        except ...:
+            ...
+        await clock.sleep(backoff.next_s())     # 0.1, 0.2, 0.4 ... 5.0, 5.0
     """
 
     first_s: float

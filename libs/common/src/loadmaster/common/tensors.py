@@ -236,7 +236,9 @@ def _check(
                     f"tensor '{desc.key}': {_ENCODING_NAMES[desc.encoding]} tensors are decoded by model workers"
                 )
             start = desc.byte_offset
-            arrays[desc.key] = decode_image(desc, memoryview(payload).cast("B")[start : start + desc.byte_length])
+            arrays[desc.key] = decode_image(
+                desc, memoryview(payload).cast("B")[start : start + desc.byte_length]
+            )
 
 
 def _check_image(desc: tensor_pb2.Tensor, payload_len: int, limits: TensorLimits) -> None:
@@ -263,7 +265,9 @@ def _check_image(desc: tensor_pb2.Tensor, payload_len: int, limits: TensorLimits
         )
     end = desc.byte_offset + desc.byte_length
     if desc.byte_length == 0:
-        raise InvalidArgumentError(f"tensor '{key}': a {name} tensor needs its compressed bytes (byte_length 0)")
+        raise InvalidArgumentError(
+            f"tensor '{key}': a {name} tensor needs its compressed bytes (byte_length 0)"
+        )
     if end > payload_len:
         raise InvalidArgumentError(
             f"tensor '{key}': bytes [{desc.byte_offset}, {end}) lie outside the {payload_len}-byte payload"

@@ -127,7 +127,8 @@ class ModelCatalog:
         stub = model_pool_pb2_grpc.ModelPoolServiceStub(self._worker_channel(worker.grpc_endpoint))
         try:
             await stub.Load(
-                model_pool_pb2.LoadRequest(model_id=name, keep_alive_s=keep_alive_s), timeout=self._load_timeout_s
+                model_pool_pb2.LoadRequest(model_id=name, keep_alive_s=keep_alive_s),
+                timeout=self._load_timeout_s,
             )
         except grpc.aio.AioRpcError as error:
             raise from_grpc_error(error) from None

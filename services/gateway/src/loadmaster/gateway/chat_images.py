@@ -66,7 +66,9 @@ def host_allowed(host: str, allowed: list[str]) -> bool:
 
 
 class ChatImages:
-    def __init__(self, settings: GatewaySettings, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self, settings: GatewaySettings, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self._allow = list(settings.image_url_allow)
         self._timeout_s = settings.image_fetch_timeout_s
         self._max_bytes = settings.image_max_bytes
@@ -147,7 +149,9 @@ class ChatImages:
                     async for chunk in response.aiter_bytes():
                         received += chunk
                         if len(received) > self._max_bytes:
-                            raise InvalidArgumentError(f"{where} exceeds the limit of {self._max_bytes} bytes")
+                            raise InvalidArgumentError(
+                                f"{where} exceeds the limit of {self._max_bytes} bytes"
+                            )
         except TimeoutError:
             raise InvalidArgumentError(
                 f"{where}: fetching {url[:80]} took longer than {self._timeout_s:g} s"

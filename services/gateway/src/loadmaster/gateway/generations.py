@@ -202,18 +202,18 @@ class GenerationStreams:
         ttl_s = (request.deadline_ms or self.ttl_ms(request.model)) / 1000.0
         message.deadline_unix_ns = int((self._clock.time() + ttl_s) * 1e9)
         stream.info = scheduler_pb2.RequestInfo(
-                request_id=request_id,
-                client_id=client_id,
-                model_id=request.model,
-                priority=message.priority,
-                urgency=request.urgency or 0.0,
-                received_unix_ns=int(self._clock.time() * 1e9),
-                timeout_ms=request.deadline_ms or 0.0,
-                payload_bytes=message.ByteSize(),
-                client_type="openai",
-                connection_bound=True,  # the stream is cancelled when its HTTP client goes
-                affinity_key=prefix_affinity_key(request),
-            )
+            request_id=request_id,
+            client_id=client_id,
+            model_id=request.model,
+            priority=message.priority,
+            urgency=request.urgency or 0.0,
+            received_unix_ns=int(self._clock.time() * 1e9),
+            timeout_ms=request.deadline_ms or 0.0,
+            payload_bytes=message.ByteSize(),
+            client_type="openai",
+            connection_bound=True,  # the stream is cancelled when its HTTP client goes
+            affinity_key=prefix_affinity_key(request),
+        )
         self._streams[request_id] = stream
         self._watch_waiting()
         if not self._place(stream):
@@ -254,7 +254,9 @@ class GenerationStreams:
     def _enqueue(self, stream: _Stream) -> None:
         """Through the scheduler: it loads the model where none serves it, then grants."""
         if not self._scheduler.connected:
-            self._fail(stream, UnavailableError("no worker serves the model and the scheduler is unreachable"))
+            self._fail(
+                stream, UnavailableError("no worker serves the model and the scheduler is unreachable")
+            )
             return
         assert stream.info is not None
         stream.enqueued, stream.session = True, self._scheduler.session
@@ -264,7 +266,9 @@ class GenerationStreams:
         if (credentials := internal_auth.current()) is not None:  # a fresh one per send (replays refused)
             credentials.sign_envelope(stream.message.metadata, stream.request_id)
         try:
-            self._workers.send_generation(endpoint, GENERATE_REQUEST_FRAME, stream.message.SerializeToString())
+            self._workers.send_generation(
+                endpoint, GENERATE_REQUEST_FRAME, stream.message.SerializeToString()
+            )
         except UnavailableError:
             return False
         return True
@@ -312,7 +316,10 @@ class GenerationStreams:
         if not self._send(stream, grant.data_endpoint):
             stream.worker_id = ""
             self._scheduler.complete(
-                grant.request_id, error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True, worker_id=grant.worker_id
+                grant.request_id,
+                error_code=errors_pb2.ERROR_CODE_UNAVAILABLE,
+                retryable=True,
+                worker_id=grant.worker_id,
             )
         return True
 

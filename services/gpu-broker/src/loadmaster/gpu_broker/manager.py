@@ -189,6 +189,7 @@ class LeaseManager:
     ) -> Granted | ResourceExhaustedError:
         """One snapshot -> plan -> commit round. Returns the grant, or the error a request that
         does not wait gets; raises for errors that waiting cannot cure."""
+
         def best_fit() -> Awaitable[AcquireOutcome]:  # the common case is granted in this one call
             return self._store.acquire(
                 request,

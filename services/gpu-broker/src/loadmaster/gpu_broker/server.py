@@ -67,7 +67,9 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
 
     server = GrpcServer("gpu-broker", config.listen_address, grace_s=config.shutdown_grace_s)
     server.add_service(
-        SERVICE_NAME, gpu_broker_pb2_grpc.add_GpuBrokerServiceServicer_to_server, GpuBrokerServiceServicer(manager, hub)
+        SERVICE_NAME,
+        gpu_broker_pb2_grpc.add_GpuBrokerServiceServicer_to_server,
+        GpuBrokerServiceServicer(manager, hub),
     )
 
     async def start() -> None:

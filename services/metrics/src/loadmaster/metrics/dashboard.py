@@ -84,7 +84,9 @@ def _scheduling(windows: Windows, model: str, cutoff: float, summary_s: float) -
                 "p95_ms": _finite(float(np.percentile(values, 95))),
             }
     counts = {
-        name: sum(float(s.values_since(cutoff).sum()) for s in windows.series(name) if _label(s, "model") == model)
+        name: sum(
+            float(s.values_since(cutoff).sum()) for s in windows.series(name) if _label(s, "model") == model
+        )
         for name in _PAUSE_COUNTS
     }
     gaps = [s.last_value for s in windows.series("tenant_counter_gap") if _label(s, "model") == model]

@@ -213,9 +213,16 @@ class Exposition:
                     family.remove(*values)
                 except KeyError:
                     pass
-            for key in [key for key in self._sinks if key[1] == replica and dict(key[0][1]).get("service") == service]:
+            for key in [
+                key for key in self._sinks if key[1] == replica and dict(key[0][1]).get("service") == service
+            ]:
                 del self._sinks[key]
-            log.info("metrics of %s replica %s removed: nothing reported for %.0f s", service, replica, self._replica_ttl_s)
+            log.info(
+                "metrics of %s replica %s removed: nothing reported for %.0f s",
+                service,
+                replica,
+                self._replica_ttl_s,
+            )
 
     def _touch(self, service: str, replica: str, now: float) -> None:
         record = self._replicas.get((service, replica))

@@ -50,7 +50,9 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> MetricsSer
         http=HttpServer(app, host=config.http_host, port=config.http_port),
         grace_s=config.shutdown_grace_s,
     )
-    server.add_service(SERVICE_NAME, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, MetricsServiceServicer(hub))
+    server.add_service(
+        SERVICE_NAME, metrics_pb2_grpc.add_MetricsServiceServicer_to_server, MetricsServiceServicer(hub)
+    )
 
     async def start_http() -> None:
         nonlocal serving

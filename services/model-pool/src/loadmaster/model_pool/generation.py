@@ -310,7 +310,9 @@ class GenerationRequest:
                     raise InvalidArgumentError(f"messages[{index}].content: not a string")
         if self.chat_template_kwargs is not None:
             if self.messages is None:
-                raise InvalidArgumentError("chat_template_kwargs: only chat messages are rendered with a template")
+                raise InvalidArgumentError(
+                    "chat_template_kwargs: only chat messages are rendered with a template"
+                )
             if not all(isinstance(key, str) for key in self.chat_template_kwargs):
                 raise InvalidArgumentError("chat_template_kwargs: keys are strings")
         if self.response_format is not None:

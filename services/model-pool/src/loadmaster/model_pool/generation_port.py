@@ -238,7 +238,11 @@ class GenerationPort:
             self._start(model, stream)
         else:
             transitions = model.sequencer.arrive(
-                request_id, priority=request.priority, tenant=request.tenant, weight=request.tenant_weight, now=now
+                request_id,
+                priority=request.priority,
+                tenant=request.tenant,
+                weight=request.tenant_weight,
+                now=now,
             )
             self._act(model, transitions)
         self._watch_progress()
@@ -248,9 +252,13 @@ class GenerationPort:
         """The model's bookkeeping; made anew while idle (a reload may change its engine)."""
         ordered = bool(getattr(admission.engine, "orders_generations", False))
         model = self._models.get(model_id)
-        stale = model is not None and not model.streams and (
-            (model.sequencer is None) != ordered
-            or (model.sequencer is not None and model.sequencer.capacity != admission.sequences)
+        stale = (
+            model is not None
+            and not model.streams
+            and (
+                (model.sequencer is None) != ordered
+                or (model.sequencer is not None and model.sequencer.capacity != admission.sequences)
+            )
         )
         if model is None or stale:
             pausable = callable(getattr(admission.engine, "preempt", None))
@@ -301,7 +309,9 @@ class GenerationPort:
 
     def _start(self, model: _Model, stream: _Stream) -> None:
         stream.started = self._clock.monotonic()
-        stream.task = asyncio.create_task(self._run(model, stream), name=f"generate-{stream.request.request_id}")
+        stream.task = asyncio.create_task(
+            self._run(model, stream), name=f"generate-{stream.request.request_id}"
+        )
 
     # ---- one stream ---------------------------------------------------------------
 

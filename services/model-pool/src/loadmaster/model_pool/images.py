@@ -41,7 +41,13 @@ from loadmaster.common.tensors import IMAGE_CHANNELS, TensorLimits, decode_tenso
 from loadmaster.v1 import tensor_pb2
 
 __all__ = [
-    "DEFAULT_IMAGE_LIMITS","ImageDecoder", "ImageLimits", "decode_request", "gpu_jpeg_decoder", "image_format"]
+    "DEFAULT_IMAGE_LIMITS",
+    "ImageDecoder",
+    "ImageLimits",
+    "decode_request",
+    "gpu_jpeg_decoder",
+    "image_format",
+]
 
 log = logging.getLogger(__name__)
 

@@ -746,8 +746,12 @@ class ModelPool:
 
     async def _memory_freed(self, model_id: str, loaded: _Loaded) -> None:
         """On NVIDIA: wait (bounded) until NVML shows the model's memory gone from this process."""
-        if loaded.memory_before and loaded.lease is not None and not await memory.wait_freed(
-            loaded.memory_before, dict(loaded.lease.mb_per_gpu), clock=self._clock
+        if (
+            loaded.memory_before
+            and loaded.lease is not None
+            and not await memory.wait_freed(
+                loaded.memory_before, dict(loaded.lease.mb_per_gpu), clock=self._clock
+            )
         ):
             log.warning(
                 "NVML still shows memory of %s held after unload; releasing its lease anyway", model_id

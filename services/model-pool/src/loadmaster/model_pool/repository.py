@@ -126,7 +126,9 @@ class TensorSpec(BaseModel):
         if self.image:
             if self.dtype != "uint8":
                 raise ValueError(f"image input '{self.name}' has dtype uint8 (its pixels)")
-            if self.shape is not None and (len(self.shape) not in (3, 4) or self.shape[-1] not in (-1, 1, 3, 4)):
+            if self.shape is not None and (
+                len(self.shape) not in (3, 4) or self.shape[-1] not in (-1, 1, 3, 4)
+            ):
                 raise ValueError(
                     f"image input '{self.name}' has shape [H, W, C] or [N, H, W, C] with C 1, 3, 4 or -1"
                 )

@@ -48,7 +48,9 @@ class Sequencer:
         """How many generations are ahead of a waiting one (None: running or unknown)."""
         return self._order.positions(now).get(request_id) if self.is_waiting(request_id) else None
 
-    def arrive(self, request_id: str, *, priority: int, tenant: str, weight: float, now: float) -> Transitions:
+    def arrive(
+        self, request_id: str, *, priority: int, tenant: str, weight: float, now: float
+    ) -> Transitions:
         self._order.add(request_id, priority=priority, tenant=tenant, weight=weight, prompt_tokens=0, now=now)
         return self._admit(now)
 

@@ -63,9 +63,7 @@ class ModelPoolServer(GrpcServer):
         lease_client: LeaseClient | None,
     ) -> None:
         pool_settings = settings.model_pool
-        super().__init__(
-            "model-pool", pool_settings.listen_address, grace_s=pool_settings.shutdown_grace_s
-        )
+        super().__init__("model-pool", pool_settings.listen_address, grace_s=pool_settings.shutdown_grace_s)
         self.settings = settings
         self.worker_id = pool_settings.worker_id or default_instance_id()
         self.data_endpoint = ""  # known once started
@@ -74,7 +72,9 @@ class ModelPoolServer(GrpcServer):
         self._owns_lease_client = lease_client is None
 
         def broker_client() -> LeaseClient:
-            return AsyncLeaseClient(settings.gpu_broker.address, holder=self.worker_id, node=pool_settings.node)
+            return AsyncLeaseClient(
+                settings.gpu_broker.address, holder=self.worker_id, node=pool_settings.node
+            )
 
         self.lease_client: LeaseClient = lease_client or broker_client()
         self.telemetry = TelemetryReporter(

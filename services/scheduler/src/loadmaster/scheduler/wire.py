@@ -140,7 +140,9 @@ def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.Sessio
             placement = response.placements.add(model_id=outcome.model_id)
             for placed in outcome.workers:
                 placement.workers.add(
-                    worker_id=placed.worker_id, data_endpoint=placed.data_endpoint, generation=placed.generation
+                    worker_id=placed.worker_id,
+                    data_endpoint=placed.data_endpoint,
+                    generation=placed.generation,
                 )
         elif isinstance(outcome, Grant):
             response.grants.add(

@@ -157,7 +157,9 @@ def admin_routes(plane: AdminPlane, scheduler: SchedulerAdmin, auth: Authenticat
             return await plane.set_config(who, values)
         key = _typed(body, "key", str, "")
         if not key:
-            raise InvalidArgumentError('key: required ({"key": "scheduler.strategy", "value": "round_robin"})')
+            raise InvalidArgumentError(
+                'key: required ({"key": "scheduler.strategy", "value": "round_robin"})'
+            )
         if _typed(body, "reset", bool, False):
             if "value" in body:
                 raise InvalidArgumentError("value: not with reset")

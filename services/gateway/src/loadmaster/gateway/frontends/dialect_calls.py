@@ -44,7 +44,15 @@ from loadmaster.gateway.generation import (
 )
 from loadmaster.gateway.generation_items import ToolCall
 
-__all__ = ["ClientGone", "Collected", "DialectCalls", "NotAGeneration", "Opened", "read_body", "until_disconnected"]
+__all__ = [
+    "ClientGone",
+    "Collected",
+    "DialectCalls",
+    "NotAGeneration",
+    "Opened",
+    "read_body",
+    "until_disconnected",
+]
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +200,9 @@ class DialectCalls:
             first = await self._first(request, events)
         except Exception as error:
             watch.failed(error)
-            tracing.end_span(span, error_code="cancelled" if isinstance(error, ClientGone) else _edge_code(error))
+            tracing.end_span(
+                span, error_code="cancelled" if isinstance(error, ClientGone) else _edge_code(error)
+            )
             raise
         return Opened(generation, request_id, first, events, span, watch)
 
@@ -230,7 +240,9 @@ class DialectCalls:
                 raise ClientGone()
             result = work.result()
         except BaseException as error:
-            tracing.end_span(opened.span, error_code="cancelled" if isinstance(error, ClientGone) else _edge_code(error))
+            tracing.end_span(
+                opened.span, error_code="cancelled" if isinstance(error, ClientGone) else _edge_code(error)
+            )
             raise
         tracing.end_span(opened.span)
         return result
@@ -260,7 +272,9 @@ class DialectCalls:
             tracing.end_span(opened.span)
 
 
-async def _chained(first: GenerationEvent, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+async def _chained(
+    first: GenerationEvent, events: AsyncIterator[GenerationEvent]
+) -> AsyncIterator[GenerationEvent]:
     """`first`, then the rest up to and including the one `Finished`."""
     item: GenerationEvent | None = first
     while item is not None:

@@ -126,7 +126,9 @@ def _decode(value: dict[Any, Any]) -> Any:
         try:
             return _load_npy(value["as_npy"])
         except (KeyError, TypeError, ValueError, OSError, EOFError) as error:
-            raise InvalidArgumentError(f"an array of the request is not np.save data: {error}"[:200]) from None
+            raise InvalidArgumentError(
+                f"an array of the request is not np.save data: {error}"[:200]
+            ) from None
     return value
 
 

@@ -82,6 +82,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
 class _Unwatched:
     """No guardrails, no audit."""
 
@@ -141,7 +142,9 @@ def openai_routes(
         )
         try:
             with trace.use_span(span, end_on_exit=False):
-                response = await respond(request, generation, context, request_id, principal, watch, kind=kind)
+                response = await respond(
+                    request, generation, context, request_id, principal, watch, kind=kind
+                )
         except Exception as error:
             watch.failed(error)
             tracing.end_span(span, error_code=_edge_code(error))

@@ -62,7 +62,9 @@ def hints_from(headers: Mapping[str, str]) -> RequestHints:
     if priority is not None:
         value = priority.strip()
         if not value.isdigit() or int(value) > 255:
-            raise InvalidArgumentError(f"header X-Loadmaster-Priority: {priority!r} is not an integer in 0..255")
+            raise InvalidArgumentError(
+                f"header X-Loadmaster-Priority: {priority!r} is not an integer in 0..255"
+            )
         hints = dataclasses.replace(hints, priority=int(value))
     if urgency is not None:
         number = _number(urgency)

@@ -195,10 +195,14 @@ class PriorityScheduler(cb_scheduler.Scheduler):
                     self._paused.add(request_id)
             else:
                 self._paused.discard(request_id)
-        scheduled, allocation_failed, fast_path, q_tokens, kv_read = self._schedule(token_budget, cache_budget)
+        scheduled, allocation_failed, fast_path, q_tokens, kv_read = self._schedule(
+            token_budget, cache_budget
+        )
         reclaimed = allocation_failed and self._reclaim_paused()
         if reclaimed and not scheduled:  # room was made: try once more this step
-            scheduled, allocation_failed, fast_path, q_tokens, kv_read = self._schedule(token_budget, cache_budget)
+            scheduled, allocation_failed, fast_path, q_tokens, kv_read = self._schedule(
+                token_budget, cache_budget
+            )
         self._last_batch = {future.state.request_id for future in scheduled}
         for future in scheduled:
             if future.has_new_token:

@@ -20,9 +20,25 @@ __all__ = ["chat_template", "template_kwargs"]
 MAX_TEMPLATE_BYTES = 1 << 20
 # Arguments of `apply_chat_template` and variables it sets itself: never a request's to give.
 RESERVED = frozenset(
-    {"messages", "conversation", "add_generation_prompt", "continue_final_message", "tools", "documents",
-     "tokenize", "chat_template", "return_dict", "return_tensors", "bos_token", "eos_token", "padding",
-     "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+    {
+        "messages",
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "bos_token",
+        "eos_token",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
 )
 
 

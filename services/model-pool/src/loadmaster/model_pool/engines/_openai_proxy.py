@@ -41,7 +41,9 @@ _CLOSE_TIMEOUT_S = 5.0
 def refuse_unproxied(request: GenerationRequest, model_id: str) -> None:
     """What the proxy does not carry to an OpenAI-compatible server yet is a 400 naming it,
     never dropped: tools, log probabilities, n > 1 (docs/tool-calling.md)."""
-    where = f"model '{model_id}' is served through an OpenAI-compatible server, which Loadmaster does not pass"
+    where = (
+        f"model '{model_id}' is served through an OpenAI-compatible server, which Loadmaster does not pass"
+    )
     if request.tools is not None:
         raise InvalidArgumentError(f"tools: {where} tools to")
     if request.logprobs is not None:
@@ -100,7 +102,10 @@ class OpenAIProxyEngine(Engine):
         # Structured output (issue 22): the server enforces `response_format` itself.
         response_format = openai_response_format(getattr(request, "response_format", None))
         path, body = request_body(
-            request, model=self._served, response_format=response_format, forward_priority=self._forward_priority
+            request,
+            model=self._served,
+            response_format=response_format,
+            forward_priority=self._forward_priority,
         )
         state = ProxyStream(request.request_id, request.params.stop, self._forget)
         self._streams[request.request_id] = state
@@ -146,7 +151,8 @@ class OpenAIProxyEngine(Engine):
                         chunk = event.json()
                     except ValueError:
                         state.end(
-                            FinishReason.ERROR, f"the engine sent a chunk that is not JSON: {event.data[:200]!r}"
+                            FinishReason.ERROR,
+                            f"the engine sent a chunk that is not JSON: {event.data[:200]!r}",
                         )
                         return
                     if state.feed(chunk):

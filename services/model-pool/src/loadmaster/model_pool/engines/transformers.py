@@ -343,7 +343,9 @@ class TransformersEngine(Engine):
         for choice in range(request.n):
             state = StreamState(
                 request_id=request.request_id,
-                internal_id=internal_id if choice == 0 else f"{internal_id}{_seeded_sampling.CHILD_MARK}{choice - 1}",
+                internal_id=internal_id
+                if choice == 0
+                else f"{internal_id}{_seeded_sampling.CHILD_MARK}{choice - 1}",
                 prompt_tokens=len(prompt),
                 params=request.params,
                 tokenizer=self._tokenizer,
@@ -360,7 +362,9 @@ class TransformersEngine(Engine):
             states.append(state)
         self._streams[request.request_id] = states[0]
         # its place in the engine's queue (its forks are found by the parent's id)
-        self._infos[internal_id] = _cb_scheduler.SequenceInfo(request.priority, request.tenant, request.tenant_weight)
+        self._infos[internal_id] = _cb_scheduler.SequenceInfo(
+            request.priority, request.tenant, request.tenant_weight
+        )
         for state, constraint in zip(states, constraints, strict=True):
             if constraint is not None:
                 self._grammar_mask.attach(state.internal_id, constraint)

@@ -143,7 +143,9 @@ class VisionLanguageEngine(Engine):
             torch.cuda.set_device(self._device)
         self._processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
         self._tokenizer = self._processor.tokenizer
-        model: Any = AutoModelForImageTextToText.from_pretrained(folder, local_files_only=True, dtype=config.dtype)
+        model: Any = AutoModelForImageTextToText.from_pretrained(
+            folder, local_files_only=True, dtype=config.dtype
+        )
         self._model = model.to(self._device).eval()
         text = self._model.config.get_text_config()
         eos = self._model.generation_config.eos_token_id
@@ -294,7 +296,9 @@ class VisionLanguageEngine(Engine):
 
     def _running(self) -> None:
         if self._model is None or not self.healthy:
-            raise UnavailableError(f"model '{self.spec.model_id}' is not loaded (or its decoding thread died)")
+            raise UnavailableError(
+                f"model '{self.spec.model_id}' is not loaded (or its decoding thread died)"
+            )
 
     def _sequence_of(self, request_id: str) -> _Sequence | None:
         state = self._streams.get(request_id)
@@ -324,7 +328,9 @@ class VisionLanguageEngine(Engine):
             vocab = int(self._model.config.get_text_config().vocab_size)
             for index, token in enumerate(request.prompt_token_ids):
                 if not 0 <= token < vocab:
-                    raise InvalidArgumentError(f"prompt_token_ids[{index}]: {token} is outside the vocabulary")
+                    raise InvalidArgumentError(
+                        f"prompt_token_ids[{index}]: {token} is outside the vocabulary"
+                    )
             return {"input_ids": torch.tensor([list(request.prompt_token_ids)])}
         if request.prompt is not None:
             return dict(processor(text=request.prompt, return_tensors="pt"))
@@ -342,7 +348,9 @@ class VisionLanguageEngine(Engine):
             parts.append({"type": "text", "text": message.content})
             conversation.append({"role": message.role, "content": parts})
         text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        return dict(processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False))
+        return dict(
+            processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
+        )
 
     def _image(self, data: bytes, index: int) -> Image.Image:
         limit = _config(self.spec).max_image_pixels
@@ -375,7 +383,10 @@ class VisionLanguageEngine(Engine):
                 try:
                     finished = self._step(sequence)
                 except Exception as error:  # this sequence fails; the others go on
-                    self._deliver(sequence, _Output(sequence.state.internal_id, [], True, f"{type(error).__name__}: {error}"))
+                    self._deliver(
+                        sequence,
+                        _Output(sequence.state.internal_id, [], True, f"{type(error).__name__}: {error}"),
+                    )
                     finished = True
                 if finished:
                     self._drop(sequence.state.internal_id)
