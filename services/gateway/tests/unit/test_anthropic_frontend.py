@@ -259,6 +259,11 @@ async def test_x_api_key_is_the_api_key() -> None:
             "messages.0.content.0.type",
         ),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": HI * 2049}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 257}]},
+            "messages.0.content",
+        ),
     ],
 )
 async def test_what_cannot_be_honoured_is_a_400_naming_it(extra: dict[str, Any], needle: str) -> None:

@@ -284,6 +284,8 @@ async def test_unloading_needs_the_admin_scope() -> None:
         ),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": "x", "images": ["%%%"]}]}, "messages[0].images[0]"),
+        ({"messages": HI * 2049}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "images": ["aGk="] * 257}]}, "messages.0.images"),
     ],
 )
 async def test_what_cannot_be_honoured_is_a_400_naming_it(call: dict[str, object], needle: str) -> None:

@@ -180,6 +180,7 @@ async def test_input_items_with_calls_and_their_outputs_become_the_chat_history(
         ),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format", "yaml"),
+        ({"input": [{"role": "user", "content": "x"}] * 2049}, "input", "at most 2048 items"),
     ],
 )
 async def test_what_a_stateless_server_cannot_honour_is_a_400_naming_it(

@@ -118,6 +118,13 @@ def test_a_chat_body_becomes_a_generation_request_without_extensions_or_unknown_
         ),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"x_priority": -1}, "x_priority", "greater than or equal to 0"),
+        # Bounds on the counts that hold the event loop while a body parses (MAX_MESSAGES, …).
+        ({"messages": [{"role": "user", "content": "x"}] * 2049}, "messages", "at most 2048 items"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 257}]},
+            "messages.0.content",
+            "257 parts exceed this server's limit of 256",
+        ),
         (
             {"chat_template_kwargs": {"messages": []}},
             "chat_template_kwargs",

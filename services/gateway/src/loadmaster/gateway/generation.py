@@ -20,6 +20,8 @@ from loadmaster.gateway.auth import Principal
 from loadmaster.gateway.generation_items import ChatTurn, ChoiceEnd, TokenLogprob, ToolCall, ToolUse
 
 __all__ = [
+    "MAX_CONTENT_PARTS",
+    "MAX_MESSAGES",
     "ChatImage",
     "Finished",
     "GenerationEvent",
@@ -31,6 +33,15 @@ __all__ = [
     "TextChunk",
     "Waiting",
 ]
+
+
+# Messages of one chat request, and content parts (text, images) of one message, on every front
+# end. Parsing a body and building its messages hold the gateway's event loop for time that grows
+# with these counts, not with bytes: 100,000 small messages in a 4 MiB body held it ~350 ms, and
+# a thread would not help (the interpreter is held). With these bounds pydantic stops at the
+# first list over them (docs/frontend-isolation.md, docs/limits.md).
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 256
 
 
 class RequestError(Exception):

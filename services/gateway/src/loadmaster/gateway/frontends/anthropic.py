@@ -50,7 +50,14 @@ from loadmaster.gateway.frontends.openai_schema import (
     relevant_error,
 )
 from loadmaster.gateway.frontends.request_headers import retry_after
-from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
+from loadmaster.gateway.generation import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    TextChunk,
+)
 from loadmaster.gateway.generation_items import ToolCall
 
 __all__ = ["AnthropicError", "anthropic_routes", "messages_body"]
@@ -58,7 +65,12 @@ __all__ = ["AnthropicError", "anthropic_routes", "messages_body"]
 log = logging.getLogger(__name__)
 
 VERSION_HEADER = "anthropic-version"
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "content_filter": "refusal", "tool_calls": "tool_use"}
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "content_filter": "refusal",
+    "tool_calls": "tool_use",
+}
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -122,7 +134,7 @@ class Block(_Body):
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: str | list[Block] = Field(max_length=MAX_CONTENT_PARTS)
 
 
 class Thinking(_Body):
@@ -136,7 +148,7 @@ class Metadata(_Body):
 class MessagesBody(_Body):
     model: str = Field(min_length=1)
     max_tokens: int = Field(ge=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[Block] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -152,7 +164,7 @@ class MessagesBody(_Body):
 
 class CountTokensBody(_Body):
     model: str = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[Block] | None = None
     thinking: Thinking | None = None
     tools: list[dict[str, Any]] | None = None
@@ -209,7 +221,9 @@ def _tool_result(block: Block, where: str, names: dict[str, str]) -> dict[str, A
     if isinstance(content, list):
         for n, part in enumerate(content):
             if part.type != "text":
-                raise AnthropicError(400, f"{where}.content.{n}.type: only text is supported in a tool result")
+                raise AnthropicError(
+                    400, f"{where}.content.{n}.type: only text is supported in a tool result"
+                )
         content = "".join(part.text or "" for part in content)
     text = content or ""
     return {
@@ -233,7 +247,9 @@ def _turns(message: Message, index: int, names: dict[str, str]) -> list[dict[str
             )
         allowed = ("text", "tool_use") if message.role == "assistant" else ("text", "image", "tool_result")
         if block.type not in allowed:
-            raise AnthropicError(400, f"{where}.type: {block.type!r} blocks are not accepted in {message.role} messages")
+            raise AnthropicError(
+                400, f"{where}.type: {block.type!r} blocks are not accepted in {message.role} messages"
+            )
     if message.role == "assistant":
         calls = []
         for n, block in enumerate(message.content):
@@ -244,7 +260,9 @@ def _turns(message: Message, index: int, names: dict[str, str]) -> list[dict[str
                 raise AnthropicError(400, f"{where}: a tool_use block needs an id and a name")
             names[block.id] = block.name
             arguments = json.dumps(block.input if block.input is not None else {}, separators=(",", ":"))
-            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+            calls.append(
+                {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
+            )
         turn: dict[str, Any] = {
             "role": "assistant",
             "content": "".join(b.text or "" for b in message.content if b.type == "text"),
@@ -273,7 +291,9 @@ def _tools(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | None, ou
     for index, tool in enumerate(tools):
         kind = tool.get("type") or "custom"
         if kind != "custom":
-            raise AnthropicError(400, f"tools.{index}.type: {kind!r}: server tools are not supported (custom tools are)")
+            raise AnthropicError(
+                400, f"tools.{index}.type: {kind!r}: server tools are not supported (custom tools are)"
+            )
         name, schema = tool.get("name"), tool.get("input_schema")
         if not isinstance(name, str) or not name:
             raise AnthropicError(400, f"tools.{index}.name: Field required")
@@ -328,7 +348,8 @@ def _thinking(thinking: Thinking | None, out: dict[str, Any]) -> None:
 def _messages(system: str | list[Block] | None, messages: list[Message]) -> list[dict[str, Any]]:
     if messages[-1].role == "assistant":
         raise AnthropicError(
-            400, "messages: the last message is the assistant's (prefill), which this server does not continue"
+            400,
+            "messages: the last message is the assistant's (prefill), which this server does not continue",
         )
     out: list[dict[str, Any]] = []
     if system:
@@ -374,8 +395,14 @@ def _output_format(config: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise AnthropicError(400, f"output_config.{unknown[0]}: not supported")
     spec = config.get("format")
-    if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
-        raise AnthropicError(400, "output_config.format: {\"type\": \"json_schema\", \"schema\": {...}} is required")
+    if (
+        not isinstance(spec, dict)
+        or spec.get("type") != "json_schema"
+        or not isinstance(spec.get("schema"), dict)
+    ):
+        raise AnthropicError(
+            400, 'output_config.format: {"type": "json_schema", "schema": {...}} is required'
+        )
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
 
 
@@ -450,14 +477,24 @@ class _Blocks:
         out = [] if self.text_open else [self._start({"type": "text", "text": ""})]
         self.text_open = True
         delta = {"type": "text_delta", "text": text}
-        out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self.count - 1, "delta": delta}))
+        out.append(
+            _sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.count - 1, "delta": delta},
+            )
+        )
         return out
 
     def tool_use(self, call: ToolCall) -> list[bytes]:
         out = self._close()
         out.append(self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}}))
         delta = {"type": "input_json_delta", "partial_json": call.arguments or "{}"}
-        out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self.count - 1, "delta": delta}))
+        out.append(
+            _sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.count - 1, "delta": delta},
+            )
+        )
         out.append(_sse("content_block_stop", {"type": "content_block_stop", "index": self.count - 1}))
         return out
 
@@ -468,7 +505,10 @@ class _Blocks:
 
     def _start(self, block: dict[str, Any]) -> bytes:
         self.count += 1
-        return _sse("content_block_start", {"type": "content_block_start", "index": self.count - 1, "content_block": block})
+        return _sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": self.count - 1, "content_block": block},
+        )
 
     def _close(self) -> list[bytes]:
         if not self.text_open:
@@ -517,7 +557,9 @@ def anthropic_routes(
         if not bodies[0].stream:
             reply = await calls.collect(request, opened)
             answered = reply.finished.model or model
-            return JSONResponse(_message(message_id, answered, reply), headers={"X-Loadmaster-Model": answered})
+            return JSONResponse(
+                _message(message_id, answered, reply), headers={"X-Loadmaster-Model": answered}
+            )
 
         async def events(items: AsyncIterator[GenerationEvent]) -> AsyncIterator[bytes]:
             blocks = _Blocks()
@@ -546,9 +588,14 @@ def anthropic_routes(
                         pieces += blocks.tool_use(call)
                 elif isinstance(item, Finished):
                     pieces += blocks.finish()
-                    delta = {"stop_reason": _STOP_REASONS.get(item.finish_reason, "end_turn"), "stop_sequence": None}
+                    delta = {
+                        "stop_reason": _STOP_REASONS.get(item.finish_reason, "end_turn"),
+                        "stop_sequence": None,
+                    }
                     usage = {"input_tokens": item.prompt_tokens, "output_tokens": item.completion_tokens}
-                    pieces.append(_sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
+                    pieces.append(
+                        _sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+                    )
                     pieces.append(_sse("message_stop", {"type": "message_stop"}))
                 if pieces:
                     yield b"".join(pieces)
@@ -662,5 +709,7 @@ def _error_response(error: Exception) -> Response:
         log.error("unhandled error in the Anthropic API", exc_info=error)
         known = InternalError(f"internal error: {type(error).__name__}")
     return JSONResponse(
-        error_body(known.http_status, known.message), status_code=known.http_status, headers=retry_after(known)
+        error_body(known.http_status, known.message),
+        status_code=known.http_status,
+        headers=retry_after(known),
     )

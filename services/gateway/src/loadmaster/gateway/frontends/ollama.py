@@ -62,7 +62,14 @@ from loadmaster.gateway.frontends.openai_schema import (
     relevant_error,
 )
 from loadmaster.gateway.frontends.request_headers import hints_from, retry_after, with_hints
-from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
+from loadmaster.gateway.generation import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    TextChunk,
+)
 from loadmaster.gateway.generation_items import ToolCall
 from loadmaster.gateway.validation import off_loop
 
@@ -121,7 +128,7 @@ class Options(BaseModel):
 class Message(_Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
-    images: list[str] | None = None
+    images: list[str] | None = Field(default=None, max_length=MAX_CONTENT_PARTS)
     thinking: str | None = None
     tool_calls: list[Any] | None = None
     tool_name: str | None = None
@@ -144,7 +151,7 @@ class _GenerateBase(_Body):
 
 
 class ChatBody(_GenerateBase):
-    messages: list[Message] | None = None
+    messages: list[Message] | None = Field(default=None, max_length=MAX_MESSAGES)
     tools: list[Any] | None = None
 
 
@@ -262,7 +269,10 @@ def _sampling(body: _GenerateBase) -> dict[str, Any]:
     if body.format == "json":
         out["response_format"] = {"type": "json_object"}
     elif isinstance(body.format, dict):
-        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "ollama", "schema": body.format}}
+        out["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "ollama", "schema": body.format},
+        }
     try:
         keep_alive = parse_keep_alive(body.keep_alive)
     except ValueError as error:
@@ -289,7 +299,10 @@ def _message(message: Message, index: int, calls: dict[str, list[str]] | None = 
     if message.tool_calls:
         if message.role != "assistant":
             raise OllamaError(400, f"{where}.tool_calls: only an assistant message makes calls")
-        out["tool_calls"] = [_call(call, f"{where}.tool_calls[{n}]", f"call_{index}_{n}", calls) for n, call in enumerate(message.tool_calls)]
+        out["tool_calls"] = [
+            _call(call, f"{where}.tool_calls[{n}]", f"call_{index}_{n}", calls)
+            for n, call in enumerate(message.tool_calls)
+        ]
     if message.role == "tool":
         name = message.tool_name or ""
         pending = (calls or {}).get(name) or []
@@ -364,7 +377,8 @@ def embedding_request(body: EmbedBody | EmbeddingsBody) -> EmbeddingRequest:
         return EmbeddingRequest(model=model_name(body.model), inputs=(body.prompt,))
     if body.truncate:
         raise OllamaError(
-            400, "truncate: inputs are never cut; one longer than the model takes is a 400 (send truncate: false)"
+            400,
+            "truncate: inputs are never cut; one longer than the model takes is a 400 (send truncate: false)",
         )
     inputs = (body.input,) if isinstance(body.input, str) else tuple(body.input)
     if not inputs:
@@ -508,7 +522,9 @@ def ollama_routes(
             except ValidationError as error:
                 raise _invalid(error) from None
             bodies.append(body)
-            empty = not body.messages if isinstance(body, ChatBody) else body.prompt is None and not body.images
+            empty = (
+                not body.messages if isinstance(body, ChatBody) else body.prompt is None and not body.images
+            )
             if empty:
                 raise NotAGeneration()
             return parse(chat_body(raw, body) if isinstance(body, ChatBody) else generate_body(raw, body))
@@ -648,7 +664,10 @@ def ollama_routes(
                 "parameters": "",
                 "template": "",
                 "details": _details(view),
-                "model_info": {"loadmaster.state": state, "loadmaster.backend": view.backend if view else "alias"},
+                "model_info": {
+                    "loadmaster.state": state,
+                    "loadmaster.backend": view.backend if view else "alias",
+                },
                 "capabilities": capabilities,
                 "modified_at": "1970-01-01T00:00:00Z",
             }

@@ -49,7 +49,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     invalid,
     load_json,
 )
-from loadmaster.gateway.generation import GenerationRequest
+from loadmaster.gateway.generation import MAX_MESSAGES, GenerationRequest
 from loadmaster.gateway.generation_items import ToolCall
 
 __all__ = ["ResponseBuilder", "ResponsesBody", "parse_responses", "response_events"]
@@ -70,7 +70,7 @@ _UNHONOURED: dict[str, tuple[Any, ...]] = {
 
 class ResponsesBody(OpenAIBody):
     model: str = Field(min_length=1)
-    input: str | list[dict[str, Any]]
+    input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None

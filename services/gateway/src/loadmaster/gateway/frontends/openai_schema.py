@@ -29,7 +29,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from loadmaster.common.errors import LoadmasterError
-from loadmaster.gateway.generation import ChatImage, GenerationRequest, RequestError
+from loadmaster.gateway.generation import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    ChatImage,
+    GenerationRequest,
+    RequestError,
+)
 from loadmaster.gateway.generation_items import (
     LOGPROB_FLOOR,
     ChatTurn,
@@ -80,8 +86,19 @@ CONTENT_PART_TYPES = ("text", "image_url")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # Chat-template variables the server itself sets when it renders a chat.
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "tokenize",
-     "chat_template", "return_dict", "return_tensors", "bos_token", "eos_token"}
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "bos_token",
+        "eos_token",
+    }
 )
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -125,7 +142,10 @@ def error_from(error: LoadmasterError) -> OpenAIError:
     `param`."""
     named = _NAMED_FIELD.match(error.message) if error.http_status == 400 else None
     return OpenAIError(
-        error.http_status, error.message, param=named.group(1) if named else None, code=error.edge_code or None
+        error.http_status,
+        error.message,
+        param=named.group(1) if named else None,
+        code=error.edge_code or None,
     )
 
 
@@ -181,7 +201,7 @@ class ToolCallBody(OpenAIBody):
 
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, max_length=MAX_CONTENT_PARTS)
     name: str | None = None
     tool_calls: list[ToolCallBody] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -192,6 +212,8 @@ class ChatMessage(OpenAIBody):
         """A list's parts must each be a known type (the union's own error names the string
         branch first, which says nothing about the part at fault)."""
         if isinstance(value, list):
+            if len(value) > MAX_CONTENT_PARTS:
+                raise ValueError(f"{len(value)} parts exceed this server's limit of {MAX_CONTENT_PARTS}")
             for index, part in enumerate(value):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind not in CONTENT_PART_TYPES:
@@ -297,7 +319,7 @@ class _SamplingBody(OpenAIBody):
 
 
 class ChatCompletionBody(_SamplingBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     # vLLM's extension: extra variables for the model's chat template (`enable_thinking` …).
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -308,6 +330,7 @@ class ChatCompletionBody(_SamplingBody):
         if reserved:
             raise ValueError(f"'{reserved[0]}' is set by the server, not by a request")
         return value
+
     tools: list[ToolBody] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -333,6 +356,7 @@ class CompletionBody(_SamplingBody):
         if value is not None:
             raise ValueError("only chat completions render a chat template; send messages")
         return value
+
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     # Unhonoured unless neutral (UNHONOURED)
     echo: bool | None = None
@@ -474,9 +498,7 @@ def chat_request(data: Any, *, max_n: int = DEFAULT_MAX_N) -> GenerationRequest:
     refuse_unhonoured(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-    images = tuple(
-        ChatImage(index, url) for index, m in enumerate(body.messages) for url in m.image_urls()
-    )
+    images = tuple(ChatImage(index, url) for index, m in enumerate(body.messages) for url in m.image_urls())
     return _request(
         body,
         messages=tuple(_turn(m) for m in body.messages),
