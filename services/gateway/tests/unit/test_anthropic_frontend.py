@@ -25,7 +25,13 @@ from loadmaster.gateway.frontends.anthropic import anthropic_routes
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
 from loadmaster.gateway.frontends.openai import openai_routes
 from loadmaster.gateway.frontends.openai_schema import ChatCompletionBody
-from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk
+from loadmaster.gateway.generation import (
+    MAX_CONTENT_PARTS,
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    TextChunk,
+)
 from loadmaster.gateway.generation_items import FunctionSpec, ToolCall, ToolUse
 
 
@@ -124,6 +130,16 @@ async def test_a_message_maps_its_fields_onto_the_openai_plane() -> None:
     assert turns(request) == (("system", "be brief"), ("user", "hi"))
     assert (request.max_tokens, request.temperature, request.top_p, request.stop) == (2, 0.5, 0.9, ("\n\n",))
     assert client_id == "u-1"
+
+
+async def test_a_string_content_is_not_held_to_the_part_limit() -> None:
+    generations = Recorded(["ok"])
+    long = "word " * (4 * MAX_CONTENT_PARTS)
+    await client_for(generations).messages.create(
+        model="tiny-chat", max_tokens=2, messages=[{"role": "user", "content": long}]
+    )
+    [(request, _)] = generations.requests
+    assert turns(request) == (("user", long),)
 
 
 async def test_max_tokens_and_guardrail_stops_are_anthropic_stop_reasons() -> None:

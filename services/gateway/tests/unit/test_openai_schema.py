@@ -24,6 +24,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     parse_chat,
     parse_completion,
 )
+from loadmaster.gateway.generation import MAX_CONTENT_PARTS
 from loadmaster.gateway.generation_items import ChatTurn, FunctionSpec, TokenLogprob, ToolCall, TopLogprob
 
 TOOL = {
@@ -146,6 +147,12 @@ def test_bad_chat_bodies_are_400s_naming_the_field(fields: dict[str, object], pa
     assert (caught.value.status, caught.value.param) == (400, param)
     assert words in caught.value.message
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_part_limit_bounds_lists_of_parts_not_the_characters_of_a_string() -> None:
+    long = "word " * (4 * MAX_CONTENT_PARTS)
+    request = parse_chat(body(messages=[{"role": "user", "content": long}]))
+    assert request.messages is not None and [turn.content for turn in request.messages] == [long]
 
 
 def test_the_model_may_be_left_to_a_profile_and_template_kwargs_reach_the_request() -> None:

@@ -33,7 +33,7 @@ import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -134,7 +134,7 @@ class Block(_Body):
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[Block] = Field(max_length=MAX_CONTENT_PARTS)
+    content: str | Annotated[list[Block], Field(max_length=MAX_CONTENT_PARTS)]  # a string has no part limit
 
 
 class Thinking(_Body):

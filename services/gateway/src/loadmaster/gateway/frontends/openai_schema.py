@@ -201,7 +201,7 @@ class ToolCallBody(OpenAIBody):
 
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = Field(default=None, max_length=MAX_CONTENT_PARTS)
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallBody] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
