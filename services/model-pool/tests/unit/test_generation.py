@@ -217,6 +217,25 @@ def test_warper_branch_free_path_gives_the_same_answer() -> None:
         assert torch.equal(warp(logits, args, branch=True), warp(logits, args, branch=False))
 
 
+def test_an_all_greedy_step_skips_the_warp_and_the_noise_and_picks_the_same_tokens() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    logits[2, 7] = float("nan")  # a broken row still yields one finite score
+    keys = torch.arange(6, dtype=torch.int32)
+    warper = SamplingWarper()
+    paired = SeededGumbelSampler(warper)
+    greedy = torch.tensor([pack_warp(0.0, 1.0)] * 6, dtype=torch.int32)
+    fast = paired(warper(logits, greedy), keys)
+    assert warper.all_greedy
+    full = SeededGumbelSampler()(warp(logits, greedy, branch=True), keys)
+    healthy = [0, 1, 3, 4, 5]  # the NaN row's pick was arbitrary before and is now its best number
+    assert torch.equal(fast.argmax(dim=-1)[healthy], full.argmax(dim=-1)[healthy])
+    assert (torch.isfinite(fast).sum(dim=-1) == 1).all()
+    mixed = greedy.clone()
+    mixed[3] = pack_warp(1.0, 1.0)  # one sampled row: the whole step takes the full path
+    warper(logits, mixed)
+    assert not warper.all_greedy
+
+
 def _unmix32(value: int) -> int:
     """The inverse of murmur3's 32-bit finaliser (`mix32`)."""
     value ^= value >> 16

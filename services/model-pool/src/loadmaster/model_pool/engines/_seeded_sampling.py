@@ -12,7 +12,8 @@ request samples depends on which other requests share its batches. This processo
 the draw a function of the request alone: the Gumbel-max trick with noise computed from a
 32-bit key per (request seed, token position). It runs last, after temperature, top-k and
 top-p, keeps only the chosen token (the rest become -inf), so the manager's own
-multinomial can only pick that token. argmax(logits + Gumbel noise) is an exact sample
+multinomial (or argmax: the engine builds the manager with `do_sample=False`) can only pick
+that token. argmax(logits + Gumbel noise) is an exact sample
 from softmax(logits); a token the warpers removed stays -inf and is never chosen.
 
 The key uses the token's absolute position (prompt + generated), so a sequence re-submitted
@@ -136,10 +137,18 @@ def pack_warp(temperature: float, top_p: float) -> int:
 
 
 class SamplingWarper(ContinuousBatchingLogitsProcessor):
-    """Temperature, nucleus (top_p) filtering and greedy rows, per request."""
+    """Temperature, nucleus (top_p) filtering and greedy rows, per request.
+
+    On CPU a step whose rows are all greedy is left as it is and noted in `all_greedy`: the
+    sampler then takes each row's argmax, which is what the warp and the noise would have
+    chosen, without their dozen passes over the batch's logits (a tenth of a tiny model's step).
+    """
 
     supported_kwargs: dict[str, type] = {WARP_KWARG: int}
     ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.all_greedy = False  # this step's rows are all greedy (CPU only; set by __call__)
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(pack_warp(1.0, 1.0))
@@ -152,7 +161,12 @@ class SamplingWarper(ContinuousBatchingLogitsProcessor):
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         # On an accelerator the manager may capture this in a CUDA graph: no data-dependent
         # branches there (a captured branch would be replayed for every batch).
-        return warp(scores, tensor_arg[: scores.size(0)], branch=scores.device.type == "cpu")
+        packed = tensor_arg[: scores.size(0)]
+        branch = scores.device.type == "cpu"
+        self.all_greedy = branch and not bool(((packed.to(torch.int64) & 0xFFFF) != 0).any())
+        if self.all_greedy:
+            return scores
+        return warp(scores, packed, branch=branch)
 
 
 def warp(scores: torch.Tensor, packed_args: torch.Tensor, *, branch: bool) -> torch.Tensor:
@@ -176,10 +190,15 @@ def warp(scores: torch.Tensor, packed_args: torch.Tensor, *, branch: bool) -> to
 
 
 class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
-    """Keeps one token per row: argmax(scores + noise(key)). Key 0 is a valid key."""
+    """Keeps one token per row: argmax(scores + noise(key)). Key 0 is a valid key.
+
+    Behind a `warper` that found every row greedy, no noise: argmax(scores)."""
 
     supported_kwargs: dict[str, type] = {SEED_KWARG: int}
     ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, warper: SamplingWarper | None = None) -> None:
+        self.warper = warper
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.fill_(0)
@@ -194,9 +213,12 @@ class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
         return torch.tensor(keys, dtype=torch.int32, device="cpu")
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        keys = tensor_arg[: scores.size(0)].to(torch.int64) & _MASK32
         logits = torch.nan_to_num(scores.float(), nan=float("-inf"))
-        chosen = (logits + gumbel_noise(keys, scores.size(-1))).argmax(dim=-1, keepdim=True)
+        if self.warper is not None and self.warper.all_greedy:
+            chosen = logits.argmax(dim=-1, keepdim=True)
+        else:
+            keys = tensor_arg[: scores.size(0)].to(torch.int64) & _MASK32
+            chosen = (logits + gumbel_noise(keys, scores.size(-1))).argmax(dim=-1, keepdim=True)
         # One finite score per row, 0 at the chosen token: a row whose logits are all -inf
         # or NaN (seen for a sequence preempted mid-step) still hands the manager's
         # multinomial a valid distribution instead of killing its generation loop.
@@ -206,8 +228,9 @@ class SeededGumbelSampler(ContinuousBatchingLogitsProcessor):
 def install(processors: Any) -> None:
     """Append warper and sampler to a manager's `ContinuousBatchingLogitsProcessorList`
     (before start; build the manager with no sampling warpers of its own)."""
-    processors.logits_processor.append(SamplingWarper())
-    processors.logits_processor.append(SeededGumbelSampler())
+    warper = SamplingWarper()
+    processors.logits_processor.append(warper)
+    processors.logits_processor.append(SeededGumbelSampler(warper))
     processors.tensors_required += 2
     processors._retrieve_processors_kwargs()
     processors.do_processing = True

@@ -216,12 +216,12 @@ class TransformersEngine(Engine):
         num_blocks = _num_blocks(self.spec, hf)
         self._context_tokens = _context_tokens(self.spec, hf)
         self._cache_tokens = num_blocks * config.block_size
-        # No warpers of the manager's own: ours (`_seeded_sampling`) read every request's values.
+        # No warpers of the manager's own: ours (`_seeded_sampling`) read every request's values
+        # and leave one finite score per row, so the manager's own pick is an argmax
+        # (do_sample=False; a softmax and a multinomial over one token would choose the same).
         generation = GenerationConfig(
-            do_sample=True,
-            temperature=1.0,
+            do_sample=False,
             top_k=None,
-            top_p=1.0,
             eos_token_id=sorted(self._eos_ids) or -1,
             pad_token_id=self._tokenizer.pad_token_id,
             max_new_tokens=16,
