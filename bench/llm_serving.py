@@ -29,10 +29,9 @@ The priority figure: --probes sequential priority-0 streams (8 tokens each) on t
 then the same while --background priority-2 streams (closed loop, --tokens each) saturate it.
 Ratio = the loaded time-to-first-token p99 / the idle p50 (target <= 3). Priorities travel as
 Loadmaster's `x_priority` field; the reference has none (it refuses unknown fields), so it gets
-the same load without them.With the example config the scheduler admits as many
-tiny-chat streams as it has sequences (max_inflight 32), so a priority-0 stream waits in the
-scheduler's queue until a stream ends; --loadmaster-max-inflight 80 admits all of them to the
-worker, whose sequencer preempts a priority-2 sequence for it (docs/generative.md).
+the same load without them. The example config lets one worker take 256 tiny-chat streams
+(max_inflight), and the engine orders them itself (docs/generation-scheduling.md);
+--loadmaster-max-inflight sets another cap, to measure one.
 
 A side that fails (its server does not start, a route is missing, every request of a phase
 fails) is reported as failed with the reason (and its logs' tail), and the other side goes on.
@@ -238,7 +237,12 @@ def _stat(run: dict[str, Any] | None, name: str, key: str) -> float | None:
 
 
 def targets(sides: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets from the two sides' figures (a missing figure is not met)."""
+    """The targets from the two sides' figures (a missing figure is not met): throughput and
+    the tail at 64 streams are issue 34's, the first token at one stream the generative
+    serving issue's. The priority row is shown, not judged: here the background streams share
+    the probes' client loop, which adds tens of ms to a probe's first chunk; issue 34's
+    priority target is measured by bench/llm_scheduling.py, with the background in its own
+    process."""
     ours, ref = sides.get("loadmaster", {}), sides.get("reference", {})
     rows: list[dict[str, Any]] = []
 
@@ -253,11 +257,24 @@ def targets(sides: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "name": f"output tokens/s at concurrency {concurrency} vs transformers serve",
                 "measured": value if value is not None else "n/a",
-                "target": ">= 1.0",
+                "target": ">= 1.1",
                 "unit": "x",
-                "met": value is not None and value >= 1.0,
+                "met": value is not None and value >= 1.1,
             }
         )
+    value = ratio(
+        _stat(_run_at(ours, 64), "time_to_first_token", "p99_ms"),
+        _stat(_run_at(ref, 64), "time_to_first_token", "p99_ms"),
+    )
+    rows.append(
+        {
+            "name": "time to first token p99 at concurrency 64 vs transformers serve",
+            "measured": value if value is not None else "n/a",
+            "target": "<= 1.0",
+            "unit": "x",
+            "met": value is not None and value <= 1.0,
+        }
+    )
     value = ratio(
         _stat(_run_at(ours, 1), "time_to_first_token", "p50_ms"),
         _stat(_run_at(ref, 1), "time_to_first_token", "p50_ms"),
@@ -276,9 +293,9 @@ def targets(sides: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         {
             "name": "priority-0 time to first token p99 under 64 priority-2 streams / idle p50",
             "measured": value if value is not None else "n/a",
-            "target": "<= 3",
+            "target": "shown only (bench/llm_scheduling.py judges priority)",
             "unit": "x",
-            "met": value is not None and value <= 3,
+            "met": None,
         }
     )
     return rows

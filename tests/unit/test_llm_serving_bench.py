@@ -88,15 +88,18 @@ def test_targets_compare_the_two_sides_and_judge_each_goal() -> None:
         "reference": _side(c1_ttft=10.0, c16=2000.0, c64=3000.0, ratio=40.0),
         "loadmaster": _side(c1_ttft=16.0, c16=2200.0, c64=2700.0, ratio=2.5),
     }
+    sides["loadmaster"]["runs"][2]["time_to_first_token"]["p99_ms"] = 540.0  # type: ignore[index]
     rows = {row["name"]: row for row in llm_serving.targets(sides)}
     c16 = rows["output tokens/s at concurrency 16 vs transformers serve"]
     c64 = rows["output tokens/s at concurrency 64 vs transformers serve"]
     ttft = rows["time to first token p50 at concurrency 1 vs transformers serve"]
+    tail = rows["time to first token p99 at concurrency 64 vs transformers serve"]
     priority = rows["priority-0 time to first token p99 under 64 priority-2 streams / idle p50"]
     assert (c16["measured"], c16["met"]) == (1.1, True)
     assert (c64["measured"], c64["met"]) == (0.9, False)
+    assert (tail["measured"], tail["met"]) == (0.9, True)  # 540 / 600
     assert (ttft["measured"], ttft["met"]) == (1.6, False)  # 16 / 10 > 1.5
-    assert (priority["measured"], priority["met"]) == (2.5, True)
+    assert (priority["measured"], priority["met"]) == (2.5, None)  # shown; llm_scheduling judges it
 
 
 def test_a_failed_side_makes_every_target_not_met_instead_of_crashing() -> None:
@@ -105,8 +108,8 @@ def test_a_failed_side_makes_every_target_not_met_instead_of_crashing() -> None:
         "loadmaster": {"ok": False, "error": "the first request failed: NotFoundError: Error code: 404"},
     }
     rows = llm_serving.targets(sides)
-    assert len(rows) == 4
-    assert all(row["measured"] == "n/a" and row["met"] is False for row in rows)
+    assert len(rows) == 5
+    assert all(row["measured"] == "n/a" and row["met"] in (False, None) for row in rows)
     summary = llm_serving.table(sides)
     assert summary["loadmaster"] == {"ok": False, "error": sides["loadmaster"]["error"]}
     assert summary["reference"]["concurrency_16"].startswith("2,000.0 output tokens/s; TTFT p50 50.0")
@@ -132,7 +135,7 @@ def test_results_md_lists_each_side_and_phase(tmp_path: Path, monkeypatch: pytes
     assert "| summary.reference.concurrency_64 | 3,000.0 output tokens/s;" in text
     assert "| summary.loadmaster.error | boom |" in text
     assert (
-        "| llm_serving | output tokens/s at concurrency 16 vs transformers serve | n/a x | >= 1.0 x | **no** |"
+        "| llm_serving | output tokens/s at concurrency 16 vs transformers serve | n/a x | >= 1.1 x | **no** |"
         in text
     )
 
