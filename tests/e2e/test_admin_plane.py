@@ -115,7 +115,11 @@ def cli(config: Path, *args: str) -> tuple[int, str]:
 
 def _second_gateway(up: Up, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A second gateway of the same suite (its own ports), as a compose deployment would run it."""
-    state = read_run_state(run_state_path(up.settings.gateway.address))
+    # `up` writes its run state once every service is up, which a READY model may precede.
+    deadline = time.monotonic() + 30
+    while "internal_auth" not in (state := read_run_state(run_state_path(up.settings.gateway.address))):
+        assert time.monotonic() < deadline, f"no credentials in the run state of `up`: {state}"
+        time.sleep(0.1)
     files = state["internal_auth"]
     http_port = free_port()
     overrides = {

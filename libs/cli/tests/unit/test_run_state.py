@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,30 @@ def test_a_planted_link_is_not_followed(tmp_path: Path) -> None:
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
     (folder / "suite.json").symlink_to(victim)
-    with pytest.raises(OSError):
-        write_run_state(folder / "suite.json", {"redis_url": "x"})
-    assert victim.read_text() == "keep me"
     assert read_run_state(folder / "suite.json") == {}
+    write_run_state(folder / "suite.json", {"redis_url": "x"})  # replaces the link, not its target
+    assert victim.read_text() == "keep me"
+    assert not (folder / "suite.json").is_symlink()
+    assert read_run_state(folder / "suite.json") == {"redis_url": "x"}
+
+
+def test_a_reader_never_sees_a_half_written_state(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "suite.json"
+    state = {"redis_url": "redis://:pw@127.0.0.1:1/0", "internal_auth": {"secret_file": "x" * 4096}}
+    write_run_state(path, state)
+    done = threading.Event()
+
+    def rewrite() -> None:
+        for _ in range(300):
+            write_run_state(path, state)
+        done.set()
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    reads = 0
+    while not done.is_set() and reads < 5000:
+        assert read_run_state(path) == state
+        reads += 1
+    writer.join(timeout=30)
+    assert reads > 0
+    assert sorted(p.name for p in path.parent.iterdir()) == ["suite.json"]  # no temporary left

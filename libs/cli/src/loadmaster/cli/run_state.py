@@ -38,9 +38,17 @@ def write_run_state(path: Path, state: dict[str, Any]) -> None:
         raise PermissionError(
             f"{path.parent} is not a private folder of this user: not writing run state there"
         )
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as file:
-        json.dump(state, file)
+    # Written aside and renamed over the old file: a reader sees the old state or the new one,
+    # never a truncated file (mkstemp makes it 0600 in the private folder).
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as file:
+            json.dump(state, file)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def read_run_state(path: Path) -> dict[str, Any]:
