@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +91,19 @@ def chat(url: str, key: str, **fields: Any) -> Any:
     return client(url, key).chat.completions.create(temperature=0, extra_body=extra or None, **fields)
 
 
-def audit_lines(path: Path, count: int) -> list[dict[str, Any]]:
+def audit_lines(path: Path, wanted: Callable[[list[dict[str, Any]]], bool]) -> list[dict[str, Any]]:
+    """The audit log's lines once `wanted(lines)` holds (the file is shared by the module's
+    tests, and the writer is a thread of its own), or as they are after 10 s."""
     deadline = time.monotonic() + 10
-    while True:  # bounded: the audit writer is a thread of its own
+    while True:  # bounded
         lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        if len(lines) >= count or time.monotonic() > deadline:
+        if wanted(lines) or time.monotonic() > deadline:
             return lines
         time.sleep(0.05)
+
+
+def _from(*client_ids: str) -> Callable[[list[dict[str, Any]]], bool]:
+    return lambda lines: set(client_ids) <= {line["client_id"] for line in lines}
 
 
 def test_a_profiles_deadline_applies_and_the_request_may_give_its_own(url: str) -> None:
@@ -134,7 +140,7 @@ def test_a_tenant_profile_sets_the_priority(suite_with_profiles: tuple[str, Path
     url, audit = suite_with_profiles
     chat(url, "gamma", max_tokens=1, x_client_id="lab-runner")
     chat(url, "beta", model="tiny-chat", max_tokens=1, x_client_id="plain-runner")
-    lines = audit_lines(audit, 2)
+    lines = audit_lines(audit, _from("lab-runner", "plain-runner"))
     priorities = {line["client_id"]: line["priority"] for line in lines if line["outcome"] == "ok"}
     assert priorities["lab-runner"] == 0 and priorities["plain-runner"] == 1  # 1: the default
     assert {line["model"] for line in lines if line["client_id"] == "lab-runner"} == {"tiny-chat"}
@@ -153,7 +159,9 @@ def test_a_cooldown_refuses_a_flooding_client_with_429_and_retry_after(
     with pytest.raises(openai.RateLimitError):  # still cooling down
         chat(url, "beta", x_client_id="robot-7", max_tokens=1)
     assert chat(url, "beta", x_client_id="robot-8", model="tiny-chat", max_tokens=1).choices  # others pass
-    refused = [
-        line for line in audit_lines(audit, 1) if line["client_id"] == "robot-7" and line["status"] == 429
-    ]
+
+    def robot_7_refused(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [line for line in lines if line["client_id"] == "robot-7" and line["status"] == 429]
+
+    refused = robot_7_refused(audit_lines(audit, lambda lines: bool(robot_7_refused(lines))))
     assert len(refused) >= 1 and refused[0]["outcome"] == "resource_exhausted"

@@ -326,18 +326,26 @@ async def test_a_queued_stream_says_so_and_the_client_still_parses_it(fair_suite
     busy = [asyncio.create_task(tracked(client, runs, n, priority=0, max_tokens=1500)) for n in names]
     await started(runs, names)  # every place held by priority-0 work: nothing pauses for priority 1
     body = {"model": MODEL, "messages": PROMPT, "max_tokens": 4, "stream": True}
+    lines: list[str] = []
     async with (
         httpx.AsyncClient(timeout=120) as http,
         http.stream("POST", _url(fair_suite) + "/v1/chat/completions", json=body) as response,
     ):
-        lines = [line async for line in response.aiter_lines()]
+        reading = response.aiter_lines()
+        async with asyncio.timeout(30):
+            async for line in reading:
+                lines.append(line)
+                if line == ": queued 0" or line.startswith("data:"):
+                    break
+        parsed = asyncio.create_task(stream(client, "parsed", max_tokens=4))  # queued too, read by openai
+        await asyncio.sleep(1.2)  # the openai client's stream got its progress line too
+        for task in busy:  # the places free: both queued streams start
+            task.cancel()
+        lines += [line async for line in reading]
     assert ": queued 0" in lines and lines.index(": queued 0") < next(
         i for i, line in enumerate(lines) if line.startswith("data:")
     )
-    parsed = await stream(client, "parsed", max_tokens=4)  # queued too, read by the openai client
-    assert parsed.output_tokens == 4
-    for task in busy:
-        task.cancel()
+    assert (await parsed).output_tokens == 4
     await asyncio.gather(*busy, return_exceptions=True)
 
 
