@@ -340,6 +340,18 @@ async def test_loadmaster_headers_reach_the_request() -> None:
     assert response.status_code == 400 and "X-Loadmaster-Urgency" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [(b"{not json", "not valid JSON"), (b"[" * 100_000, "not valid JSON"), (b"[1]", "object")],
+)
+async def test_a_body_that_is_not_a_json_object_is_a_400(body: bytes, needle: str) -> None:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app_for(Recorded(["a"]))), base_url="http://gateway"
+    ) as http:
+        response = await http.post("/v1/messages", content=body)
+    assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text
+
+
 WEATHER = {
     "name": "get_weather",
     "description": "the weather in a city",

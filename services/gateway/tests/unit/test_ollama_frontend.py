@@ -470,6 +470,19 @@ async def test_embed_is_one_embedding_call_per_request() -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "needle"),
+    [(b"{not json", "not valid JSON"), (b"[" * 100_000, "not valid JSON"), (b"[1]", "object")],
+)
+async def test_a_body_that_is_not_a_json_object_is_a_400(body: bytes, needle: str) -> None:
+    generations = Recorded(["a"])
+    async with httpx.AsyncClient(
+        transport=client_for(generations)._client._transport, base_url="http://gateway"
+    ) as http:
+        response = await http.post("/api/chat", content=body)
+    assert response.status_code == 400 and needle in response.json()["error"], response.text
+
+
+@pytest.mark.parametrize(
     ("call", "needle"),
     [
         ({"truncate": True}, "truncate"),

@@ -88,6 +88,9 @@ def test_missing_fields_and_broken_json() -> None:
     with pytest.raises(OpenAIError) as caught:
         parse_image_request(b"{not json", SETTINGS)
     assert caught.value.status == 400 and "JSON" in caught.value.message
+    with pytest.raises(OpenAIError) as caught:  # nested deeper than the parser goes
+        parse_image_request(b"[" * 100_000, SETTINGS)
+    assert caught.value.status == 400 and "JSON" in caught.value.message
 
 
 def test_render_is_openai_images_response_with_b64_pngs() -> None:

@@ -47,6 +47,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
     OpenAIError,
     chat_request,
+    json_object,
     relevant_error,
 )
 from loadmaster.gateway.frontends.request_headers import retry_after
@@ -180,16 +181,6 @@ def _invalid(error: ValidationError, *, prefix: str = "") -> AnthropicError:
     if kind == "missing":
         return AnthropicError(400, f"{where}: Field required")
     return AnthropicError(400, f"{where}: {message}" if where else message)
-
-
-def _load(raw: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise AnthropicError(400, f"the body is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise AnthropicError(400, "the body must be a JSON object")
-    return value
 
 
 def _text_of(blocks: str | list[Block], where: str) -> str:
@@ -541,7 +532,7 @@ def anthropic_routes(
         bodies: list[MessagesBody] = []
 
         async def parsed() -> GenerationRequest:  # after authentication: then the body is read
-            raw = _load(await read_body(request, max_body_bytes))
+            raw = json_object(await read_body(request, max_body_bytes), AnthropicError)
             try:
                 body = MessagesBody.model_validate(raw)
             except ValidationError as error:
@@ -613,7 +604,7 @@ def anthropic_routes(
 
     async def count_tokens(request: Request) -> Response:
         async def parsed() -> GenerationRequest:  # after authentication: then the body is read
-            raw = _load(await read_body(request, max_body_bytes))
+            raw = json_object(await read_body(request, max_body_bytes), AnthropicError)
             try:
                 body = CountTokensBody.model_validate(raw)
             except ValidationError as error:

@@ -58,6 +58,7 @@ from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
     OpenAIError,
     chat_request,
+    json_object,
     parse_completion,
     relevant_error,
 )
@@ -219,16 +220,6 @@ def _invalid(error: ValidationError) -> OllamaError:
     if kind == "missing":
         return OllamaError(400, f"{where} is required")
     return OllamaError(400, f"{where}: {message}" if where else message)
-
-
-def _load(raw: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise OllamaError(400, f"the body is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise OllamaError(400, "the body must be a JSON object")
-    return value
 
 
 def _refuse_unhonoured(raw: Mapping[str, Any]) -> None:
@@ -516,7 +507,7 @@ def ollama_routes(
         bodies: list[ChatBody | GenerateBody] = []
 
         async def parsed() -> GenerationRequest:  # after authentication: then the body is read
-            raw = _load(await read_body(request, max_body_bytes))
+            raw = json_object(await read_body(request, max_body_bytes), OllamaError)
             try:
                 body: ChatBody | GenerateBody = (ChatBody if chat else GenerateBody).model_validate(raw)
             except ValidationError as error:
@@ -646,7 +637,7 @@ def ollama_routes(
     async def show(request: Request) -> Response:
         await auth.authenticate(bearer_token(request.headers.get("authorization")), INFER)
         try:
-            body = ShowBody.model_validate(_load(await read_body(request, max_body_bytes)))
+            body = ShowBody.model_validate(json_object(await read_body(request, max_body_bytes), OllamaError))
         except ValidationError as error:
             raise _invalid(error) from None
         name = body.model or body.name
@@ -682,7 +673,7 @@ def ollama_routes(
         principal = await auth.authenticate(token, INFER)
         if embedder is None:
             raise OllamaError(404, "embeddings are not served by this gateway")
-        raw = _load(await read_body(request, max_body_bytes))
+        raw = json_object(await read_body(request, max_body_bytes), OllamaError)
         try:
             body: EmbedBody | EmbeddingsBody = (EmbeddingsBody if single else EmbedBody).model_validate(raw)
         except ValidationError as error:

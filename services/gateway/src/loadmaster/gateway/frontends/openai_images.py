@@ -34,7 +34,7 @@ from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, Unav
 from loadmaster.common.gateway_config import ImagesSettings
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
 from loadmaster.gateway.frontends.openai_common import error_response, read_body, until_disconnected
-from loadmaster.gateway.frontends.openai_schema import OpenAIError, error_from
+from loadmaster.gateway.frontends.openai_schema import OpenAIError, error_from, load_json
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageGenerator, ImageRequest
 from loadmaster.gateway.jobs import Job
@@ -74,9 +74,7 @@ def _invalid(error: ValidationError) -> OpenAIError:
 def parse_image_request(raw: bytes, settings: ImagesSettings) -> tuple[ImageRequest, bool]:
     """A body -> (request, whether it runs as an async job), or `OpenAIError` 400 naming the field."""
     try:
-        body = ImageBody.model_validate(json.loads(raw))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise OpenAIError(400, f"the body is not valid JSON: {error}") from None
+        body = ImageBody.model_validate(load_json(raw))
     except ValidationError as error:
         raise _invalid(error) from None
     n = 1 if body.n is None else body.n

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -69,6 +70,7 @@ __all__ = [
     "error_from",
     "event",
     "invalid",
+    "json_object",
     "load_json",
     "model_card",
     "parse_chat",
@@ -443,12 +445,21 @@ def _invalid(error: ValidationError) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
-def load_json(raw: bytes) -> Any:
-    """A request body's JSON, or a 400 saying it is not JSON."""
+def load_json(raw: bytes, error: Callable[[int, str], Exception] = OpenAIError) -> Any:
+    """A request body's JSON, or `error(400, why)`: not UTF-8, not JSON, or nested deeper than
+    the parser goes (a RecursionError, from a few kilobytes of brackets)."""
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise OpenAIError(400, f"the body is not valid JSON: {error}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as problem:
+        raise error(400, f"the body is not valid JSON: {problem}") from None
+
+
+def json_object(raw: bytes, error: Callable[[int, str], Exception]) -> dict[str, Any]:
+    """`load_json` for the dialects whose bodies must be objects (Anthropic's, Ollama's)."""
+    value = load_json(raw, error)
+    if not isinstance(value, dict):
+        raise error(400, "the body must be a JSON object")
+    return value
 
 
 _load = load_json
