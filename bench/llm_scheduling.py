@@ -498,7 +498,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: Any, goal: str, met: bool | None) -> None:
-        out.append({"target": name, "value": value, "goal": goal, "met": met})
+        # the shape every bench's targets share (bench/report.py renders them)
+        out.append({"name": name, "measured": value, "target": goal, "unit": "", "met": met})
 
     p_lm = results.get("priority", {}).get("loadmaster") or {}
     p_ref = results.get("priority", {}).get("reference") or {}
@@ -599,7 +600,7 @@ def main() -> int:
     say("\n== targets ==")
     for row in met:
         mark = "met" if row["met"] else ("MISSED" if row["met"] is False else "?")
-        say(f"  {mark:6}  {row['target']}: {row['value']} (target {row['goal']})")
+        say(f"  {mark:6}  {row['name']}: {row['measured']} (target {row['target']})")
     for scenario, by_side in results.items():
         say(f"\n== {scenario} ==")
         for side, value in by_side.items():
