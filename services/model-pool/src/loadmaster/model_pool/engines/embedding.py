@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from loadmaster.common.errors import InvalidArgumentError
+from loadmaster.model_pool.engines._hf_folder import hf_folder, safetensors_files
 from loadmaster.model_pool.engines.base import Engine, EngineContext
 from loadmaster.model_pool.repository import EmbeddingModelConfig, ModelConfigError, ModelSpec
 
@@ -47,12 +48,7 @@ def _config(spec: ModelSpec) -> EmbeddingModelConfig:
 
 
 def _folder(spec: ModelSpec) -> Path:
-    folder = spec.path(_config(spec).path)
-    if not (folder / "config.json").is_file():
-        raise ModelConfigError(
-            f"model '{spec.model_id}': no config.json in {folder} (example models: `make models`)"
-        )
-    return folder
+    return hf_folder(spec, _config(spec).path)
 
 
 def _rows(inputs: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -81,10 +77,7 @@ class EmbeddingEngine(Engine):
 
     @classmethod
     def artifact_files(cls, spec: ModelSpec) -> Iterable[Path]:
-        weights = sorted(_folder(spec).glob("*.safetensors"))
-        if not weights:
-            raise ModelConfigError(f"model '{spec.model_id}': no *.safetensors in {_folder(spec)}")
-        return weights
+        return safetensors_files(spec, _folder(spec))
 
     # ---- lifecycle (on the instance's thread) ---------------------------
 

@@ -61,6 +61,7 @@ from loadmaster.model_pool.engines import (
     grammar,
     tool_grammar,
 )
+from loadmaster.model_pool.engines._hf_folder import hf_folder, safetensors_files
 from loadmaster.model_pool.engines._prefix_cache import PrefixCacheMonitor
 from loadmaster.model_pool.engines._token_streams import ChoiceGroup, GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
@@ -88,12 +89,7 @@ def _config(spec: ModelSpec) -> TransformersModelConfig:
 
 
 def _folder(spec: ModelSpec) -> Path:
-    folder = spec.path(_config(spec).path)
-    if not (folder / "config.json").is_file():
-        raise ModelConfigError(
-            f"model '{spec.model_id}': no config.json in {folder} (example models: `make models`)"
-        )
-    return folder
+    return hf_folder(spec, _config(spec).path)
 
 
 def _hf_config(spec: ModelSpec) -> dict[str, Any]:
@@ -175,10 +171,7 @@ class TransformersEngine(Engine):
 
     @classmethod
     def artifact_files(cls, spec: ModelSpec) -> Iterable[Path]:
-        weights = sorted(_folder(spec).glob("*.safetensors"))
-        if not weights:
-            raise ModelConfigError(f"model '{spec.model_id}': no *.safetensors in {_folder(spec)}")
-        return weights
+        return safetensors_files(spec, _folder(spec))
 
     @classmethod
     def estimate_mb(cls, spec: ModelSpec) -> int:

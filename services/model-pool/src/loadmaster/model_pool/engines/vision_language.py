@@ -37,10 +37,11 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from loadmaster.common.errors import InvalidArgumentError, UnavailableError
+from loadmaster.model_pool.engines._hf_folder import hf_folder, safetensors_files
 from loadmaster.model_pool.engines._token_streams import GenerationStream, StreamState
 from loadmaster.model_pool.engines.base import Engine, EngineContext
 from loadmaster.model_pool.generation import GenerationRequest, GenerationStats, SamplingParams
-from loadmaster.model_pool.repository import ModelConfigError, ModelSpec, VisionLanguageModelConfig
+from loadmaster.model_pool.repository import ModelSpec, VisionLanguageModelConfig
 
 __all__ = ["VisionLanguageEngine", "sample_token"]
 
@@ -53,12 +54,7 @@ def _config(spec: ModelSpec) -> VisionLanguageModelConfig:
 
 
 def _folder(spec: ModelSpec) -> Path:
-    folder = spec.path(_config(spec).path)
-    if not (folder / "config.json").is_file():
-        raise ModelConfigError(
-            f"model '{spec.model_id}': no config.json in {folder} (example models: `make models`)"
-        )
-    return folder
+    return hf_folder(spec, _config(spec).path)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -123,10 +119,7 @@ class VisionLanguageEngine(Engine):
 
     @classmethod
     def artifact_files(cls, spec: ModelSpec) -> Iterable[Path]:
-        weights = sorted(_folder(spec).glob("*.safetensors"))
-        if not weights:
-            raise ModelConfigError(f"model '{spec.model_id}': no *.safetensors in {_folder(spec)}")
-        return weights
+        return safetensors_files(spec, _folder(spec))
 
     # ---- lifecycle (on the instance's executor thread) -------------------
 
