@@ -31,7 +31,7 @@ from loadmaster.common import tracing
 from loadmaster.common.errors import CancelledError_, InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal
 from loadmaster.gateway.chat_images import ChatImages
-from loadmaster.gateway.frontends.openai_schema import OpenAIError
+from loadmaster.gateway.frontends.openai_common import until_disconnected
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.generation import (
     Finished,
@@ -50,8 +50,6 @@ __all__ = [
     "DialectCalls",
     "NotAGeneration",
     "Opened",
-    "read_body",
-    "until_disconnected",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,27 +86,6 @@ class Opened:
     events: AsyncIterator[GenerationEvent]
     span: trace.Span
     watch: RequestWatch
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes (else 413)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def until_disconnected(request: Request) -> None:
-    """Return when the client goes away (after its body was read, that is all `receive` says)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _close(events: AsyncIterator[Any]) -> None:

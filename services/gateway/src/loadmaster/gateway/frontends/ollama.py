@@ -51,9 +51,8 @@ from loadmaster.gateway.frontends.dialect_calls import (
     ClientGone,
     DialectCalls,
     NotAGeneration,
-    read_body,
-    until_disconnected,
 )
+from loadmaster.gateway.frontends.openai_common import read_body, until_disconnected
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
     OpenAIError,

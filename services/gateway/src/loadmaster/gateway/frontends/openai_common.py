@@ -35,20 +35,22 @@ def error_response(error: Exception) -> Response:
     return JSONResponse(mapped.body(), status_code=mapped.status, headers=headers)
 
 
-async def read_body(request: Request) -> bytes:
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, at most `limit` bytes (else 413)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit}")
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise OpenAIError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+        if size > limit:
+            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
 async def until_disconnected(request: Request) -> None:
+    """Return when the client goes away (after its body was read, that is all `receive` says)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
