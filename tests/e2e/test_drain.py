@@ -245,5 +245,5 @@ def test_up_stops_in_dependency_order_after_its_requests_in_flight(tmp_path: Pat
         for line in stderr.splitlines()
         if (line.endswith(" s)") and " stopped (" in line) or line == "redis stopped"
     ]
-    assert order == ["gateway", "model-pool", "scheduler", "metrics", "gpu-broker", "redis"], stderr
+    assert order == ["gateway", "model-pool", "scheduler", "gpu-broker", "metrics", "redis"], stderr
     assert "failed" not in stderr.lower(), stderr

@@ -1,6 +1,7 @@
 """`Suite.stop()` (what `loadmaster up` runs on Ctrl-C or SIGTERM) with stand-in processes:
 one kind at a time in dependency order, each waited for before the next is signalled, what
-outlives its grace killed, and the failures returned (`up` exits 1 on them)."""
+outlives its grace killed, and the failures returned (`up` exits 1 on them). Metrics goes
+last: every other service reports to it until it stops."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _stand_in(
     return ServiceProcess(name, "127.0.0.1:1", process)
 
 
-def test_stop_goes_gateway_workers_scheduler_metrics_broker_and_reports_failures(tmp_path: Path) -> None:
+def test_stop_goes_gateway_workers_scheduler_broker_metrics_and_reports_failures(tmp_path: Path) -> None:
     grace = {"shutdown_grace_s": 0.5}
     suite = Suite(
         None,
@@ -75,10 +76,10 @@ def test_stop_goes_gateway_workers_scheduler_metrics_broker_and_reports_failures
     ]
     assert events[6:] == [
         "term scheduler",
-        "term metrics",
-        "exit metrics",
         "term gpu-broker",
         "exit gpu-broker",
+        "term metrics",
+        "exit metrics",
     ]
     assert failed == ["scheduler", "metrics"]
     assert any("scheduler failed to stop cleanly: did not exit within its grace period" in s for s in said)

@@ -2,15 +2,16 @@
 
 Order: Redis (`REDIS_URL`, else an embedded redis-server: for `loadmaster up` it keeps its
 data in `redis.data_dir`, default `.loadmaster/redis` beside the config, so what was changed
-at run time survives a restart; docs/admin.md) -> gpu-broker -> metrics
--> scheduler -> model-pool -> gateway; each is started with
-`python -m loadmaster.<svc> [--config PATH]` (no config: the built-in defaults) in its own
-process group and waited on through gRPC health before the next one starts. Children also
+at run time survives a restart; docs/admin.md), then metrics, gpu-broker, scheduler,
+model-pool and gateway, all at once: each is started with `python -m loadmaster.<svc>
+[--config PATH]` (no config: the built-in defaults) in its own process group, and then each is
+waited on through gRPC health, in that order (a service retries a peer that is not up yet, and
+the imports overlap: the example suite is up in ~2.8 s instead of ~5.3 s on 2 cores). Children also
 get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so nothing is
 left behind even after `kill -9` of the launcher.
 
-`stop()` goes the other way, one kind at a time: gateways, workers, scheduler, metrics,
-broker, then Redis. Each kind gets SIGTERM and is waited for within its `shutdown_grace_s`
+`stop()` goes the other way, one kind at a time: gateways, workers, scheduler, broker,
+metrics, then Redis. Each kind gets SIGTERM and is waited for within its `shutdown_grace_s`
 (plus a margin for the process to exit) before the next kind is signalled, so a gateway
 finishes its in-flight requests while the workers, scheduler and broker still serve, and
 workers release their leases while the broker is still there. What does not exit in time
@@ -47,9 +48,11 @@ class _ServiceSpec:
     section: str  # the Settings attribute holding its address
 
 
+# In dependency order; `stop` goes the other way, so metrics, which every other service reports
+# to, goes last (stopped before the broker, it held the broker's stop a second on its last report).
 SERVICES: tuple[_ServiceSpec, ...] = (
-    _ServiceSpec("gpu-broker", "loadmaster.gpu_broker", "gpu_broker"),
     _ServiceSpec("metrics", "loadmaster.metrics", "metrics"),
+    _ServiceSpec("gpu-broker", "loadmaster.gpu_broker", "gpu_broker"),
     _ServiceSpec("scheduler", "loadmaster.scheduler", "scheduler"),
     _ServiceSpec("model-pool", "loadmaster.model_pool", "model_pool"),
     _ServiceSpec("gateway", "loadmaster.gateway", "gateway"),
@@ -181,12 +184,15 @@ class Suite:
                 self.redis = EmbeddedRedis(data_dir=str(data_dir) if data_dir is not None else None)
                 self.redis.start()
                 self.settings = self.settings.model_copy(update={"redis_url": self.redis.url})
-            for spec in SERVICES:
-                if spec.name not in self.services:
-                    continue
-                copies = self.workers if spec.name == "model-pool" else 1
-                for index in range(copies):
-                    self.start_service(spec.name, index=index, timeout_s=timeout_s, progress=say)
+            # Every process at once, then each waited for (the module docstring says why).
+            launched = [
+                self._launch(spec.name, index=index, progress=say)
+                for spec in SERVICES
+                if spec.name in self.services
+                for index in range(self.workers if spec.name == "model-pool" else 1)
+            ]
+            for service in launched:
+                self._wait_healthy(service, timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -195,6 +201,11 @@ class Suite:
         self, name: str, *, index: int = 0, timeout_s: float = 90.0, progress: Any = None
     ) -> ServiceProcess:
         """Start one service process (again, after it was killed) and wait until it is healthy."""
+        service = self._launch(name, index=index, progress=progress)
+        self._wait_healthy(service, timeout_s)
+        return service
+
+    def _launch(self, name: str, *, index: int = 0, progress: Any = None) -> ServiceProcess:
         spec = next(spec for spec in SERVICES if spec.name == name)
         extra_env: dict[str, str] = {}
         address = getattr(self.settings, spec.section).address
@@ -216,7 +227,6 @@ class Suite:
         self.processes = [p for p in self.processes if p.name != label]
         service = self._spawn(spec, label, address, extra_env)
         self.processes.append(service)
-        self._wait_healthy(service, timeout_s)
         return service
 
     def service(self, name: str) -> ServiceProcess | None:
@@ -343,7 +353,7 @@ class Suite:
         return service.log_tail(lines) if service is not None else ""
 
     def stop(self, *, margin_s: float = 5.0, progress: Any = None) -> list[str]:
-        """Stop in dependency order (gateways, workers, scheduler, metrics, broker, Redis), each
+        """Stop in dependency order (gateways, workers, scheduler, broker, metrics, Redis), each
         kind waited for within its `shutdown_grace_s` + `margin_s` before the next; SIGKILL
         what is left. Returns the names of the services that failed (exited non-zero or
         were killed), in stop order."""

@@ -92,7 +92,7 @@ def up(
 ) -> None:
     """Start Redis, gpu-broker, metrics, scheduler, model-pool worker(s) and the gateway; restart any
     that crashes (within a budget, else stop all and exit 1); Ctrl-C or SIGTERM stops all, in
-    dependency order (gateway, workers, scheduler, metrics, broker, Redis), each drained within
+    dependency order (gateway, workers, scheduler, broker, metrics, Redis), each drained within
     its shutdown_grace_s. Exits 1 when a service failed or did not stop cleanly."""
     try:
         suite = Suite(config, workers=workers, make_credentials=True, persist_redis=True)
