@@ -22,17 +22,13 @@ Repeats the cycle `--cycles` times (default 3) and reports each and the worst.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-from _harness import EXAMPLE_CONFIG, running_suite_handle, write_result
+from _harness import running_suite_handle, write_result
 from _load import LoadResult, run_load
 
 SMALL = {"x": np.arange(7, dtype=np.float32)}
@@ -46,37 +42,6 @@ START_DELAY_S = 1.5
 def _credits(http: httpx.Client, url: str) -> int:
     shares = http.get(url, timeout=2.0).json().get("shares", {})
     return int(shares.get("double", {}).get("credits", 0))
-
-
-def _start_gateway(suite: Any, logs: Path) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    from loadmaster.cli.launcher import to_env
-    from loadmaster.common.child_processes import die_with_parent
-    from loadmaster.common.ports import free_port
-
-    ports = {"edge": free_port(), "grpc": free_port(), "http": free_port()}
-    env = {
-        **suite.env,
-        **to_env(
-            {
-                "gateway": {
-                    "address": f"127.0.0.1:{ports['grpc']}",
-                    "http_port": ports["http"],
-                    "edge": {"bind": f"tcp://127.0.0.1:{ports['edge']}"},
-                    "gr00t": {"bind": f"tcp://127.0.0.1:{free_port()}"},  # (the suite's is taken)
-                }
-            }
-        ),
-    }
-    with (logs / "gateway-b.log").open("ab") as log:
-        process = subprocess.Popen(
-            die_with_parent([sys.executable, "-m", "loadmaster.gateway", "--config", str(EXAMPLE_CONFIG)]),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return process, ports
 
 
 def _wait(predicate: Any, timeout_s: float) -> float | None:
@@ -139,27 +104,18 @@ def main() -> int:
     cycles: list[dict[str, Any]] = []
     with running_suite_handle(preload=["double"], overrides=overrides) as suite:
         window_s = suite.settings.scheduler.credit_window_s
-        with tempfile.TemporaryDirectory(prefix="loadmaster-shares-") as logs:
-            process, ports = _start_gateway(suite, Path(logs))
-            try:
-                from loadmaster.common.grpc_client import wait_for_health_sync
-
-                wait_for_health_sync(f"127.0.0.1:{ports['grpc']}", timeout_s=90)
-                gw = suite.settings.gateway
-                url_a = f"http://{gw.http_host}:{gw.http_port}/healthz"
-                url_b = f"http://127.0.0.1:{ports['http']}/healthz"
-                for index in range(args.cycles):
-                    print(f"cycle {index + 1}/{args.cycles}…", flush=True)
-                    result = cycle(gw.edge.bind, f"tcp://127.0.0.1:{ports['edge']}", url_a, url_b, window_s)
-                    print(f"  {result}", flush=True)
-                    cycles.append(result)
-                    time.sleep(window_s + 0.5)  # nobody uses the model: the next cycle starts clean
-            finally:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        second = suite.start_service("gateway", index=1, timeout_s=90).overrides[
+            "gateway"
+        ]  # stopped with the suite
+        gw = suite.settings.gateway
+        url_a = f"http://{gw.http_host}:{gw.http_port}/healthz"
+        url_b = f"http://127.0.0.1:{second['http_port']}/healthz"
+        for index in range(args.cycles):
+            print(f"cycle {index + 1}/{args.cycles}…", flush=True)
+            result = cycle(gw.edge.bind, second["edge"]["bind"], url_a, url_b, window_s)
+            print(f"  {result}", flush=True)
+            cycles.append(result)
+            time.sleep(window_s + 0.5)  # nobody uses the model: the next cycle starts clean
     taken = [c["taken_back_ms"] for c in cycles]
     regained = [c["regained_s"] for c in cycles]
     worst_taken = max((t for t in taken if t is not None), default=float("inf"))

@@ -98,6 +98,8 @@ class ServiceProcess:
     process: subprocess.Popen[bytes]
     log_path: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # What a copy's settings change from the config's (`{"gateway": {"http_port": ...}}`).
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -210,22 +212,22 @@ class Suite:
         extra_env: dict[str, str] = {}
         address = getattr(self.settings, spec.section).address
         label = name
-        if name == "model-pool" and index > 0:
-            label = f"model-pool-{index}"
+        overrides: dict[str, Any] = {}
+        if name in _COPYABLE and index > 0:
+            label = f"{name}-{index}"
             previous = self.service(label)
             if previous is not None:
-                address = previous.address
-                extra_env = previous.extra_env
+                address, extra_env, overrides = previous.address, previous.extra_env, previous.overrides
             else:
                 host = address.rsplit(":", 1)[0]
                 address = f"{host}:{free_port()}"
-                extra_env = to_env(
-                    {"model_pool": {"address": address, "data_bind": f"tcp://{host}:{free_port()}"}}
-                )
+                overrides = {spec.section: _copy_ports(name, host, address)}
+                extra_env = to_env(overrides)
         if progress is not None:
             progress(f"starting {label} ({address})")
         self.processes = [p for p in self.processes if p.name != label]
         service = self._spawn(spec, label, address, extra_env)
+        service.overrides = overrides
         self.processes.append(service)
         return service
 
@@ -337,8 +339,8 @@ class Suite:
                 raise RuntimeError("no embedded redis-server to restart")
             self.redis.restart(timeout_s)
             return
-        kind, _, suffix = name.partition("-pool-")
-        spec_name, index = ("model-pool", int(suffix)) if kind == "model" and suffix else (name, 0)
+        spec_name = _spec_name(name)
+        index = int(name.removeprefix(spec_name + "-")) if name != spec_name else 0
         try:
             self.start_service(spec_name, index=index, timeout_s=timeout_s)
         except (RuntimeError, TimeoutError):
@@ -399,9 +401,26 @@ class Suite:
         self.stop()
 
 
+# Services a suite may run several copies of: `start_service(name, index=N)` for N > 0 starts
+# copy N on free ports of the host in the config (`workers` starts the model-pool copies).
+_COPYABLE = ("model-pool", "gateway")
+
+
+def _copy_ports(name: str, host: str, address: str) -> dict[str, Any]:
+    """The settings of a copy of `name` that differ from the first's: its own free ports."""
+    if name == "model-pool":
+        return {"address": address, "data_bind": f"tcp://{host}:{free_port()}"}
+    return {
+        "address": address,
+        "http_port": free_port(),
+        "edge": {"bind": f"tcp://{host}:{free_port()}"},
+        "gr00t": {"bind": f"tcp://{host}:{free_port()}"},
+    }
+
+
 def _spec_name(label: str) -> str:
-    """`model-pool-2` -> `model-pool`; other labels are their service's name."""
-    return "model-pool" if label.startswith("model-pool") else label
+    """`model-pool-2` -> `model-pool`, `gateway-1` -> `gateway`; other labels are their service's name."""
+    return next((name for name in _COPYABLE if label.startswith(name)), label)
 
 
 def _describe(returncode: int | None, *, killed: bool) -> str:
