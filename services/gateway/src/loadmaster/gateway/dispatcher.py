@@ -207,6 +207,7 @@ class Dispatcher:
         )
         credit = self._idle_credit(call.model_id)
         if credit is not None and self._start_on_credit(pending, credit):
+            self._local.started(call)  # (the local order's clients and rounds see every call)
             return
         if self._local.may_queue(call.model_id):
             self._local.queue(pending)
@@ -522,6 +523,7 @@ class Dispatcher:
             return
         pending.credit = None
         credit.running = None
+        self._local.ended(pending.call)
         if credit.revoked or give_back:
             self._give_back(credit)
             self._local.hand_over(credit.model_id)

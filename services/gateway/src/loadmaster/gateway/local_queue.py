@@ -5,8 +5,12 @@ dispatch credits, each carrying a `LocalQueue` spec (scheduler.proto). A call th
 no idle credit waits here instead of in the scheduler's queue, ranked by the scheduler's own
 strategy code (`loadmaster.common.ordering`) with the same inputs: the client's latency budget,
 its cadence (the same EWMA, over the arrivals this gateway sees, which with one gateway are all
-of them), its calls already waiting, priority, urgency, steps. So the order is the one the
-scheduler would have kept, without a scheduler round trip per call (docs/data-path.md).
+of them), its calls not yet answered (waiting or running, as the scheduler counts them),
+priority, urgency, steps. A call that finds an idle credit and runs at once still passes
+through the ordering (`started`), as the scheduler's request granted on arrival does, so a
+client's cadence and a round robin's rounds count it. So the order is the one the scheduler
+would have kept, without a scheduler round trip per call (docs/data-path.md;
+tests/integration/test_gateway_dispatch_order.py checks it through the dispatcher).
 
 Pure bookkeeping over an injected clock: the dispatcher pops the head when a credit frees,
 hands everything to the scheduler when its credits are revoked, and asks what expired.
@@ -67,6 +71,9 @@ class LocalQueues(Generic[T]):
         self._tokens: dict[str, int] = {}  # request id -> token
         self._deadlines: list[tuple[float, int]] = []  # (deadline, token)
         self._backlog: dict[tuple[str, str], int] = {}  # (client, model) -> its calls waiting here
+        # (client, model) -> its calls started through here and not yet ended: the scheduler's
+        # backlog term counts a client's unfinished requests, running ones included
+        self._running: dict[tuple[str, str], set[str]] = {}
         self._clients = ClientTracker(cadence_alpha=0.3, disconnect_timeout_s=_DISCONNECT_TIMEOUT_S)
         self._seq = itertools.count(1)
 
@@ -122,6 +129,49 @@ class LocalQueues(Generic[T]):
                 return Overflow(True, None, full)
             oldest = self._pop_oldest(queue)
             overflow = Overflow(False, oldest, f"{full}; dropped the oldest")
+        token = next(self._seq)
+        request = self._request(queue, call, ttl_ms, token)
+        if call.client_id:
+            stream = (call.client_id, model_id)
+            self._backlog[stream] = self._backlog.get(stream, 0) + 1
+        key = queue.ordering.key(request)
+        self._waiting[token] = _Waiting(item, request, key)
+        self._tokens[call.request_id] = token
+        heapq.heappush(queue.heap, (*key, token))
+        queue.arrivals.append(token)
+        queue.size += 1
+        heapq.heappush(self._deadlines, (request.deadline, token))
+        return overflow
+
+    def started(self, call: InferenceCall, ttl_ms: float) -> None:
+        """`call` found an idle credit and runs without waiting: the ordering sees it arrive and
+        be served at once, as the scheduler's does a request granted on arrival, so the clients'
+        cadences and a round robin's rounds stay the ones the scheduler would keep."""
+        queue = self._models.get(call.model_id)
+        if queue is None or not queue.spec.strategy:
+            return
+        request = self._request(queue, call, ttl_ms, next(self._seq))
+        queue.ordering.granted(request, queue.ordering.key(request))
+        self._run(request)
+
+    def ended(self, call: InferenceCall) -> None:
+        """A call started through here (at once or from the queue) has its answer."""
+        stream = (call.client_id, call.model_id)
+        running = self._running.get(stream)
+        if running is not None:
+            running.discard(call.request_id)
+            if not running:
+                del self._running[stream]
+
+    def _run(self, request: Request) -> None:
+        if request.info.client_id:
+            self._running.setdefault((request.info.client_id, request.model_id), set()).add(
+                request.info.request_id
+            )
+
+    def _request(self, queue: _ModelQueue, call: InferenceCall, ttl_ms: float, token: int) -> Request:
+        """The ordering's view of `call` arriving now (its client's cadence observed)."""
+        spec = queue.spec
         now = self._clock.monotonic()
         client_id = call.client_id
         cadence_ms: float | None = None
@@ -130,15 +180,14 @@ class LocalQueues(Generic[T]):
             if not call.connection_bound:
                 self._clients.observe(client_id, now)
                 cadence_ms = self._clients.cadence_ms(client_id)
-            backlog = self._backlog.get((client_id, model_id), 0)
-            self._backlog[(client_id, model_id)] = backlog + 1
-        token = next(self._seq)
+            stream = (client_id, call.model_id)
+            backlog = self._backlog.get(stream, 0) + len(self._running.get(stream, ()))
         ttl_s = ttl_ms / 1000.0
-        request = Request(
+        return Request(
             (0, call.request_id),
             RequestInfo(
                 call.request_id,
-                model_id,
+                call.model_id,
                 client_id,
                 call.priority,
                 call.urgency,
@@ -153,14 +202,6 @@ class LocalQueues(Generic[T]):
             cadence_ms,
             backlog,
         )
-        key = queue.ordering.key(request)
-        self._waiting[token] = _Waiting(item, request, key)
-        self._tokens[call.request_id] = token
-        heapq.heappush(queue.heap, (*key, token))
-        queue.arrivals.append(token)
-        queue.size += 1
-        heapq.heappush(self._deadlines, (request.deadline, token))
-        return overflow
 
     def pop(self, model_id: str) -> T | None:
         """The model's next call in strategy order, or None."""
@@ -173,6 +214,7 @@ class LocalQueues(Generic[T]):
             if entry is not None:
                 queue.ordering.granted(entry.request, entry.key)
                 self._drop(token, queue)
+                self._run(entry.request)
                 return entry.item
         return None
 

@@ -86,10 +86,7 @@ class LocalShare(Generic[P]):
 
     def queue(self, pending: P) -> None:
         call = pending.call
-        ttl_ms = self._ttl_ms.get(call.model_id, 0.0)
-        if call.timeout_ms > 0:
-            ttl_ms = min(ttl_ms, call.timeout_ms) if ttl_ms else call.timeout_ms
-        overflow = self._queues.push(pending, call, ttl_ms)
+        overflow = self._queues.push(pending, call, self._ttl(call))
         if overflow is not None:
             if overflow.refused:
                 self._fail(pending, OverflowError_(overflow.message))
@@ -98,6 +95,20 @@ class LocalShare(Generic[P]):
                 self._fail(overflow.dropped, OverflowError_(overflow.message))
         self._changed(call.model_id)
         self._arm()
+
+    def started(self, call: InferenceCall) -> None:
+        """`call` runs at once on an idle credit: the local order counts it as served on arrival."""
+        self._queues.started(call, self._ttl(call))
+
+    def ended(self, call: InferenceCall) -> None:
+        """A call that ran on a credit has its answer."""
+        self._queues.ended(call)
+
+    def _ttl(self, call: InferenceCall) -> float:
+        ttl_ms = self._ttl_ms.get(call.model_id, 0.0)
+        if call.timeout_ms > 0:
+            ttl_ms = min(ttl_ms, call.timeout_ms) if ttl_ms else call.timeout_ms
+        return ttl_ms
 
     def serve(self, model_id: str) -> None:
         """Start waiting calls on the model's idle credits."""
