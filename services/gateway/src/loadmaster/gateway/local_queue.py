@@ -10,7 +10,7 @@ priority, urgency, steps. A call that finds an idle credit and runs at once stil
 through the ordering (`started`), as the scheduler's request granted on arrival does, so a
 client's cadence and a round robin's rounds count it. So the order is the one the scheduler
 would have kept, without a scheduler round trip per call (docs/data-path.md;
-tests/integration/test_gateway_dispatch_order.py checks it through the dispatcher).
+tests/integration/test_gateway_order.py checks it through the dispatcher).
 
 Pure bookkeeping over an injected clock: the dispatcher pops the head when a credit frees,
 hands everything to the scheduler when its credits are revoked, and asks what expired.

@@ -1,16 +1,18 @@
-"""The gateway sends a model's calls to its workers in the order the scheduler's strategy gives,
-whatever mix of traffic arrives: the real `Dispatcher` holding the model's whole share (several
-credits, a local queue) against the real `SchedulerCore` with as many slots, the same random
-workload and the same completions on the same clock.
+"""The gateway orders a model's calls as the scheduler's central queue would (docs/data-path.md):
+the same random workload, on the same clock, comes out in the same order, for every strategy a
+gateway may keep.
 
-Mixed traffic: bursts and steady senders, clients with their own latency budgets, priorities,
-urgency, steps remaining; calls that find an idle credit and run at once, calls that wait in the
-local queue; completions of random running calls between arrivals. The order the dispatcher
-sends calls to the worker must equal the order the scheduler grants them, for every strategy a
-gateway may keep (test_local_queue_order.py checks `LocalQueues` alone, one slot). With the
-share held nothing reaches the scheduler but reports, so this is the order issue 35's request
-plane must keep when the gateway admits every call itself.
-"""
+- `LocalQueues` alone: the real `SchedulerCore` with one worker slot held by a blocker (every
+  request waits) against the real `LocalQueues` configured from the `LocalQueue` spec the
+  scheduler would send.
+- The whole dispatcher, mixed traffic: the real `Dispatcher` holding the model's whole share
+  (several credits, a local queue) against the core with as many slots; calls that find an idle
+  credit and run at once, calls that wait, completions of random running calls between
+  arrivals. The order the dispatcher sends calls to the worker must be the order the core
+  grants them. With the share held nothing reaches the scheduler but reports, so this is the
+  order issue 35's request plane must keep when the gateway admits every call itself. It found
+  two differences, since mended: calls run at once were invisible to the local order, and the
+  local backlog left out a client's running calls."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from loadmaster.common.ordering import make_ordering
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.dispatcher import Dispatcher
+from loadmaster.gateway.local_queue import LocalQueues
 from loadmaster.scheduler.config import CoreConfig
 from loadmaster.scheduler.core import SchedulerCore
 from loadmaster.scheduler.domain import (
@@ -47,7 +50,7 @@ REQUESTS = 300
 
 
 class _Sink:
-    """The scheduler core's outbound and telemetry: keeps the grants in order."""
+    """The core's outbound and telemetry: keeps the grants in order."""
 
     def __init__(self) -> None:
         self.granted: list[str] = []
@@ -107,19 +110,22 @@ class _WorkerDouble:
         self.sent.append(model_pool_pb2.InferRequest.FromString(envelope).request_id)
 
 
-def _workload(seed: int) -> list[tuple[float, str, int, float, int | None, int]]:
-    """(gap s, client, priority, urgency, steps, completions before it) per request."""
+def _workload(seed: int, count: int = 200) -> list[tuple[float, str, int, float, int | None, int]]:
+    """(gap s, client, priority, urgency, steps, completions before it) per request: bursts and
+    steady senders."""
     rng = random.Random(seed)
     clients = ["robot-fast", "robot-slow", "dash", "batch-a", "batch-b"]
     out = []
-    for _ in range(REQUESTS):
+    for _ in range(count):
+        gap = rng.choice([0.0, 0.0, 0.001, 0.004, 0.02])
+        steps = rng.choice([None, None, 0, 3, 20])
         out.append(
             (
-                rng.choice([0.0, 0.0, 0.001, 0.004, 0.02]),
+                gap,
                 rng.choice(clients),
                 rng.choice([0, 1, 2, 3]),
                 rng.choice([0.0, 0.3, 1.0]),
-                rng.choice([None, None, 0, 3, 20]),
+                steps,
                 rng.choice([0, 0, 0, 1, 1, 2]),
             )
         )
@@ -140,30 +146,73 @@ def _spec(strategy: str) -> scheduler_pb2.LocalQueue:
     )
 
 
-@pytest.mark.parametrize("strategy", ["model_deadline", "priority_tiered", "priority", "round_robin"])
-@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
-async def test_the_dispatcher_sends_in_the_order_the_scheduler_grants(strategy: str, seed: int) -> None:
-    scheduler_clock, gateway_clock = FakeClock(), FakeClock()
-    sink = _Sink()
-    core = SchedulerCore(
-        CoreConfig(
-            max_inflight=lambda model_id: SLOTS,
-            max_queue_size=1000,
-            request_ttl_ms=60_000.0,
-            latency_budget_ms=lambda client_id: BUDGETS.get(client_id, 50.0),
-            default_latency_budget_ms=50.0,
-            client_latency_budgets_ms=BUDGETS,
-            dispatch_credits=0,
-            lookahead=0,
-            reservation=False,
-        ),
-        clock=scheduler_clock,
-        outbound=sink,  # type: ignore[arg-type]
-        telemetry=sink,  # type: ignore[arg-type]
+def _core(strategy: str, slots: int) -> tuple[SchedulerCore, _Sink, FakeClock]:
+    """The real scheduler core, `slots` slots of model `m` on one READY worker, its own clock."""
+    config = CoreConfig(
+        max_inflight=lambda model_id: slots,
+        max_queue_size=1000,
+        request_ttl_ms=60_000.0,
+        latency_budget_ms=lambda client_id: BUDGETS.get(client_id, 50.0),
+        default_latency_budget_ms=50.0,
+        client_latency_budgets_ms=BUDGETS,
+        dispatch_credits=0,
+        lookahead=0,
+        reservation=False,
     )
+    clock, sink = FakeClock(), _Sink()
+    core = SchedulerCore(config, clock=clock, outbound=sink, telemetry=sink)  # type: ignore[arg-type]
     core.set_ordering(make_ordering(strategy))
     core.add_worker(WorkerHello("w1", "tcp://w1:5556", repository=("m",)))
     core.update_worker("w1", [SlotStatus("m", SlotState.READY, generation=1)])
+    return core, sink, clock
+
+
+@pytest.mark.parametrize("strategy", ["model_deadline", "priority_tiered", "priority", "round_robin"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int) -> None:
+    core, sink, scheduler_clock = _core(strategy, 1)
+    gateway_clock = FakeClock()
+    core.submit(1, Submission(enqueues=[RequestInfo("blocker", "m", client_id="blocker")]))
+    assert sink.granted == ["blocker"]
+
+    local: LocalQueues[str] = LocalQueues(gateway_clock)
+    local.configure("m", _spec(strategy))
+
+    for index, (gap, client, priority, urgency, steps, _) in enumerate(_workload(seed)):
+        scheduler_clock.advance(gap)
+        gateway_clock.advance(gap)
+        request_id = f"r{index}"
+        info = RequestInfo(request_id, "m", client, priority, urgency, steps_remaining=steps)
+        core.submit(1, Submission(enqueues=[info]))
+        call = InferenceCall(
+            request_id=request_id,
+            client_id=client,
+            model_id="m",
+            inputs=[],
+            payload=b"",
+            priority=priority,
+            urgency=urgency,
+            steps_remaining=steps,
+        )
+        assert local.push(request_id, call, 60_000.0) is None
+
+    central: list[str] = []
+    running = "blocker"
+    while True:  # bounded: one grant per completion, 200 requests
+        core.submit(1, Submission(completes=[Completion(running, worker_id="w1")]))
+        if len(sink.granted) == len(central) + 1:
+            break
+        running = sink.granted[-1]
+        central.append(running)
+    assert len(central) == 200
+    assert local.take_all("m") == central
+
+
+@pytest.mark.parametrize("strategy", ["model_deadline", "priority_tiered", "priority", "round_robin"])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+async def test_the_dispatcher_sends_in_the_order_the_scheduler_grants(strategy: str, seed: int) -> None:
+    core, sink, scheduler_clock = _core(strategy, SLOTS)
+    gateway_clock = FakeClock()
 
     session, worker = _SessionDouble(), _WorkerDouble()
     dispatcher = Dispatcher(
@@ -187,7 +236,9 @@ async def test_the_dispatcher_sends_in_the_order_the_scheduler_grants(strategy: 
             credit.local_queue.CopyFrom(_spec(strategy))
             dispatcher.on_credit(credit)
         rng = random.Random(seed * 1000)
-        for index, (gap, client, priority, urgency, steps, completions) in enumerate(_workload(seed)):
+        for index, (gap, client, priority, urgency, steps, completions) in enumerate(
+            _workload(seed, REQUESTS)
+        ):
             for _ in range(completions):  # the same running call ends on both sides
                 running = [r for r in sink.granted if r not in {x.request_id for x in results}]
                 if not running:
