@@ -167,6 +167,26 @@ def _core(strategy: str, slots: int) -> tuple[SchedulerCore, _Sink, FakeClock]:
     return core, sink, clock
 
 
+def _arrive(
+    core: SchedulerCore, request_id: str, client: str, priority: int, urgency: float, steps: int | None
+) -> InferenceCall:
+    """The request enqueued at the core, and the same request as the gateway's call."""
+    core.submit(
+        1,
+        Submission(enqueues=[RequestInfo(request_id, "m", client, priority, urgency, steps_remaining=steps)]),
+    )
+    return InferenceCall(
+        request_id=request_id,
+        client_id=client,
+        model_id="m",
+        inputs=[],
+        payload=b"",
+        priority=priority,
+        urgency=urgency,
+        steps_remaining=steps,
+    )
+
+
 @pytest.mark.parametrize("strategy", ["model_deadline", "priority_tiered", "priority", "round_robin"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int) -> None:
@@ -182,19 +202,10 @@ def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int)
         scheduler_clock.advance(gap)
         gateway_clock.advance(gap)
         request_id = f"r{index}"
-        info = RequestInfo(request_id, "m", client, priority, urgency, steps_remaining=steps)
-        core.submit(1, Submission(enqueues=[info]))
-        call = InferenceCall(
-            request_id=request_id,
-            client_id=client,
-            model_id="m",
-            inputs=[],
-            payload=b"",
-            priority=priority,
-            urgency=urgency,
-            steps_remaining=steps,
+        assert (
+            local.push(request_id, _arrive(core, request_id, client, priority, urgency, steps), 60_000.0)
+            is None
         )
-        assert local.push(request_id, call, 60_000.0) is None
 
     central: list[str] = []
     running = "blocker"
@@ -251,22 +262,7 @@ async def test_the_dispatcher_sends_in_the_order_the_scheduler_grants(strategy: 
             scheduler_clock.advance(gap)
             gateway_clock.advance(gap)
             request_id = f"r{index}"
-            core.submit(
-                1,
-                Submission(
-                    enqueues=[RequestInfo(request_id, "m", client, priority, urgency, steps_remaining=steps)]
-                ),
-            )
-            call = InferenceCall(
-                request_id=request_id,
-                client_id=client,
-                model_id="m",
-                inputs=[],
-                payload=b"",
-                priority=priority,
-                urgency=urgency,
-                steps_remaining=steps,
-            )
+            call = _arrive(core, request_id, client, priority, urgency, steps)
             dispatcher.submit(call, results.append)
             assert worker.sent == sink.granted, f"the orders parted after {request_id}"
         while len(results) < REQUESTS:  # bounded: each turn ends one running call
