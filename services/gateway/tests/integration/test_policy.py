@@ -631,6 +631,14 @@ def test_the_dialects_take_the_same_keys_tokens_guardrails_and_audit(
         local.chat(model=MODEL, messages=[{"role": "user", "content": "this is FORBIDDEN stuff"}])
     assert refused.value.status_code == 400 and "refused by policy" in refused.value.error
     assert not any(r.messages.messages[-1].content == "this is FORBIDDEN stuff" for r in backend.generated)
+    # the refusal's audit line is written after its answer: on record before counting, or it
+    # could land after `before` and pass for the next request's line
+    eventually(
+        lambda: any(
+            (line["endpoint"], line["outcome"]) == ("ollama.chat", "policy_refused")
+            for line in gateway.audit_lines()
+        )
+    )
     before = len(gateway.audit_lines())
     answered = local.chat(model=MODEL, messages=[{"role": "user", "content": "say:fine"}])
     assert answered.message.content == "fine"
