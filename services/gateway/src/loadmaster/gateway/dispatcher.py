@@ -61,7 +61,6 @@ from loadmaster.common.liveness import LIVENESS
 from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback, request_info
-from loadmaster.gateway.generations import GenerationStreams
 from loadmaster.gateway.held_credits import HeldCredit, HeldCredits
 from loadmaster.gateway.local_share import LocalShare
 from loadmaster.gateway.ports import SchedulerPort, WorkerPort
@@ -131,13 +130,6 @@ class Dispatcher:
             start=self._start_on_credit,
             to_scheduler=self._to_scheduler,
             fail=lambda pending, error: self._finish(pending, self._failed(pending.call, error)),
-        )
-        # Generation streams (OpenAI API) share the scheduler session and the worker links.
-        self.generations = GenerationStreams(
-            scheduler=self._scheduler,
-            workers=self._workers,  # type: ignore[arg-type]
-            telemetry=telemetry,
-            clock=self._clock,
         )
 
     @property
@@ -274,10 +266,12 @@ class Dispatcher:
 
     # -- scheduler callbacks -------------------------------------------------------------
 
-    def on_grant(self, grant: scheduler_pb2.Grant) -> None:
+    def heard_from_scheduler(self) -> None:
+        """The session granted something: credits of an earlier session stop counting."""
         self._credits.heard(self._scheduler.session)
-        if self.generations.on_grant(grant):
-            return
+
+    def on_grant(self, grant: scheduler_pb2.Grant) -> None:
+        self.heard_from_scheduler()
         pending = self._pending.get(grant.request_id)
         if pending is None:  # cancelled or answered meanwhile: give the slot back
             self._scheduler.complete(grant.request_id, error_code=errors_pb2.ERROR_CODE_CANCELLED)
@@ -301,8 +295,6 @@ class Dispatcher:
             )
 
     def on_reject(self, reject: scheduler_pb2.Reject) -> None:
-        if self.generations.on_reject(reject):
-            return
         pending = self._pending.get(reject.request_id)
         if pending is None:
             return
@@ -333,7 +325,6 @@ class Dispatcher:
         workers may not be: docs/deploy.md, "Scheduler failover"), until the next session first
         grants or lends something; then they are dropped unreturned, since its scheduler
         (perhaps a standby that took over) never lent them."""
-        self.generations.on_scheduler_lost()
         local = self._local
         waiting = [p for p in self._pending.values() if not p.worker_id and p.call.request_id not in local]
         for pending in waiting:
@@ -373,12 +364,8 @@ class Dispatcher:
         )
         self._release_credit(pending)
 
-    def on_generation_replies(self, endpoint: str, replies: model_pool_pb2.GenerateReplies) -> None:
-        self.generations.on_replies(endpoint, replies)
-
     def on_worker_lost(self, endpoint: str) -> None:
         """The data link to `endpoint` disconnected: its worker will not answer what it holds."""
-        self.generations.on_worker_lost(endpoint)
         lost = [p for p in self._pending.values() if p.worker_id and p.endpoint == endpoint]
         if lost:
             log.warning("worker data port %s went away with %d requests in flight", endpoint, len(lost))

@@ -24,6 +24,7 @@ from loadmaster.gateway.audit import AuditLog
 from loadmaster.gateway.auth import Authenticator
 from loadmaster.gateway.catalog import ModelCatalog, ModelView
 from loadmaster.gateway.chat_images import ChatImages
+from loadmaster.gateway.demux import Demux
 from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.embeddings import Embedder
 from loadmaster.gateway.exposure import warn_if_exposed
@@ -40,7 +41,7 @@ from loadmaster.gateway.frontends.http import HttpFrontend, build_app
 from loadmaster.gateway.frontends.openai_embeddings import embedding_routes
 from loadmaster.gateway.frontends.openai_images import image_routes, job_error, render_images
 from loadmaster.gateway.frontends.openpi import openpi_routes
-from loadmaster.gateway.generations import GenerationRouter
+from loadmaster.gateway.generations import GenerationRouter, GenerationStreams
 from loadmaster.gateway.guardrails import Guardrails
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageGenerator
@@ -82,16 +83,20 @@ class Gateway:
         self.context = zmq.asyncio.Context()
         gateway = settings.gateway
 
+        # What comes back on the scheduler session and the worker links goes to the component
+        # that owns the request: tensor calls (the dispatcher) or generation streams.
+        demux = Demux()
+
         def scheduler_link(dispatcher: Dispatcher) -> SchedulerLink:
             self.scheduler = SchedulerLink(
                 settings.scheduler.address,
                 self.gateway_id,
-                on_grant=dispatcher.on_grant,
-                on_reject=dispatcher.on_reject,
-                on_lost=dispatcher.on_scheduler_lost,
-                on_credit=dispatcher.on_credit,
-                on_revoke=dispatcher.on_revoke,
-                on_placement=lambda placement: dispatcher.generations.on_placement(placement),
+                on_grant=demux.on_grant,
+                on_reject=demux.on_reject,
+                on_lost=demux.on_scheduler_lost,
+                on_credit=demux.on_credit,
+                on_revoke=demux.on_revoke,
+                on_placement=demux.on_placement,
                 max_batch=gateway.max_stream_batch,
                 connect_timeout_s=gateway.scheduler_connect_timeout_s,
                 report_delay_s=gateway.report_delay_s,
@@ -102,9 +107,9 @@ class Gateway:
         def worker_links(dispatcher: Dispatcher) -> WorkerLinks:
             self.workers = WorkerLinks(
                 self.context,
-                dispatcher.on_worker_reply,
-                on_lost=dispatcher.on_worker_lost,
-                on_generation_replies=dispatcher.on_generation_replies,
+                demux.on_worker_reply,
+                on_lost=demux.on_worker_lost,
+                on_generation_replies=demux.on_generation_replies,
                 liveness=LIVENESS,
             )
             return self.workers
@@ -151,12 +156,20 @@ class Gateway:
         self.admin = SchedulerAdmin(settings.scheduler.address)
         # One port for every front end: the OpenAI routes, and KServe's text_input on language
         # models over HTTP and gRPC (one ladder router, one view of the model states).
-        self.dispatcher.generations.model_view = self._model_view
-        self.dispatcher.generations.ttl_ms = lambda model_id: (
+        # Generation streams share the dispatcher's scheduler session and worker links.
+        self.streams = GenerationStreams(
+            scheduler=self.scheduler,
+            workers=self.workers,
+            telemetry=self.telemetry,
+            clock=clock,
+            model_view=self._model_view,
+        )
+        demux.calls, demux.streams = self.dispatcher, self.streams
+        self.streams.ttl_ms = lambda model_id: (
             settings.models.for_model(model_id).request_ttl_ms or settings.scheduler.request_ttl_ms
         )
         self.generations = GenerationRouter(
-            self.dispatcher.generations,
+            self.streams,
             self.catalog.models,
             ladders=ladders_from(settings.models.aliases),
             allow_cloud_fallback=lambda: self.admin_plane.settings.models.allow_cloud_fallback,
@@ -173,7 +186,7 @@ class Gateway:
             store=AdminPlane.connect_store(settings),
         )
         # tenants' weights as set now (YAML, or at run time through the admin plane)
-        self.dispatcher.generations.weights = self.admin_plane.tenant_weight
+        self.streams.weights = self.admin_plane.tenant_weight
         self.chat_images = ChatImages(gateway)  # images in chat messages, every dialect's
         self.kserve_grpc = KServeGrpcServicer(
             self.dispatcher,
