@@ -414,7 +414,11 @@ class BigRequests:
 def run_arrangement(
     arrangement: str, plan: list[tuple[str, str]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    overrides = {"gateway": {"grpc_process": arrangement == "process"}}
+    overrides: dict[str, Any] = {
+        "gateway": {"grpc_process": arrangement == "process"},
+        # the gateway's loop probe at 10 ms (the default 100 ms reads short stalls low)
+        "metrics": {"loop_lag_tick_ms": 10.0},
+    }
     windows: list[dict[str, Any]] = []
     with running_suite_handle(preload=[SMALL_MODEL, ECHO_MODEL], overrides=overrides) as suite:
         gateway = suite.settings.gateway

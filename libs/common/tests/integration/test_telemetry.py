@@ -194,3 +194,23 @@ async def test_a_metrics_service_that_starts_late_gets_every_later_sample() -> N
     finally:
         await reporter.close()
         await server.stop()
+
+
+async def test_the_loop_probe_reports_a_stall(metrics: tuple[CollectingMetrics, str]) -> None:
+    """`event_loop_lag_ms`: a loop held 300 ms reads as a lag of about that once its second is
+    up (the probe's wake-ups an idle process pays are counted by bench/idle_probe.py)."""
+    servicer, address = metrics
+    reporter = TelemetryReporter(
+        "gateway", "gw-1", address, flush_interval_s=0.05, process_interval_s=60.0, loop_lag_tick_s=0.05
+    )
+    reporter.start()
+    await asyncio.sleep(0.2)
+    time.sleep(0.3)  # the loop is held: no timer of it fires
+    lags: list[float] = []
+    for _ in range(300):  # bounded: 3 s
+        lags = [s.value for s in servicer.samples if s.name == "event_loop_lag_ms"]
+        if any(lag >= 200.0 for lag in lags):
+            break
+        await asyncio.sleep(0.01)
+    await reporter.close()
+    assert any(250.0 <= lag <= 1000.0 for lag in lags), lags

@@ -205,6 +205,10 @@ class MetricsSettings(ServiceEndpoint):
     http_port: int = 8002
     ring_size: int = Field(default=10_000, ge=100)
     report_interval_ms: float = Field(default=250.0, gt=0)
+    # How often each service's event-loop probe wakes (`event_loop_lag_ms`): a stall shorter than
+    # this may read low by up to this much. Every tick wakes an idle process; 10 ms cost each
+    # service ~100 wake-ups/s and the idle suite ~4 % of a core (bench/idle_probe.py).
+    loop_lag_tick_ms: float = Field(default=100.0, gt=0)
     enabled: bool = True
     # Prometheus series of a replica (a reporting process) that reported nothing for this long
     # are removed; every reporter sends its process metrics every few seconds.

@@ -118,8 +118,10 @@ class TelemetryReporter:
         max_buffer: int = 100_000,
         max_batch: int = 5_000,
         process_interval_s: float | None = 5.0,
+        loop_lag_tick_s: float = 0.1,
     ) -> None:
         self.service = service
+        self._loop_lag_tick_s = loop_lag_tick_s
         self.instance = instance
         self._address = address
         self._flush_interval_s = flush_interval_s
@@ -192,7 +194,9 @@ class TelemetryReporter:
             self._process_task = asyncio.create_task(
                 self._report_process(readings, self._process_interval_s), name=f"process-{self.service}"
             )
-            self._lag_task = asyncio.create_task(self._report_loop_lag(), name=f"loop-lag-{self.service}")
+            self._lag_task = asyncio.create_task(
+                self._report_loop_lag(self._loop_lag_tick_s), name=f"loop-lag-{self.service}"
+            )
 
     async def close(self, timeout_s: float = 1.0) -> None:
         """Flush what is buffered (bounded by `timeout_s`) and stop."""
@@ -216,7 +220,8 @@ class TelemetryReporter:
             except Exception:
                 log.exception("reading this process's metrics failed")
 
-    async def _report_loop_lag(self, tick_s: float = 0.01, every_s: float = 1.0) -> None:
+    async def _report_loop_lag(self, tick_s: float, every_s: float = 1.0) -> None:
+        """Once per `every_s`, the longest delay of a `tick_s` timer beyond its due time."""
         loop = asyncio.get_running_loop()
         worst, since = 0.0, loop.time()
         while not self._closing:

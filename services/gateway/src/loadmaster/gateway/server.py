@@ -79,6 +79,7 @@ class Gateway:
             self.gateway_id,
             settings.metrics.address if settings.metrics.enabled else None,
             flush_interval_s=settings.metrics.report_interval_ms / 1000,
+            loop_lag_tick_s=settings.metrics.loop_lag_tick_ms / 1000,
         )
         self.context = zmq.asyncio.Context()
         gateway = settings.gateway

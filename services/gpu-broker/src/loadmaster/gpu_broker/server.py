@@ -44,7 +44,12 @@ async def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer
         ),
     )
     telemetry = (
-        TelemetryReporter("gpu-broker", default_instance_id(), settings.metrics.address)
+        TelemetryReporter(
+            "gpu-broker",
+            default_instance_id(),
+            settings.metrics.address,
+            loop_lag_tick_s=settings.metrics.loop_lag_tick_ms / 1000,
+        )
         if settings.metrics.enabled
         else None
     )

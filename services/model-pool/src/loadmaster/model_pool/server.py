@@ -78,7 +78,10 @@ class ModelPoolServer(GrpcServer):
 
         self.lease_client: LeaseClient = lease_client or broker_client()
         self.telemetry = TelemetryReporter(
-            "model-pool", self.worker_id, settings.metrics.address if settings.metrics.enabled else None
+            "model-pool",
+            self.worker_id,
+            settings.metrics.address if settings.metrics.enabled else None,
+            loop_lag_tick_s=settings.metrics.loop_lag_tick_ms / 1000,
         )
         self.pool = ModelPool(
             ModelRepository(settings.repository_path),

@@ -23,7 +23,10 @@ def build(settings: Settings, *, clock: Clock | None = None) -> GrpcServer:
     """The scheduler's gRPC server, wired; background work starts with the server."""
     metrics = settings.metrics
     telemetry = TelemetryReporter(
-        "scheduler", default_instance_id(), metrics.address if metrics.enabled else None
+        "scheduler",
+        default_instance_id(),
+        metrics.address if metrics.enabled else None,
+        loop_lag_tick_s=metrics.loop_lag_tick_ms / 1000,
     )
     load_policy_modules(settings.scheduler.policy_modules)
     make_ordering = strategy_factory(settings)
