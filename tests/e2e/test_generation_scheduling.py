@@ -264,9 +264,9 @@ async def test_two_tenants_converge_to_their_shares(fair_suite: Suite) -> None:
 
 async def test_weights_divide_the_service(fair_suite: Suite) -> None:
     client = _client(fair_suite)
-    runs = await closed_loops(client, [("heavy", 2 * RESIDENT, 32), ("light", 2 * RESIDENT, 32)], seconds=8.0)
+    runs = await closed_loops(client, [("heavy", 2 * RESIDENT, 32), ("light", 2 * RESIDENT, 32)], seconds=6.5)
     begun = min(r.sent for r in runs)
-    heavy = share(runs, "heavy", since=begun + 2.0)
+    heavy = share(runs, "heavy", since=begun + 1.5)
     print(f"weight-2 tenant's share: {heavy:.3f}")
     assert 0.55 <= heavy <= 0.8, f"weight-2 tenant's share {heavy:.2f} (fair: 0.67)"
 
@@ -286,9 +286,9 @@ async def test_a_tenant_back_from_idle_banks_no_credit(fair_suite: Suite) -> Non
 
 async def test_with_fairness_off_the_flooding_tenant_takes_most(fifo_suite: Suite) -> None:
     client = _client(fifo_suite)
-    runs = await closed_loops(client, FLOOD, seconds=8.0)
+    runs = await closed_loops(client, FLOOD, seconds=6.5)
     begun = min(r.sent for r in runs)
-    fifo = share(runs, "few", since=begun + 2.0)
+    fifo = share(runs, "few", since=begun + 1.5)
     print(f"the few-streams tenant's share in arrival order: {fifo:.3f}")
     assert fifo < 0.3, (
         f"the few-streams tenant's share {fifo:.2f} in arrival order (its streams' share: 0.14)"
