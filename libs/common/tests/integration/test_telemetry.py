@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -214,3 +215,29 @@ async def test_the_loop_probe_reports_a_stall(metrics: tuple[CollectingMetrics, 
         await asyncio.sleep(0.01)
     await reporter.close()
     assert any(250.0 <= lag <= 1000.0 for lag in lags), lags
+
+
+async def test_unreachable_metrics_warn_only_after_the_start_window(caplog: pytest.LogCaptureFixture) -> None:
+    """Services start together, so the metrics service may not listen yet for a first report:
+    debug then; the same failure once the start window is over is a warning."""
+    reporter = TelemetryReporter(
+        "gpu-broker", "b-1", unused_address(), flush_interval_s=0.01, process_interval_s=None
+    )
+    with caplog.at_level(logging.DEBUG, logger="loadmaster.common.telemetry"):
+        reporter.start()
+        reporter.record("lease_mb", 1.0)
+        for _ in range(300):  # bounded: 3 s
+            if reporter.dropped:
+                break
+            await asyncio.sleep(0.01)
+        assert reporter.dropped == 1
+        assert [r.levelno for r in caplog.records if "unreachable" in r.getMessage()] == [logging.DEBUG]
+        reporter._quiet_until = 0.0  # the start window is over
+        reporter.record("lease_mb", 2.0)
+        for _ in range(600):  # bounded: 6 s (the reconnect backoff doubles)
+            if reporter.dropped == 2:
+                break
+            await asyncio.sleep(0.01)
+        await reporter.close(timeout_s=1.0)
+    levels = [r.levelno for r in caplog.records if "unreachable" in r.getMessage()]
+    assert reporter.dropped == 2 and logging.WARNING in levels, levels

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # gave them: sorting would cost more than the rare duplicate series it saves (the metrics
 # service merges label sets in any order). Counters sort them: one sum per series.
 _SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+_STARTUP_QUIET_S = 10.0  # after start(), the metrics service being unreachable is logged at debug
 _COUNTERS = frozenset(name for name, spec in METRICS.items() if spec.kind is MetricKind.COUNTER)
 
 
@@ -145,6 +146,7 @@ class TelemetryReporter:
         self.sent = 0  # samples in streams that ended cleanly
         self._unconfirmed = 0  # samples written to the current stream
         self._outage = False
+        self._quiet_until = 0.0  # (monotonic) a failure before this is the suite still starting
 
     def record(self, name: str, value: float, labels: Mapping[str, str] | None = None) -> None:
         """Queue one sample. Safe from any thread; never blocks on I/O. When `max_buffer`
@@ -187,6 +189,9 @@ class TelemetryReporter:
         if self._address is None or self._task is not None:
             return
         self._loop = asyncio.get_running_loop()
+        # Services start together (`loadmaster up`, compose): the metrics service may not listen
+        # yet when the first report leaves. Not an outage worth a warning in that window.
+        self._quiet_until = time.monotonic() + _STARTUP_QUIET_S
         self._task = asyncio.create_task(self._run(), name=f"telemetry-{self.service}")
         if self._process_interval_s is not None:
             readings = _ProcessReadings(self.service)
@@ -335,14 +340,15 @@ class TelemetryReporter:
                     self.dropped += dropped
                 self._unconfirmed = 0
                 # Once per outage at warning level; the retries after it at debug.
+                starting = time.monotonic() < self._quiet_until
                 log.log(
-                    logging.DEBUG if self._outage else logging.WARNING,
+                    logging.DEBUG if self._outage or starting else logging.WARNING,
                     "metrics service at %s unreachable (%s); dropped %d samples",
                     self._address,
                     error.code().name,
                     dropped,
                 )
-                self._outage = True
+                self._outage = not starting  # after the start window: the next failure warns
             except Exception:
                 log.exception("telemetry reporter failed; restarting")
             if self._closing:
