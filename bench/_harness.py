@@ -55,6 +55,15 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     return path
 
 
+def print_targets(targets: list[dict[str, Any]], path: Path) -> None:
+    """One line per target (MET or MISS, the value measured, the target), then where they went."""
+    for t in targets:
+        print(
+            f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']} (target {t['target']} {t['unit']})"
+        )
+    print(f"wrote {path}")
+
+
 @contextmanager
 def running_suite_handle(
     *, preload: list[str] | None = None, overrides: dict[str, Any] | None = None, workers: int = 1

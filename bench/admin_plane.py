@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import yaml
-from _harness import percentiles_ms, write_result
+from _harness import percentiles_ms, print_targets, write_result
 
 from loadmaster.cli.redis_server import EmbeddedRedis
 from loadmaster.common.admin_store import AdminState
@@ -267,11 +267,7 @@ def main() -> int:
         },
     ]
     path = write_result("admin_plane", {"per_request": cost, "propagation": spread, "targets": targets})
-    for t in targets:
-        print(
-            f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']} (target {t['target']} {t['unit']})"
-        )
-    print(f"wrote {path}")
+    print_targets(targets, path)
     return 0
 
 

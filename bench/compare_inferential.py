@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 import psutil
-from _harness import RESULTS, percentiles_ms, running_suite_handle, write_result
+from _harness import RESULTS, percentiles_ms, print_targets, running_suite_handle, write_result
 from _inferential import inferential_server
 from _load import run_load, start_delay_for
 from idle_probe import cpu_by_name, cpu_us_per_request, process_tree
@@ -334,11 +334,7 @@ def main() -> int:
         },
     )
     _plot(lm, inf)
-    for t in targets:
-        print(
-            f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']} (target {t['target']} {t['unit']})"
-        )
-    print(f"wrote {path}")
+    print_targets(targets, path)
     return 0
 
 

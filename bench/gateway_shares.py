@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from _harness import running_suite_handle, write_result
+from _harness import print_targets, running_suite_handle, write_result
 from _load import LoadResult, run_load
 
 SMALL = {"x": np.arange(7, dtype=np.float32)}
@@ -158,11 +158,7 @@ def main() -> int:
             "targets": targets,
         },
     )
-    for t in targets:
-        print(
-            f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']} (target {t['target']} {t['unit']})"
-        )
-    print(f"wrote {path}")
+    print_targets(targets, path)
     return 0
 
 

@@ -48,7 +48,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import running_suite_handle, write_result
+from _harness import print_targets, running_suite_handle, write_result
 
 MODEL = "sleep"
 TARGET_P99_MS = 10.0
@@ -513,11 +513,7 @@ def main() -> int:
         f"(at s, ms): {stalls[:12]}"
     )
     print(f"sample message: {result['example_message']!r}; {len(samples)} replies")
-    for t in targets:
-        print(
-            f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']} (target {t['target']} {t['unit']})"
-        )
-    print(f"wrote {path}")
+    print_targets(targets, path)
     return 0
 
 

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 import numpy as np
-from _harness import percentiles_ms, running_suite_handle, write_result
+from _harness import percentiles_ms, print_targets, running_suite_handle, write_result
 
 SLEEP_MS = 10.0
 SLOTS = 2
@@ -162,11 +162,7 @@ def main() -> int:
             "targets": targets,
         },
     )
-    for t in targets:
-        print(
-            f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['measured']} (target {t['target']} {t['unit']})"
-        )
-    print(f"wrote {path}")
+    print_targets(targets, path)
     return 0
 
 
