@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -342,6 +346,72 @@ async def test_a_worker_named_by_host_name_is_linked_at_its_address(zmq_context)
     finally:
         await links.links.close()
         await worker.close()
+
+
+_LOCAL_WORKER = """
+import asyncio, sys
+from loadmaster.common import local_link
+from loadmaster.v1 import model_pool_pb2
+
+async def main():
+    listener = local_link.listen(local_link.local_name(sys.argv[1]))
+    loop = asyncio.get_running_loop()
+    links = []
+
+    def answer(link, frames):
+        request = model_pool_pb2.InferRequest.FromString(frames[1])
+        reply = model_pool_pb2.InferResponse(request_id=request.request_id, worker_id="w")
+        link[0].send([b"", reply.SerializeToString(), frames[2]])
+
+    def accept():
+        conn, _ = listener.accept()
+        conn.setblocking(False)
+        link = []
+        link.append(local_link.FrameSocket(conn, lambda f: answer(link, f), print, name="w"))
+        links.append(link)
+
+    loop.add_reader(listener.fileno(), accept)
+    print("listening", flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="local links are Linux's (abstract Unix sockets)")
+async def test_a_local_worker_whose_process_stops_is_lost_within_the_heartbeat_bound(zmq_context) -> None:
+    """A worker on this host is reached over its local link, which has no heartbeat a native
+    thread answers: its process seen stopped (SIGSTOP) ends the link as unanswered ZMTP
+    heartbeats do, within `zmtp_bound_s`."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"  # held: no other worker takes the port
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _LOCAL_WORKER, endpoint], stdout=subprocess.PIPE, text=True
+    )
+    links = _Links(zmq_context)
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "listening"
+        await links.round_trip(endpoint, "r1")
+        assert links.links.connected == [endpoint]
+        assert links.links._links[endpoint].local is not None  # not ZMQ: nothing listens there
+        await asyncio.sleep(3.4 * LIVENESS.zmtp_probe_every_s)  # watched, running: still up
+        assert links.lost.empty()
+
+        os.kill(worker.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        links.send(endpoint, "r2")  # held by the stop, like a request on a frozen worker
+        lost, lost_at = await asyncio.wait_for(links.lost.get(), LIVENESS.zmtp_bound_s + SLACK_S + 5)
+        print(f"stopped local worker noticed after {lost_at - stopped_at:.2f} s")
+        assert lost == endpoint
+        assert lost_at - stopped_at <= LIVENESS.zmtp_bound_s + SLACK_S
+        with pytest.raises(UnavailableError, match="was lost"):
+            links.send(endpoint, "r3")
+    finally:
+        await links.links.close()
+        worker.kill()
+        worker.wait(10)
+        probe.close()
 
 
 # ---- the lease keeper's channel to the gpu-broker -----------------------------------------

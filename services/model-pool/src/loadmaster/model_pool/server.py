@@ -121,6 +121,7 @@ class ModelPoolServer(GrpcServer):
             image_limits=image_limits,
             image_threads=pool_settings.image_decode_threads,
             image_decode_ms=limits.max_image_decode_ms,
+            local_link=pool_settings.local_link,
         )
         self.session: WorkerSession | None = None
         # Pins and keep-alive changed at run time (docs/admin.md), applied as they come.
