@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<IH")  # length of all frames, frame count
 _RECEIVE_BYTES = 256 << 10
+# A message at least this big is received straight into a buffer of its own size (one copy).
+_BIG_MESSAGE = 64 << 10
+# The send buffer asked for (the kernel caps it at net.core.wmem_max): a camera frame's reply
+# then goes in one call, not in 200 KiB steps that each wait for the reader's loop.
+_SEND_BUFFER = 8 << 20
 # A peer that reads nothing while this much waits to be written to it is not a peer any more.
 _MAX_UNSENT_BYTES = 256 << 20
 _GONE = (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN, errno.ECONNRESET, errno.EPIPE)
@@ -154,8 +159,14 @@ class FrameSocket:
         self._on_message = on_message
         self._on_closed = on_closed
         self._name = name
-        self._partial = bytearray()  # the start of a message not wholly received yet
+        self._partial = bytearray()  # the start of a small message not wholly received yet
         self._needed = 0  # bytes the partial message needs before it can be parsed
+        self._big: bytearray | None = None  # a big message being received, sized to fit it
+        self._filled = 0  # bytes of it received
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+        except OSError:
+            pass  # the default buffer: big messages take more steps
         self._unsent: list[memoryview] = []  # bytes the socket did not take yet
         self._unsent_bytes = 0
         self._corked: list[Any] = []  # messages queued by `queue` until `flush`
@@ -231,8 +242,11 @@ class FrameSocket:
     # ---- in ----------------------------------------------------------------------
 
     def _readable(self) -> None:
+        if self._big is not None:
+            self._read_big(self._big)
+            return
         try:
-            data = self._sock.recv(max(_RECEIVE_BYTES, self._needed - len(self._partial)))
+            data = self._sock.recv(_RECEIVE_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as error:
@@ -248,7 +262,23 @@ class FrameSocket:
             data, self._partial = bytes(self._partial), bytearray()
         self._parse(data)
 
-    def _parse(self, data: bytes) -> None:
+    def _read_big(self, big: bytearray) -> None:
+        try:
+            received = self._sock.recv_into(memoryview(big)[self._filled :])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as error:
+            self._end(f"receive failed: {error}")
+            return
+        if not received:
+            self._end("the peer closed it")
+            return
+        self._filled += received
+        if self._filled == len(big):
+            self._big = None
+            self._parse(big)  # exactly one message: its frames are views of `big`
+
+    def _parse(self, data: bytes | bytearray) -> None:
         view = memoryview(data)
         at, end = 0, len(data)
         head_size = _HEAD.size
@@ -257,6 +287,11 @@ class FrameSocket:
             start = at + head_size + 4 * count
             if end < start + body:
                 self._needed = start + body - at
+                if self._needed >= _BIG_MESSAGE:
+                    self._big = bytearray(self._needed)
+                    self._big[: end - at] = view[at:end]
+                    self._filled = end - at
+                    return
                 break
             frames = []
             for size in struct.unpack_from(f"<{count}I", view, at + head_size):
