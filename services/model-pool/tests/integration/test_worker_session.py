@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import socket
+import time
+import types
 from pathlib import Path
 from typing import Any
 
 from loadmaster.model_pool.server import ModelPoolServer
+from loadmaster.model_pool.worker_session import WorkerSession
 from loadmaster.v1 import model_pool_pb2, scheduler_pb2
 
 READY = model_pool_pb2.MODEL_STATE_READY
@@ -17,6 +22,16 @@ def states(message: scheduler_pb2.WorkerSessionRequest) -> dict[str, int]:
     if message.WhichOneof("kind") != "report":
         return {}
     return {m.model_id: m.state for m in message.report.models}
+
+
+def _open_streams() -> list[Any]:
+    """The worker sessions' message streams (async generators) that have not ended."""
+    code = WorkerSession._messages.__code__
+    return [
+        g
+        for g in gc.get_objects()
+        if type(g) is types.AsyncGeneratorType and g.ag_code is code and g.ag_frame is not None
+    ]
 
 
 def is_hello(message: scheduler_pb2.WorkerSessionRequest) -> bool:
@@ -93,3 +108,33 @@ async def test_scheduler_may_start_after_the_worker(
         hello = (await fake.wait_for(is_hello)).hello
         assert hello.worker_id == "worker-test"
         await fake.wait_for(lambda m: states(m).get("double") == READY)
+
+
+async def test_changes_after_several_reconnects_reach_the_newest_session(
+    worker: ModelPoolServer, scheduler: Any
+) -> None:
+    """A dropped session's message stream must not live on and take the changes meant for the
+    next one (found by bench/worker_freeze.py: after three freezes, a model loaded on the worker
+    never showed READY at the scheduler)."""
+    fake, _ = scheduler
+    await fake.wait_for(lambda m: states(m).get("policy") == READY)
+    for dropped in range(1, 4):
+        mark = len(fake.messages)
+        fake.drop()
+        await fake.wait_for(is_hello, after=mark)
+        await fake.wait_for(lambda m: states(m).get("policy") == READY, after=mark)
+        assert fake.sessions == dropped + 1
+    # grpc.aio reads a request iterator on after its call ended: each stale stream must end.
+    deadline = time.monotonic() + 5
+    while len(_open_streams()) > 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert len(_open_streams()) == 1
+    for _ in range(3):  # each change once: a stale stream that took one would leave it unheard
+        mark = len(fake.messages)
+        fake.command(
+            scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id="policy"))
+        )
+        await fake.wait_for(lambda m: states(m).get("policy") == IDLE, after=mark, timeout_s=5)
+        mark = len(fake.messages)
+        fake.command(scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="policy")))
+        await fake.wait_for(lambda m: states(m).get("policy") == READY, after=mark, timeout_s=5)

@@ -128,16 +128,21 @@ class WorkerSession:
         models = [scheduler_pb2.TenantService(model_id=m, service=s) for m, s in sorted(service.items())]
         return scheduler_pb2.WorkerSessionRequest(tenant_service=scheduler_pb2.TenantServices(models=models))
 
-    async def _messages(self) -> AsyncIterator[scheduler_pb2.WorkerSessionRequest]:
-        self._dirty.clear()
+    async def _messages(self, dirty: asyncio.Event) -> AsyncIterator[scheduler_pb2.WorkerSessionRequest]:
+        """One session's stream. It ends once a later session has its own `dirty`: grpc.aio goes
+        on reading a request iterator after its call failed, and a stale stream that took a
+        change (or a tenant-service diff) would leave the scheduler without it (after three
+        freezes, a model loaded on the worker never showed READY there)."""
         self._service_sent = {}  # a new session (maybe a new scheduler) hears it all again
         yield self._hello()
         yield self._report()
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), TENANT_SERVICE_EVERY_S)
-            if self._dirty.is_set():
-                self._dirty.clear()
+                await asyncio.wait_for(dirty.wait(), TENANT_SERVICE_EVERY_S)
+            if dirty is not self._dirty:
+                return
+            if dirty.is_set():
+                dirty.clear()
                 yield self._report()
             if (service := self._tenant_service()) is not None:
                 yield service
@@ -149,7 +154,9 @@ class WorkerSession:
             try:
                 options = [*FRESH_CONNECT_OPTIONS, *LIVENESS.grpc_options()]  # a silent scheduler: 1.8 s
                 async with aio_channel(self._address, options=options) as channel:
-                    call = scheduler_pb2_grpc.SchedulerServiceStub(channel).WorkerSession(self._messages())
+                    self._dirty = dirty = asyncio.Event()  # this session's: the last one's stream ends
+                    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+                    call = stub.WorkerSession(self._messages(dirty))
                     self.sessions += 1
                     async for command in call:
                         self._obey(command)
