@@ -55,13 +55,13 @@ async def test_messages_arrive_whole_and_in_order_whatever_their_size() -> None:
 
 async def test_queued_messages_leave_on_flush_in_order() -> None:
     pair = _Pair()
-    for index in range(50):
-        pair.sender.queue([b"", str(index).encode(), b"p" * index])
+    for index in range(600):  # 2,400 buffers: more than one sendmsg may take
+        pair.sender.queue([b"", str(index).encode(), b"p" * (index % 50)])
     assert pair.received.empty()
     pair.sender.flush()
-    got = [await pair.next() for _ in range(50)]
-    assert [int(frames[1]) for frames in got] == list(range(50))
-    assert all(frames[2] == b"p" * int(frames[1]) for frames in got)
+    got = [await pair.next() for _ in range(600)]
+    assert [int(frames[1]) for frames in got] == list(range(600))
+    assert all(frames[2] == b"p" * (int(frames[1]) % 50) for frames in got)
 
 
 async def test_what_a_slow_reader_does_not_take_waits_and_arrives_intact() -> None:

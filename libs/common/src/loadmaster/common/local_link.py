@@ -62,6 +62,7 @@ _BIG_MESSAGE = 64 << 10
 # The send buffer asked for (the kernel caps it at net.core.wmem_max): a camera frame's reply
 # then goes in one call, not in 200 KiB steps that each wait for the reader's loop.
 _SEND_BUFFER = 8 << 20
+_MAX_PARTS = 512  # buffers per sendmsg (Linux's IOV_MAX is 1024)
 # A peer that reads nothing while this much waits to be written to it is not a peer any more.
 _MAX_UNSENT_BYTES = 256 << 20
 _GONE = (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN, errno.ECONNRESET, errno.EPIPE)
@@ -196,16 +197,19 @@ class FrameSocket:
         if self._unsent:
             self._keep(parts, 0)
             return
-        try:
-            sent = self._sock.sendmsg(parts)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as error:
-            self._end(f"send failed: {error}")
-            return
-        if sent < sum(memoryview(part).nbytes for part in parts):
-            self._keep(parts, sent)
-            self._loop.add_writer(self._fd, self._writable)
+        for start in range(0, len(parts), _MAX_PARTS):  # sendmsg takes at most IOV_MAX buffers
+            chunk = parts[start : start + _MAX_PARTS]
+            try:
+                sent = self._sock.sendmsg(chunk)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as error:
+                self._end(f"send failed: {error}")
+                return
+            if sent < sum(memoryview(part).nbytes for part in chunk):
+                self._keep(parts[start:], sent)
+                self._loop.add_writer(self._fd, self._writable)
+                return
 
     def _keep(self, parts: list[Any], sent: int) -> None:
         for part in parts:
@@ -221,7 +225,7 @@ class FrameSocket:
 
     def _writable(self) -> None:
         try:
-            sent = self._sock.sendmsg(self._unsent[:512])
+            sent = self._sock.sendmsg(self._unsent[:_MAX_PARTS])
         except (BlockingIOError, InterruptedError):
             return
         except OSError as error:
@@ -242,41 +246,33 @@ class FrameSocket:
     # ---- in ----------------------------------------------------------------------
 
     def _readable(self) -> None:
-        if self._big is not None:
-            self._read_big(self._big)
-            return
+        big = self._big  # a big message is received into its own buffer, the rest by chunks
         try:
-            data = self._sock.recv(_RECEIVE_BYTES)
+            got: Any = (
+                self._sock.recv_into(memoryview(big)[self._filled :])
+                if big is not None
+                else self._sock.recv(_RECEIVE_BYTES)
+            )
         except (BlockingIOError, InterruptedError):
             return
         except OSError as error:
             self._end(f"receive failed: {error}")
             return
-        if not data:
+        if not got:
             self._end("the peer closed it")
+            return
+        if big is not None:
+            self._filled += got
+            if self._filled == len(big):
+                self._big = None
+                self._parse(big)  # exactly one message: its frames are views of `big`
             return
         if self._partial:
-            self._partial += data
+            self._partial += got
             if len(self._partial) < self._needed:
                 return
-            data, self._partial = bytes(self._partial), bytearray()
-        self._parse(data)
-
-    def _read_big(self, big: bytearray) -> None:
-        try:
-            received = self._sock.recv_into(memoryview(big)[self._filled :])
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as error:
-            self._end(f"receive failed: {error}")
-            return
-        if not received:
-            self._end("the peer closed it")
-            return
-        self._filled += received
-        if self._filled == len(big):
-            self._big = None
-            self._parse(big)  # exactly one message: its frames are views of `big`
+            got, self._partial = bytes(self._partial), bytearray()
+        self._parse(got)
 
     def _parse(self, data: bytes | bytearray) -> None:
         view = memoryview(data)
