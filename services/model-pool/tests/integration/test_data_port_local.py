@@ -74,16 +74,16 @@ async def test_a_local_gateway_and_a_zmq_gateway_each_get_their_own_replies(work
 async def test_a_burst_on_the_local_link_is_answered_whole(worker: ModelPoolServer) -> None:
     local = LocalDataClient(worker.data_endpoint)
     try:
-        for index in range(40):
+        for index in range(300):
             await local.send(
                 *local.request("double", {"x": np.full(3, index, np.float32)}, request_id=f"b{index}")
             )
         answered = {}
-        for _ in range(40):
+        for _ in range(300):
             reply, outputs = await local.receive()
             assert reply.error_code == OK, reply.error_message
             answered[reply.request_id] = outputs["x"].tolist()
-        assert answered == {f"b{index}": [2.0 * index] * 3 for index in range(40)}
+        assert answered == {f"b{index}": [2.0 * index] * 3 for index in range(300)}
     finally:
         local.close()
 
