@@ -9,9 +9,9 @@ taken out after (the patch applies to the commit that added it; later code may n
 
 Points: C0/C9 the client before `observe` and after `get_result`; G1 the gateway's edge reads the
 frame, G2 it sends to the worker, G3 the worker's reply arrives, G4 the reply leaves for the
-client; W1 the worker's data port reads the request, W2 the batcher hands the batch to the
-instance thread, W3 the thread starts it, W4 it ends, W5 the loop takes the results, W6 the reply
-leaves. Prints the median and mean of each segment over 3,000 calls (after 300 to warm up).
+client; W1 the worker's data port takes the request (from either data link), W2 the batcher
+hands the batch to the instance thread, W3 the thread starts it, W4 it ends, W5 the loop takes
+the results, W6 the loop turn's replies start to leave. Prints the median and mean of each segment over 3,000 calls (after 300 to warm up).
 """
 
 from __future__ import annotations
