@@ -8,11 +8,22 @@ import asyncio
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from loadmaster.cli.redis_server import EmbeddedRedis
 from loadmaster.common.admin_store import ABSENT, ANY, AdminState, AdminStore, AdminWatcher, ConflictError
+
+
+async def _in_append_only_file(server: EmbeddedRedis, needle: bytes, *, within_s: float) -> bool:
+    """Whether `needle` reaches the server's append-only files within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if any(needle in path.read_bytes() for path in Path(server.data_dir).rglob("*.aof")):
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 @pytest.fixture()
@@ -62,7 +73,11 @@ async def test_a_watcher_sees_a_change_at_once_and_outlives_a_redis_restart(own_
         await asyncio.wait_for(changed.wait(), 5)
         assert seen[-1].guardrails == {"g-1": {"kind": "word"}}
         assert time.monotonic() - started < 5  # a bench measures the delay; this bounds it
-        await asyncio.to_thread(own_redis._kill)  # a crash: the AOF holds the change
+        # A crash: the AOF holds the change once Redis has written it there. With `appendfsync
+        # everysec` that write may wait up to 2 s behind a slow fsync (a loaded CI host), so the
+        # kill waits for it rather than testing Redis's write-back timing.
+        assert await _in_append_only_file(own_redis, b"g-1", within_s=5)
+        await asyncio.to_thread(own_redis._kill)
         await asyncio.sleep(1.0)
         assert not watcher.connected and watcher.state is not None and watcher.state.version == 1
         await asyncio.to_thread(own_redis.start)
