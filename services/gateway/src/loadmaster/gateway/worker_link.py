@@ -289,7 +289,7 @@ class WorkerLinks:
         link = _Link(endpoint, None, None, pid=pid)
         link.local = local_link.FrameSocket(
             sock,
-            partial(self._on_local, endpoint),
+            partial(self._on_frames, endpoint),
             partial(self._lose, link),
             name=f"local link to {endpoint}",
         )
@@ -388,25 +388,13 @@ class WorkerLinks:
         if self._on_lost is not None:
             self._on_lost(endpoint)
 
-    def _on_frames(self, endpoint: str, frames: list[zmq.Frame]) -> None:
-        """A message on a ZMQ link."""
-        if len(frames) < 2:
-            log.error("malformed reply from worker %s: %d frames", endpoint, len(frames))
-            return
-        kind = frames[0].bytes if len(frames[0]) else b""
-        self._deliver(endpoint, kind, frames[1].buffer, frames[2] if len(frames) > 2 else b"")
-
-    def _on_local(self, endpoint: str, frames: list[memoryview]) -> None:
-        """A message on a local link (the same frames as on ZMQ)."""
-        if len(frames) < 2:
-            log.error("malformed reply from worker %s: %d frames", endpoint, len(frames))
-            return
-        kind = bytes(frames[0]) if len(frames[0]) else b""
-        self._deliver(endpoint, kind, frames[1], frames[2] if len(frames) > 2 else b"")
-
-    def _deliver(self, endpoint: str, kind: bytes, body: Any, payload: Any) -> None:
+    def _on_frames(self, endpoint: str, frames: Sequence[Any]) -> None:
+        """A message on either link: zmq.Frames from a ZMQ link, memoryviews from a local one."""
         try:
-            if kind == GENERATE_REPLIES_FRAME:
+            if len(frames) < 2:
+                raise DecodeError(f"{len(frames)} frames")
+            body = memoryview(frames[1])
+            if len(frames[0]) and bytes(frames[0]) == GENERATE_REPLIES_FRAME:
                 replies = model_pool_pb2.GenerateReplies.FromString(body)
                 if self._on_generation_replies is not None:
                     self._on_generation_replies(endpoint, replies)
@@ -415,7 +403,7 @@ class WorkerLinks:
         except DecodeError as error:
             log.error("malformed reply from worker %s: %s", endpoint, error)
             return
-        self._on_reply(reply, payload)
+        self._on_reply(reply, frames[2] if len(frames) > 2 else b"")
 
     async def close(self) -> None:
         for link in self._links.values():
