@@ -1,20 +1,24 @@
-"""How fast a model's share of worker slots moves between two gateways (docs/data-path.md).
+"""How a model's share of worker slots moves between two gateways (docs/data-path.md "Shares
+between gateways").
 
 One suite (gateway A included) plus a second gateway process B on the same scheduler, real
 processes on free 127.0.0.1 ports, model `double` (4 slots on one worker). Stock Inferential
 clients, closed loop, 4 per gateway:
 
-    phase 1  A alone           A should hold the whole share (4 credits, a local queue)
-    phase 2  A and B           the scheduler takes A's share back the moment B's first request
-                               waits (revocation); both then queue centrally (0 / 0 credits)
-    phase 3  B alone           B gets the whole share once it has been the only user for
-                               `scheduler.credit_window_s` (1 s)
+    phase 1  A alone           A holds the whole share (4 credits, a local queue)
+    phase 2  A and B           B's first request waits in the scheduler and reclaims one of A's
+                               slots; once nothing waits there the model is split: both hold
+                               credits and queue their own calls, in proportion to demand
+    phase 3  B alone           B gets the whole share once A's last use ages out of
+                               `scheduler.credit_window_s` (1 s) and the next measurement runs
+                               (`scheduler.share_period_s`, 0.5 s)
 
 Each gateway's `/healthz` reports the credits it holds (`shares`); the bench polls both every
-5 ms and times: B's first call in flight -> A holds no credit ("taken back"), and the moment A's
-clients stop sending -> B holds all 4 ("regained"; at least one `credit_window_s`, the time A's
-last use takes to age out). Targets: taken back <= 100 ms; regained <= credit_window_s + 0.5 s.
-Repeats the cycle `--cycles` times (default 3) and reports each and the worst.
+5 ms and times: B's first call in flight -> B holds a credit and A still holds one ("split");
+the moment A's clients stop sending -> B holds all 4 ("regained"). It also samples both
+gateways' credits through phase 2 (the split). Targets: split <= 100 ms (issue 35's take-back
+bound, now the time a second gateway takes to get slots of its own); regained <=
+credit_window_s + share_period_s + 0.5 s. Repeats the cycle `--cycles` times (default 3).
 
     .venv/bin/python bench/gateway_shares.py [--cycles 3]
 """
@@ -35,7 +39,7 @@ SMALL = {"x": np.arange(7, dtype=np.float32)}
 SLOTS = 4
 CLIENTS = 4
 POLL_S = 0.005
-TAKEN_BACK_TARGET_MS = 100.0
+SPLIT_TARGET_MS = 100.0
 START_DELAY_S = 1.5
 
 
@@ -68,7 +72,7 @@ def _load_in_thread(edge: str, seconds: float, box: dict[str, Any], key: str) ->
     return thread
 
 
-def cycle(edge_a: str, edge_b: str, url_a: str, url_b: str, window_s: float) -> dict[str, Any]:
+def cycle(edge_a: str, edge_b: str, url_a: str, url_b: str) -> dict[str, Any]:
     http = httpx.Client()
     box: dict[str, Any] = {}
     a = _load_in_thread(edge_a, 6.0, box, "a")
@@ -77,7 +81,11 @@ def cycle(edge_a: str, edge_b: str, url_a: str, url_b: str, window_s: float) -> 
     b = _load_in_thread(edge_b, 8.0, box, "b")
     # B's clients start together after their start delay: watch B's gateway for its first call
     b_busy = _wait(lambda: http.get(url_b, timeout=2.0).json().get("inflight", 0) > 0, 15.0)
-    a_empty = _wait(lambda: _credits(http, url_a) == 0, 5.0)
+    split = _wait(lambda: _credits(http, url_b) > 0 and _credits(http, url_a) > 0, 5.0)
+    samples: list[tuple[int, int]] = []  # (A's credits, B's) while both send
+    while time.monotonic() < box["a_stops"] - 0.2:
+        samples.append((_credits(http, url_a), _credits(http, url_b)))
+        time.sleep(0.05)
     whole_b = _wait(lambda: _credits(http, url_b) == SLOTS, 20.0)
     a.join()
     a_last = box["a_stops"]  # when A's clients stopped sending (their last requests were in flight)
@@ -87,7 +95,10 @@ def cycle(edge_a: str, edge_b: str, url_a: str, url_b: str, window_s: float) -> 
     http.close()
     return {
         "a_holds_whole_share_alone": whole_a is not None,
-        "taken_back_ms": None if (a_empty is None or b_busy is None) else round((a_empty - b_busy) * 1000, 1),
+        "split_ms": None if (split is None or b_busy is None) else round((split - b_busy) * 1000, 1),
+        "split_credits_mean": [round(float(np.mean([x[i] for x in samples])), 2) for i in (0, 1)]
+        if samples
+        else None,
         "regained_s": None if whole_b is None else round(whole_b - a_last, 3),
         "a_requests": a_load.requests,
         "a_errors": a_load.errors + a_load.timeouts,
@@ -104,6 +115,7 @@ def main() -> int:
     cycles: list[dict[str, Any]] = []
     with running_suite_handle(preload=["double"], overrides=overrides) as suite:
         window_s = suite.settings.scheduler.credit_window_s
+        period_s = suite.settings.scheduler.share_period_s
         second = suite.start_service("gateway", index=1, timeout_s=90).overrides[
             "gateway"
         ]  # stopped with the suite
@@ -112,33 +124,33 @@ def main() -> int:
         url_b = f"http://127.0.0.1:{second['http_port']}/healthz"
         for index in range(args.cycles):
             print(f"cycle {index + 1}/{args.cycles}…", flush=True)
-            result = cycle(gw.edge.bind, second["edge"]["bind"], url_a, url_b, window_s)
+            result = cycle(gw.edge.bind, second["edge"]["bind"], url_a, url_b)
             print(f"  {result}", flush=True)
             cycles.append(result)
             time.sleep(window_s + 0.5)  # nobody uses the model: the next cycle starts clean
-    taken = [c["taken_back_ms"] for c in cycles]
+    split = [c["split_ms"] for c in cycles]
     regained = [c["regained_s"] for c in cycles]
-    worst_taken = max((t for t in taken if t is not None), default=float("inf"))
+    worst_split = max((t for t in split if t is not None), default=float("inf"))
     worst_regained = max((r for r in regained if r is not None), default=float("inf"))
-    if None in taken:
-        worst_taken = float("inf")
+    if None in split:
+        worst_split = float("inf")
     if None in regained:
         worst_regained = float("inf")
     errors = sum(c["a_errors"] + c["b_errors"] for c in cycles)
     targets = [
         {
-            "name": "share taken back from gateway A after B's load starts (worst)",
-            "measured": worst_taken,
-            "target": TAKEN_BACK_TARGET_MS,
+            "name": "both gateways hold slots after B's load starts (worst)",
+            "measured": worst_split,
+            "target": SPLIT_TARGET_MS,
             "unit": "ms",
-            "met": worst_taken <= TAKEN_BACK_TARGET_MS,
+            "met": worst_split <= SPLIT_TARGET_MS,
         },
         {
             "name": "whole share regained by gateway B after A's load ends (worst)",
             "measured": worst_regained,
-            "target": window_s + 0.5,
+            "target": window_s + period_s + 0.5,
             "unit": "s",
-            "met": worst_regained <= window_s + 0.5,
+            "met": worst_regained <= window_s + period_s + 0.5,
         },
         {
             "name": "errors across both gateways",
@@ -154,6 +166,7 @@ def main() -> int:
             "slots": SLOTS,
             "clients_per_gateway": CLIENTS,
             "credit_window_s": window_s,
+            "share_period_s": period_s,
             "cycles": cycles,
             "targets": targets,
         },

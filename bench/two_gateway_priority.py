@@ -11,12 +11,17 @@ instances, so two calls run at once (capacity 200 calls/s). Stock Inferential cl
                  is always saturated and a queue always waits: on gateway B ("two gateways")
                  or on gateway A as well ("one gateway")
 
+With `--model double` (a call of microseconds, short enough for local queues) the slots are
+split between the gateways instead (docs/data-path.md "Shares between gateways"): gateway A,
+with little demand, holds no share, so each of its priority-0 calls reclaims a slot from B.
+That run writes bench/results/two_gateway_priority_double.json.
+
 Measured per arrangement: the priority-0 calls' latency (p50, p99), the priority-2 calls'
 throughput, errors. The arrangements alternate for `--rounds` rounds so that both see the same
 machine. Target (issue 35): with two gateways, the priority-0 p99 is within 2x its p99 with one
 gateway: another gateway's lower-priority load does not hold an urgent call back.
 
-    .venv/bin/python bench/two_gateway_priority.py [--seconds 6] [--rounds 2]
+    .venv/bin/python bench/two_gateway_priority.py [--seconds 6] [--rounds 2] [--model double]
 
 Writes bench/results/two_gateway_priority.json.
 """
@@ -40,15 +45,23 @@ RATIO_TARGET = 2.0
 
 
 def client_main(
-    address: str, priority: int, period_s: float | None, seconds: float, start_at: float, out: Any
+    address: str,
+    model_id: str,
+    priority: int,
+    period_s: float | None,
+    seconds: float,
+    start_at: float,
+    out: Any,
 ) -> None:
     """One client process: `period_s` None is a closed loop; else one call per period, each
     waited for. Reports (latencies after the warm-up, error codes)."""
     from inferential import Connection
 
     conn = Connection(server=address, client_id=f"p{priority}-{mp.current_process().pid}")
-    model = conn.model("sleep", priority=priority)
-    ms = np.array([SLEEP_MS], dtype=np.float32)
+    model = conn.model(model_id, priority=priority)
+    inputs = {"ms": np.array([SLEEP_MS], dtype=np.float32)}
+    if model_id != "sleep":
+        inputs = {"x": np.arange(7, dtype=np.float32)}
     latencies: list[float] = []
     errors: dict[str, int] = {}
     while time.time() < start_at:
@@ -61,7 +74,7 @@ def client_main(
                 time.sleep(next_send - now)
             next_send += period_s
         sent = time.monotonic()
-        model.observe(ms=ms, priority=priority)
+        model.observe(**inputs, priority=priority)
         result = model.get_result(timeout_ms=5000)
         if result is None or "error" in result:
             code = "no_reply" if result is None else str(result.get("error_code", "error"))
@@ -73,14 +86,14 @@ def client_main(
     out.put((priority, latencies, errors))
 
 
-def run_arrangement(high_edge: str, low_edge: str, seconds: float) -> dict[str, Any]:
+def run_arrangement(model_id: str, high_edge: str, low_edge: str, seconds: float) -> dict[str, Any]:
     """One priority-0 control loop on `high_edge`, LOW_CLIENTS closed loops on `low_edge`."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     start_at = time.time() + 1.0 + 0.5 * (LOW_CLIENTS + 1) / 2  # every process imported first
     plan = [(high_edge, 0, HIGH_PERIOD_S)] + [(low_edge, 2, None)] * LOW_CLIENTS
     processes = [
-        ctx.Process(target=client_main, args=(edge, priority, period, seconds, start_at, out))
+        ctx.Process(target=client_main, args=(edge, model_id, priority, period, seconds, start_at, out))
         for edge, priority, period in plan
     ]
     for process in processes:
@@ -110,10 +123,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per arrangement")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", choices=("sleep", "double"), default="sleep")
     args = parser.parse_args()
-    overrides = {"models": {"known": {"sleep": {"max_inflight": SLOTS, "instances": SLOTS, "vram_mb": 16}}}}
+    known = {
+        "sleep": {"max_inflight": SLOTS, "instances": SLOTS, "vram_mb": 16},
+        "double": {"max_inflight": SLOTS},
+    }
+    overrides = {"models": {"known": {args.model: known[args.model]}}}
     rounds: list[dict[str, Any]] = []
-    with running_suite_handle(preload=["sleep"], overrides=overrides) as suite:
+    with running_suite_handle(preload=[args.model], overrides=overrides) as suite:
         second = suite.start_service("gateway", index=1, timeout_s=90).overrides[
             "gateway"
         ]  # stopped with the suite
@@ -122,7 +140,7 @@ def main() -> int:
             row: dict[str, Any] = {}
             for name, low_edge in (("one_gateway", edge_a), ("two_gateways", edge_b)):
                 print(f"round {index + 1}/{args.rounds}: {name}…", flush=True)
-                row[name] = run_arrangement(edge_a, low_edge, args.seconds)
+                row[name] = run_arrangement(args.model, edge_a, low_edge, args.seconds)
                 print(f"  {row[name]}", flush=True)
                 time.sleep(2.0)  # the queues drain and the shares settle
             rounds.append(row)
@@ -148,9 +166,13 @@ def main() -> int:
         {"name": "errors", "measured": errors, "target": 0, "unit": "", "met": errors == 0},
     ]
     path = write_result(
-        "two_gateway_priority",
+        "two_gateway_priority" if args.model == "sleep" else f"two_gateway_priority_{args.model}",
         {
-            "model": {"name": "sleep", "sleep_ms": SLEEP_MS, "slots": SLOTS},
+            "model": {
+                "name": args.model,
+                "sleep_ms": SLEEP_MS if args.model == "sleep" else None,
+                "slots": SLOTS,
+            },
             "load": {
                 "priority0": f"1 client, one call per {HIGH_PERIOD_S * 1000:.0f} ms, on gateway A",
                 "priority2": f"{LOW_CLIENTS} closed-loop clients, on gateway B (two gateways) or A (one)",

@@ -98,7 +98,7 @@ class _SessionDouble:
     def return_credit(self, credit_id: str) -> None:
         pass
 
-    def report_local_depth(self, model_id: str, waiting: int) -> None:
+    def report_local_depth(self, model_id: str, waiting: int, outstanding_s: float = 0.0) -> None:
         pass
 
 

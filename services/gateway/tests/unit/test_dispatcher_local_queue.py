@@ -30,6 +30,7 @@ class _SchedulerDouble:
         self.returned: list[str] = []
         self.order: list[str] = []
         self.depths: list[int] = []  # local depths reported, in order
+        self.outstanding_s = 0.0  # the demand reported (call-seconds), summed
 
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
         self.enqueued.append(request)
@@ -50,8 +51,9 @@ class _SchedulerDouble:
         self.returned.append(credit_id)
         self.order.append(f"return {credit_id}")
 
-    def report_local_depth(self, model_id: str, waiting: int) -> None:
+    def report_local_depth(self, model_id: str, waiting: int, outstanding_s: float = 0.0) -> None:
         self.depths.append(waiting)
+        self.outstanding_s += outstanding_s
 
 
 class _WorkersDouble:
@@ -153,6 +155,27 @@ async def test_calls_beyond_the_credits_wait_in_the_gateway_and_take_the_next_fr
     assert [r.request_id for r in results] == ["r1", "r2", "r3"] and all(r.ok for r in results)
     assert [e.credit_id for e in scheduler.enqueued] == ["c1", "c1", "c1"]
     assert dispatcher.inflight == 0
+
+
+async def test_the_demand_reported_is_the_integral_of_the_calls_waiting_or_running(parts: Parts) -> None:
+    """The scheduler splits a model between gateways by it (docs/data-path.md)."""
+    dispatcher, scheduler, _workers, _results = parts
+    clock = dispatcher._clock
+    assert isinstance(clock, FakeClock)
+    dispatcher.on_credit(_credit("c1"))
+    for request_id in ("r1", "r2", "r3"):
+        dispatcher.submit(_call(request_id), _results.append)
+    clock.advance(0.2)  # 3 calls for 0.2 s (one running, two waiting)
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    clock.advance(0.1)  # 2 calls for 0.1 s
+    dispatcher.on_worker_reply(_ok("r2"), b"")
+    clock.advance(0.1)  # 1 call for 0.1 s
+    dispatcher.on_worker_reply(_ok("r3"), b"")
+    assert scheduler.outstanding_s < 0.85  # the last part is reported with the next demand report
+    for _ in range(20):  # the watchdog's turn (every 0.25 s) reports it; bounded
+        clock.advance(0.05)
+        await asyncio.sleep(0)
+    assert scheduler.outstanding_s == pytest.approx(3 * 0.2 + 2 * 0.1 + 1 * 0.1)
 
 
 async def test_the_local_queue_ranks_by_the_scheduler_strategy(parts: Parts) -> None:

@@ -122,14 +122,18 @@ class SchedulerSettings(ServiceEndpoint):
     request_ttl_ms: float = Field(default=5000.0, gt=0)
     overflow_policy: Literal["drop_oldest", "reject_newest"] = "drop_oldest"
     max_retries: int = Field(default=1, ge=0)
-    # Dispatch credits (scheduler.proto, docs/data-path.md): while a model's queue is empty and
-    # one gateway is its only user within `credit_window_s`, lend that gateway up to this many
-    # of the model's free worker slots so its requests skip the scheduler round trip. When they
-    # are all of the slots, the gateway also queues its own waiting requests (same strategy):
-    # keep it above a model's total slots for that. 0 = every request is granted here.
+    # Dispatch credits (scheduler.proto, docs/data-path.md): while a model's queue is empty, lend
+    # the gateways that use it up to this many of its free worker slots so their requests skip
+    # the scheduler round trip. When they are all of the slots, each gateway also queues its own
+    # waiting requests (same strategy), and several gateways split the slots; otherwise only a
+    # sole gateway is lent any. Keep it above a model's total slots. 0 = every request is granted here.
     dispatch_credits: int = Field(default=64, ge=0)
-    # The "only recent user" window; a revocation also pauses a model's credits this long.
+    # A gateway that used a model within this window is one of its borrowers. Without a local
+    # queue (another strategy, a long model), a revocation also pauses a model's credits this long.
     credit_window_s: float = Field(default=1.0, ge=0)
+    # A model several gateways use is split between them in proportion to their demand, measured
+    # again this often (docs/data-path.md "Shares between gateways").
+    share_period_s: float = Field(default=0.5, gt=0)
     # A gateway holding a model's whole share queues its own waiting requests (docs/data-path.md)
     # only for a model whose measured inference time is at most this: longer requests keep the
     # scheduler's lookahead and reservations, which a scheduler round trip costs less than they

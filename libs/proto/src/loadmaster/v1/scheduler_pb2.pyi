@@ -130,12 +130,14 @@ class SessionRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ..., finished_run: _Optional[_Iterable[_Union[FinishedRun, _Mapping]]] = ..., local_queue_depth: _Optional[_Iterable[_Union[LocalQueueDepth, _Mapping]]] = ..., run_tally: _Optional[_Iterable[_Union[RunTally, _Mapping]]] = ...) -> None: ...
 
 class LocalQueueDepth(_message.Message):
-    __slots__ = ("model_id", "waiting")
+    __slots__ = ("model_id", "waiting", "outstanding_s")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_S_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     waiting: int
-    def __init__(self, model_id: _Optional[str] = ..., waiting: _Optional[int] = ...) -> None: ...
+    outstanding_s: float
+    def __init__(self, model_id: _Optional[str] = ..., waiting: _Optional[int] = ..., outstanding_s: _Optional[float] = ...) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns", "attempt", "front_of_queue")

@@ -489,6 +489,7 @@ class Dispatcher:
             return False
         credit.running = call.request_id
         pending.credit = credit
+        self._local.running(credit.model_id, 1)
         return True
 
     def _drop_shm(self, pending: _Pending, *, answered: bool) -> None:
@@ -510,6 +511,7 @@ class Dispatcher:
             return
         pending.credit = None
         credit.running = None
+        self._local.running(credit.model_id, -1)
         self._local.ended(pending.call)
         if credit.revoked or give_back:
             self._give_back(credit)
@@ -554,6 +556,7 @@ class Dispatcher:
             try:
                 self._expire_overdue()
                 self._local.forget_silent_clients()
+                self._local.report_demand()
             except Exception:
                 log.exception("reply watchdog step failed")
 

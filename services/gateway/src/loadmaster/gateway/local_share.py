@@ -4,7 +4,9 @@ slot it holds (docs/data-path.md), wired to the credits and the scheduler sessio
 `LocalQueues` ranks and holds the calls; this module decides when they enter (the credits
 carried a local queue and one of them is still usable), when they leave (a credit frees, their
 deadline passes, the share goes: then to the scheduler, in order), and tells the scheduler the
-depth, which it counts in the model's queue depth.
+depth, which it counts in the model's queue depth, and the demand: the integral over time of
+the model's calls waiting here or running on a credit, by which the scheduler splits a model
+between the gateways that use it.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class LocalShare(Generic[P]):
         self._ttl_ms: dict[str, float] = {}  # model -> its TTL, as its credits carry it
         self._timer: asyncio.TimerHandle | None = None  # the expiry of the earliest deadline
         self._timer_at = math.inf
+        # model -> [its calls waiting here or running on a credit, since when (monotonic),
+        # call-seconds since the last report]
+        self._demand: dict[str, list[float]] = {}
+        self._waiting: dict[str, int] = {}  # model -> its waiting calls as last counted
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._queues
@@ -161,9 +167,39 @@ class LocalShare(Generic[P]):
             self._timer.cancel()
             self._timer, self._timer_at = None, math.inf
 
+    def running(self, model_id: str, delta: int) -> None:
+        """A call started (+1) or ended (-1) on one of the model's credits."""
+        self._count(model_id, delta)
+
+    def report_demand(self) -> None:
+        """Tell the scheduler the demand of each model that had calls since the last report (called
+        a few times a share period, so that a share follows a gateway's load)."""
+        for model_id, demand in self._demand.items():
+            if demand[0] or demand[2]:
+                self._report(model_id)
+
+    def _count(self, model_id: str, delta: int) -> None:
+        now = self._clock.monotonic()
+        demand = self._demand.get(model_id)
+        if demand is None:
+            demand = self._demand[model_id] = [0, now, 0.0]
+        demand[2] += demand[0] * (now - demand[1])
+        demand[0] += delta
+        demand[1] = now
+
     def _changed(self, model_id: str) -> None:
-        """Tell the scheduler the model's local depth (it counts it in the model's queue depth)."""
-        self._scheduler.report_local_depth(model_id, self._queues.waiting(model_id))
+        """The model's local depth changed: count it in the demand, tell the scheduler (it counts
+        it in the model's queue depth)."""
+        waiting = self._queues.waiting(model_id)
+        self._count(model_id, waiting - self._waiting.get(model_id, 0))
+        self._waiting[model_id] = waiting
+        self._report(model_id)
+
+    def _report(self, model_id: str) -> None:
+        self._count(model_id, 0)
+        demand = self._demand[model_id]
+        outstanding_s, demand[2] = demand[2], 0.0
+        self._scheduler.report_local_depth(model_id, self._queues.waiting(model_id), outstanding_s)
 
     def _arm(self) -> None:
         deadline = self._queues.next_deadline()

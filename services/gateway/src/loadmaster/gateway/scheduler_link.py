@@ -79,7 +79,8 @@ class _Outbox:
     cancels: list[scheduler_pb2.Cancel] = field(default_factory=list)
     returns: list[scheduler_pb2.ReturnCredit] = field(default_factory=list)
     finished: list[scheduler_pb2.FinishedRun] = field(default_factory=list)
-    depths: dict[str, int] = field(default_factory=dict)  # model -> its local queue's new depth
+    # model -> its local queue's new depth, and the demand since the last report (call-seconds)
+    depths: dict[str, tuple[int, float]] = field(default_factory=dict)
     urgent: bool = False  # holds something that cannot wait (an enqueue, cancel, return, Complete)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     report_timer: asyncio.TimerHandle | None = None
@@ -186,11 +187,13 @@ class SchedulerLink:
         self._outbox.runs[request_id] = _Run(model_id, info, countable)
         self._outbox.defer(self._report_delay_s)
 
-    def report_local_depth(self, model_id: str, waiting: int) -> None:
+    def report_local_depth(self, model_id: str, waiting: int, outstanding_s: float = 0.0) -> None:
         """How many requests wait in the gateway's local queue for the model (sent later: the
-        scheduler counts them in the model's queue depth)."""
+        scheduler counts them in the model's queue depth), and the demand since the last report
+        (`outstanding_s`, call-seconds: summed until sent)."""
         if self.connected:
-            self._outbox.depths[model_id] = waiting
+            depth = self._outbox.depths.get(model_id)
+            self._outbox.depths[model_id] = (waiting, outstanding_s + (depth[1] if depth else 0.0))
             self._outbox.defer(self._report_delay_s)
 
     def complete(
@@ -292,8 +295,10 @@ class SchedulerLink:
                         )
                     outbox.tallies.clear()
                 if outbox.depths:
-                    for model_id, waiting in outbox.depths.items():
-                        message.local_queue_depth.add(model_id=model_id, waiting=waiting)
+                    for model_id, (waiting, outstanding_s) in outbox.depths.items():
+                        message.local_queue_depth.add(
+                            model_id=model_id, waiting=waiting, outstanding_s=outstanding_s
+                        )
                     outbox.depths.clear()
                 if not (outbox.completes or outbox.finished):  # see _Outbox
                     for request_id in list(itertools.islice(outbox.runs, batch)):
@@ -325,11 +330,13 @@ class SchedulerLink:
                     async for response in call:
                         for grant in response.grants:
                             self._on_grant(grant)
-                        for reject in response.rejects:
-                            self._on_reject(reject)
+                        # Credits before rejects: a request handed back to this gateway's local
+                        # queue (`use_share`) comes with the credit it is to run on.
                         if self._on_credit is not None:
                             for credit in response.credits:
                                 self._on_credit(credit)
+                        for reject in response.rejects:
+                            self._on_reject(reject)
                         if self._on_revoke is not None:
                             for revoke in response.revokes:
                                 self._on_revoke(revoke.credit_id)

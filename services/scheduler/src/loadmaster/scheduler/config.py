@@ -61,6 +61,7 @@ class CoreConfig:
     # Dispatch credits (see credits.py); 0 = off.
     dispatch_credits: int = 64
     credit_window_s: float = 1.0
+    share_period_s: float = 0.5  # how often shares split between gateways are measured again
     local_queue_max_inference_ms: float = 1.0  # see SchedulerSettings
     # Timed lookahead (see lookahead.py); 0 = off.
     lookahead: int = 1
@@ -126,6 +127,7 @@ class CoreConfig:
             disconnect_timeout_s=settings.response_tracking.disconnect_timeout_s,
             dispatch_credits=s.dispatch_credits,
             credit_window_s=s.credit_window_s,
+            share_period_s=s.share_period_s,
             local_queue_max_inference_ms=s.local_queue_max_inference_ms,
             lookahead=s.lookahead,
             lookahead_margin_ms=s.lookahead_margin_ms,

@@ -10,7 +10,7 @@ Every admitted request ends exactly once: a Reject, or a Grant whose Complete is
 final (success or non-retryable failure). A retryable failure re-queues the
 request (same arrival, same deadline) while attempts <= max_retries.
 
-The core lends a model's free slots to its only gateway as dispatch credits (credits.py,
+The core lends a model's free slots to the gateways using it as dispatch credits (credits.py,
 docs/data-path.md): runs on them are admitted already started, or only counted (RunTally).
 Which queued request goes to which worker is decided by its `GrantDispatcher` (dispatching.py).
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from collections import Counter
 from collections.abc import Sequence
 
 from loadmaster.common.clock import Clock
@@ -89,7 +90,12 @@ class SchedulerCore:
         self._loads = LoadTracker()
         self._arrivals = itertools.count()
         self._credits = CreditBook(
-            config.credit_window_s, registry=self._registry, outbound=outbound, telemetry=self._telemetry
+            config.credit_window_s,
+            registry=self._registry,
+            outbound=outbound,
+            telemetry=self._telemetry,
+            period_s=config.share_period_s,
+            central=self._waiting_by_session,
         )
         self._lookahead = Lookahead(margin_s=config.lookahead_margin_ms / 1000.0)
         self._reservations = Reservations(margin_s=config.lookahead_margin_ms / 1000.0)
@@ -108,6 +114,7 @@ class SchedulerCore:
             outstanding=self._outstanding,
             stats=self._stats,
             expire=self._expire,
+            hand_back=self._hand_back,
             rng=rng if rng is not None else random.Random(),
         )
 
@@ -135,8 +142,10 @@ class SchedulerCore:
             self._enqueue(session_id, info, touched)
         for request_id in batch.cancels:
             self._cancel((session_id, request_id))
-        for model_id, waiting in batch.local_depths:
-            self._credits.note_local_depth(session_id, model_id, waiting)
+        for model_id, waiting, outstanding_s in batch.local_depths:
+            self._credits.note_local_depth(session_id, model_id, waiting, outstanding_s)
+            if outstanding_s > 0.0:  # it had calls for the model: it uses it
+                self._credits.note_use(model_id, session_id, self._clock.monotonic())
             self._telemetry.record("queue_depth", self._depth(model_id), {"model": model_id})
         self._dispatcher.dispatch(touched)
 
@@ -213,6 +222,7 @@ class SchedulerCore:
             self._dispatcher.next_hold_lapse(),
             self._loads.next_retry(),  # a load behind the VRAM gate tries again
             self._dispatcher.next_batch_release(now),
+            self._credits.next_rebalance(),  # shares split between gateways
         )
         return min((t for t in times if t is not None), default=None)
 
@@ -229,6 +239,8 @@ class SchedulerCore:
             self._dispatcher.dispatch(self._queues.waiting_models())
         elif self._loads.gating:
             self._dispatcher.dispatch(self._loads.due(now))  # loads behind the VRAM gate
+        if (due := self._credits.next_rebalance()) is not None and due <= now:
+            self._dispatcher.dispatch(self._credits.rebalance(now))
 
     # ---- admin -------------------------------------------------------------------
 
@@ -278,6 +290,18 @@ class SchedulerCore:
             )
             for model_id, stats in sorted(self._stats.items())
         ]
+
+    def _hand_back(self, request: Request) -> None:
+        """A waiting request whose gateway now holds a share of its model: it queues there."""
+        self._queues.remove(request.key)
+        self._forget(request)
+        self._out.reject(
+            request.key[0], Reject(request.info.request_id, _UNAVAILABLE, "queue it locally", True)
+        )
+
+    def _waiting_by_session(self, model_id: str) -> Counter[int]:
+        """How many of the model's requests wait here, per gateway session."""
+        return Counter(r.key[0] for r in self._queues.requests() if r.model_id == model_id)
 
     def _depth(self, model_id: str) -> int:
         """Requests waiting for the model: here, and in its gateways' local queues."""

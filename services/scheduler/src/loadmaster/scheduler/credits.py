@@ -1,36 +1,44 @@
-"""Dispatch credits: worker slots lent to a gateway, so its requests skip the scheduler.
+"""Dispatch credits: worker slots lent to gateways, so their requests skip the scheduler.
 
 The uncontended path should not pay a scheduler round trip per request. So while a model
-has no waiters here and one gateway session is its only user within `window_s`, the core
-lends that session free slots of workers holding the model READY. The gateway sends a
-request on an idle credit straight to the credit's worker and reports it afterwards (a
-`CreditRun`, batched with others); the scheduler tracks it like a granted request.
+has no waiters here, the core lends the free slots of workers holding it READY to the
+gateway sessions that used it within `window_s` (its borrowers). A gateway sends a request
+on an idle credit straight to the credit's worker and reports it afterwards (a `CreditRun`,
+batched with others, or only counted in a `RunTally`); the scheduler tracks it like a
+granted request.
 
-How many: with a per-model strategy a gateway can replicate (`local_queue_spec`), the
-session gets *every* free slot (its share is the whole model) and a `LocalQueueSpec`: it
-queues its own requests that find no idle credit and ranks them with the same strategy
-code (loadmaster.common.ordering), so the scheduler sees no queue for the model and the
-order is the one it would have kept (docs/data-path.md). With any other strategy (one
-global order, batch groups, a registered policy), at most `dispatch_credits` are lent and
-a request finding none idle is queued here, as before.
+How many: with a per-model strategy a gateway can replicate (`local_queue_spec`), every
+free slot is lent and each credit carries a `LocalQueueSpec`: a gateway queues its own
+requests that find no idle credit and ranks them with the same strategy code
+(loadmaster.common.ordering), so the scheduler sees no queue for the model
+(docs/data-path.md). With any other strategy (one global order, batch groups, a registered
+policy) or a model too long for a local queue, at most `dispatch_credits` are lent, to a
+sole borrower only, and a request finding none idle is queued here.
 
-The moment a request has to wait in the model's queue here (another gateway's, or one
-that found no credit), every credit for the model is revoked and lending pauses for
-`window_s`, so ordering is central again under contention between gateways. A gateway
-whose credits for a model are all revoked hands its locally queued requests to the
-scheduler in their local order.
+Shares between gateways. A model with several borrowers is split: every `period_s` the
+book measures each borrower's demand (its calls waiting in its local queue or running on its
+credits, on average over the period, as its gateway reports them, plus its requests waiting
+here) and gives each a share of the slots in proportion, revoking what a gateway holds over its share (it returns an idle credit at
+once, a busy one when its call ends) and lending freed slots to the gateway furthest under
+its share. Each gateway keeps ordering its own requests. A request that waits here (its
+gateway holds no credit for the model: a newcomer, or one whose share is 0) reclaims one
+credit from the gateway most over its share, and is granted the slot when it comes back:
+one call's remainder plus a round trip, with no pause. A strategy a gateway cannot keep
+falls back to the old rule instead: the moment a request waits here every credit for the
+model is revoked and lending pauses for `window_s`, so ordering is central again.
 
 A lent slot counts against the worker's `max_inflight` until the gateway returns the
-credit (at once when it is idle, else when the request running on it ends), so a
-revocation never lets a worker be granted more than it may run.
+credit, so a revocation never lets a worker be granted more than it may run.
 `CreditBook` keeps the credits, holds their slots in the worker registry and sends
-credits and revocations out; the core decides when to lend and revoke.
+credits and revocations out; the core decides when to lend, reclaim and revoke.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 
 from loadmaster.common.ordering import DeadlineTerms, Ordering, Scope
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
@@ -91,9 +99,19 @@ def local_queue_spec(
 
 class CreditBook:
     def __init__(
-        self, window_s: float, *, registry: WorkerRegistry, outbound: Outbound, telemetry: Telemetry
+        self,
+        window_s: float,
+        *,
+        registry: WorkerRegistry,
+        outbound: Outbound,
+        telemetry: Telemetry,
+        period_s: float = 0.5,
+        central: Callable[[str], Mapping[int, int]] = lambda model_id: {},
     ) -> None:
+        """`central(model)`: how many of the model's requests wait here, per session."""
         self._window_s = window_s
+        self._period_s = period_s
+        self._central = central
         self._registry = registry
         self._out = outbound
         self._telemetry = telemetry
@@ -104,6 +122,11 @@ class CreditBook:
         self._paused_until: dict[str, float] = {}
         self._accepting: set[int] = set()
         self._local_depths: dict[str, dict[int, int]] = {}  # model -> session -> waiting there
+        # Split models (several borrowers): when each was last measured, each session's demand
+        # reported since then (call-seconds), and the slots each session should hold.
+        self._split: dict[str, float] = {}
+        self._demand_s: dict[str, dict[int, float]] = {}
+        self._targets: dict[str, dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._credits)
@@ -120,8 +143,13 @@ class CreditBook:
         ids = self._by_model.get(model_id)
         return len(ids) if ids else 0
 
-    def note_local_depth(self, session_id: int, model_id: str, waiting: int) -> None:
-        """The session's gateway reports how many requests wait in its local queue."""
+    def note_local_depth(
+        self, session_id: int, model_id: str, waiting: int, outstanding_s: float = 0.0
+    ) -> None:
+        """The session's gateway reports how many requests wait in its local queue, and its
+        demand since its last report (call-seconds waiting there or running on its credits)."""
+        if outstanding_s and (demand := self._demand_s.get(model_id)) is not None:
+            demand[session_id] = demand.get(session_id, 0.0) + outstanding_s
         depths = self._local_depths.setdefault(model_id, {})
         if waiting:
             depths[session_id] = waiting
@@ -144,22 +172,23 @@ class CreditBook:
             users = self._users[model_id] = {}
         users[session_id] = now
 
-    def sole_user(self, model_id: str, now: float) -> int | None:
-        """The session to lend the model's slots to: the only one that used the model within
-        the window, if it accepts credits and lending is not paused."""
+    def borrowers(self, model_id: str, now: float) -> list[int]:
+        """The sessions to lend the model's slots to: those that used it within the window (the
+        last one stays a borrower however long ago), none while lending is paused or while a
+        recent user does not accept credits."""
         if self._paused_until.get(model_id, 0.0) > now:
-            return None
+            return []
         users = self._users.get(model_id)
         if not users:
-            return None
+            return []
         horizon = now - self._window_s
         if len(users) > 1:
-            for session_id in [s for s, last in users.items() if last < horizon]:
+            latest = max(users, key=users.__getitem__)
+            for session_id in [s for s, last in users.items() if last < horizon and s != latest]:
                 del users[session_id]
-        if len(users) != 1:
-            return None
-        session_id = next(iter(users))
-        return session_id if session_id in self._accepting else None
+        if any(session_id not in self._accepting for session_id in users):
+            return []
+        return sorted(users)
 
     # ---- lending and taking back -----------------------------------------------
 
@@ -173,61 +202,184 @@ class CreditBook:
         pick: Callable[[], str | None],
         local_queue: Callable[[], LocalQueueSpec | None] = lambda: None,
     ) -> None:
-        """Lend the model's free slots (`pick` names a worker with one, or None) to its only
-        recent gateway, until `limit` credits for it are out.
+        """Lend the model's free slots (`pick` names a worker with one, or None) to its
+        borrowers, until `limit` credits for it are out.
 
-        A gateway may queue locally (the credits carry `local_queue`'s spec) only while it holds
-        every slot of the model: else its queued requests would wait while a slot it was not
-        lent stays idle. So when `limit` leaves free slots unlent, the new credits carry no spec,
-        and credits that carried one are revoked (the gateway hands its queue to the scheduler)."""
-        session_id = self.sole_user(model_id, now)
-        if session_id is None:
+        A gateway may queue locally (the credits carry `local_queue`'s spec) only while every
+        slot of the model is lent: else its queued requests could wait while a slot nobody
+        was lent stays idle. So when `limit` leaves free slots unlent, the new credits carry no
+        spec and credits that carried one are revoked; and without a spec a model is lent to a
+        sole borrower only."""
+        borrowers = self.borrowers(model_id, now)
+        if not borrowers:
             return
         lent: list[Credit] = []
         while self.lent(model_id) < limit and (worker_id := pick()) is not None:
-            record = self._registry.get(worker_id)
-            assert record is not None
-            credit = Credit(
-                credit_id=f"c{next(self._ids)}",
-                session_id=session_id,
-                model_id=model_id,
-                worker_id=worker_id,
-                data_endpoint=record.hello.data_endpoint,
-                generation=record.slots[model_id].generation,
-                request_ttl_ms=ttl_ms,
-            )
-            self._credits[credit.credit_id] = credit
-            self._by_model.setdefault(model_id, set()).add(credit.credit_id)
-            self._registry.acquire(worker_id, credit.slot_key, model_id)
-            lent.append(credit)
-        spec = local_queue() if pick() is None else None  # a whole share, or none to queue on
-        if spec is None and any(self._credits[i].local_queue for i in self._by_model.get(model_id, ())):
+            lent.append(self._new_credit(model_id, borrowers[0], worker_id, ttl_ms))
+        spec = local_queue() if pick() is None else None  # a whole share (perhaps split), or none
+        spec_out = any(self._credits[i].local_queue for i in self._by_model.get(model_id, ()))
+        if spec is None and (spec_out or len(borrowers) > 1):
             for credit in lent:  # never sent: take them back unseen
                 self._forget(credit)
                 self._registry.release(credit.worker_id, credit.slot_key)
-            self.revoke_model(model_id, now)
+            if spec_out:
+                self.revoke_model(model_id, now)
             return
+        if len(borrowers) > 1 and lent:
+            targets = self._targets.get(model_id)
+            if targets is None or set(targets) != set(borrowers):
+                targets = self._plan(model_id, borrowers, now)
+            held = self._held(model_id)
+            for credit in lent:
+                held[credit.session_id] -= 1
+                credit.session_id = self._neediest(model_id, targets, held)
+                held[credit.session_id] += 1
         for credit in lent:
             credit.local_queue = spec
-            self._out.lend_credit(session_id, credit)
+            self._out.lend_credit(credit.session_id, credit)
             self._telemetry.record("credits_lent", 1, {"model": model_id})
 
-    def holds_share(self, session_id: int, model_id: str) -> bool:
-        """The session holds credits for the model that let it queue locally (none revoked)."""
-        ids = self._by_model.get(model_id)
-        if not ids:
+    def lend_to(
+        self,
+        model_id: str,
+        session_id: int,
+        now: float,
+        *,
+        ttl_ms: float,
+        pick: Callable[[], str | None],
+        spec: LocalQueueSpec,
+    ) -> bool:
+        """Lend one free slot of a model whose slots are lent with local queues to a session
+        whose requests wait here (it holds none of them); False when no slot is free."""
+        worker_id = pick()
+        if worker_id is None:
             return False
-        credits = [self._credits[i] for i in ids]
-        return all(c.session_id == session_id and not c.revoked for c in credits) and any(
-            c.local_queue is not None for c in credits
+        credit = self._new_credit(model_id, session_id, worker_id, ttl_ms)
+        credit.local_queue = spec
+        if model_id not in self._split:  # shared now: measured from here on
+            self._split[model_id] = now
+            self._demand_s[model_id] = {}
+        self._out.lend_credit(session_id, credit)
+        self._telemetry.record("credits_lent", 1, {"model": model_id})
+        return True
+
+    def _new_credit(self, model_id: str, session_id: int, worker_id: str, ttl_ms: float) -> Credit:
+        """A credit on a free slot of `worker_id`, its slot held in the registry (not sent yet)."""
+        record = self._registry.get(worker_id)
+        assert record is not None
+        credit = Credit(
+            credit_id=f"c{next(self._ids)}",
+            session_id=session_id,
+            model_id=model_id,
+            worker_id=worker_id,
+            data_endpoint=record.hello.data_endpoint,
+            generation=record.slots[model_id].generation,
+            request_ttl_ms=ttl_ms,
+        )
+        self._credits[credit.credit_id] = credit
+        self._by_model.setdefault(model_id, set()).add(credit.credit_id)
+        self._registry.acquire(worker_id, credit.slot_key, model_id)
+        return credit
+
+    def accepts(self, session_id: int) -> bool:
+        return session_id in self._accepting
+
+    def holds_share(self, session_id: int, model_id: str) -> bool:
+        """The session holds a credit for the model that lets it queue locally (not revoked)."""
+        return any(
+            (c := self._credits[i]).session_id == session_id and not c.revoked and c.local_queue is not None
+            for i in self._by_model.get(model_id, ())
         )
 
     def queue_locally(self, model_id: str) -> bool:
         """A credit out for the model lets its gateway queue locally."""
         return any(self._credits[i].local_queue is not None for i in self._by_model.get(model_id, ()))
 
+    def reclaim(self, model_id: str, slots: int) -> None:
+        """Requests wait here for `slots` slots of a model whose slots are lent with local
+        queues: revoke a credit for each slot no revocation under way will free, from the
+        session most over its share (an idle-looking credit first). No pause."""
+        credits = [self._credits[i] for i in self._by_model.get(model_id, ())]
+        need = slots - sum(c.revoked for c in credits)
+        live = [c for c in credits if not c.revoked]
+        targets = self._targets.get(model_id, {})
+        while need > 0 and live:
+            held = Counter(c.session_id for c in live)
+            victim = max(held, key=lambda s: (held[s] - targets.get(s, 0), held[s], -s))
+            credit = min(
+                (c for c in live if c.session_id == victim),
+                key=lambda c: (c.running is not None, int(c.credit_id[1:])),
+            )
+            live.remove(credit)
+            self._revoke([credit])
+            need -= 1
+
+    def next_rebalance(self) -> float | None:
+        """When the next split model is due to be measured again (None: none is split)."""
+        return min(self._split.values()) + self._period_s if self._split else None
+
+    def rebalance(self, now: float) -> set[str]:
+        """Measure the due split models again: revoke what a session holds over its new share
+        (the freed slots are lent to those under theirs when they come back). A model left with
+        one borrower is whole again: other sessions' credits are revoked. Returns the models
+        it touched."""
+        touched: set[str] = set()
+        for model_id in [m for m, since in self._split.items() if since + self._period_s <= now]:
+            touched.add(model_id)
+            borrowers = self.borrowers(model_id, now)
+            if len(borrowers) > 1:
+                targets = self._plan(model_id, borrowers, now)
+            else:
+                for table in (self._split, self._demand_s, self._targets):
+                    table.pop(model_id, None)
+                targets = dict.fromkeys(borrowers, len(self._by_model.get(model_id, ())))
+            live = [self._credits[i] for i in self._by_model.get(model_id, ())]
+            live = [c for c in live if not c.revoked]
+            held = Counter(c.session_id for c in live)
+            for credit in sorted(live, key=lambda c: (c.running is not None, int(c.credit_id[1:]))):
+                if held[credit.session_id] > targets.get(credit.session_id, 0):
+                    held[credit.session_id] -= 1
+                    self._revoke([credit])
+        return touched
+
+    def _plan(self, model_id: str, borrowers: list[int], now: float) -> dict[int, int]:
+        """Each borrower's share of the model's slots, in proportion to its demand since the
+        model was last measured: the calls it had waiting or running on its credits, on average
+        (as its gateway reports them), plus its requests waiting here (equal shares when none
+        has any). Starts the next measurement period."""
+        since = self._split.get(model_id)
+        reported = self._demand_s.get(model_id, {})
+        elapsed_s = max(now - since, 1e-3) if since is not None else math.inf
+        central = self._central(model_id)
+        demand = {s: reported.get(s, 0.0) / elapsed_s + central.get(s, 0) for s in borrowers}
+        total = sum(demand.values())
+        if total <= 0.0:
+            demand, total = dict.fromkeys(borrowers, 1.0), float(len(borrowers))
+        slots = self._registry.inflight(model_id)
+        quotas = {s: slots * d / total for s, d in demand.items()}
+        targets = {s: math.floor(q) for s, q in quotas.items()}
+        spare = slots - sum(targets.values())  # to the largest remainders
+        for s in sorted(quotas, key=lambda s: (targets[s] - quotas[s], s))[:spare]:
+            targets[s] += 1
+        self._split[model_id] = now
+        self._demand_s[model_id] = {}
+        self._targets[model_id] = targets
+        return targets
+
+    def _held(self, model_id: str) -> Counter[int]:
+        """Credits for the model each session holds, not revoked."""
+        return Counter(
+            c.session_id for i in self._by_model.get(model_id, ()) if not (c := self._credits[i]).revoked
+        )
+
+    def _neediest(self, model_id: str, targets: Mapping[int, int], held: Counter[int]) -> int:
+        """The session a freed slot goes to: furthest under its share, then most waiting."""
+        depths = self._local_depths.get(model_id, {})
+        return max(targets, key=lambda s: (targets[s] - held[s], depths.get(s, 0), -s))
+
     def revoke_model(self, model_id: str, now: float) -> None:
-        """A request waits for the model: revoke its credits and pause lending it."""
+        """A request waits for the model (its slots lent without local queues), or its requests
+        turned out too long for them: revoke its credits and pause lending it."""
         ids = self._by_model.get(model_id)
         if ids:
             self._paused_until[model_id] = now + self._window_s
@@ -265,8 +417,9 @@ class CreditBook:
         self._accepting.discard(session_id)
         for users in self._users.values():
             users.pop(session_id, None)
-        for depths in self._local_depths.values():
-            depths.pop(session_id, None)
+        for by_session in (self._local_depths, self._demand_s, self._targets):
+            for table in by_session.values():
+                table.pop(session_id, None)
         freed: set[str] = set()
         for credit in [c for c in self._credits.values() if c.session_id == session_id]:
             self._forget(credit)

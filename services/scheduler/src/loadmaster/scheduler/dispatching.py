@@ -55,6 +55,7 @@ class GrantDispatcher:
         outstanding: Outstanding,
         stats: Mapping[str, ModelStats],
         expire: Callable[[Request], None],
+        hand_back: Callable[[Request], None],
         rng: random.Random,
     ) -> None:
         self._config = config
@@ -71,6 +72,7 @@ class GrantDispatcher:
         self._outstanding = outstanding  # client -> model -> its unfinished requests (the core's)
         self._stats = stats  # model -> counts (the core's; a queued request's model has one)
         self._expire = expire  # answers a request whose deadline passed while it waited
+        self._hand_back = hand_back  # sends a waiting request back to its gateway's local queue
         self._rng = rng
         self._held: dict[str, float] = {}  # model -> when its slot held for an arrival lapses
         self._placed: dict[tuple[str, str], int] = {}  # (model, worker) -> grants this dispatch
@@ -97,6 +99,9 @@ class GrantDispatcher:
             return
         now = self._clock.monotonic()
         ordering = self.queues.ordering
+        for model_id in models:
+            if self.queues.depth(model_id) and self._credits.queue_locally(model_id):
+                self._to_shares(model_id, now)
         if ordering.batch is not None:
             for model_id in models:
                 self._dispatch_batch(model_id, now)
@@ -108,7 +113,8 @@ class GrantDispatcher:
         for model_id in models:
             self._maybe_load(model_id)
             if self.queues.depth(model_id):
-                self._credits.revoke_model(model_id, now)
+                if not self._credits.queue_locally(model_id):
+                    self._credits.revoke_model(model_id, now)
             elif (policy := self._config.policy(model_id)).dispatch_credits and ordering.batch is None:
                 self._credits.lend(
                     model_id,
@@ -129,6 +135,37 @@ class GrantDispatcher:
                 self._telemetry.record("grants", count, labels)
                 self._telemetry.record("placement_decisions", count, {**labels, "kind": "grant"})
             self._placed.clear()
+
+    def _to_shares(self, model_id: str, now: float) -> None:
+        """The model's slots are lent with local queues, yet requests wait here: those of a
+        gateway that holds a share go back to its local queue; a gateway without one is lent a
+        free slot for them, or one is reclaimed for it. Only requests of gateways that take no
+        credits are granted here (a slot reclaimed for each)."""
+        policy = self._config.policy(model_id)
+        spec = local_queue_spec(
+            self.queues.ordering, policy, self._config, self._lookahead.inference_s(model_id)
+        )
+        by_session: dict[int, list[Request]] = {}
+        for request in self.queues.requests():
+            if request.model_id == model_id:
+                by_session.setdefault(request.key[0], []).append(request)
+        slots = 0  # that requests here still need
+        for session_id, requests in by_session.items():
+            if spec is None or not self._credits.accepts(session_id):
+                slots += len(requests)
+            elif self._credits.holds_share(session_id, model_id) or self._credits.lend_to(
+                model_id,
+                session_id,
+                now,
+                ttl_ms=policy.request_ttl_ms,
+                pick=lambda: self._pick_worker(model_id, ahead=False),
+                spec=spec,
+            ):
+                for request in sorted(requests, key=lambda r: r.arrival):
+                    self._hand_back(request)
+            else:
+                slots += 1
+        self._credits.reclaim(model_id, slots)
 
     def _head(self, model_id: str, now: float) -> tuple[tuple[float, ...], Request] | None:
         """The next request for `model_id`, expiring any whose deadline has passed."""

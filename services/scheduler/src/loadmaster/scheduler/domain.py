@@ -280,7 +280,9 @@ class Submission:
     runs: Sequence[CreditRun] = ()
     returns: Sequence[str] = ()
     finished: Sequence[FinishedRun] = ()
-    local_depths: Sequence[tuple[str, int]] = ()  # (model, requests waiting in the gateway's queue)
+    # (model, requests waiting in the gateway's queue, its calls for the model since its last
+    # report: call-seconds waiting there or running on its credits)
+    local_depths: Sequence[tuple[str, int, float]] = ()
     tallies: Sequence[RunTally] = ()
 
     def __bool__(self) -> bool:

@@ -91,7 +91,7 @@ def submission(pb: scheduler_pb2.SessionRequest) -> Submission:
         FinishedRun(CreditRun(f.request.credit_id, _request_info(f.request)), _completion(f.complete))
         for f in pb.finished_run
     ]
-    depths = [(d.model_id, d.waiting) for d in pb.local_queue_depth]
+    depths = [(d.model_id, d.waiting, d.outstanding_s) for d in pb.local_queue_depth]
     tallies = [RunTally(t.model_id, t.worker_id, t.runs, t.failed, t.inference_ms) for t in pb.run_tally]
     return Submission(enqueues, completes, cancels, runs, returns, finished, depths, tallies)
 
