@@ -124,3 +124,13 @@ def test_out_of_order_arrivals_and_deadlines_keep_their_order() -> None:
     # equal deadlines expire in the order they were queued: r2 before the re-queued r0
     assert [r.request_id for r in q.pop_expired(2.5)] == ["r2", "r0"]
     assert q.pop_oldest("m") is r1 and len(q) == 0
+
+
+def test_of_model_lists_only_that_models_live_requests() -> None:
+    q = RequestQueues(PriorityOrdering())
+    for n in range(6):
+        q.push(_request(n, model="m" if n % 2 else "other", priority=n))
+    q.remove((1, "r3"))  # lazily removed: its heap entry stays until compaction
+    assert sorted(r.request_id for r in q.of_model("m")) == ["r1", "r5"]
+    assert sorted(r.request_id for r in q.of_model("other")) == ["r0", "r2", "r4"]
+    assert q.of_model("none") == []

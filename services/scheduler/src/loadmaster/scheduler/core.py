@@ -301,7 +301,7 @@ class SchedulerCore:
 
     def _waiting_by_session(self, model_id: str) -> Counter[int]:
         """How many of the model's requests wait here, per gateway session."""
-        return Counter(r.key[0] for r in self._queues.requests() if r.model_id == model_id)
+        return Counter(r.key[0] for r in self._queues.of_model(model_id))
 
     def _depth(self, model_id: str) -> int:
         """Requests waiting for the model: here, and in its gateways' local queues."""

@@ -146,9 +146,8 @@ class GrantDispatcher:
             self.queues.ordering, policy, self._config, self._lookahead.inference_s(model_id)
         )
         by_session: dict[int, list[Request]] = {}
-        for request in self.queues.requests():
-            if request.model_id == model_id:
-                by_session.setdefault(request.key[0], []).append(request)
+        for request in self.queues.of_model(model_id):
+            by_session.setdefault(request.key[0], []).append(request)
         slots = 0  # that requests here still need
         for session_id, requests in by_session.items():
             if spec is None or not self._credits.accepts(session_id):

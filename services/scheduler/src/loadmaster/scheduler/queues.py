@@ -193,6 +193,14 @@ class RequestQueues:
         oldest = self.peek_oldest(model_id)
         return self.remove(oldest.key) if oldest is not None else None
 
+    def of_model(self, model_id: str) -> list[Request]:
+        """The requests waiting for `model_id` (any order)."""
+        heaps = self._models.get(model_id)
+        if heaps is None:
+            return []
+        waiting = self._waiting
+        return [request for entry in heaps.order if (request := waiting.get(entry[_TOKEN])) is not None]
+
     def get(self, key: RequestKey) -> Request | None:
         token = self._token_of.get(key)
         return self._waiting[token] if token is not None else None
