@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from loadmaster.scheduler.domain import Submission
+from loadmaster.v1 import errors_pb2
 
 if TYPE_CHECKING:
     from conftest import Harness, MakeHarness
@@ -149,3 +150,18 @@ def test_a_closed_session_frees_its_share_for_the_others(h: Harness) -> None:
     h.advance(0.5)
     _return_revoked(h)
     assert _shares(h) == {A: SLOTS}
+
+
+def test_a_retry_is_granted_here_with_its_attempts_counted(h: Harness) -> None:
+    """A credit run that failed retryably is granted again here, with attempt 2, not handed back
+    to a local queue, where its attempts would start over."""
+    _second_gateway_arrives(h)
+    [credit] = [cid for cid, (s, _) in h.lent.items() if s == B]
+    h.finished("r", credit, session=B, error=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True)
+    h.return_credit(credit, session=B)  # a worker failure hands the credit back
+    if "r" not in h.granted_ids():
+        assert len(h.revoked) == 1  # a slot reclaimed for it
+        _return_revoked(h)
+    assert "r" in h.granted_ids()
+    assert "r" not in [r.request_id for r in h.rejects()]
+    h.check()

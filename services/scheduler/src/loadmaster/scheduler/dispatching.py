@@ -139,16 +139,21 @@ class GrantDispatcher:
     def _to_shares(self, model_id: str, now: float) -> None:
         """The model's slots are lent with local queues, yet requests wait here: those of a
         gateway that holds a share go back to its local queue; a gateway without one is lent a
-        free slot for them, or one is reclaimed for it. Only requests of gateways that take no
-        credits are granted here (a slot reclaimed for each)."""
+        free slot for them, or one is reclaimed for it. Requests of gateways that take no
+        credits, and retries (their attempts are counted here), are granted here: a slot is
+        reclaimed for each."""
         policy = self._config.policy(model_id)
         spec = local_queue_spec(
             self.queues.ordering, policy, self._config, self._lookahead.inference_s(model_id)
         )
         by_session: dict[int, list[Request]] = {}
-        for request in self.queues.of_model(model_id):
-            by_session.setdefault(request.key[0], []).append(request)
         slots = 0  # that requests here still need
+        for request in self.queues.of_model(model_id):
+            tracked = self._tracked.get(request.key)
+            if tracked is not None and tracked.attempts:
+                slots += 1
+            else:
+                by_session.setdefault(request.key[0], []).append(request)
         for session_id, requests in by_session.items():
             if spec is None or not self._credits.accepts(session_id):
                 slots += len(requests)
