@@ -57,6 +57,14 @@ def _demand(h: Harness, a_calls: float, b_calls: float, *, waiting: int = 0) -> 
         h.core.submit(session, Submission(local_depths=[("m", waiting, calls * PERIOD_S)]))
 
 
+def _periods(h: Harness, a_calls: float, b_calls: float, *, n: int = 4) -> None:
+    """`n` share periods with this demand, each gateway handing back what is revoked from it."""
+    for _ in range(n):
+        _demand(h, a_calls, b_calls)
+        h.advance(PERIOD_S)
+        _return_revoked(h)
+
+
 def _second_gateway_arrives(h: Harness) -> None:
     """B's first request waits here and reclaims one of A's slots; once A hands it back the slot
     is lent to B (no pause), and the request goes back to B's local queue to run on it."""
@@ -74,15 +82,9 @@ def _second_gateway_arrives(h: Harness) -> None:
 
 def test_two_busy_gateways_split_the_slots_by_their_demand(h: Harness) -> None:
     _second_gateway_arrives(h)
-    for _ in range(4):  # equal demand: 2 and 2 within a few periods
-        _demand(h, 4, 4)
-        h.advance(0.5)
-        _return_revoked(h)
+    _periods(h, 4, 4)  # equal demand: 2 and 2 within a few periods
     assert _shares(h) == {A: 2, B: 2}
-    for _ in range(4):  # A's demand grows to 3 times B's: 3 and 1
-        _demand(h, 6, 2)
-        h.advance(0.5)
-        _return_revoked(h)
+    _periods(h, 6, 2)  # A's demand grows to 3 times B's: 3 and 1
     assert _shares(h) == {A: 3, B: 1}
     h.check()
 
@@ -125,10 +127,7 @@ def test_a_sparse_gateway_lends_its_share_away_and_reclaims_a_slot_per_request(h
 
 def test_a_gateway_that_goes_quiet_gives_its_share_back(h: Harness) -> None:
     _second_gateway_arrives(h)
-    for _ in range(4):
-        _demand(h, 3, 3)
-        h.advance(0.5)
-        _return_revoked(h)
+    _periods(h, 3, 3)
     assert _shares(h) == {A: 2, B: 2}
     for _ in range(4):  # only A uses the model: past the window B is no borrower any more
         h.core.submit(A, Submission(local_depths=[("m", 0, 2 * PERIOD_S)]))
@@ -140,10 +139,7 @@ def test_a_gateway_that_goes_quiet_gives_its_share_back(h: Harness) -> None:
 
 def test_a_closed_session_frees_its_share_for_the_others(h: Harness) -> None:
     _second_gateway_arrives(h)
-    for _ in range(4):
-        _demand(h, 3, 3)
-        h.advance(0.5)
-        _return_revoked(h)
+    _periods(h, 3, 3)
     h.close_session(B)
     for cid in [cid for cid, (s, _) in h.lent.items() if s == B]:
         del h.lent[cid]  # the session's credits die with it
