@@ -18,7 +18,8 @@ sole borrower only, and a request finding none idle is queued here.
 Shares between gateways. A model with several borrowers is split: every `period_s` the
 book measures each borrower's demand (its calls waiting in its local queue or running on its
 credits, on average over the period, as its gateway reports them, plus its requests waiting
-here) and gives each a share of the slots in proportion, revoking what a gateway holds over its share (it returns an idle credit at
+here) and gives each a share of the slots in proportion (at least one slot each while there are enough), revoking what a gateway holds
+over its share (it returns an idle credit at
 once, a busy one when its call ends) and lending freed slots to the gateway furthest under
 its share. Each gateway keeps ordering its own requests. A request that waits here (its
 gateway holds no credit for the model: a newcomer, or one whose share is 0) reclaims one
@@ -346,7 +347,9 @@ class CreditBook:
         """Each borrower's share of the model's slots, in proportion to its demand since the
         model was last measured: the calls it had waiting or running on its credits, on average
         (as its gateway reports them), plus its requests waiting here (equal shares when none
-        has any). Starts the next measurement period."""
+        has any). While there are enough slots each borrower keeps at least one, so a gateway
+        with sparse (priority-0) calls runs them at once instead of reclaiming a slot for each
+        (docs/data-path.md measures both). Starts the next measurement period."""
         since = self._split.get(model_id)
         reported = self._demand_s.get(model_id, {})
         elapsed_s = max(now - since, 1e-3) if since is not None else math.inf
@@ -361,6 +364,10 @@ class CreditBook:
         spare = slots - sum(targets.values())  # to the largest remainders
         for s in sorted(quotas, key=lambda s: (targets[s] - quotas[s], s))[:spare]:
             targets[s] += 1
+        if slots >= len(targets):  # every borrower keeps a slot, taken from the largest part
+            for s in [s for s, n in targets.items() if n == 0]:
+                targets[max(targets, key=lambda t: (targets[t], -t))] -= 1
+                targets[s] = 1
         self._split[model_id] = now
         self._demand_s[model_id] = {}
         self._targets[model_id] = targets
