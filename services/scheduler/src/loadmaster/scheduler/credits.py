@@ -98,6 +98,12 @@ def local_queue_spec(
     )
 
 
+def _idle_first(credit: Credit) -> tuple[bool, int]:
+    """The order credits are revoked in: those with no run known here first (idle, or running a
+    call not reported yet), then the oldest."""
+    return credit.running is not None, int(credit.credit_id[1:])
+
+
 class CreditBook:
     def __init__(
         self,
@@ -307,10 +313,7 @@ class CreditBook:
         while need > 0 and live:
             held = Counter(c.session_id for c in live)
             victim = max(held, key=lambda s: (held[s] - targets.get(s, 0), held[s], -s))
-            credit = min(
-                (c for c in live if c.session_id == victim),
-                key=lambda c: (c.running is not None, int(c.credit_id[1:])),
-            )
+            credit = min((c for c in live if c.session_id == victim), key=_idle_first)
             live.remove(credit)
             self._revoke([credit])
             need -= 1
@@ -337,7 +340,7 @@ class CreditBook:
             live = [self._credits[i] for i in self._by_model.get(model_id, ())]
             live = [c for c in live if not c.revoked]
             held = Counter(c.session_id for c in live)
-            for credit in sorted(live, key=lambda c: (c.running is not None, int(c.credit_id[1:]))):
+            for credit in sorted(live, key=_idle_first):
                 if held[credit.session_id] > targets.get(credit.session_id, 0):
                     held[credit.session_id] -= 1
                     self._revoke([credit])
