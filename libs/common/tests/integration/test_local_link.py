@@ -64,6 +64,46 @@ async def test_queued_messages_leave_on_flush_in_order() -> None:
     assert all(frames[2] == b"p" * (int(frames[1]) % 50) for frames in got)
 
 
+class _CountingSocket:
+    """The sender's real socket, with its sendmsg calls counted."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sendmsg_calls = 0
+
+    def sendmsg(self, buffers: Any) -> int:
+        self.sendmsg_calls += 1
+        return self.sock.sendmsg(buffers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+async def test_messages_sent_soon_in_one_turn_leave_in_one_write_at_its_end() -> None:
+    pair = _Pair()
+    counted = pair.sender._sock = _CountingSocket(pair.sender._sock)  # type: ignore[assignment]
+    for index in range(5):
+        pair.sender.send_soon([b"", str(index).encode(), b"payload"])
+    assert counted.sendmsg_calls == 0  # nothing leaves before the turn ends
+    got = [await pair.next() for _ in range(5)]
+    assert [frames[1] for frames in got] == [str(index).encode() for index in range(5)]
+    assert counted.sendmsg_calls == 1
+    pair.sender.send_soon([b"", b"next turn", b""])  # a later turn: a write of its own
+    assert (await pair.next())[1] == b"next turn"
+    assert counted.sendmsg_calls == 2
+
+
+async def test_a_message_sent_soon_to_a_peer_gone_ends_the_link_and_says_so() -> None:
+    pair = _Pair()
+    pair.receiver.close()
+    pair.sender.send_soon([b"", b"to nobody", b""])
+    for _ in range(100):
+        if pair.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert len(pair.closed) == 1 and pair.sender.closed
+
+
 async def test_what_a_slow_reader_does_not_take_waits_and_arrives_intact() -> None:
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     left.setblocking(False)

@@ -211,9 +211,9 @@ class WorkerLinks:
         link = self._links.get(endpoint) or self._open(endpoint)
         local = link.local
         if local is not None:
-            local.send([frame.buffer if isinstance(frame, zmq.Frame) else frame for frame in frames])
             if local.closed:
                 raise UnavailableError(f"worker data port {endpoint} closed its local link")
+            local.send_soon([frame.buffer if isinstance(frame, zmq.Frame) else frame for frame in frames])
             return
         assert link.socket is not None and link.reader is not None
         if link.backlog is not None:  # resolving its name
