@@ -182,13 +182,9 @@ class FrameSocket:
         self._write([_header(frames), *frames])
 
     def send_soon(self, frames: Sequence[Any]) -> None:
-        """Send one message at the end of this loop turn, in one call with the turn's others.
-
-        Each call to the kernel here also wakes the peer's loop: on the 2-core test machine a
-        gateway sending one call per write spent 25 % of its CPU in the write, and its worker,
-        woken once per call, 60 us more a call than when one write carries the calls that one
-        turn of replies freed slots for (docs/data-path.md). A send that finds the link gone
-        ends it, and `on_closed` tells the owner, as it does for a message already sent."""
+        """Send one message at the end of this loop turn, in one write with the turn's others
+        (each write also wakes the peer's loop). A write that finds the link gone ends it, and
+        `on_closed` tells the owner, as for a message already sent."""
         if not self._corked:
             self._loop.call_soon(self.flush)
         self.queue(frames)

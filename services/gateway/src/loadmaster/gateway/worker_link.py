@@ -33,7 +33,11 @@ listens on one (loadmaster.common.local_link: ~80 us less per call, no I/O threa
 is lost when the kernel closes it (the worker died) or when the worker's process is seen
 stopped (SIGSTOP: a Unix socket has no heartbeat answered by a native thread, so the gateway
 reads the process's state every `zmtp_probe_every_s`); a worker that does not listen there is
-reached over ZMQ as any other.
+reached over ZMQ as any other. A call to a local worker with no call unanswered goes out at
+once; one sent while others are unanswered waits for the end of the loop turn and leaves in one
+write with the turn's other calls (Nagle's rule: the worker is at work, and one wake-up serves
+them all). At 8 clients on `double` that took the suite from ~410 to ~310 us of CPU a call, and
+left a lone client's latency as it was (docs/data-path.md).
 
 A large payload for a worker on this host goes through shared memory instead of the
 socket (`ShmPayloads`; see loadmaster.common.shm): it is copied into a slot of the
@@ -127,6 +131,7 @@ class _Link:
         "reader",
         "resolving",
         "socket",
+        "unanswered",
         "up",
     )
 
@@ -146,6 +151,7 @@ class _Link:
         self.monitor: zmq.Socket[Any] | None = None
         self.monitor_reader: SocketReader | None = None
         self.up = False  # the ZMTP handshake succeeded
+        self.unanswered = 0  # tensor calls sent and not answered yet
         # Messages sent while the endpoint's name is being resolved (None: connected).
         self.backlog: list[Sequence[Any]] | None = None
         self.resolving: asyncio.Future[str] | None = None
@@ -201,26 +207,31 @@ class WorkerLinks:
 
     def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
         """Queue one request for `endpoint`; raise `UnavailableError` when it cannot be queued."""
-        self._send(endpoint, (b"", envelope, payload))
+        link = self._send(endpoint, (b"", envelope, payload), batch=True)
+        link.unanswered += 1
 
     def send_generation(self, endpoint: str, kind: bytes, envelope: bytes) -> None:
         """Queue one generation message (GenerateRequest or CancelGeneration) for `endpoint`."""
         self._send(endpoint, (kind, envelope))
 
-    def _send(self, endpoint: str, frames: Sequence[Any]) -> None:
+    def _send(self, endpoint: str, frames: Sequence[Any], *, batch: bool = False) -> _Link:
         link = self._links.get(endpoint) or self._open(endpoint)
         local = link.local
         if local is not None:
             if local.closed:
                 raise UnavailableError(f"worker data port {endpoint} closed its local link")
-            local.send_soon([frame.buffer if isinstance(frame, zmq.Frame) else frame for frame in frames])
-            return
+            frames = [frame.buffer if isinstance(frame, zmq.Frame) else frame for frame in frames]
+            if batch and link.unanswered:  # the worker is at work: the turn's calls reach it in one write
+                local.send_soon(frames)
+            else:  # an idle worker gets it at once
+                local.send(frames)
+            return link
         assert link.socket is not None and link.reader is not None
         if link.backlog is not None:  # resolving its name
             if len(link.backlog) >= self._send_hwm:
                 raise UnavailableError(f"worker data port {endpoint} is not accepting requests")
             link.backlog.append(frames)
-            return
+            return link
         try:
             send_frames(link.socket, frames)
         except zmq.Again:
@@ -229,6 +240,7 @@ class WorkerLinks:
             raise UnavailableError(f"worker data port {endpoint}: {error}") from None
         finally:
             link.reader.sent()
+        return link
 
     # ---- a link's life ----------------------------------------------------------------
 
@@ -400,6 +412,8 @@ class WorkerLinks:
                     self._on_generation_replies(endpoint, replies)
                 return
             reply = model_pool_pb2.InferResponse.FromString(body)
+            if (link := self._links.get(endpoint)) is not None and link.unanswered:
+                link.unanswered -= 1
         except DecodeError as error:
             log.error("malformed reply from worker %s: %s", endpoint, error)
             return
