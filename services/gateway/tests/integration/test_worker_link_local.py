@@ -1,6 +1,6 @@
 """WorkerLinks over a local link (a Unix socket to a worker on this host): an idle worker gets a
-call at once; calls sent while others are unanswered leave together at the end of the loop turn,
-in one write, in order."""
+call at once; batchable calls sent while others are unanswered leave together at the end of the
+loop turn, in one write, in order; a call not sent as batchable always goes at once."""
 
 from __future__ import annotations
 
@@ -89,8 +89,9 @@ async def test_an_idle_worker_gets_a_call_at_once_a_busy_one_the_turns_calls_in_
     replies: list[str] = []
     links = WorkerLinks(context, lambda reply, _payload: replies.append(reply.request_id))
 
-    def send(request_id: str) -> None:
-        links.send(endpoint, model_pool_pb2.InferRequest(request_id=request_id).SerializeToString(), b"")
+    def send(request_id: str, *, batch: bool = True) -> None:
+        envelope = model_pool_pb2.InferRequest(request_id=request_id).SerializeToString()
+        links.send(endpoint, envelope, b"", batch=batch)
 
     try:
         send("r0")
@@ -108,13 +109,15 @@ async def test_an_idle_worker_gets_a_call_at_once_a_busy_one_the_turns_calls_in_
         assert counted.writes == 1
         await _until(lambda: worker.received == ["r0", "r1", "r2", "r3"])
         assert counted.writes == 2
-
-        for request_id in ("r1", "r2", "r3"):
-            worker.answer(request_id)
-        await _until(lambda: len(replies) == 4)
-        send("r4")  # all answered: the worker is idle again, and gets it at once
+        send("r4", batch=False)  # r1-r3 unanswered, but not batchable: at once
         assert counted.writes == 3
-        await _until(lambda: worker.received[-1] == "r4")
+
+        for request_id in ("r1", "r2", "r3", "r4"):
+            worker.answer(request_id)
+        await _until(lambda: len(replies) == 5)
+        send("r5")  # all answered: the worker is idle again, and gets it at once
+        assert counted.writes == 4
+        await _until(lambda: worker.received[-1] == "r5")
     finally:
         await links.close()
         worker.close()
