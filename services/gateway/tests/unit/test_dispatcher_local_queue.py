@@ -232,8 +232,8 @@ async def test_a_credit_without_a_spec_stops_local_queueing_but_serves_those_wai
         scheduler_pb2.Grant(request_id="r3", worker_id="w1", data_endpoint="tcp://w1", attempt=1)
     )
     assert _sent(workers) == ["r1", "r2", "r3"]
-    # Only a run on the share's credit may wait for the loop turn's other calls to share a write.
-    assert workers.batched == [True, False, False]
+    # Every tensor call, on a credit or granted, may wait for the loop turn's others to share a write.
+    assert workers.batched == [True, True, True]
 
 
 async def test_a_cancelled_waiting_call_is_never_sent_nor_reported(parts: Parts) -> None:

@@ -424,11 +424,10 @@ class Dispatcher:
         deadline_ns: int,
         *,
         front: bool = False,
-        batch: bool = False,
     ) -> None:
         """Send the call to a worker's data port and arm its reply watchdog; on
         `UnavailableError` the call is back to waiting (the caller tells the scheduler).
-        `batch`: one of a short model's many calls, which may share a write (WorkerLinks.send)."""
+        To a busy worker the call may leave with the loop turn's others (WorkerLinks.send)."""
         call = pending.call
         request = model_pool_pb2.InferRequest(
             request_id=call.request_id,
@@ -456,7 +455,7 @@ class Dispatcher:
         pending.shm = slot
         pending.lost = False
         try:
-            self._workers.send(endpoint, request.SerializeToString(), payload, batch=batch)
+            self._workers.send(endpoint, request.SerializeToString(), payload, batch=True)
         except UnavailableError as error:
             log.warning(
                 "sending to worker %s failed: %s",
@@ -484,7 +483,6 @@ class Dispatcher:
                 credit.data_endpoint,
                 credit.generation,
                 int((self._clock.time() + ttl_ms / 1e3) * 1e9),
-                batch=credit.local,
             )
         except UnavailableError:
             self._give_back(credit)

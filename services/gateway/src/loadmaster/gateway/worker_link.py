@@ -33,12 +33,12 @@ listens on one (loadmaster.common.local_link: ~80 us less per call, no I/O threa
 is lost when the kernel closes it (the worker died) or when the worker's process is seen
 stopped (SIGSTOP: a Unix socket has no heartbeat answered by a native thread, so the gateway
 reads the process's state every `zmtp_probe_every_s`); a worker that does not listen there is
-reached over ZMQ as any other. A call sent with `batch` (the dispatcher's calls on credits: a
-short model's, many a second) to a local worker with calls unanswered waits for the end of the
-loop turn and leaves in one write with the turn's other calls (Nagle's rule: the worker is at
-work, and one wake-up serves them all); to an idle worker it goes out at once. At 8 clients on
-`double` that took the suite from ~410 to ~330 us of CPU a call, and left a lone client's
-latency as it was (docs/data-path.md).
+reached over ZMQ as any other. A tensor call (sent with `batch`) to a local worker with calls
+unanswered waits for the end of the loop turn and leaves in one write with the turn's other
+calls (Nagle's rule: the worker is at work, and one wake-up serves them all); to an idle worker
+it goes out at once. At 8 clients on `double` that took the suite from ~410 to ~330 us of CPU
+a call, and left a lone client's latency as it was (docs/data-path.md). Generation messages
+always go at once.
 
 A large payload for a worker on this host goes through shared memory instead of the
 socket (`ShmPayloads`; see loadmaster.common.shm): it is copied into a slot of the
@@ -209,7 +209,7 @@ class WorkerLinks:
     def send(self, endpoint: str, envelope: bytes, payload: Any, *, batch: bool = False) -> None:
         """Queue one request for `endpoint`; raise `UnavailableError` when it cannot be queued.
         `batch`: a local worker with calls unanswered gets it at the end of the loop turn, in one
-        write with the turn's others (the caller's many short calls)."""
+        write with the turn's others."""
         link = self._send(endpoint, (b"", envelope, payload), batch=batch)
         link.unanswered += 1
 
