@@ -200,3 +200,29 @@ def test_a_model_that_turns_out_long_gets_its_local_queue_taken_back(h: Harness)
     h.complete("a1", session=A, inference_ms=50.0)
     relent = _share(h)
     assert relent and all(h.lent[cid][1].local_queue is None for cid in relent)
+
+
+def test_a_model_measured_short_again_gets_its_local_queue_back_without_a_queue_forming(h: Harness) -> None:
+    """Its credits were lent without a spec while its runs were long; once they are short again
+    the next dispatch takes them back (no pause) and lends them again with one, though no
+    request ever waited at the scheduler."""
+    for _ in range(30):
+        h.core.submit(A, Submission(tallies=[RunTally("m", "w1", runs=1, inference_ms=50.0)]))
+        if h.revoked:
+            break
+    for cid in list(h.revoked):
+        h.return_credit(cid)
+    h.advance(1.1)  # the pause the long runs caused is over
+    h.enqueue("a1", session=A)
+    h.complete("a1", session=A, inference_ms=50.0)
+    plain = _share(h)
+    assert plain and all(h.lent[cid][1].local_queue is None for cid in plain)
+    for index in range(60):  # bounded: the EWMA falls under 1 ms well before
+        h.finished(f"s{index}", plain[0], session=A, inference_ms=0.05)  # a run on a credit
+        if any(cid in h.revoked for cid in plain):
+            break
+    assert sorted(cid for cid in plain if cid in h.revoked) == plain  # all of them, at once
+    for cid in plain:
+        h.return_credit(cid)
+    relent = _share(h)
+    assert len(relent) == 4 and all(h.lent[cid][1].local_queue is not None for cid in relent)

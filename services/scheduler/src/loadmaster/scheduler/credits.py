@@ -216,7 +216,8 @@ class CreditBook:
         slot of the model is lent: else its queued requests could wait while a slot nobody
         was lent stays idle. So when `limit` leaves free slots unlent, the new credits carry no
         spec and credits that carried one are revoked; and without a spec a model is lent to a
-        sole borrower only."""
+        sole borrower only. Credits out without a spec when one could be given are revoked, to
+        come back with it."""
         borrowers = self.borrowers(model_id, now)
         if not borrowers:
             return
@@ -224,7 +225,14 @@ class CreditBook:
         while self.lent(model_id) < limit and (worker_id := pick()) is not None:
             lent.append(self._new_credit(model_id, borrowers[0], worker_id, ttl_ms))
         spec = local_queue() if pick() is None else None  # a whole share (perhaps split), or none
-        spec_out = any(self._credits[i].local_queue for i in self._by_model.get(model_id, ()))
+        out = [self._credits[i] for i in self._by_model.get(model_id, ())]
+        spec_out = any(c.local_queue for c in out)
+        if spec is not None and not lent and not spec_out:
+            # Lent without a spec before the model was measured short (unmeasured, or its
+            # requests were long for a while): take them back, no pause, to lend them again
+            # with one, instead of waiting for a request to queue here first.
+            self._revoke(out)
+            return
         if spec is None and (spec_out or len(borrowers) > 1):
             for credit in lent:  # never sent: take them back unseen
                 self._forget(credit)
