@@ -106,7 +106,7 @@ class _WorkerDouble:
     def __init__(self) -> None:
         self.sent: list[str] = []
 
-    def send(self, endpoint: str, envelope: bytes, payload: Any, *, batch: bool = False) -> None:
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
         self.sent.append(model_pool_pb2.InferRequest.FromString(envelope).request_id)
 
 

@@ -1,6 +1,6 @@
 """WorkerLinks over a local link (a Unix socket to a worker on this host): an idle worker gets a
-call at once; batchable calls sent while others are unanswered leave together at the end of the
-loop turn, in one write, in order; a call not sent as batchable always goes at once."""
+call at once; calls sent while others are unanswered leave together at the end of the loop turn,
+in one write, in order; a generation message always goes at once."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import zmq.asyncio
 
 from loadmaster.common import local_link
+from loadmaster.common.framing import GENERATE_CANCEL_FRAME
 from loadmaster.gateway.worker_link import WorkerLinks
 from loadmaster.v1 import model_pool_pb2
 
@@ -37,7 +38,10 @@ class _Worker:
         self.links.append(local_link.FrameSocket(conn, self._request, print, name="worker"))
 
     def _request(self, frames: list[memoryview]) -> None:
-        self.received.append(model_pool_pb2.InferRequest.FromString(frames[1]).request_id)
+        if bytes(frames[0]) == GENERATE_CANCEL_FRAME:
+            self.received.append("cancel")
+        else:
+            self.received.append(model_pool_pb2.InferRequest.FromString(frames[1]).request_id)
 
     def answer(self, request_id: str) -> None:
         reply = model_pool_pb2.InferResponse(request_id=request_id, worker_id="w")
@@ -89,9 +93,8 @@ async def test_an_idle_worker_gets_a_call_at_once_a_busy_one_the_turns_calls_in_
     replies: list[str] = []
     links = WorkerLinks(context, lambda reply, _payload: replies.append(reply.request_id))
 
-    def send(request_id: str, *, batch: bool = True) -> None:
-        envelope = model_pool_pb2.InferRequest(request_id=request_id).SerializeToString()
-        links.send(endpoint, envelope, b"", batch=batch)
+    def send(request_id: str) -> None:
+        links.send(endpoint, model_pool_pb2.InferRequest(request_id=request_id).SerializeToString(), b"")
 
     try:
         send("r0")
@@ -109,15 +112,15 @@ async def test_an_idle_worker_gets_a_call_at_once_a_busy_one_the_turns_calls_in_
         assert counted.writes == 1
         await _until(lambda: worker.received == ["r0", "r1", "r2", "r3"])
         assert counted.writes == 2
-        send("r4", batch=False)  # r1-r3 unanswered, but not batchable: at once
+        links.send_generation(endpoint, GENERATE_CANCEL_FRAME, b"")  # r1-r3 unanswered; a generation: at once
         assert counted.writes == 3
 
-        for request_id in ("r1", "r2", "r3", "r4"):
+        for request_id in ("r1", "r2", "r3"):
             worker.answer(request_id)
-        await _until(lambda: len(replies) == 5)
-        send("r5")  # all answered: the worker is idle again, and gets it at once
+        await _until(lambda: len(replies) == 4)
+        send("r4")  # all answered: the worker is idle again, and gets it at once
         assert counted.writes == 4
-        await _until(lambda: worker.received[-1] == "r5")
+        await _until(lambda: worker.received[-1] == "r4")
     finally:
         await links.close()
         worker.close()

@@ -32,7 +32,7 @@ class _Scheduler:
 
 
 class _Workers:
-    def send(self, endpoint: str, envelope: bytes, payload: Any, *, batch: bool = False) -> None:
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
         pass
 
 

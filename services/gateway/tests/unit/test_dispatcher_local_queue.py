@@ -59,11 +59,9 @@ class _SchedulerDouble:
 class _WorkersDouble:
     def __init__(self) -> None:
         self.sent: list[tuple[str, model_pool_pb2.InferRequest]] = []
-        self.batched: list[bool] = []  # per call sent: whether it may share a write
 
-    def send(self, endpoint: str, envelope: bytes, payload: Any, *, batch: bool = False) -> None:
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
         self.sent.append((endpoint, model_pool_pb2.InferRequest.FromString(envelope)))
-        self.batched.append(batch)
 
 
 Parts = tuple[Dispatcher, _SchedulerDouble, _WorkersDouble, list[CallResult]]
@@ -228,12 +226,6 @@ async def test_a_credit_without_a_spec_stops_local_queueing_but_serves_those_wai
     dispatcher.submit(_call("r3"), results.append)  # both busy, no local queue now
     assert _sent(workers) == ["r1", "r2"]
     assert scheduler.order[-1] == "enqueue r3"
-    dispatcher.on_grant(
-        scheduler_pb2.Grant(request_id="r3", worker_id="w1", data_endpoint="tcp://w1", attempt=1)
-    )
-    assert _sent(workers) == ["r1", "r2", "r3"]
-    # Every tensor call, on a credit or granted, may wait for the loop turn's others to share a write.
-    assert workers.batched == [True, True, True]
 
 
 async def test_a_cancelled_waiting_call_is_never_sent_nor_reported(parts: Parts) -> None:

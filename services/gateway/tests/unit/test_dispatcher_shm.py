@@ -50,7 +50,7 @@ class _Workers:
         self.sent: list[tuple[str, model_pool_pb2.InferRequest, bytes]] = []
         self.refuse = False
 
-    def send(self, endpoint: str, envelope: bytes, payload: Any, *, batch: bool = False) -> None:
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
         if self.refuse:
             raise UnavailableError(f"{endpoint} refused")
         self.sent.append((endpoint, model_pool_pb2.InferRequest.FromString(envelope), bytes(payload)))

@@ -426,8 +426,7 @@ class Dispatcher:
         front: bool = False,
     ) -> None:
         """Send the call to a worker's data port and arm its reply watchdog; on
-        `UnavailableError` the call is back to waiting (the caller tells the scheduler).
-        To a busy worker the call may leave with the loop turn's others (WorkerLinks.send)."""
+        `UnavailableError` the call is back to waiting (the caller tells the scheduler)."""
         call = pending.call
         request = model_pool_pb2.InferRequest(
             request_id=call.request_id,
@@ -455,7 +454,7 @@ class Dispatcher:
         pending.shm = slot
         pending.lost = False
         try:
-            self._workers.send(endpoint, request.SerializeToString(), payload, batch=True)
+            self._workers.send(endpoint, request.SerializeToString(), payload)
         except UnavailableError as error:
             log.warning(
                 "sending to worker %s failed: %s",

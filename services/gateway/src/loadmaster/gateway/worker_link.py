@@ -33,8 +33,7 @@ listens on one (loadmaster.common.local_link: ~80 us less per call, no I/O threa
 is lost when the kernel closes it (the worker died) or when the worker's process is seen
 stopped (SIGSTOP: a Unix socket has no heartbeat answered by a native thread, so the gateway
 reads the process's state every `zmtp_probe_every_s`); a worker that does not listen there is
-reached over ZMQ as any other. A tensor call (sent with `batch`) to a local worker with calls
-unanswered waits for the end of the loop turn and leaves in one write with the turn's other
+reached over ZMQ as any other. A tensor call to a local worker with calls unanswered waits for the end of the loop turn and leaves in one write with the turn's other
 calls (Nagle's rule: the worker is at work, and one wake-up serves them all); to an idle worker
 it goes out at once. At 8 clients on `double` that took the suite from ~410 to ~330 us of CPU
 a call, and left a lone client's latency as it was (docs/data-path.md). Generation messages
@@ -206,11 +205,11 @@ class WorkerLinks:
         """The endpoints whose links are up (for logs and tests)."""
         return sorted(endpoint for endpoint, link in self._links.items() if link.up)
 
-    def send(self, endpoint: str, envelope: bytes, payload: Any, *, batch: bool = False) -> None:
+    def send(self, endpoint: str, envelope: bytes, payload: Any) -> None:
         """Queue one request for `endpoint`; raise `UnavailableError` when it cannot be queued.
-        `batch`: a local worker with calls unanswered gets it at the end of the loop turn, in one
-        write with the turn's others."""
-        link = self._send(endpoint, (b"", envelope, payload), batch=batch)
+        A local worker with calls unanswered gets it at the end of the loop turn, in one write
+        with the turn's others."""
+        link = self._send(endpoint, (b"", envelope, payload), batch=True)
         link.unanswered += 1
 
     def send_generation(self, endpoint: str, kind: bytes, envelope: bytes) -> None:
