@@ -35,6 +35,14 @@ def h(make_harness: MakeHarness) -> Harness:
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("a0", session=A)
     h.complete("a0", session=A, inference_ms=0.2)
+    # The credits lent before a0 measured the model carry no spec: the next dispatch takes
+    # them back, and A hands them back (idle), to be lent again with one.
+    [spec_credit] = [cid for cid, (_, c) in h.lent.items() if c.local_queue is not None]
+    h.finished("a0.settle", spec_credit, session=A, inference_ms=0.2)  # a run on it: a dispatch
+    for cid in list(h.revoked):
+        if cid in h.lent:
+            h.return_credit(cid, session=A)
+    h.revoked.clear()  # settled: the tests count revocations from here
     return h
 
 
@@ -226,3 +234,25 @@ def test_a_model_measured_short_again_gets_its_local_queue_back_without_a_queue_
         h.return_credit(cid)
     relent = _share(h)
     assert len(relent) == 4 and all(h.lent[cid][1].local_queue is not None for cid in relent)
+
+
+def test_credits_lent_before_the_first_measurement_are_taken_back_beside_those_with_a_spec(
+    make_harness: MakeHarness,
+) -> None:
+    """a0 ran on a granted slot while the model was unmeasured: the three other slots went out
+    without a spec, and a0's slot with one once it measured the model. Runs on the three are
+    reported one by one, so the next dispatch takes them back (not the one with a spec), and
+    they are lent again with one."""
+    h = make_harness(max_inflight=lambda model_id: 4)
+    h.core.accept_credits(A)
+    h.worker("w1", ["m"], ready=["m"])
+    h.enqueue("a0", session=A)
+    h.complete("a0", session=A, inference_ms=0.2)
+    plain = sorted(cid for cid, (_, c) in h.lent.items() if c.local_queue is None)
+    [with_spec] = [cid for cid, (_, c) in h.lent.items() if c.local_queue is not None]
+    assert len(plain) == 3 and not h.revoked
+    h.finished("r1", with_spec, session=A, inference_ms=0.2)
+    assert sorted(h.revoked) == plain
+    for cid in plain:
+        h.return_credit(cid)
+    assert len(h.lent) == 4 and all(c.local_queue is not None for _, c in h.lent.values())

@@ -227,11 +227,12 @@ class CreditBook:
         spec = local_queue() if pick() is None else None  # a whole share (perhaps split), or none
         out = [self._credits[i] for i in self._by_model.get(model_id, ())]
         spec_out = any(c.local_queue for c in out)
-        if spec is not None and not lent and not spec_out:
+        if spec is not None and not lent and (plain := [c for c in out if c.local_queue is None]):
             # Lent without a spec before the model was measured short (unmeasured, or its
-            # requests were long for a while): take them back, no pause, to lend them again
-            # with one, instead of waiting for a request to queue here first.
-            self._revoke(out)
+            # requests were long for a while), perhaps beside credits lent since with one: take
+            # them back, no pause, to lend them again with one (runs on a credit without a spec
+            # are reported one by one; on one with a spec they are only counted).
+            self._revoke(plain)
             return
         if spec is None and (spec_out or len(borrowers) > 1):
             for credit in lent:  # never sent: take them back unseen
