@@ -225,6 +225,17 @@ class Harness:
         completion = Completion(request_id, error, retryable, worker_id, inference_ms)
         self.core.submit(session, Submission(finished=[FinishedRun(CreditRun(credit_id, info), completion)]))
 
+    def settle_share(self, session: int) -> None:
+        """Credits lent before the model's first measurement carry no spec: a run on the one
+        that does makes a dispatch, which takes them back; the gateway hands them back (idle)
+        and they are lent again with one. Revocations are counted from here."""
+        [spec_credit] = [cid for cid, (_, c) in self.lent.items() if c.local_queue is not None]
+        self.finished("settle", spec_credit, session=session, inference_ms=0.2)
+        for cid in list(self.revoked):
+            if cid in self.lent:
+                self.return_credit(cid, session=session)
+        self.revoked.clear()
+
     def return_credit(self, credit_id: str, *, session: int = 1) -> None:
         self.lent.pop(credit_id, None)
         self.core.submit(session, Submission(returns=[credit_id]))

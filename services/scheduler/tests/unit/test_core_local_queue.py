@@ -35,14 +35,7 @@ def h(make_harness: MakeHarness) -> Harness:
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("a0", session=A)
     h.complete("a0", session=A, inference_ms=0.2)
-    # The credits lent before a0 measured the model carry no spec: the next dispatch takes
-    # them back, and A hands them back (idle), to be lent again with one.
-    [spec_credit] = [cid for cid, (_, c) in h.lent.items() if c.local_queue is not None]
-    h.finished("a0.settle", spec_credit, session=A, inference_ms=0.2)  # a run on it: a dispatch
-    for cid in list(h.revoked):
-        if cid in h.lent:
-            h.return_credit(cid, session=A)
-    h.revoked.clear()  # settled: the tests count revocations from here
+    h.settle_share(A)  # the credits lent before a0 measured the model come back with a spec
     return h
 
 
