@@ -33,9 +33,9 @@ listens on one (loadmaster.common.local_link: ~80 us less per call, no I/O threa
 is lost when the kernel closes it (the worker died) or when the worker's process is seen
 stopped (SIGSTOP: a Unix socket has no heartbeat answered by a native thread, so the gateway
 reads the process's state every `zmtp_probe_every_s`); a worker that does not listen there is
-reached over ZMQ as any other. A tensor call to a local worker with calls unanswered waits for the end of the loop turn and leaves in one write with the turn's other
-calls (Nagle's rule: the worker is at work, and one wake-up serves them all); to an idle worker
-it goes out at once. At 8 clients on `double` that took the suite from ~410 to ~330 us of CPU
+reached over ZMQ as any other. A tensor call to a local worker with calls unanswered waits for
+the end of the loop turn and leaves in one write with the turn's other calls (Nagle's rule: the
+worker is at work, and one wake-up serves them all); to an idle worker it goes out at once. At 8 clients on `double` that took the suite from ~410 to ~330 us of CPU
 a call, and left a lone client's latency as it was (docs/data-path.md). Generation messages
 always go at once.
 
