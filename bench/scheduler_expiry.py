@@ -119,7 +119,7 @@ async def measure(address: str, requests: int, rate: float) -> dict[str, Any]:
 
         reader = asyncio.create_task(read())
         blocker = scheduler_pb2.RequestInfo(request_id="blocker", model_id="m", client_id="blocker")
-        await session.write(scheduler_pb2.SessionRequest(enqueue=[scheduler_pb2.Enqueue(request=blocker)]))
+        await session.write(scheduler_pb2.SessionRequest(enqueue=[blocker]))
         while not granted:  # the worker's one slot is now taken for good
             await asyncio.sleep(0.01)
         rng = random.Random(1)
@@ -132,7 +132,7 @@ async def measure(address: str, requests: int, rate: float) -> dict[str, Any]:
                 request_id=rid, model_id="m", client_id=f"c{i % 8}", priority=i % 3, timeout_ms=timeout_ms
             )
             sent[rid] = time.monotonic() + timeout_ms / 1000.0
-            await session.write(scheduler_pb2.SessionRequest(enqueue=[scheduler_pb2.Enqueue(request=info)]))
+            await session.write(scheduler_pb2.SessionRequest(enqueue=[info]))
             next_at += period
             delay = next_at - time.monotonic()
             if delay > 0:

@@ -81,3 +81,23 @@ def test_breaking_would_catch_a_removed_field(tmp_path: Path) -> None:
     result = buf("breaking", str(tmp_path), "--against", str(ROOT))
     assert result.returncode != 0
     assert "response_id" in result.stdout
+
+
+def test_the_internal_scheduler_file_may_drop_a_field_only_with_its_number_reserved(tmp_path: Path) -> None:
+    # scheduler.proto is internal (docs/clients.md, "Internal contracts"): a field may go, but
+    # its number must stay reserved; the same deletion in a public file is breaking (above).
+    def deleted(reserve: bool) -> subprocess.CompletedProcess[str]:
+        copy = tmp_path / ("reserved" if reserve else "bare")
+        shutil.copytree(ROOT / "protos", copy / "protos")
+        shutil.copy(ROOT / "buf.yaml", copy / "buf.yaml")
+        scheduler = copy / "protos" / "loadmaster" / "v1" / "scheduler.proto"
+        text = scheduler.read_text()
+        field = "  repeated LocalQueueDepth local_queue_depth = 7;\n"
+        assert field in text
+        scheduler.write_text(text.replace(field, "  reserved 7;\n" if reserve else ""))
+        return buf("breaking", str(copy), "--against", str(ROOT))
+
+    assert deleted(reserve=True).returncode == 0
+    bare = deleted(reserve=False)
+    assert bare.returncode != 0
+    assert 'field "7" with name "local_queue_depth"' in bare.stdout

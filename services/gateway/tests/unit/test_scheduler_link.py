@@ -42,8 +42,8 @@ def _ids(message: scheduler_pb2.SessionRequest) -> dict[str, list[str]]:
     return {
         "complete": [c.request_id for c in message.complete],
         "finished": [f.request.request_id for f in message.finished_run],
-        "return": [r.credit_id for r in message.return_credit],
-        "enqueue": [e.request.request_id for e in message.enqueue],
+        "return": list(message.return_credit),
+        "enqueue": [e.request_id for e in message.enqueue],
         "tally": [f"{t.model_id}/{t.worker_id}: {t.runs} runs, {t.failed} failed" for t in message.run_tally],
     }
 
@@ -70,7 +70,7 @@ async def test_credit_runs_wait_for_the_report_delay_and_leave_together(session)
         "tally": ["double/w1: 2 runs, 1 failed"],
     }
     assert message.run_tally[0].inference_ms == 0.75
-    assert message.enqueue[0].request.credit_id == "c1"
+    assert message.enqueue[0].credit_id == "c1"
     assert not link._outbox
 
 

@@ -61,25 +61,23 @@ async def test_commands_are_obeyed_and_reported(worker: ModelPoolServer, schedul
     fake, _ = scheduler
     await fake.wait_for(lambda m: states(m).get("policy") == READY)
     mark = len(fake.messages)
-    fake.command(scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id="policy")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(unload="policy"))
     await fake.wait_for(lambda m: states(m).get("policy") == IDLE, after=mark)
     mark = len(fake.messages)
-    fake.command(scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="policy")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(load="policy"))
     report = await fake.wait_for(lambda m: states(m).get("policy") == READY, after=mark)
     assert {m.model_id: m.generation for m in report.report.models}["policy"] == 2
     # A load that fails (no artifact generated for the classifier here) is reported with its error.
     mark = len(fake.messages)
-    fake.command(scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="classifier")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(load="classifier"))
     report = await fake.wait_for(
         lambda m: any(x.model_id == "classifier" and x.error for x in m.report.models), after=mark
     )
     classifier = next(x for x in report.report.models if x.model_id == "classifier")
     assert classifier.state == IDLE and "make models" in classifier.error
-    fake.command(
-        scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="no-such-model"))
-    )
+    fake.command(scheduler_pb2.WorkerSessionResponse(load="no-such-model"))
     mark = len(fake.messages)
-    fake.command(scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id="double")))
+    fake.command(scheduler_pb2.WorkerSessionResponse(unload="double"))
     await fake.wait_for(lambda m: states(m).get("double") == IDLE, after=mark)  # still obeying
     assert fake.sessions == 1
 
@@ -131,10 +129,8 @@ async def test_changes_after_several_reconnects_reach_the_newest_session(
     assert len(_open_streams()) == 1
     for _ in range(3):  # each change once: a stale stream that took one would leave it unheard
         mark = len(fake.messages)
-        fake.command(
-            scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id="policy"))
-        )
+        fake.command(scheduler_pb2.WorkerSessionResponse(unload="policy"))
         await fake.wait_for(lambda m: states(m).get("policy") == IDLE, after=mark, timeout_s=5)
         mark = len(fake.messages)
-        fake.command(scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id="policy")))
+        fake.command(scheduler_pb2.WorkerSessionResponse(load="policy"))
         await fake.wait_for(lambda m: states(m).get("policy") == READY, after=mark, timeout_s=5)

@@ -39,7 +39,7 @@ class GatewayClient:
 
     async def enqueue(self, request_id: str, model_id: str, **fields: Any) -> None:
         info = scheduler_pb2.RequestInfo(request_id=request_id, model_id=model_id, **fields)
-        await self.call.write(scheduler_pb2.SessionRequest(enqueue=[scheduler_pb2.Enqueue(request=info)]))
+        await self.call.write(scheduler_pb2.SessionRequest(enqueue=[info]))
 
     async def complete(self, grant: scheduler_pb2.Grant, **fields: Any) -> None:
         done = scheduler_pb2.Complete(request_id=grant.request_id, worker_id=grant.worker_id, **fields)

@@ -100,7 +100,7 @@ async def test_a_cold_model_is_loaded_and_granted_only_once_ready(scheduler: Sch
     gateway = await scheduler.gateway()
     await gateway.enqueue("r1", "cold")
     command = await worker.command()
-    assert command.WhichOneof("kind") == "load" and command.load.model_id == "cold"
+    assert command.WhichOneof("kind") == "load" and command.load == "cold"
     await worker.report({"cold": LOADING})
     receive = asyncio.create_task(gateway.outcome("r1"))
     await asyncio.sleep(0.05)

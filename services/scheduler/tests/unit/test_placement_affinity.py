@@ -107,5 +107,5 @@ def test_same_prefix_requests_go_to_the_worker_holding_it_when_two_workers_serve
 
 def test_the_key_crosses_the_wire() -> None:
     info = scheduler_pb2.RequestInfo(request_id="r1", model_id="m", affinity_key="0123abcd")
-    pb = scheduler_pb2.SessionRequest(enqueue=[scheduler_pb2.Enqueue(request=info)])
+    pb = scheduler_pb2.SessionRequest(enqueue=[info])
     assert wire.submission(pb).enqueues == [RequestInfo("r1", "m", affinity_key="0123abcd")]

@@ -24,29 +24,25 @@ from loadmaster.v1 import errors_pb2, model_pool_pb2, scheduler_pb2
 def test_submission_translates_every_kind() -> None:
     pb = scheduler_pb2.SessionRequest(
         enqueue=[
-            scheduler_pb2.Enqueue(
-                request=scheduler_pb2.RequestInfo(
-                    request_id="r1",
-                    model_id="m",
-                    client_id="c",
-                    priority=2,
-                    urgency=0.5,
-                    timeout_ms=20,
-                    steps_remaining=3,
-                )
+            scheduler_pb2.RequestInfo(
+                request_id="r1",
+                model_id="m",
+                client_id="c",
+                priority=2,
+                urgency=0.5,
+                timeout_ms=20,
+                steps_remaining=3,
             ),
-            scheduler_pb2.Enqueue(request=scheduler_pb2.RequestInfo(request_id="r2", model_id="m")),
-            scheduler_pb2.Enqueue(
-                request=scheduler_pb2.RequestInfo(request_id="r3", model_id="m", credit_id="c7")
-            ),
+            scheduler_pb2.RequestInfo(request_id="r2", model_id="m"),
+            scheduler_pb2.RequestInfo(request_id="r3", model_id="m", credit_id="c7"),
         ],
         complete=[
             scheduler_pb2.Complete(
                 request_id="r0", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True, worker_id="w"
             )
         ],
-        cancel=[scheduler_pb2.Cancel(request_id="r9")],
-        return_credit=[scheduler_pb2.ReturnCredit(credit_id="c5")],
+        cancel=["r9"],
+        return_credit=["c5"],
         finished_run=[
             scheduler_pb2.FinishedRun(
                 request=scheduler_pb2.RequestInfo(request_id="r4", model_id="m", credit_id="c7"),
@@ -94,7 +90,7 @@ def test_session_response_carries_credits_and_revocations() -> None:
         generation=2,
         request_ttl_ms=250.0,
     )
-    assert [r.credit_id for r in response.revokes] == ["c0"]
+    assert list(response.revokes) == ["c0"]
 
 
 def test_worker_messages_and_admin_round_trip() -> None:
@@ -117,7 +113,7 @@ def test_worker_messages_and_admin_round_trip() -> None:
     listed = wire.list_workers_response([WorkerView(hello, (slot,))])
     assert listed.workers[0].repository == ["a", "b"]
     assert listed.workers[0].models[0] == status
-    assert wire.worker_command(LoadModel("a")).load.model_id == "a"
+    assert wire.worker_command(LoadModel("a")).load == "a"
     assert wire.worker_command(UnloadModel("a")).WhichOneof("kind") == "unload"
     queues = wire.get_queues_response([QueueStats("a", 1, 2, 3, 4, 5)], "priority")
     assert queues.strategy == "priority"

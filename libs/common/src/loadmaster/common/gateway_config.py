@@ -285,7 +285,7 @@ class GatewaySettings(ServiceEndpoint):
     http_port: int = 8000
     limits: LimitsSettings = LimitsSettings()
     auth: AuthSettings = AuthSettings()
-    # Gateway -> scheduler: Enqueue/Complete are batched on the stream while it is busy.
+    # Gateway -> scheduler: enqueues and completes are batched on the stream while it is busy.
     max_stream_batch: int = Field(default=256, ge=1)
     shm: SharedMemorySettings = SharedMemorySettings()
     # Reports of dispatch-credit runs wait up to this long to share a stream message.

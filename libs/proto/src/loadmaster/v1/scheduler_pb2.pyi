@@ -47,12 +47,6 @@ class RequestInfo(_message.Message):
     connection_bound: bool
     def __init__(self, request_id: _Optional[str] = ..., client_id: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., urgency: _Optional[float] = ..., steps_remaining: _Optional[int] = ..., received_unix_ns: _Optional[int] = ..., timeout_ms: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., client_type: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., credit_id: _Optional[str] = ..., affinity_key: _Optional[str] = ..., connection_bound: _Optional[bool] = ...) -> None: ...
 
-class Enqueue(_message.Message):
-    __slots__ = ("request",)
-    REQUEST_FIELD_NUMBER: _ClassVar[int]
-    request: RequestInfo
-    def __init__(self, request: _Optional[_Union[RequestInfo, _Mapping]] = ...) -> None: ...
-
 class Complete(_message.Message):
     __slots__ = ("request_id", "error_code", "retryable", "worker_id", "inference_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,12 +61,6 @@ class Complete(_message.Message):
     inference_ms: float
     def __init__(self, request_id: _Optional[str] = ..., error_code: _Optional[_Union[_errors_pb2.ErrorCode, str]] = ..., retryable: _Optional[bool] = ..., worker_id: _Optional[str] = ..., inference_ms: _Optional[float] = ...) -> None: ...
 
-class Cancel(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
 class SessionHello(_message.Message):
     __slots__ = ("gateway_id", "accepts_credits")
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
@@ -80,12 +68,6 @@ class SessionHello(_message.Message):
     gateway_id: str
     accepts_credits: bool
     def __init__(self, gateway_id: _Optional[str] = ..., accepts_credits: _Optional[bool] = ...) -> None: ...
-
-class ReturnCredit(_message.Message):
-    __slots__ = ("credit_id",)
-    CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
-    credit_id: str
-    def __init__(self, credit_id: _Optional[str] = ...) -> None: ...
 
 class FinishedRun(_message.Message):
     __slots__ = ("request", "complete")
@@ -120,14 +102,14 @@ class SessionRequest(_message.Message):
     LOCAL_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     RUN_TALLY_FIELD_NUMBER: _ClassVar[int]
     hello: SessionHello
-    enqueue: _containers.RepeatedCompositeFieldContainer[Enqueue]
+    enqueue: _containers.RepeatedCompositeFieldContainer[RequestInfo]
     complete: _containers.RepeatedCompositeFieldContainer[Complete]
-    cancel: _containers.RepeatedCompositeFieldContainer[Cancel]
-    return_credit: _containers.RepeatedCompositeFieldContainer[ReturnCredit]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    return_credit: _containers.RepeatedScalarFieldContainer[str]
     finished_run: _containers.RepeatedCompositeFieldContainer[FinishedRun]
     local_queue_depth: _containers.RepeatedCompositeFieldContainer[LocalQueueDepth]
     run_tally: _containers.RepeatedCompositeFieldContainer[RunTally]
-    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[Enqueue, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_credit: _Optional[_Iterable[_Union[ReturnCredit, _Mapping]]] = ..., finished_run: _Optional[_Iterable[_Union[FinishedRun, _Mapping]]] = ..., local_queue_depth: _Optional[_Iterable[_Union[LocalQueueDepth, _Mapping]]] = ..., run_tally: _Optional[_Iterable[_Union[RunTally, _Mapping]]] = ...) -> None: ...
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., enqueue: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., complete: _Optional[_Iterable[_Union[Complete, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ..., return_credit: _Optional[_Iterable[str]] = ..., finished_run: _Optional[_Iterable[_Union[FinishedRun, _Mapping]]] = ..., local_queue_depth: _Optional[_Iterable[_Union[LocalQueueDepth, _Mapping]]] = ..., run_tally: _Optional[_Iterable[_Union[RunTally, _Mapping]]] = ...) -> None: ...
 
 class LocalQueueDepth(_message.Message):
     __slots__ = ("model_id", "waiting", "outstanding_s")
@@ -218,12 +200,6 @@ class LocalQueue(_message.Message):
     reject_newest: bool
     def __init__(self, strategy: _Optional[str] = ..., priority_step_ms: _Optional[float] = ..., urgency_weight: _Optional[float] = ..., steps_horizon: _Optional[int] = ..., service_ms: _Optional[float] = ..., latency_budget_ms: _Optional[float] = ..., client_latency_budget_ms: _Optional[_Mapping[str, float]] = ..., cadence_alpha: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., reject_newest: _Optional[bool] = ...) -> None: ...
 
-class RevokeCredit(_message.Message):
-    __slots__ = ("credit_id",)
-    CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
-    credit_id: str
-    def __init__(self, credit_id: _Optional[str] = ...) -> None: ...
-
 class SessionResponse(_message.Message):
     __slots__ = ("grants", "rejects", "credits", "revokes", "placements")
     GRANTS_FIELD_NUMBER: _ClassVar[int]
@@ -234,9 +210,9 @@ class SessionResponse(_message.Message):
     grants: _containers.RepeatedCompositeFieldContainer[Grant]
     rejects: _containers.RepeatedCompositeFieldContainer[Reject]
     credits: _containers.RepeatedCompositeFieldContainer[Credit]
-    revokes: _containers.RepeatedCompositeFieldContainer[RevokeCredit]
+    revokes: _containers.RepeatedScalarFieldContainer[str]
     placements: _containers.RepeatedCompositeFieldContainer[Placement]
-    def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., rejects: _Optional[_Iterable[_Union[Reject, _Mapping]]] = ..., credits: _Optional[_Iterable[_Union[Credit, _Mapping]]] = ..., revokes: _Optional[_Iterable[_Union[RevokeCredit, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
+    def __init__(self, grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., rejects: _Optional[_Iterable[_Union[Reject, _Mapping]]] = ..., credits: _Optional[_Iterable[_Union[Credit, _Mapping]]] = ..., revokes: _Optional[_Iterable[str]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("model_id", "workers")
@@ -309,27 +285,15 @@ class TenantServices(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[TenantService]
     def __init__(self, models: _Optional[_Iterable[_Union[TenantService, _Mapping]]] = ...) -> None: ...
 
-class LoadCommand(_message.Message):
-    __slots__ = ("model_id",)
-    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    model_id: str
-    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
-
-class UnloadCommand(_message.Message):
-    __slots__ = ("model_id",)
-    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    model_id: str
-    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
-
 class WorkerSessionResponse(_message.Message):
     __slots__ = ("load", "unload", "remote_service")
     LOAD_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_FIELD_NUMBER: _ClassVar[int]
     REMOTE_SERVICE_FIELD_NUMBER: _ClassVar[int]
-    load: LoadCommand
-    unload: UnloadCommand
+    load: str
+    unload: str
     remote_service: TenantServices
-    def __init__(self, load: _Optional[_Union[LoadCommand, _Mapping]] = ..., unload: _Optional[_Union[UnloadCommand, _Mapping]] = ..., remote_service: _Optional[_Union[TenantServices, _Mapping]] = ...) -> None: ...
+    def __init__(self, load: _Optional[str] = ..., unload: _Optional[str] = ..., remote_service: _Optional[_Union[TenantServices, _Mapping]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -1,6 +1,6 @@
 """Generation streams through the suite: the `Generations` port behind the OpenAI routes.
 
-A generation is queued like any request: `Enqueue` to the scheduler (priority, urgency,
+A generation is queued like any request: `enqueue` to the scheduler (priority, urgency,
 client, the deadline as `timeout_ms`), whose strategy orders it among the model's waiting
 requests. Its Grant is a sequence slot, held until the stream's terminal reply, then given
 back with `Complete`. The gateway sends `GenerateRequest` to the granted worker over the
@@ -15,7 +15,7 @@ existing data link (the frame names the message: loadmaster.common.framing) and 
 
 Every stream's replies are checked for order and exactly-once (sequence numbers without a
 gap, nothing after the terminal); a broken stream fails with `internal`. Closing the chunk
-iterator early (the HTTP client left) cancels: `Cancel` to the scheduler while queued, a
+iterator early (the HTTP client left) cancels: `cancel` to the scheduler while queued, a
 `CancelGeneration` to the worker once granted (its sequence is freed at the next decode
 step; the slot is completed when the cancelled terminal arrives, or after a grace if it
 never does). A deadline that passes while queued is the scheduler's Reject `expired`,

@@ -1,6 +1,6 @@
 """The gateway's one long-lived `Session` stream to the scheduler.
 
-Enqueue / Complete / Cancel / ReturnCredit calls only append to an outbox; a
+`enqueue` / `complete` / `cancel` / `return_credit` calls only append to an outbox; a
 writer task sends everything pending as one `SessionRequest`, so messages batch
 by themselves under load. Grants, Rejects, Credits and credit revocations are
 handed to callbacks.
@@ -8,7 +8,7 @@ handed to callbacks.
 Reports about requests run on dispatch credits (`report_run`, and `complete(...,
 deferred=True)`) nothing waits on: the credit's slot stays lent either way. So
 they wait up to `report_delay_s`, or until something that cannot wait goes out.
-A run still running when its report leaves goes as an Enqueue with its credit id
+A run still running when its report leaves is enqueued with its credit id
 (its RequestInfo is built only then); a run that ended before needs nothing more
 from the scheduler and is only counted, in a `RunTally` per model and worker, unless
 it failed retryably (then one `FinishedRun`: the scheduler queues it again). Under
@@ -71,13 +71,13 @@ class _Outbox:
     `runs`, its earlier runs are in `finished` or their Completes in `completes`: runs go
     out only in a message that empties those two lists."""
 
-    enqueues: list[scheduler_pb2.Enqueue] = field(default_factory=list)
+    enqueues: list[scheduler_pb2.RequestInfo] = field(default_factory=list)
     # Credit runs not sent yet, by request id: a Complete for one of them makes it finished.
     runs: dict[str, _Run] = field(default_factory=dict)
     tallies: dict[tuple[str, str], _Tally] = field(default_factory=dict)  # (model, worker) -> ended runs
     completes: list[scheduler_pb2.Complete] = field(default_factory=list)
-    cancels: list[scheduler_pb2.Cancel] = field(default_factory=list)
-    returns: list[scheduler_pb2.ReturnCredit] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # request ids
+    returns: list[str] = field(default_factory=list)  # credit ids
     finished: list[scheduler_pb2.FinishedRun] = field(default_factory=list)
     # model -> its local queue's new depth, and the demand since the last report (call-seconds)
     depths: dict[str, tuple[int, float]] = field(default_factory=dict)
@@ -169,7 +169,7 @@ class SchedulerLink:
 
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
         """Queue a request for a grant."""
-        self._outbox.enqueues.append(scheduler_pb2.Enqueue(request=request))
+        self._outbox.enqueues.append(request)
         self._outbox.now()
 
     def report_run(
@@ -242,12 +242,12 @@ class SchedulerLink:
 
     def cancel(self, request_id: str) -> None:
         if self.connected:
-            self._outbox.cancels.append(scheduler_pb2.Cancel(request_id=request_id))
+            self._outbox.cancels.append(request_id)
             self._outbox.now()
 
     def return_credit(self, credit_id: str) -> None:
         if self.connected:
-            self._outbox.returns.append(scheduler_pb2.ReturnCredit(credit_id=credit_id))
+            self._outbox.returns.append(credit_id)
             self._outbox.now()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -302,7 +302,7 @@ class SchedulerLink:
                     outbox.depths.clear()
                 if not (outbox.completes or outbox.finished):  # see _Outbox
                     for request_id in list(itertools.islice(outbox.runs, batch)):
-                        message.enqueue.add(request=outbox.runs.pop(request_id).info())
+                        message.enqueue.append(outbox.runs.pop(request_id).info())
                     message.enqueue.extend(outbox.enqueues[:batch])
                     del outbox.enqueues[:batch]
                 yield message
@@ -338,8 +338,8 @@ class SchedulerLink:
                         for reject in response.rejects:
                             self._on_reject(reject)
                         if self._on_revoke is not None:
-                            for revoke in response.revokes:
-                                self._on_revoke(revoke.credit_id)
+                            for credit_id in response.revokes:
+                                self._on_revoke(credit_id)
                         if self._on_placement is not None:
                             for placement in response.placements:
                                 self._on_placement(placement)

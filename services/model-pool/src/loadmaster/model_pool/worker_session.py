@@ -178,11 +178,11 @@ class WorkerSession:
     def _obey(self, command: scheduler_pb2.WorkerSessionResponse) -> None:
         kind = command.WhichOneof("kind")
         if kind == "load":
-            self._background(self._pool.load(command.load.model_id), f"load {command.load.model_id}")
+            self._background(self._pool.load(command.load), f"load {command.load}")
         elif kind == "unload":
             self._background(
-                self._pool.unload(command.unload.model_id, reason="scheduler command"),
-                f"unload {command.unload.model_id}",
+                self._pool.unload(command.unload, reason="scheduler command"),
+                f"unload {command.unload}",
             )
         elif kind == "remote_service":
             if self._generations is not None:

@@ -75,7 +75,7 @@ class MemoryGate:
 
 @dataclass(frozen=True, slots=True)
 class _PendingLoad:
-    """A LoadCommand sent and not yet answered by a LOADING/READY report or a failure."""
+    """A load command sent and not yet answered by a LOADING/READY report or a failure."""
 
     worker_id: str
     baseline: tuple[SlotState, str, int]  # the slot's (state, error, generation) when commanded

@@ -78,15 +78,15 @@ def _request_info(pb: scheduler_pb2.RequestInfo) -> RequestInfo:
 def submission(pb: scheduler_pb2.SessionRequest) -> Submission:
     enqueues: list[RequestInfo] = []
     runs: list[CreditRun] = []
-    for e in pb.enqueue:
-        info = _request_info(e.request)
-        if e.request.credit_id:
-            runs.append(CreditRun(e.request.credit_id, info))
+    for request in pb.enqueue:
+        info = _request_info(request)
+        if request.credit_id:
+            runs.append(CreditRun(request.credit_id, info))
         else:
             enqueues.append(info)
     completes = [_completion(c) for c in pb.complete]
-    cancels = [c.request_id for c in pb.cancel]
-    returns = [r.credit_id for r in pb.return_credit]
+    cancels = list(pb.cancel)
+    returns = list(pb.return_credit)
     finished = [
         FinishedRun(CreditRun(f.request.credit_id, _request_info(f.request)), _completion(f.complete))
         for f in pb.finished_run
@@ -135,7 +135,7 @@ def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.Sessio
             if (spec := outcome.local_queue) is not None:
                 _local_queue(response.credits[-1].local_queue, spec)
         elif isinstance(outcome, CreditRevoke):
-            response.revokes.add(credit_id=outcome.credit_id)
+            response.revokes.append(outcome.credit_id)
         elif isinstance(outcome, Placement):
             placement = response.placements.add(model_id=outcome.model_id)
             for placed in outcome.workers:
@@ -223,11 +223,11 @@ def _slot_pb(slot: SlotStatus) -> model_pool_pb2.ModelSlotStatus:
 
 def worker_command(command: WorkerCommand) -> scheduler_pb2.WorkerSessionResponse:
     if isinstance(command, LoadModel):
-        return scheduler_pb2.WorkerSessionResponse(load=scheduler_pb2.LoadCommand(model_id=command.model_id))
+        return scheduler_pb2.WorkerSessionResponse(load=command.model_id)
     if isinstance(command, RemoteService):
         return scheduler_pb2.WorkerSessionResponse(remote_service=tenant_services_pb(command.models))
     assert isinstance(command, UnloadModel)
-    return scheduler_pb2.WorkerSessionResponse(unload=scheduler_pb2.UnloadCommand(model_id=command.model_id))
+    return scheduler_pb2.WorkerSessionResponse(unload=command.model_id)
 
 
 def tenant_services(pb: scheduler_pb2.TenantServices) -> dict[str, dict[str, float]]:
