@@ -69,6 +69,8 @@ def start_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
                     "http_host": "127.0.0.1",
                     "http_port": http_port,
                     "edge": {"bind": f"tcp://127.0.0.1:{edge_port}"},
+                    # Inside the teardown's 10 s wait, so a gateway that cannot drain says why.
+                    "shutdown_grace_s": 8.0,
                 },
                 gateway or {},
             ),

@@ -458,3 +458,18 @@ async def test_a_retryable_failure_of_an_earlier_session_s_call_is_answered(part
     dispatcher.on_worker_reply(failure, b"")
     assert results[0].error is not None and results[0].error.edge_code == "unavailable"
     assert scheduler.completed == []
+
+
+async def test_the_calls_in_flight_are_described_by_where_they_wait(parts) -> None:
+    dispatcher, _scheduler, _workers, results = parts
+    for request_id in ("queued", "running", "orphaned"):
+        dispatcher.submit(_call(request_id), results.append)
+    dispatcher.on_grant(_grant("running", worker="w1"))
+    dispatcher.on_grant(_grant("orphaned", worker="w2"))
+    dispatcher.on_worker_lost("tcp://w2")
+    assert dispatcher.describe_inflight() == [
+        "queued (double, waiting for the scheduler)",
+        "running (double, on worker w1)",
+        "orphaned (double, on worker w2 (its link lost))",
+    ]
+    assert len(dispatcher.describe_inflight(most=1)) == 1

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -157,6 +158,20 @@ class Dispatcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), timeout_s)
         return len(self._pending)
+
+    def describe_inflight(self, most: int = 5) -> list[str]:
+        """The first `most` calls in flight and where each waits, for a log line."""
+        described = []
+        for pending in itertools.islice(self._pending.values(), most):
+            call = pending.call
+            if pending.worker_id:
+                where = f"on worker {pending.worker_id}" + (" (its link lost)" if pending.lost else "")
+            elif call.request_id in self._local:
+                where = "in the local queue"
+            else:
+                where = "waiting for the scheduler"
+            described.append(f"{call.request_id} ({call.model_id}, {where})")
+        return described
 
     def _forget(self, request_id: str) -> _Pending | None:
         pending = self._pending.pop(request_id, None)

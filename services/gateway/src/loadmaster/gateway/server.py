@@ -311,7 +311,11 @@ class Gateway:
         self.kserve_grpc.drain()  # ModelStreamInfer streams end once their requests are answered
         left = await self.dispatcher.drain(grace_left_s)
         if left:
-            log.warning("gateway: %d request(s) still in flight when the grace ran out", left)
+            log.warning(
+                "gateway: %d request(s) still in flight when the grace ran out: %s",
+                left,
+                ", ".join(self.dispatcher.describe_inflight()),
+            )
 
     async def stop(self) -> None:
         await self.http.close()
