@@ -14,11 +14,22 @@ clients, closed loop, 4 per gateway:
                                (`scheduler.share_period_s`, 0.5 s)
 
 Each gateway's `/healthz` reports the credits it holds (`shares`); the bench polls both every
-5 ms and times: B's first call in flight -> B holds a credit and A still holds one ("split");
-the moment A's clients stop sending -> B holds all 4 ("regained"). It also samples both
-gateways' credits through phase 2 (the split). Targets: split <= 100 ms (issue 35's take-back
-bound, now the time a second gateway takes to get slots of its own); regained <=
-credit_window_s + share_period_s + 0.5 s. Repeats the cycle `--cycles` times (default 3).
+5 ms. Times:
+- "first answers": each of B's clients' first call, sent to a gateway that holds no slot of the
+  model, from its send to its answer (the worst of the 4 and the best). The first waits in the
+  scheduler while it reclaims one of A's slots, then runs on B's new share; the others queue
+  behind it there. This is the take-back's cost to a client, and the target's measure. Every
+  client first sends one call to a model that does not exist (`WARM_UP_MODEL`), so that its
+  connection's first contact is not timed; A's clients' first answers are the control.
+- "split (polled)": B's first call seen in flight -> B holds a credit and A still holds one, as
+  the polls see it. On the loaded 2-core machine one poll pair of /healthz sometimes takes
+  100-250 ms (28 November: the scheduler had lent B its slot 1-2 ms after B's first call reached
+  it, in the cycles the polls put at 180 and 252 ms), so this is the polls' resolution more
+  than the split's; it is kept for comparison with earlier runs.
+- "regained": the moment A's clients stop sending -> B holds all 4.
+It also samples both gateways' credits through phase 2 (the split). Targets: B's first answers
+<= 100 ms, worst of every cycle (issue 35's take-back bound); regained <= credit_window_s +
+share_period_s + 0.5 s. Repeats the cycle `--cycles` times (default 3).
 
     .venv/bin/python bench/gateway_shares.py [--cycles 3]
 """
@@ -41,6 +52,10 @@ CLIENTS = 4
 POLL_S = 0.005
 SPLIT_TARGET_MS = 100.0
 START_DELAY_S = 1.5
+# Each client's connection makes its first contact with a call here (answered `not found`) before
+# its load starts: cold, on the saturated machine, a client's first call took 55-237 ms in 3 of 13
+# cycles (28 November), which is not the take-back's doing; warmed, 12 of 12 cycles <= 45 ms.
+WARM_UP_MODEL = "warm-up-no-such-model"
 
 
 def _credits(http: httpx.Client, url: str) -> int:
@@ -63,7 +78,13 @@ def _load_in_thread(edge: str, seconds: float, box: dict[str, Any], key: str) ->
         # run_load's clients all start START_DELAY_S from now and stop sending `seconds` later
         box[key + "_stops"] = time.monotonic() + START_DELAY_S + seconds
         box[key] = run_load(
-            edge, "double", SMALL, clients=CLIENTS, duration_s=seconds, start_delay_s=START_DELAY_S
+            edge,
+            "double",
+            SMALL,
+            clients=CLIENTS,
+            duration_s=seconds,
+            start_delay_s=START_DELAY_S,
+            warm_up_model=WARM_UP_MODEL,
         )
         box[key + "_ended"] = time.monotonic()
 
@@ -93,8 +114,12 @@ def cycle(edge_a: str, edge_b: str, url_a: str, url_b: str) -> dict[str, Any]:
     b.join()
     b_load: LoadResult = box["b"]
     http.close()
+    first = sorted(b_load.first_latencies_s)
+    first_a = sorted(a_load.first_latencies_s)
     return {
         "a_holds_whole_share_alone": whole_a is not None,
+        "a_first_answer_ms": [round(first_a[0] * 1000, 1), round(first_a[-1] * 1000, 1)] if first_a else None,
+        "b_first_answer_ms": [round(first[0] * 1000, 1), round(first[-1] * 1000, 1)] if first else None,
         "split_ms": None if (split is None or b_busy is None) else round((split - b_busy) * 1000, 1),
         "split_credits_mean": [round(float(np.mean([x[i] for x in samples])), 2) for i in (0, 1)]
         if samples
@@ -128,22 +153,22 @@ def main() -> int:
             print(f"  {result}", flush=True)
             cycles.append(result)
             time.sleep(window_s + 0.5)  # nobody uses the model: the next cycle starts clean
-    split = [c["split_ms"] for c in cycles]
+    first = [c["b_first_answer_ms"] for c in cycles]
     regained = [c["regained_s"] for c in cycles]
-    worst_split = max((t for t in split if t is not None), default=float("inf"))
+    worst_first = max((f[1] for f in first if f is not None), default=float("inf"))
     worst_regained = max((r for r in regained if r is not None), default=float("inf"))
-    if None in split:
-        worst_split = float("inf")
+    if None in first:
+        worst_first = float("inf")
     if None in regained:
         worst_regained = float("inf")
     errors = sum(c["a_errors"] + c["b_errors"] for c in cycles)
     targets = [
         {
-            "name": "both gateways hold slots after B's load starts (worst)",
-            "measured": worst_split,
+            "name": "B's clients' first calls answered, B holding no slot at first (worst)",
+            "measured": worst_first,
             "target": SPLIT_TARGET_MS,
             "unit": "ms",
-            "met": worst_split <= SPLIT_TARGET_MS,
+            "met": worst_first <= SPLIT_TARGET_MS,
         },
         {
             "name": "whole share regained by gateway B after A's load ends (worst)",
