@@ -13,8 +13,10 @@ instances, so two calls run at once (capacity 200 calls/s). Stock Inferential cl
 
 With `--model double` (a call of microseconds, short enough for local queues) the slots are
 split between the gateways instead (docs/data-path.md "Shares between gateways"): gateway A,
-with little demand, holds no share, so each of its priority-0 calls reclaims a slot from B.
-That run writes bench/results/two_gateway_priority_double.json.
+with little demand, keeps one slot (every borrower does while there are enough), so its
+priority-0 calls run on it. That run writes bench/results/two_gateway_priority_double.json.
+At the default 6 s a round has 120 priority-0 calls, so a round's p99 is its second slowest
+call; `--seconds 20` gives 400.
 
 Measured per arrangement: the priority-0 calls' latency (p50, p99), the priority-2 calls'
 throughput, errors. The arrangements alternate for `--rounds` rounds so that both see the same
