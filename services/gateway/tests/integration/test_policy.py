@@ -11,13 +11,16 @@ Behind the gateway, on loopback:
   (`"say:for|bidden| text"` -> `"for"`, `"bidden"`, `" text"`), then `stop`.
 
 Both run on threads of their own, so the tests drive the gateway with the blocking `openai`
-client."""
+client. The scripted worker also serves the drain case at the end: a stream still running when
+its gateway gets SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -650,3 +653,38 @@ def test_the_dialects_take_the_same_keys_tokens_guardrails_and_audit(
             model=MODEL, messages=[{"role": "user", "content": "hi"}]
         )
     assert unknown.value.status_code == 401
+
+
+# ---- drain ----------------------------------------------------------------------------------
+
+
+def test_a_stream_open_when_its_gateway_gets_sigterm_runs_to_its_end(
+    start_gateway: Callable[..., Any], backend: Backend
+) -> None:
+    """The drain waits for generation streams as for calls: the open stream gets every chunk
+    and its end, a new one is refused 503, and the gateway exits 0 once the stream is done."""
+    process = start_gateway(scheduler_address=backend.scheduler_address)
+    eventually(lambda: httpx.get(process.http_url + "/readyz").status_code == 200, timeout_s=20)
+    pieces = [f"p{i} " for i in range(100)]  # a chunk each, 10 ms apart: about a second of stream
+    client = openai.OpenAI(base_url=process.http_url + "/v1", api_key="none", max_retries=0, timeout=30)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "say:" + "|".join(pieces)}], stream=True
+    )
+    chunks = iter(stream)
+    text = [next(chunks).choices[0].delta.content or ""]  # the stream is open
+    os.killpg(process.process.pid, signal.SIGTERM)
+    eventually(lambda: httpx.get(process.http_url + "/readyz").status_code == 503)
+    refused = httpx.post(
+        process.http_url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "say:late"}], "stream": True},
+        timeout=5,
+    )
+    assert refused.status_code == 503, refused.text
+    finish = None
+    for chunk in chunks:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(text) == "".join(pieces)
+    assert finish == "stop"
+    assert process.process.wait(timeout=15) == 0

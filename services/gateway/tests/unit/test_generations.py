@@ -552,3 +552,33 @@ async def test_a_model_served_nowhere_is_queued_at_the_scheduler_again(
     await settle()
     assert [i.request_id for i in scheduler.enqueued] == ["g1"] and workers.sent == []
     first.cancel()
+
+
+async def test_a_drain_refuses_new_streams_and_waits_for_the_open_ones(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _scheduler, _workers = parts
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm")
+    first = asyncio.ensure_future(anext(events))
+    await settle()
+    assert streams.on_grant(grant("g1"))
+    drained = asyncio.ensure_future(streams.drain(5.0))
+    await settle()
+    assert not drained.done()  # g1 is still running
+    with pytest.raises(UnavailableError, match="shutting down"):
+        await anext(streams.generate(parse_chat(BODY), request_id="g2", client_id="arm"))
+    streams.on_replies(ENDPOINT, replies("g1", (0, "chunk", "ok"), (1, "result", (9, 1))))
+    assert await first == TextChunk("ok")
+    assert isinstance(await anext(events), Finished)
+    assert await asyncio.wait_for(drained, 1.0) == 0
+
+
+async def test_a_drain_that_runs_out_of_time_counts_the_streams_still_open(
+    parts: tuple[GenerationStreams, Scheduler, Workers],
+) -> None:
+    streams, _scheduler, _workers = parts
+    events = streams.generate(parse_chat(BODY), request_id="g1", client_id="arm")
+    pending = asyncio.ensure_future(anext(events))
+    await settle()
+    assert await streams.drain(0.05) == 1  # queued, never granted
+    pending.cancel()

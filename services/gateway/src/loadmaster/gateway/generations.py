@@ -157,9 +157,20 @@ class GenerationStreams:
         self._placed_on: dict[str, int] = {}  # worker -> this gateway's streams placed there
         # a model's queue TTL (`request_ttl_ms`): a placed stream's deadline when it names none
         self.ttl_ms: Callable[[str], float] = lambda model_id: 60_000.0
+        self._drained: asyncio.Event | None = None  # set while the gateway drains
 
     @property
     def open(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new streams (`unavailable`) from now on and wait, at most `timeout_s` (real
+        time: the process is stopping), for the open ones to end. Returns how many are still
+        open."""
+        self._drained = asyncio.Event()
+        if self._streams:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), timeout_s)
         return len(self._streams)
 
     # ---- the port ------------------------------------------------------------------
@@ -191,6 +202,8 @@ class GenerationStreams:
                 self._cancel(stream, "the client went away")
 
     def _open(self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str) -> _Stream:
+        if self._drained is not None:
+            raise UnavailableError("the gateway is shutting down; retry elsewhere")
         if request_id in self._streams:
             raise UnavailableError(f"duplicate request id {request_id}")
         if not self._placements.get(request.model) and not self._scheduler.connected:
@@ -543,6 +556,8 @@ class GenerationStreams:
             stream.cancel_timer.cancel()
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
+        if self._drained is not None and not self._streams:
+            self._drained.set()
 
 
 def _waiting(view: ModelView | None, ahead: int, *, now_unix_ms: float) -> Waiting:

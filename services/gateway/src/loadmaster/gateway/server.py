@@ -302,20 +302,24 @@ class Gateway:
         await self.http.start()
 
     async def drain(self, grace_left_s: float) -> None:
-        """On SIGTERM (health is already NOT_SERVING): /readyz turns 503, new requests on every
-        front end are answered `unavailable`, and those in flight get `grace_left_s` to finish
-        while every link stays open."""
+        """On SIGTERM (health is already NOT_SERVING): /readyz turns 503, new requests and
+        generation streams on every front end are answered `unavailable`, and those in flight
+        get `grace_left_s` to finish while every link stays open."""
         self.readiness.draining = True
         if self.image_jobs is not None:
             self.image_jobs.drain()  # jobs that cannot finish now are left for the next gateway
         self.kserve_grpc.drain()  # ModelStreamInfer streams end once their requests are answered
-        left = await self.dispatcher.drain(grace_left_s)
+        left, streams = await asyncio.gather(
+            self.dispatcher.drain(grace_left_s), self.streams.drain(grace_left_s)
+        )
         if left:
             log.warning(
                 "gateway: %d request(s) still in flight when the grace ran out: %s",
                 left,
                 ", ".join(self.dispatcher.describe_inflight()),
             )
+        if streams:
+            log.warning("gateway: %d generation stream(s) still open when the grace ran out", streams)
 
     async def stop(self) -> None:
         await self.http.close()
