@@ -23,10 +23,13 @@ def _settings(redis_url: str, prefix: str) -> Settings:
         redis_url=redis_url,
         scheduler={  # type: ignore[arg-type]
             "listen": "127.0.0.1:0",
+            # The leader's server starts on the test's loop, and its start collects the garbage of
+            # the whole test process (grpc_server._freeze_startup_heap): on a loaded pytest-xdist
+            # worker that once held the loop past a 600 ms lease's renewal (28 November).
             "leader_lease": {
                 "enabled": True,
-                "ttl_ms": 600,
-                "renew_interval_ms": 150,
+                "ttl_ms": 2000,
+                "renew_interval_ms": 400,
                 "poll_interval_ms": 50,
                 "key_prefix": prefix,
             },
@@ -59,7 +62,7 @@ async def test_standby_serves_after_the_leader_stops_and_a_deposed_leader_stops(
     leader = asyncio.create_task(serve_as_leader(_settings(redis_url, prefix), recording("a")))
     first = await _started(servers, "a")
     standby = asyncio.create_task(serve_as_leader(_settings(redis_url, prefix), recording("b")))
-    await asyncio.sleep(1.0)  # well past the lease's TTL: the renewed lease holds
+    await asyncio.sleep(2.5)  # past the lease's TTL: the renewed lease holds
     assert "b" not in servers and not standby.done()  # the standby has built no server
 
     first.request_stop()  # SIGTERM: drain, then release the lease
