@@ -280,6 +280,31 @@ async def test_start_hooks_run_in_order_after_bind_and_stop_hooks_in_reverse() -
     assert events == ["start-1", "start-2", "stop-3", "stop-failing", "stop-1"]
 
 
+async def test_a_slow_stop_hook_is_named_and_the_stop_says_when_it_drained(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from loadmaster.common import grpc_server
+
+    monkeypatch.setattr(grpc_server, "_SLOW_STOP_HOOK_S", 0.05)
+    srv = GrpcServer("slow-stop", "127.0.0.1:0", grace_s=0.1)
+
+    async def slow_close() -> None:
+        await asyncio.sleep(0.1)
+
+    async def quick_close() -> None:
+        pass
+
+    srv.on_stop(slow_close)
+    srv.on_stop(quick_close)
+    await srv.start()
+    with caplog.at_level(logging.INFO, logger="loadmaster.common.grpc_server"):
+        await srv.stop()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("slow-stop drained (") for m in messages), messages
+    slow = [m for m in messages if "took" in m]
+    assert len(slow) == 1 and "slow_close" in slow[0], messages
+
+
 async def test_health_is_not_serving_while_start_hooks_run() -> None:
     srv = GrpcServer("starting", "127.0.0.1:0", grace_s=0.1)
     seen: list[int | grpc.StatusCode] = []

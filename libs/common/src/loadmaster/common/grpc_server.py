@@ -172,6 +172,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 _DRAIN_SLACK_S = 1.0
+# A stop hook slower than this is named in a warning (a stop that hangs says where).
+_SLOW_STOP_HOOK_S = 2.0
 
 
 def _is_abort(error: BaseException) -> bool:
@@ -295,11 +297,17 @@ class GrpcServer:
             except Exception:
                 log.exception("%s: drain hook failed", self.name)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        log.info("%s drained (%.2fs); closing its links", self.name, time.monotonic() - started)
         for hook in reversed(self._stop_hooks):
+            hook_started = time.monotonic()
             try:
                 await hook()
             except Exception:
                 log.exception("%s: stop hook failed", self.name)
+            if (took := time.monotonic() - hook_started) > _SLOW_STOP_HOOK_S:
+                log.warning(
+                    "%s: stop hook %s took %.1fs", self.name, getattr(hook, "__qualname__", hook), took
+                )
         log.info("%s stopped (%.2fs)", self.name, time.monotonic() - started)
 
 
