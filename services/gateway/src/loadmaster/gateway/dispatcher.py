@@ -62,6 +62,7 @@ from loadmaster.common.liveness import LIVENESS
 from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback, request_info
+from loadmaster.gateway.drain import Drain, shutting_down
 from loadmaster.gateway.held_credits import HeldCredit, HeldCredits
 from loadmaster.gateway.local_share import LocalShare
 from loadmaster.gateway.ports import SchedulerPort, WorkerPort
@@ -118,8 +119,7 @@ class Dispatcher:
         self._reply_deadlines: list[tuple[float, str, int]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._lost_timers: set[asyncio.Task[None]] = set()  # lost workers' calls' grace
-        self._draining = False
-        self._drained: asyncio.Event | None = None  # set once draining and nothing is in flight
+        self._drain = Drain()
         self._scheduler = scheduler(self)
         self._workers = workers(self)
         # Calls waiting for a credit of a model whose whole share this gateway holds.
@@ -152,12 +152,7 @@ class Dispatcher:
         """Refuse new calls (`unavailable`) from now on and wait, at most `timeout_s` (real
         time: the process is stopping), for the calls in flight to be answered. Returns how
         many are still in flight."""
-        self._draining = True
-        self._drained = asyncio.Event()
-        if self._pending:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), timeout_s)
-        return len(self._pending)
+        return await self._drain.wait(self._pending, timeout_s)
 
     def describe_inflight(self, most: int = 5) -> list[str]:
         """The first `most` calls in flight and where each waits, for a log line."""
@@ -175,8 +170,7 @@ class Dispatcher:
 
     def _forget(self, request_id: str) -> _Pending | None:
         pending = self._pending.pop(request_id, None)
-        if self._drained is not None and not self._pending:
-            self._drained.set()
+        self._drain.left(self._pending)
         return pending
 
     async def close(self) -> None:
@@ -193,8 +187,8 @@ class Dispatcher:
 
     def submit(self, call: InferenceCall, on_result: ResultCallback) -> None:
         """Start `call`; `on_result` is called exactly once with its outcome."""
-        if self._draining:
-            on_result(self._failed(call, UnavailableError("the gateway is shutting down; retry elsewhere")))
+        if self._drain.begun:
+            on_result(self._failed(call, shutting_down()))
             return
         if (
             not self._scheduler.connected

@@ -59,6 +59,7 @@ from loadmaster.common.rendezvous import affinity_rank
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.affinity import prefix_affinity_key
 from loadmaster.gateway.catalog import ModelView
+from loadmaster.gateway.drain import Drain, shutting_down
 from loadmaster.gateway.generation import Finished, GenerationEvent, GenerationRequest, TextChunk, Waiting
 from loadmaster.gateway.generation_items import (
     ChatTurn,
@@ -157,7 +158,7 @@ class GenerationStreams:
         self._placed_on: dict[str, int] = {}  # worker -> this gateway's streams placed there
         # a model's queue TTL (`request_ttl_ms`): a placed stream's deadline when it names none
         self.ttl_ms: Callable[[str], float] = lambda model_id: 60_000.0
-        self._drained: asyncio.Event | None = None  # set while the gateway drains
+        self._drain = Drain()
 
     @property
     def open(self) -> int:
@@ -167,11 +168,7 @@ class GenerationStreams:
         """Refuse new streams (`unavailable`) from now on and wait, at most `timeout_s` (real
         time: the process is stopping), for the open ones to end. Returns how many are still
         open."""
-        self._drained = asyncio.Event()
-        if self._streams:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), timeout_s)
-        return len(self._streams)
+        return await self._drain.wait(self._streams, timeout_s)
 
     # ---- the port ------------------------------------------------------------------
 
@@ -202,8 +199,8 @@ class GenerationStreams:
                 self._cancel(stream, "the client went away")
 
     def _open(self, request: GenerationRequest, *, request_id: str, client_id: str, tenant: str) -> _Stream:
-        if self._drained is not None:
-            raise UnavailableError("the gateway is shutting down; retry elsewhere")
+        if self._drain.begun:
+            raise shutting_down()
         if request_id in self._streams:
             raise UnavailableError(f"duplicate request id {request_id}")
         if not self._placements.get(request.model) and not self._scheduler.connected:
@@ -556,8 +553,7 @@ class GenerationStreams:
             stream.cancel_timer.cancel()
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-        if self._drained is not None and not self._streams:
-            self._drained.set()
+        self._drain.left(self._streams)
 
 
 def _waiting(view: ModelView | None, ahead: int, *, now_unix_ms: float) -> Waiting:
