@@ -180,6 +180,8 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         )
 
 
+# Slow (make test-all): test_admin_api.py checks the spread across gateways in seconds.
+@pytest.mark.slow
 def test_changes_reach_every_gateway_and_survive_a_restart_of_up(config: Path, logs: Path) -> None:
     up = Up(config, logs / "up-1.log")
     second: subprocess.Popen[bytes] | None = None

@@ -262,6 +262,8 @@ async def test_two_tenants_converge_to_their_shares(fair_suite: Suite) -> None:
     assert fair >= 0.3, f"the few-streams tenant's share {fair:.2f} (fair: 0.5)"
 
 
+# Slow (make test-all): test_generation_order.py checks the weighted counters without a suite.
+@pytest.mark.slow
 async def test_weights_divide_the_service(fair_suite: Suite) -> None:
     client = _client(fair_suite)
     runs = await closed_loops(client, [("heavy", 2 * RESIDENT, 32), ("light", 2 * RESIDENT, 32)], seconds=6.5)
@@ -271,6 +273,8 @@ async def test_weights_divide_the_service(fair_suite: Suite) -> None:
     assert 0.55 <= heavy <= 0.8, f"weight-2 tenant's share {heavy:.2f} (fair: 0.67)"
 
 
+# Slow (make test-all): test_generation_order.py checks the lift from idle without a suite.
+@pytest.mark.slow
 async def test_a_tenant_back_from_idle_banks_no_credit(fair_suite: Suite) -> None:
     client = _client(fair_suite)
     busy = asyncio.create_task(closed_loops(client, [("busy", RESIDENT, 16)], seconds=9.0))
@@ -284,6 +288,8 @@ async def test_a_tenant_back_from_idle_banks_no_credit(fair_suite: Suite) -> Non
     assert came_back <= 0.75, f"returning tenant's share {came_back:.2f}"
 
 
+# Slow (make test-all): the control of the cases above; it starts a suite of its own.
+@pytest.mark.slow
 async def test_with_fairness_off_the_flooding_tenant_takes_most(fifo_suite: Suite) -> None:
     client = _client(fifo_suite)
     runs = await closed_loops(client, FLOOD, seconds=6.5)

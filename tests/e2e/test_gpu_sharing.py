@@ -163,6 +163,8 @@ def _state(http: str, model: str) -> bool:
     return httpx.get(f"http://{http}/v2/models/{model}/ready", timeout=5).status_code == 200
 
 
+# Slow (make test-all): the broker's test_waiting.py checks a lease waiting for memory to free.
+@pytest.mark.slow
 def test_a_load_waits_for_a_training_job_and_is_served_when_it_ends(
     shared_gpu: Suite, tmp_path: Path
 ) -> None:

@@ -98,6 +98,8 @@ def _traffic(edge: str, index: int, answers: list[tuple[str, float, object]]) ->
         conn.close()
 
 
+# Slow (make test-all): test_eviction.py checks the choice of model without a suite.
+@pytest.mark.slow
 def test_alternating_traffic_evicts_only_idle_unpinned_models_and_loses_nothing(
     small_gpu_suite: Suite,
 ) -> None:

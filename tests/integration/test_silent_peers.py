@@ -417,6 +417,8 @@ async def test_a_local_worker_whose_process_stops_is_lost_within_the_heartbeat_b
 # ---- the lease keeper's channel to the gpu-broker -----------------------------------------
 
 
+# Slow (make test-all): it waits out a lease's life; the stream case above checks the same keepalive.
+@pytest.mark.slow
 async def test_the_lease_keeper_leaves_a_silent_broker_connection_before_its_lease_lapses(
     relay_to, redis_url: str
 ) -> None:
