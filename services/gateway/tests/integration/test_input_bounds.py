@@ -208,9 +208,13 @@ def test_a_body_that_never_finishes_is_answered_408(gateway: Any) -> None:
             b"POST /v2/models/double/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b'Content-Length: 100\r\n\r\n{"inputs":'
         )
+        started = time.monotonic()
         received = _read_until_closed(sock, 8.0)
     assert received.startswith(b"HTTP/1.1 408"), received[:200]
     assert b"not received within 1 s" in received
+    # and closed with it: the rest of that body must not be read as the next request
+    assert b"connection: close" in received.lower()
+    assert time.monotonic() - started < 4.0
     assert httpx.get(f"{gateway.http_url}/v2/health/live", timeout=5).status_code == 200
 
 

@@ -107,9 +107,10 @@ async def _error_response(request: Request, error: Exception) -> Response:
     if mapped is None:
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=error)
         mapped = InternalError(f"internal error: {type(error).__name__}")
-    return JSONResponse(
-        {"error": mapped.message}, status_code=mapped.http_status, headers=retry_after(mapped)
-    )
+    headers = retry_after(mapped) or {}
+    if isinstance(mapped, RequestTimeoutError):  # the rest of the body may still come: not a request
+        headers["connection"] = "close"
+    return JSONResponse({"error": mapped.message}, status_code=mapped.http_status, headers=headers)
 
 
 async def _read_body(request: Request, limit: int, *, timeout_s: float) -> bytes | memoryview:
