@@ -33,6 +33,10 @@ from loadmaster.common.grpc_client import wait_for_health_sync
 from loadmaster.common.ports import free_port
 from loadmaster.v1 import metrics_pb2, metrics_pb2_grpc
 
+# Slow (make test-all): a suite with two gateways and a stub cloud, 12 s; test_ladders.py checks
+# the rungs' order and the cloud-fallback guard without processes.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = ROOT / "examples" / "loadmaster.yaml"
 MODELS_DIR = ROOT / "examples" / "models"
