@@ -342,7 +342,9 @@ class Gateway:
         await self.workers.close()
         self.shm.close()
         await self.telemetry.close()
-        self.context.term()
+        # Not term(): it would wait, with the loop held, for any socket a part failed to close.
+        # Every part has closed its own by now; what is left has nothing worth sending.
+        self.context.destroy(linger=0)
 
 
 class GatewayServer(GrpcServer):
