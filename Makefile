@@ -27,21 +27,10 @@ run: install models
 # on our 2-core machines, but 3 of 5 fresh-clone runs then failed one timing-bound test each (a
 # lease, a liveness window, a stop), so the default stays one process (README, "Tests").
 PYTEST_WORKERS ?= 0
-# The unit tests (no sockets, no processes: the root conftest.py refuses them a socket) run
-# beside the rest at nice 19: they take the CPU the process suites leave while they wait, not
-# the CPU those suites' liveness windows need (a probe is answered within 0.8 s). At nice 10 they
-# still cost the rest 27 s of 474 in CI.
-UNIT_TESTS := $(wildcard libs/*/tests/unit services/*/tests/unit tests/unit)
-UNIT_LOG := $(VENV)/unit-tests.log
-
-# pytest's exit code 5 is "no test selected" (a PYTEST_ARGS -k that matches one side only).
-test: install models openpi chromium kubectl node protoc lint typecheck
-	@nice -n 19 $(PY) -m pytest -m "not slow" -q $(UNIT_TESTS) $(PYTEST_ARGS) > $(UNIT_LOG) 2>&1 & unit=$$!; \
-	$(PY) -m pytest -m "not slow" -n $(PYTEST_WORKERS) --ignore-glob='*/tests/unit' $(PYTEST_ARGS); rest=$$?; \
-	wait $$unit; units=$$?; \
-	echo "==== unit tests, run beside the above at nice 19 (log: $(UNIT_LOG)) ===="; \
-	if [ $$units -eq 0 ] || [ $$units -eq 5 ]; then tail -n 1 $(UNIT_LOG); else cat $(UNIT_LOG); fi; \
-	[ $$rest -eq 0 -o $$rest -eq 5 ] && [ $$units -eq 0 -o $$units -eq 5 ]
+# Lint first; then scripts/test.sh runs the process suites while mypy and the unit tests run
+# beside them at nice 19 (it says why). pytest gets PYTEST_ARGS in both runs.
+test: install models openpi chromium kubectl node protoc lint
+	@scripts/test.sh $(PY) $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-all: install models openpi chromium kubectl node protoc redis-sentinel haproxy docker-engine secrets lint typecheck $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -16,6 +16,10 @@ from transformers import AutoTokenizer
 
 from loadmaster.cli.launcher import Suite
 
+# Slow (make test-all): a suite of its own, 5 s; services/model-pool/tests/unit/
+# test_chat_templates.py checks the template, thinking and the refused arguments.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-think"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "examples" / "models" / MODEL / "artifacts"
 MESSAGES: Any = [{"role": "user", "content": "hello"}]

@@ -26,6 +26,10 @@ import yaml
 
 from loadmaster.cli.launcher import Suite, free_port_overrides
 
+# Slow (make test-all): a suite of its own, 9 s; services/gateway/tests/unit/test_profiles.py
+# checks how a profile is found, what it fills in, and the cooldown.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = ROOT / "examples" / "loadmaster.yaml"
 KEYS = {"alpha": "lm_alpha-key-1", "beta": "lm_beta-key-2", "gamma": "lm_gamma-key-3"}
