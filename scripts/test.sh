@@ -18,7 +18,7 @@ nice -n 19 "$py" -m pytest -m "not slow" -q "${unit_dirs[@]}" "$@" > "$logs/unit
 unit=$!
 trap 'kill $types $unit 2>/dev/null' EXIT
 
-"$py" -m pytest -m "not slow" -n "$workers" --ignore-glob='*/tests/unit' "$@"
+"$py" -m pytest -m "not slow" -n "$workers" --ignore=tests/unit --ignore-glob='*/tests/unit' "$@"
 rest=$?
 wait $types; typed=$?
 wait $unit; units=$?

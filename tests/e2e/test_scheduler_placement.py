@@ -167,15 +167,20 @@ def test_latest_only_supersedes_and_timeout_expires_through_the_suite(two_worker
         conn.close()
 
 
+# Two strategies in make test, all six in make test-all: each case is a CLI switch and a few
+# calls (1.2 s); services/scheduler/tests/unit/test_strategies.py checks each one's order.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "strategy",
     [
         "deadline_aware",
-        "tiered_deadline",
-        "batch_optimized",
-        "priority_tiered",
+        pytest.param("tiered_deadline", marks=_SLOW),
+        pytest.param("batch_optimized", marks=_SLOW),
+        pytest.param("priority_tiered", marks=_SLOW),
         "round_robin",
-        "model_deadline",
+        pytest.param("model_deadline", marks=_SLOW),
     ],
 )
 def test_every_strategy_serves_through_the_suite(two_workers: Suite, strategy: str) -> None:
