@@ -35,7 +35,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,8 +205,9 @@ class RelayHandler(grpc.GenericRpcHandler):
                     timeout=context.time_remaining(),
                 )
                 del request
-                async for response in _streamed(call, context):
-                    yield await self._incoming(method, response, context)
+                async with contextlib.aclosing(_streamed(call, context)) as responses:
+                    async for response in responses:
+                        yield await self._incoming(method, response, context)
             finally:
                 self._discard(markers)
 
@@ -225,8 +226,9 @@ class RelayHandler(grpc.GenericRpcHandler):
                     metadata=_forwarded(context.invocation_metadata()),
                     timeout=context.time_remaining(),
                 )
-                async for response in _streamed(call, context):
-                    yield await self._incoming(method, response, context)
+                async with contextlib.aclosing(_streamed(call, context)) as responses:
+                    async for response in responses:
+                        yield await self._incoming(method, response, context)
             finally:
                 self._discard(markers)
 
@@ -250,7 +252,10 @@ async def _answered(call: Any, context: grpc.aio.ServicerContext) -> Any:
         raise
 
 
-async def _streamed(call: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+async def _streamed(call: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
+    """The relayed call's responses. However this ends before the call does (the client went
+    away, or the handler was closed while it waited at a `yield`), the relayed call is
+    cancelled: left open, it would hold the gateway's drain until the grace ran out."""
     try:
         first = True
         async for response in call:
@@ -260,9 +265,9 @@ async def _streamed(call: Any, context: grpc.aio.ServicerContext) -> AsyncIterat
             yield response
     except grpc.aio.AioRpcError as error:
         await _abort(context, error)
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
+    finally:
+        if not call.done():
+            call.cancel()
     await _pass_metadata(call, context, initial=False)
 
 
