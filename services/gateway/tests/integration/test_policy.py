@@ -283,6 +283,8 @@ def backend() -> Iterator[Backend]:
 
 
 API_KEY = "lm_policy-test-key"
+PROFILED = "profiled-client"  # the client id a client profile matches (clients.profiles)
+PROFILE_SYSTEM = "Answer as the profile says."
 SAID_FORBIDDEN = "say:safe text |for|bidden| more"  # the blocked word arrives split in two chunks
 
 
@@ -342,7 +344,19 @@ def start_policy_gateway(
         },
         "audit": {"enabled": True, "path": str(audit_path)},
     }
-    process = start_gateway(config, scheduler_address=backend.scheduler_address)
+    profiles = {
+        "profiled": {
+            "match": {"client_id": PROFILED},
+            "priority": 3,
+            "max_tokens": 5,
+            "system_prompt": PROFILE_SYSTEM,
+        }
+    }
+    process = start_gateway(
+        config,
+        scheduler_address=backend.scheduler_address,
+        top_level={"clients": {"profiles": profiles}},
+    )
     gateway = Gateway(process.http_url, process.grpc_address, audit_path)
     eventually(lambda: httpx.get(gateway.http_url + "/readyz").status_code == 200, timeout_s=20)
     return gateway
@@ -653,6 +667,29 @@ def test_the_dialects_take_the_same_keys_tokens_guardrails_and_audit(
             model=MODEL, messages=[{"role": "user", "content": "hi"}]
         )
     assert unknown.value.status_code == 401
+
+
+def test_a_client_profile_fills_what_ollama_and_anthropic_requests_leave_out(
+    gateway: Gateway, backend: Backend
+) -> None:
+    """The profile a request matches fills in its priority, system prompt and max tokens,
+    whichever API it came by (until 29 November the Ollama and Anthropic routes charged the
+    profile's cooldown but dropped what it filled in)."""
+    identity = {"x-loadmaster-client-id": PROFILED}
+    local = ollama.Client(host=gateway.http_url, headers={"authorization": f"Bearer {API_KEY}", **identity})
+    assert local.chat(model=MODEL, messages=[{"role": "user", "content": "say:by|ollama"}]).message.content
+    claude = anthropic.Anthropic(
+        base_url=gateway.http_url, api_key=API_KEY, max_retries=0, timeout=30, default_headers=identity
+    )
+    claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "say:by|claude"}])
+    for said in ("say:by|ollama", "say:by|claude"):
+        [sent] = [r for r in backend.generated if r.messages.messages[-1].content == said]
+        assert sent.priority == 3, said
+        assert [(m.role, m.content) for m in sent.messages.messages[:1]] == [("system", PROFILE_SYSTEM)]
+    [ollama_sent] = [r for r in backend.generated if r.messages.messages[-1].content == "say:by|ollama"]
+    assert ollama_sent.sampling.max_tokens == 5  # Ollama's num_predict was left out
+    [claude_sent] = [r for r in backend.generated if r.messages.messages[-1].content == "say:by|claude"]
+    assert claude_sent.sampling.max_tokens == 8  # the request's own value wins
 
 
 # ---- drain ----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ __all__ = [
     "RequestPolicy",
     "RequestWatch",
     "TextChunk",
+    "Unwatched",
     "Waiting",
 ]
 
@@ -184,3 +185,22 @@ class RequestWatch(Protocol):
 
 class RequestPolicy(Protocol):
     def open(self, *, endpoint: str, request_id: str) -> RequestWatch: ...
+
+
+class Unwatched:
+    """The policy of a gateway built without one (tests): no guardrails, no audit, no profiles."""
+
+    def open(self, *, endpoint: str, request_id: str) -> RequestWatch:
+        return self
+
+    def authenticated(self, principal: Principal) -> None:
+        pass
+
+    async def admit(self, generation: GenerationRequest, *, client_id: str) -> GenerationRequest:
+        return generation
+
+    def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+        return events
+
+    def failed(self, error: BaseException) -> None:
+        pass

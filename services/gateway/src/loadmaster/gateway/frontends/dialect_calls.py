@@ -41,6 +41,7 @@ from loadmaster.gateway.generation import (
     RequestPolicy,
     RequestWatch,
     TextChunk,
+    Unwatched,
 )
 from loadmaster.gateway.generation_items import ToolCall
 
@@ -98,25 +99,6 @@ def _edge_code(error: BaseException) -> str:
     return error.edge_code if isinstance(error, LoadmasterError) else "internal"
 
 
-class _Unwatched:
-    """No guardrails, no audit (a gateway built without a policy: tests)."""
-
-    def open(self, *, endpoint: str, request_id: str) -> RequestWatch:
-        return self
-
-    def authenticated(self, principal: Principal) -> None:
-        pass
-
-    async def admit(self, generation: GenerationRequest, *, client_id: str) -> None:
-        pass
-
-    def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
-        return events
-
-    def failed(self, error: BaseException) -> None:
-        pass
-
-
 class DialectCalls:
     def __init__(
         self,
@@ -129,7 +111,7 @@ class DialectCalls:
     ) -> None:
         self._generations = generations
         self._auth = auth
-        self._policy: RequestPolicy = policy or _Unwatched()
+        self._policy: RequestPolicy = policy or Unwatched()
         self._images = images
         self._client_type = client_type
 
@@ -170,7 +152,7 @@ class DialectCalls:
         try:
             with trace.use_span(span, end_on_exit=False):
                 client_id = generation.client_id or generation.user or principal.name or self._client_type
-                await watch.admit(generation, client_id=client_id)
+                generation = await watch.admit(generation, client_id=client_id)  # a profile's defaults
                 events = watch.watch(
                     self._generations.generate(generation, request_id=request_id, client_id=client_id)
                 )

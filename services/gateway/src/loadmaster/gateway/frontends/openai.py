@@ -69,6 +69,7 @@ from loadmaster.gateway.generation import (
     RequestPolicy,
     RequestWatch,
     TextChunk,
+    Unwatched,
     Waiting,
 )
 from loadmaster.gateway.generation_items import TokenLogprob, ToolCall
@@ -83,25 +84,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class _Unwatched:
-    """No guardrails, no audit."""
-
-    def open(self, *, endpoint: str, request_id: str) -> RequestWatch:
-        return self
-
-    def authenticated(self, principal: Principal) -> None:
-        pass
-
-    async def admit(self, generation: GenerationRequest, *, client_id: str) -> GenerationRequest:
-        return generation
-
-    def watch(self, events: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
-        return events
-
-    def failed(self, error: BaseException) -> None:
-        pass
-
-
 def openai_routes(
     generations: Generations,
     auth: Authenticator,
@@ -113,7 +95,7 @@ def openai_routes(
     images: ChatImages | None = None,
 ) -> list[Route]:
     ids = (f"{gateway_id}-{n}" for n in itertools.count(1))
-    policy = policy or _Unwatched()
+    policy = policy or Unwatched()
 
     prefixes = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}
     endpoints = {"chat": "chat.completions", "completion": "completions", "responses": "responses"}
