@@ -12,11 +12,14 @@ shift 2
 logs=.venv
 unit_dirs=(libs/*/tests/unit services/*/tests/unit tests/unit)
 
-nice -n 19 make --no-print-directory typecheck > "$logs/typecheck.log" 2>&1 &
+setsid nice -n 19 make --no-print-directory typecheck > "$logs/typecheck.log" 2>&1 &
 types=$!
-nice -n 19 "$py" -m pytest -m "not slow" -q "${unit_dirs[@]}" "$@" > "$logs/unit-tests.log" 2>&1 &
+setsid nice -n 19 "$py" -m pytest -m "not slow" -q "${unit_dirs[@]}" "$@" > "$logs/unit-tests.log" 2>&1 &
 unit=$!
-trap 'kill $types $unit 2>/dev/null' EXIT
+# Background jobs of a script ignore Ctrl-C: each runs in a process group of its own (setsid),
+# stopped whole with the script.
+trap 'kill -- -$types -$unit 2>/dev/null' EXIT
+trap 'exit 130' INT TERM
 
 "$py" -m pytest -m "not slow" -n "$workers" --ignore=tests/unit --ignore-glob='*/tests/unit' "$@"
 rest=$?
