@@ -42,7 +42,8 @@ from starlette.routing import Route
 
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import bearer_token
-from loadmaster.gateway.frontends.dialect_calls import ClientGone, Collected, DialectCalls
+from loadmaster.gateway.frontends.dialect_calls import Collected, DialectCalls
+from loadmaster.gateway.frontends.disconnects import ClientGone
 from loadmaster.gateway.frontends.openai_common import read_body
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,

@@ -18,7 +18,6 @@ goes, cancels the generation).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -28,10 +27,10 @@ from opentelemetry import trace
 from starlette.requests import Request
 
 from loadmaster.common import tracing
-from loadmaster.common.errors import CancelledError_, InternalError, LoadmasterError
+from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal
 from loadmaster.gateway.chat_images import ChatImages
-from loadmaster.gateway.frontends.openai_common import until_disconnected
+from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.generation import (
     Finished,
@@ -46,7 +45,6 @@ from loadmaster.gateway.generation import (
 from loadmaster.gateway.generation_items import ToolCall
 
 __all__ = [
-    "ClientGone",
     "Collected",
     "DialectCalls",
     "NotAGeneration",
@@ -54,13 +52,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class ClientGone(CancelledError_):
-    """The client disconnected before its reply was ready (answered 499, never seen)."""
-
-    def __init__(self) -> None:
-        super().__init__("the client went away")
 
 
 class NotAGeneration(Exception):  # noqa: N818 - a signal, not a failure
@@ -167,37 +158,16 @@ class DialectCalls:
 
     @staticmethod
     async def _first(request: Request, events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
-        first = asyncio.ensure_future(anext(events))
-        gone = asyncio.ensure_future(until_disconnected(request))
         try:
-            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not first.done():
-                first.cancel()
-        if first.cancelled():
-            await _close(events)  # the client left while the request waited: cancel it
-            raise ClientGone()
-        try:
-            return first.result()
-        except BaseException:
+            return await unless_client_leaves(request, anext(events))
+        except BaseException:  # ClientGone too: the client left while the request waited
             await _close(events)
             raise
 
     async def collect(self, request: Request, opened: Opened) -> Collected:
         """The whole reply; `ClientGone` (the generation cancelled) when the client leaves first."""
-        work = asyncio.ensure_future(_collect(opened.first, opened.events))
-        gone = asyncio.ensure_future(until_disconnected(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()  # closing the iterator cancels the generation
-        try:
-            if work.cancelled():
-                raise ClientGone()
-            result = work.result()
+        try:  # ClientGone: closing the iterator cancelled the generation
+            result = await unless_client_leaves(request, _collect(opened.first, opened.events))
         except BaseException as error:
             tracing.end_span(
                 opened.span, error_code="cancelled" if isinstance(error, ClientGone) else _edge_code(error)

@@ -50,6 +50,7 @@ from loadmaster.gateway.dispatcher import Dispatcher
 from loadmaster.gateway.embeddings import Embedder
 from loadmaster.gateway.frontends.anthropic import anthropic_routes
 from loadmaster.gateway.frontends.dialect_calls import DialectCalls
+from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
 from loadmaster.gateway.frontends.http_codec import (
     HEADER_LENGTH,
     ParsedInfer,
@@ -145,14 +146,6 @@ async def _read_body(request: Request, limit: int, *, timeout_s: float) -> bytes
     if into is not None:
         return into if size == expected else into[:size]
     return b"".join(chunks)
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client goes away (after the body was read, receive() only yields that)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def build_app(
@@ -309,17 +302,10 @@ def build_app(
             parsed, call = prepare(body, header_length, **ids_and_client)
         del body  # the call holds what it needs: a refused request's buffers go with its reply
         _apply_hints(call, parsed.parameters, hints)
-        work = asyncio.ensure_future(generative.answer(dispatcher, call))  # tensors, or text_input
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()  # the client left: dispatch() cancels the request in the dispatcher
-        if not work.done() or work.cancelled():
+        try:  # tensors, or text_input
+            result = await unless_client_leaves(request, generative.answer(dispatcher, call))
+        except ClientGone:  # dispatch() cancelled the request in the dispatcher
             return Response(status_code=499)
-        result = work.result()
         outputs = outputs_of(result, parsed.outputs.keys())
         encode = functools.partial(
             encode_response_parts,

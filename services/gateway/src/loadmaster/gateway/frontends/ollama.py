@@ -24,7 +24,6 @@ this server cannot honour is a 400 naming it. Errors are `{"error": "..."}` with
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hashlib
@@ -48,11 +47,11 @@ from loadmaster.gateway.catalog import ModelView
 from loadmaster.gateway.chat_images import image_kind
 from loadmaster.gateway.embeddings import Embedder, EmbeddingRequest, EmbeddingResult
 from loadmaster.gateway.frontends.dialect_calls import (
-    ClientGone,
     DialectCalls,
     NotAGeneration,
 )
-from loadmaster.gateway.frontends.openai_common import read_body, until_disconnected
+from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
+from loadmaster.gateway.frontends.openai_common import read_body
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
     OpenAIError,
@@ -679,17 +678,9 @@ def ollama_routes(
             raise _invalid(error) from None
         wanted = with_hints(embedding_request(body), hints_from(request.headers))
         client_id = wanted.client_id or principal.name or "ollama"
-        work = asyncio.ensure_future(embedder.embed(wanted, request_id=next(ids), client_id=client_id))
-        gone = asyncio.ensure_future(until_disconnected(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()  # the client left: cancelling the await cancels the call
-        if work.cancelled():
-            raise ClientGone()
-        text = await off_loop(render_embed, body.model, work.result(), started, single=single)
+        work = embedder.embed(wanted, request_id=next(ids), client_id=client_id)
+        vectors = await unless_client_leaves(request, work)  # ClientGone: the call is cancelled
+        text = await off_loop(render_embed, body.model, vectors, started, single=single)
         return Response(text, media_type="application/json", headers={"X-Loadmaster-Model": wanted.model})
 
     async def embed_route(request: Request) -> Response:

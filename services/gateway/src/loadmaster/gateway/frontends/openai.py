@@ -20,7 +20,6 @@ spans are its children) and ends with the response, or with the last event of a 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -37,7 +36,8 @@ from loadmaster.common import tracing
 from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
 from loadmaster.gateway.chat_images import ChatImages
-from loadmaster.gateway.frontends.openai_common import error_response, read_body, until_disconnected
+from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
+from loadmaster.gateway.frontends.openai_common import error_response, read_body
 from loadmaster.gateway.frontends.openai_responses import (
     ResponseBuilder,
     complete_response,
@@ -177,17 +177,10 @@ def openai_routes(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Loadmaster-Model": model},
             )
-        collect = asyncio.ensure_future(collect_events(events))
-        gone = asyncio.ensure_future(until_disconnected(request))
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not collect.done():
-                collect.cancel()  # the client left: closing the iterator cancels the generation
-        if collect.cancelled():
+            collected, finished = await unless_client_leaves(request, collect_events(events))
+        except ClientGone:  # closing the iterator cancelled the generation
             return Response(status_code=499)
-        collected, finished = collect.result()
         usage = Usage(finished.prompt_tokens, finished.completion_tokens)
         model = finished.model or generation.model
         if kind == "responses":

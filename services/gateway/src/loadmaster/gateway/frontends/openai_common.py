@@ -1,5 +1,5 @@
 """What the OpenAI-compatible route modules share (chat and completions, images,
-embeddings): reading a bounded body, noticing a client that left, and answering an error in
+embeddings): reading a bounded body and answering an error in
 OpenAI's shape with its status and `Retry-After`."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from loadmaster.common.errors import InternalError, LoadmasterError, retry_after_header
 from loadmaster.gateway.frontends.openai_schema import OpenAIError, error_from
 
-__all__ = ["MAX_BODY_BYTES", "error_response", "read_body", "until_disconnected"]
+__all__ = ["MAX_BODY_BYTES", "error_response", "read_body"]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,3 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
             raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def until_disconnected(request: Request) -> None:
-    """Return when the client goes away (after its body was read, that is all `receive` says)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -16,7 +16,6 @@ cancels its call. The API keys (or OIDC tokens), scopes and rate limits apply (`
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import itertools
 import json
@@ -30,7 +29,8 @@ from starlette.routing import Route
 
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
 from loadmaster.gateway.embeddings import Embedder, EmbeddingRequest, EmbeddingResult
-from loadmaster.gateway.frontends.openai_common import error_response, read_body, until_disconnected
+from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
+from loadmaster.gateway.frontends.openai_common import error_response, read_body
 from loadmaster.gateway.frontends.openai_schema import OpenAIBody, OpenAIError, invalid, load_json
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.validation import off_loop
@@ -112,20 +112,13 @@ def embedding_routes(embedder: Embedder, auth: Authenticator, *, gateway_id: str
         embedding_request, base64_vectors = await off_loop(parse_embeddings, await read_body(request))
         embedding_request = with_hints(embedding_request, hints_from(request.headers))  # X-Loadmaster-*
         client_id = embedding_request.client_id or embedding_request.user or key_name or "openai"
-        work = asyncio.ensure_future(
-            embedder.embed(embedding_request, request_id=next(ids), client_id=client_id)
-        )
-        gone = asyncio.ensure_future(until_disconnected(request))
+        work = embedder.embed(embedding_request, request_id=next(ids), client_id=client_id)
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()  # the client left: cancelling the await cancels the call
-        if work.cancelled():
+            vectors = await unless_client_leaves(request, work)
+        except ClientGone:  # cancelling the await cancelled the call
             return Response(status_code=499)
         body = await off_loop(
-            render_embeddings, embedding_request.model, work.result(), base64_vectors=base64_vectors
+            render_embeddings, embedding_request.model, vectors, base64_vectors=base64_vectors
         )
         return Response(
             body, media_type="application/json", headers={"X-Loadmaster-Model": embedding_request.model}

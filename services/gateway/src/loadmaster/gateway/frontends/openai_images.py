@@ -16,7 +16,6 @@ Base64 and JSON of the images are made on the validation threads, off the event 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import itertools
 import json
@@ -33,7 +32,8 @@ from starlette.routing import Route
 from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, UnavailableError
 from loadmaster.common.gateway_config import ImagesSettings
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
-from loadmaster.gateway.frontends.openai_common import error_response, read_body, until_disconnected
+from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
+from loadmaster.gateway.frontends.openai_common import error_response, read_body
 from loadmaster.gateway.frontends.openai_schema import OpenAIError, error_from, load_json
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageGenerator, ImageRequest
@@ -184,19 +184,12 @@ def image_routes(
             job = await jobs.submit(image_request, client=key_name)
             return Response(_job_view(job), status_code=202, media_type="application/json")
         created = int(clock())
-        work = asyncio.ensure_future(
-            generator.generate(image_request, request_id=next(ids), client_id=client_id)
-        )
-        gone = asyncio.ensure_future(until_disconnected(request))
+        work = generator.generate(image_request, request_id=next(ids), client_id=client_id)
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()  # the client left: cancelling the await cancels the request
-        if work.cancelled():
+            images = await unless_client_leaves(request, work)
+        except ClientGone:  # cancelling the await cancelled the request
             return Response(status_code=499)
-        body = await render(image_request, work.result(), created)
+        body = await render(image_request, images, created)
         return Response(
             body, media_type="application/json", headers={"X-Loadmaster-Model": image_request.model}
         )
