@@ -23,7 +23,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +111,6 @@ class AdminPlane:
             if store is not None
             else None
         )
-        self._listeners: list[Callable[[Settings], None]] = []
         self._warned = False
         self.view = self._build(AdminState())
 
@@ -131,10 +130,6 @@ class AdminPlane:
     def tenant_weight(self, tenant: str) -> float:
         entry = self.view.settings.tenants.get(tenant)
         return entry.weight if entry is not None else 1.0
-
-    def add_listener(self, listener: Callable[[Settings], None]) -> None:
-        """Called on the event loop with the settings in force after each change."""
-        self._listeners.append(listener)
 
     @property
     def connected(self) -> bool:
@@ -196,11 +191,6 @@ class AdminPlane:
         self.view = view
         if changed:
             log.info("admin plane: serving admin state version %d", view.version)
-        for listener in self._listeners:
-            try:
-                listener(view.settings)
-            except Exception:
-                log.exception("admin plane: a settings listener failed")
 
     def _warn_overrides(self, view: RuntimeView) -> None:
         """At the first state read: name each stored value that differs from the file's."""

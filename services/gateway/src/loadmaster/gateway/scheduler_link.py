@@ -158,13 +158,6 @@ class SchedulerLink:
         request enqueued on an earlier session is unknown to the scheduler of a later one."""
         return self._session
 
-    async def wait_connected(self, timeout_s: float) -> bool:
-        try:
-            await asyncio.wait_for(self._connected.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
-
     # -- outbox (called from the event loop thread) ---------------------------------
 
     def enqueue(self, request: scheduler_pb2.RequestInfo) -> None:
