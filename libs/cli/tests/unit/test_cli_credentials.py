@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,10 @@ def test_the_running_ups_recorded_secret_is_used(tmp_path: Path) -> None:
     settings = load_settings(None)
     write_run_state(
         run_state_path(settings.gateway.address),
-        {"internal_auth": {"secret_file": str(secret_file), "admin_token_file": str(admin_file)}},
+        {
+            "pid": os.getpid(),
+            "internal_auth": {"secret_file": str(secret_file), "admin_token_file": str(admin_file)},
+        },
     )
     use_credentials(settings)
     credentials = internal_auth.current()

@@ -51,8 +51,24 @@ def write_run_state(path: Path, state: dict[str, Any]) -> None:
         raise
 
 
+def _running(pid: object) -> bool:
+    """Whether `pid` is a live process of this user (a signal 0 reaches it)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process took the number: not our `up`
+        return False
+    return True
+
+
 def read_run_state(path: Path) -> dict[str, Any]:
-    """The state a `loadmaster up` of this user wrote; nothing from a folder others control."""
+    """The state a running `loadmaster up` of this user wrote; nothing from a folder others
+    control. State whose `up` is gone (killed before it could remove the file) is removed and
+    reads as empty: a later suite on the same gateway address must not take that one's Redis
+    or credential files, which went with it."""
     if not _private_folder(path.parent):
         return {}
     try:
@@ -61,7 +77,12 @@ def read_run_state(path: Path) -> dict[str, Any]:
             state = json.load(file)
     except (OSError, ValueError):
         return {}
-    return state if isinstance(state, dict) else {}
+    if not isinstance(state, dict):
+        return {}
+    if not _running(state.get("pid")):
+        remove_run_state(path)
+        return {}
+    return state
 
 
 def remove_run_state(path: Path) -> None:
