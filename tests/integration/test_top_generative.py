@@ -1,11 +1,12 @@
 """`loadmaster top` against the real metrics service in-process: the generative figures that the
 model pool (`output_tokens`) and the gateway (`time_to_first_token_ms`) report reach the
-terminal view and `--json`."""
+terminal view and `--json`, and Prometheus' `/metrics`."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -114,3 +115,15 @@ async def test_top_shows_how_the_queue_ordered_generations(metrics: MetricsServe
     assert "generation scheduling" in frame.output
     (row,) = [line for line in frame.output.splitlines() if "acme:10" in line]
     assert "3/2/5" in row and "4/1" in row and "p0:12" in row, row
+
+    url = f"http://127.0.0.1:{metrics.http_port}/metrics"
+    scraped = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    for line in (
+        'loadmaster_model_pool_tenant_output_tokens_total{model="tiny-chat",replica="model-pool-1",tenant="acme"} 100.0',
+        'loadmaster_model_pool_tenant_prompt_tokens_total{model="tiny-chat",replica="model-pool-1",tenant="acme"} 30.0',
+        'loadmaster_model_pool_yields_total{model="tiny-chat",replica="model-pool-1"} 2.0',
+        'loadmaster_model_pool_kv_recomputed_total{model="tiny-chat",replica="model-pool-1"} 1.0',
+        'loadmaster_model_pool_tenant_counter_gap{model="tiny-chat",replica="model-pool-1"} 42.0',
+        'loadmaster_model_pool_generation_queue_wait_seconds_count{model="tiny-chat",priority="2",replica="model-pool-1"} 1.0',
+    ):
+        assert line in scraped, line

@@ -151,6 +151,20 @@ def test_unknown_names_are_not_exposed_and_logged_once(caplog: pytest.LogCapture
     assert sum("made_up_ms" in record.getMessage() for record in caplog.records) == 1
 
 
+def test_a_capped_label_exposes_values_past_its_bound_as_other() -> None:
+    spec = MetricSpec(
+        "tokens", MetricKind.COUNTER, "t", ("tenant",), service="model-pool", capped=(("tenant", 2),)
+    )
+    exposition = Exposition(CollectorRegistry(), specs={"tokens": spec})
+    tenants = ["a", "b", "c", "d", "a"]
+    observe(exposition, [sample("tokens", 1.0, service="model-pool", tenant=t) for t in tenants])
+    seen = scrape(exposition)
+    by_tenant = {
+        dict(labels)["tenant"]: value for (name, labels), value in seen.items() if name.endswith("_total")
+    }
+    assert by_tenant == {"a": 2.0, "b": 1.0, "other": 2.0}
+
+
 def test_openmetrics_when_asked() -> None:
     exposition = Exposition(CollectorRegistry())
     observe(exposition, [sample("send_errors", 1.0)])

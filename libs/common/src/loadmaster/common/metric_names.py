@@ -10,7 +10,9 @@ come from bounded sets: client ids, model ids, worker ids, GPU indexes, error *c
 
 `service` names the service that reports a series; with `known`, the values a label can
 take, it lets the metrics service create a counter at 0 as soon as a replica (or, for a
-`model` label, a model) is first seen, so alerts see 0 rather than "no data".
+`model` label, a model) is first seen, so alerts see 0 rather than "no data". A label whose
+values a client chooses (a tenant can be the request's `user`) names its bound in `capped`:
+past that many values, the metrics service exposes the rest as `other`.
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ class MetricSpec:
     labels: tuple[str, ...] = ()
     service: str = ""  # the reporting service; "" = every service (exposed once, `service` label)
     known: tuple[tuple[str, tuple[str, ...]], ...] = ()  # label -> the values it can take
+    capped: tuple[tuple[str, int], ...] = ()  # label -> how many values before `other`
 
     def known_values(self, label: str) -> tuple[str, ...] | None:
         return next((values for name, values in self.known if name == label), None)
+
+    def cap(self, label: str) -> int | None:
+        return next((bound for name, bound in self.capped if name == label), None)
 
 
 # Edge error codes (`loadmaster.v1.ErrorCode` names, lower case), as the `code` labels carry them.
@@ -56,6 +62,7 @@ EDGE_CODES: tuple[str, ...] = (
     "failed_precondition",
 )
 _CODE = (("code", EDGE_CODES),)
+_TENANTS = (("tenant", 100),)  # a tenant may be a request's `user`: bounded for Prometheus
 _RESULT = (("code", ("ok", *EDGE_CODES)),)
 
 
@@ -84,6 +91,14 @@ _GATEWAY = _of(
         "observation_errors", _C, "Requests refused before queueing, by error code", ("code",), known=_CODE
     ),
     MetricSpec("send_errors", _C, "Replies that could not be sent to a client"),
+    MetricSpec(
+        "replies_dropped",
+        _C,
+        "Edge replies dropped for a peer over its byte budget",
+        ("reason",),
+        known=(("reason", ("byte_budget",)),),
+    ),
+    MetricSpec("identity_conflicts", _C, "Edge messages from a second key for a client id, dropped"),
     MetricSpec(
         "dispatch_errors",
         _C,
@@ -141,6 +156,12 @@ _MODEL_POOL = _of(
     ),
     MetricSpec("slot_state", _G, "Model slot state (1 = in this state)", ("model", "state")),
     MetricSpec("reloads", _C, "Loads of a model this worker had evicted before", ("model",)),
+    MetricSpec(
+        "leases_reestablished",
+        _C,
+        "GPU leases the broker lost and granted again to a loaded model",
+        ("model",),
+    ),
     MetricSpec("worker_leased_mb", _G, "GPU memory a worker holds under its leases", ("gpu",)),
     # generative models, in the engine
     MetricSpec("prompt_tokens", _C, "Prompt tokens of the generations run", ("model",)),
@@ -148,7 +169,45 @@ _MODEL_POOL = _of(
     MetricSpec("sequences_running", _G, "Sequences being generated", ("model",)),
     MetricSpec("sequences_waiting", _G, "Sequences waiting in the engine for a slot", ("model",)),
     MetricSpec("preemptions", _C, "Sequences paused for a more urgent one", ("model",)),
+    MetricSpec(
+        "yields",
+        _C,
+        "Sequences that gave their place at a timeslice to waiting work of a better class",
+        ("model",),
+    ),
     MetricSpec("resumptions", _C, "Paused sequences resumed", ("model",)),
+    MetricSpec(
+        "kv_kept", _C, "Pauses that kept the KV cache until the sequence resumed or ended", ("model",)
+    ),
+    MetricSpec(
+        "kv_recomputed", _C, "Paused sequences whose KV cache was freed (they prefill again)", ("model",)
+    ),
+    MetricSpec(
+        "generation_queue_wait_ms",
+        _H,
+        "Time from a generation's arrival at the worker to its first token, by priority",
+        ("model", "priority"),
+    ),
+    MetricSpec(
+        "tenant_prompt_tokens",
+        _C,
+        "Prompt tokens of the generations run, by tenant",
+        ("model", "tenant"),
+        capped=_TENANTS,
+    ),
+    MetricSpec(
+        "tenant_output_tokens",
+        _C,
+        "Tokens generated, by tenant",
+        ("model", "tenant"),
+        capped=_TENANTS,
+    ),
+    MetricSpec(
+        "tenant_counter_gap",
+        _G,
+        "Largest gap between backlogged tenants' virtual token counters",
+        ("model",),
+    ),
     MetricSpec("kv_cache_blocks_used", _G, "KV-cache blocks in use", ("model",)),
     MetricSpec("kv_cache_blocks_total", _G, "KV-cache blocks the engine holds", ("model",)),
     # prefix reuse (docs/prefix-reuse.md); unlike vLLM's, queries and hits count requests

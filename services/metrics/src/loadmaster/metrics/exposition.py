@@ -23,7 +23,9 @@ one step: each touched bucket incremented once, the sum added in order (so it eq
 one `observe` per value to the last bit).
 
 Only the labels the spec declares become Prometheus labels (a missing one is ""),
-so cardinality stays bounded whatever else reporters attach. Names not in
+so cardinality stays bounded whatever else reporters attach; a label the spec caps
+(`capped`: values a client chooses, such as a tenant) keeps its first values and
+exposes the rest as `other`. Names not in
 `METRICS` stay in the windows (GetStats, GetLatest, Watch) but are not exposed;
 each is logged once.
 """
@@ -179,6 +181,7 @@ class Exposition:
         self._replicas: dict[tuple[str, str], _Replica] = {}
         self._next_sweep = 0.0
         self._warned: set[str] = set()
+        self._capped: dict[tuple[str, str], set[str]] = {}  # (name, label) -> values exposed
 
     def observe(self, observations: Iterable[Observations], *, service: str = "", replica: str = "") -> None:
         """Feed series' values (labels include `service`) reported by one `replica` of
@@ -271,7 +274,7 @@ class Exposition:
             record.models.add(model)
             self._zero_counters(service, replica, record, model=model)
         head = (replica,) if spec.service else (service, replica)
-        values = (*head, *(labels.get(label, "") for label in spec.labels))
+        values = (*head, *(self._bounded(spec, label, labels.get(label, "")) for label in spec.labels))
         child = family.labels(*values)
         if record is not None:
             record.children.add((family, values))
@@ -295,6 +298,20 @@ class Exposition:
             gauge.set(values[-1] * scale)
 
         return set_latest
+
+    def _bounded(self, spec: MetricSpec, label: str, value: str) -> str:
+        """`value`, or `other` once a capped label has shown its bound of other values."""
+        cap = spec.cap(label)
+        if cap is None:
+            return value
+        seen = self._capped.setdefault((spec.name, label), set())
+        if value in seen:
+            return value
+        if len(seen) >= cap:
+            self._warn_once(f"{spec.name}.{label}", f"over {cap} values; the rest are exposed as 'other'")
+            return "other"
+        seen.add(value)
+        return value
 
     def _family(self, service: str, spec: MetricSpec) -> _Family | None:
         key = (service if spec.service else "", spec.name)
