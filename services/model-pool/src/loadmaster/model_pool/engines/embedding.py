@@ -88,8 +88,13 @@ class EmbeddingEngine(Engine):
         folder = _folder(self.spec)
         if self.context.threads and torch.get_num_threads() != self.context.threads:
             torch.set_num_threads(self.context.threads)
-        if self._device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {self._device} requested but CUDA is not available")
+        if self._device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {self._device} requested but CUDA is not available")
+            # This instance's thread runs every call of this engine: what torch allocates
+            # without naming a device (its CUDA context, workspaces) goes to the leased GPU,
+            # not to GPU 0, as in the torch, transformers and vision engines.
+            torch.cuda.set_device(self._device)
         self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         dtype = _DTYPES.get(config.dtype, "auto")
         model: Any = AutoModel.from_pretrained(folder, local_files_only=True, dtype=dtype)
