@@ -121,7 +121,7 @@ class RelayHandler(grpc.GenericRpcHandler):
             kind = self._config.methods.get(method)
             if kind not in _KINDS:
                 return None  # gRPC answers UNIMPLEMENTED, as the gateway would
-            handler = self._handlers[method] = getattr(self, f"_{kind}")(method)
+            handler = self._handlers[method] = self._handler(method)
         return handler
 
     # -- messages in: large infer messages through shared memory ---------------------------
@@ -154,56 +154,50 @@ class RelayHandler(grpc.GenericRpcHandler):
 
     # -- the four kinds ------------------------------------------------------------------
 
-    def _unary_unary(self, method: str) -> grpc.RpcMethodHandler:
-        relay = self._channel.unary_unary(method)
+    def _relay(self, method: str) -> tuple[Callable[..., Any], bool, bool]:
+        """The upstream call for `method` and whether its requests and its responses stream."""
+        kind = self._config.methods[method]
+        requests, responses = kind.split("_")
+        return getattr(self._channel, kind)(method), requests == "stream", responses == "stream"
 
-        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _call(
+        self,
+        relay: Callable[..., Any],
+        method: str,
+        request: Any,
+        streaming: bool,
+        context: Any,
+        markers: list[bytes],
+    ) -> Any:
+        """Open the relayed call: the request (or each streamed one) on its way out, the
+        client's metadata less the transport's own, and what is left of its deadline."""
+        outgoing = (
+            self._messages(method, request, markers)
+            if streaming
+            else await self._outgoing(method, request, markers)
+        )
+        return relay(
+            outgoing, metadata=_forwarded(context.invocation_metadata()), timeout=context.time_remaining()
+        )
+
+    def _handler(self, method: str) -> grpc.RpcMethodHandler:
+        relay, streamed_requests, streamed_responses = self._relay(method)
+
+        async def answer(request: Any, context: grpc.aio.ServicerContext) -> bytes:
             markers: list[bytes] = []
             try:
-                call = relay(
-                    await self._outgoing(method, request, markers),
-                    metadata=_forwarded(context.invocation_metadata()),
-                    timeout=context.time_remaining(),
-                )
-                del request
+                call = await self._call(relay, method, request, streamed_requests, context, markers)
+                del request  # a 64 MiB message is not held while the answer comes
                 response: bytes = await _answered(call, context)
                 await _pass_metadata(call, context)
                 return await self._incoming(method, response, context)
             finally:
                 self._discard(markers)
 
-        return grpc.unary_unary_rpc_method_handler(handle)
-
-    def _stream_unary(self, method: str) -> grpc.RpcMethodHandler:
-        relay = self._channel.stream_unary(method)
-
-        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             markers: list[bytes] = []
             try:
-                call = relay(
-                    self._messages(method, requests, markers),
-                    metadata=_forwarded(context.invocation_metadata()),
-                    timeout=context.time_remaining(),
-                )
-                response: bytes = await _answered(call, context)
-                await _pass_metadata(call, context)
-                return await self._incoming(method, response, context)
-            finally:
-                self._discard(markers)
-
-        return grpc.stream_unary_rpc_method_handler(handle)
-
-    def _unary_stream(self, method: str) -> grpc.RpcMethodHandler:
-        relay = self._channel.unary_stream(method)
-
-        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            markers: list[bytes] = []
-            try:
-                call = relay(
-                    await self._outgoing(method, request, markers),
-                    metadata=_forwarded(context.invocation_metadata()),
-                    timeout=context.time_remaining(),
-                )
+                call = await self._call(relay, method, request, streamed_requests, context, markers)
                 del request
                 async with contextlib.aclosing(_streamed(call, context)) as responses:
                     async for response in responses:
@@ -211,28 +205,13 @@ class RelayHandler(grpc.GenericRpcHandler):
             finally:
                 self._discard(markers)
 
-        return grpc.unary_stream_rpc_method_handler(handle)
-
-    def _stream_stream(self, method: str) -> grpc.RpcMethodHandler:
-        relay = self._channel.stream_stream(method)
-
-        async def handle(
-            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[bytes]:
-            markers: list[bytes] = []
-            try:
-                call = relay(
-                    self._messages(method, requests, markers),
-                    metadata=_forwarded(context.invocation_metadata()),
-                    timeout=context.time_remaining(),
-                )
-                async with contextlib.aclosing(_streamed(call, context)) as responses:
-                    async for response in responses:
-                        yield await self._incoming(method, response, context)
-            finally:
-                self._discard(markers)
-
-        return grpc.stream_stream_rpc_method_handler(handle)
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(streamed_requests, streamed_responses)]
+        return make(stream if streamed_responses else answer)
 
     async def _messages(
         self, method: str, requests: AsyncIterator[bytes], markers: list[bytes]
