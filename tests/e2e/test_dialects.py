@@ -149,6 +149,7 @@ def test_ollama_images_list_ps_show(host: str) -> None:
 
 
 async def test_an_ollama_client_that_disconnects_frees_its_sequence(suite: Suite, host: str) -> None:
+    await until_idle(suite, CHAT)  # an earlier test's stream ended at its client, maybe not yet here
     body = {
         "model": CHAT,
         "messages": [{"role": "user", "content": "go on"}],
@@ -204,6 +205,7 @@ def test_anthropic_image_block(host: str) -> None:
 
 
 async def test_an_anthropic_client_that_disconnects_frees_its_sequence(suite: Suite, host: str) -> None:
+    await until_idle(suite, CHAT)  # an earlier test's stream ended at its client, maybe not yet here
     client = anthropic.AsyncAnthropic(base_url=host, api_key="none", max_retries=0, timeout=60)
     async with client.messages.stream(
         model=CHAT, max_tokens=1500, messages=[{"role": "user", "content": "go on"}]

@@ -44,7 +44,7 @@ from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import bearer_token
 from loadmaster.gateway.frontends.dialect_calls import Collected, DialectCalls
 from loadmaster.gateway.frontends.disconnects import ClientGone
-from loadmaster.gateway.frontends.openai_common import read_body
+from loadmaster.gateway.frontends.openai_common import api_route, read_body
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
     OpenAIError,
@@ -664,20 +664,11 @@ def anthropic_routes(
             raise AnthropicError(404, f"model: {model_id}")
         return JSONResponse(_model_info(model_id))
 
-    def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str) -> Route:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as error:  # the one place this API's errors become statuses
-                return _error_response(error)
-
-        return Route(path, endpoint, methods=[method])
-
     return [
-        route("/v1/messages", create, "POST"),
-        route("/v1/messages/count_tokens", count_tokens, "POST"),
-        route("/v1/models", list_models, "GET"),
-        route("/v1/models/{model:path}", get_model, "GET"),
+        api_route("/v1/messages", create, ["POST"], _error_response),
+        api_route("/v1/messages/count_tokens", count_tokens, ["POST"], _error_response),
+        api_route("/v1/models", list_models, ["GET"], _error_response),
+        api_route("/v1/models/{model:path}", get_model, ["GET"], _error_response),
     ]
 
 

@@ -51,7 +51,7 @@ from loadmaster.gateway.frontends.dialect_calls import (
     NotAGeneration,
 )
 from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
-from loadmaster.gateway.frontends.openai_common import read_body
+from loadmaster.gateway.frontends.openai_common import api_route, read_body
 from loadmaster.gateway.frontends.openai_schema import (
     ChatCompletionBody,
     OpenAIError,
@@ -695,25 +695,16 @@ def ollama_routes(
     async def root(request: Request) -> Response:
         return PlainTextResponse("Ollama is running")
 
-    def route(path: str, handler: Callable[[Request], Awaitable[Response]], methods: list[str]) -> Route:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as error:  # the one place this API's errors become statuses
-                return _error_response(error)
-
-        return Route(path, endpoint, methods=methods)
-
     return [
-        route("/", root, ["GET", "HEAD"]),
-        route("/api/version", version, ["GET"]),
-        route("/api/tags", tags, ["GET"]),
-        route("/api/ps", ps, ["GET"]),
-        route("/api/show", show, ["POST"]),
-        route("/api/chat", chat, ["POST"]),
-        route("/api/generate", generate, ["POST"]),
-        route("/api/embed", embed_route, ["POST"]),
-        route("/api/embeddings", embeddings_route, ["POST"]),
+        api_route("/", root, ["GET", "HEAD"], _error_response),
+        api_route("/api/version", version, ["GET"], _error_response),
+        api_route("/api/tags", tags, ["GET"], _error_response),
+        api_route("/api/ps", ps, ["GET"], _error_response),
+        api_route("/api/show", show, ["POST"], _error_response),
+        api_route("/api/chat", chat, ["POST"], _error_response),
+        api_route("/api/generate", generate, ["POST"], _error_response),
+        api_route("/api/embed", embed_route, ["POST"], _error_response),
+        api_route("/api/embeddings", embeddings_route, ["POST"], _error_response),
     ]
 
 

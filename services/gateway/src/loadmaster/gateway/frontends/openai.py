@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from loadmaster.common.errors import InternalError, LoadmasterError
 from loadmaster.gateway.auth import INFER, Authenticator, Principal, bearer_token
 from loadmaster.gateway.chat_images import ChatImages
 from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
-from loadmaster.gateway.frontends.openai_common import error_response, read_body
+from loadmaster.gateway.frontends.openai_common import api_route, read_body
 from loadmaster.gateway.frontends.openai_responses import (
     ResponseBuilder,
     complete_response,
@@ -231,21 +231,12 @@ def openai_routes(
             )
         return JSONResponse(model_card(model_id, state=state))
 
-    def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str) -> Route:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as error:  # the one place this API's errors become statuses
-                return error_response(error)
-
-        return Route(path, endpoint, methods=[method])
-
     return [
-        route("/v1/chat/completions", chat_completions, "POST"),
-        route("/v1/completions", completions, "POST"),
-        route("/v1/responses", responses, "POST"),
-        route("/v1/models", list_models, "GET"),
-        route("/v1/models/{model:path}", get_model, "GET"),
+        api_route("/v1/chat/completions", chat_completions, ["POST"]),
+        api_route("/v1/completions", completions, ["POST"]),
+        api_route("/v1/responses", responses, ["POST"]),
+        api_route("/v1/models", list_models, ["GET"]),
+        api_route("/v1/models/{model:path}", get_model, ["GET"]),
     ]
 
 

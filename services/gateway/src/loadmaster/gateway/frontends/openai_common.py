@@ -1,19 +1,22 @@
 """What the OpenAI-compatible route modules share (chat and completions, images,
-embeddings): reading a bounded body and answering an error in
-OpenAI's shape with its status and `Retry-After`."""
+embeddings; the Ollama and Anthropic dialects too): reading a bounded body, a route whose
+errors become one API's answers, and answering an error in OpenAI's shape with its status
+and `Retry-After`."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from loadmaster.common.errors import InternalError, LoadmasterError, retry_after_header
 from loadmaster.gateway.frontends.openai_schema import OpenAIError, error_from
 
-__all__ = ["MAX_BODY_BYTES", "error_response", "read_body"]
+__all__ = ["MAX_BODY_BYTES", "api_route", "error_response", "read_body"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,24 @@ def error_response(error: Exception) -> Response:
     if headers is not None and isinstance(retry_after_s, int | float):  # a cooldown knows it exactly
         headers["retry-after-ms"] = str(math.ceil(retry_after_s * 1000))
     return JSONResponse(mapped.body(), status_code=mapped.status, headers=headers)
+
+
+def api_route(
+    path: str,
+    handler: Callable[[Request], Awaitable[Response]],
+    methods: list[str],
+    answer: Callable[[Exception], Response] = error_response,
+) -> Route:
+    """A route whose handler's errors become `answer(error)`: the one place an API's errors
+    become statuses (OpenAI's shape by default; the dialects pass their own)."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as error:
+            return answer(error)
+
+    return Route(path, endpoint, methods=methods)
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
 from loadmaster.gateway.embeddings import Embedder, EmbeddingRequest, EmbeddingResult
 from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
-from loadmaster.gateway.frontends.openai_common import error_response, read_body
+from loadmaster.gateway.frontends.openai_common import api_route, read_body
 from loadmaster.gateway.frontends.openai_schema import OpenAIBody, OpenAIError, invalid, load_json
 from loadmaster.gateway.frontends.request_headers import hints_from, with_hints
 from loadmaster.gateway.validation import off_loop
@@ -124,10 +124,4 @@ def embedding_routes(embedder: Embedder, auth: Authenticator, *, gateway_id: str
             body, media_type="application/json", headers={"X-Loadmaster-Model": embedding_request.model}
         )
 
-    async def endpoint(request: Request) -> Response:
-        try:
-            return await embeddings(request)
-        except Exception as error:  # this API's errors become statuses in OpenAI's shape
-            return error_response(error)
-
-    return [Route("/v1/embeddings", endpoint, methods=["POST"])]
+    return [api_route("/v1/embeddings", embeddings, ["POST"])]

@@ -21,7 +21,7 @@ import itertools
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -33,7 +33,7 @@ from loadmaster.common.errors import InvalidArgumentError, LoadmasterError, Unav
 from loadmaster.common.gateway_config import ImagesSettings
 from loadmaster.gateway.auth import INFER, Authenticator, bearer_token
 from loadmaster.gateway.frontends.disconnects import ClientGone, unless_client_leaves
-from loadmaster.gateway.frontends.openai_common import error_response, read_body
+from loadmaster.gateway.frontends.openai_common import api_route, read_body
 from loadmaster.gateway.frontends.openai_schema import OpenAIError, error_from, load_json
 from loadmaster.gateway.image_jobs import ImageJobs
 from loadmaster.gateway.images import ImageGenerator, ImageRequest
@@ -209,16 +209,7 @@ def image_routes(
             )
         return Response(_job_view(job), media_type="application/json")
 
-    def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str) -> Route:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as error:  # this API's errors become statuses in OpenAI's shape
-                return error_response(error)
-
-        return Route(path, endpoint, methods=[method])
-
     return [
-        route("/v1/images/generations", generations, "POST"),
-        route("/v1/jobs/{job_id}", get_job, "GET"),
+        api_route("/v1/images/generations", generations, ["POST"]),
+        api_route("/v1/jobs/{job_id}", get_job, ["GET"]),
     ]
