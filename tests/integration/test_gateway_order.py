@@ -187,7 +187,9 @@ def _arrive(
     )
 
 
-@pytest.mark.parametrize("strategy", ["model_deadline", "priority_tiered", "priority", "round_robin"])
+@pytest.mark.parametrize(
+    "strategy", ["model_deadline", "deadline_aware", "priority_tiered", "priority", "round_robin"]
+)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int) -> None:
     core, sink, scheduler_clock = _core(strategy, 1)
@@ -219,7 +221,9 @@ def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int)
     assert local.take_all("m") == central
 
 
-@pytest.mark.parametrize("strategy", ["model_deadline", "priority_tiered", "priority", "round_robin"])
+@pytest.mark.parametrize(
+    "strategy", ["model_deadline", "deadline_aware", "priority_tiered", "priority", "round_robin"]
+)
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 async def test_the_dispatcher_sends_in_the_order_the_scheduler_grants(strategy: str, seed: int) -> None:
     core, sink, scheduler_clock = _core(strategy, SLOTS)

@@ -134,9 +134,22 @@ def test_a_strategy_switch_takes_every_credit_back_and_relends_by_the_new_one(h:
     assert len(relent) == 4 and {h.lent[cid][1].local_queue.strategy for cid in relent} == {"round_robin"}  # type: ignore[union-attr]
 
 
+def test_the_global_deadline_order_is_kept_by_the_gateway_per_model(h: Harness) -> None:
+    """`deadline_aware`'s scope only orders several models' grants in one dispatch round; within
+    a model its key is model_deadline's, so a share still carries a spec (checked against the
+    scheduler's own order in tests/integration/test_gateway_order.py)."""
+    share = _share(h)
+    h.core.set_ordering(make_ordering("deadline_aware"))
+    assert sorted(h.revoked) == share
+    for cid in share:
+        h.return_credit(cid)
+    relent = _share(h)
+    assert len(relent) == 4 and {h.lent[cid][1].local_queue.strategy for cid in relent} == {"deadline_aware"}  # type: ignore[union-attr]
+
+
 def test_a_strategy_a_gateway_cannot_keep_lends_no_spec(h: Harness) -> None:
     share = _share(h)
-    h.core.set_ordering(make_ordering("deadline_aware"))  # one global order across models
+    h.core.set_ordering(make_ordering("tiered_deadline"))  # its tiers do not travel in the spec
     for cid in share:
         h.return_credit(cid)
     assert _share(h) == []  # credits with a spec were still out: lending paused for the window

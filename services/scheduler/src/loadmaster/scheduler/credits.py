@@ -41,7 +41,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
-from loadmaster.common.ordering import DeadlineTerms, Ordering, Scope
+from loadmaster.common.ordering import DeadlineTerms, Ordering
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
 from loadmaster.scheduler.domain import (
     Credit,
@@ -56,9 +56,14 @@ from loadmaster.scheduler.registry import WorkerRegistry
 
 __all__ = ["CreditBook", "local_queue_spec", "too_long_for_local"]
 
-# Strategies whose order a gateway can keep for one model's requests on its own: per-model
-# scope, no batch groups, no registered policy (a policy module is loaded by the scheduler only).
-_LOCAL_STRATEGIES = frozenset({"model_deadline", "priority_tiered", "round_robin", "priority"})
+# Strategies whose order a gateway can keep for one model's requests on its own: no batch
+# groups, no registered policy (a policy module is loaded by the scheduler only), nothing the
+# LocalQueue spec cannot carry (`tiered_deadline`'s tiers). `deadline_aware` is global, but
+# within one model its key is `model_deadline`'s: its scope only orders the grants of several
+# models that can go in one dispatch round, and a share's calls take no central grant.
+_LOCAL_STRATEGIES = frozenset(
+    {"model_deadline", "deadline_aware", "priority_tiered", "round_robin", "priority"}
+)
 
 
 def too_long_for_local(policy: ModelPolicy, config: CoreConfig, inference_s: float | None) -> bool:
@@ -81,7 +86,6 @@ def local_queue_spec(
         return None
     if (
         ordering.name not in _LOCAL_STRATEGIES
-        or ordering.scope is not Scope.MODEL
         or ordering.batch is not None
         or bool(getattr(ordering, "policy_name", ""))
         or policy.latest_only
