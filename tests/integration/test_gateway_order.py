@@ -188,7 +188,8 @@ def _arrive(
 
 
 @pytest.mark.parametrize(
-    "strategy", ["model_deadline", "deadline_aware", "priority_tiered", "priority", "round_robin"]
+    "strategy",
+    ["model_deadline", "deadline_aware", "tiered_deadline", "priority_tiered", "priority", "round_robin"],
 )
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int) -> None:
@@ -222,7 +223,8 @@ def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int)
 
 
 @pytest.mark.parametrize(
-    "strategy", ["model_deadline", "deadline_aware", "priority_tiered", "priority", "round_robin"]
+    "strategy",
+    ["model_deadline", "deadline_aware", "tiered_deadline", "priority_tiered", "priority", "round_robin"],
 )
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 async def test_the_dispatcher_sends_in_the_order_the_scheduler_grants(strategy: str, seed: int) -> None:

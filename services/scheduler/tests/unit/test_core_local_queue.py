@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from loadmaster.common.ordering import make_ordering
+from loadmaster.common.ordering import InferenceRequest, make_ordering, register_policy
 from loadmaster.scheduler.domain import OverflowPolicy, RunTally, SlotState, Submission
 
 if TYPE_CHECKING:
@@ -134,22 +134,32 @@ def test_a_strategy_switch_takes_every_credit_back_and_relends_by_the_new_one(h:
     assert len(relent) == 4 and {h.lent[cid][1].local_queue.strategy for cid in relent} == {"round_robin"}  # type: ignore[union-attr]
 
 
-def test_the_global_deadline_order_is_kept_by_the_gateway_per_model(h: Harness) -> None:
-    """`deadline_aware`'s scope only orders several models' grants in one dispatch round; within
-    a model its key is model_deadline's, so a share still carries a spec (checked against the
-    scheduler's own order in tests/integration/test_gateway_order.py)."""
+@pytest.mark.parametrize(("strategy", "tiers"), [("deadline_aware", ()), ("tiered_deadline", (0, 2))])
+def test_the_global_deadline_orders_are_kept_by_the_gateway_per_model(
+    h: Harness, strategy: str, tiers: tuple[int, ...]
+) -> None:
+    """Their scope only orders several models' grants in one dispatch round; within a model
+    their keys are the deadline family's, so a share still carries a spec, tiers included
+    (checked against the scheduler's own order in tests/integration/test_gateway_order.py)."""
     share = _share(h)
-    h.core.set_ordering(make_ordering("deadline_aware"))
+    h.core.set_ordering(make_ordering(strategy, tiers=list(tiers) or None))
     assert sorted(h.revoked) == share
     for cid in share:
         h.return_credit(cid)
     relent = _share(h)
-    assert len(relent) == 4 and {h.lent[cid][1].local_queue.strategy for cid in relent} == {"deadline_aware"}  # type: ignore[union-attr]
+    specs = [h.lent[cid][1].local_queue for cid in relent]
+    assert len(relent) == 4 and {(s.strategy, s.tiers) for s in specs if s is not None} == {(strategy, tiers)}
 
 
 def test_a_strategy_a_gateway_cannot_keep_lends_no_spec(h: Harness) -> None:
     share = _share(h)
-    h.core.set_ordering(make_ordering("tiered_deadline"))  # its tiers do not travel in the spec
+
+    @register_policy("test-local-queue-policy")
+    def flat(request: InferenceRequest) -> float:
+        return 10.0
+
+    # a registered policy is a module the scheduler loaded: no gateway runs it
+    h.core.set_ordering(make_ordering("model_deadline", policy="test-local-queue-policy"))
     for cid in share:
         h.return_credit(cid)
     assert _share(h) == []  # credits with a spec were still out: lending paused for the window

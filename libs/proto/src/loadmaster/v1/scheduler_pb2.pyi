@@ -170,7 +170,7 @@ class Credit(_message.Message):
     def __init__(self, credit_id: _Optional[str] = ..., model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., request_ttl_ms: _Optional[float] = ..., local_queue: _Optional[_Union[LocalQueue, _Mapping]] = ...) -> None: ...
 
 class LocalQueue(_message.Message):
-    __slots__ = ("strategy", "priority_step_ms", "urgency_weight", "steps_horizon", "service_ms", "latency_budget_ms", "client_latency_budget_ms", "cadence_alpha", "max_queue_size", "reject_newest")
+    __slots__ = ("strategy", "priority_step_ms", "urgency_weight", "steps_horizon", "service_ms", "latency_budget_ms", "client_latency_budget_ms", "cadence_alpha", "max_queue_size", "reject_newest", "tiers")
     class ClientLatencyBudgetMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class LocalQueue(_message.Message):
     CADENCE_ALPHA_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     REJECT_NEWEST_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     priority_step_ms: float
     urgency_weight: float
@@ -198,7 +199,8 @@ class LocalQueue(_message.Message):
     cadence_alpha: float
     max_queue_size: int
     reject_newest: bool
-    def __init__(self, strategy: _Optional[str] = ..., priority_step_ms: _Optional[float] = ..., urgency_weight: _Optional[float] = ..., steps_horizon: _Optional[int] = ..., service_ms: _Optional[float] = ..., latency_budget_ms: _Optional[float] = ..., client_latency_budget_ms: _Optional[_Mapping[str, float]] = ..., cadence_alpha: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., reject_newest: _Optional[bool] = ...) -> None: ...
+    tiers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, strategy: _Optional[str] = ..., priority_step_ms: _Optional[float] = ..., urgency_weight: _Optional[float] = ..., steps_horizon: _Optional[int] = ..., service_ms: _Optional[float] = ..., latency_budget_ms: _Optional[float] = ..., client_latency_budget_ms: _Optional[_Mapping[str, float]] = ..., cadence_alpha: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., reject_newest: _Optional[bool] = ..., tiers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("grants", "rejects", "credits", "revokes", "placements")

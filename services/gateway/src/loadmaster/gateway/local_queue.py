@@ -110,7 +110,7 @@ class LocalQueues(Generic[T]):
             steps_horizon=spec.steps_horizon,
             service_ms=spec.service_ms,
         )
-        ordering = make_ordering(spec.strategy, terms=terms)
+        ordering = make_ordering(spec.strategy, terms=terms, tiers=list(spec.tiers) or None)
         if queue is None:
             self._models[model_id] = _ModelQueue(spec, ordering)
         else:

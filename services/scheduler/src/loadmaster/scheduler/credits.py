@@ -57,12 +57,12 @@ from loadmaster.scheduler.registry import WorkerRegistry
 __all__ = ["CreditBook", "local_queue_spec", "too_long_for_local"]
 
 # Strategies whose order a gateway can keep for one model's requests on its own: no batch
-# groups, no registered policy (a policy module is loaded by the scheduler only), nothing the
-# LocalQueue spec cannot carry (`tiered_deadline`'s tiers). `deadline_aware` is global, but
-# within one model its key is `model_deadline`'s: its scope only orders the grants of several
+# groups, no registered policy (a policy module is loaded by the scheduler only).
+# `deadline_aware` and `tiered_deadline` are global, but within one model their keys are the
+# deadline family's (tiers travel in the spec): their scope only orders the grants of several
 # models that can go in one dispatch round, and a share's calls take no central grant.
 _LOCAL_STRATEGIES = frozenset(
-    {"model_deadline", "deadline_aware", "priority_tiered", "round_robin", "priority"}
+    {"model_deadline", "deadline_aware", "tiered_deadline", "priority_tiered", "round_robin", "priority"}
 )
 
 
@@ -99,6 +99,7 @@ def local_queue_spec(
         cadence_alpha=config.cadence_alpha,
         max_queue_size=policy.max_queue_size,
         reject_newest=policy.overflow_policy is OverflowPolicy.REJECT_NEWEST,
+        tiers=tuple(getattr(ordering, "tiers", None) or ()),
     )
 
 

@@ -229,6 +229,7 @@ class LocalQueueSpec:
     cadence_alpha: float
     max_queue_size: int
     reject_newest: bool
+    tiers: tuple[int, ...] = ()  # tiered_deadline's
 
 
 @dataclass(slots=True)

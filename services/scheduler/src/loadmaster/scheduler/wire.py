@@ -118,6 +118,7 @@ def _local_queue(pb: scheduler_pb2.LocalQueue, spec: LocalQueueSpec) -> None:
     pb.cadence_alpha = spec.cadence_alpha
     pb.max_queue_size = spec.max_queue_size
     pb.reject_newest = spec.reject_newest
+    pb.tiers.extend(spec.tiers)
 
 
 def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.SessionResponse:

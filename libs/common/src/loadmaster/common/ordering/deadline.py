@@ -111,6 +111,11 @@ class DeadlineOrdering:
     def name(self) -> str:
         return self._name
 
+    @property
+    def tiers(self) -> list[int] | None:
+        """The highest priority of each tier (tiered_deadline), or None."""
+        return self._tiers
+
     def tier(self, priority: int) -> int:
         """The index of the first tier whose highest priority is >= `priority`."""
         if self._tiers is None:
