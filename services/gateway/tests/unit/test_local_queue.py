@@ -96,3 +96,20 @@ def test_stopping_keeps_the_waiting_calls_but_takes_no_new_ones() -> None:
     assert not queues.accepts("m") and queues.waiting("m") == 1
     assert queues.pop("m") == "r1"
     assert not queues.accepts("m") and queues.waiting("m") == 0
+
+
+def test_tiered_deadline_ranks_by_the_tiers_its_spec_carries() -> None:
+    """tiers [0, 2]: priorities 1 and 2 share the second tier, so an earlier priority-2 call goes
+    before a later priority-1 one; with the default tiers [0, 1, 2] the priority-1 call would."""
+    queues, clock = _queues(_spec("tiered_deadline", tiers=[0, 2], priority_step_ms=0.0))
+    _push(queues, "p2", "a", priority=2)
+    clock.advance(0.001)
+    _push(queues, "p1", "b", priority=1)
+    clock.advance(0.001)
+    _push(queues, "p0", "c", priority=0)
+    assert queues.take_all("m") == ["p0", "p2", "p1"]
+    queues, clock = _queues(_spec("tiered_deadline", priority_step_ms=0.0))
+    _push(queues, "p2", "a", priority=2)
+    clock.advance(0.001)
+    _push(queues, "p1", "b", priority=1)
+    assert queues.take_all("m") == ["p1", "p2"]

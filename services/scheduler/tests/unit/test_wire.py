@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from loadmaster.common.ordering import DeadlineTerms
 from loadmaster.scheduler import wire
 from loadmaster.scheduler.domain import (
     Completion,
@@ -11,6 +12,7 @@ from loadmaster.scheduler.domain import (
     FinishedRun,
     Grant,
     LoadModel,
+    LocalQueueSpec,
     QueueStats,
     Reject,
     RequestInfo,
@@ -91,6 +93,27 @@ def test_session_response_carries_credits_and_revocations() -> None:
         request_ttl_ms=250.0,
     )
     assert list(response.revokes) == ["c0"]
+
+
+def test_a_credits_local_queue_spec_carries_tiered_deadlines_tiers() -> None:
+    spec = LocalQueueSpec(
+        strategy="tiered_deadline",
+        terms=DeadlineTerms(priority_step_ms=50.0),
+        latency_budget_ms=40.0,
+        client_latency_budget_ms={"robot": 10.0},
+        cadence_alpha=0.3,
+        max_queue_size=64,
+        reject_newest=True,
+        tiers=(0, 2),
+    )
+    credit = Credit("c1", 3, "m", "w", "tcp://w", 2, 250.0, local_queue=spec)
+    sent = wire.session_response([credit]).credits[0].local_queue
+    assert (sent.strategy, list(sent.tiers), sent.priority_step_ms) == ("tiered_deadline", [0, 2], 50.0)
+    assert (dict(sent.client_latency_budget_ms), sent.max_queue_size, sent.reject_newest) == (
+        {"robot": 10.0},
+        64,
+        True,
+    )
 
 
 def test_worker_messages_and_admin_round_trip() -> None:
