@@ -57,9 +57,7 @@ def _running(pid: object) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process took the number: not our `up`
+    except (ProcessLookupError, PermissionError):  # gone, or the number is another user's now
         return False
     return True
 

@@ -166,7 +166,7 @@ class RelayHandler(grpc.GenericRpcHandler):
         method: str,
         request: Any,
         streaming: bool,
-        context: Any,
+        context: grpc.aio.ServicerContext,
         markers: list[bytes],
     ) -> Any:
         """Open the relayed call: the request (or each streamed one) on its way out, the
