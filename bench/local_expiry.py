@@ -3,9 +3,9 @@
 The local-queue counterpart of `scheduler_expiry.py` (which measures the scheduler's central
 queue with fake streams). Here the whole suite runs (real processes on free 127.0.0.1 ports) and
 model `sleep` is configured so that its requests wait in the gateway, not at the scheduler
-(docs/data-path.md): one slot (`max_inflight: 1`), lookahead and reservations off, so the
-scheduler lends the gateway its whole share (one dispatch credit, with a `LocalQueue` spec)
-whatever the measured inference time.
+(docs/data-path.md): one slot (`max_inflight: 1`), the scheduler lends the gateway its whole share
+(one dispatch credit, with a `LocalQueue` spec), and no call is staged behind the running one
+(`lookahead: 0`), so every waiting call waits in the local queue.
 
 - A busy client (priority 0) keeps the one slot taken: `ms=[BUSY_MS]` requests, two outstanding,
   so one always waits in the local queue ahead of everything else when the running one ends.
@@ -433,7 +433,7 @@ def main() -> int:
         parser.error(f"--requests / --rate is over {MAX_SEND_S:.0f} s of sending")
     slots = 1
     overrides = {
-        "models": {"known": {MODEL: {"max_inflight": slots, "lookahead": 0, "reservation": False}}},
+        "models": {"known": {MODEL: {"max_inflight": slots, "lookahead": 0}}},
     }
     with running_suite_handle(preload=[MODEL], overrides=overrides) as suite:
         pid = suite.service("gateway").process.pid

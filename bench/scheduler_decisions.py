@@ -12,9 +12,8 @@ full collection walks every queued request). `cpu_decisions_per_s` divides by th
 process's CPU time over the same calls instead: on a shared machine it leaves out the
 time the OS gave other processes, so it is the steadier number to compare runs with.
 
-The core runs with dispatch credits, lookahead and reservations off (no gateway takes
-credits here, and the other two add their own work per decision); `--shipped-mechanisms`
-runs it with CoreConfig's defaults, the shipped settings, instead.
+The core runs with dispatch credits off (no gateway takes credits here);
+`--shipped-mechanisms` runs it with CoreConfig's defaults, the shipped settings, instead.
 
     .venv/bin/python bench/scheduler_decisions.py [--seconds 2] [--strategies model_deadline,...]
 """
@@ -74,7 +73,7 @@ class _Sink:
         pass
 
 
-MECHANISMS_OFF: dict[str, Any] = {"dispatch_credits": 0, "lookahead": 0, "reservation": False}
+MECHANISMS_OFF: dict[str, Any] = {"dispatch_credits": 0, "lookahead": 0}
 
 
 def run(strategy: str, depth: int, batch: int, seconds: float, *, shipped: bool = False) -> dict[str, Any]:
@@ -141,9 +140,7 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--strategies", default=",".join(ALL))
-    parser.add_argument(
-        "--shipped-mechanisms", action="store_true", help="credits, lookahead, reservations on"
-    )
+    parser.add_argument("--shipped-mechanisms", action="store_true", help="credits on, as shipped")
     args = parser.parse_args()
     rows = []
     for strategy in args.strategies.split(","):

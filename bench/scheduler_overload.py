@@ -198,16 +198,13 @@ def summarize(results: dict[int, list[tuple[float, float | None, str]]], seconds
     }
 
 
-def _config(tmp: Path, lookahead: int, margin_ms: float | None, reservation: bool = True) -> Path:
+def _config(tmp: Path, lookahead: int) -> Path:
     data = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    if margin_ms is not None:
-        data.setdefault("scheduler", {})["lookahead_margin_ms"] = margin_ms
     data["models"]["repository"] = str((EXAMPLE_CONFIG.parent / data["models"]["repository"]).resolve())
     data["models"]["known"]["sleep"] = {
         "max_inflight": 1,
         "vram_mb": 16,
         "lookahead": lookahead,
-        "reservation": reservation,
     }
     data["model_pool"]["preload"] = ["sleep", "double"]
     data["clients"] = {
@@ -262,16 +259,11 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(ALL))
     parser.add_argument("--no-inferential", action="store_true")
     parser.add_argument(
-        "--lookahead", type=int, default=1, help="the sleep model's scheduler lookahead (0 = off)"
-    )
-    parser.add_argument(
-        "--no-reservation",
-        action="store_true",
-        help="the sleep model without reservations; with --lookahead 0 the gateway then orders "
-        "its calls in its local queue (a variant: results go to scheduler_overload_local.json)",
-    )
-    parser.add_argument(
-        "--margin-ms", type=float, default=None, help="scheduler.lookahead_margin_ms (default: the config's)"
+        "--lookahead",
+        type=int,
+        default=1,
+        help="calls the gateway stages behind the running one (0 = none; a variant other than 1: "
+        "results go to scheduler_overload_lookahead<N>.json)",
     )
     parser.add_argument(
         "--p0-gap-ms",
@@ -284,7 +276,7 @@ def main() -> None:
     from loadmaster.cli.launcher import Suite, free_port_overrides
 
     with tempfile.TemporaryDirectory(prefix="loadmaster-overload-") as tmp:
-        config = _config(Path(tmp), args.lookahead, args.margin_ms, not args.no_reservation)
+        config = _config(Path(tmp), args.lookahead)
         suite = Suite(config, overrides=free_port_overrides(), log_dir=Path(tmp))
         print("starting the suite…", flush=True)
         suite.start(timeout_s=120)
@@ -316,7 +308,8 @@ def main() -> None:
             print(_line("inferential model_deadline", result), flush=True)
     md = runs.get("loadmaster:model_deadline")
     targets = []
-    label = " (variant: local queue, no lookahead or reservations)" if args.no_reservation else ""
+    variant = args.lookahead != 1
+    label = f" (variant: lookahead {args.lookahead})" if variant else ""
     if md is not None:
         p0 = md["classes"]["priority0"]["on_time_rate"] or 0.0
         targets = [
@@ -336,14 +329,13 @@ def main() -> None:
             },
         ]
     path = write_result(
-        "scheduler_overload_local" if args.no_reservation else "scheduler_overload",
+        f"scheduler_overload_lookahead{args.lookahead}" if variant else "scheduler_overload",
         {
             "workload": {
                 "model": "sleep",
                 "sleep_ms": SLEEP_MS,
                 "max_inflight": 1,
                 "lookahead": args.lookahead,
-                "reservation": not args.no_reservation,
                 "capacity_per_s": CAPACITY_PER_S,
                 "clients": CLIENTS,
                 "offered_per_s": RATE_PER_CLIENT * CLIENTS,

@@ -157,7 +157,6 @@ def _core(strategy: str, slots: int) -> tuple[SchedulerCore, _Sink, FakeClock]:
         client_latency_budgets_ms=BUDGETS,
         dispatch_credits=0,
         lookahead=0,
-        reservation=False,
     )
     clock, sink = FakeClock(), _Sink()
     core = SchedulerCore(config, clock=clock, outbound=sink, telemetry=sink)  # type: ignore[arg-type]

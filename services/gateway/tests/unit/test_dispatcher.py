@@ -130,20 +130,6 @@ async def test_grant_sends_to_the_worker_and_its_reply_finishes_the_call_once(pa
     assert dispatcher.inflight == 0
 
 
-async def test_a_front_of_queue_grant_is_sent_as_one(parts) -> None:
-    dispatcher, _scheduler, workers, results = parts
-    dispatcher.submit(_call("r1"), results.append)
-    dispatcher.submit(_call("r2"), results.append)
-    dispatcher.on_grant(_grant("r1"))
-    grant = _grant("r2")
-    grant.front_of_queue = True
-    dispatcher.on_grant(grant)
-    assert [(sent.request_id, sent.front_of_queue) for _, sent in workers.sent] == [
-        ("r1", False),
-        ("r2", True),
-    ]
-
-
 async def test_retryable_failure_waits_for_a_regrant_and_ignores_the_old_worker(parts) -> None:
     dispatcher, scheduler, _workers, results = parts
     dispatcher.submit(_call(), results.append)

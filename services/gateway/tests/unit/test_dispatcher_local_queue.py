@@ -352,3 +352,96 @@ async def test_a_lost_sessions_share_serves_a_bounded_time_after_a_new_session_o
     clock.advance(OLD_SHARE_GRACE_S + 0.1)
     dispatcher.submit(_call("r2"), results.append)  # the grace is over: to the new scheduler
     assert _sent(workers) == ["r1"] and scheduler.order[-1] == "enqueue r2"
+
+
+# -- staged calls (LocalQueue.stage) and urgent ones sent to the front ---------------------
+
+
+def _fronts(workers: _WorkersDouble) -> list[str]:
+    return [request.request_id for _, request in workers.sent if request.front_of_queue]
+
+
+async def test_a_busy_credit_takes_one_staged_call_so_its_worker_never_waits_for_the_next(
+    parts: Parts,
+) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    for request_id in ("r1", "r2", "r3"):
+        dispatcher.submit(_call(request_id), results.append)
+    assert _sent(workers) == ["r1", "r2"]  # r2 waits at the worker behind r1; r3 here
+    assert scheduler.order == ["run r1", "run r2"]
+    dispatcher.on_worker_reply(_ok("r1"), b"")  # r2 runs now: r3 is staged behind it
+    assert _sent(workers) == ["r1", "r2", "r3"] and _fronts(workers) == []
+    dispatcher.on_worker_reply(_ok("r2"), b"")
+    dispatcher.on_worker_reply(_ok("r3"), b"")
+    assert [r.request_id for r in results] == ["r1", "r2", "r3"] and all(r.ok for r in results)
+    assert dispatcher.shares() == {"double": {"credits": 1, "waiting": 0}}
+    dispatcher.submit(_call("r4"), results.append)  # the credit is idle again: runs at once
+    assert _sent(workers)[-1] == "r4"
+
+
+async def test_a_call_more_urgent_than_a_staged_one_goes_to_the_front_at_most_two_at_a_time(
+    parts: Parts,
+) -> None:
+    dispatcher, _scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    dispatcher.submit(_call("running", client="a", priority=2), results.append)
+    dispatcher.submit(_call("staged", client="b", priority=2), results.append)
+    dispatcher.submit(_call("low", client="c", priority=2), results.append)  # waits here
+    dispatcher.submit(_call("urgent1", client="d", priority=0), results.append)
+    dispatcher.submit(_call("urgent2", client="e", priority=0), results.append)
+    dispatcher.submit(_call("urgent3", client="f", priority=0), results.append)  # two fronts out: waits
+    assert _sent(workers) == ["running", "staged", "urgent1", "urgent2"]
+    assert _fronts(workers) == ["urgent1", "urgent2"]
+    assert dispatcher.shares()["double"]["waiting"] == 2
+    dispatcher.on_worker_reply(_ok("running"), b"")  # urgent1 runs: one front waits, one may go
+    assert _sent(workers)[4:] == ["urgent3"] and _fronts(workers)[-1] == "urgent3"
+    dispatcher.on_worker_reply(_ok("urgent1"), b"")
+    assert _sent(workers)[5:] == []  # "low" is no more urgent than the staged call
+    for request_id in ("urgent2", "urgent3", "staged"):
+        dispatcher.on_worker_reply(_ok(request_id), b"")
+    assert _sent(workers)[-1] == "low"
+    dispatcher.on_worker_reply(_ok("low"), b"")
+    assert sorted(r.request_id for r in results if r.ok) == sorted(
+        ["running", "staged", "low", "urgent1", "urgent2", "urgent3"]
+    )
+
+
+async def test_a_call_no_more_urgent_than_the_staged_one_waits_here(parts: Parts) -> None:
+    dispatcher, _scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    dispatcher.submit(_call("running", client="a", priority=0), results.append)
+    dispatcher.submit(_call("staged", client="b", priority=0), results.append)
+    dispatcher.submit(_call("later", client="c", priority=0), results.append)
+    assert _sent(workers) == ["running", "staged"] and _fronts(workers) == []
+
+
+async def test_a_revoked_credit_with_a_staged_call_is_returned_when_its_last_call_ends(
+    parts: Parts,
+) -> None:
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.submit(_call("r2"), results.append)
+    dispatcher.on_revoke("c1")
+    dispatcher.on_worker_reply(_ok("r1"), b"")
+    assert scheduler.returned == []  # r2 still runs on it
+    dispatcher.on_worker_reply(_ok("r2"), b"")
+    assert scheduler.returned == ["c1"] and [r.request_id for r in results] == ["r1", "r2"]
+
+
+async def test_a_credit_whose_worker_failed_a_call_takes_no_more_and_goes_back_once_empty(
+    parts: Parts,
+) -> None:
+    dispatcher, scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    for request_id in ("r1", "r2", "r3"):
+        dispatcher.submit(_call(request_id), results.append)
+    failure = model_pool_pb2.InferResponse(
+        request_id="r1", worker_id="w1", error_code=errors_pb2.ERROR_CODE_UNAVAILABLE, retryable=True
+    )
+    dispatcher.on_worker_reply(failure, b"")
+    assert _sent(workers) == ["r1", "r2"] and scheduler.returned == []  # nothing staged behind r2
+    dispatcher.on_worker_reply(_ok("r2"), b"")
+    assert scheduler.returned == ["c1"]
+    assert scheduler.order[-2:] == ["return c1", "enqueue r3"]  # the share is gone: r3 goes central

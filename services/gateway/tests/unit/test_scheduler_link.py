@@ -161,7 +161,8 @@ async def test_reports_that_arrive_while_a_message_is_written_wait_for_the_next_
 
 
 async def test_runs_on_a_credit_without_a_local_queue_are_each_reported(session) -> None:
-    """The scheduler's lookahead and reservations learn from each run of such a model."""
+    """The scheduler admits each run of such a model into its central order (its strategy sees
+    every request there: batch groups, a registered policy)."""
     link, outgoing = session
     _report(link, "r1", "c1", countable=False)
     link.complete("r1", worker_id="w1", deferred=True)

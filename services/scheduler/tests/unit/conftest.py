@@ -192,7 +192,7 @@ class Harness:
         for this session, it queues the request instead (the harness expects a grant then)."""
         entry = self.lent.get(credit_id)
         life = self._lives.setdefault((session, request_id), _Life())
-        if entry is not None and entry[0] == session and entry[1].running is None:
+        if entry is not None and entry[0] == session:
             life.state, life.attempts, life.worker_id = "granted", 1, entry[1].worker_id
         info = RequestInfo(request_id, model, client_id=client, priority=priority)
         self.core.submit(session, Submission(runs=[CreditRun(credit_id, info)]))
@@ -216,7 +216,7 @@ class Harness:
         life = self._lives.setdefault((session, request_id), _Life())
         final = error == errors_pb2.ERROR_CODE_UNSPECIFIED or not retryable
         entry = self.lent.get(credit_id)
-        on_credit = entry is not None and entry[0] == session and entry[1].running is None
+        on_credit = entry is not None and entry[0] == session
         life.state, life.attempts = ("done" if final else "queued"), 1 if on_credit else 0
         info = RequestInfo(
             request_id, model, client_id=client, priority=priority, received_unix_ns=received_unix_ns
@@ -224,17 +224,6 @@ class Harness:
         worker_id = entry[1].worker_id if entry else ""
         completion = Completion(request_id, error, retryable, worker_id, inference_ms)
         self.core.submit(session, Submission(finished=[FinishedRun(CreditRun(credit_id, info), completion)]))
-
-    def settle_share(self, session: int) -> None:
-        """Credits lent before the model's first measurement carry no spec: a run on the one
-        that does makes a dispatch, which takes them back; the gateway hands them back (idle)
-        and they are lent again with one. Revocations are counted from here."""
-        [spec_credit] = [cid for cid, (_, c) in self.lent.items() if c.local_queue is not None]
-        self.finished("settle", spec_credit, session=session, inference_ms=0.2)
-        for cid in list(self.revoked):
-            if cid in self.lent:
-                self.return_credit(cid, session=session)
-        self.revoked.clear()
 
     def return_credit(self, credit_id: str, *, session: int = 1) -> None:
         self.lent.pop(credit_id, None)
@@ -245,7 +234,7 @@ class Harness:
         return [
             cid
             for cid, (_, c) in self.lent.items()
-            if c.model_id == model and cid not in self.revoked and c.running is None
+            if c.model_id == model and cid not in self.revoked and not c.running
         ]
 
     def cancel(self, request_id: str, *, session: int = 1) -> None:

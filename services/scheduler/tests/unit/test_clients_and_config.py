@@ -120,8 +120,6 @@ _SCALARS = (
     "dispatch_credits",
     "credit_window_s",
     "lookahead",
-    "lookahead_margin_ms",
-    "reservation",
 )
 
 
@@ -129,15 +127,15 @@ _SCALARS = (
     "path", [None, EXAMPLE_CONFIG], ids=["settings_defaults", "examples_loadmaster_yaml"]
 )
 def test_a_bare_core_config_schedules_as_shipped(path: Path | None) -> None:
-    """CoreConfig's defaults are the shipped settings' (credits, lookahead and reservations
-    on), so a test that builds a bare CoreConfig runs what a deployed scheduler runs."""
+    """CoreConfig's defaults are the shipped settings' (credits on, their local queues staging
+    the `lookahead`), so a test that builds a bare CoreConfig runs what a deployed scheduler runs."""
     shipped = CoreConfig.from_settings(load_settings(path))
     bare = CoreConfig()
     assert {name: getattr(bare, name) for name in _SCALARS} == {
         name: getattr(shipped, name) for name in _SCALARS
     }
-    assert (bare.dispatch_credits, bare.lookahead, bare.reservation) == (64, 1, True)
-    mechanisms = ("dispatch_credits", "lookahead", "reservation", "max_queue_size", "request_ttl_ms")
+    assert (bare.dispatch_credits, bare.lookahead) == (64, 1)
+    mechanisms = ("dispatch_credits", "lookahead", "max_queue_size", "request_ttl_ms")
     policy, shipped_policy = bare.policy("any"), shipped.policy("any")
     assert {m: getattr(policy, m) for m in mechanisms} == {m: getattr(shipped_policy, m) for m in mechanisms}
     assert bare.max_inflight("any") == shipped.max_inflight("any") == 2

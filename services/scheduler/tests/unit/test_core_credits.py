@@ -1,5 +1,7 @@
 """Dispatch credits in the core: lending free slots to a model's only gateway, runs on them,
-revocation the moment a request waits, and the slot accounting through all of it."""
+and the slot accounting through all of it, for credits with a local queue (the default
+strategy's) and without one. Credits without one (here: a `latest_only` model's) follow the
+old rule: a sole borrower only, and every credit revoked the moment a request waits."""
 
 from __future__ import annotations
 
@@ -8,7 +10,16 @@ from typing import TYPE_CHECKING
 import pytest
 
 from loadmaster.common.ordering import make_ordering
-from loadmaster.scheduler.domain import Completion, CreditRun, FinishedRun, RequestInfo, SlotState, Submission
+from loadmaster.scheduler.config import ModelPolicy
+from loadmaster.scheduler.domain import (
+    Completion,
+    CreditRun,
+    FinishedRun,
+    OverflowPolicy,
+    RequestInfo,
+    SlotState,
+    Submission,
+)
 from loadmaster.v1 import errors_pb2
 
 if TYPE_CHECKING:
@@ -18,13 +29,42 @@ READY = SlotState.READY
 UNAVAILABLE = errors_pb2.ERROR_CODE_UNAVAILABLE
 
 
-@pytest.fixture
-def h(make_harness: MakeHarness) -> Harness:
-    """Two slots on one worker, up to two credits per model; session 1 accepts credits."""
-    h = make_harness(max_inflight=lambda model_id: 2, dispatch_credits=2, credit_window_s=1.0)
+def _harness(make_harness: MakeHarness, *, local_queue: bool) -> Harness:
+    """Two slots on one worker, up to two credits per model; session 1 accepts credits. Without
+    `local_queue` the model is `latest_only`, whose credits carry no `LocalQueueSpec` (its
+    clients here send one request at a time, so nothing is superseded)."""
+    overrides: dict[str, object] = {}
+    if not local_queue:
+        overrides["model_policy"] = lambda model_id: ModelPolicy(
+            100, 1000.0, OverflowPolicy.REJECT_NEWEST, latest_only=True, dispatch_credits=2
+        )
+    h = make_harness(max_inflight=lambda model_id: 2, dispatch_credits=2, credit_window_s=1.0, **overrides)
     h.core.accept_credits(1)
     h.worker("w1", ["m"], ready=["m"])
     return h
+
+
+@pytest.fixture(params=[True, False], ids=["local_queue", "plain"])
+def h(make_harness: MakeHarness, request: pytest.FixtureRequest) -> Harness:
+    """Credits with a local queue, or without one: a test runs with both unless it says `PLAIN`."""
+    return _harness(make_harness, local_queue=request.param)
+
+
+# The old rule, which only credits without a local queue follow.
+PLAIN = pytest.mark.parametrize("h", [False], ids=["plain"], indirect=True)
+
+
+@pytest.mark.parametrize("local_queue", [True, False], ids=["local_queue", "plain"])
+def test_the_credits_carry_a_local_queue_unless_the_model_is_latest_only(
+    make_harness: MakeHarness, local_queue: bool
+) -> None:
+    """A gateway's local queue never supersedes, so a `latest_only` model's credits carry no
+    spec; the default strategy's do, the model's calls unmeasured (the two paths tested here)."""
+    h = _harness(make_harness, local_queue=local_queue)
+    h.enqueue("a")
+    h.complete("a")
+    specs = [c.local_queue for _, c in h.lent.values()]
+    assert len(specs) == 2 and all((spec is not None) == local_queue for spec in specs)
 
 
 def test_a_sole_gateway_gets_the_free_slots_once_the_queue_is_empty(h: Harness) -> None:
@@ -37,7 +77,7 @@ def test_a_sole_gateway_gets_the_free_slots_once_the_queue_is_empty(h: Harness) 
     assert sorted(h.idle_credits()) == ["c1", "c2"]
     [stats] = h.core.queue_stats()
     assert (stats.inflight, stats.credits) == (0, 2)
-    h.enqueue("x", session=1)  # lent slots count against max_inflight: it waits
+    h.enqueue("x", session=1)  # lent slots count against max_inflight: x is not granted
     assert "x" not in h.granted_ids()
 
 
@@ -49,6 +89,7 @@ def test_no_credits_for_a_gateway_that_does_not_accept_them(make_harness: MakeHa
     assert h.lent == {}
 
 
+@PLAIN
 def test_no_credits_while_two_gateways_use_the_model(h: Harness) -> None:
     h.core.accept_credits(2)
     h.enqueue("a", session=1)  # session 1 alone so far: the free slot is lent to it
@@ -83,6 +124,7 @@ def test_a_run_on_a_credit_is_tracked_and_its_slot_stays_lent(h: Harness) -> Non
     h.check(settled=True)
 
 
+@PLAIN
 def test_a_waiting_request_revokes_the_credits_and_is_granted_once_they_are_returned(h: Harness) -> None:
     h.enqueue("a")
     h.complete("a")
@@ -106,6 +148,7 @@ def test_a_waiting_request_revokes_the_credits_and_is_granted_once_they_are_retu
     h.check(settled=True)
 
 
+@PLAIN
 def test_a_run_on_a_credit_the_core_no_longer_holds_is_queued_and_granted(h: Harness) -> None:
     h.enqueue("a")
     h.complete("a")
@@ -138,6 +181,28 @@ def test_a_credit_returned_mid_run_keeps_the_run_counted_until_it_completes(
     h.complete("r1")
     assert h.granted_ids()[-1] == "x"
     h.complete("x")
+    h.check(settled=True)
+
+
+def test_calls_staged_behind_a_run_are_tracked_on_its_credit(h: Harness) -> None:
+    """A gateway stages calls behind a busy credit's run (LocalQueue.stage): each is admitted
+    on the credit, a retryable failure of one is granted again, and the credit is idle only
+    once all have ended (a slot may be reclaimed for the retry meanwhile)."""
+    h.worker("w2", ["m"])  # not READY yet
+    h.enqueue("a")
+    h.complete("a")
+    c1, _ = sorted(h.idle_credits())
+    h.run("r1", c1)
+    h.run("r2", c1)  # staged behind r1 at w1
+    assert (h.state("r1"), h.state("r2")) == ("granted", "granted")
+    assert c1 not in h.idle_credits()
+    h.complete("r1")
+    assert c1 not in h.idle_credits()  # r2 still on it
+    h.report("w2", {"m": READY})
+    h.complete("r2", error=UNAVAILABLE, retryable=True)
+    assert [g.request_id for g in h.grants()].count("r2") == 1  # granted again, here
+    assert not h.lent[c1][1].running  # nothing runs on the credit any more
+    h.complete("r2")
     h.check(settled=True)
 
 
@@ -198,6 +263,7 @@ def test_a_run_reported_after_it_ended_counts_as_run_and_completed(h: Harness) -
     h.check(settled=True)
 
 
+@PLAIN
 def test_a_finished_run_on_a_credit_the_core_no_longer_holds_is_not_run_again(h: Harness) -> None:
     h.enqueue("a")
     h.complete("a")
@@ -211,6 +277,7 @@ def test_a_finished_run_on_a_credit_the_core_no_longer_holds_is_not_run_again(h:
     h.check(settled=True)
 
 
+@PLAIN
 def test_a_finished_run_that_failed_retryably_is_granted_again(h: Harness) -> None:
     h.enqueue("a")
     h.complete("a")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from loadmaster.common.ordering import InferenceRequest, make_ordering, register_policy
+from loadmaster.scheduler.config import ModelPolicy
 from loadmaster.scheduler.domain import OverflowPolicy, RunTally, SlotState, Submission
 
 if TYPE_CHECKING:
@@ -34,8 +35,7 @@ def h(make_harness: MakeHarness) -> Harness:
     h.core.accept_credits(B)
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("a0", session=A)
-    h.complete("a0", session=A, inference_ms=0.2)
-    h.settle_share(A)  # the credits lent before a0 measured the model come back with a spec
+    h.complete("a0", session=A)
     return h
 
 
@@ -44,8 +44,7 @@ def _share(h: Harness, session: int = A) -> list[str]:
 
 
 def _latest_spec(h: Harness, session: int = A):  # type: ignore[no-untyped-def]
-    """The spec of the credit lent last: the gateway queues by it (earlier credits may predate
-    the model's first measured inference time, and carry none)."""
+    """The spec of the credit lent last: the gateway queues by it."""
     return h.lent[max(_share(h, session), key=lambda cid: int(cid[1:]))][1].local_queue
 
 
@@ -66,27 +65,59 @@ def test_a_worker_that_becomes_ready_is_lent_to_the_gateway_too(h: Harness) -> N
     assert _latest_spec(h) is not None
 
 
-def test_a_model_whose_requests_are_long_keeps_the_scheduler_on_its_path(make_harness: MakeHarness) -> None:
-    """Lookahead and reservations win back more than a round trip costs on long requests."""
-    h = make_harness(max_inflight=lambda model_id: 4, local_queue_max_inference_ms=1.0)
+@pytest.mark.parametrize(
+    ("overrides", "stage"),
+    [
+        ({"lookahead": 1}, 1),
+        ({"lookahead": 0}, 0),
+        ({"model_policy": lambda m: ModelPolicy(100, 1000.0, OverflowPolicy.REJECT_NEWEST, lookahead=2)}, 2),
+    ],
+    ids=["lookahead_1", "lookahead_0", "model_lookahead_2"],
+)
+def test_a_long_model_keeps_its_local_queue_and_its_spec_stages_by_its_lookahead(
+    make_harness: MakeHarness, overrides: dict[str, object], stage: int
+) -> None:
+    """However long its calls are measured (on a grant, on a credit, in a tally), the model's
+    credits keep their spec, and the spec tells the gateway to stage the model's `lookahead`
+    calls behind a busy slot's running one itself (the scheduler no longer does)."""
+    h = make_harness(max_inflight=lambda model_id: 4, **overrides)
     h.core.accept_credits(A)
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("a0", session=A)
     h.complete("a0", session=A, inference_ms=10.0)
-    credits = [h.lent[cid][1] for cid in _share(h)]
-    assert len(credits) == 4 and all(c.local_queue is None for c in credits)
-    unmeasured = make_harness(max_inflight=lambda model_id: 4)
-    unmeasured.core.accept_credits(A)
-    unmeasured.worker("w1", ["m"], ready=["m"])
-    unmeasured.enqueue("a0", session=A)
-    unmeasured.complete("a0", session=A)  # no inference time yet: not known to be short
-    assert all(c.local_queue is None for _, c in unmeasured.lent.values())
-    off = make_harness(max_inflight=lambda model_id: 4, lookahead=0, reservation=False)
-    off.core.accept_credits(A)
-    off.worker("w1", ["m"], ready=["m"])
-    off.enqueue("a0", session=A)
-    off.complete("a0", session=A, inference_ms=10.0)  # nothing central to keep: queued locally
-    assert off.lent and all(c.local_queue is not None for _, c in off.lent.values())
+    share = _share(h)
+    h.finished("a1", share[0], session=A, inference_ms=10.0)
+    h.core.submit(A, Submission(tallies=[RunTally("m", "w1", runs=3, inference_ms=150.0)]))
+    assert h.revoked == [] and _share(h) == share and len(share) == 4
+    specs = [h.lent[cid][1].local_queue for cid in share]
+    assert all(spec is not None and spec.stage == stage for spec in specs)
+    h.check(settled=True)
+
+
+def test_credits_lent_without_a_spec_are_taken_back_once_every_slot_is_lent(
+    make_harness: MakeHarness,
+) -> None:
+    """Under a cap that left a slot unlent, credits went out without a spec. Once the cap covers
+    every slot (a worker went away), a credit lent for the freed slot carries one, and the next
+    dispatch takes the older one back (not the one with a spec, no pause) to lend it again with
+    one."""
+    h = make_harness(max_inflight=lambda model_id: 2, dispatch_credits=2)
+    h.core.accept_credits(A)
+    h.worker("w1", ["m"], ready=["m"])
+    h.worker("w2", ["m"], ready=["m"])
+    h.enqueue("a0", session=A)
+    h.complete("a0", session=A)
+    assert len(h.lent) == 2 and all(c.local_queue is None for _, c in h.lent.values())
+    h.lose_worker("w2")
+    [plain] = list(h.lent)
+    h.finished("r1", plain, session=A)  # a dispatch: the free slot on w1 is lent, with a spec
+    [with_spec] = [cid for cid, (_, c) in h.lent.items() if c.local_queue is not None]
+    assert with_spec != plain and plain not in h.revoked
+    h.finished("r2", plain, session=A)  # the next dispatch takes the one without a spec back
+    assert plain in h.revoked and with_spec not in h.revoked
+    h.return_credit(plain)
+    assert len(h.lent) == 2 and all(c.local_queue is not None for _, c in h.lent.values())
+    h.check(settled=True)
 
 
 def test_a_cap_below_the_slots_lends_no_spec(make_harness: MakeHarness) -> None:
@@ -94,7 +125,10 @@ def test_a_cap_below_the_slots_lends_no_spec(make_harness: MakeHarness) -> None:
     h.core.accept_credits(A)
     h.worker("w1", ["m"], ready=["m"])
     h.enqueue("a0", session=A)
-    h.complete("a0", session=A, inference_ms=0.2)
+    h.complete(
+        "a0",
+        session=A,
+    )
     credits = [h.lent[cid][1] for cid in _share(h)]
     assert len(credits) == 2 and all(c.local_queue is None for c in credits)
 
@@ -106,7 +140,10 @@ def test_slots_the_cap_leaves_unlent_take_the_spec_back(make_harness: MakeHarnes
     h.worker("w1", ["m"], ready=["m"])
     h.worker("w2", ["m"])
     h.enqueue("a0", session=A)
-    h.complete("a0", session=A, inference_ms=0.2)
+    h.complete(
+        "a0",
+        session=A,
+    )
     share = _share(h)
     assert len(share) == 4 and _latest_spec(h) is not None
     h.report("w2", {"m": READY})  # 4 more slots, none lendable under the cap
@@ -132,6 +169,28 @@ def test_a_strategy_switch_takes_every_credit_back_and_relends_by_the_new_one(h:
         h.return_credit(cid)  # each slot returned is lent again at once, by the new strategy
     relent = _share(h)
     assert len(relent) == 4 and {h.lent[cid][1].local_queue.strategy for cid in relent} == {"round_robin"}  # type: ignore[union-attr]
+
+
+def test_a_queue_formed_under_a_central_strategy_moves_to_the_gateway_after_a_switch(h: Harness) -> None:
+    """Under batch_optimized nothing is lent while requests wait here; switched to a strategy a
+    gateway keeps at overload, the queue here never empties (lending waits for that), so the
+    first slot that frees is lent with a spec and the waiting requests go back to the gateway."""
+    share = _share(h)
+    h.core.set_ordering(make_ordering("batch_optimized"))
+    for cid in share:
+        h.return_credit(cid)
+    h.clock.advance(2.0)  # past the credit window's pause
+    ids = [f"r{i}" for i in range(6)]  # 4 slots: 2 wait here
+    h.enqueue(*ids, session=A)
+    h.clock.advance(0.01)
+    h.core.expire_due()  # the batch's wait (5 ms) elapsed: a group of 4 is granted
+    granted = [r for r in ids if r in h.granted_ids()]
+    assert len(granted) == 4 and not _share(h)
+    h.core.set_ordering(make_ordering("model_deadline"))
+    h.complete(granted[0], session=A)
+    assert len(_share(h)) == 1 and _latest_spec(h) is not None
+    handed_back = [r.request_id for r in h.rejects() if r.use_share]
+    assert sorted(handed_back) == sorted(set(ids) - set(granted))
 
 
 @pytest.mark.parametrize(("strategy", "tiers"), [("deadline_aware", ()), ("tiered_deadline", (0, 2))])
@@ -165,7 +224,10 @@ def test_a_strategy_a_gateway_cannot_keep_lends_no_spec(h: Harness) -> None:
     assert _share(h) == []  # credits with a spec were still out: lending paused for the window
     h.advance(1.1)
     h.enqueue("a1", session=A)
-    h.complete("a1", session=A, inference_ms=0.2)
+    h.complete(
+        "a1",
+        session=A,
+    )
     relent = _share(h)
     assert relent and all(h.lent[cid][1].local_queue is None for cid in relent)
 
@@ -206,69 +268,3 @@ def test_the_share_holders_own_late_request_is_handed_back_not_queued(h: Harness
     assert h.revoked == [] and _share(h) == share
     [reject] = [r for r in h.rejects() if r.request_id == "late"]
     assert reject.use_share
-
-
-def test_a_model_that_turns_out_long_gets_its_local_queue_taken_back(h: Harness) -> None:
-    """Qualified by a short first request, it must not keep a local queue once its runs are long."""
-    share = _share(h)
-    assert _latest_spec(h) is not None
-    for _ in range(30):  # bounded: the EWMA of the inference time passes 1 ms well before
-        h.core.submit(A, Submission(tallies=[RunTally("m", "w1", runs=1, inference_ms=50.0)]))
-        if h.revoked:
-            break
-    assert sorted(h.revoked) == share
-    for cid in share:
-        h.return_credit(cid)
-    h.advance(1.1)
-    h.enqueue("a1", session=A)
-    h.complete("a1", session=A, inference_ms=50.0)
-    relent = _share(h)
-    assert relent and all(h.lent[cid][1].local_queue is None for cid in relent)
-
-
-def test_a_model_measured_short_again_gets_its_local_queue_back_without_a_queue_forming(h: Harness) -> None:
-    """Its credits were lent without a spec while its runs were long; once they are short again
-    the next dispatch takes them back (no pause) and lends them again with one, though no
-    request ever waited at the scheduler."""
-    for _ in range(30):
-        h.core.submit(A, Submission(tallies=[RunTally("m", "w1", runs=1, inference_ms=50.0)]))
-        if h.revoked:
-            break
-    for cid in list(h.revoked):
-        h.return_credit(cid)
-    h.advance(1.1)  # the pause the long runs caused is over
-    h.enqueue("a1", session=A)
-    h.complete("a1", session=A, inference_ms=50.0)
-    plain = _share(h)
-    assert plain and all(h.lent[cid][1].local_queue is None for cid in plain)
-    for index in range(60):  # bounded: the EWMA falls under 1 ms well before
-        h.finished(f"s{index}", plain[0], session=A, inference_ms=0.05)  # a run on a credit
-        if any(cid in h.revoked for cid in plain):
-            break
-    assert sorted(cid for cid in plain if cid in h.revoked) == plain  # all of them, at once
-    for cid in plain:
-        h.return_credit(cid)
-    relent = _share(h)
-    assert len(relent) == 4 and all(h.lent[cid][1].local_queue is not None for cid in relent)
-
-
-def test_credits_lent_before_the_first_measurement_are_taken_back_beside_those_with_a_spec(
-    make_harness: MakeHarness,
-) -> None:
-    """a0 ran on a granted slot while the model was unmeasured: the three other slots went out
-    without a spec, and a0's slot with one once it measured the model. Runs on the three are
-    reported one by one, so the next dispatch takes them back (not the one with a spec), and
-    they are lent again with one."""
-    h = make_harness(max_inflight=lambda model_id: 4)
-    h.core.accept_credits(A)
-    h.worker("w1", ["m"], ready=["m"])
-    h.enqueue("a0", session=A)
-    h.complete("a0", session=A, inference_ms=0.2)
-    plain = sorted(cid for cid, (_, c) in h.lent.items() if c.local_queue is None)
-    [with_spec] = [cid for cid, (_, c) in h.lent.items() if c.local_queue is not None]
-    assert len(plain) == 3 and not h.revoked
-    h.finished("r1", with_spec, session=A, inference_ms=0.2)
-    assert sorted(h.revoked) == plain
-    for cid in plain:
-        h.return_credit(cid)
-    assert len(h.lent) == 4 and all(c.local_queue is not None for _, c in h.lent.values())

@@ -1,13 +1,13 @@
 """Random operation sequences: every admitted request ends exactly once, and the core's
 counts always match what the gateway side has seen.
 
-Each sequence runs twice: with the scheduling mechanisms as shipped (dispatch credits,
-timed lookahead and reservations all on: CoreConfig's defaults) and with all three off.
-Workers run what they are granted (one request per slot at a time, ~10 ms, 1 ms each way)
-and report it done, so the lookahead learns steady estimates; with the mechanisms on, the
-gateways accept credits and run requests on them, and one priority-0 client sends on a
-steady cadence (what a reservation waits for). Around that, the sequences connect, lose
-and re-report workers, send, cancel and fail requests, and close gateway sessions."""
+Each sequence runs twice: with the scheduling mechanisms as shipped (dispatch credits on,
+lent with a local queue that stages the model's `lookahead` calls: CoreConfig's defaults) and
+with them off. Workers run what they are granted (one request per slot at a time, ~10 ms,
+1 ms each way) and report it done; with the mechanisms on, the gateways accept credits and
+run requests on them. One priority-0 client sends on a steady cadence with a tight budget.
+Around that, the sequences connect, lose and re-report workers, send, cancel and fail
+requests, and close gateway sessions."""
 
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ WORKERS = ("w1", "w2", "w3")
 STATES = (SlotState.READY, SlotState.READY, SlotState.LOADING, SlotState.IDLE)
 CLIENTS = (("", 0), ("c0", 0), ("c1", 1), ("c2", 2), ("c2b", 2))  # (client id, its priority)
 TICK_S = 0.1  # the steady client's period
-BUDGETS_MS = {"steady": 15.0}  # its latency budget: a head granted just before it makes it late
+BUDGETS_MS = {"steady": 15.0}  # its latency budget: tight, so its requests rank ahead
 PATH_S = 0.001  # grant -> worker, and worker -> Complete
 MAX_WAKES = 10_000  # clock stops (timer, tick, worker event) within one advance
 ERRORS = (0, 0, errors_pb2.ERROR_CODE_UNAVAILABLE, errors_pb2.ERROR_CODE_INTERNAL)
 
 MECHANISMS: dict[str, dict[str, Any]] = {
-    "shipped": {},  # CoreConfig's defaults: credits, lookahead and reservations on
-    "off": {"dispatch_credits": 0, "lookahead": 0, "reservation": False},
+    "shipped": {},  # CoreConfig's defaults: credits on, their local queues staging 1 call
+    "off": {"dispatch_credits": 0, "lookahead": 0},
 }
 
 
@@ -144,7 +144,7 @@ class _Run:
             credit_id = rng.choice(revoked)
             h.return_credit(credit_id, session=h.lent[credit_id][0])
             return
-        idle = sorted(cid for cid, (_, c) in h.lent.items() if c.running is None)
+        idle = sorted(cid for cid, (_, c) in h.lent.items() if not c.running)
         if not idle:
             return
         credit_id = rng.choice(idle)
@@ -186,7 +186,7 @@ class _Run:
 
     def _start(self, session: int, request_id: str, worker_id: str, *, attempt: int) -> None:
         """The worker runs the attempt on its first free slot for the model, after those
-        granted to it before (a front grant too: the order at a worker does not matter here)."""
+        granted to it before."""
         lanes = self.lanes.setdefault(
             (worker_id, self.models[(session, request_id)]), [0.0] * self.max_inflight
         )
@@ -255,7 +255,7 @@ class _Run:
                 return
             elif self.next_tick is not None and self.rng.random() < 0.3:
                 self._hand_grants_to_workers()
-                return  # a timer wake-up: what comes next may arrive at once (before a staged start)
+                return  # a timer wake-up: what comes next may arrive at once
             self._hand_grants_to_workers()
         raise AssertionError(f"the clock stopped more than {MAX_WAKES} times in {seconds} s")
 
@@ -305,24 +305,26 @@ def test_random_operations_keep_the_invariant(make_harness: MakeHarness, seed: i
     assert h.core.next_deadline() is None
     h.check(settled=True)
     if mechanisms == "off":
-        assert not (h.recorded["credits_lent"] or h.recorded["slot_holds"])
-        assert not any(grant.front for grant in h.grants())
+        assert not h.recorded["credits_lent"]
+        assert not any(reject.use_share for reject in h.rejects())
 
 
 def test_the_shipped_mechanisms_are_exercised(make_harness: MakeHarness) -> None:
-    """The random sequences above reach every mechanism they claim to test: credits lent,
-    run on and revoked, lookahead windows (grants to busy slots, some to the front of the
-    worker's queue), and slots held for the steady client."""
+    """The random sequences above reach every mechanism they claim to test: credits lent with
+    a local queue that stages the model's lookahead, run on and revoked, and requests sent back
+    to the local queue of a gateway that holds a share (`use_share`)."""
     recorded: Counter[str] = Counter()
-    fronts = 0
-    for seed in range(24):  # fronts and holds are rare: a few per dozen sequences
+    stages: set[int] = set()
+    handed_back = 0
+    for seed in range(12):
         h, run = _harness(make_harness, random.Random(seed), "shipped")
         for _ in range(400):
             run.step()
         recorded += h.recorded
-        fronts += sum(1 for grant in h.grants() if grant.front)
+        stages |= {c.local_queue.stage for _, c in h.lent.values() if c.local_queue is not None}
+        handed_back += sum(1 for reject in h.rejects() if reject.use_share)
     assert recorded["credits_lent"] > 0
     assert recorded["credits_revoked"] > 0
     assert recorded["placement_decisions:credit"] > 0  # requests run on credits
-    assert recorded["slot_holds"] > 0
-    assert fronts > 0
+    assert stages == {1}  # CoreConfig's lookahead
+    assert handed_back > 0

@@ -53,13 +53,3 @@ def test_a_less_loaded_candidate_ends_an_earlier_tie() -> None:
     assert {pick_grant_worker(candidates, max_inflight=2) for _ in range(20)} == {"c"}
     full = [GrantCandidate("a", 2), GrantCandidate("b", 2)]  # tied, but at max_inflight: no room
     assert pick_grant_worker(full, max_inflight=2) is None
-
-
-def test_an_open_lookahead_window_is_room_but_a_free_slot_comes_first() -> None:
-    busy_open = GrantCandidate("a", 2, ahead=1)
-    busy_closed = GrantCandidate("b", 2)
-    assert pick_grant_worker([busy_closed], max_inflight=2) is None
-    assert pick_grant_worker([busy_closed, busy_open], max_inflight=2) == "a"
-    assert pick_grant_worker([busy_open], max_inflight=2, ahead=False) is None  # credits never use it
-    assert pick_grant_worker([busy_open, GrantCandidate("c", 1)], max_inflight=2) == "c"
-    assert pick_grant_worker([GrantCandidate("a", 3, ahead=1)], max_inflight=2) is None  # window used

@@ -95,7 +95,7 @@ def test_session_response_carries_credits_and_revocations() -> None:
     assert list(response.revokes) == ["c0"]
 
 
-def test_a_credits_local_queue_spec_carries_tiered_deadlines_tiers() -> None:
+def test_a_credits_local_queue_spec_carries_tiered_deadlines_tiers_and_the_stage() -> None:
     spec = LocalQueueSpec(
         strategy="tiered_deadline",
         terms=DeadlineTerms(priority_step_ms=50.0),
@@ -105,10 +105,12 @@ def test_a_credits_local_queue_spec_carries_tiered_deadlines_tiers() -> None:
         max_queue_size=64,
         reject_newest=True,
         tiers=(0, 2),
+        stage=2,
     )
     credit = Credit("c1", 3, "m", "w", "tcp://w", 2, 250.0, local_queue=spec)
     sent = wire.session_response([credit]).credits[0].local_queue
     assert (sent.strategy, list(sent.tiers), sent.priority_step_ms) == ("tiered_deadline", [0, 2], 50.0)
+    assert sent.stage == 2  # calls the gateway stages behind a busy slot's running one
     assert (dict(sent.client_latency_budget_ms), sent.max_queue_size, sent.reject_newest) == (
         {"robot": 10.0},
         64,

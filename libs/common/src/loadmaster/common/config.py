@@ -134,21 +134,11 @@ class SchedulerSettings(ServiceEndpoint):
     # A model several gateways use is split between them in proportion to their demand, measured
     # again this often (docs/data-path.md "Shares between gateways").
     share_period_s: float = Field(default=0.5, gt=0)
-    # A gateway holding a model's whole share queues its own waiting requests (docs/data-path.md)
-    # only for a model whose measured inference time is at most this: longer requests keep the
-    # scheduler's lookahead and reservations, which a scheduler round trip costs less than they
-    # win back (a model with both turned off is queued locally whatever its time). 0 = never.
-    local_queue_max_inference_ms: float = Field(default=1.0, ge=0)
-    # Timed lookahead (scheduler lookahead.py): while a model has waiters and a worker's slots
-    # for it are all busy, grant up to this many more requests to that worker just before a slot
-    # is predicted to free, so the next request is there when the running one ends instead of a
-    # dispatch round trip later. 0 = a slot gets its next request only after its Complete.
+    # Staged calls (docs/data-path.md): a gateway queueing a model's calls itself sends up to
+    # this many to a busy slot's worker behind the one running, so the next call is there when
+    # the running one ends instead of a round trip later; a waiting call more urgent than a
+    # staged one then goes ahead of it. 0 = a slot gets its next call only after its reply.
     lookahead: int = Field(default=1, ge=0)
-    lookahead_margin_ms: float = Field(default=0.5, ge=0)
-    # Reservations (scheduler reservations.py): before a request goes to a slot, predict the next
-    # request of each more urgent client with a steady cadence; if this one would make it late,
-    # keep the slot free for it until it arrives (at most one service time). Needs lookahead >= 1.
-    reservation: bool = True
     # VRAM gate (docs/vram-gate.md): requests for a model whose load found no GPU memory wait
     # in the queue; the load is tried again this often (and whenever a worker frees memory).
     vram_gate_retry_ms: float = Field(default=1000.0, gt=0)
@@ -237,7 +227,6 @@ class ModelSettings(_Section):
     overflow_policy: Literal["drop_oldest", "reject_newest"] | None = None
     dispatch_credits: int | None = Field(default=None, ge=0)
     lookahead: int | None = Field(default=None, ge=0)
-    reservation: bool | None = None
     # Anti-thrash: a model loaded less than this long ago is not evicted to make room.
     min_resident_s: float = Field(default=1.0, ge=0)
     # Overrides of the model's config.yaml (None = what config.yaml says).

@@ -123,7 +123,6 @@ _SCHEDULER = _of(
     MetricSpec("queue_full_drops", _C, "Requests answered `overflow`", ("model",)),
     MetricSpec("loads_commanded", _C, "Load commands sent to workers", ("model", "worker")),
     MetricSpec("vram_gate_waits", _C, "Loads refused for GPU memory whose requests wait for it", ("model",)),
-    MetricSpec("slot_holds", _C, "Slots kept free for a more urgent client's predicted request", ("model",)),
     MetricSpec(
         "requests_dropped",
         _C,

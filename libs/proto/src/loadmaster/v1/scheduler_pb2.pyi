@@ -122,22 +122,20 @@ class LocalQueueDepth(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., waiting: _Optional[int] = ..., outstanding_s: _Optional[float] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns", "attempt", "front_of_queue")
+    __slots__ = ("request_id", "worker_id", "data_endpoint", "generation", "deadline_unix_ns", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
-    FRONT_OF_QUEUE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     data_endpoint: str
     generation: int
     deadline_unix_ns: int
     attempt: int
-    front_of_queue: bool
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., attempt: _Optional[int] = ..., front_of_queue: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ns: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("request_id", "error_code", "message", "use_share")
@@ -170,7 +168,7 @@ class Credit(_message.Message):
     def __init__(self, credit_id: _Optional[str] = ..., model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., request_ttl_ms: _Optional[float] = ..., local_queue: _Optional[_Union[LocalQueue, _Mapping]] = ...) -> None: ...
 
 class LocalQueue(_message.Message):
-    __slots__ = ("strategy", "priority_step_ms", "urgency_weight", "steps_horizon", "service_ms", "latency_budget_ms", "client_latency_budget_ms", "cadence_alpha", "max_queue_size", "reject_newest", "tiers")
+    __slots__ = ("strategy", "priority_step_ms", "urgency_weight", "steps_horizon", "service_ms", "latency_budget_ms", "client_latency_budget_ms", "cadence_alpha", "max_queue_size", "reject_newest", "tiers", "stage")
     class ClientLatencyBudgetMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +187,7 @@ class LocalQueue(_message.Message):
     MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     REJECT_NEWEST_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     priority_step_ms: float
     urgency_weight: float
@@ -200,7 +199,8 @@ class LocalQueue(_message.Message):
     max_queue_size: int
     reject_newest: bool
     tiers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, strategy: _Optional[str] = ..., priority_step_ms: _Optional[float] = ..., urgency_weight: _Optional[float] = ..., steps_horizon: _Optional[int] = ..., service_ms: _Optional[float] = ..., latency_budget_ms: _Optional[float] = ..., client_latency_budget_ms: _Optional[_Mapping[str, float]] = ..., cadence_alpha: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., reject_newest: _Optional[bool] = ..., tiers: _Optional[_Iterable[int]] = ...) -> None: ...
+    stage: int
+    def __init__(self, strategy: _Optional[str] = ..., priority_step_ms: _Optional[float] = ..., urgency_weight: _Optional[float] = ..., steps_horizon: _Optional[int] = ..., service_ms: _Optional[float] = ..., latency_budget_ms: _Optional[float] = ..., client_latency_budget_ms: _Optional[_Mapping[str, float]] = ..., cadence_alpha: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., reject_newest: _Optional[bool] = ..., tiers: _Optional[_Iterable[int]] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("grants", "rejects", "credits", "revokes", "placements")

@@ -59,6 +59,7 @@ from loadmaster.common.errors import (
     error_for_code,
 )
 from loadmaster.common.liveness import LIVENESS
+from loadmaster.common.ordering import SortKey
 from loadmaster.common.shm import ShmSlot
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall, ResultCallback, request_info
@@ -215,10 +216,13 @@ class Dispatcher:
         else:
             self._to_scheduler(pending)
 
-    def _start_on_credit(self, pending: _Pending, credit: HeldCredit) -> bool:
-        """Send the call on an idle credit (the worker first) and report the run to the scheduler
-        that lent it, if that one still serves; False if the worker was unreachable."""
-        if not self._run_on_credit(pending, credit):
+    def _start_on_credit(
+        self, pending: _Pending, credit: HeldCredit, key: SortKey | None = None, front: bool = False
+    ) -> bool:
+        """Send the call on a credit (the worker first; see `LocalShare.serve` for `key` and
+        `front`) and report the run to the scheduler that lent it, if that one still serves;
+        False if the worker was unreachable."""
+        if not self._run_on_credit(pending, credit, key, front):
             return False
         pending.session = credit.session
         scheduler = self._scheduler
@@ -296,7 +300,6 @@ class Dispatcher:
                 grant.data_endpoint,
                 grant.generation,
                 grant.deadline_unix_ns,
-                front=grant.front_of_queue,
             )
         except UnavailableError as error:
             self._scheduler.complete(
@@ -324,7 +327,7 @@ class Dispatcher:
         credit = self._credits.revoke(credit_id)
         if credit is None:
             return
-        if credit.running is None:  # else returned when its call ends
+        if not credit.calls:  # else returned when its last call ends
             self._give_back(credit)
         self._local.hand_over(credit.model_id)
 
@@ -477,8 +480,8 @@ class Dispatcher:
             raise
         self._arm(pending, deadline_ns)
 
-    def _run_on_credit(self, pending: _Pending, credit: HeldCredit) -> bool:
-        """Send the call on an idle credit; False (credit returned) if its worker is unreachable."""
+    def _run_on_credit(self, pending: _Pending, credit: HeldCredit, key: SortKey | None, front: bool) -> bool:
+        """Send the call on a credit; False (credit returned) if its worker is unreachable."""
         call = pending.call
         ttl_ms = credit.request_ttl_ms
         if call.timeout_ms > 0:
@@ -491,12 +494,15 @@ class Dispatcher:
                 credit.data_endpoint,
                 credit.generation,
                 int((self._clock.time() + ttl_ms / 1e3) * 1e9),
+                front=front,
             )
         except UnavailableError:
-            self._give_back(credit)
+            credit.revoked = True  # (its other calls, if any, end the same way)
+            if not credit.calls:
+                self._give_back(credit)
             self._local.hand_over(credit.model_id)
             return False
-        credit.running = call.request_id
+        credit.sent(call.request_id, key, front=front)
         pending.credit = credit
         self._local.running(credit.model_id, 1)
         return True
@@ -513,20 +519,26 @@ class Dispatcher:
             self._shm.quarantine(slot)
 
     def _release_credit(self, pending: _Pending, *, give_back: bool = False) -> None:
-        """The call on `pending`'s credit has ended: the credit is idle again, or returned
-        when it was revoked or `give_back` (its worker failed the call)."""
+        """The call on `pending`'s credit has ended: the credit takes the next call, or, once its
+        last call has ended, is idle again, or returned when it was revoked or `give_back` (its
+        worker failed the call: it takes no more)."""
         credit = pending.credit
         if credit is None:
             return
         pending.credit = None
-        credit.running = None
-        self._local.running(credit.model_id, -1)
+        credit.ended(pending.call.request_id)
+        model_id = credit.model_id
+        self._local.running(model_id, -1)
         self._local.ended(pending.call)
-        if credit.revoked or give_back:
+        credit.revoked |= give_back
+        if credit.calls:
+            if not credit.revoked and self._local.waiting(model_id):
+                self._local.serve(model_id)  # room to stage one more behind
+        elif credit.revoked:
             self._give_back(credit)
-            self._local.hand_over(credit.model_id)
-        elif self._credits.idle_again(credit) and self._local.waiting(credit.model_id):
-            self._local.serve(credit.model_id)
+            self._local.hand_over(model_id)
+        elif self._credits.idle_again(credit) and self._local.waiting(model_id):
+            self._local.serve(model_id)
 
     def _idle_credit(self, model_id: str) -> HeldCredit | None:
         scheduler = self._scheduler

@@ -12,9 +12,10 @@ would never hear from it; and an old credit's worker may die with nobody left to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loadmaster.common.clock import Clock
+from loadmaster.common.ordering import SortKey
 from loadmaster.v1 import scheduler_pb2
 
 __all__ = ["OLD_SHARE_GRACE_S", "HeldCredit", "HeldCredits"]
@@ -35,10 +36,42 @@ class HeldCredit:
     data_endpoint: str
     generation: int
     request_ttl_ms: float
-    running: str | None = None  # request id
-    revoked: bool = False
+    # The calls sent on it and not yet answered, in the order its worker will run them: the
+    # first runs, the others wait at the worker (staged, or sent ahead of those with
+    # front_of_queue). Empty: idle.
+    calls: list[str] = field(default_factory=list)
+    staged: dict[str, SortKey] = field(default_factory=dict)  # waiting ones, not front: their keys
+    fronts: set[str] = field(default_factory=set)  # waiting ones sent with front_of_queue
+    revoked: bool = False  # revoked, or its worker failed: takes no more calls, returned once idle
     session: int = 0  # the scheduler session that lent it
     local: bool = False  # it carried a LocalQueue spec: its runs may be counted, not listed
+
+    def sent(self, request_id: str, key: SortKey | None = None, *, front: bool = False) -> None:
+        """A call went to the credit's worker: to run now (idle), behind those there (`key`: its
+        place in the local order), or ahead of the waiting ones (`front`, after earlier fronts)."""
+        calls = self.calls
+        if not front:
+            if calls and key is not None:
+                self.staged[request_id] = key
+            calls.append(request_id)
+            return
+        at = 1
+        while at < len(calls) and calls[at] in self.fronts:
+            at += 1
+        calls.insert(at, request_id)
+        self.fronts.add(request_id)
+
+    def ended(self, request_id: str) -> None:
+        """A call sent on it has its answer; the next one (as the worker orders them) runs."""
+        self.calls.remove(request_id)
+        self.fronts.discard(request_id)
+        self.staged.pop(request_id, None)
+        if self.calls:
+            self.fronts.discard(self.calls[0])
+            self.staged.pop(self.calls[0], None)
+
+    def least_urgent_staged(self) -> SortKey | None:
+        return max(self.staged.values(), default=None)
 
 
 class HeldCredits:
@@ -105,6 +138,14 @@ class HeldCredits:
             self._credits.pop(credit.credit_id, None)
         return None
 
+    def busy(self, model_id: str, *, connected: bool, session: int) -> list[HeldCredit]:
+        """The model's usable credits, not revoked, that run a call (to stage calls behind)."""
+        return [
+            c
+            for c in self._credits.values()
+            if c.calls and c.model_id == model_id and not c.revoked and self._usable(c, connected, session)
+        ]
+
     def idle_again(self, credit: HeldCredit) -> bool:
         """The credit's call ended and it is still held: idle again; False if it is gone."""
         if credit.credit_id not in self._credits:
@@ -118,7 +159,7 @@ class HeldCredits:
         if credit is None:
             return None
         credit.revoked = True
-        if credit.running is None:
+        if not credit.calls:
             self._idle[credit.model_id].remove(credit)
         return credit
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from loadmaster.common.clock import Clock
-from loadmaster.common.ordering import ClientTracker, DeadlineTerms, Ordering, make_ordering
+from loadmaster.common.ordering import ClientTracker, DeadlineTerms, Ordering, SortKey, make_ordering
 from loadmaster.common.ordering.requests import Request, RequestInfo
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.v1 import scheduler_pb2
@@ -202,6 +202,21 @@ class LocalQueues(Generic[T]):
             cadence_ms,
             backlog,
         )
+
+    def stage(self, model_id: str) -> int:
+        """How many calls may wait at a busy credit's worker behind the one running (the spec's)."""
+        queue = self._models.get(model_id)
+        return queue.spec.stage if queue is not None else 0
+
+    def head_key(self, model_id: str) -> SortKey | None:
+        """The key of the model's next call in strategy order (lower runs first), or None."""
+        queue = self._models.get(model_id)
+        if queue is None:
+            return None
+        heap = queue.heap
+        while heap and int(heap[0][-1]) not in self._waiting:
+            heapq.heappop(heap)
+        return heap[0][:-1] if heap else None
 
     def pop(self, model_id: str) -> T | None:
         """The model's next call in strategy order, or None."""

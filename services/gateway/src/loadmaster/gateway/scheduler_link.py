@@ -176,7 +176,7 @@ class SchedulerLink:
         """Report a request already sent on a credit; `info()` builds its RequestInfo (credit_id
         set) if it must be sent. `countable`: if it ends before its report leaves, it may be
         counted in a tally (a credit with a local queue: the scheduler needs no run of that
-        model one by one; else its lookahead and reservations learn from each)."""
+        model one by one; else it admits each into its central order)."""
         self._outbox.runs[request_id] = _Run(model_id, info, countable)
         self._outbox.defer(self._report_delay_s)
 

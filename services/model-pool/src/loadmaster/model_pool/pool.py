@@ -363,7 +363,7 @@ class ModelPool:
         front: bool = False,
     ) -> None:
         """Admit one request and queue it on the model's batcher (`front`: ahead of the requests
-        waiting there, see Grant.front_of_queue); `done` is called once, on the
+        waiting there: a call the gateway sent ahead of those it staged); `done` is called once, on the
         event loop, with its `InferResult` or its error. Refusals at the door (closing, unknown or
         not READY model, bad inputs, deadline passed) raise `LoadmasterError` instead. The request
         stays in flight until its engine call is over, whoever still waits. A callback, so the

@@ -24,8 +24,7 @@ class ModelPolicy:
     vram_mb: int | None = None
     # The mechanisms default to the shipped settings, as CoreConfig's do.
     dispatch_credits: int = 64  # worker slots a sole gateway may borrow while the queue is empty
-    lookahead: int = 1  # requests staged on a busy slot just before it frees (lookahead.py)
-    reservation: bool = True  # hold a slot for a more urgent client about to send (reservations.py)
+    lookahead: int = 1  # calls a gateway stages behind a busy slot's running one (LocalQueue.stage)
 
 
 def _memo(fn: Callable[[str], object]) -> Callable[[str], object]:
@@ -62,12 +61,7 @@ class CoreConfig:
     dispatch_credits: int = 64
     credit_window_s: float = 1.0
     share_period_s: float = 0.5  # how often shares split between gateways are measured again
-    local_queue_max_inference_ms: float = 1.0  # see SchedulerSettings
-    # Timed lookahead (see lookahead.py); 0 = off.
-    lookahead: int = 1
-    lookahead_margin_ms: float = 0.5
-    # Reservations (see reservations.py; they need the lookahead's estimates).
-    reservation: bool = True
+    lookahead: int = 1  # see ModelPolicy
     # The VRAM gate (loads.py): a load refused for want of GPU memory is commanded again this
     # often while requests wait for the model (sooner when a worker frees memory).
     vram_gate_retry_ms: float = 1000.0
@@ -85,7 +79,6 @@ class CoreConfig:
                     self.overflow_policy,
                     dispatch_credits=self.dispatch_credits,
                     lookahead=self.lookahead,
-                    reservation=self.reservation,
                 )
             self._policies[model_id] = policy
         return policy
@@ -105,7 +98,6 @@ class CoreConfig:
                 vram_mb=m.vram_mb,
                 dispatch_credits=_dispatch_credits(m, s.dispatch_credits),
                 lookahead=s.lookahead if m.lookahead is None else m.lookahead,
-                reservation=s.reservation if m.reservation is None else m.reservation,
             )
 
         max_inflight = _memo(lambda model_id: models.for_model(model_id).max_inflight)
@@ -128,10 +120,7 @@ class CoreConfig:
             dispatch_credits=s.dispatch_credits,
             credit_window_s=s.credit_window_s,
             share_period_s=s.share_period_s,
-            local_queue_max_inference_ms=s.local_queue_max_inference_ms,
             lookahead=s.lookahead,
-            lookahead_margin_ms=s.lookahead_margin_ms,
-            reservation=s.reservation,
             vram_gate_retry_ms=s.vram_gate_retry_ms,
         )
 

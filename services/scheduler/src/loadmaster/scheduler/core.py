@@ -27,7 +27,7 @@ from loadmaster.common.clock import Clock
 from loadmaster.common.ordering import Ordering, make_ordering
 from loadmaster.common.ordering.clients import ClientTracker
 from loadmaster.scheduler.config import CoreConfig, ModelPolicy
-from loadmaster.scheduler.credits import CreditBook, too_long_for_local
+from loadmaster.scheduler.credits import CreditBook
 from loadmaster.scheduler.dispatching import GrantDispatcher
 from loadmaster.scheduler.domain import (
     Completion,
@@ -46,11 +46,9 @@ from loadmaster.scheduler.domain import (
     WorkerView,
 )
 from loadmaster.scheduler.loads import LoadTracker
-from loadmaster.scheduler.lookahead import Lookahead
 from loadmaster.scheduler.outbound import NoTelemetry, Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry, newly_ready
-from loadmaster.scheduler.reservations import Reservations
 from loadmaster.scheduler.tracking import ModelStats, Outstanding, Tracked, reached_gateway
 from loadmaster.v1 import errors_pb2
 
@@ -97,8 +95,6 @@ class SchedulerCore:
             period_s=config.share_period_s,
             central=self._waiting_by_session,
         )
-        self._lookahead = Lookahead(margin_s=config.lookahead_margin_ms / 1000.0)
-        self._reservations = Reservations(margin_s=config.lookahead_margin_ms / 1000.0)
         self._dispatcher = GrantDispatcher(
             config,
             clock=clock,
@@ -107,8 +103,6 @@ class SchedulerCore:
             queues=self._queues,
             registry=self._registry,
             credits=self._credits,
-            lookahead=self._lookahead,
-            reservations=self._reservations,
             loads=self._loads,
             tracked=self._tracked,
             outstanding=self._outstanding,
@@ -134,8 +128,9 @@ class SchedulerCore:
             credit = self._credits.give_back(session_id, credit_id)
             if credit is not None:
                 touched.add(credit.model_id)
-                if credit.running is not None and (run := self._tracked.get(credit.running)) is not None:
-                    run.credit_id = None  # returned mid-run: now an ordinary grant
+                for key in credit.running:
+                    if (run := self._tracked.get(key)) is not None:
+                        run.credit_id = None  # returned mid-run: now an ordinary grant
         for run in batch.runs:
             self._enqueue(session_id, run.info, touched, credit_id=run.credit_id)
         for info in batch.enqueues:
@@ -164,7 +159,6 @@ class SchedulerCore:
                 self._queues.remove(key)
             else:
                 self._registry.release(tracked.worker_id, key)
-                self._lookahead.forget(key)
                 touched.add(tracked.request.model_id)
         self._dispatcher.dispatch(touched)
 
@@ -182,7 +176,6 @@ class SchedulerCore:
         if self._registry.get(worker_id) is None:
             return
         previous = self._registry.report(worker_id, slots, free_mb=free_mb)
-        self._dispatcher.reopen_windows(worker_id)  # the report rebuilt the worker's grant candidates
         self._credits.revoke_stale(worker_id, slots)
         failures = self._dispatcher.load_outcomes(worker_id, previous, {s.model_id: s for s in slots})
         for model_id, error in failures.items():
@@ -196,7 +189,6 @@ class SchedulerCore:
         if record is None:
             return
         self._loads.forget_worker(worker_id)
-        self._lookahead.forget_worker(worker_id)
         touched: set[str] = set()
         for key in [*record.granted, *self._credits.drop_worker(worker_id)]:
             tracked = self._tracked.get(key)
@@ -212,14 +204,9 @@ class SchedulerCore:
         """When the core next has time-driven work: the earliest waiting request's deadline,
         client liveness check or batch release (clock.monotonic scale)."""
         now = self._clock.monotonic()
-        opens = None
-        if self._lookahead.active and self._queues.ordering.batch is None:  # batches never stage
-            opens = self._lookahead.next_open(self._queues.waiting_models(), now)
         times = (
             self._queues.next_deadline(),
             self._clients.next_check(),
-            opens,
-            self._dispatcher.next_hold_lapse(),
             self._loads.next_retry(),  # a load behind the VRAM gate tries again
             self._dispatcher.next_batch_release(now),
             self._credits.next_rebalance(),  # shares split between gateways
@@ -233,9 +220,7 @@ class SchedulerCore:
             self._expire(request)
         for client_id in self._clients.due_disconnects(now):
             self._disconnect_client(client_id)
-        held = self._dispatcher.drop_lapsed_holds(now)
-        if self._queues.ordering.batch is not None or self._lookahead.active or held:
-            # due batches, due lookahead windows, lapsed holds
+        if self._queues.ordering.batch is not None:  # due batches
             self._dispatcher.dispatch(self._queues.waiting_models())
         elif self._loads.gating:
             self._dispatcher.dispatch(self._loads.due(now))  # loads behind the VRAM gate
@@ -385,17 +370,10 @@ class SchedulerCore:
             cadence_ms,
             backlog,
         )
-        if policy.reservation and client_id:
-            self._reservations.arrived(request, arrived)
         stats = self._stats_for(model_id)
         if credit_id is not None:
             credit = self._credits.get(credit_id)
-            if (
-                credit is not None
-                and credit.session_id == session_id
-                and credit.model_id == model_id
-                and credit.running is None
-            ):
+            if credit is not None and credit.session_id == session_id and credit.model_id == model_id:
                 self._start_on_credit(request, credit, now)
                 return
         if self._queues.depth(model_id) >= policy.max_queue_size:
@@ -449,7 +427,6 @@ class SchedulerCore:
         log.info("client %s disconnected (silent for %.1f s)", client_id, self._config.disconnect_timeout_s)
         self._telemetry.record("client_disconnected", 1)
         self._queues.ordering.forget_client(client_id)
-        self._reservations.forget_client(client_id)
         self._telemetry.record("active_clients", self._clients.active)
         queued = [
             request
@@ -491,18 +468,10 @@ class SchedulerCore:
         if tracked.credit_id is not None:
             credit = self._credits.get(tracked.credit_id)
             if credit is not None:
-                credit.running = None  # the slot stays lent until the gateway returns it
+                credit.running.discard(key)  # the slot stays lent until the gateway returns it
             tracked.credit_id = None
-            if completion.error_code == _OK:
-                self._learned(tracked.request.model_id, completion.inference_ms)
         else:
             self._registry.release(tracked.worker_id, key)
-            if self._lookahead.active:
-                self._dispatcher.close_window(
-                    self._lookahead.completed(
-                        key, self._clock.monotonic(), inference_ms=completion.inference_ms
-                    )
-                )
         tracked.worker_id = None
         touched.add(tracked.request.model_id)
         if completion.error_code == _OK or not completion.retryable:
@@ -557,8 +526,6 @@ class SchedulerCore:
         each one (docs/data-path.md)."""
         model_id = tally.model_id
         self._stats_for(model_id).granted += tally.runs
-        if tally.runs > tally.failed:
-            self._learned(model_id, tally.inference_ms / (tally.runs - tally.failed))
         self._telemetry.record(
             "placement_decisions",
             tally.runs,
@@ -567,19 +534,10 @@ class SchedulerCore:
         if self._config.policy(model_id).dispatch_credits:
             self._credits.note_use(model_id, session_id, self._clock.monotonic())
 
-    def _learned(self, model_id: str, inference_ms: float) -> None:
-        """An inference time measured on a credit. A model that turns out too long for a local
-        queue gets its credits back: they are lent again without one (docs/data-path.md)."""
-        self._lookahead.learn_inference(model_id, inference_ms / 1000.0)
-        if self._credits.queue_locally(model_id) and too_long_for_local(
-            self._config.policy(model_id), self._config, self._lookahead.inference_s(model_id)
-        ):
-            self._credits.revoke_model(model_id, self._clock.monotonic())
-
     def _start_on_credit(self, request: Request, credit: Credit, now: float) -> None:
         """Admit a request the gateway already sent to `credit`'s worker."""
         key = request.key
-        credit.running = key
+        credit.running.add(key)
         model_id = request.model_id
         self._tracked[key] = Tracked(
             request, attempts=1, worker_id=credit.worker_id, credit_id=credit.credit_id

@@ -11,9 +11,9 @@ How many: with a per-model strategy a gateway can replicate (`local_queue_spec`)
 free slot is lent and each credit carries a `LocalQueueSpec`: a gateway queues its own
 requests that find no idle credit and ranks them with the same strategy code
 (loadmaster.common.ordering), so the scheduler sees no queue for the model
-(docs/data-path.md). With any other strategy (one global order, batch groups, a registered
-policy) or a model too long for a local queue, at most `dispatch_credits` are lent, to a
-sole borrower only, and a request finding none idle is queued here.
+(docs/data-path.md). With any other strategy (batch groups, a registered policy) or a
+`latest_only` model, at most `dispatch_credits` are lent, to a sole borrower only, and a
+request finding none idle is queued here.
 
 Shares between gateways. A model with several borrowers is split: every `period_s` the
 book measures each borrower's demand (its calls waiting in its local queue or running on its
@@ -54,7 +54,7 @@ from loadmaster.scheduler.domain import (
 from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.registry import WorkerRegistry
 
-__all__ = ["CreditBook", "local_queue_spec", "too_long_for_local"]
+__all__ = ["CreditBook", "local_queue_spec"]
 
 # Strategies whose order a gateway can keep for one model's requests on its own: no batch
 # groups, no registered policy (a policy module is loaded by the scheduler only).
@@ -66,24 +66,9 @@ _LOCAL_STRATEGIES = frozenset(
 )
 
 
-def too_long_for_local(policy: ModelPolicy, config: CoreConfig, inference_s: float | None) -> bool:
-    """The model's requests (`inference_s`, measured; None unmeasured) are long enough that the
-    lookahead and reservations, which only the scheduler runs, win back more than its round
-    trip costs (a model with both turned off never is)."""
-    return bool(policy.lookahead or policy.reservation) and (
-        inference_s is None or inference_s * 1000.0 > config.local_queue_max_inference_ms
-    )
-
-
-def local_queue_spec(
-    ordering: Ordering, policy: ModelPolicy, config: CoreConfig, inference_s: float | None
-) -> LocalQueueSpec | None:
+def local_queue_spec(ordering: Ordering, policy: ModelPolicy, config: CoreConfig) -> LocalQueueSpec | None:
     """How a gateway holding the model's whole share may queue for it, or None when it may not:
-    another strategy, a model whose queue supersedes (`latest_only`), or one whose requests are
-    long enough (`inference_s`, measured; None unmeasured) that the lookahead and reservations,
-    which only the scheduler runs, win back more than its round trip costs."""
-    if too_long_for_local(policy, config, inference_s):
-        return None
+    another strategy, or a model whose queue supersedes (`latest_only`)."""
     if (
         ordering.name not in _LOCAL_STRATEGIES
         or ordering.batch is not None
@@ -100,13 +85,14 @@ def local_queue_spec(
         max_queue_size=policy.max_queue_size,
         reject_newest=policy.overflow_policy is OverflowPolicy.REJECT_NEWEST,
         tiers=tuple(getattr(ordering, "tiers", None) or ()),
+        stage=policy.lookahead,
     )
 
 
 def _idle_first(credit: Credit) -> tuple[bool, int]:
     """The order credits are revoked in: those with no run known here first (idle, or running a
     call not reported yet), then the oldest."""
-    return credit.running is not None, int(credit.credit_id[1:])
+    return bool(credit.running), int(credit.credit_id[1:])
 
 
 class CreditBook:
@@ -148,7 +134,7 @@ class CreditBook:
 
     def idle(self, model_id: str) -> int:
         """Credits for the model with nothing running on them."""
-        return sum(1 for i in self._by_model.get(model_id, ()) if self._credits[i].running is None)
+        return sum(1 for i in self._by_model.get(model_id, ()) if not self._credits[i].running)
 
     def lent(self, model_id: str) -> int:
         """Credits for the model not returned yet (revoked ones included)."""
@@ -233,10 +219,10 @@ class CreditBook:
         out = [self._credits[i] for i in self._by_model.get(model_id, ())]
         spec_out = any(c.local_queue for c in out)
         if spec is not None and not lent and (plain := [c for c in out if c.local_queue is None]):
-            # Lent without a spec before the model was measured short (unmeasured, or its
-            # requests were long for a while), perhaps beside credits lent since with one: take
-            # them back, no pause, to lend them again with one (runs on a credit without a spec
-            # are reported one by one; on one with a spec they are only counted).
+            # Lent without a spec while they were not the whole share (a cap, or a worker since
+            # gone), perhaps beside credits lent since with one: take them back, no pause, to
+            # lend them again with one (runs on a credit without a spec are reported one by one;
+            # on one with a spec they are only counted).
             self._revoke(plain)
             return
         if spec is None and (spec_out or len(borrowers) > 1):
@@ -402,8 +388,8 @@ class CreditBook:
         return max(targets, key=lambda s: (targets[s] - held[s], depths.get(s, 0), -s))
 
     def revoke_model(self, model_id: str, now: float) -> None:
-        """A request waits for the model (its slots lent without local queues), or its requests
-        turned out too long for them: revoke its credits and pause lending it."""
+        """A request waits for the model (its slots lent without local queues): revoke its
+        credits and pause lending it."""
         ids = self._by_model.get(model_id)
         if ids:
             self._paused_until[model_id] = now + self._window_s
@@ -430,8 +416,8 @@ class CreditBook:
         if credit is None or credit.session_id != session_id:
             return None
         self._forget(credit)
-        if credit.running is not None:
-            self._registry.acquire(credit.worker_id, credit.running, credit.model_id)
+        for key in credit.running:
+            self._registry.acquire(credit.worker_id, key, credit.model_id)
         self._registry.release(credit.worker_id, credit.slot_key)
         return credit
 
@@ -459,8 +445,7 @@ class CreditBook:
             self._forget(credit)
             if not credit.revoked:
                 self._out.revoke_credit(credit.session_id, credit.credit_id)
-            if credit.running is not None:
-                running.append(credit.running)
+            running.extend(credit.running)
         return running
 
     def _forget(self, credit: Credit) -> None:

@@ -3,13 +3,12 @@ requests wait for.
 
 `GrantDispatcher` is the core's collaborator for dispatch: admission, completion, clients
 and credits stay in `core.SchedulerCore`, which owns one and calls `dispatch` with the
-models whose queues or workers changed. Per strategy scope it grants queue heads (opening
-lookahead windows and holding slots for reservations on the way), lends the free slots of
+models whose queues or workers changed. Per strategy scope it grants queue heads, lends the free slots of
 models with empty queues as dispatch credits, and commands loads: a load refused for GPU
 memory keeps its waiters behind the VRAM gate and is commanded again later, and a request
 that cannot wait for its model's load is refused at admission (docs/vram-gate.md). It shares the core's
 bookkeeping (passed in, never re-bound by either side) and owns what only dispatch keeps:
-the slots held for reservations and the grants placed in one dispatch.
+the grants placed in one dispatch.
 """
 
 from __future__ import annotations
@@ -25,11 +24,9 @@ from loadmaster.scheduler.config import CoreConfig
 from loadmaster.scheduler.credits import CreditBook, local_queue_spec
 from loadmaster.scheduler.domain import Grant, LoadModel, Request, RequestKey, SlotStatus
 from loadmaster.scheduler.loads import LoadTracker, freed_memory, is_memory_error, load_outlasts
-from loadmaster.scheduler.lookahead import Lookahead
 from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
 from loadmaster.scheduler.registry import WorkerRegistry
-from loadmaster.scheduler.reservations import Reservations
 from loadmaster.scheduler.tracking import ModelStats, Outstanding, Tracked
 
 __all__ = ["GrantDispatcher"]
@@ -48,8 +45,6 @@ class GrantDispatcher:
         queues: RequestQueues,
         registry: WorkerRegistry,
         credits: CreditBook,
-        lookahead: Lookahead,
-        reservations: Reservations,
         loads: LoadTracker,
         tracked: Mapping[RequestKey, Tracked],
         outstanding: Outstanding,
@@ -65,8 +60,6 @@ class GrantDispatcher:
         self.queues = queues  # the core replaces it when the strategy changes
         self._registry = registry
         self._credits = credits
-        self._lookahead = lookahead
-        self._reservations = reservations
         self._loads = loads
         self._tracked = tracked  # key -> its admitted, unfinished request (the core's)
         self._outstanding = outstanding  # client -> model -> its unfinished requests (the core's)
@@ -74,22 +67,9 @@ class GrantDispatcher:
         self._expire = expire  # answers a request whose deadline passed while it waited
         self._hand_back = hand_back  # sends a waiting request back to its gateway's local queue
         self._rng = rng
-        self._held: dict[str, float] = {}  # model -> when its slot held for an arrival lapses
         self._placed: dict[tuple[str, str], int] = {}  # (model, worker) -> grants this dispatch
 
     # ---- what the core asks -------------------------------------------------------
-
-    def next_hold_lapse(self) -> float | None:
-        """When the earliest slot held for a predicted arrival lapses (None: none held)."""
-        return min(self._held.values()) if self._held else None
-
-    def drop_lapsed_holds(self, now: float) -> bool:
-        """Forget the holds lapsed by `now` (a model whose waiters are gone is dispatched by
-        nobody, so its hold would stay due); True if any was held, lapsed or not."""
-        if not self._held:
-            return False
-        self._held = {model_id: until for model_id, until in self._held.items() if until > now}
-        return True
 
     def dispatch(self, models: Iterable[str]) -> None:
         """Grant what `models`' queues and workers allow now, then lend or revoke their
@@ -100,7 +80,7 @@ class GrantDispatcher:
         now = self._clock.monotonic()
         ordering = self.queues.ordering
         for model_id in models:
-            if self.queues.depth(model_id) and self._credits.queue_locally(model_id):
+            if self.queues.depth(model_id) and self._may_share(model_id):
                 self._to_shares(model_id, now)
         if ordering.batch is not None:
             for model_id in models:
@@ -121,10 +101,8 @@ class GrantDispatcher:
                     now,
                     limit=policy.dispatch_credits,
                     ttl_ms=policy.request_ttl_ms,
-                    pick=lambda m=model_id: self._pick_worker(m, ahead=False),
-                    local_queue=lambda m=model_id, p=policy: local_queue_spec(
-                        ordering, p, self._config, self._lookahead.inference_s(m)
-                    ),
+                    pick=lambda m=model_id: self._pick_worker(m),
+                    local_queue=lambda p=policy: local_queue_spec(ordering, p, self._config),
                 )
             if model_id in self._stats:  # waiting here and in the gateways' local queues, as GetQueues
                 depth = self.queues.depth(model_id) + self._credits.local_depth(model_id)
@@ -136,6 +114,25 @@ class GrantDispatcher:
                 self._telemetry.record("placement_decisions", count, {**labels, "kind": "grant"})
             self._placed.clear()
 
+    def _may_share(self, model_id: str) -> bool:
+        """Requests waiting here for the model may go to gateways' local queues: its slots are
+        lent with them, or none is lent, its strategy has a spec, every slot may be lent, and
+        more wait than its free slots take. (At overload, as after a switch from a strategy
+        without a spec, its queue here never empties, and lending waits for an empty queue.)"""
+        if self._credits.queue_locally(model_id):
+            return True
+        policy = self._config.policy(model_id)
+        if not policy.dispatch_credits or self._credits.lent(model_id):
+            return False
+        candidates = self._registry.grant_candidates(model_id)
+        slots = len(candidates) * self._config.max_inflight(model_id)
+        free = slots - sum(c.inflight for c in candidates)
+        return (
+            policy.dispatch_credits >= slots
+            and self.queues.depth(model_id) > free
+            and local_queue_spec(self.queues.ordering, policy, self._config) is not None
+        )
+
     def _to_shares(self, model_id: str, now: float) -> None:
         """The model's slots are lent with local queues, yet requests wait here: those of a
         gateway that holds a share go back to its local queue; a gateway without one is lent a
@@ -143,9 +140,7 @@ class GrantDispatcher:
         credits, and retries (their attempts are counted here), are granted here: a slot is
         reclaimed for each."""
         policy = self._config.policy(model_id)
-        spec = local_queue_spec(
-            self.queues.ordering, policy, self._config, self._lookahead.inference_s(model_id)
-        )
+        spec = local_queue_spec(self.queues.ordering, policy, self._config)
         by_session: dict[int, list[Request]] = {}
         slots = 0  # that requests here still need
         for request in self.queues.of_model(model_id):
@@ -162,7 +157,7 @@ class GrantDispatcher:
                 session_id,
                 now,
                 ttl_ms=policy.request_ttl_ms,
-                pick=lambda: self._pick_worker(model_id, ahead=False),
+                pick=lambda: self._pick_worker(model_id),
                 spec=spec,
             ):
                 for request in sorted(requests, key=lambda r: r.arrival):
@@ -182,127 +177,24 @@ class GrantDispatcher:
             self._expire(head)
         return None
 
-    def _pick_worker(self, model_id: str, *, ahead: bool = True, affinity_key: str = "") -> str | None:
+    def _pick_worker(self, model_id: str, *, affinity_key: str = "") -> str | None:
         return placement.pick_grant_worker(
             self._registry.grant_candidates(model_id),
             max_inflight=self._config.max_inflight(model_id),
             rng=self._rng,
-            ahead=ahead,
             affinity_key=affinity_key,
         )
 
-    # ---- lookahead windows (lookahead.py) ------------------------------------------
-
-    def _open_windows(self, model_id: str, now: float) -> None:
-        """Let busy slots of `model_id` whose lookahead window is due take grants ahead; close
-        the windows whose prediction has passed."""
-        if not self._lookahead.active:
-            return
-        opened, closed = self._lookahead.update(model_id, now)
-        if opened:
-            for worker_id in opened:
-                self._set_ahead(worker_id, model_id, self._window_depth(worker_id, model_id))
-        for worker_id in closed:
-            self._set_ahead(worker_id, model_id, 0)
-
-    def close_window(self, where: tuple[str, str] | None) -> None:
-        if where is not None:
-            self._set_ahead(*where, 0)
-
-    def _set_ahead(self, worker_id: str, model_id: str, ahead: int) -> None:
-        record = self._registry.get(worker_id)
-        candidate = record.candidates.get(model_id) if record is not None else None
-        if candidate is not None:
-            candidate.ahead = ahead
-
-    def _too_late(self, request: Request, worker_id: str, now: float, *, front: bool = False) -> bool:
-        """With lookahead on, a head that would reach its worker (or, staged, its turn) only
-        after its deadline is answered `expired` now, so it does not take the slot to be
-        refused there: under overload, the slot would sit idle for a dispatch round trip."""
-        if not self._lookahead.active or not self._config.policy(request.model_id).lookahead:
-            return False
-        if not self._lookahead.too_late(worker_id, request.model_id, request.deadline, now, front=front):
-            return False
-        self.queues.remove(request.key)
-        self._expire(request)
-        return True
-
-    def reopen_windows(self, worker_id: str) -> None:
-        """A report rebuilt the worker's candidates: give the open windows back to them."""
-        for model_id in self._lookahead.open_models(worker_id):
-            self._set_ahead(worker_id, model_id, self._window_depth(worker_id, model_id))
-
-    def _window_depth(self, worker_id: str, model_id: str) -> int:
-        """Grants an open window takes: the model's lookahead, plus one per staged request
-        that will be refused rather than run (Lookahead.doomed)."""
-        return self._config.policy(model_id).lookahead + self._lookahead.doomed(worker_id, model_id)
-
-    # ---- reservations (reservations.py) ---------------------------------------------
-
-    def _hold_for_urgent(self, entry: tuple[tuple[float, ...], Request], now: float) -> bool:
-        """Granting the head now would make a more urgent client's next request late: keep the
-        model's slot free for it (until `_held[model]`, when the next dispatch looks again)."""
-        key, request = entry
-        model_id = request.model_id
-        if not self._reservations.may_hold(model_id, request.info.priority):
-            return False
-        if not self._config.policy(model_id).reservation:
-            return False
-        timing = self._lookahead.timing(model_id)
-        if timing is None:
-            return False
-        max_inflight = self._config.max_inflight(model_id)
-        workers = [(c.worker_id, max_inflight) for c in self._registry.grant_candidates(model_id)]
-        hold = self._reservations.hold_until(
-            request,
-            key,
-            places=self._lookahead.places(model_id, workers, now),
-            timing=timing,
-            now=now,
-            predicted_key=self.queues.ordering.predicted_key,
-            queued=lambda client_id: self._queued(client_id, model_id),
-        )
-        if hold is None:
-            return False
-        self._held[model_id] = hold.until
-        self._telemetry.record("slot_holds", 1, {"model": model_id})
-        return True
-
-    def _queued(self, client_id: str, model_id: str) -> bool:
-        return any(key in self.queues for key in self._outstanding.keys(client_id, model_id))
-
     def _dispatch_model(self, model_id: str, now: float) -> None:
-        max_inflight = self._config.max_inflight(model_id)
-        self._open_windows(model_id, now)
-        self._held.pop(model_id, None)
         while (entry := self._head(model_id, now)) is not None:
-            worker_id = placement.pick_grant_worker(
-                self._registry.grant_candidates(model_id),
-                max_inflight=max_inflight,
-                rng=self._rng,
-                affinity_key=entry[1].info.affinity_key,
-            )
-            front = False
+            worker_id = self._pick_worker(model_id, affinity_key=entry[1].info.affinity_key)
             if worker_id is None:
-                if not self._lookahead.active:
-                    break
-                # more urgent than a request staged on a busy slot: ahead of it at the worker
-                worker_id = self._lookahead.front_target(model_id, entry[0], now)
-                if worker_id is None:
-                    break
-                front = True
-            if self._too_late(entry[1], worker_id, now, front=front):
-                continue
-            if self._hold_for_urgent(entry, now):
                 break
-            self._grant_head(entry, worker_id, now, front=front)
+            self._grant_head(entry, worker_id, now)
 
     def _dispatch_global(self, models: list[str], now: float) -> None:
         """One order across models: the smallest head key among models a worker can take goes first."""
         active = set(models)
-        for model_id in models:
-            self._open_windows(model_id, now)
-            self._held.pop(model_id, None)
         while active:
             best: tuple[tuple[float, ...], Request, str] | None = None
             for model_id in list(active):
@@ -318,11 +210,6 @@ class GrantDispatcher:
                     best = (entry[0], entry[1], worker_id)
             if best is None:
                 return
-            if self._too_late(best[1], best[2], now):
-                continue
-            if self._hold_for_urgent((best[0], best[1]), now):
-                active.discard(best[1].model_id)
-                continue
             self._grant_head((best[0], best[1]), best[2], now)
 
     def next_batch_release(self, now: float) -> float | None:
@@ -378,9 +265,7 @@ class GrantDispatcher:
                     return
                 self._grant_head(entry, worker_id, now)
 
-    def _grant_head(
-        self, entry: tuple[tuple[float, ...], Request], worker_id: str, now: float, *, front: bool = False
-    ) -> None:
+    def _grant_head(self, entry: tuple[tuple[float, ...], Request], worker_id: str, now: float) -> None:
         key, request = entry
         self.queues.remove(request.key)
         self.queues.ordering.granted(request, key)
@@ -390,17 +275,6 @@ class GrantDispatcher:
         assert record is not None
         slot = record.slots[model_id]
         self._registry.acquire(worker_id, request.key, model_id)
-        if self._config.policy(model_id).lookahead and self.queues.ordering.batch is None:
-            self._lookahead.granted(
-                worker_id,
-                model_id,
-                request.key,
-                now,
-                max_inflight=self._config.max_inflight(model_id),
-                sort_key=key,
-                deadline=request.deadline,
-                front=front,
-            )
         tracked.worker_id = worker_id
         tracked.attempts += 1
         self._stats[model_id].granted += 1
@@ -411,7 +285,6 @@ class GrantDispatcher:
             slot.generation,
             request.deadline_unix_ns,
             tracked.attempts,
-            front,
         )
         self._out.grant(request.session_id, grant)
         self._telemetry.record(

@@ -12,7 +12,7 @@ enum values of errors.proto (plain ints), as everywhere in loadmaster.common.err
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from loadmaster.common.ordering.deadline import DeadlineTerms
@@ -122,7 +122,6 @@ class Grant:
     generation: int
     deadline_unix_ns: int
     attempt: int
-    front: bool = False  # run before what waits at the worker (lookahead.py, front_of_queue)
 
 
 @dataclass(slots=True)  # hot path: not frozen (see the module docstring)
@@ -207,7 +206,9 @@ class Credit:
     generation: int
     request_ttl_ms: float
     local_queue: LocalQueueSpec | None = None  # the gateway may queue locally (a whole share)
-    running: RequestKey | None = None  # the request the gateway runs on it now
+    # The requests the gateway runs on it now: one, or more with calls staged behind it
+    # (LocalQueue.stage) and urgent ones sent ahead of those.
+    running: set[RequestKey] = field(default_factory=set)
     revoked: bool = False
 
     @property
@@ -230,6 +231,7 @@ class LocalQueueSpec:
     max_queue_size: int
     reject_newest: bool
     tiers: tuple[int, ...] = ()  # tiered_deadline's
+    stage: int = 0  # calls sent to a busy slot's worker behind the one running (the lookahead)
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 Pure functions; the registry builds the candidates, the core acts on the answer.
 
 Grants go to a worker holding the model READY with room under its per-model
-`max_inflight` (or in its open lookahead window, lookahead.py): the fewest grants in flight wins; ties are broken by power-of-two
+`max_inflight`: the fewest grants in flight wins; ties are broken by power-of-two
 choices (two tied workers drawn at random, the one whose own report shows less load
 wins), which spreads load without herding when several schedulers or stale reports
 are in play. A request with an `affinity_key` (the gateway's hash of a generation's prompt
@@ -47,7 +47,6 @@ class GrantCandidate:
     worker_id: str
     inflight: int  # the scheduler's grants for this model not completed yet
     reported_load: int = 0  # requests in flight on the worker, all models, by its last report
-    ahead: int = 0  # grants allowed beyond max_inflight while a lookahead window is open
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +65,11 @@ def pick_grant_worker(
     *,
     max_inflight: int,
     rng: random.Random | None = None,
-    ahead: bool = True,
     affinity_key: str = "",
     affinity_slack: int | None = None,
 ) -> str | None:
-    """The candidate with the fewest grants in flight, if it has room (under max_inflight, plus
-    its open lookahead window when `ahead`); ties by power of two. With an `affinity_key`, the
+    """The candidate with the fewest grants in flight, if it has room (under max_inflight); ties
+    by power of two. With an `affinity_key`, the
     roomy candidate the key ranks first (`affinity_rank`) among those at most `affinity_slack`
     (default max(1, max_inflight // 4)) grants busier than the least busy."""
     best: GrantCandidate | None = None
@@ -79,7 +77,7 @@ def pick_grant_worker(
     roomy: list[GrantCandidate] | None = [] if affinity_key else None
     for candidate in candidates:
         inflight = candidate.inflight
-        if inflight >= max_inflight and not (ahead and inflight < max_inflight + candidate.ahead):
+        if inflight >= max_inflight:
             continue  # no room
         if roomy is not None:
             roomy.append(candidate)

@@ -119,6 +119,7 @@ def _local_queue(pb: scheduler_pb2.LocalQueue, spec: LocalQueueSpec) -> None:
     pb.max_queue_size = spec.max_queue_size
     pb.reject_newest = spec.reject_newest
     pb.tiers.extend(spec.tiers)
+    pb.stage = spec.stage
 
 
 def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.SessionResponse:
@@ -153,7 +154,6 @@ def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.Sessio
                 generation=outcome.generation,
                 deadline_unix_ns=outcome.deadline_unix_ns,
                 attempt=outcome.attempt,
-                front_of_queue=outcome.front,
             )
         else:
             response.rejects.add(

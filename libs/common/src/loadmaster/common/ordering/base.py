@@ -57,11 +57,6 @@ class Ordering(Protocol):
 
     def key(self, request: Request) -> SortKey: ...
 
-    def predicted_key(self, request: Request) -> SortKey | None:
-        """The key `request` would get if it were queued now, recording nothing; None when the
-        ordering does not rank by priority, so a slot is never held for a more urgent client
-        (reservations.py)."""
-
     def granted(self, request: Request, key: SortKey) -> None:
         """`request` left its queue for a worker (round robin advances its rotation)."""
 

@@ -133,10 +133,6 @@ class DeadlineOrdering:
             self._last[(client_id, request.model_id)] = vd
         return self._sort_key(request, vd)
 
-    def predicted_key(self, request: Request) -> SortKey | None:
-        """`key` without recording the client's latest virtual deadline."""
-        return self._sort_key(request, self._virtual_deadline(request))
-
     def _virtual_deadline(self, request: Request) -> float:
         if self._policy is not None:
             slack = float(self._policy(policy_view(request)))

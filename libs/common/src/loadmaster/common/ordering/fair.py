@@ -32,9 +32,6 @@ class RoundRobinOrdering:
         self._next_round[client] = round_ + 1
         return (round_, request.arrival)
 
-    def predicted_key(self, request: Request) -> SortKey | None:
-        return None  # fairness between clients, not priority: never holds a slot
-
     def granted(self, request: Request, key: SortKey) -> None:
         model_id = request.model_id
         if key[0] > self._serving.get(model_id, 0):
@@ -59,9 +56,6 @@ class BatchOrdering:
 
     def key(self, request: Request) -> SortKey:
         return (request.arrival,)
-
-    def predicted_key(self, request: Request) -> SortKey | None:
-        return None  # groups in arrival order, not priority: never holds a slot
 
     def granted(self, request: Request, key: SortKey) -> None:
         pass

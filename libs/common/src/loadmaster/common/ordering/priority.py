@@ -24,9 +24,6 @@ class PriorityOrdering:
         info = request.info
         return (info.priority, -info.urgency, request.arrival)
 
-    def predicted_key(self, request: Request) -> SortKey | None:
-        return self.key(request)
-
     def granted(self, request: Request, key: SortKey) -> None:
         pass
 
@@ -44,9 +41,6 @@ class PriorityTieredOrdering:
 
     def key(self, request: Request) -> SortKey:
         return (request.info.priority, request.arrival)
-
-    def predicted_key(self, request: Request) -> SortKey | None:
-        return self.key(request)
 
     def granted(self, request: Request, key: SortKey) -> None:
         pass
