@@ -163,7 +163,7 @@ def test_timeout_parameter_and_deadline_expire(client: triton.InferenceServerCli
     started = time.monotonic()
     blockers = [
         client.async_infer(
-            "sleep", [_input("ms", np.array([700], np.float32), "FP32")], callback=lambda *_: None
+            "sleep", [_input("ms", np.array([700], np.float32), "FP32")], callback=lambda *_, **__: None
         )
         for _ in range(4)
     ]
@@ -258,25 +258,31 @@ def test_repository_index_unload_and_load(client: triton.InferenceServerClient) 
 def test_cancelled_call_removes_its_queued_request(
     client: triton.InferenceServerClient, queue_depth: Callable[[str], int]
 ) -> None:
+    """`sleep` has 4 slots: 8 calls of 1.5 s fill them and the place behind each where the
+    gateway may stage one (a steady model's); the 9th waits in the queue until cancelled."""
     done = threading.Event()
     blockers = [
         client.async_infer(
-            "sleep", [_input("ms", np.array([1500], np.float32), "FP32")], callback=lambda *_: done.set()
+            "sleep",
+            [_input("ms", np.array([1500], np.float32), "FP32")],
+            callback=lambda *_, **__: done.set(),
         )
-        for _ in range(4)
+        for _ in range(8)
     ]
+    time.sleep(0.5)  # every blocker runs, is staged, or waits (and is counted) by now
+    before = queue_depth("sleep")
     queued = client.async_infer(
-        "sleep", [_input("ms", np.array([1], np.float32), "FP32")], callback=lambda *_: None
+        "sleep", [_input("ms", np.array([1], np.float32), "FP32")], callback=lambda *_, **__: None
     )
     deadline = time.monotonic() + 5
-    while queue_depth("sleep") < 1 and time.monotonic() < deadline:
+    while queue_depth("sleep") < before + 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert queue_depth("sleep") == 1, "the fifth request should wait behind four 1.5 s sleeps"
+    assert queue_depth("sleep") == before + 1, "the 9th request should wait behind eight 1.5 s sleeps"
     queued.cancel()
     deadline = time.monotonic() + 2
-    while queue_depth("sleep") > 0 and time.monotonic() < deadline:
+    while queue_depth("sleep") > before and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert queue_depth("sleep") == 0
+    assert queue_depth("sleep") == before
     assert not done.is_set(), "the queue emptied because of the cancel, not because the sleeps ended"
     del blockers
 

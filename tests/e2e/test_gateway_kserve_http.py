@@ -207,12 +207,16 @@ def test_disconnected_client_cancels_its_queued_request(
         httpx.post(f"http://{http_address}/v2/models/sleep/infer", json=body, timeout=10)
         done.set()
 
-    threads = [threading.Thread(target=blocker) for _ in range(4)]
+    # `sleep` has 4 slots: 8 calls of 1.5 s fill them and the place behind each where the gateway
+    # may stage one (a steady model's); the 9th waits in the queue until its client leaves.
+    threads = [threading.Thread(target=blocker) for _ in range(8)]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 5
-    while queue_info("sleep").inflight < 4 and time.monotonic() < deadline:  # the four hold every slot
+    while queue_info("sleep").inflight < 4 and time.monotonic() < deadline:  # the slots are held
         time.sleep(0.02)
+    time.sleep(0.5)  # every blocker runs, is staged, or waits (and is counted) by now
+    before = queue_info("sleep").depth
     body = json.dumps({"inputs": [{"name": "ms", "shape": [1], "datatype": "FP32", "data": [1]}]}).encode()
     host, port = http_address.rsplit(":", 1)
     raw = socket.create_connection((host, int(port)), timeout=5)
@@ -222,14 +226,14 @@ def test_disconnected_client_cancels_its_queued_request(
         + body
     )
     deadline = time.monotonic() + 5
-    while queue_info("sleep").depth < 1 and time.monotonic() < deadline:
+    while queue_info("sleep").depth < before + 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert queue_info("sleep").depth == 1, "the fifth request should wait behind four 1.5 s sleeps"
+    assert queue_info("sleep").depth == before + 1, "the 9th request should wait behind eight 1.5 s sleeps"
     raw.close()
     deadline = time.monotonic() + 2
-    while queue_info("sleep").depth > 0 and time.monotonic() < deadline:
+    while queue_info("sleep").depth > before and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert queue_info("sleep").depth == 0
+    assert queue_info("sleep").depth == before
     assert not done.is_set(), "the queue emptied because the client left, not because the sleeps ended"
     for thread in threads:
         thread.join(10)

@@ -130,7 +130,10 @@ def _call(request_id: str, *, client: str = "c", priority: int = 1, timeout_ms: 
 
 
 def _ok(request_id: str) -> model_pool_pb2.InferResponse:
-    return model_pool_pb2.InferResponse(request_id=request_id, model_id="double", worker_id="w1")
+    """A success that took 10 ms to run (what every call of the model takes here: steady)."""
+    return model_pool_pb2.InferResponse(
+        request_id=request_id, model_id="double", worker_id="w1", inference_latency_ms=10.0
+    )
 
 
 def _sent(workers: _WorkersDouble) -> list[str]:
@@ -361,11 +364,55 @@ def _fronts(workers: _WorkersDouble) -> list[str]:
     return [request.request_id for _, request in workers.sent if request.front_of_queue]
 
 
+def _staging(parts: Parts, *samples_ms: float) -> None:
+    """One credit whose spec stages a call; the model's inference time measured by `samples_ms`
+    (default: four calls of 10 ms, steady) through calls that leave no trace in `workers.sent`."""
+    dispatcher, _scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    for i, ms in enumerate(samples_ms or (10.0,) * 4):
+        dispatcher.submit(_call(f"warm{i}", client="warm"), results.append)
+        dispatcher.on_worker_reply(
+            model_pool_pb2.InferResponse(
+                request_id=f"warm{i}", model_id="double", worker_id="w1", inference_latency_ms=ms
+            ),
+            b"",
+        )
+    workers.sent.clear()
+    results.clear()
+
+
+async def test_an_unmeasured_or_unsteady_model_stages_nothing(parts: Parts) -> None:
+    """Behind a call that may take 1 ms or 1.5 s a staged call could wait while another slot
+    frees: a model's calls are staged only once its inference time is measured steady."""
+    dispatcher, _scheduler, workers, results = parts
+    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    dispatcher.submit(_call("r1"), results.append)
+    dispatcher.submit(_call("r2"), results.append)
+    assert _sent(workers) == ["r1"]  # unmeasured: r2 waits here
+    dispatcher.on_worker_reply(
+        model_pool_pb2.InferResponse(
+            request_id="r1", model_id="double", worker_id="w1", inference_latency_ms=1500
+        ),
+        b"",
+    )
+    for request_id, ms in (("r2", 1.0), ("r3", 1500.0), ("r4", 1.0)):
+        if request_id != "r2":
+            dispatcher.submit(_call(request_id), results.append)
+        dispatcher.submit(_call(request_id + "b"), results.append)
+        assert _sent(workers)[-1] == request_id  # each runs alone: nothing staged behind it
+        reply = model_pool_pb2.InferResponse(
+            request_id=request_id, model_id="double", worker_id="w1", inference_latency_ms=ms
+        )
+        dispatcher.on_worker_reply(reply, b"")
+        dispatcher.on_worker_reply(_ok(request_id + "b"), b"")
+
+
 async def test_a_busy_credit_takes_one_staged_call_so_its_worker_never_waits_for_the_next(
     parts: Parts,
 ) -> None:
     dispatcher, scheduler, workers, results = parts
-    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    _staging(parts)
+    scheduler.order.clear()
     for request_id in ("r1", "r2", "r3"):
         dispatcher.submit(_call(request_id), results.append)
     assert _sent(workers) == ["r1", "r2"]  # r2 waits at the worker behind r1; r3 here
@@ -384,7 +431,7 @@ async def test_a_call_more_urgent_than_a_staged_one_goes_to_the_front_at_most_tw
     parts: Parts,
 ) -> None:
     dispatcher, _scheduler, workers, results = parts
-    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    _staging(parts)
     dispatcher.submit(_call("running", client="a", priority=2), results.append)
     dispatcher.submit(_call("staged", client="b", priority=2), results.append)
     dispatcher.submit(_call("low", client="c", priority=2), results.append)  # waits here
@@ -409,7 +456,7 @@ async def test_a_call_more_urgent_than_a_staged_one_goes_to_the_front_at_most_tw
 
 async def test_a_call_no_more_urgent_than_the_staged_one_waits_here(parts: Parts) -> None:
     dispatcher, _scheduler, workers, results = parts
-    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    _staging(parts)
     dispatcher.submit(_call("running", client="a", priority=0), results.append)
     dispatcher.submit(_call("staged", client="b", priority=0), results.append)
     dispatcher.submit(_call("later", client="c", priority=0), results.append)
@@ -420,7 +467,7 @@ async def test_a_revoked_credit_with_a_staged_call_is_returned_when_its_last_cal
     parts: Parts,
 ) -> None:
     dispatcher, scheduler, _workers, results = parts
-    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    _staging(parts)
     dispatcher.submit(_call("r1"), results.append)
     dispatcher.submit(_call("r2"), results.append)
     dispatcher.on_revoke("c1")
@@ -434,7 +481,7 @@ async def test_a_credit_whose_worker_failed_a_call_takes_no_more_and_goes_back_o
     parts: Parts,
 ) -> None:
     dispatcher, scheduler, workers, results = parts
-    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    _staging(parts)
     for request_id in ("r1", "r2", "r3"):
         dispatcher.submit(_call(request_id), results.append)
     failure = model_pool_pb2.InferResponse(

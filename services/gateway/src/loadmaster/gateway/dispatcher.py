@@ -366,6 +366,8 @@ class Dispatcher:
                 inference_latency_ms=reply.inference_latency_ms,
                 worker_id=reply.worker_id,
             )
+        if not code and pending.credit is not None:
+            self._local.served(pending.call.model_id, reply.inference_latency_ms)
         self._finish(pending, result)
         self._scheduler.complete(
             reply.request_id,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from loadmaster.common.clock import Clock
@@ -27,6 +28,13 @@ from loadmaster.v1 import scheduler_pb2
 
 __all__ = ["MAX_FRONTS", "LocalShare"]
 
+# A model's calls are staged only while its inference time is steady: the deviation of its
+# samples from their mean (EWMAs, as TCP's RTTVAR) within this share of the mean, or this
+# little. Behind a call that may take 1 ms or 1.5 s, a staged call could wait 1.5 s while
+# another slot frees.
+_ALPHA, _BETA = 0.2, 0.25  # weights of the newest sample in the mean and in the deviation
+_STEADY, _STEADY_FLOOR_MS = 0.25, 0.5
+
 # Calls of one model sent ahead of staged ones and not yet answered, at most. Measured on the
 # overload bench (docs/data-path.md, "Staged calls"): one at a time left two priority-0 clients
 # a service time apart waiting behind each other's staged calls (50-56 % on time).
@@ -39,6 +47,23 @@ class _HasCall(Protocol):
 
 
 P = TypeVar("P", bound=_HasCall)
+
+
+@dataclass(slots=True)
+class _ServiceTime:
+    """A model's inference time as its replies report it: EWMA of the samples and of their
+    distance from it."""
+
+    mean_ms: float
+    deviation_ms: float
+
+    def learn(self, sample_ms: float) -> None:
+        self.deviation_ms += _BETA * (abs(sample_ms - self.mean_ms) - self.deviation_ms)
+        self.mean_ms += _ALPHA * (sample_ms - self.mean_ms)
+
+    @property
+    def steady(self) -> bool:
+        return self.deviation_ms <= max(_STEADY * self.mean_ms, _STEADY_FLOOR_MS)
 
 
 class LocalShare(Generic[P]):
@@ -72,6 +97,7 @@ class LocalShare(Generic[P]):
         # call-seconds since the last report]
         self._demand: dict[str, list[float]] = {}
         self._waiting: dict[str, int] = {}  # model -> its waiting calls as last counted
+        self._service: dict[str, _ServiceTime] = {}  # model -> its inference time (staging)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._queues
@@ -117,6 +143,14 @@ class LocalShare(Generic[P]):
         """A call that ran on a credit has its answer."""
         self._queues.ended(call)
 
+    def served(self, model_id: str, inference_ms: float) -> None:
+        """A call of the model ran in `inference_ms` (its worker's reply says)."""
+        service = self._service.get(model_id)
+        if service is None:
+            self._service[model_id] = _ServiceTime(inference_ms, inference_ms / 2)
+        else:
+            service.learn(inference_ms)
+
     def _ttl(self, call: InferenceCall) -> float:
         ttl_ms = self._ttl_ms.get(call.model_id, 0.0)
         if call.timeout_ms > 0:
@@ -126,7 +160,8 @@ class LocalShare(Generic[P]):
     def serve(self, model_id: str) -> None:
         """Send waiting calls, in order, while the model's credits have room: an idle credit
         runs the head at once; a busy one takes up to the spec's `stage` calls behind the one it
-        runs, so its worker never waits for the next call's trip; and a head more urgent than a
+        runs, so its worker never waits for the next call's trip (while the model's inference
+        time is steady); and a head more urgent than a
         call staged that way goes to the front of that call's worker queue (at most
         `MAX_FRONTS` at a time), so staging never makes it wait a service time longer."""
         started = False
@@ -148,7 +183,8 @@ class LocalShare(Generic[P]):
         if credit is not None:
             return credit, False
         stage = self._queues.stage(model_id)
-        if not stage:
+        service = self._service.get(model_id)
+        if not stage or service is None or not service.steady:
             return None, False
         scheduler = self._scheduler
         busy = self._credits.busy(model_id, connected=scheduler.connected, session=scheduler.session)
