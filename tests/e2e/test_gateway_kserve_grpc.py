@@ -261,12 +261,14 @@ def test_cancelled_call_removes_its_queued_request(
     """`sleep` has 4 slots: 8 calls of 1.5 s fill them and the place behind each where the
     gateway may stage one (a steady model's); the 9th waits in the queue until cancelled."""
     done = threading.Event()
+    finished: list[bool] = []
+
+    def ended(*_: object, **__: object) -> None:
+        finished.append(True)
+        done.set()
+
     blockers = [
-        client.async_infer(
-            "sleep",
-            [_input("ms", np.array([1500], np.float32), "FP32")],
-            callback=lambda *_, **__: done.set(),
-        )
+        client.async_infer("sleep", [_input("ms", np.array([1500], np.float32), "FP32")], callback=ended)
         for _ in range(8)
     ]
     time.sleep(0.5)  # every blocker runs, is staged, or waits (and is counted) by now
@@ -284,7 +286,11 @@ def test_cancelled_call_removes_its_queued_request(
         time.sleep(0.02)
     assert queue_depth("sleep") == before
     assert not done.is_set(), "the queue emptied because of the cancel, not because the sleeps ended"
-    del blockers
+    # `sleep` runs one call at a time at its worker: let the 12 s of blockers end before the next
+    # test, whose calls would otherwise wait behind them past their TTL.
+    deadline = time.monotonic() + 20
+    while len(finished) < len(blockers) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def test_priority_and_timeout_parameters_are_accepted(client: triton.InferenceServerClient) -> None:

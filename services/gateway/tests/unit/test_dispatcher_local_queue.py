@@ -492,3 +492,47 @@ async def test_a_credit_whose_worker_failed_a_call_takes_no_more_and_goes_back_o
     dispatcher.on_worker_reply(_ok("r2"), b"")
     assert scheduler.returned == ["c1"]
     assert scheduler.order[-2:] == ["return c1", "enqueue r3"]  # the share is gone: r3 goes central
+
+
+async def test_a_slot_is_kept_free_for_two_urgent_clients_due_together(parts: Parts) -> None:
+    """Two priority-0 clients send every 40 ms at the same moment (30 ms budget, 10 ms calls):
+    a priority-2 call started just before them would make the second late, so the slot waits
+    for them; once they have come, the priority-2 call runs."""
+    dispatcher, _scheduler, workers, results = parts
+    clock = dispatcher._clock
+    assert isinstance(clock, FakeClock)
+    dispatcher.on_credit(_credit("c1", _spec(stage=1, latency_budget_ms=30.0)))
+
+    def reply(request_id: str) -> None:
+        dispatcher.on_worker_reply(_ok(request_id), b"")
+
+    for tick in range(5):  # their cadence (and the model's 10 ms) is learnt; nothing else waits
+        for client in ("a", "b"):
+            dispatcher.submit(_call(f"{client}{tick}", client=client, priority=0), results.append)
+        clock.advance(0.010)
+        reply(f"a{tick}")
+        clock.advance(0.010)
+        reply(f"b{tick}")
+        clock.advance(0.020)
+    clock.advance(-0.002)  # both are due in 2 ms
+    workers.sent.clear()
+    dispatcher.submit(_call("low", client="c", priority=2), results.append)
+    assert _sent(workers) == []  # held
+    clock.advance(0.002)
+    dispatcher.submit(_call("a5", client="a", priority=0), results.append)
+    dispatcher.submit(_call("b5", client="b", priority=0), results.append)
+    assert _sent(workers)[0] == "a5" and "low" not in _sent(workers)[:2]
+
+
+async def test_no_slot_is_kept_free_for_a_client_with_no_steady_cadence(parts: Parts) -> None:
+    dispatcher, _scheduler, workers, results = parts
+    clock = dispatcher._clock
+    assert isinstance(clock, FakeClock)
+    _staging(parts)
+    for i, gap in enumerate((0.005, 0.090, 0.020, 0.060)):  # an urgent client, erratic
+        dispatcher.submit(_call(f"u{i}", client="u", priority=0), results.append)
+        dispatcher.on_worker_reply(_ok(f"u{i}"), b"")
+        clock.advance(gap)
+    workers.sent.clear()
+    dispatcher.submit(_call("low", client="c", priority=2), results.append)
+    assert _sent(workers) == ["low"]

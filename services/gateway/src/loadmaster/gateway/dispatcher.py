@@ -91,6 +91,7 @@ class _Pending:
     session: int = 0  # the scheduler session that knows the call
     reply_deadline: float = 0.0  # clock.monotonic() by which its worker must reply (0: none)
     lost: bool = False  # its worker's data link dropped: the watchdog fails it retryably
+    sent_at: float = 0.0  # clock.monotonic() when it went to its worker
 
 
 class Dispatcher:
@@ -208,6 +209,9 @@ class Dispatcher:
             call, on_result, span=span, session=self._scheduler.session
         )
         credit = self._idle_credit(call.model_id)
+        if credit is not None and self._local.holds(call):  # kept free for a more urgent client
+            self._credits.idle_again(credit)
+            credit = None
         if credit is not None and self._start_on_credit(pending, credit):
             self._local.started(call)  # (the local order's clients and rounds see every call)
             return
@@ -367,7 +371,9 @@ class Dispatcher:
                 worker_id=reply.worker_id,
             )
         if not code and pending.credit is not None:
-            self._local.served(pending.call.model_id, reply.inference_latency_ms)
+            inference_ms = reply.inference_latency_ms
+            path_ms = (self._clock.monotonic() - pending.sent_at) * 1e3 - inference_ms - reply.queue_ms
+            self._local.served(pending.call.model_id, inference_ms, path_ms)
         self._finish(pending, result)
         self._scheduler.complete(
             reply.request_id,
@@ -467,6 +473,7 @@ class Dispatcher:
         pending.endpoint = endpoint
         pending.shm = slot
         pending.lost = False
+        pending.sent_at = self._clock.monotonic()
         try:
             self._workers.send(endpoint, request.SerializeToString(), payload)
         except UnavailableError as error:
@@ -504,7 +511,7 @@ class Dispatcher:
                 self._give_back(credit)
             self._local.hand_over(credit.model_id)
             return False
-        credit.sent(call.request_id, key, front=front)
+        credit.sent(call.request_id, self._clock.monotonic(), key, front=front)
         pending.credit = credit
         self._local.running(credit.model_id, 1)
         return True
@@ -528,7 +535,7 @@ class Dispatcher:
         if credit is None:
             return
         pending.credit = None
-        credit.ended(pending.call.request_id)
+        credit.ended(pending.call.request_id, self._clock.monotonic())
         model_id = credit.model_id
         self._local.running(model_id, -1)
         self._local.ended(pending.call)

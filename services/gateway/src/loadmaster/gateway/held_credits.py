@@ -45,11 +45,15 @@ class HeldCredit:
     revoked: bool = False  # revoked, or its worker failed: takes no more calls, returned once idle
     session: int = 0  # the scheduler session that lent it
     local: bool = False  # it carried a LocalQueue spec: its runs may be counted, not listed
+    started_at: float = 0.0  # when its running call started (monotonic), as near as known
 
-    def sent(self, request_id: str, key: SortKey | None = None, *, front: bool = False) -> None:
-        """A call went to the credit's worker: to run now (idle), behind those there (`key`: its
-        place in the local order), or ahead of the waiting ones (`front`, after earlier fronts)."""
+    def sent(self, request_id: str, now: float, key: SortKey | None = None, *, front: bool = False) -> None:
+        """A call went to the credit's worker at `now`: to run now (idle), behind those there
+        (`key`: its place in the local order), or ahead of the waiting ones (`front`, after
+        earlier fronts)."""
         calls = self.calls
+        if not calls:
+            self.started_at = now
         if not front:
             if calls and key is not None:
                 self.staged[request_id] = key
@@ -61,12 +65,13 @@ class HeldCredit:
         calls.insert(at, request_id)
         self.fronts.add(request_id)
 
-    def ended(self, request_id: str) -> None:
-        """A call sent on it has its answer; the next one (as the worker orders them) runs."""
+    def ended(self, request_id: str, now: float) -> None:
+        """A call sent on it has its answer at `now`; the next one (as the worker orders them) runs."""
         self.calls.remove(request_id)
         self.fronts.discard(request_id)
         self.staged.pop(request_id, None)
         if self.calls:
+            self.started_at = now
             self.fronts.discard(self.calls[0])
             self.staged.pop(self.calls[0], None)
 

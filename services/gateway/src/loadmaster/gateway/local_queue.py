@@ -208,15 +208,32 @@ class LocalQueues(Generic[T]):
         queue = self._models.get(model_id)
         return queue.spec.stage if queue is not None else 0
 
-    def head_key(self, model_id: str) -> SortKey | None:
-        """The key of the model's next call in strategy order (lower runs first), or None."""
+    def peek(self, model_id: str) -> tuple[SortKey, T] | None:
+        """The model's next call in strategy order and its key (lower runs first), or None."""
         queue = self._models.get(model_id)
         if queue is None:
             return None
         heap = queue.heap
         while heap and int(heap[0][-1]) not in self._waiting:
             heapq.heappop(heap)
-        return heap[0][:-1] if heap else None
+        return (heap[0][:-1], self._waiting[int(heap[0][-1])].item) if heap else None
+
+    def budget_ms(self, model_id: str, client_id: str) -> float:
+        """The client's latency budget, as the model's spec gives it (0: no spec)."""
+        queue = self._models.get(model_id)
+        if queue is None:
+            return 0.0
+        return queue.spec.client_latency_budget_ms.get(client_id, queue.spec.latency_budget_ms)
+
+    def ranks_by_priority(self, model_id: str) -> bool:
+        """The model's strategy puts a more urgent client's call first (all but a round robin)."""
+        queue = self._models.get(model_id)
+        return queue is not None and queue.spec.strategy not in ("", "round_robin")
+
+    def outstanding(self, client_id: str, model_id: str) -> bool:
+        """The client has a call for the model waiting here or running."""
+        stream = (client_id, model_id)
+        return stream in self._backlog or bool(self._running.get(stream))
 
     def pop(self, model_id: str) -> T | None:
         """The model's next call in strategy order, or None."""

@@ -34,6 +34,9 @@ __all__ = ["MAX_FRONTS", "LocalShare"]
 # another slot frees.
 _ALPHA, _BETA = 0.2, 0.25  # weights of the newest sample in the mean and in the deviation
 _STEADY, _STEADY_FLOOR_MS = 0.25, 0.5
+_MIN_GAPS = 3  # gaps seen before a client's cadence is trusted (holds)
+_HOLD_GRACE_S = 0.001  # a hold lasts this long past the predicted arrival, at least
+_HOLD_MARGIN_S = 0.0005  # an answer this close to its client's budget counts as late
 
 # Calls of one model sent ahead of staged ones and not yet answered, at most. Measured on the
 # overload bench (docs/data-path.md, "Staged calls"): one at a time left two priority-0 clients
@@ -56,14 +59,45 @@ class _ServiceTime:
 
     mean_ms: float
     deviation_ms: float
+    path_ms: float = 0.0  # EWMA of a call's time to its worker and back, besides its runs
 
-    def learn(self, sample_ms: float) -> None:
+    def learn(self, sample_ms: float, path_ms: float) -> None:
         self.deviation_ms += _BETA * (abs(sample_ms - self.mean_ms) - self.deviation_ms)
         self.mean_ms += _ALPHA * (sample_ms - self.mean_ms)
+        self.path_ms += _ALPHA * (max(0.0, path_ms) - self.path_ms)
 
     @property
     def steady(self) -> bool:
         return self.deviation_ms <= max(_STEADY * self.mean_ms, _STEADY_FLOOR_MS)
+
+
+@dataclass(slots=True)
+class _Arrivals:
+    """One client's calls for one model at this gateway: when the last came, the EWMA of the gaps
+    and of their distance from it, how many gaps, and what the client asks (priority, budget)."""
+
+    last: float
+    priority: int
+    budget_s: float
+    gap_s: float = 0.0
+    deviation_s: float = 0.0
+    gaps: int = 0
+
+    def arrived(self, now: float, priority: int, budget_s: float) -> None:
+        gap = max(0.0, now - self.last)
+        if self.gaps:
+            self.deviation_s += _BETA * (abs(gap - self.gap_s) - self.deviation_s)
+            self.gap_s += _ALPHA * (gap - self.gap_s)
+        else:
+            self.gap_s, self.deviation_s = gap, gap / 2
+        self.gaps += 1
+        self.last, self.priority, self.budget_s = now, priority, budget_s
+
+    def next_arrival(self) -> float | None:
+        """When its next call is due, for a client with a steady cadence (None: not one)."""
+        if self.gaps < _MIN_GAPS or self.deviation_s > _STEADY * self.gap_s:
+            return None
+        return self.last + self.gap_s
 
 
 class LocalShare(Generic[P]):
@@ -98,6 +132,8 @@ class LocalShare(Generic[P]):
         self._demand: dict[str, list[float]] = {}
         self._waiting: dict[str, int] = {}  # model -> its waiting calls as last counted
         self._service: dict[str, _ServiceTime] = {}  # model -> its inference time (staging)
+        self._arrivals: dict[str, dict[str, _Arrivals]] = {}  # model -> client -> its cadence
+        self._holds: dict[str, asyncio.TimerHandle] = {}  # model -> the end of its slot's hold
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._queues
@@ -131,25 +167,91 @@ class LocalShare(Generic[P]):
                 return
             if overflow.dropped is not None:
                 self._fail(overflow.dropped, OverflowError_(overflow.message))
+        self._arrived(call)
         self._changed(call.model_id)
         self._arm()
         self.serve(call.model_id)
 
     def started(self, call: InferenceCall) -> None:
         """`call` runs at once on an idle credit: the local order counts it as served on arrival."""
+        self._arrived(call)
         self._queues.started(call, self._ttl(call))
 
     def ended(self, call: InferenceCall) -> None:
         """A call that ran on a credit has its answer."""
         self._queues.ended(call)
 
-    def served(self, model_id: str, inference_ms: float) -> None:
-        """A call of the model ran in `inference_ms` (its worker's reply says)."""
+    def served(self, model_id: str, inference_ms: float, path_ms: float) -> None:
+        """A call of the model ran in `inference_ms` (its worker's reply says), and spent
+        `path_ms` more on the way there and back."""
         service = self._service.get(model_id)
         if service is None:
-            self._service[model_id] = _ServiceTime(inference_ms, inference_ms / 2)
+            self._service[model_id] = _ServiceTime(inference_ms, inference_ms / 2, max(0.0, path_ms))
         else:
-            service.learn(inference_ms)
+            service.learn(inference_ms, path_ms)
+
+    def _arrived(self, call: InferenceCall) -> None:
+        """Learn the cadence of an edge client (one that sends on its own schedule)."""
+        if not call.client_id or call.connection_bound:
+            return
+        now = self._clock.monotonic()
+        budget_s = self._queues.budget_ms(call.model_id, call.client_id) / 1000.0
+        clients = self._arrivals.setdefault(call.model_id, {})
+        arrivals = clients.get(call.client_id)
+        if arrivals is None:
+            clients[call.client_id] = _Arrivals(now, call.priority, budget_s)
+        else:
+            arrivals.arrived(now, call.priority, budget_s)
+
+    def holds(self, call: InferenceCall, start_s: float | None = None) -> bool:
+        """Starting `call` at `start_s` (monotonic; default now) would make a more urgent
+        client's next call late that would be on time without it (reservations: the blind spot
+        of non-preemptive scheduling, two urgent clients that send together). Then the slot
+        stays free for it until it is due, and `serve` looks again (a timer, or its arrival)."""
+        model_id = call.model_id
+        service = self._service.get(model_id)
+        clients = self._arrivals.get(model_id)
+        if (
+            service is None
+            or not service.steady
+            or not clients
+            or not self._queues.ranks_by_priority(model_id)
+        ):
+            return False
+        now = self._clock.monotonic()
+        start = now if start_s is None else max(now, start_s)
+        run_s, path_s = service.mean_ms / 1000.0, service.path_ms / 1000.0
+        margin_s = _HOLD_MARGIN_S + service.deviation_ms / 1000.0
+        due = sorted(
+            (at, a.budget_s)
+            for client_id, a in clients.items()
+            if a.priority < call.priority
+            and (at := a.next_arrival()) is not None
+            and now < at < start + run_s
+            and not self._queues.outstanding(client_id, model_id)
+        )
+        if (
+            not due
+            or not _late(due, start + run_s, run_s, path_s, margin_s)
+            or _late(due, start, run_s, path_s, margin_s)
+        ):
+            return False
+        self._hold(model_id, due[0][0] + max(_HOLD_GRACE_S, path_s))
+        return True
+
+    def _hold(self, model_id: str, until: float) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (a unit test without a loop serves itself)
+            return
+        if (timer := self._holds.pop(model_id, None)) is not None:
+            timer.cancel()
+        delay = max(0.0, until - self._clock.monotonic())
+        self._holds[model_id] = loop.call_later(delay, self._lapsed, model_id)
+
+    def _lapsed(self, model_id: str) -> None:
+        self._holds.pop(model_id, None)
+        self.serve(model_id)
 
     def _ttl(self, call: InferenceCall) -> float:
         ttl_ms = self._ttl_ms.get(call.model_id, 0.0)
@@ -165,9 +267,14 @@ class LocalShare(Generic[P]):
         call staged that way goes to the front of that call's worker queue (at most
         `MAX_FRONTS` at a time), so staging never makes it wait a service time longer."""
         started = False
-        while (key := self._queues.head_key(model_id)) is not None:
+        while (head := self._queues.peek(model_id)) is not None:
+            key, waiting = head
             credit, front = self._room(model_id, key)
             if credit is None:
+                break
+            if not front and self.holds(waiting.call, credit.started_at + self._left_s(credit)):
+                if not credit.calls:
+                    self._credits.idle_again(credit)
                 break
             pending = self._queues.pop(model_id)
             assert pending is not None
@@ -176,6 +283,13 @@ class LocalShare(Generic[P]):
                 self._to_scheduler(pending)  # its worker was unreachable (the credit went back)
         if started:
             self._changed(model_id)
+
+    def _left_s(self, credit: HeldCredit) -> float:
+        """How long after its running call started the credit's worker gets to a call sent now."""
+        service = self._service.get(credit.model_id)
+        if not credit.calls or service is None:
+            return 0.0
+        return (len(credit.calls) - len(credit.fronts)) * service.mean_ms / 1000.0
 
     def _room(self, model_id: str, key: SortKey) -> tuple[HeldCredit | None, bool]:
         """The credit the call ranked `key` goes on, and whether to the front of its worker's queue."""
@@ -235,6 +349,9 @@ class LocalShare(Generic[P]):
         self._queues.forget_silent_clients()
 
     def close(self) -> None:
+        for timer in self._holds.values():
+            timer.cancel()
+        self._holds.clear()
         if self._timer is not None:
             self._timer.cancel()
             self._timer, self._timer_at = None, math.inf
@@ -285,3 +402,16 @@ class LocalShare(Generic[P]):
             self._timer.cancel()
         self._timer_at = deadline
         self._timer = loop.call_later(max(0.0, deadline - self._clock.monotonic()), self.expire)
+
+
+def _late(due: list[tuple[float, float]], free: float, run_s: float, path_s: float, margin_s: float) -> bool:
+    """Some of the calls `due` (when each reaches the gateway, its client's budget), served in
+    arrival order once the slot is free at `free`, is answered past its budget. A call reaches
+    its worker half a `path_s` (gateway -> worker -> gateway) after the gateway, and its client
+    half a path before; its answer reaches the client a path after its run."""
+    half = path_s / 2
+    for at, budget_s in due:
+        free = max(free, at + half) + run_s
+        if free + path_s + margin_s > at - half + budget_s:
+            return True
+    return False
