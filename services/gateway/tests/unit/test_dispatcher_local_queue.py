@@ -536,3 +536,20 @@ async def test_no_slot_is_kept_free_for_a_client_with_no_steady_cadence(parts: P
     workers.sent.clear()
     dispatcher.submit(_call("low", client="c", priority=2), results.append)
     assert _sent(workers) == ["low"]
+
+
+async def test_a_silent_clients_cadence_is_forgotten(parts: Parts) -> None:
+    """Client ids come and go (an SDK makes one per connection): what the holds learn of each
+    is dropped once it has been silent for 10 s."""
+    dispatcher, _scheduler, _workers, results = parts
+    clock = dispatcher._clock
+    assert isinstance(clock, FakeClock)
+    dispatcher.on_credit(_credit("c1", _spec(stage=1)))
+    for i in range(3):
+        dispatcher.submit(_call(f"r{i}", client=f"client-{i}"), results.append)
+        dispatcher.on_worker_reply(_ok(f"r{i}"), b"")
+    share = dispatcher._local
+    assert len(share._arrivals["double"]) == 3
+    clock.advance(11.0)
+    share.forget_silent_clients()
+    assert share._arrivals == {}

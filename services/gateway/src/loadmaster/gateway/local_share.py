@@ -37,6 +37,7 @@ _STEADY, _STEADY_FLOOR_MS = 0.25, 0.5
 _MIN_GAPS = 3  # gaps seen before a client's cadence is trusted (holds)
 _HOLD_GRACE_S = 0.001  # a hold lasts this long past the predicted arrival, at least
 _HOLD_MARGIN_S = 0.0005  # an answer this close to its client's budget counts as late
+_SILENT_S = 10.0  # a client silent this long is forgotten (its cadence starts afresh)
 
 # Calls of one model sent ahead of staged ones and not yet answered, at most. Measured on the
 # overload bench (docs/data-path.md, "Staged calls"): one at a time left two priority-0 clients
@@ -347,6 +348,12 @@ class LocalShare(Generic[P]):
 
     def forget_silent_clients(self) -> None:
         self._queues.forget_silent_clients()
+        horizon = self._clock.monotonic() - _SILENT_S
+        for model_id, clients in list(self._arrivals.items()):
+            for client_id in [c for c, a in clients.items() if a.last < horizon]:
+                del clients[client_id]  # (client ids come and go: this table must not grow)
+            if not clients:
+                del self._arrivals[model_id]
 
     def close(self) -> None:
         for timer in self._holds.values():
