@@ -204,7 +204,8 @@ def test_disconnected_client_cancels_its_queued_request(
 
     def blocker() -> None:
         body = {"inputs": [{"name": "ms", "shape": [1], "datatype": "FP32", "data": [1500]}]}
-        httpx.post(f"http://{http_address}/v2/models/sleep/infer", json=body, timeout=10)
+        # `sleep` runs one call at a time at its worker: the last of eight ends after 12 s
+        httpx.post(f"http://{http_address}/v2/models/sleep/infer", json=body, timeout=30)
         done.set()
 
     # `sleep` has 4 slots: 8 calls of 1.5 s fill them and the place behind each where the gateway
@@ -236,7 +237,7 @@ def test_disconnected_client_cancels_its_queued_request(
     assert queue_info("sleep").depth == before
     assert not done.is_set(), "the queue emptied because the client left, not because the sleeps ended"
     for thread in threads:
-        thread.join(10)
+        thread.join(30)
 
 
 def test_admin_queues_and_strategy_switch(http_address: str) -> None:
