@@ -54,51 +54,56 @@ P = TypeVar("P", bound=_HasCall)
 
 
 @dataclass(slots=True)
-class _ServiceTime:
-    """A model's inference time as its replies report it: EWMA of the samples and of their
-    distance from it."""
+class _Ewma:
+    """EWMAs of a quantity's samples and of their distance from it (as TCP's SRTT and RTTVAR)."""
 
-    mean_ms: float
-    deviation_ms: float
+    mean: float
+    deviation: float
+
+    def add(self, sample: float) -> None:
+        self.deviation += _BETA * (abs(sample - self.mean) - self.deviation)
+        self.mean += _ALPHA * (sample - self.mean)
+
+    def steady(self, floor: float = 0.0) -> bool:
+        return self.deviation <= max(_STEADY * self.mean, floor)
+
+
+@dataclass(slots=True)
+class _ServiceTime(_Ewma):
+    """A model's inference time (ms) as its replies report it."""
+
     path_ms: float = 0.0  # EWMA of a call's time to its worker and back, besides its runs
 
     def learn(self, sample_ms: float, path_ms: float) -> None:
-        self.deviation_ms += _BETA * (abs(sample_ms - self.mean_ms) - self.deviation_ms)
-        self.mean_ms += _ALPHA * (sample_ms - self.mean_ms)
+        self.add(sample_ms)
         self.path_ms += _ALPHA * (max(0.0, path_ms) - self.path_ms)
-
-    @property
-    def steady(self) -> bool:
-        return self.deviation_ms <= max(_STEADY * self.mean_ms, _STEADY_FLOOR_MS)
 
 
 @dataclass(slots=True)
 class _Arrivals:
-    """One client's calls for one model at this gateway: when the last came, the EWMA of the gaps
-    and of their distance from it, how many gaps, and what the client asks (priority, budget)."""
+    """One client's calls for one model at this gateway: when the last came, its gaps (s) and how
+    many, and what the client asks (priority, budget)."""
 
     last: float
     priority: int
     budget_s: float
-    gap_s: float = 0.0
-    deviation_s: float = 0.0
+    gap: _Ewma | None = None
     gaps: int = 0
 
     def arrived(self, now: float, priority: int, budget_s: float) -> None:
         gap = max(0.0, now - self.last)
-        if self.gaps:
-            self.deviation_s += _BETA * (abs(gap - self.gap_s) - self.deviation_s)
-            self.gap_s += _ALPHA * (gap - self.gap_s)
+        if self.gap is None:
+            self.gap = _Ewma(gap, gap / 2)
         else:
-            self.gap_s, self.deviation_s = gap, gap / 2
+            self.gap.add(gap)
         self.gaps += 1
         self.last, self.priority, self.budget_s = now, priority, budget_s
 
     def next_arrival(self) -> float | None:
         """When its next call is due, for a client with a steady cadence (None: not one)."""
-        if self.gaps < _MIN_GAPS or self.deviation_s > _STEADY * self.gap_s:
+        if self.gap is None or self.gaps < _MIN_GAPS or not self.gap.steady():
             return None
-        return self.last + self.gap_s
+        return self.last + self.gap.mean
 
 
 class LocalShare(Generic[P]):
@@ -214,15 +219,15 @@ class LocalShare(Generic[P]):
         clients = self._arrivals.get(model_id)
         if (
             service is None
-            or not service.steady
+            or not service.steady(_STEADY_FLOOR_MS)
             or not clients
             or not self._queues.ranks_by_priority(model_id)
         ):
             return False
         now = self._clock.monotonic()
         start = now if start_s is None else max(now, start_s)
-        run_s, path_s = service.mean_ms / 1000.0, service.path_ms / 1000.0
-        margin_s = _HOLD_MARGIN_S + service.deviation_ms / 1000.0
+        run_s, path_s = service.mean / 1000.0, service.path_ms / 1000.0
+        margin_s = _HOLD_MARGIN_S + service.deviation / 1000.0
         due = sorted(
             (at, a.budget_s)
             for client_id, a in clients.items()
@@ -290,7 +295,7 @@ class LocalShare(Generic[P]):
         service = self._service.get(credit.model_id)
         if not credit.calls or service is None:
             return 0.0
-        return (len(credit.calls) - len(credit.fronts)) * service.mean_ms / 1000.0
+        return (len(credit.calls) - len(credit.fronts)) * service.mean / 1000.0
 
     def _room(self, model_id: str, key: SortKey) -> tuple[HeldCredit | None, bool]:
         """The credit the call ranked `key` goes on, and whether to the front of its worker's queue."""
@@ -299,7 +304,7 @@ class LocalShare(Generic[P]):
             return credit, False
         stage = self._queues.stage(model_id)
         service = self._service.get(model_id)
-        if not stage or service is None or not service.steady:
+        if not stage or service is None or not service.steady(_STEADY_FLOOR_MS):
             return None, False
         scheduler = self._scheduler
         busy = self._credits.busy(model_id, connected=scheduler.connected, session=scheduler.session)
