@@ -129,10 +129,15 @@ def _call(request_id: str, *, client: str = "c", priority: int = 1, timeout_ms: 
     )
 
 
-def _ok(request_id: str) -> model_pool_pb2.InferResponse:
-    """A success that took 10 ms to run (what every call of the model takes here: steady)."""
+def _ok(request_id: str, queue_ms: float = 0.0) -> model_pool_pb2.InferResponse:
+    """A success that took 10 ms to run (what every call of the model takes here: steady),
+    after `queue_ms` waiting at its worker."""
     return model_pool_pb2.InferResponse(
-        request_id=request_id, model_id="double", worker_id="w1", inference_latency_ms=10.0
+        request_id=request_id,
+        model_id="double",
+        worker_id="w1",
+        inference_latency_ms=10.0,
+        queue_ms=queue_ms,
     )
 
 
@@ -495,16 +500,16 @@ async def test_a_credit_whose_worker_failed_a_call_takes_no_more_and_goes_back_o
 
 
 async def test_a_slot_is_kept_free_for_two_urgent_clients_due_together(parts: Parts) -> None:
-    """Two priority-0 clients send every 40 ms at the same moment (30 ms budget, 10 ms calls):
+    """Two priority-0 clients send every 40 ms at the same moment (25 ms budget, 10 ms calls):
     a priority-2 call started just before them would make the second late, so the slot waits
     for them; once they have come, the priority-2 call runs."""
     dispatcher, _scheduler, workers, results = parts
     clock = dispatcher._clock
     assert isinstance(clock, FakeClock)
-    dispatcher.on_credit(_credit("c1", _spec(stage=1, latency_budget_ms=30.0)))
+    dispatcher.on_credit(_credit("c1", _spec(stage=1, latency_budget_ms=25.0)))
 
-    def reply(request_id: str) -> None:
-        dispatcher.on_worker_reply(_ok(request_id), b"")
+    def reply(request_id: str, queue_ms: float = 0.0) -> None:
+        dispatcher.on_worker_reply(_ok(request_id, queue_ms), b"")
 
     for tick in range(5):  # their cadence (and the model's 10 ms) is learnt; nothing else waits
         for client in ("a", "b"):
@@ -512,7 +517,7 @@ async def test_a_slot_is_kept_free_for_two_urgent_clients_due_together(parts: Pa
         clock.advance(0.010)
         reply(f"a{tick}")
         clock.advance(0.010)
-        reply(f"b{tick}")
+        reply(f"b{tick}", queue_ms=10.0)  # it waited behind a's
         clock.advance(0.020)
     clock.advance(-0.002)  # both are due in 2 ms
     workers.sent.clear()
@@ -522,6 +527,31 @@ async def test_a_slot_is_kept_free_for_two_urgent_clients_due_together(parts: Pa
     dispatcher.submit(_call("a5", client="a", priority=0), results.append)
     dispatcher.submit(_call("b5", client="b", priority=0), results.append)
     assert _sent(workers)[0] == "a5" and "low" not in _sent(workers)[:2]
+
+
+@pytest.mark.parametrize(("late_s", "held"), [(0.001, True), (0.030, False)], ids=["a-little", "long"])
+async def test_a_slot_is_still_kept_free_for_urgent_clients_a_little_late(
+    parts: Parts, late_s: float, held: bool
+) -> None:
+    """The urgent clients' next calls are `late_s` overdue: a little late (within twice the
+    deviation of their gaps, about 17 ms after these five), the slot is still kept for them;
+    long late, they are not waited for."""
+    dispatcher, _scheduler, workers, results = parts
+    clock = dispatcher._clock
+    assert isinstance(clock, FakeClock)
+    dispatcher.on_credit(_credit("c1", _spec(stage=1, latency_budget_ms=30.0)))
+    for tick in range(5):
+        for client in ("a", "b"):
+            dispatcher.submit(_call(f"{client}{tick}", client=client, priority=0), results.append)
+        clock.advance(0.010)
+        dispatcher.on_worker_reply(_ok(f"a{tick}"), b"")
+        clock.advance(0.010)
+        dispatcher.on_worker_reply(_ok(f"b{tick}", queue_ms=10.0), b"")  # it waited behind a's
+        clock.advance(0.020)
+    clock.advance(late_s)
+    workers.sent.clear()
+    dispatcher.submit(_call("low", client="c", priority=2), results.append)
+    assert _sent(workers) == ([] if held else ["low"])
 
 
 async def test_no_slot_is_kept_free_for_a_client_with_no_steady_cadence(parts: Parts) -> None:

@@ -105,6 +105,10 @@ class _Arrivals:
             return None
         return self.last + self.gap.mean
 
+    def lateness_s(self) -> float:
+        """How late its next call may come and still be waited for."""
+        return 2 * self.gap.deviation if self.gap is not None else 0.0
+
 
 class LocalShare(Generic[P]):
     """`take(model)` gives an idle usable credit; `start(p, credit, key, front)` sends a call on
@@ -213,7 +217,8 @@ class LocalShare(Generic[P]):
         """Starting `call` at `start_s` (monotonic; default now) would make a more urgent
         client's next call late that would be on time without it (reservations: the blind spot
         of non-preemptive scheduling, two urgent clients that send together). Then the slot
-        stays free for it until it is due, and `serve` looks again (a timer, or its arrival)."""
+        stays free for it until it is due, and `serve` looks again (a timer, or its arrival).
+        A client a little late (by up to twice its gaps' deviation, or a path) is still waited for."""
         model_id = call.model_id
         service = self._service.get(model_id)
         clients = self._arrivals.get(model_id)
@@ -227,13 +232,15 @@ class LocalShare(Generic[P]):
         now = self._clock.monotonic()
         start = now if start_s is None else max(now, start_s)
         run_s, path_s = service.mean / 1000.0, service.path_ms / 1000.0
-        margin_s = _HOLD_MARGIN_S + service.deviation / 1000.0
-        due = sorted(
-            (at, a.budget_s)
+        # The client's own legs are not seen here: they count as a gateway <-> worker path more.
+        margin_s = _HOLD_MARGIN_S + service.deviation / 1000.0 + path_s
+        due = sorted(  # (when it reaches the gateway, its budget, until when it is waited for)
+            (max(at, now), a.budget_s, until)
             for client_id, a in clients.items()
             if a.priority < call.priority
             and (at := a.next_arrival()) is not None
-            and now < at < start + run_s
+            and now < (until := at + max(_HOLD_GRACE_S, path_s, a.lateness_s()))
+            and at < start + run_s
             and not self._queues.outstanding(client_id, model_id)
         )
         if (
@@ -242,7 +249,7 @@ class LocalShare(Generic[P]):
             or _late(due, start, run_s, path_s, margin_s)
         ):
             return False
-        self._hold(model_id, due[0][0] + max(_HOLD_GRACE_S, path_s))
+        self._hold(model_id, min(until for _, _, until in due))
         return True
 
     def _hold(self, model_id: str, until: float) -> None:
@@ -278,7 +285,7 @@ class LocalShare(Generic[P]):
             credit, front = self._room(model_id, key)
             if credit is None:
                 break
-            if not front and self.holds(waiting.call, credit.started_at + self._left_s(credit)):
+            if self.holds(waiting.call, credit.started_at + self._left_s(credit, front)):
                 if not credit.calls:
                     self._credits.idle_again(credit)
                 break
@@ -290,12 +297,14 @@ class LocalShare(Generic[P]):
         if started:
             self._changed(model_id)
 
-    def _left_s(self, credit: HeldCredit) -> float:
-        """How long after its running call started the credit's worker gets to a call sent now."""
+    def _left_s(self, credit: HeldCredit, front: bool) -> float:
+        """How long after its running call started the credit's worker gets to a call sent now:
+        after the running call and the earlier fronts (`front`), or after every call there."""
         service = self._service.get(credit.model_id)
         if not credit.calls or service is None:
             return 0.0
-        return (len(credit.calls) - len(credit.fronts)) * service.mean / 1000.0
+        ahead = 1 + len(credit.fronts) if front else len(credit.calls)
+        return ahead * service.mean / 1000.0
 
     def _room(self, model_id: str, key: SortKey) -> tuple[HeldCredit | None, bool]:
         """The credit the call ranked `key` goes on, and whether to the front of its worker's queue."""
@@ -416,13 +425,15 @@ class LocalShare(Generic[P]):
         self._timer = loop.call_later(max(0.0, deadline - self._clock.monotonic()), self.expire)
 
 
-def _late(due: list[tuple[float, float]], free: float, run_s: float, path_s: float, margin_s: float) -> bool:
+def _late(
+    due: list[tuple[float, float, float]], free: float, run_s: float, path_s: float, margin_s: float
+) -> bool:
     """Some of the calls `due` (when each reaches the gateway, its client's budget), served in
     arrival order once the slot is free at `free`, is answered past its budget. A call reaches
     its worker half a `path_s` (gateway -> worker -> gateway) after the gateway, and its client
     half a path before; its answer reaches the client a path after its run."""
     half = path_s / 2
-    for at, budget_s in due:
+    for at, budget_s, _ in due:
         free = max(free, at + half) + run_s
         if free + path_s + margin_s > at - half + budget_s:
             return True
