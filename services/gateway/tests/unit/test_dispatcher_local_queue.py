@@ -568,6 +568,24 @@ async def test_no_slot_is_kept_free_for_a_client_with_no_steady_cadence(parts: P
     assert _sent(workers) == ["low"]
 
 
+async def test_the_clients_due_are_kept_in_a_heap_that_does_not_grow_with_their_calls(
+    parts: Parts,
+) -> None:
+    """A hold looks only at the clients due soon (a heap by next arrival); each call pushes its
+    client's next arrival, and the entries it supersedes are dropped, not kept, also under a
+    round robin, which never holds (so no hold clears the heap)."""
+    dispatcher, _scheduler, _workers, results = parts
+    clock = dispatcher._clock
+    assert isinstance(clock, FakeClock)
+    dispatcher.on_credit(_credit("c1", _spec(stage=1, strategy="round_robin")))
+    for tick in range(200):
+        for client in ("a", "b", "c"):
+            dispatcher.submit(_call(f"{client}{tick}", client=client, priority=0), results.append)
+            dispatcher.on_worker_reply(_ok(f"{client}{tick}"), b"")
+        clock.advance(0.010)
+    assert len(dispatcher._local._cadences["double"]) <= 2 * 3
+
+
 async def test_a_silent_clients_cadence_is_forgotten(parts: Parts) -> None:
     """Client ids come and go (an SDK makes one per connection): what the holds learn of each
     is dropped once it has been silent for 10 s."""
@@ -579,7 +597,7 @@ async def test_a_silent_clients_cadence_is_forgotten(parts: Parts) -> None:
         dispatcher.submit(_call(f"r{i}", client=f"client-{i}"), results.append)
         dispatcher.on_worker_reply(_ok(f"r{i}"), b"")
     share = dispatcher._local
-    assert len(share._arrivals["double"]) == 3
+    assert len(share._cadences["double"].clients) == 3
     clock.advance(11.0)
     share.forget_silent_clients()
-    assert share._arrivals == {}
+    assert share._cadences == {}

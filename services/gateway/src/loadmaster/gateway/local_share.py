@@ -12,6 +12,7 @@ between the gateways that use it.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,6 +111,67 @@ class _Arrivals:
         return 2 * self.gap.deviation if self.gap is not None else 0.0
 
 
+class _Cadences:
+    """One model's edge clients, and a heap of when those with a steady cadence are next due:
+    a hold looks only at the clients due soon (about as many as the model serves in that
+    time), not at every client. A client has one live entry; the entries an arrival or a
+    forgotten client left behind are dropped as they come to the top."""
+
+    def __init__(self) -> None:
+        self.clients: dict[str, _Arrivals] = {}
+        self._heap: list[tuple[float, str]] = []  # (next arrival, client)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def arrived(self, client_id: str, now: float, priority: int, budget_s: float) -> None:
+        arrivals = self.clients.get(client_id)
+        if arrivals is None:
+            self.clients[client_id] = _Arrivals(now, priority, budget_s)
+            return
+        arrivals.arrived(now, priority, budget_s)
+        heap = self._heap
+        if (at := arrivals.next_arrival()) is not None:
+            heapq.heappush(heap, (at, client_id))
+        while heap and not self._live(*heap[0], missed_before=now):
+            heapq.heappop(heap)
+
+    def due(
+        self, now: float, before: float, slack: Callable[[_Arrivals], float]
+    ) -> list[tuple[float, str, _Arrivals, float]]:
+        """(next arrival, client, its cadence, until when it is waited for) of the clients due
+        before `before` and not later than `slack` past it."""
+        heap = self._heap
+        due: list[tuple[float, str, _Arrivals, float]] = []
+        kept: list[tuple[float, str]] = []
+        while heap and heap[0][0] < before:
+            at, client_id = entry = heapq.heappop(heap)
+            if not self._live(at, client_id):
+                continue
+            kept.append(entry)
+            if now < (until := at + slack(arrivals := self.clients[client_id])):
+                due.append((at, client_id, arrivals, until))
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        return due
+
+    def _live(self, at: float, client_id: str, missed_before: float = -math.inf) -> bool:
+        """The client's entry is its current one, and not missed by a whole gap (`missed_before`:
+        now; a client that late is not waited for, whatever its slack)."""
+        arrivals = self.clients.get(client_id)
+        return (
+            arrivals is not None
+            and arrivals.gap is not None
+            and arrivals.next_arrival() == at
+            and at + arrivals.gap.mean >= missed_before
+        )
+
+    def forget(self, horizon: float) -> None:
+        """Forget the clients silent since before `horizon`."""
+        for client_id in [c for c, a in self.clients.items() if a.last < horizon]:
+            del self.clients[client_id]  # (client ids come and go: this table must not grow)
+
+
 class LocalShare(Generic[P]):
     """`take(model)` gives an idle usable credit; `start(p, credit, key, front)` sends a call on
     it (False: its worker was unreachable and the credit went back); `to_scheduler(p)` queues a call with
@@ -142,7 +204,7 @@ class LocalShare(Generic[P]):
         self._demand: dict[str, list[float]] = {}
         self._waiting: dict[str, int] = {}  # model -> its waiting calls as last counted
         self._service: dict[str, _ServiceTime] = {}  # model -> its inference time (staging)
-        self._arrivals: dict[str, dict[str, _Arrivals]] = {}  # model -> client -> its cadence
+        self._cadences: dict[str, _Cadences] = {}  # model -> its edge clients' cadences
         self._holds: dict[str, asyncio.TimerHandle] = {}  # model -> the end of its slot's hold
 
     def __contains__(self, request_id: str) -> bool:
@@ -206,12 +268,10 @@ class LocalShare(Generic[P]):
             return
         now = self._clock.monotonic()
         budget_s = self._queues.budget_ms(call.model_id, call.client_id) / 1000.0
-        clients = self._arrivals.setdefault(call.model_id, {})
-        arrivals = clients.get(call.client_id)
-        if arrivals is None:
-            clients[call.client_id] = _Arrivals(now, call.priority, budget_s)
-        else:
-            arrivals.arrived(now, call.priority, budget_s)
+        cadences = self._cadences.get(call.model_id)
+        if cadences is None:
+            cadences = self._cadences[call.model_id] = _Cadences()
+        cadences.arrived(call.client_id, now, call.priority, budget_s)
 
     def holds(self, call: InferenceCall, start_s: float | None = None) -> bool:
         """Starting `call` at `start_s` (monotonic; default now) would make a more urgent
@@ -221,11 +281,11 @@ class LocalShare(Generic[P]):
         A client a little late (by up to twice its gaps' deviation, or a path) is still waited for."""
         model_id = call.model_id
         service = self._service.get(model_id)
-        clients = self._arrivals.get(model_id)
+        cadences = self._cadences.get(model_id)
         if (
             service is None
             or not service.steady(_STEADY_FLOOR_MS)
-            or not clients
+            or cadences is None
             or not self._queues.ranks_by_priority(model_id)
         ):
             return False
@@ -236,12 +296,10 @@ class LocalShare(Generic[P]):
         margin_s = _HOLD_MARGIN_S + service.deviation / 1000.0 + path_s
         due = sorted(  # (when it reaches the gateway, its budget, until when it is waited for)
             (max(at, now), a.budget_s, until)
-            for client_id, a in clients.items()
-            if a.priority < call.priority
-            and (at := a.next_arrival()) is not None
-            and now < (until := at + max(_HOLD_GRACE_S, path_s, a.lateness_s()))
-            and at < start + run_s
-            and not self._queues.outstanding(client_id, model_id)
+            for at, client_id, a, until in cadences.due(
+                now, start + run_s, lambda a: max(_HOLD_GRACE_S, path_s, a.lateness_s())
+            )
+            if a.priority < call.priority and not self._queues.outstanding(client_id, model_id)
         )
         if (
             not due
@@ -363,11 +421,10 @@ class LocalShare(Generic[P]):
     def forget_silent_clients(self) -> None:
         self._queues.forget_silent_clients()
         horizon = self._clock.monotonic() - _SILENT_S
-        for model_id, clients in list(self._arrivals.items()):
-            for client_id in [c for c, a in clients.items() if a.last < horizon]:
-                del clients[client_id]  # (client ids come and go: this table must not grow)
-            if not clients:
-                del self._arrivals[model_id]
+        for model_id, cadences in list(self._cadences.items()):
+            cadences.forget(horizon)
+            if not cadences.clients:
+                del self._cadences[model_id]
 
     def close(self) -> None:
         for timer in self._holds.values():
