@@ -122,6 +122,7 @@ class _Cadences:
         self._heap: list[tuple[float, str]] = []  # (next arrival, client)
 
     def __len__(self) -> int:
+        """Entries in the heap: the live ones, and superseded ones not dropped yet."""
         return len(self._heap)
 
     def arrived(self, client_id: str, now: float, priority: int, budget_s: float) -> None:
