@@ -211,12 +211,9 @@ class LocalQueues(Generic[T]):
     def peek(self, model_id: str) -> tuple[SortKey, T] | None:
         """The model's next call in strategy order and its key (lower runs first), or None."""
         queue = self._models.get(model_id)
-        if queue is None:
+        if queue is None or (token := self._head(queue)) is None:
             return None
-        heap = queue.heap
-        while heap and int(heap[0][-1]) not in self._waiting:
-            heapq.heappop(heap)
-        return (heap[0][:-1], self._waiting[int(heap[0][-1])].item) if heap else None
+        return queue.heap[0][:-1], self._waiting[token].item
 
     def budget_ms(self, model_id: str, client_id: str) -> float:
         """The client's latency budget, as the model's spec gives it (0: no spec)."""
@@ -238,17 +235,21 @@ class LocalQueues(Generic[T]):
     def pop(self, model_id: str) -> T | None:
         """The model's next call in strategy order, or None."""
         queue = self._models.get(model_id)
-        if queue is None:
+        if queue is None or (token := self._head(queue)) is None:
             return None
-        while queue.heap:
-            token = int(heapq.heappop(queue.heap)[-1])
-            entry = self._waiting.get(token)
-            if entry is not None:
-                queue.ordering.granted(entry.request, entry.key)
-                self._drop(token, queue)
-                self._run(entry.request)
-                return entry.item
-        return None
+        heapq.heappop(queue.heap)
+        entry = self._waiting[token]
+        queue.ordering.granted(entry.request, entry.key)
+        self._drop(token, queue)
+        self._run(entry.request)
+        return entry.item
+
+    def _head(self, queue: _ModelQueue) -> int | None:
+        """The token of the queue's next waiting call; entries of calls gone meanwhile are dropped."""
+        heap = queue.heap
+        while heap and int(heap[0][-1]) not in self._waiting:
+            heapq.heappop(heap)
+        return int(heap[0][-1]) if heap else None
 
     def remove(self, request_id: str) -> T | None:
         token = self._tokens.get(request_id)
