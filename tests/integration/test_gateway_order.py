@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from loadmaster.common.clock import FakeClock
-from loadmaster.common.ordering import make_ordering
+from loadmaster.common.ordering import InferenceRequest, make_ordering, register_policy
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.calls import CallResult, InferenceCall
 from loadmaster.gateway.dispatcher import Dispatcher
@@ -132,9 +132,30 @@ def _workload(seed: int, count: int = 200) -> list[tuple[float, str, int, float,
     return out
 
 
+@register_policy("gateway-order-test")
+def _policy(request: InferenceRequest) -> float:
+    """A registered policy (the gateway imports it as the scheduler does): slack from priority,
+    urgency and the client's unanswered calls."""
+    return 5.0 + 40.0 * request.priority - 20.0 * request.urgency + 3.0 * request.queued_by_client
+
+
+# Every strategy a gateway keeps; "name/policy" is the deadline family with a registered policy.
+STRATEGIES = [
+    "model_deadline",
+    "model_deadline/gateway-order-test",
+    "deadline_aware",
+    "tiered_deadline",
+    "priority_tiered",
+    "priority",
+    "round_robin",
+]
+
+
 def _spec(strategy: str) -> scheduler_pb2.LocalQueue:
+    strategy, _, policy = strategy.partition("/")
     return scheduler_pb2.LocalQueue(
         strategy=strategy,
+        policy=policy,
         priority_step_ms=100.0,
         urgency_weight=0.5,
         steps_horizon=8,
@@ -160,7 +181,8 @@ def _core(strategy: str, slots: int) -> tuple[SchedulerCore, _Sink, FakeClock]:
     )
     clock, sink = FakeClock(), _Sink()
     core = SchedulerCore(config, clock=clock, outbound=sink, telemetry=sink)  # type: ignore[arg-type]
-    core.set_ordering(make_ordering(strategy))
+    name, _, policy = strategy.partition("/")
+    core.set_ordering(make_ordering(name, policy=policy or None))
     core.add_worker(WorkerHello("w1", "tcp://w1:5556", repository=("m",)))
     core.update_worker("w1", [SlotStatus("m", SlotState.READY, generation=1)])
     return core, sink, clock
@@ -186,10 +208,7 @@ def _arrive(
     )
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    ["model_deadline", "deadline_aware", "tiered_deadline", "priority_tiered", "priority", "round_robin"],
-)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int) -> None:
     core, sink, scheduler_clock = _core(strategy, 1)
@@ -221,10 +240,7 @@ def test_local_and_central_queues_serve_the_same_order(strategy: str, seed: int)
     assert local.take_all("m") == central
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    ["model_deadline", "deadline_aware", "tiered_deadline", "priority_tiered", "priority", "round_robin"],
-)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 async def test_the_dispatcher_sends_in_the_order_the_scheduler_grants(strategy: str, seed: int) -> None:
     core, sink, scheduler_clock = _core(strategy, SLOTS)

@@ -32,7 +32,7 @@ class _SchedulerDouble:
         self.enqueued.append(request)
         self.order.append(f"enqueue {request.request_id}")
 
-    def report_run(self, request_id: str, model_id: str, info: Any, *, countable: bool = False) -> None:
+    def report_run(self, request_id: str, model_id: str, info: Any) -> None:
         request = info()
         assert request.credit_id and (request.request_id, request.model_id) == (request_id, model_id)
         self.enqueued.append(request)

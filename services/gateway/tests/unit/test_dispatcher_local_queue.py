@@ -36,7 +36,7 @@ class _SchedulerDouble:
         self.enqueued.append(request)
         self.order.append(f"enqueue {request.request_id}")
 
-    def report_run(self, request_id: str, model_id: str, info: Any, *, countable: bool = False) -> None:
+    def report_run(self, request_id: str, model_id: str, info: Any) -> None:
         request = info()
         self.enqueued.append(request)
         self.order.append(f"run {request.request_id}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadmaster.common.clock import FakeClock
+from loadmaster.common.ordering import InferenceRequest, register_policy
 from loadmaster.gateway.calls import InferenceCall
 from loadmaster.gateway.local_queue import LocalQueues
 from loadmaster.v1 import scheduler_pb2
@@ -113,3 +116,26 @@ def test_tiered_deadline_ranks_by_the_tiers_its_spec_carries() -> None:
     clock.advance(0.001)
     _push(queues, "p1", "b", priority=1)
     assert queues.take_all("m") == ["p1", "p2"]
+
+
+def test_a_registered_policy_in_the_spec_ranks_the_calls() -> None:
+    """The policy's slack (here: the client's name decides) replaces the budget's."""
+
+    @register_policy("gateway-local-queue-test")
+    def by_client(request: InferenceRequest) -> float:
+        return 1.0 if request.client_id == "arm" else 100.0
+
+    queues, clock = _queues(_spec(policy="gateway-local-queue-test"))
+    _push(queues, "slow", "dashboard")
+    clock.advance(0.002)
+    _push(queues, "fast", "arm")
+    assert queues.take_all("m") == ["fast", "slow"]
+
+
+def test_a_policy_this_gateway_does_not_know_ranks_without_it(caplog: pytest.LogCaptureFixture) -> None:
+    queues, clock = _queues(_spec(policy="never-registered"))
+    _push(queues, "first", "dashboard")
+    clock.advance(0.002)
+    _push(queues, "second", "arm")
+    assert queues.take_all("m") == ["first", "second"]
+    assert "never-registered" in caplog.text

@@ -18,8 +18,8 @@ def _run(request_id: str, credit_id: str) -> scheduler_pb2.RequestInfo:
     return scheduler_pb2.RequestInfo(request_id=request_id, model_id="double", credit_id=credit_id)
 
 
-def _report(link: SchedulerLink, request_id: str, credit_id: str, *, countable: bool = True) -> None:
-    link.report_run(request_id, "double", lambda: _run(request_id, credit_id), countable=countable)
+def _report(link: SchedulerLink, request_id: str, credit_id: str) -> None:
+    link.report_run(request_id, "double", lambda: _run(request_id, credit_id))
 
 
 def _plain(request_id: str) -> scheduler_pb2.RequestInfo:
@@ -158,16 +158,6 @@ async def test_reports_that_arrive_while_a_message_is_written_wait_for_the_next_
     assert loop.time() - started >= _DELAY_S * 0.9
     assert _ids(second)["enqueue"] == ["r1"]
     assert [(d.model_id, d.waiting) for d in second.local_queue_depth] == [("double", 3)]
-
-
-async def test_runs_on_a_credit_without_a_local_queue_are_each_reported(session) -> None:
-    """The scheduler admits each run of such a model into its central order (its strategy sees
-    every request there: batch groups, a registered policy)."""
-    link, outgoing = session
-    _report(link, "r1", "c1", countable=False)
-    link.complete("r1", worker_id="w1", deferred=True)
-    message = await asyncio.wait_for(anext(outgoing), 2.0)
-    assert _ids(message) == {"complete": [], "finished": ["r1"], "return": [], "enqueue": [], "tally": []}
 
 
 async def test_the_session_channel_probes_as_a_live_link(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -90,10 +90,11 @@ def test_core_config_merges_per_model_and_per_client_settings() -> None:
         900.0,
         OverflowPolicy.DROP_OLDEST,
     )
-    # Credits: the global default, none for a latest_only model unless it asks for them.
+    # Credits: the global default, or the model's own (a latest_only model is never lent: the
+    # dispatcher asks `local_queue_spec`, tested with the core).
     assert (other.dispatch_credits, fast.dispatch_credits, config.policy("eager").dispatch_credits) == (
         64,
-        0,
+        64,
         2,
     )
     assert config.max_inflight("fast") == 3

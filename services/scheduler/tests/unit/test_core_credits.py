@@ -1,7 +1,6 @@
 """Dispatch credits in the core: lending free slots to a model's only gateway, runs on them,
-and the slot accounting through all of it, for credits with a local queue (the default
-strategy's) and without one. Credits without one (here: a `latest_only` model's) follow the
-old rule: a sole borrower only, and every credit revoked the moment a request waits."""
+and the slot accounting through all of it (test_core_local_queue.py has the local queues the
+credits carry; test_core_split_shares.py, several gateways)."""
 
 from __future__ import annotations
 
@@ -29,42 +28,37 @@ READY = SlotState.READY
 UNAVAILABLE = errors_pb2.ERROR_CODE_UNAVAILABLE
 
 
-def _harness(make_harness: MakeHarness, *, local_queue: bool) -> Harness:
-    """Two slots on one worker, up to two credits per model; session 1 accepts credits. Without
-    `local_queue` the model is `latest_only`, whose credits carry no `LocalQueueSpec` (its
-    clients here send one request at a time, so nothing is superseded)."""
-    overrides: dict[str, object] = {}
-    if not local_queue:
-        overrides["model_policy"] = lambda model_id: ModelPolicy(
-            100, 1000.0, OverflowPolicy.REJECT_NEWEST, latest_only=True, dispatch_credits=2
-        )
-    h = make_harness(max_inflight=lambda model_id: 2, dispatch_credits=2, credit_window_s=1.0, **overrides)
+@pytest.fixture
+def h(make_harness: MakeHarness) -> Harness:
+    """Two slots on one worker, up to two credits per model; session 1 accepts credits."""
+    h = make_harness(max_inflight=lambda model_id: 2, dispatch_credits=2, credit_window_s=1.0)
     h.core.accept_credits(1)
     h.worker("w1", ["m"], ready=["m"])
     return h
 
 
-@pytest.fixture(params=[True, False], ids=["local_queue", "plain"])
-def h(make_harness: MakeHarness, request: pytest.FixtureRequest) -> Harness:
-    """Credits with a local queue, or without one: a test runs with both unless it says `PLAIN`."""
-    return _harness(make_harness, local_queue=request.param)
-
-
-# The old rule, which only credits without a local queue follow.
-PLAIN = pytest.mark.parametrize("h", [False], ids=["plain"], indirect=True)
-
-
-@pytest.mark.parametrize("local_queue", [True, False], ids=["local_queue", "plain"])
-def test_the_credits_carry_a_local_queue_unless_the_model_is_latest_only(
-    make_harness: MakeHarness, local_queue: bool
+@pytest.mark.parametrize("model", ["latest_only", "cap_below_slots"])
+def test_a_model_whose_order_a_gateway_cannot_keep_is_never_lent(
+    make_harness: MakeHarness, model: str
 ) -> None:
-    """A gateway's local queue never supersedes, so a `latest_only` model's credits carry no
-    spec; the default strategy's do, the model's calls unmeasured (the two paths tested here)."""
-    h = _harness(make_harness, local_queue=local_queue)
-    h.enqueue("a")
-    h.complete("a")
-    specs = [c.local_queue for _, c in h.lent.values()]
-    assert len(specs) == 2 and all((spec is not None) == local_queue for spec in specs)
+    """Every credit carries a local queue's spec; a `latest_only` model (a gateway's queue never
+    supersedes), or one with more slots than `dispatch_credits`, is ordered here, every call."""
+    policy = ModelPolicy(
+        100,
+        1000.0,
+        OverflowPolicy.REJECT_NEWEST,
+        latest_only=model == "latest_only",
+        dispatch_credits=2 if model == "latest_only" else 1,
+    )
+    h = make_harness(
+        max_inflight=lambda model_id: 2, credit_window_s=1.0, model_policy=lambda model_id: policy
+    )
+    h.core.accept_credits(1)
+    h.worker("w1", ["m"], ready=["m"])
+    for request_id in ("a", "b", "c"):
+        h.enqueue(request_id)
+        h.complete(request_id)
+    assert h.lent == {} and h.granted_ids() == ["a", "b", "c"]
 
 
 def test_a_sole_gateway_gets_the_free_slots_once_the_queue_is_empty(h: Harness) -> None:
@@ -89,24 +83,6 @@ def test_no_credits_for_a_gateway_that_does_not_accept_them(make_harness: MakeHa
     assert h.lent == {}
 
 
-@PLAIN
-def test_no_credits_while_two_gateways_use_the_model(h: Harness) -> None:
-    h.core.accept_credits(2)
-    h.enqueue("a", session=1)  # session 1 alone so far: the free slot is lent to it
-    assert [entry[0] for entry in h.lent.values()] == [1]
-    h.enqueue("b", session=2)  # no slot free: waits, and session 1's credit is revoked
-    assert h.revoked == list(h.lent)
-    h.return_credit(h.revoked[0])
-    h.complete("a", session=1)
-    h.complete("b", session=2)
-    assert h.lent == {}  # two recent users: nothing is lent
-    h.clock.advance(1.5)  # session 2 goes quiet past the window
-    h.enqueue("c", session=1)
-    h.complete("c", session=1)
-    assert len(h.idle_credits()) == 2
-    h.check(settled=True)
-
-
 def test_a_run_on_a_credit_is_tracked_and_its_slot_stays_lent(h: Harness) -> None:
     h.enqueue("a")
     h.complete("a")
@@ -124,44 +100,19 @@ def test_a_run_on_a_credit_is_tracked_and_its_slot_stays_lent(h: Harness) -> Non
     h.check(settled=True)
 
 
-@PLAIN
-def test_a_waiting_request_revokes_the_credits_and_is_granted_once_they_are_returned(h: Harness) -> None:
-    h.enqueue("a")
-    h.complete("a")
-    c1, c2 = sorted(h.idle_credits())
-    h.run("r1", c1)
-    h.enqueue("x", session=1)  # both slots lent: it waits, and the credits are revoked
-    assert "x" not in h.granted_ids()
-    assert sorted(h.revoked) == [c1, c2]
-    h.return_credit(c2)  # idle: the gateway returns it at once
-    assert h.granted_ids()[-1] == "x"
-    h.complete("r1")  # the run ends; the gateway returns its revoked credit
-    h.return_credit(c1)
-    [stats] = h.core.queue_stats()
-    assert stats.inflight == 1  # only "x" holds a slot now
-    h.complete("x")
-    assert len(h.lent) == 0  # lending is paused for the window after a revocation
-    h.clock.advance(1.1)
-    h.enqueue("y")
-    h.complete("y")
-    assert len(h.idle_credits()) == 2
-    h.check(settled=True)
-
-
-@PLAIN
-def test_a_run_on_a_credit_the_core_no_longer_holds_is_queued_and_granted(h: Harness) -> None:
+def test_a_run_on_a_credit_the_core_no_longer_holds_is_sent_back_to_its_gateway(h: Harness) -> None:
+    """Raced with its own return: the gateway holds the model's share again, so the run is
+    answered `use_share`, which a gateway ignores for a call it already sent; nothing runs it
+    twice and nothing waits here."""
     h.enqueue("a")
     h.complete("a")
     credit = h.idle_credits()[0]
     h.return_credit(credit)  # the freed slot is lent again at once (the queue is empty)
-    relent = sorted(h.idle_credits())
-    h.run("r1", credit)  # raced with its own return: queued like any other request
-    assert sorted(h.revoked) == relent  # ... which revokes the credits
-    for other in relent:
-        h.return_credit(other)
-    [grant] = [g for g in h.grants() if g.request_id == "r1"]
-    assert (grant.worker_id, grant.attempt) == ("w1", 1)
-    h.complete("r1")
+    h.run("r1", credit)
+    assert [(r.request_id, r.use_share) for r in h.rejects()] == [("r1", True)]
+    assert "r1" not in h.granted_ids() and h.revoked == []
+    [stats] = h.core.queue_stats()
+    assert (stats.depth, stats.credits) == (0, 2)
     h.check(settled=True)
 
 
@@ -263,7 +214,6 @@ def test_a_run_reported_after_it_ended_counts_as_run_and_completed(h: Harness) -
     h.check(settled=True)
 
 
-@PLAIN
 def test_a_finished_run_on_a_credit_the_core_no_longer_holds_is_not_run_again(h: Harness) -> None:
     h.enqueue("a")
     h.complete("a")
@@ -277,18 +227,17 @@ def test_a_finished_run_on_a_credit_the_core_no_longer_holds_is_not_run_again(h:
     h.check(settled=True)
 
 
-@PLAIN
 def test_a_finished_run_that_failed_retryably_is_granted_again(h: Harness) -> None:
     h.enqueue("a")
     h.complete("a")
     c1, c2 = sorted(h.idle_credits())
     h.finished("r1", c1, error=UNAVAILABLE, retryable=True)
-    assert sorted(h.revoked) == [c1, c2]  # r1 waits in the queue again
-    h.return_credit(c1)  # as the gateway does after a retryable failure on a credit
+    assert h.revoked == [c1]  # r1 waits here again (its attempts are counted here): a slot is reclaimed
+    h.return_credit(c1)
     [grant] = [g for g in h.grants() if g.request_id == "r1"]
     assert (grant.worker_id, grant.attempt) == ("w1", 2)
+    assert c2 in h.idle_credits()
     h.complete("r1")
-    h.return_credit(c2)
     h.check(settled=True)
 
 

@@ -94,45 +94,6 @@ def test_a_long_model_keeps_its_local_queue_and_its_spec_stages_by_its_lookahead
     h.check(settled=True)
 
 
-def test_credits_lent_without_a_spec_are_taken_back_once_every_slot_is_lent(
-    make_harness: MakeHarness,
-) -> None:
-    """Under a cap that left a slot unlent, credits went out without a spec. Once the cap covers
-    every slot (a worker went away), a credit lent for the freed slot carries one, and the next
-    dispatch takes the older one back (not the one with a spec, no pause) to lend it again with
-    one."""
-    h = make_harness(max_inflight=lambda model_id: 2, dispatch_credits=2)
-    h.core.accept_credits(A)
-    h.worker("w1", ["m"], ready=["m"])
-    h.worker("w2", ["m"], ready=["m"])
-    h.enqueue("a0", session=A)
-    h.complete("a0", session=A)
-    assert len(h.lent) == 2 and all(c.local_queue is None for _, c in h.lent.values())
-    h.lose_worker("w2")
-    [plain] = list(h.lent)
-    h.finished("r1", plain, session=A)  # a dispatch: the free slot on w1 is lent, with a spec
-    [with_spec] = [cid for cid, (_, c) in h.lent.items() if c.local_queue is not None]
-    assert with_spec != plain and plain not in h.revoked
-    h.finished("r2", plain, session=A)  # the next dispatch takes the one without a spec back
-    assert plain in h.revoked and with_spec not in h.revoked
-    h.return_credit(plain)
-    assert len(h.lent) == 2 and all(c.local_queue is not None for _, c in h.lent.values())
-    h.check(settled=True)
-
-
-def test_a_cap_below_the_slots_lends_no_spec(make_harness: MakeHarness) -> None:
-    h = make_harness(max_inflight=lambda model_id: 4, dispatch_credits=2)
-    h.core.accept_credits(A)
-    h.worker("w1", ["m"], ready=["m"])
-    h.enqueue("a0", session=A)
-    h.complete(
-        "a0",
-        session=A,
-    )
-    credits = [h.lent[cid][1] for cid in _share(h)]
-    assert len(credits) == 2 and all(c.local_queue is None for c in credits)
-
-
 def test_slots_the_cap_leaves_unlent_take_the_spec_back(make_harness: MakeHarness) -> None:
     """A gateway queueing locally while a slot it was not lent idles would strand its calls."""
     h = make_harness(max_inflight=lambda model_id: 4, dispatch_credits=4)
@@ -179,7 +140,7 @@ def test_a_queue_formed_under_a_central_strategy_moves_to_the_gateway_after_a_sw
     h.core.set_ordering(make_ordering("batch_optimized"))
     for cid in share:
         h.return_credit(cid)
-    h.clock.advance(2.0)  # past the credit window's pause
+    h.clock.advance(2.0)
     ids = [f"r{i}" for i in range(6)]  # 4 slots: 2 wait here
     h.enqueue(*ids, session=A)
     h.clock.advance(0.01)
@@ -210,26 +171,22 @@ def test_the_global_deadline_orders_are_kept_by_the_gateway_per_model(
     assert len(relent) == 4 and {(s.strategy, s.tiers) for s in specs if s is not None} == {(strategy, tiers)}
 
 
-def test_a_strategy_a_gateway_cannot_keep_lends_no_spec(h: Harness) -> None:
+def test_a_registered_policy_travels_in_the_spec(h: Harness) -> None:
+    """The gateway imports the same `scheduler.policy_modules` and ranks by the policy too."""
     share = _share(h)
 
     @register_policy("test-local-queue-policy")
     def flat(request: InferenceRequest) -> float:
         return 10.0
 
-    # a registered policy is a module the scheduler loaded: no gateway runs it
     h.core.set_ordering(make_ordering("model_deadline", policy="test-local-queue-policy"))
     for cid in share:
-        h.return_credit(cid)
-    assert _share(h) == []  # credits with a spec were still out: lending paused for the window
-    h.advance(1.1)
-    h.enqueue("a1", session=A)
-    h.complete(
-        "a1",
-        session=A,
-    )
+        h.return_credit(cid)  # each slot returned is lent again at once, with the policy
     relent = _share(h)
-    assert relent and all(h.lent[cid][1].local_queue is None for cid in relent)
+    specs = [h.lent[cid][1].local_queue for cid in relent]
+    assert len(relent) == 4 and {(s.strategy, s.policy) for s in specs if s is not None} == {
+        ("model_deadline", "test-local-queue-policy")
+    }
 
 
 def test_requests_waiting_in_gateways_count_in_the_queue_depth(h: Harness) -> None:

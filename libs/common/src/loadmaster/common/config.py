@@ -123,13 +123,12 @@ class SchedulerSettings(ServiceEndpoint):
     overflow_policy: Literal["drop_oldest", "reject_newest"] = "drop_oldest"
     max_retries: int = Field(default=1, ge=0)
     # Dispatch credits (scheduler.proto, docs/data-path.md): while a model's queue is empty, lend
-    # the gateways that use it up to this many of its free worker slots so their requests skip
-    # the scheduler round trip. When they are all of the slots, each gateway also queues its own
-    # waiting requests (same strategy), and several gateways split the slots; otherwise only a
-    # sole gateway is lent any. Keep it above a model's total slots. 0 = every request is granted here.
+    # every free worker slot of it to the gateways that use it, so their requests skip the
+    # scheduler round trip and each gateway queues its own waiting requests (same strategy);
+    # several gateways split the slots. A model with more slots than this is not lent: every
+    # request is granted here (so is one under batch_optimized, or latest_only). 0 = none is lent.
     dispatch_credits: int = Field(default=64, ge=0)
-    # A gateway that used a model within this window is one of its borrowers. Without a local
-    # queue (another strategy, a long model), a revocation also pauses a model's credits this long.
+    # A gateway that used a model within this window is one of its borrowers.
     credit_window_s: float = Field(default=1.0, ge=0)
     # A model several gateways use is split between them in proportion to their demand, measured
     # again this often (docs/data-path.md "Shares between gateways").

@@ -168,7 +168,7 @@ class Credit(_message.Message):
     def __init__(self, credit_id: _Optional[str] = ..., model_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., request_ttl_ms: _Optional[float] = ..., local_queue: _Optional[_Union[LocalQueue, _Mapping]] = ...) -> None: ...
 
 class LocalQueue(_message.Message):
-    __slots__ = ("strategy", "priority_step_ms", "urgency_weight", "steps_horizon", "service_ms", "latency_budget_ms", "client_latency_budget_ms", "cadence_alpha", "max_queue_size", "reject_newest", "tiers", "stage")
+    __slots__ = ("strategy", "priority_step_ms", "urgency_weight", "steps_horizon", "service_ms", "latency_budget_ms", "client_latency_budget_ms", "cadence_alpha", "max_queue_size", "reject_newest", "tiers", "stage", "policy")
     class ClientLatencyBudgetMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class LocalQueue(_message.Message):
     REJECT_NEWEST_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     priority_step_ms: float
     urgency_weight: float
@@ -200,7 +201,8 @@ class LocalQueue(_message.Message):
     reject_newest: bool
     tiers: _containers.RepeatedScalarFieldContainer[int]
     stage: int
-    def __init__(self, strategy: _Optional[str] = ..., priority_step_ms: _Optional[float] = ..., urgency_weight: _Optional[float] = ..., steps_horizon: _Optional[int] = ..., service_ms: _Optional[float] = ..., latency_budget_ms: _Optional[float] = ..., client_latency_budget_ms: _Optional[_Mapping[str, float]] = ..., cadence_alpha: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., reject_newest: _Optional[bool] = ..., tiers: _Optional[_Iterable[int]] = ..., stage: _Optional[int] = ...) -> None: ...
+    policy: str
+    def __init__(self, strategy: _Optional[str] = ..., priority_step_ms: _Optional[float] = ..., urgency_weight: _Optional[float] = ..., steps_horizon: _Optional[int] = ..., service_ms: _Optional[float] = ..., latency_budget_ms: _Optional[float] = ..., client_latency_budget_ms: _Optional[_Mapping[str, float]] = ..., cadence_alpha: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., reject_newest: _Optional[bool] = ..., tiers: _Optional[_Iterable[int]] = ..., stage: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("grants", "rejects", "credits", "revokes", "placements")

@@ -236,7 +236,6 @@ class Dispatcher:
                 pending.call.request_id,
                 pending.call.model_id,
                 lambda: request_info(pending.call, credit_id, pending.span),
-                countable=credit.local,
             )
         # else: run on a lost scheduler's share; this session's scheduler never hears of it
         return True
@@ -323,8 +322,7 @@ class Dispatcher:
 
     def on_credit(self, credit: scheduler_pb2.Credit) -> None:
         lent = self._credits.add(credit, self._scheduler.session)
-        spec = credit.local_queue if credit.HasField("local_queue") else None
-        self._local.configure(lent.model_id, spec, lent.request_ttl_ms)
+        self._local.configure(lent.model_id, credit.local_queue, lent.request_ttl_ms)
         self._local.serve(lent.model_id)
 
     def on_revoke(self, credit_id: str) -> None:

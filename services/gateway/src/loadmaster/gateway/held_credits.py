@@ -44,7 +44,6 @@ class HeldCredit:
     fronts: set[str] = field(default_factory=set)  # waiting ones sent with front_of_queue
     revoked: bool = False  # revoked, or its worker failed: takes no more calls, returned once idle
     session: int = 0  # the scheduler session that lent it
-    local: bool = False  # it carried a LocalQueue spec: its runs may be counted, not listed
     started_at: float = 0.0  # when its running call started (monotonic), as near as known
 
     def sent(self, request_id: str, now: float, key: SortKey | None = None, *, front: bool = False) -> None:
@@ -110,7 +109,6 @@ class HeldCredits:
             generation=credit.generation,
             request_ttl_ms=credit.request_ttl_ms,
             session=session,
-            local=credit.HasField("local_queue"),
         )
         self._credits[held.credit_id] = held
         self._idle.setdefault(held.model_id, []).append(held)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -34,6 +35,8 @@ from loadmaster.v1 import scheduler_pb2
 __all__ = ["LocalQueues", "Overflow"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _DISCONNECT_TIMEOUT_S = 10.0  # a client silent this long is forgotten (its cadence starts afresh)
 
@@ -94,9 +97,10 @@ class LocalQueues(Generic[T]):
 
     def configure(self, model_id: str, spec: scheduler_pb2.LocalQueue | None) -> None:
         """Queue the model's calls by `spec` from now on (the calls already waiting keep their
-        keys), or with None stop taking new ones (those waiting stay until taken)."""
+        keys), or with None (or a spec with no strategy: a scheduler from before every credit
+        carried one) stop taking new ones (those waiting stay until taken)."""
         queue = self._models.get(model_id)
-        if spec is None:
+        if spec is None or not spec.strategy:
             if queue is not None and not queue.size:
                 del self._models[model_id]
             elif queue is not None:
@@ -110,7 +114,13 @@ class LocalQueues(Generic[T]):
             steps_horizon=spec.steps_horizon,
             service_ms=spec.service_ms,
         )
-        ordering = make_ordering(spec.strategy, terms=terms, tiers=list(spec.tiers) or None)
+        try:
+            ordering = make_ordering(
+                spec.strategy, policy=spec.policy, terms=terms, tiers=list(spec.tiers) or None
+            )
+        except ValueError as error:  # a policy whose module this gateway did not import
+            log.error("model %s: %s; its calls here are ranked without the policy", model_id, error)
+            ordering = make_ordering(spec.strategy, terms=terms, tiers=list(spec.tiers) or None)
         if queue is None:
             self._models[model_id] = _ModelQueue(spec, ordering)
         else:

@@ -217,8 +217,8 @@ class LocalShare(Generic[P]):
     def accepts(self, model_id: str) -> bool:
         return self._queues.accepts(model_id)
 
-    def configure(self, model_id: str, spec: scheduler_pb2.LocalQueue | None, ttl_ms: float) -> None:
-        """A credit for the model arrived: queue by its spec from now on (None: take no more)."""
+    def configure(self, model_id: str, spec: scheduler_pb2.LocalQueue, ttl_ms: float) -> None:
+        """A credit for the model arrived: queue by its spec from now on."""
         self._ttl_ms[model_id] = ttl_ms
         self._queues.configure(model_id, spec)
 

@@ -45,8 +45,6 @@ class SchedulerPort(SchedulerSession, Protocol):
         request_id: str,
         model_id: str,
         info: Callable[[], scheduler_pb2.RequestInfo],
-        *,
-        countable: bool = False,
     ) -> None: ...
 
     def return_credit(self, credit_id: str) -> None: ...

@@ -52,7 +52,6 @@ class _Run(NamedTuple):
 
     model_id: str
     info: Callable[[], scheduler_pb2.RequestInfo]
-    countable: bool  # may end in a tally (else the scheduler wants each run: a FinishedRun)
 
 
 @dataclass(slots=True)
@@ -170,14 +169,10 @@ class SchedulerLink:
         request_id: str,
         model_id: str,
         info: Callable[[], scheduler_pb2.RequestInfo],
-        *,
-        countable: bool = False,
     ) -> None:
         """Report a request already sent on a credit; `info()` builds its RequestInfo (credit_id
-        set) if it must be sent. `countable`: if it ends before its report leaves, it may be
-        counted in a tally (a credit with a local queue: the scheduler needs no run of that
-        model one by one; else it admits each into its central order)."""
-        self._outbox.runs[request_id] = _Run(model_id, info, countable)
+        set) if it must be sent: if it ends before its report leaves, it is only counted."""
+        self._outbox.runs[request_id] = _Run(model_id, info)
         self._outbox.defer(self._report_delay_s)
 
     def report_local_depth(self, model_id: str, waiting: int, outstanding_s: float = 0.0) -> None:
@@ -205,7 +200,7 @@ class SchedulerLink:
             return  # the scheduler forgot this session's requests when the stream broke
         outbox = self._outbox
         run = outbox.runs.pop(request_id, None)
-        if run is not None and run.countable and not (error_code and retryable):  # ended before its report
+        if run is not None and not (error_code and retryable):  # ended before its report
             tally = outbox.tallies.get((run.model_id, worker_id))
             if tally is None:
                 tally = outbox.tallies[(run.model_id, worker_id)] = _Tally()

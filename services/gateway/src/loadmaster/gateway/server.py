@@ -16,6 +16,7 @@ from loadmaster.common.credentials import ADMIN_HEADER
 from loadmaster.common.errors import LoadmasterError
 from loadmaster.common.grpc_server import GrpcServer
 from loadmaster.common.liveness import LIVENESS
+from loadmaster.common.ordering import load_policy_modules
 from loadmaster.common.service import default_instance_id
 from loadmaster.common.telemetry import TelemetryReporter
 from loadmaster.gateway.admin import SchedulerAdmin
@@ -390,4 +391,8 @@ def _admin_token_check() -> Callable[[str], bool] | None:
 
 async def build(settings: Settings, *, clock: Clock | None = None) -> GatewayServer:
     """The wired gateway, not yet started."""
+    try:  # the scheduler's registered policies: its credits may ask this gateway to rank by one
+        load_policy_modules(settings.scheduler.policy_modules)
+    except ValueError as error:
+        log.error("%s; calls for models under that policy are ranked here without it", error)
     return GatewayServer(settings, clock=clock)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loadmaster.common.config import ModelSettings, Settings
+from loadmaster.common.config import Settings
 from loadmaster.common.ordering import BatchRule, DeadlineTerms, Ordering, make_ordering
 from loadmaster.scheduler.domain import OverflowPolicy
 
@@ -96,7 +96,7 @@ class CoreConfig:
                 overflow_policy=OverflowPolicy(m.overflow_policy or s.overflow_policy),
                 latest_only=m.latest_only,
                 vram_mb=m.vram_mb,
-                dispatch_credits=_dispatch_credits(m, s.dispatch_credits),
+                dispatch_credits=s.dispatch_credits if m.dispatch_credits is None else m.dispatch_credits,
                 lookahead=s.lookahead if m.lookahead is None else m.lookahead,
             )
 
@@ -123,14 +123,6 @@ class CoreConfig:
             lookahead=s.lookahead,
             vram_gate_retry_ms=s.vram_gate_retry_ms,
         )
-
-
-def _dispatch_credits(model: ModelSettings, default: int) -> int:
-    """A latest_only model is conflated in its queue: unless its config asks for credits, its
-    requests all pass the queue (a run on a credit would never supersede or be superseded)."""
-    if model.dispatch_credits is not None:
-        return model.dispatch_credits
-    return 0 if model.latest_only else default
 
 
 StrategyFactory = Callable[[str, str | None], Ordering]

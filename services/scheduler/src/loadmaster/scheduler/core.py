@@ -507,18 +507,17 @@ class SchedulerCore:
 
     def _finished_run(self, session_id: int, done: FinishedRun, touched: set[str]) -> None:
         """A credit run and its outcome at once: admitted as run on the credit, then completed.
-        If the credit was gone by then, the request was queued instead: it stays queued only
-        when it failed retryably (the gateway then follows its grant); otherwise it needs no
-        further run and is withdrawn without an answer (the gateway has answered it)."""
+        If the credit is gone, an answered call needs nothing more, and one that failed
+        retryably is admitted like a new request (its gateway queues it, or follows its grant)."""
         run, completion = done.run, done.completion
+        credit = self._credits.get(run.credit_id)
+        retry = completion.error_code != _OK and completion.retryable
+        if (credit is None or credit.session_id != session_id) and not retry:
+            return
         self._enqueue(session_id, run.info, touched, credit_id=run.credit_id)
         tracked = self._tracked.get((session_id, run.info.request_id))
-        if tracked is None:
-            return  # refused at admission; the gateway ignores a Reject for an answered call
-        if tracked.worker_id is not None:
+        if tracked is not None and tracked.worker_id is not None:
             self._complete(session_id, completion, touched)
-        elif completion.error_code == _OK or not completion.retryable:
-            self._cancel(tracked.request.key)
 
     def _tally(self, session_id: int, tally: RunTally) -> None:
         """Credit runs that ended before they were reported, counted: what a FinishedRun each

@@ -7,13 +7,13 @@ on an idle credit straight to the credit's worker and reports it afterwards (a `
 batched with others, or only counted in a `RunTally`); the scheduler tracks it like a
 granted request.
 
-How many: with a per-model strategy a gateway can replicate (`local_queue_spec`), every
-free slot is lent and each credit carries a `LocalQueueSpec`: a gateway queues its own
-requests that find no idle credit and ranks them with the same strategy code
-(loadmaster.common.ordering), so the scheduler sees no queue for the model
-(docs/data-path.md). With any other strategy (batch groups, a registered policy) or a
-`latest_only` model, at most `dispatch_credits` are lent, to a sole borrower only, and a
-request finding none idle is queued here.
+Every credit carries a `LocalQueueSpec`: a gateway queues its own requests that find no
+idle credit and ranks them with the same strategy code (loadmaster.common.ordering; a
+registered policy too, loaded by the gateway from the same `scheduler.policy_modules`), so the
+scheduler sees no queue for the model (docs/data-path.md). A model is lent only while every
+one of its slots may be: its strategy is one a gateway can keep (not `batch_optimized`, whose
+groups form here), it is not `latest_only` (a gateway's queue never supersedes), and it has no
+more slots than `dispatch_credits`. Any other model's requests are all queued and granted here.
 
 Shares between gateways. A model with several borrowers is split: every `period_s` the
 book measures each borrower's demand (its calls waiting in its local queue or running on its
@@ -24,9 +24,7 @@ once, a busy one when its call ends) and lending freed slots to the gateway furt
 its share. Each gateway keeps ordering its own requests. A request that waits here (its
 gateway holds no credit for the model: a newcomer, or one whose share is 0) reclaims one
 credit from the gateway most over its share, and is granted the slot when it comes back:
-one call's remainder plus a round trip, with no pause. A strategy a gateway cannot keep
-falls back to the old rule instead: the moment a request waits here every credit for the
-model is revoked and lending pauses for `window_s`, so ordering is central again.
+one call's remainder plus a round trip, with no pause.
 
 A lent slot counts against the worker's `max_inflight` until the gateway returns the
 credit, so a revocation never lets a worker be granted more than it may run.
@@ -56,25 +54,15 @@ from loadmaster.scheduler.registry import WorkerRegistry
 
 __all__ = ["CreditBook", "local_queue_spec"]
 
-# Strategies whose order a gateway can keep for one model's requests on its own: no batch
-# groups, no registered policy (a policy module is loaded by the scheduler only).
-# `deadline_aware` and `tiered_deadline` are global, but within one model their keys are the
-# deadline family's (tiers travel in the spec): their scope only orders the grants of several
-# models that can go in one dispatch round, and a share's calls take no central grant.
-_LOCAL_STRATEGIES = frozenset(
-    {"model_deadline", "deadline_aware", "tiered_deadline", "priority_tiered", "round_robin", "priority"}
-)
-
 
 def local_queue_spec(ordering: Ordering, policy: ModelPolicy, config: CoreConfig) -> LocalQueueSpec | None:
-    """How a gateway holding the model's whole share may queue for it, or None when it may not:
-    another strategy, or a model whose queue supersedes (`latest_only`)."""
-    if (
-        ordering.name not in _LOCAL_STRATEGIES
-        or ordering.batch is not None
-        or bool(getattr(ordering, "policy_name", ""))
-        or policy.latest_only
-    ):
+    """How a gateway holding a share of the model queues for it, or None when it may not:
+    `batch_optimized` (its groups form in the scheduler's queue), or a model whose queue
+    supersedes (`latest_only`). `deadline_aware` and `tiered_deadline` are global, but within
+    one model their keys are the deadline family's (tiers travel in the spec): their scope only
+    orders the grants of several models that can go in one dispatch round, and a share's calls
+    take no central grant."""
+    if ordering.batch is not None or policy.latest_only:
         return None
     return LocalQueueSpec(
         strategy=ordering.name,
@@ -86,6 +74,7 @@ def local_queue_spec(ordering: Ordering, policy: ModelPolicy, config: CoreConfig
         reject_newest=policy.overflow_policy is OverflowPolicy.REJECT_NEWEST,
         tiers=tuple(getattr(ordering, "tiers", None) or ()),
         stage=policy.lookahead,
+        policy=getattr(ordering, "policy_name", ""),
     )
 
 
@@ -117,7 +106,6 @@ class CreditBook:
         self._by_model: dict[str, set[str]] = {}
         self._ids = itertools.count(1)
         self._users: dict[str, dict[int, float]] = {}  # model -> session -> last use (monotonic)
-        self._paused_until: dict[str, float] = {}
         self._accepting: set[int] = set()
         self._local_depths: dict[str, dict[int, int]] = {}  # model -> session -> waiting there
         # Split models (several borrowers): when each was last measured, each session's demand
@@ -172,10 +160,8 @@ class CreditBook:
 
     def borrowers(self, model_id: str, now: float) -> list[int]:
         """The sessions to lend the model's slots to: those that used it within the window (the
-        last one stays a borrower however long ago), none while lending is paused or while a
-        recent user does not accept credits."""
-        if self._paused_until.get(model_id, 0.0) > now:
-            return []
+        last one stays a borrower however long ago), none while a recent user does not accept
+        credits."""
         users = self._users.get(model_id)
         if not users:
             return []
@@ -195,43 +181,20 @@ class CreditBook:
         model_id: str,
         now: float,
         *,
-        limit: int,
         ttl_ms: float,
         pick: Callable[[], str | None],
-        local_queue: Callable[[], LocalQueueSpec | None] = lambda: None,
+        spec: LocalQueueSpec,
     ) -> None:
         """Lend the model's free slots (`pick` names a worker with one, or None) to its
-        borrowers, until `limit` credits for it are out.
-
-        A gateway may queue locally (the credits carry `local_queue`'s spec) only while every
-        slot of the model is lent: else its queued requests could wait while a slot nobody
-        was lent stays idle. So when `limit` leaves free slots unlent, the new credits carry no
-        spec and credits that carried one are revoked; and without a spec a model is lent to a
-        sole borrower only. Credits out without a spec when one could be given are revoked, to
-        come back with it."""
+        borrowers, every credit carrying `spec`: a gateway queues its own calls that find no
+        idle credit. The caller lends only models whose every slot may be lent (else a
+        gateway's queued calls could wait while a slot nobody holds stays idle)."""
         borrowers = self.borrowers(model_id, now)
         if not borrowers:
             return
         lent: list[Credit] = []
-        while self.lent(model_id) < limit and (worker_id := pick()) is not None:
+        while (worker_id := pick()) is not None:
             lent.append(self._new_credit(model_id, borrowers[0], worker_id, ttl_ms))
-        spec = local_queue() if pick() is None else None  # a whole share (perhaps split), or none
-        out = [self._credits[i] for i in self._by_model.get(model_id, ())]
-        spec_out = any(c.local_queue for c in out)
-        if spec is not None and not lent and (plain := [c for c in out if c.local_queue is None]):
-            # Lent without a spec while they were not the whole share (a cap, or a worker since
-            # gone), perhaps beside credits lent since with one: take them back, no pause, to
-            # lend them again with one (runs on a credit without a spec are reported one by one;
-            # on one with a spec they are only counted).
-            self._revoke(plain)
-            return
-        if spec is None and (spec_out or len(borrowers) > 1):
-            for credit in lent:  # never sent: take them back unseen
-                self._forget(credit)
-                self._registry.release(credit.worker_id, credit.slot_key)
-            if spec_out:
-                self.revoke_model(model_id, now)
-            return
         if len(borrowers) > 1 and lent:
             targets = self._targets.get(model_id)
             if targets is None or set(targets) != set(borrowers):
@@ -292,15 +255,11 @@ class CreditBook:
         return session_id in self._accepting
 
     def holds_share(self, session_id: int, model_id: str) -> bool:
-        """The session holds a credit for the model that lets it queue locally (not revoked)."""
+        """The session holds a credit for the model (not revoked): it queues the model's calls."""
         return any(
-            (c := self._credits[i]).session_id == session_id and not c.revoked and c.local_queue is not None
+            (c := self._credits[i]).session_id == session_id and not c.revoked
             for i in self._by_model.get(model_id, ())
         )
-
-    def queue_locally(self, model_id: str) -> bool:
-        """A credit out for the model lets its gateway queue locally."""
-        return any(self._credits[i].local_queue is not None for i in self._by_model.get(model_id, ()))
 
     def reclaim(self, model_id: str, slots: int) -> None:
         """Requests wait here for `slots` slots of a model whose slots are lent with local
@@ -387,13 +346,10 @@ class CreditBook:
         depths = self._local_depths.get(model_id, {})
         return max(targets, key=lambda s: (targets[s] - held[s], depths.get(s, 0), -s))
 
-    def revoke_model(self, model_id: str, now: float) -> None:
-        """A request waits for the model (its slots lent without local queues): revoke its
-        credits and pause lending it."""
-        ids = self._by_model.get(model_id)
-        if ids:
-            self._paused_until[model_id] = now + self._window_s
-            self._revoke(self._credits[i] for i in ids)
+    def revoke_model(self, model_id: str) -> None:
+        """Take back every credit for the model (it may no longer be lent: a worker joined
+        past the cap)."""
+        self._revoke(self._credits[i] for i in self._by_model.get(model_id, ()))
 
     def revoke_stale(self, worker_id: str, slots: Iterable[SlotStatus]) -> None:
         """Revoke the worker's credits for models it no longer holds READY at the lent generation."""

@@ -22,7 +22,7 @@ from loadmaster.common.ordering import Scope
 from loadmaster.scheduler import placement
 from loadmaster.scheduler.config import CoreConfig
 from loadmaster.scheduler.credits import CreditBook, local_queue_spec
-from loadmaster.scheduler.domain import Grant, LoadModel, Request, RequestKey, SlotStatus
+from loadmaster.scheduler.domain import Grant, LoadModel, LocalQueueSpec, Request, RequestKey, SlotStatus
 from loadmaster.scheduler.loads import LoadTracker, freed_memory, is_memory_error, load_outlasts
 from loadmaster.scheduler.outbound import Outbound, Telemetry
 from loadmaster.scheduler.queues import RequestQueues
@@ -92,17 +92,13 @@ class GrantDispatcher:
                 self._dispatch_model(model_id, now)
         for model_id in models:
             self._maybe_load(model_id)
-            if self.queues.depth(model_id):
-                if not self._credits.queue_locally(model_id):
-                    self._credits.revoke_model(model_id, now)
-            elif (policy := self._config.policy(model_id)).dispatch_credits and ordering.batch is None:
+            if not self.queues.depth(model_id) and (spec := self._lendable(model_id)) is not None:
                 self._credits.lend(
                     model_id,
                     now,
-                    limit=policy.dispatch_credits,
-                    ttl_ms=policy.request_ttl_ms,
+                    ttl_ms=self._config.policy(model_id).request_ttl_ms,
                     pick=lambda m=model_id: self._pick_worker(m),
-                    local_queue=lambda p=policy: local_queue_spec(ordering, p, self._config),
+                    spec=spec,
                 )
             if model_id in self._stats:  # waiting here and in the gateways' local queues, as GetQueues
                 depth = self.queues.depth(model_id) + self._credits.local_depth(model_id)
@@ -114,24 +110,36 @@ class GrantDispatcher:
                 self._telemetry.record("placement_decisions", count, {**labels, "kind": "grant"})
             self._placed.clear()
 
+    def _lendable(self, model_id: str) -> LocalQueueSpec | None:
+        """The spec the model's credits carry, or None when it is not lent: credits are off
+        (`dispatch_credits` 0), its strategy or `latest_only` needs the central queue, or it has
+        more slots than `dispatch_credits` (credits out for it then are taken back: a worker
+        joined). Every slot of a lent model is lent, so no gateway's queued call waits while a
+        slot nobody holds stays idle."""
+        policy = self._config.policy(model_id)
+        if not policy.dispatch_credits:
+            return None
+        spec = local_queue_spec(self.queues.ordering, policy, self._config)
+        slots = len(self._registry.grant_candidates(model_id)) * self._config.max_inflight(model_id)
+        if spec is not None and slots > policy.dispatch_credits:
+            self._credits.revoke_model(model_id)
+            return None
+        return spec
+
     def _may_share(self, model_id: str) -> bool:
         """Requests waiting here for the model may go to gateways' local queues: its slots are
-        lent with them, or none is lent, its strategy has a spec, every slot may be lent, and
-        more wait than its free slots take. (At overload, as after a switch from a strategy
-        without a spec, its queue here never empties, and lending waits for an empty queue.)"""
-        if self._credits.queue_locally(model_id):
+        lent, or none is and it may be, and more wait than its free slots take. (At overload,
+        as after a switch from a strategy the gateways cannot keep, its queue here never
+        empties, and lending waits for an empty queue.)"""
+        if self._credits.lent(model_id):
             return True
-        policy = self._config.policy(model_id)
-        if not policy.dispatch_credits or self._credits.lent(model_id):
+        if self._lendable(model_id) is None:
             return False
+        return self.queues.depth(model_id) > self._free_slots(model_id)
+
+    def _free_slots(self, model_id: str) -> int:
         candidates = self._registry.grant_candidates(model_id)
-        slots = len(candidates) * self._config.max_inflight(model_id)
-        free = slots - sum(c.inflight for c in candidates)
-        return (
-            policy.dispatch_credits >= slots
-            and self.queues.depth(model_id) > free
-            and local_queue_spec(self.queues.ordering, policy, self._config) is not None
-        )
+        return len(candidates) * self._config.max_inflight(model_id) - sum(c.inflight for c in candidates)
 
     def _to_shares(self, model_id: str, now: float) -> None:
         """The model's slots are lent with local queues, yet requests wait here: those of a
@@ -164,7 +172,7 @@ class GrantDispatcher:
                     self._hand_back(request)
             else:
                 slots += 1
-        self._credits.reclaim(model_id, slots)
+        self._credits.reclaim(model_id, slots - self._free_slots(model_id))
 
     def _head(self, model_id: str, now: float) -> tuple[tuple[float, ...], Request] | None:
         """The next request for `model_id`, expiring any whose deadline has passed."""

@@ -232,6 +232,7 @@ class LocalQueueSpec:
     reject_newest: bool
     tiers: tuple[int, ...] = ()  # tiered_deadline's
     stage: int = 0  # calls sent to a busy slot's worker behind the one running (the lookahead)
+    policy: str = ""  # a registered policy of the deadline family (its module loaded by the gateway too)
 
 
 @dataclass(slots=True)

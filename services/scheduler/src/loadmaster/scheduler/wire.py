@@ -120,6 +120,7 @@ def _local_queue(pb: scheduler_pb2.LocalQueue, spec: LocalQueueSpec) -> None:
     pb.reject_newest = spec.reject_newest
     pb.tiers.extend(spec.tiers)
     pb.stage = spec.stage
+    pb.policy = spec.policy
 
 
 def session_response(outcomes: Iterable[SessionOutcome]) -> scheduler_pb2.SessionResponse:
