@@ -363,6 +363,33 @@ async def test_while_the_scheduler_is_away_calls_run_on_the_lost_session_s_credi
     assert scheduler.returned == []  # c1 never goes back to a scheduler that did not lend it
 
 
+async def test_a_new_leader_s_credits_under_the_old_ids_are_kept_apart(parts) -> None:
+    """A scheduler that takes over numbers its credits from c1 again. Dropping the old session's
+    c1 (idle) or ending its call (busy) must not drop the new c1: the gateway would then hold no
+    credit while the scheduler holds it lent, and hand its calls back forever (seen in
+    test_scheduler_failover under load)."""
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.on_credit(_credit("c1"))
+    dispatcher.on_credit(_credit("c2"))
+    dispatcher.submit(_call("r1"), results.append)  # busy on the old c1
+    dispatcher.on_scheduler_lost()
+    scheduler.session = 2
+    dispatcher.on_credit(_credit("c1"))  # the new leader's, same ids
+    dispatcher.on_credit(_credit("c2"))
+    dispatcher.on_worker_reply(_ok("r1"), b"out")  # the old c1's call ends
+    for n in range(2, 6):  # the old c2 is dropped on the way; the new ones serve every call
+        dispatcher.submit(_call(f"r{n}"), results.append)
+        dispatcher.on_worker_reply(_ok(f"r{n}"), b"out")
+    assert [r.request_id for r in results if r.ok] == ["r1", "r2", "r3", "r4", "r5"]
+    assert [(e.request_id, e.credit_id) for e in scheduler.enqueued[1:]] == [  # (r1: run on the old c1)
+        ("r2", "c1"),
+        ("r3", "c2"),
+        ("r4", "c1"),
+        ("r5", "c2"),
+    ]
+    assert scheduler.returned == []
+
+
 async def test_a_call_on_an_earlier_session_s_share_is_answered_when_its_worker_dies(parts) -> None:
     dispatcher, scheduler, _workers, results = parts
     dispatcher.on_credit(_credit("c1"))

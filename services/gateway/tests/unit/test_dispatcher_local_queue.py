@@ -326,6 +326,24 @@ async def test_a_call_the_scheduler_hands_back_queues_on_the_share(parts: Parts)
     assert [r.request_id for r in results] == ["r1", "early"] and all(r.ok for r in results)
 
 
+async def test_a_call_handed_back_again_and_again_is_answered_not_looped(parts: Parts) -> None:
+    """A scheduler that counts a share this gateway does not hold hands the call back each time it
+    is sent: after a few rounds it is answered `unavailable` instead of bouncing forever."""
+    dispatcher, scheduler, _workers, results = parts
+    dispatcher.submit(_call("r1"), results.append)  # no credit: to the scheduler
+    for _ in range(10):  # bounded: answered after 3 hand-backs
+        if results:
+            break
+        dispatcher.on_reject(
+            scheduler_pb2.Reject(
+                request_id="r1", use_share=True, error_code=errors_pb2.ERROR_CODE_UNAVAILABLE
+            )
+        )
+    assert scheduler.order == ["enqueue r1"] * 4
+    assert [(r.request_id, r.error.edge_code) for r in results if r.error] == [("r1", "unavailable")]
+    assert "disagree" in str(results[0].error)
+
+
 async def test_an_earlier_sessions_credit_does_not_keep_calls_waiting_here(parts: Parts) -> None:
     """After a scheduler restart the new session's credits are revoked (its worker died): a
     credit the lost session lent is no longer usable, so waiting calls go to the new scheduler."""

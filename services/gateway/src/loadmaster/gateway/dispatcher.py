@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 _NOT_FOUND = edge_code_name(errors_pb2.ERROR_CODE_NOT_FOUND)
 _WATCH_INTERVAL_S = 0.25  # how often the reply watchdog looks for overdue calls
+_MAX_HAND_BACKS = 3  # a call the scheduler hands back more often is answered `unavailable`
 
 
 @dataclass(slots=True)
@@ -92,6 +93,7 @@ class _Pending:
     reply_deadline: float = 0.0  # clock.monotonic() by which its worker must reply (0: none)
     lost: bool = False  # its worker's data link dropped: the watchdog fails it retryably
     sent_at: float = 0.0  # clock.monotonic() when it went to its worker
+    handed_back: int = 0  # times the scheduler sent it back to this gateway's share
 
 
 class Dispatcher:
@@ -314,10 +316,18 @@ class Dispatcher:
         if pending is None:
             return
         if reject.use_share:  # sent before this gateway got the model's whole share
-            if not pending.worker_id and pending.call.request_id not in self._local:
+            if pending.worker_id or pending.call.request_id in self._local:
+                return
+            pending.handed_back += 1
+            if pending.handed_back <= _MAX_HAND_BACKS:
                 self._requeue_on_share(pending)
-            return
-        self._finish(pending, self._failed(pending.call, error_for_code(reject.error_code, reject.message)))
+                return
+            # The scheduler counts a share here this gateway does not hold: answer, not loop.
+            message = f"the scheduler and this gateway disagree on the slots of {pending.call.model_id!r}"
+            log.error("call %s: %s", reject.request_id, message)
+        else:
+            message = reject.message
+        self._finish(pending, self._failed(pending.call, error_for_code(reject.error_code, message)))
         self._release_credit(pending)
 
     def on_credit(self, credit: scheduler_pb2.Credit) -> None:

@@ -138,7 +138,7 @@ class HeldCredits:
             credit = idle.pop(0)
             if self._usable(credit, connected, session):
                 return credit
-            self._credits.pop(credit.credit_id, None)
+            self.forget(credit)
         return None
 
     def busy(self, model_id: str, *, connected: bool, session: int) -> list[HeldCredit]:
@@ -151,7 +151,7 @@ class HeldCredits:
 
     def idle_again(self, credit: HeldCredit) -> bool:
         """The credit's call ended and it is still held: idle again; False if it is gone."""
-        if credit.credit_id not in self._credits:
+        if self._credits.get(credit.credit_id) is not credit:
             return False
         self._idle[credit.model_id].append(credit)
         return True
@@ -167,8 +167,12 @@ class HeldCredits:
         return credit
 
     def forget(self, credit: HeldCredit) -> bool:
-        """Stop holding it; True if it was held (so it is to be returned)."""
-        return self._credits.pop(credit.credit_id, None) is not None
+        """Stop holding it; True if it was held (so it is to be returned). A scheduler that took
+        over numbers its credits afresh: one lent under an earlier session's id is another credit."""
+        if self._credits.get(credit.credit_id) is not credit:
+            return False
+        del self._credits[credit.credit_id]
+        return True
 
     def live(self, model_id: str, *, connected: bool, session: int) -> bool:
         """A credit for the model is held, not revoked, and usable (see `take_idle`)."""
