@@ -54,6 +54,9 @@ class FakeLeaseClient:
     def held(self) -> set[str]:
         return {str(a["lease_id"]) for a in self.acquired} - set(self.released)
 
+    async def wait_ready(self, timeout_s: float) -> bool:
+        return True
+
     async def acquire(
         self,
         *,

@@ -99,12 +99,12 @@ async def fake_scheduler(address: str = "127.0.0.1:0") -> AsyncIterator[tuple[Fa
         await server.stop(0)
 
 
-def broker_settings(redis_url: str, *, total_mb: int) -> Settings:
-    """The real gpu-broker on 127.0.0.1:0 over `redis_url`, its own key prefix, one GPU declared."""
+def broker_settings(redis_url: str, *, total_mb: int, port: int = 0) -> Settings:
+    """The real gpu-broker on 127.0.0.1:`port` over `redis_url`, its own key prefix, one GPU declared."""
     return Settings(
         redis_url=redis_url,
         gpu_broker=GpuBrokerSettings(
-            listen="127.0.0.1:0",
+            listen=f"127.0.0.1:{port}",
             key_prefix=f"model-pool-test-{uuid.uuid4().hex[:12]}",
             use_nvml=False,
             reserve_mb=0,
@@ -122,14 +122,14 @@ BrokerAt = Callable[
 @pytest.fixture
 def real_broker(redis_url: str) -> BrokerAt:
     """`async with real_broker(total_mb=1_000) as (address, stub)`: the real gpu-broker
-    (services/gpu-broker) on 127.0.0.1:0 over the session's Redis, one GPU declared."""
+    (services/gpu-broker) on 127.0.0.1:0 (or `port=`) over the session's Redis, one GPU declared."""
     server_module = pytest.importorskip("loadmaster.gpu_broker.server")
 
     @contextlib.asynccontextmanager
     async def start(
-        *, total_mb: int = 1_000
+        *, total_mb: int = 1_000, port: int = 0
     ) -> AsyncIterator[tuple[str, gpu_broker_pb2_grpc.GpuBrokerServiceStub]]:
-        settings = broker_settings(redis_url, total_mb=total_mb)
+        settings = broker_settings(redis_url, total_mb=total_mb, port=port)
         server = await server_module.build(settings)
         port = await server.start()
         address = f"127.0.0.1:{port}"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from loadmaster.common.errors import UnavailableError
+from loadmaster.common.ports import free_port
 from loadmaster.model_pool.slots import ModelState
 from loadmaster.v1 import errors_pb2, gpu_broker_pb2
 
@@ -80,3 +81,29 @@ async def test_unreachable_broker_fails_loads_unavailable(example_repo: Path, st
             await worker.pool.load("double")
         status = worker.pool.status("double")
         assert status.state is ModelState.IDLE and "unreachable" in status.error
+
+
+async def test_a_worker_up_before_its_broker_preloads_once_the_broker_serves(
+    real_broker: BrokerAt, example_repo: Path, start_worker: Any
+) -> None:
+    """`loadmaster up` starts every service at once: a worker may ask for its first lease before
+    the broker listens. It waits for the broker (bounded) instead of failing its preload (seen in
+    CI on a loaded machine: refused by 49 ms)."""
+    port = free_port()
+    done = asyncio.Event()
+
+    async def broker_later() -> None:
+        await asyncio.sleep(1.0)
+        async with real_broker(port=port):
+            await done.wait()
+
+    later = asyncio.create_task(broker_later())
+    try:
+        async with start_worker(
+            example_repo, preload=["policy"], broker_address=f"127.0.0.1:{port}"
+        ) as worker:
+            status = worker.pool.status("policy")
+            assert status.state is ModelState.READY, status.error
+    finally:
+        done.set()
+        await later

@@ -145,6 +145,9 @@ class LeaseClient(Protocol):
     async def free_mb(self) -> dict[int, int]:
         """The broker's free MB per GPU of this client's node."""
 
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until the broker can be reached; False if it could not."""
+
     async def close(self) -> None: ...
 
 
@@ -214,6 +217,17 @@ class AsyncLeaseClient:
             self._channel = aio_channel(self._address, options=[*LIVENESS.grpc_options(), *retries])
             self._stub = gpu_broker_pb2_grpc.GpuBrokerServiceStub(self._channel)
         return self._stub
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until the broker can be reached; False if it could not. A
+        holder started beside its broker waits here rather than fail its first Acquire."""
+        self._broker()
+        assert self._channel is not None
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def _unreachable(self, error: grpc.aio.AioRpcError) -> UnavailableError:
         return UnavailableError(

@@ -39,6 +39,7 @@ __all__ = ["ModelPoolServer", "advertised_grpc_endpoint", "build"]
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", "*", ""}
+PRELOAD_BROKER_WAIT_S = 30.0  # how long preloading waits for the gpu-broker to be reachable
 
 
 def advertised_grpc_endpoint(
@@ -177,6 +178,10 @@ class ModelPoolServer(GrpcServer):
         await self._preload(pool_settings.preload)
 
     async def _preload(self, model_ids: list[str]) -> None:
+        """Load `model_ids`, once the gpu-broker can be reached: started beside it (`loadmaster
+        up` starts every service at once), this worker may be up first."""
+        if model_ids and not await self.lease_client.wait_ready(PRELOAD_BROKER_WAIT_S):
+            log.warning("gpu-broker not reachable after %.0f s; preloading anyway", PRELOAD_BROKER_WAIT_S)
         results = await asyncio.gather(*(self.pool.load(m) for m in model_ids), return_exceptions=True)
         for model_id, result in zip(model_ids, results, strict=True):
             if isinstance(result, BaseException):
