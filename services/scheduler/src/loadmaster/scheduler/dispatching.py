@@ -92,7 +92,9 @@ class GrantDispatcher:
                 self._dispatch_model(model_id, now)
         for model_id in models:
             self._maybe_load(model_id)
-            if not self.queues.depth(model_id) and (spec := self._lendable(model_id)) is not None:
+            if (spec := self._lendable(model_id)) is None:
+                self._credits.revoke_model(model_id)  # none out but after a worker joined past the cap
+            elif not self.queues.depth(model_id):
                 self._credits.lend(
                     model_id,
                     now,
@@ -113,18 +115,15 @@ class GrantDispatcher:
     def _lendable(self, model_id: str) -> LocalQueueSpec | None:
         """The spec the model's credits carry, or None when it is not lent: credits are off
         (`dispatch_credits` 0), its strategy or `latest_only` needs the central queue, or it has
-        more slots than `dispatch_credits` (credits out for it then are taken back: a worker
-        joined). Every slot of a lent model is lent, so no gateway's queued call waits while a
-        slot nobody holds stays idle."""
+        more slots than `dispatch_credits`. Every slot of a lent model is lent, so no gateway's
+        queued call waits while a slot nobody holds stays idle."""
         policy = self._config.policy(model_id)
         if not policy.dispatch_credits:
             return None
-        spec = local_queue_spec(self.queues.ordering, policy, self._config)
         slots = len(self._registry.grant_candidates(model_id)) * self._config.max_inflight(model_id)
-        if spec is not None and slots > policy.dispatch_credits:
-            self._credits.revoke_model(model_id)
+        if slots > policy.dispatch_credits:
             return None
-        return spec
+        return local_queue_spec(self.queues.ordering, policy, self._config)
 
     def _may_share(self, model_id: str) -> bool:
         """Requests waiting here for the model may go to gateways' local queues: its slots are
